@@ -1,0 +1,145 @@
+"""``specmeta check``: every kernel against its reference on fresh random workloads.
+
+Each check draws inputs from the workload vocabulary (:mod:`specmeta.workloads`), runs the
+kernel and its pure-torch reference on the same device, and compares integers exactly. A check
+is a function ``(device, generator) -> CheckResult`` registered with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .config import draft_decode_kv_indices_need, uses_layout_b
+from .kernels.draft_cache_locs import (
+    assign_draft_cache_locs,
+    assign_draft_cache_locs_ref,
+    prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs_ref,
+)
+from .kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .status import new_status
+from .workloads import SHAPES, Batch, make_batch
+
+__all__ = ["CheckResult", "CHECKS", "register", "run_checks"]
+
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    cases: int = 0
+    mismatches: int = 0
+    status_bits: int = 0
+    seconds: float = 0.0
+    first_failure: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatches == 0 and self.status_bits == 0
+
+    def compare(self, what: str, got: torch.Tensor, want: torch.Tensor, context: str) -> None:
+        self.cases += 1
+        if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+            self.mismatches += 1
+            if not self.first_failure:
+                self.first_failure = f"{what} differs [{context}]"
+
+
+CHECKS: dict[str, Callable[[torch.device, torch.Generator], CheckResult]] = {}
+
+
+def register(name: str):
+    def wrap(fn):
+        CHECKS[name] = fn
+        return fn
+
+    return wrap
+
+
+# (K, S, ps) configurations every check sweeps: chains, trees, and both slot layouts.
+CONFIGS = ((1, 3, 1), (4, 3, 1), (2, 4, 4), (8, 2, 16), (3, 5, 64))
+
+
+def batches(device: torch.device, g: torch.Generator, extra_tokens: int = 0) -> Iterator[Batch]:
+    """One batch per (config, workload shape); rows sized for the prefix plus the drafts."""
+    for k, s, ps in CONFIGS:
+        row_width = -(-(40 + k * (s + ps) + extra_tokens + 2 * ps) // ps) * ps
+        for shape in SHAPES:
+            yield make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width,
+                             generator=g, device=device, extra_tokens=extra_tokens)  # fmt: skip
+
+
+def _args(b: Batch):
+    return (b.req_pool_indices, b.req_to_token, b.seq_lens)
+
+
+@register("assign_draft_cache_locs")
+def _check_assign(device: torch.device, g: torch.Generator) -> CheckResult:
+    res = CheckResult("assign_draft_cache_locs")
+    status = new_status(device)
+    for b in batches(device, g):
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+        n = b.batch_size * b.topk
+        pos, ref_pos = (torch.full((n,), -1, dtype=torch.int64, device=device) for _ in range(2))
+        got = assign_draft_cache_locs(*_args(b), positions=pos, status=status, **kw)
+        want = assign_draft_cache_locs_ref(*_args(b), positions=ref_pos, **kw)
+        res.compare("out_cache_loc", got, want, b.describe())
+        res.compare("positions", pos, ref_pos, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("prefix_tail_copy_pairs")
+def _check_pairs(device: torch.device, g: torch.Generator) -> CheckResult:
+    res = CheckResult("prefix_tail_copy_pairs")
+    status = new_status(device)
+    for b in batches(device, g):
+        if not uses_layout_b(b.topk, b.page_size):
+            continue
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+        got = prefix_tail_copy_pairs(*_args(b), status=status, **kw)
+        want = prefix_tail_copy_pairs_ref(*_args(b), **kw)
+        res.compare("tgt", got[0], want[0], b.describe())
+        res.compare("src", got[1], want[1], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("draft_decode_kv_indices")
+def _check_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
+    res = CheckResult("draft_decode_kv_indices")
+    status = new_status(device)
+    for b in batches(device, g):
+        rows = b.num_steps
+        need = draft_decode_kv_indices_need(b.seq_lens_sum, b.batch_size, b.topk, rows)
+        kw = dict(
+            topk=b.topk, num_steps=b.num_steps, page_size=b.page_size, seq_lens_sum=b.seq_lens_sum
+        )
+        idx = torch.full((rows, need), -1, dtype=torch.int32, device=device)
+        ref_idx = idx.clone()
+        _, ptr = draft_decode_kv_indices(*_args(b), kv_indices=idx, status=status, **kw)
+        _, ref_ptr = draft_decode_kv_indices_ref(*_args(b), kv_indices=ref_idx, **kw)
+        res.compare("kv_indptr", ptr, ref_ptr, b.describe())
+        for s in range(rows):
+            used = draft_decode_kv_indices_need(b.seq_lens_sum, b.batch_size, b.topk, s + 1)
+            res.compare(f"kv_indices[{s}]", idx[s, :used], ref_idx[s, :used], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+def run_checks(device: torch.device, seed: int, names: list[str] | None = None,
+               on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:  # fmt: skip
+    """Run the named checks (default: all) with one generator seeded by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    results = []
+    for name in names or list(CHECKS):
+        start = time.perf_counter()
+        res = CHECKS[name](device, g)
+        res.seconds = time.perf_counter() - start
+        results.append(res)
+        if on_result is not None:
+            on_result(res)
+    return results

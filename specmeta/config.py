@@ -1,0 +1,208 @@
+"""SpecConfig and the capacity plan: the only place a buffer size is computed (SPEC §5).
+
+Every persistent buffer of every kernel, backend and mode is sized here, from one
+:class:`SpecConfig`, and both the eager path and the CUDA-graph path allocate from
+:func:`plan_buffers`. The reference engine once sized the draft ``kv_indices`` without the
+``topk`` factor in its graph path only; with one plan there is no second formula to get wrong.
+
+The ``*_need`` functions give what one batch needs of a buffer, for the launchers' capacity
+checks before launch; they use the same formulas as the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = [
+    "SpecConfig",
+    "BufferSpec",
+    "plan_buffers",
+    "allocate_buffers",
+    "uses_layout_b",
+    "draft_pages_per_branch",
+    "draft_row_need",
+    "draft_decode_kv_indices_need",
+]
+
+
+def uses_layout_b(topk: int, page_size: int) -> bool:
+    """Slot layout B (page-aligned branch regions) applies when ``ps > 1`` and ``K > 1`` (SPEC §1)."""
+    return page_size > 1 and topk > 1
+
+
+def draft_pages_per_branch(prefix_len: int, num_steps: int, page_size: int) -> int:
+    """``nnp = ceil((L mod ps + S) / ps)``: pages of one branch's region in layout B."""
+    return -(-((prefix_len % page_size) + num_steps) // page_size)
+
+
+def draft_row_need(prefix_len: int, topk: int, num_steps: int, page_size: int) -> int:
+    """Row positions one request needs during draft decode: ``L + K·S`` (A) or ``base + K·nnp·ps`` (B)."""
+    if not uses_layout_b(topk, page_size):
+        return prefix_len + topk * num_steps
+    lpl = prefix_len % page_size
+    nnp = draft_pages_per_branch(prefix_len, num_steps, page_size)
+    return prefix_len - lpl + topk * nnp * page_size
+
+
+def draft_decode_kv_indices_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int) -> int:
+    """Entries of one ``kv_indices`` row for the last step: ``K·ΣL + B·K·rows`` (SPEC §2.2)."""
+    return topk * seq_lens_sum + batch * topk * num_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """A speculative-decoding configuration; rejects invalid values on construction.
+
+    Attributes
+    ----------
+    topk : int
+        ``K`` ≥ 1, branches per request during draft decode.
+    num_steps : int
+        ``S`` ≥ 1, draft steps.
+    num_draft_tokens : int
+        ``N`` ≥ 1, verify-window width (tree nodes, root included); ``N − 1 ≤ K + (S−1)·K²``.
+    page_size : int
+        ``ps`` ≥ 1, tokens per KV page.
+    max_bs : int
+        Largest batch (the largest CUDA-graph bucket).
+    max_context_len : int
+        Largest committed prefix ``L_b`` of any request. Draft and verify slots come on top.
+    req_to_token_width : int, optional
+        ``W_row``. Defaults to the smallest width that holds a request of ``max_context_len``
+        plus its draft region (either layout) or its verify window; a smaller value is rejected.
+    pool_size : int, optional
+        ``P``, KV slots in the pool, a multiple of ``page_size``; page 0 is the reserved sink.
+        Defaults to ``(max_bs · W_row + page_size)`` rounded up to a page.
+    """
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    page_size: int = 1
+    max_bs: int = 1
+    max_context_len: int = 1
+    req_to_token_width: int | None = None
+    pool_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "topk",
+            "num_steps",
+            "num_draft_tokens",
+            "page_size",
+            "max_bs",
+            "max_context_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SpecConfig.{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"SpecConfig.{name} must be >= 1, got {value}")
+        k, s, n = self.topk, self.num_steps, self.num_draft_tokens
+        if n - 1 > k + (s - 1) * k * k:
+            raise ValueError(
+                f"SpecConfig: num_draft_tokens={n} is too large for topk={k}, num_steps={s}: a draft "
+                f"tree has at most 1 + K + (S-1)·K² = {1 + k + (s - 1) * k * k} nodes"
+            )
+        need_w = self.row_width_need
+        if self.req_to_token_width is None:
+            object.__setattr__(self, "req_to_token_width", need_w)
+        elif self.req_to_token_width < need_w:
+            raise ValueError(
+                f"SpecConfig.req_to_token_width={self.req_to_token_width} is too small: a request of "
+                f"max_context_len={self.max_context_len} needs {need_w} row positions with "
+                f"topk={k}, num_steps={s}, num_draft_tokens={n}, page_size={self.page_size}"
+            )
+        ps = self.page_size
+        if self.pool_size is None:
+            slots = self.max_bs * self.req_to_token_width + ps
+            object.__setattr__(self, "pool_size", -(-slots // ps) * ps)
+        elif self.pool_size < ps or self.pool_size % ps:
+            raise ValueError(
+                f"SpecConfig.pool_size={self.pool_size} must be a positive multiple of "
+                f"page_size={ps} (page 0 is the reserved sink)"
+            )
+
+    @property
+    def layout_b(self) -> bool:
+        """Whether draft slots use page-aligned branch regions (SPEC §1, layout B)."""
+        return uses_layout_b(self.topk, self.page_size)
+
+    @property
+    def row_width_need(self) -> int:
+        """Row positions a request of ``max_context_len`` needs, worst case over its last page."""
+        ps, top = self.page_size, self.max_context_len
+        draft = max(
+            draft_row_need(length, self.topk, self.num_steps, ps)
+            for length in range(max(0, top - 2 * ps), top + 1)
+        )
+        return max(draft, top + self.num_draft_tokens)
+
+    @property
+    def max_pages_per_request(self) -> int:
+        """Pages a full ``req_to_token`` row covers."""
+        return math.ceil(self.req_to_token_width / self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """Shape and dtype of one persistent buffer, with what it holds."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    doc: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, device: torch.device | str, fill: int = 0) -> torch.Tensor:
+        """A new tensor of this shape and dtype on ``device``, filled with ``fill``."""
+        return torch.full(self.shape, fill, dtype=self.dtype, device=device)
+
+
+def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
+    """Every persistent buffer's shape and dtype, keyed ``"<mode>.<field>"``.
+
+    Sizes are for ``cfg.max_bs`` requests of at most ``cfg.max_context_len`` committed tokens.
+    """
+    k, s, ps, bs = cfg.topk, cfg.num_steps, cfg.page_size, cfg.max_bs
+    ctx = cfg.max_context_len
+    plan: dict[str, BufferSpec] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype, doc: str) -> None:
+        plan[name] = BufferSpec(tuple(int(x) for x in shape), dtype, doc)
+
+    add("status", (1,), torch.int32, "status word (specmeta.Status bits)")
+    # Draft slots (SPEC §1, §2.1).
+    add("draft.out_cache_loc", (bs * k * s,), torch.int64, "[B, K, S] draft KV slots")
+    add("draft.positions", (bs * k,), torch.int64, "[B*K] position of each branch's first token")
+    tail_pairs = bs * (k - 1) * (ps - 1) if cfg.layout_b else 0
+    add("draft.prefix_tail_tgt", (tail_pairs,), torch.int64, "layout-B prefix-tail copy targets")
+    add("draft.prefix_tail_src", (tail_pairs,), torch.int64, "layout-B prefix-tail copy sources")
+    # Draft-decode CSR lists for page-size-1 consumers (SPEC §2.2): every step row holds K copies
+    # of every prefix (the topk factor the reference engine's graph path forgot) plus the chains.
+    add(
+        "draft_decode.kv_indices",
+        (s, draft_decode_kv_indices_need(bs * ctx, bs, k, s)),
+        torch.int32,
+        "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step",
+    )
+    add("draft_decode.kv_indptr", (s, bs * k + 1), torch.int32, "[S, B*K+1] CSR offsets")
+    return plan
+
+
+def allocate_buffers(
+    cfg: SpecConfig, device: torch.device | str, names: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Allocate (zero-filled) the planned buffers ``names`` (default: all) on ``device``."""
+    plan = plan_buffers(cfg)
+    chosen = plan if names is None else {n: plan[n] for n in names}
+    return {name: spec.allocate(device) for name, spec in chosen.items()}

@@ -1,0 +1,456 @@
+"""Draft KV slots and layout-B prefix-tail copy pairs (SPEC §1, §2.1).
+
+Branch ``t`` of request ``b`` writes its step-``j`` token at row position ``p(b, t, j)``:
+
+* layout A (``ps == 1`` or ``K == 1``): ``p = L_b + t·S + j``;
+* layout B (``ps > 1`` and ``K > 1``): ``p = base_b + t·nnp_b·ps + lpl_b + j``, every branch
+  owning a page-aligned region of ``nnp_b`` pages whose first ``lpl_b`` slots (for ``t ≥ 1``)
+  must hold a copy of the prefix tail.
+
+``out_cache_loc[(b·K + t)·S + j] = row_b[p(b, t, j)]``. The position rule lives in one
+``@triton.jit`` helper, :func:`draft_slot_position`, shared with the kv_indices kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import uses_layout_b
+from ..status import Status
+
+__all__ = [
+    "assign_draft_cache_locs",
+    "assign_draft_cache_locs_ref",
+    "prefix_tail_copy_pairs",
+    "prefix_tail_copy_pairs_ref",
+    "draft_positions_ref",
+]
+
+_ROW_OOB = int(Status.ROW_OOB)
+_POS_OOB = int(Status.POS_OOB)
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers shared by the kernels that read draft slots.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def draft_slot_position(L, t, j, page_size, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr):
+    """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (SPEC §1)."""
+    if LAYOUT_B:
+        lpl = L % page_size
+        nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+        return L - lpl + t * nnp * page_size + lpl + j
+    else:
+        return L + t * NUM_STEPS + j
+
+
+@triton.jit
+def load_request(req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row):
+    """``(row_base, L, row_ok, L_ok)`` of request ``b``: the int64 offset of its req_to_token
+    row, its prefix length clamped to ≥ 0, and whether each was in range. ``b ≥ B`` gives an
+    empty request (L = 0) that is reported as fine."""
+    valid = b < B
+    rp = tl.load(req_pool_indices_ptr + b, mask=valid, other=0).to(tl.int64)
+    L = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
+    row_ok = (rp >= 0) & (rp < R)
+    L_ok = L >= 0
+    L = tl.maximum(L, 0)
+    # row * stride: R·W_row can pass 2**31, so the product is taken in 64 bits.
+    row_base = tl.where(row_ok, rp, 0) * stride_row
+    return row_base, L, row_ok | (b >= B), L_ok
+
+
+# --------------------------------------------------------------------------------------------
+# assign_draft_cache_locs
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size"])
+def _assign_draft_cache_locs_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    out_cache_loc_ptr,  # [B*K*S] int32|int64
+    positions_ptr,  # [B*K] int32|int64 (unused unless WRITE_POSITIONS)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    LAYOUT_B: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two ≥ K*S
+    WRITE_POSITIONS: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """One program per request; the ``K·S`` slots of the request are one vector."""
+    b = tl.program_id(0).to(tl.int64)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+
+    e = tl.arange(0, BLOCK)
+    live = e < TOPK * NUM_STEPS
+    t = e // NUM_STEPS
+    j = e % NUM_STEPS
+    p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
+    in_row = p < W_row
+    # A scalar condition joins a vector mask through tl.where: Triton 3.9's interpreter mistypes
+    # a splatted scalar comparison in `vector & scalar`.
+    slot = tl.load(
+        req_to_token_ptr + row_base + p, mask=tl.where(row_ok, live & in_row, False), other=0
+    )
+    tl.store(out_cache_loc_ptr + b * (TOPK * NUM_STEPS) + e, slot, mask=live)
+
+    if WRITE_POSITIONS:
+        k = tl.arange(0, BLOCK)
+        tl.store(positions_ptr + b * TOPK + k, tl.zeros_like(k).to(tl.int64) + L, mask=k < TOPK)
+
+    if HAS_STATUS:
+        pos_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
+        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _check_batch(req_pool_indices, req_to_token, seq_lens):
+    validate.tensor("req_to_token", req_to_token, ndim=2)
+    device = req_to_token.device
+    validate.tensor("req_pool_indices", req_pool_indices, ndim=1, device=device)
+    validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
+    validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
+    return req_pool_indices.shape[0], device
+
+
+def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
+    validate.tensor(name, buf, dtypes=dtypes, ndim=1, device=device)
+    validate.at_least(name, buf.shape[0], need)
+    return buf
+
+
+def assign_draft_cache_locs(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    out_cache_loc: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fill ``out_cache_loc`` with the draft KV slot of every (request, branch, step).
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64, the ``req_to_token`` row of each request.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64, row → position → KV slot; row 0 reserved.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix length ``L_b``.
+    topk, num_steps, page_size : int
+        ``K``, ``S`` and ``ps``; the slot layout follows from ``K`` and ``ps`` (SPEC §1).
+    out_cache_loc : torch.Tensor, optional
+        ``[≥ B·K·S]`` int32 or int64; ``[:B·K·S]`` is written, laid out ``[B, K, S]``.
+        Allocated as int64 when omitted.
+    positions : torch.Tensor, optional
+        ``[≥ B·K]`` int32 or int64; when given, ``positions[b·K + t] = L_b``.
+    status : torch.Tensor, optional
+        ``int32 [1]``; ``ROW_OOB`` / ``POS_OOB`` are ORed in when a gather was masked (the slot
+        reads 0, the sink).
+
+    Returns
+    -------
+    torch.Tensor
+        ``out_cache_loc`` (the whole buffer that was passed, or a new ``[B·K·S]`` int64 tensor).
+
+    Examples
+    --------
+    ``seq_lens=[3, 1]``, ``K=2``, ``S=2``, ``ps=1`` → positions
+    ``[[3, 4], [5, 6]]`` for request 0 and ``[[1, 2], [3, 4]]`` for request 1, each looked up
+    in that request's row.
+
+    One program per request; no host sync; ``B`` and every length are runtime arguments.
+    """
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    n = B * topk * num_steps
+    if out_cache_loc is None:
+        out_cache_loc = torch.empty(n, dtype=torch.int64, device=device)
+    _check_out("out_cache_loc", out_cache_loc, n, device)
+    if positions is not None:
+        _check_out("positions", positions, B * topk, device)
+    validate.status(status, device)
+    if B == 0:
+        return out_cache_loc
+    _assign_draft_cache_locs_kernel[(B,)](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        out_cache_loc,
+        positions if positions is not None else out_cache_loc,
+        status if status is not None else out_cache_loc,
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        LAYOUT_B=uses_layout_b(topk, page_size),
+        BLOCK=triton.next_power_of_2(topk * num_steps),
+        WRITE_POSITIONS=positions is not None,
+        HAS_STATUS=status is not None,
+    )
+    return out_cache_loc
+
+
+# --------------------------------------------------------------------------------------------
+# prefix_tail_copy_pairs
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size"])
+def _prefix_tail_copy_pairs_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    tgt_ptr,  # [B*(K-1)*(ps-1)] int32|int64
+    src_ptr,  # [B*(K-1)*(ps-1)] int32|int64
+    status_ptr,  # [1] int32
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two ≥ (K-1)*(ps-1)
+    HAS_STATUS: tl.constexpr,
+):
+    """One program per request; its ``(K−1)·(ps−1)`` pairs are one vector, unused ones (0, 0)."""
+    b = tl.program_id(0).to(tl.int64)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+    lpl = L % page_size
+    base = L - lpl
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+
+    width = (TOPK - 1) * (page_size - 1)
+    e = tl.arange(0, BLOCK)
+    live = e < width
+    t = 1 + e // (page_size - 1)
+    u = e % (page_size - 1)
+    used = live & (u < lpl)
+    src_pos = base + u
+    tgt_pos = base + t * nnp * page_size + u
+    ok = tl.where(row_ok, used & (tgt_pos < W_row), False)  # src_pos < L ≤ tgt_pos
+    src = tl.load(req_to_token_ptr + row_base + src_pos, mask=ok, other=0)
+    tgt = tl.load(req_to_token_ptr + row_base + tgt_pos, mask=ok, other=0)
+    tl.store(src_ptr + b * width + e, src, mask=live)
+    tl.store(tgt_ptr + b * width + e, tgt, mask=live)
+
+    if HAS_STATUS:
+        pos_bad = tl.max((used & (tgt_pos >= W_row)).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
+        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def prefix_tail_copy_pairs(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    tgt: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot pairs that copy each request's prefix tail into branches ``1 … K−1`` (layout B).
+
+    Pair ``q = (b·(K−1) + t−1)·(ps−1) + u`` is ``src = row_b[base_b + u]``,
+    ``tgt = row_b[base_b + t·nnp_b·ps + u]`` for ``u < lpl_b``, and ``(0, 0)`` (a self-move of
+    the sink) otherwise. The list has a fixed length ``B·(K−1)·(ps−1)``, so it needs no host
+    sync; feed it to ``move_kv_cache``. Outside layout B it is empty.
+
+    Parameters
+    ----------
+    req_pool_indices, req_to_token, seq_lens : torch.Tensor
+        As in :func:`assign_draft_cache_locs`.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps``.
+    tgt, src : torch.Tensor, optional
+        ``[≥ B·(K−1)·(ps−1)]`` int32 or int64 each; allocated as int64 when omitted.
+    status : torch.Tensor, optional
+        ``int32 [1]``; ``ROW_OOB`` / ``POS_OOB`` when a gather was masked (the pair reads (0, 0)).
+
+    Returns
+    -------
+    (tgt, src) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``seq_lens=[5]``, ``K=2``, ``S=2``, ``ps=4`` → ``lpl=1``, ``nnp=1``: one used pair
+    ``src=row[4]``, ``tgt=row[8]``, then two ``(0, 0)`` pairs.
+    """
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
+    n = B * width
+    if tgt is None:
+        tgt = torch.empty(n, dtype=torch.int64, device=device)
+    if src is None:
+        src = torch.empty(n, dtype=torch.int64, device=device)
+    _check_out("tgt", tgt, n, device)
+    _check_out("src", src, n, device)
+    validate.status(status, device)
+    if n == 0:
+        return tgt, src
+    _prefix_tail_copy_pairs_kernel[(B,)](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        tgt,
+        src,
+        status if status is not None else tgt,
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        BLOCK=triton.next_power_of_2(width),
+        HAS_STATUS=status is not None,
+    )
+    return tgt, src
+
+
+# --------------------------------------------------------------------------------------------
+# References (plain torch; they may sync)
+# --------------------------------------------------------------------------------------------
+def draft_positions_ref(
+    seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int
+) -> torch.Tensor:
+    """``[B, K, S]`` int64 row positions ``p(b, t, j)`` of SPEC §1 (negative lengths read as 0)."""
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    t = torch.arange(topk, device=seq_lens.device).view(1, -1, 1)
+    j = torch.arange(num_steps, device=seq_lens.device).view(1, 1, -1)
+    if not uses_layout_b(topk, page_size):
+        return L + t * num_steps + j
+    lpl = L % page_size
+    nnp = (lpl + num_steps + page_size - 1) // page_size
+    return L - lpl + t * nnp * page_size + lpl + j
+
+
+def gather_rows_ref(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """``row_b[positions[b, ...]]`` with the kernels' masking: 0 where the row or the position is
+    out of range. Returns the values and the status bits the kernels would set."""
+    R, W = req_to_token.shape
+    rows = req_pool_indices.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
+    row_ok = (rows >= 0) & (rows < R)
+    pos_ok = (positions >= 0) & (positions < W)
+    ok = row_ok & pos_ok
+    safe_rows = torch.where(ok, rows, 0).expand_as(positions)
+    safe_pos = torch.where(ok, positions, 0)
+    vals = torch.where(ok, req_to_token[safe_rows, safe_pos], 0)
+    bits = 0
+    if not bool(row_ok.all()):
+        bits |= _ROW_OOB
+    if not bool(pos_ok.all()):
+        bits |= _POS_OOB
+    return vals, bits
+
+
+def _or_status(status: torch.Tensor | None, bits: int) -> None:
+    if status is not None and bits:
+        status |= bits
+
+
+def assign_draft_cache_locs_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    out_cache_loc: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-torch :func:`assign_draft_cache_locs`."""
+    B = req_pool_indices.shape[0]
+    n = B * topk * num_steps
+    if out_cache_loc is None:
+        out_cache_loc = torch.empty(n, dtype=torch.int64, device=req_to_token.device)
+    pos = draft_positions_ref(seq_lens, topk, num_steps, page_size)
+    vals, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    if bool((seq_lens < 0).any()):
+        bits |= _POS_OOB
+    out_cache_loc[:n] = vals.reshape(-1).to(out_cache_loc.dtype)
+    if positions is not None:
+        positions[: B * topk] = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
+    _or_status(status, bits)
+    return out_cache_loc
+
+
+def prefix_tail_copy_pairs_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    tgt: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`prefix_tail_copy_pairs`."""
+    device = req_to_token.device
+    B = req_pool_indices.shape[0]
+    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
+    n = B * width
+    if tgt is None:
+        tgt = torch.empty(n, dtype=torch.int64, device=device)
+    if src is None:
+        src = torch.empty(n, dtype=torch.int64, device=device)
+    if n == 0:
+        return tgt, src
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    lpl = L % page_size
+    base = L - lpl
+    nnp = (lpl + num_steps + page_size - 1) // page_size
+    t = torch.arange(1, topk, device=device).view(1, -1, 1)
+    u = torch.arange(page_size - 1, device=device).view(1, 1, -1)
+    used = (u < lpl).expand(B, topk - 1, page_size - 1)
+    src_pos = (base + u).expand_as(used)
+    tgt_pos = base + t * nnp * page_size + u
+    W = req_to_token.shape[1]
+    in_row = tgt_pos < W
+    src_vals, bits_s = gather_rows_ref(
+        req_to_token, req_pool_indices, torch.where(used, src_pos, 0)
+    )
+    tgt_vals, bits_t = gather_rows_ref(
+        req_to_token, req_pool_indices, torch.where(used & in_row, tgt_pos, 0)
+    )
+    keep = used & in_row
+    bits = (bits_s | bits_t) & _ROW_OOB
+    if bool((used & ~in_row).any()) or bool((seq_lens < 0).any()):
+        bits |= _POS_OOB
+    src[:n] = torch.where(keep, src_vals, 0).reshape(-1).to(src.dtype)
+    tgt[:n] = torch.where(keep, tgt_vals, 0).reshape(-1).to(tgt.dtype)
+    _or_status(status, bits)
+    return tgt, src

@@ -1,0 +1,362 @@
+"""Draft-decode CSR kv_indices / kv_indptr for page-size-1 consumers, all steps in one launch
+(SPEC §2.2).
+
+For step row ``s`` (``it = s + 1``) and branch ``z = b·K + t``::
+
+    kv_indptr[s, z] = K·Σ_{b'<b} L_b' + t·L_b + z·it            for z in [0, B·K]
+    kv_indices[s, kv_indptr[s, z] + k]       = row_b[k]           for k < L_b   (the prefix)
+    kv_indices[s, kv_indptr[s, z] + L_b + j] = row_b[p(b, t, j)]  for j < it    (its own chain)
+
+Everything is derived from ``seq_lens``, so padded requests stay self-consistent. Entries of a
+row past ``K·ΣL + B·K·it`` are left untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import draft_decode_kv_indices_need, uses_layout_b
+from ..status import Status
+from .draft_cache_locs import (
+    _check_batch,
+    draft_positions_ref,
+    draft_slot_position,
+    gather_rows_ref,
+    load_request,
+)
+
+__all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref"]
+
+_ROW_OOB = int(Status.ROW_OOB)
+_POS_OOB = int(Status.POS_OOB)
+_OUT_OF_CAPACITY = int(Status.OUT_OF_CAPACITY)
+
+# Prefix entries one program loads per iteration and stores K·rows times. 1024 int32 entries
+# keep 8 elements a thread in flight at 4 warps, enough to saturate the store path.
+_BLOCK = 1024
+# seq_lens entries summed per iteration of a program's exclusive-prefix loop (one vector load
+# covers every batch up to 1024 requests).
+_BLOCK_B = 1024
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "page_size", "num_rows",
+        "W_idx", "stride_idx", "stride_ptr", "chunk_programs",
+    ]
+)  # fmt: skip
+def _draft_decode_kv_indices_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    kv_indices_ptr,  # [≥rows, W_idx] int32|int64, row stride stride_idx
+    kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ptr
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    num_rows,
+    W_idx,
+    stride_idx,
+    stride_ptr,
+    chunk_programs,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    LAYOUT_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_CHAIN: tl.constexpr,  # next power of two ≥ S*K*S
+    BLOCK_PTR: tl.constexpr,  # next power of two ≥ S*K
+    BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies prefix chunks
+    ``c, c + chunk_programs, …`` of request ``b`` into all ``K·rows`` of its lists, loading
+    each chunk once. Program ``(b, 0)`` also writes the chains, ``kv_indptr`` and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+
+    # Exclusive prefix Σ_{b'<b} L_b' as whole-vector loads of seq_lens (one load for B ≤ 1024).
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
+        cum += tl.sum(tl.maximum(prev, 0), axis=0)
+    head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
+
+    # Prefix: each chunk of row_b[0:L] is loaded once and stored K·rows times.
+    k0 = tl.arange(0, BLOCK).to(tl.int64)
+    stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
+    for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
+        k = k0 + chunk * BLOCK
+        m = k < L
+        # Scalar conditions join vector masks through tl.where (see draft_cache_locs).
+        v = tl.load(
+            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
+        )
+        for s in range(0, num_rows):
+            row = kv_indices_ptr + s * stride_idx64
+            for t in tl.static_range(TOPK):
+                dst = head + t * L + (b * TOPK + t) * (s + 1) + k
+                tl.store(row + dst, v, mask=m & (dst < W_idx))
+
+    if c == 0:
+        # Own chains: entry (s, t, j) for j ≤ s < rows.
+        e = tl.arange(0, BLOCK_CHAIN)
+        s = e // (TOPK * NUM_STEPS)
+        t = (e // NUM_STEPS) % TOPK
+        j = e % NUM_STEPS
+        live = tl.where(b < B, (s < num_rows) & (j <= s), False)
+        p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
+        v = tl.load(
+            req_to_token_ptr + row_base + p,
+            mask=tl.where(row_ok, live & (p < W_row), False),
+            other=0,
+        )
+        dst = head + t * L + (b * TOPK + t) * (s + 1) + L + j
+        tl.store(kv_indices_ptr + s.to(tl.int64) * stride_idx + dst, v, mask=live & (dst < W_idx))
+
+        # kv_indptr[s, b·K + t] for t < K.
+        f = tl.arange(0, BLOCK_PTR)
+        s = f // TOPK
+        t = f % TOPK
+        z = b * TOPK + t
+        val = head + t * L + z * (s + 1)
+        tl.store(kv_indptr_ptr + s * stride_ptr + z, val, mask=tl.where(b < B, s < num_rows, False))
+        # The closing entry kv_indptr[s, B·K] = K·ΣL + B·K·it, from the last program (entry 0
+        # when B == 0).
+        last = b == tl.maximum(B, 1) - 1
+        r = tl.arange(0, BLOCK_ROWS)
+        end = head + TOPK * L + B * TOPK * (r + 1)
+        tl.store(
+            kv_indptr_ptr + r * stride_ptr + B * TOPK, end, mask=tl.where(last, r < num_rows, False)
+        )
+
+        if HAS_STATUS:
+            # The lists of the last row end at K·(cum + L) + (b+1)·K·rows; past W_idx stores
+            # were dropped.
+            over = (head + TOPK * L + (b + 1) * TOPK * num_rows > W_idx) & (b < B)
+            chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
+            pos_bad = chain_bad | (L > W_row) | ~L_ok
+            bits = (
+                tl.where(row_ok, 0, _ROW_OOB)
+                | tl.where(pos_bad, _POS_OOB, 0)
+                | tl.where(over, _OUT_OF_CAPACITY, 0)
+            )
+            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device busy: 8 per multiprocessor on CUDA; a handful under the
+    CPU interpreter, where each program costs host time."""
+    if device.type == "cuda":
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _chunk_programs(device: torch.device, batch: int, row_width: int) -> int:
+    """Programs per request: enough for the whole grid to fill the device even when a few
+    long requests carry all the work, never more than a full row has chunks."""
+    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
+    return max(1, min(per_request, triton.cdiv(row_width, _BLOCK)))
+
+
+def _prepare(
+    req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+    kv_indices, kv_indptr, seq_lens_sum, status,
+):  # fmt: skip
+    """Validate and allocate; shared by the kernel launcher and the reference."""
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    if kv_indices is None:
+        # Without a host total, size for full rows: no device read, no sync.
+        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
+        kv_indices = torch.empty((rows, width), dtype=req_to_token.dtype, device=device)
+    if kv_indptr is None:
+        kv_indptr = torch.empty((rows, B * topk + 1), dtype=torch.int32, device=device)
+    validate.tensor("kv_indices", kv_indices, ndim=2, device=device)
+    validate.tensor("kv_indptr", kv_indptr, ndim=2, device=device)
+    validate.at_least("kv_indices", kv_indices.shape[0], rows, "rows")
+    validate.at_least("kv_indptr", kv_indptr.shape[0], rows, "rows")
+    validate.at_least("kv_indptr", kv_indptr.shape[1], B * topk + 1, "columns (B*topk + 1)")
+    if seq_lens_sum is not None:
+        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+        need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
+        validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
+    validate.status(status, device)
+    return topk, num_steps, rows, B, kv_indices, kv_indptr
+
+
+def draft_decode_kv_indices(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    num_rows: int | None = None,
+    kv_indices: torch.Tensor | None = None,
+    kv_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build the per-branch KV lists of every draft step in one launch.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, SPEC §1).
+    num_rows : int, optional
+        Step rows to build, ``0 ≤ rows ≤ S`` (default ``S``; draft decode runs ``S − 1``
+        forwards).
+    kv_indices : torch.Tensor, optional
+        ``[≥ rows, W_idx]`` int32 or int64 (unit stride in the last dimension). Row ``s`` uses
+        ``K·ΣL + B·K·(s+1)`` entries; stores past ``W_idx`` are dropped and reported. Allocated
+        (with ``req_to_token``'s dtype) when omitted, wide enough for full rows.
+    kv_indptr : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K + 1]`` int32 or int64; entries ``[s, 0 … B·K]`` are written, entry 0
+        included.
+    seq_lens_sum : int, optional
+        Host-side ``ΣL``. When given, ``kv_indices`` is checked before launch and a
+        ``ValueError`` names what is needed and what there is.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+
+    Returns
+    -------
+    (kv_indices, kv_indptr) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``seq_lens=[3, 1]``, ``K=2``, one row (``it=1``) → ``kv_indptr=[0, 4, 8, 10, 12]``.
+
+    Grid ``(max(B, 1), chunk_programs)``, ``chunk_programs`` chosen so that few long requests
+    still fill the device; every program computes its request's offset from ``seq_lens`` with
+    vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
+    """
+    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        kv_indices, kv_indptr, seq_lens_sum, status,
+    )  # fmt: skip
+    if rows == 0:
+        return kv_indices, kv_indptr
+    device = req_to_token.device
+    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    _draft_decode_kv_indices_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        kv_indices,
+        kv_indptr,
+        status if status is not None else kv_indptr,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        rows,
+        kv_indices.shape[1],
+        kv_indices.stride(0),
+        kv_indptr.stride(0),
+        grid[1],
+        # code shape
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        LAYOUT_B=uses_layout_b(topk, page_size),
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
+        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
+        BLOCK_ROWS=triton.next_power_of_2(num_steps),
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return kv_indices, kv_indptr
+
+
+def draft_decode_kv_indices_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    num_rows: int | None = None,
+    kv_indices: torch.Tensor | None = None,
+    kv_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
+    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        kv_indices, kv_indptr, seq_lens_sum, status,
+    )  # fmt: skip
+    if rows == 0:
+        return kv_indices, kv_indptr
+    device = req_to_token.device
+    K = topk
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    cum = torch.cumsum(L, 0) - L
+    total = int(L.sum())
+    max_len = int(L.max()) if B else 0
+    W_idx = kv_indices.shape[1]
+
+    k = torch.arange(max_len, device=device)
+    in_prefix = k.view(1, -1) < L.view(-1, 1)  # [B, maxL]
+    prefix, bits = gather_rows_ref(req_to_token, req_pool_indices, torch.where(in_prefix, k, 0))
+    chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
+    chain, chain_bits = gather_rows_ref(req_to_token, req_pool_indices, chain_pos)
+    bits |= chain_bits
+    if bool((L > req_to_token.shape[1]).any()) or bool((seq_lens < 0).any()):
+        bits |= int(Status.POS_OOB)
+
+    z = torch.arange(B * K, device=device)
+    bz, tz = z // K, z % K
+    for s in range(rows):
+        it = s + 1
+        start = K * cum[bz] + tz * L[bz] + z * it  # [B*K]
+        kv_indptr[s, : B * K] = start.to(kv_indptr.dtype)
+        kv_indptr[s, B * K] = K * total + B * K * it
+        # prefix of every branch
+        dst = start.view(-1, 1) + k.view(1, -1)
+        keep = in_prefix[bz] & (dst < W_idx)
+        kv_indices[s][dst[keep]] = prefix[bz][keep].to(kv_indices.dtype)
+        # own chain, j < it
+        j = torch.arange(it, device=device)
+        dst = (start + L[bz]).view(-1, 1) + j.view(1, -1)
+        vals = chain.reshape(B * K, rows)[:, :it]
+        keep = dst < W_idx
+        kv_indices[s][dst[keep]] = vals[keep].to(kv_indices.dtype)
+    if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
+        bits |= _OUT_OF_CAPACITY
+    if status is not None and bits:
+        status |= bits
+    return kv_indices, kv_indptr

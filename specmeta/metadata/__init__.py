@@ -1,0 +1,1 @@
+"""Metadata builders: one module per attention backend, plus the layout they share."""

@@ -1,0 +1,1 @@
+"""CUDA-graph runners and padding policies."""

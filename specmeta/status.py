@@ -1,0 +1,89 @@
+"""The status word: how kernels report what they had to mask (SPEC §2.5).
+
+Every launcher takes an optional ``status`` tensor, ``int32 [1]`` on the launch device. A kernel
+that masked a gather or a store ORs one bit per cause into it; nothing is ever written outside a
+buffer. Reading the word is the only operation in specmeta that synchronises with the device,
+and the caller decides when: :func:`check_status` once per iteration, once per request, or only
+in debug builds.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["Status", "SpecmetaStatusError", "new_status", "check_status", "decode_status"]
+
+
+class Status(enum.IntFlag):
+    """One bit per cause of masking. Values are stable: they are part of the device ABI."""
+
+    OK = 0
+    ROW_OOB = 1
+    """A ``req_pool_indices`` entry outside ``[0, R)``; every gather of that request read 0."""
+    POS_OOB = 2
+    """A token position outside ``[0, W_row)`` (or a negative ``seq_lens``); the gather read 0."""
+    OUT_OF_CAPACITY = 4
+    """A store fell past the extent of its output buffer and was dropped."""
+    POOL_OOB = 8
+    """A KV-cache location outside ``[0, P)``; the move was skipped, nothing dereferenced."""
+    BAD_ACCEPT = 16
+    """An ``accept_index`` entry outside its request's window, or a −1 run that is not a suffix."""
+    BAD_PAGE = 32
+    """A draft slot whose page does not follow the layout (more distinct pages than the layout allows)."""
+
+
+_MESSAGES = {
+    Status.ROW_OOB: "req_pool_indices pointed outside req_to_token's rows (gathers read the sink, 0)",
+    Status.POS_OOB: "a token position fell outside a req_to_token row, or seq_lens was negative "
+    "(gathers read the sink, 0)",
+    Status.OUT_OF_CAPACITY: "an output buffer was too small for the batch (stores past its end were "
+    "dropped); size it with specmeta.plan_buffers",
+    Status.POOL_OOB: "a KV-cache location outside [0, pool size) (the move was skipped)",
+    Status.BAD_ACCEPT: "accept_index had an entry outside its request's verify window or a -1 run "
+    "that was not a suffix (the pair was skipped)",
+    Status.BAD_PAGE: "draft slots spanned more distinct pages than the slot layout allows "
+    "(extra pages were dropped)",
+}
+
+
+class SpecmetaStatusError(RuntimeError):
+    """Raised by :func:`check_status` when a kernel had to mask something."""
+
+    def __init__(self, bits: Status, where: str | None = None):
+        self.bits = bits
+        causes = "; ".join(msg for flag, msg in _MESSAGES.items() if flag in bits)
+        prefix = f"{where}: " if where else ""
+        super().__init__(f"{prefix}specmeta status 0x{int(bits):x}: {causes}")
+
+
+def new_status(device: torch.device | str) -> torch.Tensor:
+    """A zeroed status word, ``int32 [1]`` on ``device``."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def decode_status(value: int) -> Status:
+    """The :class:`Status` flags of a status word's integer value."""
+    return Status(int(value) & sum(int(f) for f in Status))
+
+
+def check_status(status: torch.Tensor, *, where: str | None = None, reset: bool = True) -> None:
+    """Raise :class:`SpecmetaStatusError` if any bit is set. **Synchronises** with the device.
+
+    Parameters
+    ----------
+    status : torch.Tensor
+        ``int32 [1]``, the word passed to the launchers.
+    where : str, optional
+        A label for the message (the caller's step name).
+    reset : bool
+        Zero the word after reading it (default), so the next check sees only new causes.
+    """
+    if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 1:
+        raise TypeError("status must be an int32 tensor with one element (see specmeta.new_status)")
+    value = int(status.item())  # the one deliberate sync of the library
+    if reset and value:
+        status.zero_()
+    if value:
+        raise SpecmetaStatusError(decode_status(value), where)

@@ -1,0 +1,73 @@
+"""Host-side argument checks shared by every launcher (STYLE.md §9).
+
+They read shapes, dtypes, strides and devices only — never device values — so they cost no sync.
+Each raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong device, rank, shape or
+capacity) naming the argument, with what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Sequence[torch.dtype] = INDEX_DTYPES,
+    ndim: int | None = None,
+    device: torch.device | None = None,
+    contiguous_last: bool = True,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of one of ``dtypes``, rank ``ndim``, on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(
+            f"{name} must be {_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}"
+        )
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous_last and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+    return t
+
+
+def length(name: str, t: torch.Tensor, expected: int) -> None:
+    """Check that a rank-1 ``t`` has exactly ``expected`` elements."""
+    if t.shape[0] != expected:
+        raise ValueError(f"{name} must have {expected} elements, got shape {tuple(t.shape)}")
+
+
+def at_least(name: str, have: int, need: int, what: str = "elements") -> None:
+    """Capacity check before launch: ``need`` must not exceed ``have``."""
+    if need > have:
+        raise ValueError(f"{name} is too small: need {need} {what}, have {have}")
+
+
+def positive(name: str, value: object, minimum: int = 1) -> int:
+    """A Python int ≥ ``minimum`` (bools rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def status(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The optional status word: ``int32 [1]`` on the launch device."""
+    if t is None:
+        return None
+    tensor("status", t, dtypes=(torch.int32,), ndim=1, device=device)
+    length("status", t, 1)
+    return t

@@ -1,0 +1,60 @@
+"""Shared fixtures: the device under test and a fresh, reported seed per test.
+
+Kernel tests run on CUDA where it exists and on CPU under TRITON_INTERPRET=1 elsewhere (that is
+CI). ``SPECMETA_TEST_DEVICE=cpu`` forces the CPU tier on a GPU machine. Tests marked ``gpu`` are
+skipped with a reason when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import specmeta  # noqa: F401  (sets TRITON_INTERPRET before any kernel is decorated)
+
+
+def _device_name() -> str:
+    forced = os.environ.get("SPECMETA_TEST_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch.device(_device_name())
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed each run (``SPECMETA_SEED`` pins it); printed with any failure."""
+    value = int(os.environ.get("SPECMETA_SEED", random.SystemRandom().randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "seed":
+                report.sections.append(("seed", f"reproduce with SPECMETA_SEED={value}"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() and os.environ.get("SPECMETA_TEST_DEVICE", "cuda") == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (GPU tier); run it through the device tool")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

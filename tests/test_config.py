@@ -1,0 +1,53 @@
+"""SpecConfig validation and the capacity plan (SPEC §5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, plan_buffers
+from specmeta.config import draft_row_need
+
+
+def test_rejects_invalid_values():
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        SpecConfig(topk=0, num_steps=3, num_draft_tokens=4)
+    with pytest.raises(TypeError, match="num_steps must be an int"):
+        SpecConfig(topk=1, num_steps=2.0, num_draft_tokens=3)
+    # N − 1 ≤ K + (S−1)·K²: K=2, S=2 allows N ≤ 7.
+    SpecConfig(topk=2, num_steps=2, num_draft_tokens=7)
+    with pytest.raises(ValueError, match="num_draft_tokens=8 is too large"):
+        SpecConfig(topk=2, num_steps=2, num_draft_tokens=8)
+    with pytest.raises(ValueError, match="req_to_token_width=100 is too small"):
+        SpecConfig(
+            topk=4, num_steps=3, num_draft_tokens=8, max_context_len=100, req_to_token_width=100
+        )
+    with pytest.raises(ValueError, match="pool_size"):
+        SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, page_size=16, pool_size=100)
+
+
+@pytest.mark.parametrize("k,s,n,ps", [(1, 3, 4, 1), (4, 3, 8, 1), (8, 5, 32, 16), (2, 2, 4, 64)])
+def test_row_width_covers_every_prefix(k, s, n, ps):
+    cfg = SpecConfig(
+        topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=4, max_context_len=300
+    )
+    for length in range(0, 301):
+        assert draft_row_need(length, k, s, ps) <= cfg.req_to_token_width
+        assert length + n <= cfg.req_to_token_width
+
+
+def test_draft_kv_indices_carry_the_topk_factor():
+    """Seed 002: the graph path sized the draft kv_indices without K."""
+    cfg = SpecConfig(topk=8, num_steps=5, num_draft_tokens=16, max_bs=256, max_context_len=32768)
+    spec = plan_buffers(cfg)["draft_decode.kv_indices"]
+    assert spec.shape == (5, 256 * 8 * 32768 + 256 * 8 * 5)
+    assert spec.dtype == torch.int32
+    assert plan_buffers(cfg)["draft_decode.kv_indptr"].shape == (5, 256 * 8 + 1)
+    assert plan_buffers(cfg)["draft.out_cache_loc"].shape == (256 * 8 * 5,)
+
+
+def test_prefix_tail_pairs_only_in_layout_b():
+    a = plan_buffers(SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=1))
+    b = plan_buffers(SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=2))
+    assert a["draft.prefix_tail_tgt"].shape == (0,)
+    assert b["draft.prefix_tail_tgt"].shape == (2 * 3 * 15,)

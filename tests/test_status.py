@@ -1,0 +1,24 @@
+"""The status word and check_status (SPEC §2.5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecmetaStatusError, Status, check_status, new_status
+
+
+def test_clean_word_passes_and_set_bits_raise_with_causes(device):
+    status = new_status(device)
+    check_status(status)
+    status |= int(Status.ROW_OOB | Status.OUT_OF_CAPACITY)
+    with pytest.raises(SpecmetaStatusError, match="req_pool_indices.*too small") as info:
+        check_status(status, where="draft decode")
+    assert info.value.bits == Status.ROW_OOB | Status.OUT_OF_CAPACITY
+    assert "draft decode" in str(info.value)
+    assert int(status) == 0, "check_status resets the word by default"
+
+
+def test_rejects_wrong_kind_of_word():
+    with pytest.raises(TypeError):
+        check_status(torch.zeros(2, dtype=torch.int32))
