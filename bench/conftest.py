@@ -1,0 +1,16 @@
+"""Benchmarks run on CUDA only; everything else skips them with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specmeta  # noqa: F401
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="benchmarks measure a GPU; run them through the device tool")
+    for item in items:
+        item.add_marker(skip)

@@ -1,0 +1,70 @@
+"""How benchmarks measure the device (STYLE.md §14).
+
+Device time is the median over CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so
+launch gaps between Python calls do not count; the ceilings it is compared with — the device's
+copy bandwidth and the launch floor of an empty kernel in a graph — are measured in the same
+run, on the same GPU. Host time of a launcher is pytest-benchmark's own figure.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+def graph_us(fn, *, rep_ms: int = 100) -> float:
+    """Median device µs of one ``fn()`` call, from replays of a CUDA graph of repeated calls."""
+    fn()  # warm-up: compile, autotune and allocate outside the graph
+    torch.cuda.synchronize()
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+@functools.lru_cache(maxsize=1)
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s)."""
+    src = torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_us(lambda: dst.copy_(src))
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+@triton.jit
+def _empty_kernel(ptr):
+    tl.store(ptr, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def launch_floor_us() -> float:
+    """Device µs of the smallest kernel in a graph: the floor under any one launch."""
+    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+    return graph_us(lambda: _empty_kernel[(1,)](buf))
+
+
+def device_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def record(benchmark, *, device_us: float, bytes_moved: int = 0, **extra) -> None:
+    """Store the device figures in pytest-benchmark's ``extra_info``: µs, MB, GB/s and the
+    share of the copy bandwidth and the launch floor measured in this run."""
+    info = benchmark.extra_info
+    info.update(device_info())
+    info["device_us"] = round(device_us, 3)
+    info["launch_floor_us"] = round(launch_floor_us(), 3)
+    if bytes_moved:
+        gbs = bytes_moved / (device_us * 1e-6) / 1e9
+        bw = copy_bandwidth_gbs()
+        info["MB"] = round(bytes_moved / 1e6, 3)
+        info["GB/s"] = round(gbs, 1)
+        info["copy_GB/s"] = round(bw, 1)
+        info["pct_copy_bw"] = round(100 * gbs / bw, 1)
+    info.update(extra)
