@@ -29,8 +29,8 @@ __all__ = [
     "draft_positions_ref",
 ]
 
-_ROW_OOB = int(Status.ROW_OOB)
-_POS_OOB = int(Status.POS_OOB)
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,9 +367,9 @@ def gather_rows_ref(
     vals = torch.where(ok, req_to_token[safe_rows, safe_pos], 0)
     bits = 0
     if not bool(row_ok.all()):
-        bits |= _ROW_OOB
+        bits |= int(Status.ROW_OOB)
     if not bool(pos_ok.all()):
-        bits |= _POS_OOB
+        bits |= int(Status.POS_OOB)
     return vals, bits
 
 
@@ -398,7 +398,7 @@ def assign_draft_cache_locs_ref(
     pos = draft_positions_ref(seq_lens, topk, num_steps, page_size)
     vals, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
     if bool((seq_lens < 0).any()):
-        bits |= _POS_OOB
+        bits |= int(Status.POS_OOB)
     out_cache_loc[:n] = vals.reshape(-1).to(out_cache_loc.dtype)
     if positions is not None:
         positions[: B * topk] = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
@@ -447,9 +447,9 @@ def prefix_tail_copy_pairs_ref(
         req_to_token, req_pool_indices, torch.where(used & in_row, tgt_pos, 0)
     )
     keep = used & in_row
-    bits = (bits_s | bits_t) & _ROW_OOB
+    bits = (bits_s | bits_t) & int(Status.ROW_OOB)
     if bool((used & ~in_row).any()) or bool((seq_lens < 0).any()):
-        bits |= _POS_OOB
+        bits |= int(Status.POS_OOB)
     src[:n] = torch.where(keep, src_vals, 0).reshape(-1).to(src.dtype)
     tgt[:n] = torch.where(keep, tgt_vals, 0).reshape(-1).to(tgt.dtype)
     _or_status(status, bits)

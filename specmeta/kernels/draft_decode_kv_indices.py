@@ -32,9 +32,9 @@ from .draft_cache_locs import (
 
 __all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref"]
 
-_ROW_OOB = int(Status.ROW_OOB)
-_POS_OOB = int(Status.POS_OOB)
-_OUT_OF_CAPACITY = int(Status.OUT_OF_CAPACITY)
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Prefix entries one program loads per iteration and stores K·rows times. 1024 int32 entries
 # keep 8 elements a thread in flight at 4 warps, enough to saturate the store path.
@@ -356,7 +356,7 @@ def draft_decode_kv_indices_ref(
         keep = dst < W_idx
         kv_indices[s][dst[keep]] = vals[keep].to(kv_indices.dtype)
     if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
-        bits |= _OUT_OF_CAPACITY
+        bits |= int(Status.OUT_OF_CAPACITY)
     if status is not None and bits:
         status |= bits
     return kv_indices, kv_indptr
