@@ -114,11 +114,13 @@ def make_batch(
     num_rows: int | None = None,
     extra_tokens: int = 0,
     index_dtype: torch.dtype = torch.int64,
+    max_len: int | None = None,
 ) -> Batch:
     """Draw a :class:`Batch` of the named ``shape``.
 
     ``row_width`` is ``W_row``; lengths stay within :func:`max_prefix_len` (plus ``extra_tokens``
-    verify tokens), except for shape ``"max"`` which sits exactly on it. ``num_rows`` defaults
+    verify tokens) and ``max_len`` when given (a config's ``max_context_len``); shape ``"max"``
+    sits exactly on that bound. ``num_rows`` defaults
     to the batch plus a few unused rows, so pool rows are not simply ``1 … B``.
     """
     if shape not in SHAPES:
@@ -137,7 +139,8 @@ def make_batch(
     ps = page_size
     if row_width % ps:
         raise ValueError(f"row_width={row_width} must be a multiple of page_size={ps}")
-    max_len = max_prefix_len(row_width, topk, num_steps, ps, extra_tokens)
+    fit = max_prefix_len(row_width, topk, num_steps, ps, extra_tokens)
+    max_len = fit if max_len is None else min(max_len, fit)
     lengths = _lengths(shape, batch_size, max_len, ps, g)
 
     rows = num_rows if num_rows is not None else batch_size + 3

@@ -44,7 +44,7 @@ def test_production_shape_matches_reference(gen, ps):
         topk=K, num_steps=S, num_draft_tokens=16, page_size=ps, max_bs=B, max_context_len=ctx
     )
     batch = make_batch("long_short", batch_size=B, topk=K, num_steps=S, page_size=ps,
-                       row_width=cfg.req_to_token_width, generator=gen, device="cuda")  # fmt: skip
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda", max_len=cfg.max_context_len)  # fmt: skip
     batch.seq_lens[1::2] = torch.randint(ctx // 2, ctx, (B // 2,), device="cuda")
     batch.seq_lens_cpu = batch.seq_lens.cpu()
     bufs = allocate_buffers(
@@ -81,7 +81,8 @@ def test_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
             generator=gen,
             device="cuda",
             num_rows=B + 8,
-        )  # fmt: skip
+            max_len=ctx,
+        )
         for shape in ("random", "long_short", "modm1", "max")
     ]
     # Static inputs: the graph reads whatever these hold at replay time.
@@ -138,7 +139,7 @@ def test_no_host_sync_on_the_build_path(gen):
     )
     bufs = allocate_buffers(cfg, "cuda")
     batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
-                       row_width=cfg.req_to_token_width, generator=gen, device="cuda")  # fmt: skip
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda", max_len=cfg.max_context_len)  # fmt: skip
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
 
     def build():
