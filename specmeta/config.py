@@ -25,6 +25,7 @@ __all__ = [
     "draft_pages_per_branch",
     "draft_row_need",
     "draft_decode_kv_indices_need",
+    "page_table_width",
 ]
 
 
@@ -45,6 +46,11 @@ def draft_row_need(prefix_len: int, topk: int, num_steps: int, page_size: int) -
     lpl = prefix_len % page_size
     nnp = draft_pages_per_branch(prefix_len, num_steps, page_size)
     return prefix_len - lpl + topk * nnp * page_size
+
+
+def page_table_width(row_width: int, page_size: int) -> int:
+    """Columns of a page table over a whole ``req_to_token`` row: ``ceil(W_row / ps)`` (SPEC §2.3)."""
+    return -(-row_width // page_size)
 
 
 def draft_decode_kv_indices_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int) -> int:

@@ -1,0 +1,387 @@
+"""Per-request page tables over a request's own row (SPEC §2.3 normal pass, §3.2, §3.4).
+
+Request ``b`` covers ``len_b`` tokens of its ``req_to_token`` row::
+
+    len_b               = L_b + extra_tokens            (or L_b − lpl_b + extra_tokens
+                                                          with exclude_last_partial)
+    page_table[b, c]    = row_b[c·ps] // ps             for c < ceil(len_b / ps)
+    page_table[b, c]    = fill_value                    for ceil(len_b / ps) ≤ c < W
+    cache_seqlens[b]    = len_b
+    cu_seqlens_k[b]     = Σ_{b'<b} cache_seqlens[b']    for b in [0, B], entry 0 included
+
+One op serves every page-table consumer that reads a request's own row: the FA3 normal pass
+(``extra_tokens=0``, ``exclude_last_partial`` in slot layout B), draft decode with ``K == 1``
+(``extra_tokens=1, num_rows=rows``: one table, ``cache_seqlens[s] = L + s + 1``), target verify
+and draft extend (``extra_tokens=N``), and TRT-LLM MLA's ``block_kv_indices``
+(``fill_value=-1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import page_table_width
+from ..status import Status
+from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
+
+__all__ = ["prefix_page_table", "prefix_page_table_ref"]
+
+_ROW_OOB = int(Status.ROW_OOB)
+_POS_OOB = int(Status.POS_OOB)
+_OUT_OF_CAPACITY = int(Status.OUT_OF_CAPACITY)
+_POOL_OOB = int(Status.POOL_OOB)
+
+# Page-table columns one program writes per iteration: 1024 entries keep 8 elements a thread in
+# flight at 4 warps (as in the kv_indices kernels).
+_BLOCK = 1024
+# seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
+_BLOCK_B = 1024
+
+
+@triton.jit
+def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr):
+    """``len`` of step row 0 for a prefix ``L ≥ 0``: ``L (− L mod ps) + extra_tokens``."""
+    if EXCLUDE_LAST_PARTIAL:
+        L = L - L % page_size
+    return L + extra_tokens
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "page_size", "extra_tokens", "fill_value", "num_rows",
+        "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs",
+    ]
+)  # fmt: skip
+def _prefix_page_table_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥rows, ≥B] int32|int64, row stride stride_cs
+    cu_seqlens_k_ptr,  # [≥rows, ≥B+1] int32|int64, row stride stride_cu (unless WRITE_CU)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    extra_tokens,
+    fill_value,
+    num_rows,
+    W,
+    stride_pt,
+    stride_cs,
+    stride_cu,
+    chunk_programs,
+    EXCLUDE_LAST_PARTIAL: tl.constexpr,
+    PAGED: tl.constexpr,  # page_size > 1
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    WRITE_CU: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes column chunks ``c, c +
+    chunk_programs, …`` of row ``b``; program ``(b, 0)`` also writes ``cache_seqlens[:, b]``,
+    ``cu_seqlens_k[:, b]`` (the last program the closing entry) and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    live = b < B
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+    length = _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    # The table serves every row s < num_rows (length + s tokens): it covers the longest.
+    longest = length + num_rows - 1
+    if PAGED:
+        pages_wanted = (longest + page_size - 1) // page_size
+    else:
+        pages_wanted = longest
+    pages = tl.where(live, tl.minimum(pages_wanted, W), 0)
+    # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
+    cap = W.to(tl.int64) * page_size
+
+    col0 = tl.arange(0, BLOCK).to(tl.int64)
+    neg_slot = b * 0
+    for chunk in range(c, tl.cdiv(W, BLOCK), chunk_programs):
+        col = col0 + chunk * BLOCK
+        need = col < pages
+        pos = col * page_size
+        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
+        slot = tl.load(
+            req_to_token_ptr + row_base + pos,
+            mask=tl.where(row_ok, need & (pos < W_row), False),
+            other=0,
+        ).to(tl.int64)
+        neg = need & (slot < 0)
+        neg_slot += tl.max(neg.to(tl.int64), axis=0)
+        slot = tl.where(neg, 0, slot)
+        if PAGED:
+            page = slot // page_size
+        else:
+            page = slot
+        # b·stride_pt: B·W passes 2**31 for long rows at page size 1, so b is int64.
+        tl.store(
+            page_table_ptr + b * stride_pt + col,
+            tl.where(need, page, fill_value),
+            mask=tl.where(live, col < W, False),
+        )
+
+    if c == 0:
+        stride_cs64 = stride_cs.to(tl.int64)
+        stride_cu64 = stride_cu.to(tl.int64)
+        last = b == tl.maximum(B, 1) - 1
+        for r in range(0, num_rows):
+            own = tl.where(live, tl.minimum(length + r, cap), 0)
+            tl.store(cache_seqlens_ptr + r * stride_cs64 + b, own, mask=live)
+            if WRITE_CU:
+                # Σ_{b'<b} min(len_b' + r, W·ps) from whole-vector loads of seq_lens; int64
+                # because ΣL passes 2**31 for large batches of long contexts.
+                start = b * 0
+                for first in range(0, b, BLOCK_B):
+                    offs = first + tl.arange(0, BLOCK_B)
+                    before = offs < b
+                    prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+                    prev_len = _covered_len(
+                        tl.maximum(prev, 0), page_size, extra_tokens, EXCLUDE_LAST_PARTIAL
+                    )
+                    prev_len = tl.minimum(prev_len + r, cap)
+                    start += tl.sum(tl.where(before, prev_len, 0), axis=0)
+                row = cu_seqlens_k_ptr + r * stride_cu64
+                tl.store(row + b, start, mask=live)
+                tl.store(row + B, start + own, mask=last)
+
+        if HAS_STATUS:
+            last_pos = (pages - 1) * page_size
+            pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
+            bits = (
+                tl.where(row_ok, 0, _ROW_OOB)
+                | tl.where(pos_bad, _POS_OOB, 0)
+                | tl.where(live & (pages_wanted > W), _OUT_OF_CAPACITY, 0)
+            )
+            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+    if HAS_STATUS:
+        tl.atomic_or(status_ptr, _POOL_OOB, mask=neg_slot != 0)
+
+
+def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
+    """Programs per request: enough for the grid to fill the device (8 per multiprocessor on
+    CUDA, a handful under the CPU interpreter), never more than the table has column chunks."""
+    if device.type == "cuda":
+        target = 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(triton.cdiv(target, max(batch, 1)), triton.cdiv(width, _BLOCK)))
+
+
+def _prepare(
+    req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
+    fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+):  # fmt: skip
+    """Validate and allocate; shared by the launcher and the reference."""
+    page_size = validate.positive("page_size", page_size)
+    extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
+    if not isinstance(exclude_last_partial, bool):
+        raise TypeError(
+            f"exclude_last_partial must be a bool, got {type(exclude_last_partial).__name__}"
+        )
+    if isinstance(fill_value, bool) or not isinstance(fill_value, int):
+        raise TypeError(f"fill_value must be an int, got {type(fill_value).__name__}")
+    rows = 1 if num_rows is None else validate.positive("num_rows", num_rows)
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    if page_table is None:
+        width = page_table_width(req_to_token.shape[1], page_size)
+        page_table = torch.empty((B, width), dtype=torch.int32, device=device)
+    validate.tensor("page_table", page_table, ndim=2, device=device)
+    validate.at_least("page_table", page_table.shape[0], B, "rows")
+    if page_table.shape[1] < 1:
+        raise ValueError(f"page_table needs at least 1 column, got shape {tuple(page_table.shape)}")
+    seq_ndim = 1 if num_rows is None else 2
+    if cache_seqlens is None:
+        shape = (B,) if num_rows is None else (rows, B)
+        cache_seqlens = torch.empty(shape, dtype=torch.int32, device=device)
+    for name, buf, cols in (
+        ("cache_seqlens", cache_seqlens, B),
+        ("cu_seqlens_k", cu_seqlens_k, B + 1),
+    ):
+        if buf is None:
+            continue
+        validate.tensor(name, buf, ndim=seq_ndim, device=device)
+        validate.at_least(
+            name, buf.shape[-1], cols, f"entries per row (B{' + 1' if cols > B else ''})"
+        )
+        if seq_ndim == 2:
+            validate.at_least(name, buf.shape[0], rows, "rows (num_rows)")
+    validate.status(status, device)
+    return page_size, extra_tokens, rows, B, page_table, cache_seqlens
+
+
+def prefix_page_table(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    page_size: int,
+    extra_tokens: int = 0,
+    exclude_last_partial: bool = False,
+    fill_value: int = 0,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page table and KV lengths of every request over its own ``req_to_token`` row.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64, the row of each request; row 0 reserved.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64, row → position → KV slot.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    page_size : int
+        ``ps`` ≥ 1; slot ``s`` lives on page ``s // ps``.
+    extra_tokens : int
+        Tokens past the prefix the table covers (``N`` for target verify and draft extend, the
+        step's ``s + 1`` for draft decode). Default 0.
+    exclude_last_partial : bool
+        Cover ``L_b − (L_b mod ps)`` (whole pages only) before ``extra_tokens``: the normal pass
+        of the FA3 cascade in slot layout B, whose last partial page each branch reads itself.
+    fill_value : int
+        Value of the columns past ``ceil(len_b / ps)`` up to the buffer width: 0 (the sink page,
+        FA3) by default, −1 for TRT-LLM MLA's ``block_kv_indices``.
+    page_table : torch.Tensor, optional
+        ``[≥ B, W]`` int32 or int64 (unit column stride); rows ``[:B]`` are written entirely.
+        Pages past column ``W`` are dropped (``OUT_OF_CAPACITY``). Allocated int32
+        ``[B, ceil(W_row / ps)]`` when omitted.
+    cache_seqlens : torch.Tensor, optional
+        int32 or int64. ``[≥ B]`` with ``len_b`` when ``num_rows`` is None; ``[≥ rows, ≥ B]``
+        with ``cache_seqlens[s, b] = len_b + s`` otherwise. Clamped to ``W·ps`` (a consumer
+        never reads past its table). Allocated int32 when omitted.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB`` (bad ``req_pool_indices``: the row reads as the sink),
+        ``POS_OOB`` (a page start at or past ``W_row``, or a negative ``seq_lens``),
+        ``OUT_OF_CAPACITY`` (more pages than ``W``), ``POOL_OOB`` (a negative slot id in the
+        row; its page reads 0).
+    num_rows : int, optional
+        ``rows ≥ 1``: build ``rows`` consecutive steps at once — ``len_b + s`` for ``s < rows``
+        — sharing one table that covers the longest (draft decode with ``K == 1``).
+    cu_seqlens_k : torch.Tensor, optional
+        Shaped like ``cache_seqlens`` with one more entry per row; when given,
+        ``cu_seqlens_k[..., b] = Σ_{b'<b} cache_seqlens[..., b']`` for ``b ∈ [0, B]``.
+
+    Returns
+    -------
+    (page_table, cache_seqlens) : tuple of torch.Tensor
+        The buffers passed (whole), or new ones.
+
+    Examples
+    --------
+    ``ps=4``, ``seq_lens=[5]``, row ``[40, 41, 42, 43, 12, 13, …]``, ``W=3``:
+    ``page_table=[[10, 3, 0]]``, ``cache_seqlens=[5]``; with ``exclude_last_partial``
+    ``[[10, 0, 0]]`` and ``[4]``; with ``extra_tokens=2, num_rows=2``: ``[[10, 3, 0]]``,
+    ``cache_seqlens=[[7], [8]]``.
+
+    Grid ``(max(B, 1), chunk_programs)``; the program of request ``b`` sums ``seq_lens[:b]``
+    with vector loads for its ``cu_seqlens_k`` entry. No host sync; ``B``, lengths, widths and
+    strides are runtime arguments.
+    """
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens = _prepare(
+        req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
+        fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+    )  # fmt: skip
+    W = page_table.shape[1]
+    grid = (max(B, 1), _chunk_programs(req_to_token.device, B, W))
+    two_d = cache_seqlens.dim() == 2
+    _prefix_page_table_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status if status is not None else cache_seqlens,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        extra_tokens,
+        fill_value,
+        rows,
+        W,
+        page_table.stride(0),
+        cache_seqlens.stride(0) if two_d else 0,
+        cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
+        grid[1],
+        # code shape
+        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
+        PAGED=page_size > 1,
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        WRITE_CU=cu_seqlens_k is not None,
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return page_table, cache_seqlens
+
+
+def prefix_page_table_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    page_size: int,
+    extra_tokens: int = 0,
+    exclude_last_partial: bool = False,
+    fill_value: int = 0,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens = _prepare(
+        req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
+        fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+    )  # fmt: skip
+    device = req_to_token.device
+    W = page_table.shape[1]
+    L = seq_lens.to(torch.int64)
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
+    L = L.clamp_min(0)
+    length = (L - L % page_size if exclude_last_partial else L) + extra_tokens  # [B]
+    wanted = (length + rows - 1 + page_size - 1) // page_size
+    pages = wanted.clamp_max(W)
+    cap = W * page_size
+
+    col = torch.arange(W, device=device)
+    need = col.view(1, -1) < pages.view(-1, 1)  # [B, W]
+    pos = torch.where(need, col * page_size, 0)
+    slots, gather_bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    bits |= gather_bits
+    slots = torch.where(need, slots.to(torch.int64), 0)
+    if bool((slots < 0).any()):
+        bits |= _POOL_OOB
+    pages_of = slots.clamp_min(0) // page_size
+    page_table[:B] = torch.where(need, pages_of, fill_value).to(page_table.dtype)
+    if bool((wanted > W).any()):
+        bits |= _OUT_OF_CAPACITY
+
+    r = torch.arange(rows, device=device).view(-1, 1)
+    lens = torch.minimum(length.view(1, -1) + r, torch.tensor(cap, device=device))  # [rows, B]
+    csl = cache_seqlens if cache_seqlens.dim() == 2 else cache_seqlens.view(1, -1)
+    csl[:rows, :B] = lens.to(csl.dtype)
+    if cu_seqlens_k is not None:
+        cu = cu_seqlens_k if cu_seqlens_k.dim() == 2 else cu_seqlens_k.view(1, -1)
+        cu[:rows, 0] = 0
+        cu[:rows, 1 : B + 1] = torch.cumsum(lens, dim=1).to(cu.dtype)
+    if status is not None and bits:
+        status |= bits
+    return page_table, cache_seqlens

@@ -1,0 +1,208 @@
+"""prefix_page_table against its reference and against SPEC §2.3 (normal pass) read directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specmeta import Status, new_status
+from specmeta.kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
+from specmeta.workloads import SHAPES, make_batch
+from tests.guard_bands import Guarded, assert_equal
+
+# (K, S, ps, extra_tokens, exclude_last_partial, num_rows, fill_value): the FA3 normal pass
+# (layout A and B), K == 1 draft decode (extra 1, rows S), verify/extend (extra N), TRT-LLM (-1).
+CASES = [
+    (1, 3, 1, 0, False, None, 0),
+    (4, 3, 16, 0, True, None, 0),
+    (2, 4, 4, 0, True, None, 0),
+    (1, 4, 4, 1, False, 4, 0),
+    (1, 3, 16, 1, False, 2, -1),
+    (4, 2, 1, 5, False, None, 0),
+    (2, 3, 64, 7, False, None, -1),
+]
+
+
+def _row_width(k, s, ps, extra=0, prefix=40):
+    return -(-(prefix + k * (s + ps) + extra + 2 * ps) // ps) * ps
+
+
+def _draw(shape, gen, device, k, s, ps, extra, batch_size=None, prefix=40):
+    return make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                      row_width=_row_width(k, s, ps, extra, prefix), generator=gen, device=device,
+                      extra_tokens=extra + s)  # fmt: skip
+
+
+def _run(batch, device, *, extra, exclude, rows, fill, width=None, dtype=torch.int32):
+    """Kernel into guarded, poisoned buffers; reference into plain ones; both compared exactly."""
+    B, ps = batch.batch_size, batch.page_size
+    width = -(-batch.req_to_token.shape[1] // ps) if width is None else width
+    kw = dict(page_size=ps, extra_tokens=extra, exclude_last_partial=exclude, fill_value=fill,
+              num_rows=rows)  # fmt: skip
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    seq_shape = (B,) if rows is None else (rows, B)
+    cu_shape = (B + 1,) if rows is None else (rows, B + 1)
+    pt = Guarded((B, width), dtype, device)
+    cs = Guarded(seq_shape, dtype, device)
+    cu = Guarded(cu_shape, dtype, device)
+    status = new_status(device)
+    prefix_page_table(*args, page_table=pt.view, cache_seqlens=cs.view, cu_seqlens_k=cu.view,
+                      status=status, **kw)  # fmt: skip
+    ref_pt = torch.full((B, width), -3, dtype=dtype, device=device)
+    ref_cs = torch.full(seq_shape, -3, dtype=dtype, device=device)
+    ref_cu = torch.full(cu_shape, -3, dtype=dtype, device=device)
+    ref_status = new_status(device)
+    prefix_page_table_ref(*args, page_table=ref_pt, cache_seqlens=ref_cs, cu_seqlens_k=ref_cu,
+                          status=ref_status, **kw)  # fmt: skip
+    for g, name in ((pt, "page_table"), (cs, "cache_seqlens"), (cu, "cu_seqlens_k")):
+        g.assert_intact(name)
+    what = batch.describe()
+    assert_equal(pt.view, ref_pt, f"page_table [{what}]")
+    assert_equal(cs.view, ref_cs, f"cache_seqlens [{what}]")
+    assert_equal(cu.view, ref_cu, f"cu_seqlens_k [{what}]")
+    assert_equal(status, ref_status, "status")
+    return pt.view, cs.view, cu.view, status
+
+
+def _check_against_spec(batch, pt, cs, cu, *, extra, exclude, rows, fill):
+    """SPEC §2.3: page_table[b, c] = row_b[c·ps] // ps for the pages covering the longest row's
+    tokens, ``fill`` beyond; cache_seqlens = len + s; cu_seqlens_k its exclusive prefix sum."""
+    ps = batch.page_size
+    pt, r2t = pt.cpu().long(), batch.req_to_token.cpu().long()
+    cs = cs.cpu().long().view(rows or 1, batch.batch_size)
+    cu = cu.cpu().long().view(cs.shape[0], batch.batch_size + 1)
+    for b in range(batch.batch_size):
+        row = r2t[int(batch.req_pool_indices[b])]
+        L = int(batch.seq_lens_cpu[b])
+        length = (L - L % ps if exclude else L) + extra
+        longest = length + (rows or 1) - 1
+        n = -(-longest // ps)
+        want = torch.full((pt.shape[1],), fill, dtype=torch.long)
+        want[:n] = row[torch.arange(n) * ps] // ps
+        assert torch.equal(pt[b], want), f"request {b}: {pt[b].tolist()} != {want.tolist()}"
+        for s in range(cs.shape[0]):
+            assert int(cs[s, b]) == length + s
+    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("k,s,ps,extra,exclude,rows,fill", CASES)
+def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, extra, exclude, rows, fill):
+    batch = _draw(shape, gen, device, k, s, ps, extra)
+    kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
+    pt, cs, cu, status = _run(batch, device, **kw)
+    assert int(status) == 0
+    _check_against_spec(batch, pt, cs, cu, **kw)
+
+
+def test_spec_example(device):
+    r2t = torch.zeros(2, 12, dtype=torch.int32, device=device)
+    r2t[1] = torch.tensor([40, 41, 42, 43, 12, 13, 14, 15, 80, 81, 82, 83])
+    args = (torch.tensor([1], device=device), r2t, torch.tensor([5], device=device))
+    pt = torch.full((1, 3), -1, dtype=torch.int32, device=device)
+    _, cs = prefix_page_table(*args, page_size=4, page_table=pt)
+    assert pt.tolist() == [[10, 3, 0]] and cs.tolist() == [5]
+    _, cs = prefix_page_table(*args, page_size=4, exclude_last_partial=True, page_table=pt)
+    assert pt.tolist() == [[10, 0, 0]] and cs.tolist() == [4]
+    _, cs = prefix_page_table(*args, page_size=4, extra_tokens=2, num_rows=2, page_table=pt)
+    assert pt.tolist() == [[10, 3, 0]] and cs.tolist() == [[7], [8]]
+    _, cs = prefix_page_table(*args, page_size=4, extra_tokens=4, fill_value=-1, page_table=pt)
+    assert pt.tolist() == [[10, 3, 20]] and cs.tolist() == [9]
+    prefix_page_table(*args, page_size=4, fill_value=-1, page_table=pt)
+    assert pt.tolist() == [[10, 3, -1]], "the tail is rewritten, nothing stale is left"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    b=st.integers(0, 9),
+    ps=st.sampled_from([1, 2, 4, 16, 64]),
+    extra=st.integers(0, 9),
+    exclude=st.booleans(),
+    rows=st.sampled_from([None, 1, 3]),
+    fill=st.sampled_from([0, -1]),
+    shape=st.sampled_from(["mod0", "mod1", "modm1", "random", "near_row_end", "long_short"]),
+    seed=st.integers(0, 2**31 - 1),
+    out64=st.booleans(),
+    idx32=st.booleans(),
+)
+def test_property(device, b, ps, extra, exclude, rows, fill, shape, seed, out64, idx32):
+    g = torch.Generator().manual_seed(seed)
+    batch = make_batch(shape, batch_size=b, topk=2, num_steps=3, page_size=ps,
+                       row_width=_row_width(2, 3, ps, extra + 3, prefix=2 * ps + 8), generator=g,
+                       device=device, extra_tokens=extra + 3,
+                       index_dtype=torch.int32 if idx32 else torch.int64)  # fmt: skip
+    kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
+    pt, cs, cu, status = _run(batch, device, dtype=torch.int64 if out64 else torch.int32, **kw)
+    assert int(status) == 0
+    _check_against_spec(batch, pt, cs, cu, **kw)
+
+
+def test_empty_batch_writes_only_entry_zero(device, gen):
+    batch = _draw("empty", gen, device, 1, 3, 4, 1)
+    _, cs, cu, status = _run(batch, device, extra=1, exclude=False, rows=3, fill=0)
+    assert cu.tolist() == [[0], [0], [0]] and cs.numel() == 0 and int(status) == 0
+    out, _ = prefix_page_table(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                               page_size=4)  # fmt: skip
+    assert out.shape[0] == 0
+
+
+def test_out_of_range_inputs_are_masked(device, gen):
+    batch = _draw("random", gen, device, 2, 3, 4, 0, batch_size=6)
+    R, W_row = batch.req_to_token.shape
+    batch.req_pool_indices[0] = R  # ROW_OOB: the row reads as the sink
+    batch.seq_lens[1] = -5  # POS_OOB: read as L = 0
+    batch.seq_lens[2] = W_row + 9  # POS_OOB: pages past the row read 0
+    row3 = int(batch.req_pool_indices[3])
+    batch.req_to_token[row3, 0] = -4  # POOL_OOB: a negative slot id reads page 0
+    n_row = W_row // 4  # the table is wide enough for request 2: no capacity problem
+    pt, cs, _, status = _run(batch, device, extra=0, exclude=False, rows=None, fill=0,
+                             width=n_row + 4)  # fmt: skip
+    assert int(status) == int(Status.ROW_OOB | Status.POS_OOB | Status.POOL_OOB)
+    assert not pt[0].any() and int(cs[1]) == 0 and int(pt[3, 0]) == 0
+    assert not pt[2, n_row:].any() and int(cs[2]) == W_row + 9
+
+
+def test_narrow_table_drops_pages_and_clamps_lengths(device, gen):
+    batch = _draw("max", gen, device, 1, 2, 4, 0, batch_size=3)
+    _, cs, cu, status = _run(batch, device, extra=0, exclude=False, rows=2, fill=0, width=2)
+    assert int(status) == int(Status.OUT_OF_CAPACITY)
+    assert int(cs.max()) <= 2 * 4, "a consumer is never told to read past its table"
+    assert torch.equal(cu[:, 1:].long(), cs.long().cumsum(1))
+
+
+def test_bad_arguments_raise_before_launch(device, gen):
+    batch = _draw("random", gen, device, 1, 2, 4, 0, batch_size=4)
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+
+    def i32(*shape):
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    with pytest.raises(ValueError, match="page_table is too small: need 4 rows"):
+        prefix_page_table(*args, page_size=4, page_table=i32(3, 8))
+    with pytest.raises(ValueError, match="cache_seqlens is too small: need 4"):
+        prefix_page_table(*args, page_size=4, cache_seqlens=i32(3))
+    with pytest.raises(ValueError, match="cu_seqlens_k is too small: need 5"):
+        prefix_page_table(*args, page_size=4, cu_seqlens_k=i32(4))
+    with pytest.raises(ValueError, match="cache_seqlens is too small: need 3 rows"):
+        prefix_page_table(*args, page_size=4, num_rows=3, cache_seqlens=i32(2, 4))
+    with pytest.raises(ValueError, match="cache_seqlens must have rank 2"):
+        prefix_page_table(*args, page_size=4, num_rows=2, cache_seqlens=i32(4))
+    with pytest.raises(TypeError, match="page_table must be int32 or int64"):
+        prefix_page_table(*args, page_size=4, page_table=i32(4, 8).float())
+    with pytest.raises(ValueError, match="num_rows must be >= 1"):
+        prefix_page_table(*args, page_size=4, num_rows=0)
+    with pytest.raises(ValueError, match="extra_tokens must be >= 0"):
+        prefix_page_table(*args, page_size=4, extra_tokens=-1)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        prefix_page_table(*args, page_size=0)
+    with pytest.raises(TypeError, match="fill_value"):
+        prefix_page_table(*args, page_size=4, fill_value=True)
+    with pytest.raises(TypeError, match="exclude_last_partial"):
+        prefix_page_table(*args, page_size=4, exclude_last_partial=1)
+    with pytest.raises(ValueError, match="seq_lens must have 4 elements"):
+        prefix_page_table(batch.req_pool_indices, batch.req_to_token, batch.seq_lens[:3],
+                          page_size=4)  # fmt: skip
+    with pytest.raises(ValueError, match="status"):
+        prefix_page_table(*args, page_size=4, status=i32(2))
