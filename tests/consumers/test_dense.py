@@ -1,0 +1,60 @@
+"""The dense oracle itself: checked against torch's scaled_dot_product_attention row by row, and
+the log-sum-exp merge against attention over the union of the two key sets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.consumers.dense import dense_attention, merge_lse
+
+
+def _draw(gen, device, T=6, H=4, H_kv=2, D=8, P=40):
+    q = torch.randn(T, H, D, generator=gen).to(device)
+    k = torch.randn(P, H_kv, D, generator=gen).to(device)
+    v = torch.randn(P, H_kv, D + 2, generator=gen).to(device)
+    lists = [torch.randperm(P, generator=gen)[: 1 + i * 3].to(device) for i in range(T)]
+    return q, k, v, lists
+
+
+@pytest.mark.parametrize("h_kv", [1, 2, 4])
+def test_matches_sdpa_row_by_row(device, gen, h_kv):
+    q, k, v, lists = _draw(gen, device, H_kv=h_kv)
+    out, lse = dense_attention(q, k, v, lists, softmax_scale=0.3)
+    group = q.shape[1] // h_kv
+    for i, slots in enumerate(lists):
+        kk = k[slots].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, n, D]
+        vv = v[slots].double().repeat_interleave(group, 1).transpose(0, 1)
+        qq = q[i].double().unsqueeze(1)  # [H, 1, D]
+        want = F.scaled_dot_product_attention(qq, kk, vv, scale=0.3).squeeze(1)
+        torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
+        scores = (qq @ kk.transpose(1, 2)).squeeze(1) * 0.3
+        torch.testing.assert_close(lse[i], torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
+
+
+def test_default_scale_and_empty_rows(device, gen):
+    q, k, v, lists = _draw(gen, device, T=2)
+    out, lse = dense_attention(q, k, v, [lists[0], []])
+    ref, _ = dense_attention(q, k, v, [lists[0], []], softmax_scale=1 / math.sqrt(q.shape[-1]))
+    assert torch.equal(out, ref)
+    assert not out[1].any() and torch.isneginf(lse[1]).all()
+    with pytest.raises(ValueError, match="outside"):
+        dense_attention(q, k, v, [[0], [k.shape[0]]])
+
+
+def test_merge_of_disjoint_passes_is_attention_over_their_union(device, gen):
+    q, k, v, lists = _draw(gen, device)
+    first = [s[: len(s) // 2] for s in lists]  # row 0 has one slot: its first pass is empty
+    second = [s[len(s) // 2 :] for s in lists]
+    o1, l1 = dense_attention(q, k, v, first)
+    o2, l2 = dense_attention(q, k, v, second)
+    o, lse = merge_lse(o1, l1, o2, l2)
+    want, want_lse = dense_attention(q, k, v, lists)
+    torch.testing.assert_close(o, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    empty = torch.full_like(l1, float("-inf"))
+    o, lse = merge_lse(o1, empty, torch.zeros_like(o2), empty)
+    assert not o.any() and torch.isneginf(lse).all()
