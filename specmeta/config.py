@@ -77,8 +77,9 @@ class SpecConfig:
     max_context_len : int
         Largest committed prefix ``L_b`` of any request. Draft and verify slots come on top.
     req_to_token_width : int, optional
-        ``W_row``. Defaults to the smallest width that holds a request of ``max_context_len``
-        plus its draft region (either layout) or its verify window; a smaller value is rejected.
+        ``W_row``. Defaults to the smallest whole number of pages that holds a request of
+        ``max_context_len`` plus its draft region (either layout) or its verify window; a value
+        below that need is rejected.
     pool_size : int, optional
         ``P``, KV slots in the pool, a multiple of ``page_size``; page 0 is the reserved sink.
         Defaults to ``(max_bs · W_row + page_size)`` rounded up to a page.
@@ -115,7 +116,9 @@ class SpecConfig:
             )
         need_w = self.row_width_need
         if self.req_to_token_width is None:
-            object.__setattr__(self, "req_to_token_width", need_w)
+            # Rows hold whole pages: the default width is rounded up to a page.
+            ps = self.page_size
+            object.__setattr__(self, "req_to_token_width", -(-need_w // ps) * ps)
         elif self.req_to_token_width < need_w:
             raise ValueError(
                 f"SpecConfig.req_to_token_width={self.req_to_token_width} is too small: a request of "

@@ -51,3 +51,10 @@ def test_prefix_tail_pairs_only_in_layout_b():
     b = plan_buffers(SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=2))
     assert a["draft.prefix_tail_tgt"].shape == (0,)
     assert b["draft.prefix_tail_tgt"].shape == (2 * 3 * 15,)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_default_row_width_is_whole_pages(ps):
+    cfg = SpecConfig(topk=1, num_steps=5, num_draft_tokens=6, page_size=ps, max_context_len=1000)
+    assert cfg.req_to_token_width % ps == 0
+    assert cfg.req_to_token_width >= 1000 + 6

@@ -77,11 +77,14 @@ def _draft_decode_kv_indices_kernel(
     BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies prefix chunks
-    ``c, c + chunk_programs, …`` of request ``b`` into all ``K·rows`` of its lists, loading
-    each chunk once. Program ``(b, 0)`` also writes the chains, ``kv_indptr`` and the status."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+    """Grid ``(chunk_programs, rows·K, max(B, 1))``: program ``(c, d, b)`` copies prefix chunks
+    ``c, c + chunk_programs, …`` of request ``b`` into list ``d = s·K + t`` (step ``s``, branch
+    ``t``). Neighbouring programs write neighbouring chunks of one list, so the device sees a
+    few long sequential write streams; the source chunk is re-read from L2. Program
+    ``(0, 0, b)`` also writes the chains, ``kv_indptr`` and the status word."""
+    c = tl.program_id(0)
+    d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
@@ -94,9 +97,14 @@ def _draft_decode_kv_indices_kernel(
         cum += tl.sum(tl.maximum(prev, 0), axis=0)
     head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
 
-    # Prefix: each chunk of row_b[0:L] is loaded once and stored K·rows times.
+    # Prefix of list (s, t): row_b[0:L] at head + t·L + (b·K + t)·(s+1).
+    s_d = d // TOPK
+    t_d = d % TOPK
+    # step·row_width passes 2**31 at long contexts: the row offset is 64-bit.
+    list_ptr = kv_indices_ptr + s_d.to(tl.int64) * stride_idx + head + t_d * L
+    list_ptr += (b * TOPK + t_d) * (s_d + 1)
+    list_end = W_idx - head - t_d * L - (b * TOPK + t_d) * (s_d + 1)  # room left in the row
     k0 = tl.arange(0, BLOCK).to(tl.int64)
-    stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
     for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
         k = k0 + chunk * BLOCK
         m = k < L
@@ -104,13 +112,9 @@ def _draft_decode_kv_indices_kernel(
         v = tl.load(
             req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
         )
-        for s in range(0, num_rows):
-            row = kv_indices_ptr + s * stride_idx64
-            for t in tl.static_range(TOPK):
-                dst = head + t * L + (b * TOPK + t) * (s + 1) + k
-                tl.store(row + dst, v, mask=m & (dst < W_idx))
+        tl.store(list_ptr + k, v, mask=m & (k < list_end))
 
-    if c == 0:
+    if (c == 0) & (d == 0):
         # Own chains: entry (s, t, j) for j ≤ s < rows.
         e = tl.arange(0, BLOCK_CHAIN)
         s = e // (TOPK * NUM_STEPS)
@@ -165,11 +169,11 @@ def _target_programs(device: torch.device) -> int:
     return 4
 
 
-def _chunk_programs(device: torch.device, batch: int, row_width: int) -> int:
-    """Programs per request: enough for the whole grid to fill the device even when a few
-    long requests carry all the work, never more than a full row has chunks."""
-    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
-    return max(1, min(per_request, triton.cdiv(row_width, _BLOCK)))
+def _chunk_programs(device: torch.device, lists: int, row_width: int) -> int:
+    """Programs per list: enough for the whole grid to fill the device even when a few long
+    requests carry all the work, never more than a full row has chunks."""
+    per_list = triton.cdiv(_target_programs(device), max(lists, 1))
+    return max(1, min(per_list, triton.cdiv(row_width, _BLOCK)))
 
 
 def _prepare(
@@ -255,9 +259,9 @@ def draft_decode_kv_indices(
     --------
     ``seq_lens=[3, 1]``, ``K=2``, one row (``it=1``) → ``kv_indptr=[0, 4, 8, 10, 12]``.
 
-    Grid ``(max(B, 1), chunk_programs)``, ``chunk_programs`` chosen so that few long requests
-    still fill the device; every program computes its request's offset from ``seq_lens`` with
-    vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
+    Grid ``(chunk_programs, rows·K, max(B, 1))``: one program per (chunk group, list, request),
+    ``chunk_programs`` chosen so that few long requests still fill the device; every program
+    computes its request's offset from ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
     """
     topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
@@ -266,7 +270,8 @@ def draft_decode_kv_indices(
     if rows == 0:
         return kv_indices, kv_indptr
     device = req_to_token.device
-    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    lists = max(B, 1) * rows * topk
+    grid = (_chunk_programs(device, lists, req_to_token.shape[1]), rows * topk, max(B, 1))
     _draft_decode_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -284,7 +289,7 @@ def draft_decode_kv_indices(
         kv_indices.shape[1],
         kv_indices.stride(0),
         kv_indptr.stride(0),
-        grid[1],
+        grid[0],
         # code shape
         TOPK=topk,
         NUM_STEPS=num_steps,
