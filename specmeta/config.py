@@ -205,6 +205,15 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
         "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step",
     )
     add("draft_decode.kv_indptr", (s, bs * k + 1), torch.int32, "[S, B*K+1] CSR offsets")
+    # Static inputs of the CUDA-graph runners (SPEC §4): the engine's per-batch tensors, copied
+    # into [:B] and padded in [B:Bp] before every replay.
+    nd = cfg.num_draft_tokens
+    add("runner.req_pool_indices", (bs,), torch.int64, "[B] req_to_token row of each request")
+    add("runner.seq_lens", (bs,), torch.int64, "[B] committed prefix lengths L_b")
+    add("runner.verify_out_cache_loc", (bs * nd,), torch.int64, "[B*N] verify-window KV slots")
+    add("runner.tree_mask", (bs, nd, nd), torch.bool, "[B, N, N] draft-tree ancestor mask")
+    add("runner.accept_index", (bs, s + 1), torch.int32, "[B, S+1] accepted node ids, -1 after")
+    add("runner.accept_lens", (bs,), torch.int32, "[B] accepted nodes per request")
     return plan
 
 

@@ -1,1 +1,5 @@
-"""CUDA-graph runners and padding policies."""
+"""CUDA-graph runners and padding policies (SPEC §4)."""
+
+from .graph_runner import GraphRunner, RunResult, StaticInput, StaticOutput
+
+__all__ = ["GraphRunner", "RunResult", "StaticInput", "StaticOutput"]

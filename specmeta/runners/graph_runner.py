@@ -1,0 +1,477 @@
+"""A CUDA-graph runner whose every static input declares its pad value (SPEC §4).
+
+The runner owns a set of persistent input buffers (from :func:`specmeta.plan_buffers`), each
+registered **with its pad value** — there is no way to register one without — and a build
+function that turns the padded inputs into metadata with specmeta's sync-free kernels. It
+captures one CUDA graph per bucket ``Bp`` (all sharing one memory pool) and, for a batch of
+``B`` requests:
+
+1. picks the smallest captured ``Bp ≥ B`` (``B = 0``, an idle data-parallel rank, takes the
+   smallest bucket);
+2. checks on the host, from shapes and dtypes only, that every raw input matches the layout the
+   graphs were captured with;
+3. runs the input probes when :mod:`specmeta.probes` are enabled;
+4. pads the CPU mirrors (``[:B]`` copied, ``[B:Bp]`` = pad) and calls the host function on
+   them, so derived host scalars (``seq_lens_sum``) are those of the padded batch and capacity
+   is checked before anything is launched;
+5. writes every static buffer with one copy-pad launch: raw input into ``[:B]``, pad value into
+   ``[B:Bp]`` — **every** buffer, every call;
+6. replays the graph of ``Bp`` (or, without graphs, calls the build function on the same padded
+   buffers — the CPU/CI path is this one, step for step);
+7. returns every output sliced to ``[:B]``, as views into the runner's buffers (overwritten by
+   the next call) or as copies: the caller chooses, ``copy=`` has no default.
+
+Examples
+--------
+>>> plan = specmeta.plan_buffers(cfg)
+>>> bufs = {n: s.allocate(device) for n, s in plan.items()}
+>>> def build(inp):                      # inp: static views [:Bp·per_request]
+...     assign_draft_cache_locs(inp["req_pool_indices"], req_to_token, inp["seq_lens"],
+...                             topk=K, num_steps=S, out_cache_loc=bufs["draft.out_cache_loc"])
+...     return {"out_cache_loc": bufs["draft.out_cache_loc"]}
+>>> runner = GraphRunner(build, batch_sizes=[1, 8, 32], device=device)
+>>> runner.add_input("req_pool_indices", bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
+>>> runner.add_input("seq_lens", bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K))
+>>> runner.add_output("out_cache_loc", per_request=K * S)
+>>> runner.capture()
+>>> res = runner.run(3, {"req_pool_indices": rpi, "seq_lens": sl}, copy=True)
+>>> res.outputs["out_cache_loc"].shape, res.padded_batch_size
+(torch.Size([3·K·S]), 8)
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import types
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from .. import probes, validate
+from .padding import check_pad, copy_pad
+
+__all__ = ["GraphRunner", "StaticInput", "StaticOutput", "RunResult"]
+
+BuildFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+HostFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, object]]
+Probe = Callable[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInput:
+    """A registered static input buffer and its padding policy.
+
+    Attributes
+    ----------
+    name : str
+        Key of the raw input in :meth:`GraphRunner.run` and of the view given to ``build``.
+    buffer : torch.Tensor
+        ``[≥ max_bucket·per_request, *row]`` contiguous, on the runner's device.
+    pad : int | float
+        Written into rows ``[B·per_request, Bp·per_request)`` before every replay.
+    per_request : int
+        Rows of ``buffer`` one request owns (``K·S`` for draft slots, ``N`` for a verify window).
+    mirror : torch.Tensor or None
+        The padded CPU mirror (same shape and dtype) when the input has one.
+    probe : callable or None
+        ``probe(raw, label=...)``, run on the raw input when probes are enabled.
+    """
+
+    name: str
+    buffer: torch.Tensor
+    pad: int | float
+    per_request: int
+    mirror: torch.Tensor | None
+    probe: Probe | None
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.buffer.shape[1:])
+
+    def signature(self) -> tuple:
+        """What a captured graph depends on: shape, dtype, storage and padding."""
+        b = self.buffer
+        return (self.name, tuple(b.shape), b.stride(), b.dtype, b.data_ptr(), self.per_request,
+                self.pad)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticOutput:
+    """How an output of ``build`` is cut to the batch: ``narrow(dim, 0, B·per_request + extra)``,
+    or returned whole when ``per_request`` is ``None`` (e.g. ``kv_indices``, whose rows are read
+    only up to their ``kv_indptr``)."""
+
+    name: str
+    per_request: int | None
+    extra: int
+    dim: int
+
+    def length(self, batch: int) -> int | None:
+        return None if self.per_request is None else batch * self.per_request + self.extra
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one :meth:`GraphRunner.run` returns.
+
+    Attributes
+    ----------
+    batch_size : int
+        ``B``, the raw batch.
+    padded_batch_size : int
+        ``Bp``, the bucket that ran.
+    outputs : dict[str, torch.Tensor]
+        Each declared output cut to ``B``: views into the runner's (graph's) buffers, **overwritten
+        by the next run**, unless ``copied``.
+    host : dict[str, object]
+        What the host function returned for the padded batch (e.g. ``seq_lens_sum``).
+    copied : bool
+        Whether ``outputs`` are private copies.
+    """
+
+    batch_size: int
+    padded_batch_size: int
+    outputs: dict[str, torch.Tensor]
+    host: dict[str, object]
+    copied: bool
+
+
+class GraphRunner:
+    """Captures ``build`` once per bucket and replays it on padded static inputs.
+
+    Parameters
+    ----------
+    build : callable
+        ``build(inputs) -> {name: tensor}``. ``inputs`` maps every registered input to its static
+        view ``buffer[:Bp·per_request]``; ``build`` must read batch data only from these views and
+        write with specmeta's sync-free launchers (it is captured: Python runs it once per bucket).
+    batch_sizes : sequence of int
+        The buckets ``Bp`` (≥ 1) to capture.
+    device : torch.device or str
+        Where the static buffers live.
+    host : callable, optional
+        ``host(mirrors) -> {name: value}``, run on every call, before any device work, on the
+        padded CPU mirrors ``[:Bp·per_request]``: derive host scalars of the padded batch and
+        raise ``ValueError`` when a planned buffer is too small for it.
+    graphs : bool, optional
+        Capture CUDA graphs (default: when ``device`` is CUDA). ``False`` runs the same path with
+        ``build`` called on every run — that is the CPU path.
+    """
+
+    def __init__(
+        self,
+        build: BuildFn,
+        *,
+        batch_sizes: Sequence[int],
+        device: torch.device | str,
+        host: HostFn | None = None,
+        graphs: bool | None = None,
+    ) -> None:
+        if not callable(build):
+            raise TypeError(f"build must be callable, got {type(build).__name__}")
+        if host is not None and not callable(host):
+            raise TypeError(f"host must be callable, got {type(host).__name__}")
+        sizes = sorted(
+            {validate.positive(f"batch_sizes[{i}]", b) for i, b in enumerate(batch_sizes)}
+        )
+        if not sizes:
+            raise ValueError("batch_sizes must name at least one bucket")
+        self.device = torch.device(device)
+        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError(f"graphs=True needs a CUDA device, got {self.device}")
+        self.batch_sizes: tuple[int, ...] = tuple(sizes)
+        self._build = build
+        self._host = host
+        self._inputs: dict[str, StaticInput] = {}
+        self._outputs: dict[str, StaticOutput] = {}
+        self._layout: tuple | None = None
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self.pool = None  # the memory pool every bucket's graph shares (CUDA graphs only)
+
+    # ----------------------------------------------------------------------------------------
+    # Registration
+    # ----------------------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    @property
+    def inputs(self) -> Mapping[str, StaticInput]:
+        return types.MappingProxyType(self._inputs)
+
+    @property
+    def outputs(self) -> Mapping[str, StaticOutput]:
+        return types.MappingProxyType(self._outputs)
+
+    def _open(self, what: str) -> None:
+        if self._layout is not None:
+            raise ValueError(f"{what}: the runner is captured; build a new runner to change it")
+
+    def add_input(
+        self,
+        name: str,
+        buffer: torch.Tensor,
+        *,
+        pad: int | float | bool,
+        per_request: int = 1,
+        host_mirror: bool = False,
+        probe: Probe | None = None,
+    ) -> torch.Tensor:
+        """Register a static input buffer with its **required** pad value.
+
+        Parameters
+        ----------
+        name : str
+            The raw input's key in :meth:`run`.
+        buffer : torch.Tensor
+            A planned buffer (:func:`specmeta.plan_buffers`), ``[≥ max_bucket·per_request, *row]``,
+            contiguous, on the runner's device. The runner writes it on every call.
+        pad : int, float or bool
+            The value of padded rows (SPEC §4; see :mod:`specmeta.runners.padding`). Keyword
+            only, no default: a buffer without a pad policy cannot be registered.
+        per_request : int
+            Rows of ``buffer`` per request.
+        host_mirror : bool
+            Keep a padded CPU mirror; :meth:`run` then also takes the raw CPU values in
+            ``host_inputs[name]`` and the host function sees the padded mirror.
+        probe : callable, optional
+            ``probe(raw, label=...)`` (e.g. ``functools.partial(probes.detect_oob, lo=0, hi=R)``),
+            run on the raw input when probes are enabled.
+
+        Returns
+        -------
+        torch.Tensor
+            ``buffer``.
+        """
+        self._open(f"add_input({name!r})")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if name in self._inputs:
+            raise ValueError(f"input {name!r} is already registered")
+        validate.tensor(name, buffer, dtypes=_DTYPES, device=self.device, contiguous_last=False)
+        per_request = validate.positive(f"{name}: per_request", per_request)
+        value = check_pad(name, pad, buffer.dtype)
+        if buffer.dim() == 0 or not buffer.is_contiguous():
+            raise ValueError(f"{name}: buffer must be contiguous with a batch dimension, got "
+                             f"shape {tuple(buffer.shape)} strides {buffer.stride()}")  # fmt: skip
+        validate.at_least(name, buffer.shape[0], self.max_batch_size * per_request,
+                          f"rows ({self.max_batch_size} requests x {per_request})")  # fmt: skip
+        if probe is not None and not callable(probe):
+            raise TypeError(f"{name}: probe must be callable, got {type(probe).__name__}")
+        mirror = torch.empty_like(buffer, device="cpu") if host_mirror else None
+        self._inputs[name] = StaticInput(name, buffer, value, per_request, mirror, probe)
+        return buffer
+
+    def add_output(
+        self, name: str, *, per_request: int | None, extra: int = 0, dim: int = 0
+    ) -> None:
+        """Declare an output of ``build`` and how it is cut to ``B`` requests.
+
+        ``per_request=None`` returns the tensor whole; otherwise ``narrow(dim, 0,
+        B·per_request + extra)`` (``kv_indptr [S, Bp·K + 1]`` is ``per_request=K, extra=1,
+        dim=1``).
+        """
+        self._open(f"add_output({name!r})")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if name in self._outputs:
+            raise ValueError(f"output {name!r} is already declared")
+        if per_request is not None:  # 0: an output that is empty in this config
+            validate.positive(f"{name}: per_request", per_request, minimum=0)
+        validate.positive(f"{name}: extra", extra, minimum=0)
+        validate.positive(f"{name}: dim", dim, minimum=0)
+        self._outputs[name] = StaticOutput(name, per_request, extra, dim)
+
+    def _signature(self) -> tuple:
+        return (self.batch_sizes, tuple(s.signature() for s in self._inputs.values()),
+                tuple(self._outputs.values()))  # fmt: skip
+
+    # ----------------------------------------------------------------------------------------
+    # Capture
+    # ----------------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Freeze the layout and capture one graph per bucket, all in one memory pool.
+
+        Each bucket is captured on all-padding inputs (a valid batch of padded requests), largest
+        first, after a warm-up run that compiles the kernels outside the capture. Without graphs
+        this only freezes the layout: the build runs on every call.
+        """
+        if self._layout is not None:
+            raise ValueError("capture() was already called")
+        if not self._inputs:
+            raise ValueError("register at least one input (add_input) before capture()")
+        if not self._outputs:
+            raise ValueError("declare at least one output (add_output) before capture()")
+        for bp in self.batch_sizes:
+            self._views[bp] = {n: s.buffer[: bp * s.per_request] for n, s in self._inputs.items()}
+        self._layout = self._signature()
+        if not self.graphs:
+            return
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bp in reversed(self.batch_sizes):
+            self._pad_host(0, bp, {})
+            self._pad_device(0, bp, {})
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._checked_build(bp)  # warm-up: compiles outside the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self._checked_build(bp)
+            self._graphs[bp] = graph
+            self._graph_outputs[bp] = out
+        torch.cuda.synchronize(self.device)  # set-up, not a build path
+
+    @property
+    def captured(self) -> bool:
+        return self._layout is not None
+
+    def bucket(self, batch_size: int) -> int:
+        """The smallest captured ``Bp ≥ batch_size``."""
+        B = validate.positive("batch_size", batch_size, minimum=0)
+        i = bisect.bisect_left(self.batch_sizes, B)
+        if i == len(self.batch_sizes):
+            raise ValueError(
+                f"batch_size={B} exceeds the largest captured bucket {self.max_batch_size}"
+            )
+        return self.batch_sizes[i]
+
+    # ----------------------------------------------------------------------------------------
+    # Run
+    # ----------------------------------------------------------------------------------------
+    def run(
+        self,
+        batch_size: int,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        host_inputs: Mapping[str, torch.Tensor] | None = None,
+        copy: bool,
+    ) -> RunResult:
+        """Pad, replay (or build) and cut the outputs to ``batch_size``.
+
+        Parameters
+        ----------
+        batch_size : int
+            ``B`` ≥ 0.
+        inputs : mapping of str to torch.Tensor
+            Every registered input, ``[B·per_request, *row]`` with the buffer's dtype, on the
+            runner's device (non-contiguous inputs are made contiguous first).
+        host_inputs : mapping of str to torch.Tensor, optional
+            The CPU values ``[B·per_request, *row]`` of every input registered with a mirror.
+        copy : bool
+            ``False``: outputs are views into the runner's buffers, valid until the next run.
+            ``True``: outputs are private copies. Required: there is no silent default.
+
+        Raises
+        ------
+        ValueError, TypeError
+            Before any device work, when an input is missing, unknown, or mismatches the
+            captured layout (shape, dtype, device), when ``batch_size`` exceeds the largest
+            bucket, or when the host function finds a buffer too small.
+        """
+        if self._layout is None:
+            raise ValueError("call capture() before run()")
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
+        bp = self.bucket(batch_size)
+        B = batch_size
+        if self._signature() != self._layout:
+            raise ValueError("a static buffer changed shape, dtype or storage since capture(); "
+                             "the captured graphs no longer match it: build a new runner")  # fmt: skip
+        raw = self._check_inputs("inputs", B, inputs, self.device, mirrors=False)
+        host_raw = self._check_inputs("host_inputs", B, host_inputs or {}, torch.device("cpu"),
+                                      mirrors=True)  # fmt: skip
+        if probes.enabled():
+            for name, spec in self._inputs.items():
+                if spec.probe is not None:
+                    spec.probe(raw[name], label=f"runner input {name!r}")
+        host = self._pad_host(B, bp, host_raw)
+        self._pad_device(B, bp, raw)
+        if self.graphs:
+            self._graphs[bp].replay()
+            out = self._graph_outputs[bp]
+        else:
+            out = self._checked_build(bp)
+        sliced = {}
+        for name, spec in self._outputs.items():
+            n = spec.length(B)
+            t = out[name] if n is None else out[name].narrow(spec.dim, 0, n)
+            sliced[name] = t.clone() if copy else t
+        return RunResult(B, bp, sliced, host, copy)
+
+    # ----------------------------------------------------------------------------------------
+    # Steps
+    # ----------------------------------------------------------------------------------------
+    def _check_inputs(self, what, B, given, device, *, mirrors):
+        expected = [n for n, s in self._inputs.items() if not mirrors or s.mirror is not None]
+        if not isinstance(given, Mapping):
+            raise TypeError(f"{what} must be a mapping of name to tensor")
+        missing = [n for n in expected if n not in given]
+        unknown = [n for n in given if n not in expected]
+        if missing or unknown:
+            raise ValueError(f"{what}: missing {missing}, unexpected {unknown}; expected exactly "
+                             f"{expected}")  # fmt: skip
+        out = {}
+        for name in expected:
+            spec, t = self._inputs[name], given[name]
+            label = f"{what}[{name!r}]"
+            # Host mirrors are copied on the CPU and may come in any dtype; device inputs must
+            # match the captured buffer exactly.
+            dtypes = _DTYPES if mirrors else (spec.buffer.dtype,)
+            validate.tensor(label, t, dtypes=dtypes, device=device, contiguous_last=False)
+            shape = (B * spec.per_request, *spec.row_shape)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{label} must have shape {shape} (batch_size={B} x per_request="
+                                 f"{spec.per_request}), got {tuple(t.shape)}")  # fmt: skip
+            out[name] = t if t.is_contiguous() else t.contiguous()
+        return out
+
+    def _pad_host(self, B: int, bp: int, host_raw: Mapping[str, torch.Tensor]) -> dict:
+        mirrors = {}
+        for name, spec in self._inputs.items():
+            if spec.mirror is None:
+                continue
+            n, npad = B * spec.per_request, bp * spec.per_request
+            if n:
+                spec.mirror[:n].copy_(host_raw[name])
+            spec.mirror[n:npad].fill_(spec.pad)
+            mirrors[name] = spec.mirror[:npad]
+        return dict(self._host(mirrors)) if self._host is not None else {}
+
+    def _pad_device(self, B: int, bp: int, raw: Mapping[str, torch.Tensor]) -> None:
+        for name, spec in self._inputs.items():
+            src = raw.get(name)
+            if src is None:  # capture: every row is padding
+                src = spec.buffer[:0]
+            copy_pad(src, self._views[bp][name], spec.pad)
+
+    def _checked_build(self, bp: int) -> dict[str, torch.Tensor]:
+        out = self._build(types.MappingProxyType(self._views[bp]))
+        if not isinstance(out, Mapping):
+            raise TypeError(
+                f"build must return a mapping of name to tensor, got {type(out).__name__}"
+            )
+        if set(out) != set(self._outputs):
+            raise ValueError(f"build returned {sorted(out)}, but the declared outputs are "
+                             f"{sorted(self._outputs)}")  # fmt: skip
+        for name, spec in self._outputs.items():
+            t = out[name]
+            validate.tensor(f"build output {name!r}", t, dtypes=_DTYPES, contiguous_last=False)
+            n = spec.length(bp)
+            if n is not None:
+                if t.dim() <= spec.dim:
+                    raise ValueError(f"build output {name!r} has no dimension {spec.dim}")
+                validate.at_least(f"build output {name!r}", t.shape[spec.dim], n,
+                                  f"entries in dimension {spec.dim} for Bp={bp}")  # fmt: skip
+        return dict(out)
+
+
+_DTYPES = (
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)  # fmt: skip

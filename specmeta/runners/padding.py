@@ -1,0 +1,192 @@
+"""Pad values of SPEC §4 and the one op that applies them: copy ``[:B]``, pad ``[B:Bp]``.
+
+A padded request must be a complete, consistent request whose every derived index lands on the
+sink (row 0 of ``req_to_token``, slot 0 / page 0 of the pool):
+
+==========================  ====================================================================
+input                       pad value
+==========================  ====================================================================
+``req_pool_indices``        :data:`SINK_ROW` (0, the reserved all-zero row)
+``out_cache_loc``           :data:`SINK_SLOT` (0)
+``positions``               :data:`POSITION` (0)
+``topk_index``              :data:`TOPK_INDEX` (0)
+float inputs                :data:`FLOAT` (0.0)
+``seq_lens``                :func:`seq_lens_fill` (≥ the mode's query width, so every derived
+                            length is valid and every gather reads row 0, i.e. the sink)
+``accept_index``            :data:`NO_ACCEPT` (−1: nothing accepted, a −1 run that is a suffix)
+``accept_lens``             :data:`NOTHING_ACCEPTED` (0)
+tree mask (bool)            :data:`TREE_MASK` (True: a padded node sees its whole window, all
+                            on the sink, so no attention row is empty)
+==========================  ====================================================================
+
+:func:`copy_pad` writes ``dst[:n] = src`` and ``dst[n:] = pad`` in **one** launch per buffer
+(``n = src.shape[0]``), so a runner pads every buffer for the price of the copy it makes anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+
+__all__ = [
+    "SINK_ROW",
+    "SINK_SLOT",
+    "POSITION",
+    "TOPK_INDEX",
+    "FLOAT",
+    "NO_ACCEPT",
+    "NOTHING_ACCEPTED",
+    "TREE_MASK",
+    "seq_lens_fill",
+    "check_pad",
+    "copy_pad",
+    "copy_pad_ref",
+]
+
+SINK_ROW = 0
+"""``req_pool_indices`` pad: row 0 of ``req_to_token`` is reserved and all zeros."""
+SINK_SLOT = 0
+"""``out_cache_loc`` pad: slot 0 (page 0) of the pool is the reserved sink."""
+POSITION = 0
+"""``positions`` pad."""
+TOPK_INDEX = 0
+"""``topk_index`` pad."""
+FLOAT = 0.0
+"""Pad of float inputs (probabilities, hidden states)."""
+NO_ACCEPT = -1
+"""``accept_index`` pad: a row of −1, i.e. no accepted node (SPEC §2.4)."""
+NOTHING_ACCEPTED = 0
+"""``accept_lens`` pad."""
+TREE_MASK = True
+"""Tree-mask pad: every padded node attends to its whole (sink) window, never to nothing."""
+
+
+def seq_lens_fill(*query_widths: int) -> int:
+    """The ``seq_lens`` pad: ``max(1, *query_widths)``, at least every query width the padded
+    batch serves (``K`` for draft decode, ``N`` for target verify and draft extend), so a padded
+    request's lengths (``L + s + 1``, ``L + N``, ``L − lpl``) are valid and reach the sink only.
+
+    Examples
+    --------
+    ``seq_lens_fill(4, 8) → 8`` for a runner that serves draft decode (``K = 4``) and verify
+    (``N = 8``).
+    """
+    for i, q in enumerate(query_widths):
+        validate.positive(f"query_widths[{i}]", q)
+    return max(1, *query_widths)
+
+
+def check_pad(name: str, pad: object, dtype: torch.dtype) -> int | float:
+    """``pad`` as the Python number the copy-pad kernel stores into a ``dtype`` buffer.
+
+    Raises ``TypeError`` for ``None``, a non-number, or a float pad of an integer buffer, and
+    ``ValueError`` for a pad the dtype cannot hold.
+    """
+    if pad is None or not isinstance(pad, (bool, int, float)):
+        raise TypeError(f"{name}: a pad value (int, float or bool) is required, got {pad!r}")
+    if dtype == torch.bool:
+        if pad not in (0, 1):
+            raise ValueError(f"{name}: a bool buffer's pad must be True/False/0/1, got {pad!r}")
+        return int(pad)
+    if dtype.is_floating_point:
+        return float(pad)
+    if isinstance(pad, float) or dtype.is_complex:
+        raise TypeError(f"{name}: pad {pad!r} does not fit a {dtype} buffer")
+    info = torch.iinfo(dtype)
+    if not info.min <= int(pad) <= info.max:
+        raise ValueError(f"{name}: pad {pad} is outside the range of {dtype}")
+    return int(pad)
+
+
+# 1024 elements a program: 8 per thread at 4 warps, enough in flight for a bandwidth-bound copy.
+_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n_src", "n_dst", "pad"])
+def _copy_pad_kernel(
+    src_ptr,  # [n_src] any dtype (the flattened raw input)
+    dst_ptr,  # [n_dst] src's dtype (the flattened padded buffer)
+    n_src,
+    n_dst,
+    pad,
+    BLOCK: tl.constexpr,
+):
+    """One program per ``BLOCK`` elements of ``dst``; the last block is masked."""
+    # pid·BLOCK in 64 bits: a [Bp·K, vocab] probability buffer passes 2**31 elements.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    from_src = i < n_src
+    v = tl.load(src_ptr + i, mask=from_src, other=0)
+    v = tl.where(from_src, v, pad)
+    tl.store(dst_ptr + i, v.to(dst_ptr.dtype.element_ty), mask=i < n_dst)
+
+
+_ANY = (
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)  # fmt: skip
+
+
+def _prepare(src: object, dst: object, pad: object) -> tuple[int | float, int]:
+    validate.tensor("dst", dst, dtypes=_ANY, contiguous_last=False)
+    validate.tensor("src", src, dtypes=(dst.dtype,), device=dst.device, contiguous_last=False)
+    if dst.dim() == 0 or src.dim() != dst.dim() or src.shape[1:] != dst.shape[1:]:
+        raise ValueError(
+            f"src must have shape [n, *{tuple(dst.shape[1:])}] like dst, got src "
+            f"{tuple(src.shape)} and dst {tuple(dst.shape)}"
+        )
+    validate.at_least("dst", dst.shape[0], src.shape[0], "rows")
+    for name, t in (("src", src), ("dst", dst)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return check_pad("pad", pad, dst.dtype), src.numel()
+
+
+def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> torch.Tensor:
+    """``dst[:n] = src``, ``dst[n:] = pad`` with ``n = src.shape[0]``, in one launch.
+
+    Parameters
+    ----------
+    src : torch.Tensor
+        ``[n, *row]``, contiguous, ``dst``'s dtype and device (the raw input of ``n`` rows).
+    dst : torch.Tensor
+        ``[Np, *row]``, contiguous, ``Np ≥ n`` (a static buffer's ``[:Bp·per_request]``).
+    pad : int, float or bool
+        Stored into rows ``[n, Np)``; must fit ``dst``'s dtype (see :func:`check_pad`).
+
+    Returns
+    -------
+    torch.Tensor
+        ``dst``.
+
+    Examples
+    --------
+    ``copy_pad(tensor([5, 7]), dst=<4 elements>, pad=0)`` → ``dst = [5, 7, 0, 0]``.
+
+    Grid ``cdiv(Np·row, 1024)``; sizes are runtime arguments (a new ``n`` compiles nothing);
+    no host sync.
+    """
+    value, n_src = _prepare(src, dst, pad)
+    n_dst = dst.numel()
+    if n_dst == 0:
+        return dst
+    _copy_pad_kernel[(triton.cdiv(n_dst, _BLOCK),)](
+        src if n_src else dst,
+        dst,
+        n_src,
+        n_dst,
+        value,
+        BLOCK=_BLOCK,
+    )
+    return dst
+
+
+def copy_pad_ref(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> torch.Tensor:
+    """Pure-torch :func:`copy_pad` (a copy and a fill)."""
+    value, _ = _prepare(src, dst, pad)
+    n = src.shape[0]
+    dst[:n].copy_(src)
+    dst[n:].fill_(value)
+    return dst

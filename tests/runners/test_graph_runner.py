@@ -1,0 +1,414 @@
+"""The graph runner (SPEC §4): declared padding, bucket choice, poisoned tails, layout checks,
+probes on inputs, and the copy-pad op. On CPU it runs the same path without capture; on CUDA
+the same tests capture and replay graphs, and the GPU tier adds no-sync and no-recompile."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, Status, allocate_buffers, probes
+from specmeta.config import draft_decode_kv_indices_need
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indices
+from specmeta.runners import padding
+from specmeta.runners.graph_runner import GraphRunner
+from specmeta.runners.padding import copy_pad, copy_pad_ref
+from specmeta.workloads import make_batch
+from tests.guard_bands import POISON, assert_equal
+
+BUCKETS = (1, 4, 16, 32)
+SEQUENCE = (32, 12, 3, 1, 0, 32)  # the issue's batch sequence, B = 0 included
+GARBAGE = 5  # a valid row id, length and slot: a missed pad gives wrong-but-plausible rows
+ROWS = 40  # req_to_token rows (fixed: the runner's build reads one persistent table)
+
+
+class DraftMetadata:
+    """The draft-decode metadata set specmeta has today, built into planned buffers."""
+
+    OUTPUTS = {
+        # name: (per_request, extra, dim)
+        "out_cache_loc": lambda c: (c.topk * c.num_steps, 0, 0),
+        "positions": lambda c: (c.topk, 0, 0),
+        "prefix_tail_tgt": lambda c: ((c.topk - 1) * (c.page_size - 1) if c.layout_b else 0, 0, 0),
+        "prefix_tail_src": lambda c: ((c.topk - 1) * (c.page_size - 1) if c.layout_b else 0, 0, 0),
+        "kv_indptr": lambda c: (c.topk, 1, 1),
+        "kv_indices": lambda c: (None, 0, 0),
+    }
+
+    def __init__(self, cfg: SpecConfig, device, req_to_token: torch.Tensor):
+        self.cfg = cfg
+        self.bufs = allocate_buffers(cfg, device)
+        self.req_to_token = req_to_token
+
+    def build(self, inp):
+        c, b = self.cfg, self.bufs
+        args = (inp["req_pool_indices"], self.req_to_token, inp["seq_lens"])
+        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=b["status"])
+        assign_draft_cache_locs(*args, out_cache_loc=b["draft.out_cache_loc"],
+                                positions=b["draft.positions"], **kw)  # fmt: skip
+        prefix_tail_copy_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
+                               src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
+        draft_decode_kv_indices(*args, kv_indices=b["draft_decode.kv_indices"],
+                                kv_indptr=b["draft_decode.kv_indptr"], **kw)  # fmt: skip
+        return {
+            "out_cache_loc": b["draft.out_cache_loc"],
+            "positions": b["draft.positions"],
+            "prefix_tail_tgt": b["draft.prefix_tail_tgt"],
+            "prefix_tail_src": b["draft.prefix_tail_src"],
+            "kv_indptr": b["draft_decode.kv_indptr"],
+            "kv_indices": b["draft_decode.kv_indices"],
+        }
+
+    def host(self, mirrors):
+        """Host scalars of the padded batch, and the capacity check before anything launches."""
+        total = int(mirrors["seq_lens"].sum())
+        bp = mirrors["seq_lens"].shape[0]
+        need = draft_decode_kv_indices_need(total, bp, self.cfg.topk, self.cfg.num_steps)
+        have = self.bufs["draft_decode.kv_indices"].shape[1]
+        if need > have:
+            raise ValueError(f"draft_decode.kv_indices is too small: need {need}, have {have}")
+        return {"seq_lens_sum": total}
+
+
+def _config(k, s, ps, max_bs=32):
+    return SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(s + 1, 1 + k), page_size=ps,
+                      max_bs=max_bs, max_context_len=3 * ps + 5)  # fmt: skip
+
+
+def _runner(cfg, device, req_to_token, fill, buckets=BUCKETS):
+    meta = DraftMetadata(cfg, device, req_to_token)
+    runner = GraphRunner(meta.build, batch_sizes=buckets, device=device, host=meta.host)
+    rows = req_to_token.shape[0]
+    runner.add_input("req_pool_indices", meta.bufs["runner.req_pool_indices"],
+                     pad=padding.SINK_ROW,
+                     probe=functools.partial(probes.detect_oob, lo=0, hi=rows))  # fmt: skip
+    runner.add_input("seq_lens", meta.bufs["runner.seq_lens"], pad=fill, host_mirror=True)
+    for name, rule in DraftMetadata.OUTPUTS.items():
+        per, extra, dim = rule(cfg)
+        runner.add_output(name, per_request=per, extra=extra, dim=dim)
+    return runner, meta
+
+
+def _draw(shape, B, cfg, gen, device, rows=ROWS):
+    return make_batch(shape, batch_size=B, topk=cfg.topk, num_steps=cfg.num_steps,
+                      page_size=cfg.page_size, row_width=cfg.req_to_token_width, generator=gen,
+                      device=device, num_rows=rows, max_len=cfg.max_context_len)  # fmt: skip
+
+
+def _compare(res, eager, cfg, B, seq_lens_sum):
+    K, S = cfg.topk, cfg.num_steps
+    for name in ("out_cache_loc", "positions", "prefix_tail_tgt", "prefix_tail_src", "kv_indptr"):
+        per, extra, dim = DraftMetadata.OUTPUTS[name](cfg)
+        want = eager[name].narrow(dim, 0, B * per + extra)
+        assert_equal(res.outputs[name], want, f"{name} (B={B})")
+    for s in range(S):
+        used = draft_decode_kv_indices_need(seq_lens_sum, B, K, s + 1)
+        assert_equal(res.outputs["kv_indices"][s, :used], eager["kv_indices"][s, :used],
+                     f"kv_indices[{s}] (B={B})")  # fmt: skip
+
+
+def _check_padded_rows(meta, cfg, B, bp, fill, raw_sum):
+    """SPEC §4 read directly: every padded request is a complete request on the sink."""
+    K, S, b = cfg.topk, cfg.num_steps, meta.bufs
+    assert b["runner.req_pool_indices"][B:bp].eq(0).all()
+    assert b["runner.seq_lens"][B:bp].eq(fill).all()
+    assert b["draft.out_cache_loc"][B * K * S : bp * K * S].eq(0).all(), "padded slots: the sink"
+    assert b["draft.positions"][B * K : bp * K].eq(fill).all()
+    w = (K - 1) * (cfg.page_size - 1) if cfg.layout_b else 0
+    assert b["draft.prefix_tail_tgt"][B * w : bp * w].eq(0).all()
+    assert b["draft.prefix_tail_src"][B * w : bp * w].eq(0).all()
+    ptr, idx = b["draft_decode.kv_indptr"], b["draft_decode.kv_indices"]
+    for s in range(S):
+        row = ptr[s, : bp * K + 1].long()
+        lengths = row[1:] - row[:-1]
+        assert lengths[B * K :].eq(fill + s + 1).all(), "padded branch: fill prefix + own chain"
+        assert int(row[-1]) == K * (raw_sum + (bp - B) * fill) + bp * K * (s + 1)
+        assert idx[s, int(row[B * K]) : int(row[-1])].eq(0).all(), "padded lists: the sink"
+
+
+def _poison_tails(runner, meta, B, bp):
+    for spec in runner.inputs.values():
+        spec.buffer[B * spec.per_request : bp * spec.per_request] = GARBAGE
+    for name in ("draft.out_cache_loc", "draft.positions", "draft_decode.kv_indptr",
+                 "draft_decode.kv_indices", "draft.prefix_tail_tgt", "draft.prefix_tail_src"):  # fmt: skip
+        meta.bufs[name].fill_(POISON)
+
+
+# --------------------------------------------------------------------------------------------
+# The batch sequence with poisoned tails
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 2, 1)])
+def test_batch_sequence_with_poisoned_tails(device, gen, k, s, ps):
+    cfg = _config(k, s, ps)
+    fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
+    first = _draw("random", 32, cfg, gen, device)
+    r2t = first.req_to_token.clone()  # the engine's persistent table, read by the graphs
+    runner, meta = _runner(cfg, device, r2t, fill)
+    eager = DraftMetadata(cfg, device, r2t)  # the same build on the raw, unpadded inputs
+    runner.capture()
+    shapes = ("random", "long_short", "modm1", "one", "empty", "max")
+    for B, shape in zip(SEQUENCE, shapes, strict=True):
+        batch = first if B == 32 and shape == "random" else _draw(shape, B, cfg, gen, device)
+        r2t.copy_(batch.req_to_token)
+        bp = runner.bucket(B)
+        assert bp == min(x for x in BUCKETS if x >= B)
+        _poison_tails(runner, meta, B, bp)
+        res = runner.run(
+            B,
+            {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens},
+            host_inputs={"seq_lens": batch.seq_lens_cpu},
+            copy=B % 2 == 1,
+        )
+        assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, B % 2 == 1)
+        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+        want = eager.build(raw)
+        _compare(res, want, cfg, B, batch.seq_lens_sum)
+        assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
+        _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
+        assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
+        assert int(eager.bufs["status"]) == 0
+
+
+def test_views_are_overwritten_by_the_next_run_copies_are_not(device, gen):
+    cfg = _config(2, 2, 1)
+    a = _draw("random", 4, cfg, gen, device)
+    b = _draw("random", 4, cfg, gen, device)
+    b.seq_lens_cpu += 1  # so that b's slots differ from a's
+    b.seq_lens = b.seq_lens_cpu.to(device)
+    b.req_to_token = a.req_to_token
+    runner, _ = _runner(cfg, device, a.req_to_token, 3)
+    runner.capture()
+
+    def run(batch, copy):
+        inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+        return runner.run(4, inputs, host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=copy)
+
+    view = run(a, False).outputs["out_cache_loc"]
+    copied = run(a, True).outputs["out_cache_loc"]
+    before = view.clone()
+    assert torch.equal(copied, before)
+    run(b, False)
+    assert not torch.equal(view, before), "a view follows the next run"
+    assert torch.equal(copied, before), "a copy does not"
+    with pytest.raises(TypeError, match="copy"):
+        runner.run(4, {}, host_inputs={})  # copy= is required
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: no buffer without a pad value
+# --------------------------------------------------------------------------------------------
+def test_a_buffer_cannot_be_registered_without_a_pad(device):
+    runner = GraphRunner(lambda inp: {}, batch_sizes=[2, 8], device=device)
+    buf = torch.zeros(8, dtype=torch.int64, device=device)
+    with pytest.raises(TypeError, match="pad"):
+        runner.add_input("seq_lens", buf)  # keyword-only, no default
+    with pytest.raises(TypeError, match="pad value .* is required"):
+        runner.add_input("seq_lens", buf, pad=None)
+    with pytest.raises(TypeError, match="does not fit"):
+        runner.add_input("seq_lens", buf, pad=0.5)
+    with pytest.raises(ValueError, match="outside the range"):
+        runner.add_input("x", torch.zeros(8, dtype=torch.int8, device=device), pad=300)
+    with pytest.raises(ValueError, match="need 16 rows"):
+        runner.add_input("out_cache_loc", buf, pad=0, per_request=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        runner.add_input("x", torch.zeros(8, 2, device=device).t(), pad=0)
+    with pytest.raises(ValueError, match="must be on"):
+        runner.add_input("x", torch.zeros(8, device="meta"), pad=0)
+    runner.add_input("seq_lens", buf, pad=1)
+    with pytest.raises(ValueError, match="already registered"):
+        runner.add_input("seq_lens", buf, pad=1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        GraphRunner(lambda inp: {}, batch_sizes=[], device=device)
+    with pytest.raises(ValueError, match=">= 1"):
+        GraphRunner(lambda inp: {}, batch_sizes=[0, 4], device=device)
+
+
+def test_bucket_is_the_smallest_captured_size_at_least_b(device):
+    runner = GraphRunner(lambda inp: {}, batch_sizes=[8, 1, 4, 4], device=device)
+    assert runner.batch_sizes == (1, 4, 8)
+    assert [runner.bucket(b) for b in range(9)] == [1, 1, 4, 4, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="exceeds the largest captured bucket 8"):
+        runner.bucket(9)
+    with pytest.raises(ValueError, match="batch_size"):
+        runner.bucket(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Mismatched layouts are refused on the host, before any device work
+# --------------------------------------------------------------------------------------------
+def test_mismatched_layout_cannot_be_replayed(device, gen):
+    cfg = _config(2, 2, 4)
+    batch = _draw("random", 3, cfg, gen, device)
+    runner, meta = _runner(cfg, device, batch.req_to_token, 3)
+    good = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+    host = {"seq_lens": batch.seq_lens_cpu}
+    with pytest.raises(ValueError, match="capture"):
+        runner.run(3, good, host_inputs=host, copy=False)
+    runner.capture()
+    meta.bufs["runner.seq_lens"].fill_(-9)
+    before = meta.bufs["runner.seq_lens"].clone()
+    bad_cases = [
+        (TypeError, "must be int64", 3, {**good, "seq_lens": batch.seq_lens.int()}, host),
+        (ValueError, r"must have shape \(4,\)", 4, good, {"seq_lens": torch.ones(4)}),
+        (ValueError, r"must have shape \(3,\)", 3, {**good, "seq_lens": batch.seq_lens[:2]}, host),
+        (ValueError, "missing", 3, {"seq_lens": batch.seq_lens}, host),
+        (ValueError, "unexpected", 3, {**good, "positions": batch.seq_lens}, host),
+        (ValueError, "host_inputs: missing", 3, good, {}),
+        (ValueError, "exceeds the largest", 33, good, host),
+    ]
+    for exc, match, B, inputs, host_inputs in bad_cases:
+        with pytest.raises(exc, match=match):
+            runner.run(B, inputs, host_inputs=host_inputs, copy=False)
+    assert torch.equal(meta.bufs["runner.seq_lens"], before), "nothing ran before the check"
+    with pytest.raises(ValueError, match="captured"):
+        runner.add_input("late", torch.zeros(64, device=device), pad=0)
+    with pytest.raises(ValueError, match="captured"):
+        runner.add_output("late", per_request=1)
+    # A static buffer that changed storage after capture no longer matches the graphs.
+    meta.bufs["runner.seq_lens"].set_(torch.zeros(64, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="changed shape, dtype or storage"):
+        runner.run(3, good, host_inputs=host, copy=False)
+
+
+def test_host_function_refuses_an_undersized_buffer_before_launch(device, gen):
+    cfg = _config(2, 2, 4)
+    batch = _draw("max", 32, cfg, gen, device)
+    runner, meta = _runner(cfg, device, batch.req_to_token, 3)
+    runner.capture()
+    too_long = batch.seq_lens_cpu + cfg.max_context_len  # past the planned capacity
+    meta.bufs["runner.seq_lens"].fill_(-9)
+    with pytest.raises(ValueError, match="kv_indices is too small: need"):
+        runner.run(32, {"req_pool_indices": batch.req_pool_indices,
+                        "seq_lens": too_long.to(device)},
+                   host_inputs={"seq_lens": too_long}, copy=False)  # fmt: skip
+    assert meta.bufs["runner.seq_lens"].eq(-9).all(), "nothing was copied before the check"
+
+
+def test_build_outputs_must_match_their_declaration(device):
+    buf = torch.zeros(8, dtype=torch.int64, device=device)
+    for returned, match in (({"x": buf, "y": buf}, "declared outputs"), ({"x": buf[:3]}, "need 4")):
+        runner = GraphRunner(lambda inp, r=returned: r, batch_sizes=[4], device=device,
+                             graphs=False)  # fmt: skip
+        runner.add_input("a", buf, pad=0)
+        runner.add_output("x", per_request=1)
+        runner.capture()
+        with pytest.raises(ValueError, match=match):
+            runner.run(1, {"a": buf[:1]}, copy=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Probes on the runner's inputs
+# --------------------------------------------------------------------------------------------
+def test_runner_probes_its_inputs_when_enabled(device, gen):
+    cfg = _config(2, 2, 4)
+    batch = _draw("random", 3, cfg, gen, device)
+    runner, meta = _runner(cfg, device, batch.req_to_token, 3)
+    runner.capture()
+    bad_rpi = batch.req_pool_indices.clone()
+    bad_rpi[1] = ROWS  # one past the last row
+    inputs = {"req_pool_indices": bad_rpi, "seq_lens": batch.seq_lens}
+    host = {"seq_lens": batch.seq_lens_cpu}
+    previous = probes.enable(False)
+    try:
+        runner.run(3, inputs, host_inputs=host, copy=False)  # probes off: the kernels mask it
+        assert int(meta.bufs["status"]) & int(Status.ROW_OOB)
+        if device.type == "cpu":
+            probes.enable(True)
+            meta.bufs["runner.req_pool_indices"].fill_(-9)
+            with pytest.raises(ValueError, match="runner input 'req_pool_indices'.*outside"):
+                runner.run(3, inputs, host_inputs=host, copy=False)
+            assert meta.bufs["runner.req_pool_indices"].eq(-9).all(), "raised before the copy"
+    finally:
+        probes.enable(previous)
+
+
+# --------------------------------------------------------------------------------------------
+# copy_pad
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,pad",
+    [(torch.int64, 0), (torch.int32, -1), (torch.bool, True), (torch.float16, 0.0),
+     (torch.bfloat16, 0), (torch.float32, 1.5), (torch.int64, 2**40), (torch.uint8, 7)],
+)  # fmt: skip
+@pytest.mark.parametrize("n,npad,row", [(3, 7, ()), (0, 5, (3,)), (6, 6, (2, 2)), (0, 0, ())])
+def test_copy_pad_matches_reference_and_spares_the_tail(device, gen, dtype, pad, n, npad, row):
+    # Guard bands in the buffer's own dtype: 99 fits every dtype here and is neither a pad nor a
+    # source value; for bool the guard is the opposite of the pad.
+    guard, m = (not pad) if dtype == torch.bool else 99, 3
+    src = torch.randint(0, 2, (n, *row), generator=gen).to(dtype).to(device)
+    storage = torch.full((m + npad + m, *row), guard, dtype=dtype, device=device)
+    storage[m : m + npad] = guard if dtype == torch.bool else 55  # poison: unwritten shows
+    want = storage.clone()
+    copy_pad(src, storage[m : m + npad], pad)
+    copy_pad_ref(src, want[m : m + npad], pad)
+    assert_equal(storage, want, "copy_pad (guard bands included)")
+    # SPEC §4 read directly: [:n] the raw rows, [n:npad] the pad, the guards untouched.
+    assert torch.equal(storage[m : m + n], src)
+    assert storage[m + n : m + npad].eq(torch.tensor(pad).to(dtype)).all()
+    assert storage[:m].eq(guard).all() and storage[m + npad :].eq(guard).all()
+
+
+def test_copy_pad_rejects_bad_arguments(device):
+    dst = torch.zeros(4, 3, dtype=torch.int64, device=device)
+    with pytest.raises(TypeError, match="src must be int64"):
+        copy_pad(torch.zeros(2, 3, dtype=torch.int32, device=device), dst, 0)
+    with pytest.raises(ValueError, match="shape"):
+        copy_pad(torch.zeros(2, 2, dtype=torch.int64, device=device), dst, 0)
+    with pytest.raises(ValueError, match="need 5 rows"):
+        copy_pad(torch.zeros(5, 3, dtype=torch.int64, device=device), dst, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_pad(torch.zeros(3, 2, dtype=torch.int64, device=device).t(), dst, 0)
+    with pytest.raises(TypeError, match="pad"):
+        copy_pad(dst[:1], dst, None)
+
+
+def test_seq_lens_fill_covers_every_query_width(device):
+    assert padding.seq_lens_fill(4) == 4
+    assert padding.seq_lens_fill(4, 8, 1) == 8
+    with pytest.raises(ValueError):
+        padding.seq_lens_fill(0)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU tier
+# --------------------------------------------------------------------------------------------
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in fn.cache.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,s,ps", [(4, 5, 16), (8, 3, 1)])
+def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
+    from specmeta.kernels.draft_cache_locs import _assign_draft_cache_locs_kernel
+    from specmeta.kernels.draft_decode_kv_indices import _draft_decode_kv_indices_kernel
+    from specmeta.runners.padding import _copy_pad_kernel
+
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=s + 1, page_size=ps, max_bs=256,
+                     max_context_len=2048)  # fmt: skip
+    rows = 300
+    r2t = _draw("random", 256, cfg, gen, "cuda", rows).req_to_token
+    runner, meta = _runner(cfg, "cuda", r2t, cfg.topk, buckets=(1, 8, 64, 256))
+    runner.capture()
+    assert runner.graphs and runner.pool is not None
+    kernels = (_assign_draft_cache_locs_kernel, _draft_decode_kv_indices_kernel, _copy_pad_kernel)
+    batches = [_draw(sh, b, cfg, gen, "cuda", rows) for sh, b in
+               (("random", 200), ("long_short", 33), ("modm1", 7), ("one", 1), ("empty", 0))]  # fmt: skip
+    compiled = [_compiled_variants(f) for f in kernels]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches:
+            r2t.copy_(batch.req_to_token)
+            runner.run(batch.batch_size, {"req_pool_indices": batch.req_pool_indices,
+                                          "seq_lens": batch.seq_lens},
+                       host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=True)  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert [_compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
