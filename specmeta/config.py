@@ -26,6 +26,11 @@ __all__ = [
     "draft_row_need",
     "draft_decode_kv_indices_need",
     "page_table_width",
+    "verify_kv_indices_need",
+    "shared_prefix_chain_need",
+    "tree_custom_mask_need",
+    "branch_kv_indices_need",
+    "trtllm_mla_max_blocks",
 ]
 
 
@@ -56,6 +61,52 @@ def page_table_width(row_width: int, page_size: int) -> int:
 def draft_decode_kv_indices_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int) -> int:
     """Entries of one ``kv_indices`` row for the last step: ``K·ΣL + B·K·rows`` (SPEC §2.2)."""
     return topk * seq_lens_sum + batch * topk * num_rows
+
+
+def verify_kv_indices_need(seq_lens_sum: int, batch: int, extra_tokens: int) -> int:
+    """Entries of the ragged lists ``row_b[0 : L_b + extra]``: ``ΣL + B·extra`` (SPEC §3.3).
+    With ``extra = 0`` it is the shared level of the cascade draft decode."""
+    return seq_lens_sum + batch * extra_tokens
+
+
+def shared_prefix_chain_need(batch: int, topk: int, num_rows: int) -> int:
+    """Entries of one chain-level row of the cascade draft decode for the last step:
+    ``B·K·rows`` (every branch lists its own ``s + 1`` draft slots, nothing of the prefix)."""
+    return batch * topk * num_rows
+
+
+def tree_custom_mask_need(
+    seq_lens_sum: int, batch: int, num_draft_tokens: int, packed: bool = False
+) -> int:
+    """Elements of FlashInfer's flat verify mask: ``N·ΣL + B·N²`` bools; packed (one bit each,
+    every request's segment padded to a whole byte) at most ``floor((N·ΣL + B·N²) / 8) + B``
+    bytes, since ``Σ ceil(x_i / 8) ≤ floor(Σx_i / 8) + B``."""
+    bits = num_draft_tokens * seq_lens_sum + batch * num_draft_tokens * num_draft_tokens
+    return bits // 8 + batch if packed else bits
+
+
+def branch_kv_indices_need(
+    seq_lens_sum: int, batch: int, topk: int, num_rows: int, page_size: int
+) -> int:
+    """Page ids of one per-branch CSR row for the last step, ``K·Σ ceil((L_b + rows) / ps)``,
+    bounded from ``ΣL`` alone by ``K·(floor((ΣL + B·rows) / ps) + B)`` (exact when ``ps == 1``,
+    where it equals :func:`draft_decode_kv_indices_need`)."""
+    if page_size == 1:
+        return draft_decode_kv_indices_need(seq_lens_sum, batch, topk, num_rows)
+    return topk * ((seq_lens_sum + batch * num_rows) // page_size + batch)
+
+
+# TRT-LLM MLA's kernels read the block table in groups of 128 tokens: the number of columns must
+# be a multiple of 128 / page_size pages (1 for pages of 128 tokens or more).
+_TRTLLM_BLOCK_TOKENS = 128
+
+
+def trtllm_mla_max_blocks(max_seq_len: int, page_size: int) -> int:
+    """Columns of TRT-LLM MLA's ``block_kv_indices``: ``ceil(max_seq_len / ps)`` rounded up to a
+    multiple of ``max(1, 128 // ps)`` (SPEC §3.4)."""
+    multiple = max(1, _TRTLLM_BLOCK_TOKENS // page_size)
+    blocks = -(-max_seq_len // page_size)
+    return max(multiple, -(-blocks // multiple) * multiple)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,332 @@
+"""Per-branch page lists in CSR form, one row per draft step: tree drafts for FlashInfer with
+``page_size > 1`` (its paged wrappers take ``kv_indptr`` / ``kv_indices`` /
+``kv_last_page_len``, not a padded table).
+
+Branch ``z = b·K + t`` at step ``s`` (``it = s + 1``) reads ``n_{b,s} = ceil((L_b + it) / ps)``
+pages, the first ``n_{b,s}`` columns of its per-branch page row (see
+:mod:`specmeta.kernels.branch_page_table`; the prefix-tail copies must be in place)::
+
+    kv_indptr[s, z]                 = K·Σ_{b'<b} n_{b',s} + t·n_{b,s}      z in [0, B·K]
+    kv_indices[s, kv_indptr[s,z] + c] = page c of branch (b, t)              c < n_{b,s}
+    kv_last_page_len[s, z]          = (L_b + s) mod ps + 1
+
+With ``ps == 1`` the rows equal :func:`draft_decode_kv_indices`' (layout A).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import branch_kv_indices_need
+from ..status import Status
+from .branch_page_table import branch_page, branch_pages_ref
+from .draft_cache_locs import _check_batch, load_request
+from .draft_decode_kv_indices import _chunk_programs
+
+__all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
+
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
+
+# Page columns one program copies per iteration (as in the kv_indices kernels).
+_BLOCK = 1024
+# seq_lens entries summed per iteration of the per-step exclusive-prefix loop; the partial sums
+# are a [BLOCK_ROWS, BLOCK_B] tile, kept small enough to stay in registers.
+_BLOCK_B = 256
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_idx",
+        "stride_idx", "stride_ptr", "stride_lpl", "chunk_programs",
+    ]
+)  # fmt: skip
+def _branch_kv_indices_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    kv_indices_ptr,  # [≥rows, W_idx] int32|int64, row stride stride_idx
+    kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ptr
+    kv_last_page_len_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_lpl
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    num_rows,
+    W_idx,
+    stride_idx,
+    stride_ptr,
+    stride_lpl,
+    chunk_programs,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
+    BLOCK_K: tl.constexpr,  # next power of two ≥ K
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies page chunks ``c, c +
+    chunk_programs, …`` of the ``K`` branches of request ``b`` into every step row; ``(b, 0)``
+    also writes ``kv_indptr``, ``kv_last_page_len`` and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+    valid = b < B
+
+    # heads[s] = K·Σ_{b'<b} ceil((L_b' + s + 1) / ps), int64 (K·ΣL passes 2**31).
+    r = tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    heads = r * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        prev = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        pages = (prev[None, :] + r[:, None] + page_size) // page_size
+        heads += tl.sum(tl.where(before[None, :], pages, 0), axis=1)
+    heads = heads * TOPK
+
+    stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
+    n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
+    pos_bad = tl.full((), 0, tl.int32)
+    c0 = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(pid_c, tl.cdiv(n_last, BLOCK), chunk_programs):
+        col = c0 + chunk * BLOCK
+        for t in tl.static_range(TOPK):
+            page, used, bad = branch_page(
+                req_to_token_ptr, row_base, row_ok, L, t, col, W_row, page_size, NUM_STEPS
+            )
+            pos_bad |= tl.max((bad & (col < n_last)).to(tl.int32), axis=0)
+            for s in range(0, num_rows):
+                n_s = (L + s + page_size) // page_size
+                dst = tl.sum(tl.where(r == s, heads, 0), axis=0) + t * n_s + col
+                tl.store(
+                    kv_indices_ptr + s * stride_idx64 + dst, page, mask=(col < n_s) & (dst < W_idx)
+                )
+
+    if pid_c == 0:
+        t = tl.arange(0, BLOCK_K)
+        live_t = tl.where(valid, t < TOPK, False)
+        last = b == tl.maximum(B, 1) - 1
+        for s in range(0, num_rows):
+            n_s = tl.where(valid, (L + s + page_size) // page_size, 0)
+            head = tl.sum(tl.where(r == s, heads, 0), axis=0)
+            z = b * TOPK + t
+            tl.store(kv_indptr_ptr + s * stride_ptr + z, head + t * n_s, mask=live_t)
+            tl.store(
+                kv_last_page_len_ptr + s * stride_lpl + z,
+                tl.zeros_like(t) + (L + s) % page_size + 1,
+                mask=live_t,
+            )
+            # The closing entry [s, B·K], from the last program (entry 0 when B == 0).
+            tl.store(
+                kv_indptr_ptr + s * stride_ptr + B * TOPK + t,
+                head + TOPK * n_s + t * 0,
+                mask=tl.where(last, t == 0, False),
+            )
+        if HAS_STATUS:
+            over = valid & (
+                tl.sum(tl.where(r == num_rows - 1, heads, 0), axis=0) + TOPK * n_last > W_idx
+            )
+            bits = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
+            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+    if HAS_STATUS:
+        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(
+    req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows, kv_indices,
+    kv_indptr, kv_last_page_len, seq_lens_sum, status,
+):  # fmt: skip
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    if kv_indices is None:
+        # Without a host total, size for full rows: no device read, no sync.
+        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        width = max(1, branch_kv_indices_need(total, B, topk, rows, page_size))
+        kv_indices = torch.empty((rows, width), dtype=torch.int32, device=device)
+    if kv_indptr is None:
+        kv_indptr = torch.empty((rows, B * topk + 1), dtype=torch.int32, device=device)
+    if kv_last_page_len is None:
+        kv_last_page_len = torch.empty((rows, B * topk), dtype=torch.int32, device=device)
+    for name, t, cols in (
+        ("kv_indices", kv_indices, 0),
+        ("kv_indptr", kv_indptr, B * topk + 1),
+        ("kv_last_page_len", kv_last_page_len, B * topk),
+    ):
+        validate.tensor(name, t, ndim=2, device=device)
+        validate.at_least(name, t.shape[0], rows, "rows")
+        validate.at_least(name, t.shape[1], cols, "columns")
+    if seq_lens_sum is not None:
+        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+        need = branch_kv_indices_need(seq_lens_sum, B, topk, rows, page_size)
+        validate.at_least("kv_indices", kv_indices.shape[1], need,
+                          "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
+    validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len)
+
+
+def branch_kv_indices(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    kv_indices: torch.Tensor | None = None,
+    kv_indptr: torch.Tensor | None = None,
+    kv_last_page_len: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Build the per-branch page lists of every draft step in CSR form, in one launch.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps``.
+    num_rows : int, optional
+        Step rows to build, ``0 ≤ rows ≤ S`` (default ``S``).
+    kv_indices : torch.Tensor, optional
+        ``[≥ rows, W_idx]`` int32 or int64 page ids; stores past ``W_idx`` are dropped and
+        reported. Allocated int32 when omitted.
+    kv_indptr : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K + 1]`` int32 or int64, in pages; entry 0 included.
+    kv_last_page_len : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K]`` int32 or int64, in ``[1, ps]``.
+    seq_lens_sum : int, optional
+        Host-side ``ΣL``; when given, ``kv_indices`` is checked (against an upper bound)
+        before launch.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+
+    Returns
+    -------
+    (kv_indices, kv_indptr, kv_last_page_len) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``seq_lens=[5]``, ``K=2``, ``S=2``, ``ps=4``, step 0 (6 tokens, 2 pages a branch):
+    ``kv_indptr=[0, 2, 4]``, ``kv_indices=[row[0]//4, row[4]//4, row[0]//4, row[8]//4]``,
+    ``kv_last_page_len=[2, 2]``.
+
+    Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths and strides are runtime
+    arguments.
+    """
+    topk, num_steps, page_size, rows, B, out = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+    )  # fmt: skip
+    if rows == 0:
+        return out
+    kv_indices, kv_indptr, kv_last_page_len = out
+    device = req_to_token.device
+    pages = triton.cdiv(req_to_token.shape[1], page_size)
+    grid = (max(B, 1), _chunk_programs(device, B, pages))
+    _branch_kv_indices_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        status if status is not None else kv_indptr,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        rows,
+        kv_indices.shape[1],
+        kv_indices.stride(0),
+        kv_indptr.stride(0),
+        kv_last_page_len.stride(0),
+        grid[1],
+        # code shape
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        BLOCK_ROWS=triton.next_power_of_2(num_steps),
+        BLOCK_K=triton.next_power_of_2(topk),
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def branch_kv_indices_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    kv_indices: torch.Tensor | None = None,
+    kv_indptr: torch.Tensor | None = None,
+    kv_last_page_len: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`branch_kv_indices` (vectorised over the batch; syncs)."""
+    topk, num_steps, page_size, rows, B, out = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+    )  # fmt: skip
+    if rows == 0:
+        return out
+    kv_indices, kv_indptr, kv_last_page_len = out
+    K, ps = topk, page_size
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    n_last = (L + rows - 1 + ps) // ps
+    width = int(n_last.max()) if B else 0
+    pages, _, bad, bits = branch_pages_ref(
+        req_pool_indices, req_to_token, seq_lens, K, num_steps, ps, width
+    )
+    c = torch.arange(width, device=L.device).view(1, 1, -1)
+    if bool((bad & (c < n_last.view(-1, 1, 1))).any()) or bool((seq_lens < 0).any()):
+        bits |= int(Status.POS_OOB)
+    W_idx = kv_indices.shape[1]
+    zb = torch.arange(B * K, device=L.device) // K
+    zt = torch.arange(B * K, device=L.device) % K
+    pages = pages.reshape(B * K, width)
+    for s in range(rows):
+        n = (L + s + ps) // ps  # [B]
+        head = K * (torch.cumsum(n, 0) - n)
+        start = head[zb] + zt * n[zb]
+        kv_indptr[s, : B * K] = start.to(kv_indptr.dtype)
+        kv_indptr[s, B * K] = K * int(n.sum()) if B else 0
+        kv_last_page_len[s, : B * K] = ((L[zb] + s) % ps + 1).to(kv_last_page_len.dtype)
+        dst = start.view(-1, 1) + c.view(1, -1)
+        keep = (c.view(1, -1) < n[zb].view(-1, 1)) & (dst < W_idx)
+        kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)
+        if B and K * int(n.sum()) > W_idx:
+            bits |= int(Status.OUT_OF_CAPACITY)
+    if status is not None and bits:
+        status |= bits
+    return out

@@ -1,0 +1,328 @@
+"""Per-branch page tables: tree drafts for single-pass paged consumers (TRT-LLM MLA, FlashMLA).
+
+Consumers that take one page list per query row and have no cascade can still serve ``K > 1``
+draft decode if every branch gets a row of its own. Over slot layout B (SPEC §1), branch row
+``r = b·K + t`` lists the request's full prefix pages, then the pages of the branch's own
+region, whose first ``lpl_b`` slots hold the prefix tail (the real last partial page for
+``t = 0``, a copy made by ``prefix_tail_copy_pairs`` + ``move_kv_cache`` for ``t ≥ 1``)::
+
+    page_table[r, c]      = row_b[c·ps] // ps                               c < L_b // ps
+    page_table[r, P0 + c] = row_b[base_b + t·nnp_b·ps + c·ps] // ps          c < nnp_b
+    page_table[r, c]      = fill_value                                      beyond
+    seq_lens_k[s, r]      = L_b + s + 1                                     s < rows
+
+so logical position ``q < L_b + S`` of branch ``t`` sits on page ``page_table[r, q // ps]`` at
+offset ``q % ps``. One formula covers every layout: with ``ps == 1`` the region of branch ``t``
+is ``L_b + t·S`` (layout A), with ``K == 1`` it continues the prefix, and a row then equals the
+request's own page row. A row uses ``ceil((L_b + S) / ps)`` columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import draft_pages_per_branch
+from ..status import Status
+from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
+from .draft_decode_kv_indices import _target_programs
+
+__all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_pages_ref"]
+
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
+
+# Columns one program writes per iteration for all K rows of its request.
+_BLOCK = 512
+
+
+@triton.jit
+def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
+                NUM_STEPS: tl.constexpr):  # fmt: skip
+    """Page of column ``c`` (any shape) of branch ``t``'s row: ``(page, used, pos_bad)``;
+    ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where unused or out of the row."""
+    lpl = L % page_size
+    base = L - lpl
+    full = base // page_size
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+    in_prefix = c < full
+    used = c < full + nnp
+    pos = tl.where(in_prefix, c * page_size, base + (t * nnp + (c - full)) * page_size)
+    in_row = pos < W_row
+    slot = tl.load(
+        req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
+    )
+    return slot // page_size, used, used & ~in_row
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W",
+        "stride_pt", "stride_sl", "fill_value", "chunk_programs",
+    ]
+)  # fmt: skip
+def _branch_page_table_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥B*K, W] int32|int64, row stride stride_pt
+    seq_lens_k_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_sl
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    num_rows,
+    W,
+    stride_pt,
+    stride_sl,
+    fill_value,
+    chunk_programs,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_PTR: tl.constexpr,  # next power of two ≥ S*K
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes column chunks ``c, c +
+    chunk_programs, …`` of the ``K`` rows of request ``b`` (prefix pages loaded once);
+    ``(b, 0)`` also writes ``seq_lens_k`` and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+    valid = b < B
+    stride_pt64 = stride_pt.to(tl.int64)  # row·stride passes 2**31 for large tables
+    pos_bad = tl.full((), 0, tl.int32)
+    c0 = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(pid_c, tl.cdiv(W, BLOCK), chunk_programs):
+        col = c0 + chunk * BLOCK
+        in_w = tl.where(valid, col < W, False)
+        for t in tl.static_range(TOPK):
+            page, used, bad = branch_page(
+                req_to_token_ptr, row_base, row_ok, L, t, col, W_row, page_size, NUM_STEPS
+            )
+            val = tl.where(used, page, fill_value)
+            row = page_table_ptr + (b * TOPK + t) * stride_pt64
+            tl.store(row + col, val, mask=in_w)
+            pos_bad |= tl.max((bad & in_w).to(tl.int32), axis=0)
+
+    if pid_c == 0:
+        f = tl.arange(0, BLOCK_PTR)
+        s = f // TOPK
+        z = b * TOPK + f % TOPK
+        tl.store(
+            seq_lens_k_ptr + s * stride_sl + z, L + s + 1, mask=tl.where(valid, s < num_rows, False)
+        )
+    if HAS_STATUS:
+        nnp = (L % page_size + NUM_STEPS + page_size - 1) // page_size
+        over = tl.where(valid, L // page_size + nnp > W, False) & (pid_c == 0)
+        bits = (
+            tl.where(row_ok, 0, _ROW_OOB)
+            | tl.where((pos_bad != 0) | ~L_ok, _POS_OOB, 0)
+            | tl.where(over, _OUT_OF_CAPACITY, 0)
+        )
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+             page_table, seq_lens_k, max_seq_len, status):  # fmt: skip
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    if page_table is None:
+        width = triton.cdiv(req_to_token.shape[1], page_size)
+        page_table = torch.empty((B * topk, width), dtype=torch.int32, device=device)
+    if seq_lens_k is None:
+        seq_lens_k = torch.empty((rows, B * topk), dtype=torch.int32, device=device)
+    validate.tensor("page_table", page_table, ndim=2, device=device)
+    validate.tensor("seq_lens_k", seq_lens_k, ndim=2, device=device)
+    validate.at_least("page_table", page_table.shape[0], B * topk, "rows (B*topk)")
+    validate.at_least("seq_lens_k", seq_lens_k.shape[0], rows, "rows")
+    validate.at_least("seq_lens_k", seq_lens_k.shape[1], B * topk, "columns (B*topk)")
+    if max_seq_len is not None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+            raise TypeError(f"max_seq_len must be a host int, got {type(max_seq_len).__name__}")
+        # L // ps + nnp(L) == ceil((L + S) / ps), monotone in L.
+        need = max_seq_len // page_size + draft_pages_per_branch(max_seq_len, num_steps, page_size)
+        validate.at_least("page_table", page_table.shape[1], need, "columns (ceil((L+S)/ps))")
+    validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, seq_lens_k
+
+
+def branch_page_table(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    fill_value: int = 0,
+    page_table: torch.Tensor | None = None,
+    seq_lens_k: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build one page row per draft branch and its per-step KV lengths, in one launch.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps``.
+    num_rows : int, optional
+        Steps of ``seq_lens_k`` to write, ``0 ≤ rows ≤ S`` (default ``S``); the table itself
+        covers all ``S`` draft slots.
+    fill_value : int
+        Written to every column past a row's ``ceil((L_b + S) / ps)`` pages: 0 (the sink page)
+        for FlashMLA-style consumers, −1 for TRT-LLM MLA.
+    page_table : torch.Tensor, optional
+        ``[≥ B·K, W]`` int32 or int64; rows ``[0, B·K)`` are written over all ``W`` columns;
+        pages past ``W`` are dropped and reported. Allocated ``[B·K, ceil(W_row / ps)]``
+        int32 when omitted.
+    seq_lens_k : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K]`` int32 or int64: ``seq_lens_k[s, b·K + t] = L_b + s + 1``.
+    max_seq_len : int, optional
+        Host-side ``max L_b``; when given, ``page_table`` is checked before launch.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+
+    Returns
+    -------
+    (page_table, seq_lens_k) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``seq_lens=[5]``, ``K=2``, ``S=2``, ``ps=4``: ``lpl=1``, ``nnp=1``; row 0 =
+    ``[row[0]//4, row[4]//4]``, row 1 = ``[row[0]//4, row[8]//4]`` (its region's page, slot
+    ``row[8]`` holding the copy of position 4); ``seq_lens_k=[[6, 6], [7, 7]]``.
+
+    Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths, widths and strides are
+    runtime arguments.
+    """
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        page_table, seq_lens_k, max_seq_len, status,
+    )  # fmt: skip
+    if B == 0:
+        return page_table, seq_lens_k
+    device = req_to_token.device
+    W = page_table.shape[1]
+    per_request = triton.cdiv(_target_programs(device), B)
+    grid = (B, max(1, min(per_request, triton.cdiv(W, _BLOCK))))
+    _branch_page_table_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        page_table,
+        seq_lens_k,
+        status if status is not None else seq_lens_k,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        rows,
+        W,
+        page_table.stride(0),
+        seq_lens_k.stride(0),
+        fill_value,
+        grid[1],
+        # code shape
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        BLOCK=_BLOCK,
+        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return page_table, seq_lens_k
+
+
+def branch_pages_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``[B, K, width]`` pages of every branch row (0 where unused), the ``[B, K, width]``
+    "used" mask, the mask of used columns whose position fell past ``W_row``, and the
+    ``ROW_OOB`` bit; vectorised. Shared with ``branch_kv_indices``."""
+    device = req_to_token.device
+    ps = page_size
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    lpl = L % ps
+    base = L - lpl
+    full = base // ps
+    nnp = (lpl + num_steps + ps - 1) // ps
+    t = torch.arange(topk, device=device).view(1, -1, 1)
+    c = torch.arange(width, device=device).view(1, 1, -1)
+    used = (c < full + nnp).expand(L.shape[0], topk, width)
+    pos = torch.where(c < full, c * ps, base + (t * nnp + (c - full)) * ps)
+    pos = torch.where(used, pos, 0)
+    slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    pages = torch.where(used, slots // ps, 0)
+    return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
+
+
+def branch_page_table_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    fill_value: int = 0,
+    page_table: torch.Tensor | None = None,
+    seq_lens_k: torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`branch_page_table` (vectorised; syncs)."""
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        page_table, seq_lens_k, max_seq_len, status,
+    )  # fmt: skip
+    if B == 0:
+        return page_table, seq_lens_k
+    W = page_table.shape[1]
+    # One column more than the table: a used page past W is what the kernel drops and reports.
+    pages, used, bad, bits = branch_pages_ref(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, W + 1
+    )
+    if bool(bad[:, :, :W].any()):
+        bits |= int(Status.POS_OOB)
+    table = torch.where(used, pages, fill_value).reshape(B * topk, W + 1)
+    page_table[: B * topk] = table[:, :W].to(page_table.dtype)
+    if bool(used[:, :, W].any()):
+        bits |= int(Status.OUT_OF_CAPACITY)
+    if bool((seq_lens < 0).any()):
+        bits |= int(Status.POS_OOB)
+    L = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
+    s = torch.arange(rows, device=seq_lens.device).view(-1, 1)
+    seq_lens_k[:rows, : B * topk] = (L.view(1, -1) + s + 1).to(seq_lens_k.dtype)
+    if status is not None and bits:
+        status |= bits
+    return page_table, seq_lens_k

@@ -1,0 +1,357 @@
+"""Cascade (shared-prefix) draft-decode KV lists for page-size-1 consumers, in one launch.
+
+The per-branch lists of :mod:`specmeta.kernels.draft_decode_kv_indices` copy every request's
+prefix ``K`` times into each of the ``S`` step rows: ``S·K·ΣL`` entries written per draft
+iteration. A cascade consumer (FlashInfer's ``MultiLevelCascadeAttentionWrapper``, or two
+attention passes merged by log-sum-exp) needs each prefix once:
+
+* **prefix level**, step independent, query stride ``K`` (the ``K`` branches of request ``b``
+  are its ``K`` query rows)::
+
+      prefix_kv_indptr[b]                         = Σ_{b'<b} L_b'          b in [0, B]
+      prefix_kv_indices[prefix_kv_indptr[b] + k]  = row_b[k]               k < L_b
+
+* **chain level**, one row per step ``s`` (``it = s + 1``), query stride 1, branch
+  ``z = b·K + t``::
+
+      chain_kv_indptr[s, z]                       = z·it                   z in [0, B·K]
+      chain_kv_indices[s, z·it + j]               = row_b[p(b, t, j)]      j < it
+
+``ΣL + B·K·S·(S+1)/2`` entries in all instead of ``S·(K·ΣL + B·K·(S+1)/2)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
+from ..status import Status
+from .draft_cache_locs import (
+    _check_batch,
+    draft_positions_ref,
+    draft_slot_position,
+    gather_rows_ref,
+    load_request,
+)
+from .draft_decode_kv_indices import _chunk_programs
+from .verify_kv_indices import copy_row_prefix, exclusive_length_sum, ragged_prefix_ref
+
+__all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
+
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
+
+# Prefix entries one program copies per iteration (as in draft_decode_kv_indices).
+_BLOCK = 1024
+# seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
+_BLOCK_B = 1024
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
+        "W_chain", "stride_chain", "stride_chain_ptr", "chunk_programs",
+    ]
+)  # fmt: skip
+def _shared_prefix_kv_indices_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    prefix_kv_indices_ptr,  # [W_prefix] int32|int64
+    prefix_kv_indptr_ptr,  # [≥B+1] int32|int64
+    chain_kv_indices_ptr,  # [≥rows, W_chain] int32|int64, row stride stride_chain
+    chain_kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_chain_ptr
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    page_size,
+    num_rows,
+    W_prefix,
+    W_chain,
+    stride_chain,
+    stride_chain_ptr,
+    chunk_programs,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    LAYOUT_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_CHAIN: tl.constexpr,  # next power of two ≥ S*K*S
+    BLOCK_PTR: tl.constexpr,  # next power of two ≥ S*K
+    BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies prefix chunks ``c, c +
+    chunk_programs, …`` of request ``b`` once; ``(b, 0)`` also writes the request's chains, both
+    indptrs and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+    )
+    n = tl.where(b < B, L, 0)
+    start = exclusive_length_sum(seq_lens_ptr, b, 0, BLOCK_B)  # int64: ΣL passes 2**31
+    copy_row_prefix(
+        req_to_token_ptr, row_base, row_ok, n, W_row, prefix_kv_indices_ptr, start, W_prefix, c,
+        chunk_programs, BLOCK,
+    )  # fmt: skip
+
+    if c == 0:
+        tl.store(prefix_kv_indptr_ptr + b + 1, start + n, mask=b < B)
+        tl.store(prefix_kv_indptr_ptr + b, start * 0, mask=b == 0)
+
+        # Own chains: entry (s, t, j) for j ≤ s < rows.
+        e = tl.arange(0, BLOCK_CHAIN)
+        s = e // (TOPK * NUM_STEPS)
+        t = (e // NUM_STEPS) % TOPK
+        j = e % NUM_STEPS
+        live = tl.where(b < B, (s < num_rows) & (j <= s), False)
+        p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
+        v = tl.load(
+            req_to_token_ptr + row_base + p,
+            mask=tl.where(row_ok, live & (p < W_row), False),
+            other=0,
+        )
+        dst = (b * TOPK + t) * (s + 1) + j  # int64 (b is): B·K·S stays small, but cheap
+        tl.store(
+            chain_kv_indices_ptr + s.to(tl.int64) * stride_chain + dst,
+            v,
+            mask=live & (dst < W_chain),
+        )
+
+        # chain_kv_indptr[s, b·K + t] = (b·K + t)·(s + 1) for t < K.
+        f = tl.arange(0, BLOCK_PTR)
+        s = f // TOPK
+        z = b * TOPK + f % TOPK
+        tl.store(
+            chain_kv_indptr_ptr + s * stride_chain_ptr + z,
+            z * (s + 1),
+            mask=tl.where(b < B, s < num_rows, False),
+        )
+        # The closing entry [s, B·K] = B·K·(s + 1), from the last program (entry 0 when B == 0).
+        last = b == tl.maximum(B, 1) - 1
+        r = tl.arange(0, BLOCK_ROWS)
+        tl.store(
+            chain_kv_indptr_ptr + r * stride_chain_ptr + B * TOPK,
+            (r + 1).to(tl.int64) * (B * TOPK),
+            mask=tl.where(last, r < num_rows, False),
+        )
+
+        if HAS_STATUS:
+            chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
+            over = (start + n > W_prefix) | ((b + 1) * TOPK * num_rows > W_chain)
+            bits = (
+                tl.where(row_ok, 0, _ROW_OOB)
+                | tl.where(chain_bad | (n > W_row) | ~L_ok, _POS_OOB, 0)
+                | tl.where(over & (b < B), _OUT_OF_CAPACITY, 0)
+            )
+            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(
+    req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+    prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
+):  # fmt: skip
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    if prefix_kv_indices is None:
+        # Without a host total, size for full rows: no device read, no sync.
+        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        prefix_kv_indices = torch.empty(
+            max(1, verify_kv_indices_need(total, B, 0)), dtype=req_to_token.dtype, device=device
+        )
+    if prefix_kv_indptr is None:
+        prefix_kv_indptr = torch.empty(B + 1, dtype=torch.int32, device=device)
+    if chain_kv_indices is None:
+        chain_kv_indices = torch.empty(
+            (rows, max(1, shared_prefix_chain_need(B, topk, rows))),
+            dtype=req_to_token.dtype,
+            device=device,
+        )
+    if chain_kv_indptr is None:
+        chain_kv_indptr = torch.empty((rows, B * topk + 1), dtype=torch.int32, device=device)
+    validate.tensor("prefix_kv_indices", prefix_kv_indices, ndim=1, device=device)
+    validate.tensor("prefix_kv_indptr", prefix_kv_indptr, ndim=1, device=device)
+    validate.tensor("chain_kv_indices", chain_kv_indices, ndim=2, device=device)
+    validate.tensor("chain_kv_indptr", chain_kv_indptr, ndim=2, device=device)
+    validate.at_least("prefix_kv_indptr", prefix_kv_indptr.shape[0], B + 1, "entries (B + 1)")
+    validate.at_least("chain_kv_indices", chain_kv_indices.shape[0], rows, "rows")
+    validate.at_least("chain_kv_indptr", chain_kv_indptr.shape[0], rows, "rows")
+    validate.at_least(
+        "chain_kv_indptr", chain_kv_indptr.shape[1], B * topk + 1, "columns (B*topk + 1)"
+    )
+    validate.at_least(
+        "chain_kv_indices", chain_kv_indices.shape[1], shared_prefix_chain_need(B, topk, rows),
+        "columns (B*topk*rows)",
+    )  # fmt: skip
+    if seq_lens_sum is not None:
+        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+        validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
+                          "entries (ΣL)")  # fmt: skip
+    validate.status(status, device)
+    out = (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
+    return topk, num_steps, rows, B, out
+
+
+def shared_prefix_kv_indices(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    num_rows: int | None = None,
+    prefix_kv_indices: torch.Tensor | None = None,
+    prefix_kv_indptr: torch.Tensor | None = None,
+    chain_kv_indices: torch.Tensor | None = None,
+    chain_kv_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Build both levels of the cascade draft decode, all steps, in one launch.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, SPEC §1).
+    num_rows : int, optional
+        Chain rows (steps) to build, ``0 ≤ rows ≤ S`` (default ``S``). The prefix level is
+        built whatever ``rows`` is.
+    prefix_kv_indices : torch.Tensor, optional
+        ``[W_prefix]`` int32 or int64; ``ΣL`` entries are written, stores past ``W_prefix``
+        are dropped and reported.
+    prefix_kv_indptr : torch.Tensor, optional
+        ``[≥ B + 1]`` int32 or int64; entries ``0 … B`` (entry 0 included).
+    chain_kv_indices : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K·rows]`` int32 or int64; row ``s`` uses ``B·K·(s+1)`` entries.
+    chain_kv_indptr : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K + 1]`` int32 or int64; entries ``[s, 0 … B·K]``.
+    seq_lens_sum : int, optional
+        Host-side ``ΣL``; when given, ``prefix_kv_indices`` is checked before launch.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+
+    Returns
+    -------
+    (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
+
+    Examples
+    --------
+    ``seq_lens=[3, 1]``, ``K=2``, ``S=2``, ``ps=1`` → ``prefix_kv_indptr=[0, 3, 4]``,
+    ``prefix_kv_indices=[r0[0], r0[1], r0[2], r1[0]]``; chain row 1 (``it=2``):
+    ``chain_kv_indptr=[0, 2, 4, 6, 8]``, ``chain_kv_indices=[r0[3], r0[4], r0[5], r0[6],
+    r1[1], r1[2], r1[3], r1[4]]``.
+
+    Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
+    ``B``, lengths and strides are runtime arguments.
+    """
+    topk, num_steps, rows, B, out = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
+        status,
+    )  # fmt: skip
+    prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
+    device = req_to_token.device
+    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    _shared_prefix_kv_indices_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        prefix_kv_indices,
+        prefix_kv_indptr,
+        chain_kv_indices,
+        chain_kv_indptr,
+        status if status is not None else prefix_kv_indptr,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_size,
+        rows,
+        prefix_kv_indices.shape[0],
+        chain_kv_indices.shape[1],
+        chain_kv_indices.stride(0),
+        chain_kv_indptr.stride(0),
+        grid[1],
+        # code shape
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        LAYOUT_B=uses_layout_b(topk, page_size),
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
+        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
+        BLOCK_ROWS=triton.next_power_of_2(num_steps),
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def shared_prefix_kv_indices_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int = 1,
+    num_rows: int | None = None,
+    prefix_kv_indices: torch.Tensor | None = None,
+    prefix_kv_indptr: torch.Tensor | None = None,
+    chain_kv_indices: torch.Tensor | None = None,
+    chain_kv_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`shared_prefix_kv_indices` (vectorised over the batch; syncs)."""
+    topk, num_steps, rows, B, out = _prepare(
+        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+        prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
+        status,
+    )  # fmt: skip
+    prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
+    device = req_to_token.device
+    K = topk
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    end = torch.cumsum(L, 0)
+    prefix_kv_indptr[0] = 0
+    prefix_kv_indptr[1 : B + 1] = end.to(prefix_kv_indptr.dtype)
+    bits = ragged_prefix_ref(req_pool_indices, req_to_token, L, prefix_kv_indices, end - L)
+    if B and int(end[-1]) > prefix_kv_indices.shape[0]:
+        bits |= int(Status.OUT_OF_CAPACITY)
+    if B and bool((seq_lens < 0).any()):
+        bits |= int(Status.POS_OOB)
+
+    chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
+    chain, chain_bits = gather_rows_ref(req_to_token, req_pool_indices, chain_pos)
+    bits |= chain_bits
+    chain = chain.reshape(B * K, rows)
+    z = torch.arange(B * K + 1, device=device)
+    for s in range(rows):
+        it = s + 1
+        chain_kv_indptr[s, : B * K + 1] = (z * it).to(chain_kv_indptr.dtype)
+        chain_kv_indices[s, : B * K * it] = chain[:, :it].reshape(-1).to(chain_kv_indices.dtype)
+    if status is not None and bits:
+        status |= bits
+    return out

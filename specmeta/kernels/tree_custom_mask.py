@@ -1,0 +1,279 @@
+"""FlashInfer's flat target-verify mask from a draft-tree mask (SPEC §3.3).
+
+Request ``i`` owns an ``N × (L_i + N)`` row-major block: query row ``j`` (tree node ``j``) sees
+every prefix column and the tree columns of its ancestors and itself::
+
+    mask_indptr[i]                                   = Σ_{i'<i} N·(L_i' + N)
+    custom_mask[mask_indptr[i] + j·(L_i + N) + c]    = 1                    for c < L_i
+    custom_mask[mask_indptr[i] + j·(L_i + N) + L_i + c'] = tree_mask[i, j, c']   for c' < N
+
+The packed form is what FlashInfer's prefill ``plan()`` makes of it with
+``segment_packbits(custom_mask, mask_indptr, bitorder="little")``: every request's segment packed
+eight elements a byte, element ``e`` at bit ``e % 8`` of byte ``e // 8`` (little-endian within
+the byte), the segment padded with zero bits to a whole byte, and ``mask_indptr`` counting bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import tree_custom_mask_need
+from ..status import Status
+from .draft_decode_kv_indices import _target_programs
+
+__all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
+
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
+
+# Output elements (bools, or bytes of eight bits) per program iteration.
+_BLOCK = 1024
+# seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
+_BLOCK_B = 1024
+
+
+@triton.jit
+def _segment_start(seq_lens_ptr, b, N, PACKED: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Σ_{i<b} of the segment sizes: ``N·(L_i + N)`` elements, or ``ceil(N·(L_i + N) / 8)``
+    bytes when packed (int64: N·ΣL passes 2**31 at long contexts)."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        size = N * (L + N)
+        if PACKED:
+            size = (size + 7) // 8
+        cum += tl.sum(tl.where(before, size, 0), axis=0)
+    return cum
+
+
+@triton.jit
+def _mask_value(tree_ptr, valid, bit, n_bits, L, N, stride_mj):
+    """The mask element ``bit`` of a request's block (any shape of ``bit``); 0 past ``n_bits``."""
+    cols = L + N
+    j = bit // cols
+    col = bit % cols
+    live = tl.where(valid, bit < n_bits, False)
+    in_tree = col >= L
+    m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)
+    return (live & (~in_tree | (m != 0))).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["B", "N", "stride_mb", "stride_mj", "W_mask", "chunk_programs"])
+def _tree_custom_mask_kernel(
+    seq_lens_ptr,  # [B] int32|int64
+    tree_mask_ptr,  # [B, N, N] uint8 view of bool, strides (stride_mb, stride_mj, 1)
+    custom_mask_ptr,  # [W_mask] uint8 (bool view, or packed bytes)
+    mask_indptr_ptr,  # [≥B+1] int32|int64
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    N,
+    stride_mb,
+    stride_mj,
+    W_mask,
+    chunk_programs,
+    PACKED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes chunks ``c, c +
+    chunk_programs, …`` of request ``b``'s segment; ``(b, 0)`` also writes ``mask_indptr[b + 1]``
+    (entry 0 from ``b = 0``) and the status."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    valid = b < B
+    L = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
+    L_ok = L >= 0
+    L = tl.maximum(L, 0)
+    n_bits = tl.where(valid, N * (L + N), 0)
+    n = n_bits
+    if PACKED:
+        n = (n_bits + 7) // 8
+    start = _segment_start(seq_lens_ptr, b, N, PACKED, BLOCK_B)
+    tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
+
+    e0 = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(c, tl.cdiv(n, BLOCK), chunk_programs):
+        e = e0 + chunk * BLOCK
+        if PACKED:
+            k = tl.arange(0, 8)
+            bits = _mask_value(
+                tree_ptr, valid, e[:, None] * 8 + k[None, :], n_bits, L, N, stride_mj
+            )
+            v = tl.sum(bits << k[None, :], axis=1)
+        else:
+            v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj)
+        dst = start + e
+        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n) & (dst < W_mask))
+
+    if c == 0:
+        tl.store(mask_indptr_ptr + b + 1, start + n, mask=valid)
+        tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
+        if HAS_STATUS:
+            bits = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
+            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
+    validate.tensor("seq_lens", seq_lens, ndim=1)
+    device = seq_lens.device
+    B = seq_lens.shape[0]
+    validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=device)
+    N = tree_mask.shape[1]
+    if tree_mask.shape != (B, N, N):
+        raise ValueError(
+            f"tree_mask must have shape [B, N, N] = [{B}, N, N], got {tuple(tree_mask.shape)}"
+        )
+    if not isinstance(packed, bool):
+        raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
+    out_dtype = torch.uint8 if packed else torch.bool
+    if custom_mask is None:
+        if seq_lens_sum is None:
+            raise ValueError("tree_custom_mask needs custom_mask or seq_lens_sum to size the mask")
+        need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
+        custom_mask = torch.empty(max(1, need), dtype=out_dtype, device=device)
+    if mask_indptr is None:
+        mask_indptr = torch.empty(B + 1, dtype=torch.int32, device=device)
+    validate.tensor("custom_mask", custom_mask, dtypes=(out_dtype,), ndim=1, device=device)
+    validate.tensor("mask_indptr", mask_indptr, ndim=1, device=device)
+    validate.at_least("mask_indptr", mask_indptr.shape[0], B + 1, "entries (B + 1)")
+    if seq_lens_sum is not None:
+        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+        need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
+        what = "bytes (bound: floor((N*ΣL + B*N²)/8) + B)" if packed else "elements (N*ΣL + B*N²)"
+        validate.at_least("custom_mask", custom_mask.shape[0], need, what)
+    validate.status(status, device)
+    return B, N, custom_mask, mask_indptr
+
+
+def tree_custom_mask(
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    packed: bool = False,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build FlashInfer's flat verify mask (or its packed-bit form) in one launch.
+
+    Parameters
+    ----------
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_i``.
+    tree_mask : torch.Tensor
+        ``[B, N, N]`` bool, ``tree_mask[i, j, c]`` iff ``c == j`` or ``c`` is an ancestor of
+        ``j`` (unit stride in the last dimension).
+    packed : bool
+        ``False``: one bool per element. ``True``: eight elements a byte, little-endian bit
+        order, each request's segment padded to a whole byte (FlashInfer's
+        ``segment_packbits(..., bitorder="little")``).
+    custom_mask : torch.Tensor, optional
+        ``[W_mask]`` bool (or uint8 when ``packed``); stores past ``W_mask`` are dropped and
+        reported. Allocated from ``seq_lens_sum`` when omitted (one of the two is required).
+    mask_indptr : torch.Tensor, optional
+        ``[≥ B + 1]`` int32 or int64: segment starts in elements (bytes when ``packed``),
+        entry 0 included.
+    seq_lens_sum : int, optional
+        Host-side ``ΣL``; when given, ``custom_mask`` is checked before launch.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens``, read as 0), ``OUT_OF_CAPACITY``.
+
+    Returns
+    -------
+    (custom_mask, mask_indptr) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``seq_lens=[1]``, ``N=2``, root 0 with child 1 → rows ``[1, 1, 0]`` and ``[1, 1, 1]``:
+    ``custom_mask=[1, 1, 0, 1, 1, 1]``, ``mask_indptr=[0, 6]``; packed: one byte
+    ``0b111011 = 59``, ``mask_indptr=[0, 1]``.
+
+    Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
+    ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
+    """
+    B, N, custom_mask, mask_indptr = _prepare(
+        seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
+    )
+    device = seq_lens.device
+    grid = (max(B, 1), max(1, triton.cdiv(_target_programs(device), max(B, 1))))
+    _tree_custom_mask_kernel[grid](
+        seq_lens,
+        tree_mask.view(torch.uint8),
+        custom_mask.view(torch.uint8),
+        mask_indptr,
+        status if status is not None else mask_indptr,
+        # sizes
+        B,
+        N,
+        tree_mask.stride(0),
+        tree_mask.stride(1),
+        custom_mask.shape[0],
+        grid[1],
+        # code shape
+        PACKED=packed,
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return custom_mask, mask_indptr
+
+
+def tree_custom_mask_ref(
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    packed: bool = False,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+    seq_lens_sum: int | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`tree_custom_mask` (vectorised over every element; syncs)."""
+    B, N, custom_mask, mask_indptr = _prepare(
+        seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
+    )
+    device = seq_lens.device
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    n_bits = N * (L + N)
+    n = (n_bits + 7) // 8 if packed else n_bits
+    end = torch.cumsum(n, 0)
+    start = end - n
+    mask_indptr[0] = 0
+    mask_indptr[1 : B + 1] = end.to(mask_indptr.dtype)
+    bits = 0
+    if B and bool((seq_lens < 0).any()):
+        bits |= int(Status.POS_OOB)
+    total = int(end[-1]) if B else 0
+    if total:
+        req = torch.repeat_interleave(torch.arange(B, device=device), n)
+        e = torch.arange(total, device=device) - start[req]
+        if packed:
+            bit = e.view(-1, 1) * 8 + torch.arange(8, device=device).view(1, 8)
+            req_b = req.view(-1, 1).expand_as(bit)
+        else:
+            bit, req_b = e, req
+        cols = (L + N)[req_b]
+        j, col = bit // cols, bit % cols
+        prefix_len = L[req_b]
+        live = bit < n_bits[req_b]
+        tree = tree_mask[req_b, j.clamp_max(N - 1), (col - prefix_len).clamp(0, N - 1)]
+        val = live & ((col < prefix_len) | tree)
+        if packed:
+            val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
+        dst = start[req] + e
+        keep = dst < custom_mask.shape[0]
+        custom_mask[dst[keep]] = val[keep].to(custom_mask.dtype)
+        if not bool(keep.all()):
+            bits |= int(Status.OUT_OF_CAPACITY)
+    if status is not None and bits:
+        status |= bits
+    return custom_mask, mask_indptr

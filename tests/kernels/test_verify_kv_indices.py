@@ -1,0 +1,143 @@
+"""verify_kv_indices against its reference and against SPEC §3.3 read directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specmeta import Status, new_status
+from specmeta.config import verify_kv_indices_need
+from specmeta.kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+from specmeta.workloads import SHAPES, make_batch
+from tests.guard_bands import Guarded, assert_equal
+
+CONFIGS = [(1, 3, 1, 4), (4, 3, 1, 8), (2, 4, 4, 6), (3, 5, 16, 12)]  # (K, S, ps, N)
+
+
+def _row_width(k, s, ps, n, prefix=40):
+    return -(-(prefix + k * (s + ps) + n + 2 * ps) // ps) * ps
+
+
+def _run(batch, device, extra, *, width=None, idx_dtype=torch.int32, with_sum=True):
+    B = batch.batch_size
+    need = verify_kv_indices_need(batch.seq_lens_sum, B, extra)
+    width = need + 5 if width is None else width
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    kw = dict(extra_tokens=extra, seq_lens_sum=batch.seq_lens_sum if with_sum else None)
+    idx = Guarded((width,), idx_dtype, device)
+    ptr = Guarded((B + 1,), torch.int32, device)
+    status = new_status(device)
+    verify_kv_indices(*args, kv_indices=idx.view, kv_indptr=ptr.view, status=status, **kw)
+    ref_idx, ref_ptr, ref_status = idx.view.clone().fill_(-3), ptr.view.clone(), new_status(device)
+    verify_kv_indices_ref(*args, kv_indices=ref_idx, kv_indptr=ref_ptr, status=ref_status, **kw)
+    idx.assert_intact("kv_indices")
+    ptr.assert_intact("kv_indptr")
+    assert_equal(ptr.view, ref_ptr, f"kv_indptr [{batch.describe()}]")
+    used = min(need, width)
+    assert_equal(idx.view[:used], ref_idx[:used], f"kv_indices [{batch.describe()}]")
+    assert_equal(status, ref_status, "status")
+    return idx.view, ptr.view, status
+
+
+def _check_against_spec(batch, idx, ptr, extra):
+    """kv_indptr = [0, cumsum(L + N)]; request b's list is row_b[0 : L_b + N] (SPEC §3.3)."""
+    idx, ptr, r2t = idx.cpu(), ptr.cpu(), batch.req_to_token.cpu()
+    assert int(ptr[0]) == 0
+    for b in range(batch.batch_size):
+        L = int(batch.seq_lens_cpu[b])
+        row = r2t[int(batch.req_pool_indices[b])].long()
+        lo, hi = int(ptr[b]), int(ptr[b + 1])
+        assert hi - lo == L + extra
+        assert torch.equal(idx[lo:hi].long(), row[: L + extra]), f"request {b}"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("k,s,ps,n", CONFIGS)
+def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, n):
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps, n),
+                       generator=gen, device=device, extra_tokens=n)  # fmt: skip
+    idx, ptr, status = _run(batch, device, n)
+    assert int(status) == 0
+    _check_against_spec(batch, idx, ptr, n)
+
+
+def test_spec_example(device):
+    r2t = torch.zeros(3, 16, dtype=torch.int32, device=device)
+    r2t[1] = torch.arange(100, 116)
+    r2t[2] = torch.arange(200, 216)
+    rpi, sl = torch.tensor([1, 2], device=device), torch.tensor([3, 1], device=device)
+    idx, ptr = verify_kv_indices(rpi, r2t, sl, extra_tokens=2)
+    assert ptr.tolist() == [0, 5, 8]
+    assert idx[:8].tolist() == [100, 101, 102, 103, 104, 200, 201, 202]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    b=st.integers(0, 9),
+    n=st.integers(0, 9),
+    ps=st.sampled_from([1, 4, 64]),
+    shape=st.sampled_from(["mod0", "modm1", "random", "near_row_end", "long_short"]),
+    seed=st.integers(0, 2**31 - 1),
+    idx64=st.booleans(),
+)
+def test_property(device, b, n, ps, shape, seed, idx64):
+    batch = make_batch(shape, batch_size=b, topk=2, num_steps=2, page_size=ps,
+                       row_width=_row_width(2, 2, ps, n, prefix=2 * ps + 8), extra_tokens=n,
+                       generator=torch.Generator().manual_seed(seed), device=device)  # fmt: skip
+    idx, ptr, status = _run(batch, device, n, idx_dtype=torch.int64 if idx64 else torch.int32)
+    assert int(status) == 0
+    _check_against_spec(batch, idx, ptr, n)
+
+
+def test_empty_batch_writes_entry_zero(device, gen):
+    batch = make_batch("empty", topk=2, num_steps=3, page_size=1, row_width=64, generator=gen,
+                       device=device)  # fmt: skip
+    _, ptr, status = _run(batch, device, 4)
+    assert ptr.tolist() == [0] and int(status) == 0
+
+
+def test_too_small_buffer_without_host_total_is_masked(device, gen):
+    batch = make_batch("max", batch_size=3, topk=2, num_steps=3, page_size=4, extra_tokens=5,
+                       row_width=_row_width(2, 3, 4, 5), generator=gen, device=device)  # fmt: skip
+    need = verify_kv_indices_need(batch.seq_lens_sum, 3, 5)
+    _, _, status = _run(batch, device, 5, width=need // 2, with_sum=False)
+    assert int(status) == int(Status.OUT_OF_CAPACITY)
+
+
+def test_out_of_range_inputs_are_masked(device, gen):
+    batch = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=16, extra_tokens=4,
+                       row_width=_row_width(2, 3, 16, 4), generator=gen, device=device)  # fmt: skip
+    R, W = batch.req_to_token.shape
+    batch.req_pool_indices[0] = R
+    batch.seq_lens[2] = W - 2  # the verify window runs past the row
+    batch.seq_lens_cpu[2] = W - 2
+    idx, ptr, status = _run(batch, device, 4)
+    assert int(status) == int(Status.ROW_OOB | Status.POS_OOB)
+    # The bad row's list reads the sink; the window past the row reads the sink too.
+    lo, hi = int(ptr[0]), int(ptr[1])
+    assert idx[lo:hi].eq(0).all()
+    assert idx[int(ptr[3]) - 2 : int(ptr[3])].eq(0).all()
+
+
+def test_bad_input_raises_before_launch(device, gen):
+    batch = make_batch("random", batch_size=4, topk=2, num_steps=3, page_size=1, row_width=64,
+                       extra_tokens=4, generator=gen, device=device)  # fmt: skip
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    need = verify_kv_indices_need(batch.seq_lens_sum, 4, 4)
+    small = torch.zeros(need - 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=f"need {need} entries"):
+        verify_kv_indices(*args, extra_tokens=4, kv_indices=small, seq_lens_sum=batch.seq_lens_sum)
+    with pytest.raises(ValueError, match="kv_indptr is too small"):
+        verify_kv_indices(
+            *args, extra_tokens=4, kv_indptr=torch.zeros(4, dtype=torch.int32, device=device)
+        )
+    with pytest.raises(ValueError, match="extra_tokens"):
+        verify_kv_indices(*args, extra_tokens=-1)
+    with pytest.raises(TypeError, match="kv_indices"):
+        verify_kv_indices(*args, extra_tokens=4, kv_indices=torch.zeros(512, device=device))
+    with pytest.raises(ValueError, match="seq_lens"):
+        verify_kv_indices(
+            batch.req_pool_indices, batch.req_to_token, batch.seq_lens[:2], extra_tokens=4
+        )
