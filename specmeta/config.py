@@ -26,6 +26,7 @@ __all__ = [
     "draft_row_need",
     "draft_decode_kv_indices_need",
     "page_table_width",
+    "expand_page_table_width",
     "verify_kv_indices_need",
     "shared_prefix_chain_need",
     "tree_custom_mask_need",
@@ -56,6 +57,12 @@ def draft_row_need(prefix_len: int, topk: int, num_steps: int, page_size: int) -
 def page_table_width(row_width: int, page_size: int) -> int:
     """Columns of a page table over a whole ``req_to_token`` row: ``ceil(W_row / ps)`` (SPEC §2.3)."""
     return -(-row_width // page_size)
+
+
+def expand_page_table_width(num_rows: int) -> int:
+    """Columns of the FA3 expand page table: a step ``s`` branch spans ``u ≤ s + 1 ≤ rows`` pages
+    (``ceil((lpl + dl) / ps) ≤ dl`` for ``lpl < ps``), so ``rows`` (SPEC §2.3)."""
+    return num_rows
 
 
 def draft_decode_kv_indices_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int) -> int:

@@ -1,0 +1,346 @@
+"""The FA3 expand pass of every draft step in one launch (SPEC §2.3).
+
+FA3 serves ``K > 1`` draft decode as a cascade: a normal pass over the shared prefix
+(:mod:`specmeta.kernels.prefix_page_table`) and an expand pass over each branch's own tokens,
+merged by log-sum-exp. For step ``s`` (``dl = s + 1``) and branch row ``r = b·K + t``:
+
+* ``ps > 1``: the pages ``P_j = out_cache_loc[r·S + j] // ps``, ``j < dl``, collapsed where
+  consecutive slots share a page — never assumed contiguous — fill
+  ``page_table[s, r, 0 … u−1]``, ``u = ceil((lpl_b + dl) / ps)``;
+  ``cache_seqlens[s, r] = lpl_b + dl`` (the branch region starts with the prefix tail, SPEC §1);
+* ``ps == 1``: ``page_table[s, r, j] = out_cache_loc[r·S + j]`` for ``j < dl``;
+  ``cache_seqlens[s, r] = dl``;
+* columns ``[u, W)`` hold 0, the sink page: nothing stale is left behind.
+
+Data columns stay below ``u ≤ dl ≤ rows ≤ W`` (``W ≥ rows`` is checked before launch), and every
+store is masked by the buffer's extent whatever ``out_cache_loc`` holds: the reference engine's
+scatter once ran past its rows (seed 001), and its torch path failed on an empty batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import expand_page_table_width
+from ..status import Status
+
+__all__ = ["expand_page_table", "expand_page_table_ref"]
+
+_POS_OOB = int(Status.POS_OOB)
+_POOL_OOB = int(Status.POOL_OOB)
+_BAD_PAGE = int(Status.BAD_PAGE)
+
+# seq_lens entries summed per iteration of the exclusive Σ lpl loop (one load up to B = 1024).
+_BLOCK_B = 1024
+
+
+@triton.jit
+def _chain_slot(out_cache_loc_ptr, r, j, live, NUM_STEPS: tl.constexpr):
+    """Slots ``out_cache_loc[r·S + j]`` where ``live``, 0 elsewhere; a negative slot reads 0.
+    Returns ``(slot, negative)``."""
+    slot = tl.load(out_cache_loc_ptr + r * NUM_STEPS + j, mask=live, other=0).to(tl.int64)
+    neg = live & (slot < 0)
+    return tl.where(neg, 0, slot), neg
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "page_size", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
+        "stride_cu",
+    ]
+)  # fmt: skip
+def _expand_page_table_kernel(
+    out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥rows, ≥B*K, W] int32|int64, strides (stride_pt_s, stride_pt_r, 1)
+    cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_cs
+    cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_cu (unless WRITE_CU)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    page_size,
+    num_rows,
+    W,
+    stride_pt_s,
+    stride_pt_r,
+    stride_cs,
+    stride_cu,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    PAGED: tl.constexpr,  # page_size > 1
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j and step index s
+    BLOCK_W: tl.constexpr,  # columns per store tile
+    BLOCK_B: tl.constexpr,
+    WRITE_CU: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B·K, 1),)``: program ``r`` writes every step row of branch row ``r`` (the
+    ``[rows, W]`` tile of its table, its lengths and ``cu_seqlens_k`` entries); the last program
+    also writes the closing ``cu_seqlens_k`` entries (entry 0 when ``B == 0``)."""
+    r = tl.program_id(0).to(tl.int64)
+    BK = B * TOPK
+    live = r < BK
+    b = r // TOPK
+    t = r % TOPK
+    L = tl.load(seq_lens_ptr + b, mask=live, other=0).to(tl.int64)
+    L_ok = L >= 0
+    L = tl.maximum(L, 0)
+
+    j = tl.arange(0, BLOCK_S)  # chain index j, and step index s of the per-step vectors
+    in_rows = tl.where(live, j < num_rows, False)
+    slot, neg = _chain_slot(out_cache_loc_ptr, r, j, in_rows, NUM_STEPS)
+    if PAGED:
+        lpl = L % page_size
+        page = slot // page_size
+        prev, _ = _chain_slot(out_cache_loc_ptr, r, j - 1, in_rows & (j >= 1), NUM_STEPS)
+        new = in_rows & ((j == 0) | (prev // page_size != page))
+        runs = tl.cumsum(new.to(tl.int32), axis=0)  # distinct pages among j' ≤ j
+        u = (lpl + j + page_size) // page_size  # ceil((lpl + s + 1) / ps) for step s = j
+        off_bad = in_rows & (slot % page_size != (lpl + j) % page_size)
+        bad_page = tl.max((off_bad | (in_rows & (runs != u))).to(tl.int32), axis=0) != 0
+        limit = tl.minimum(runs, u)  # data columns of step s; extra runs are dropped
+    else:
+        lpl = L * 0
+        bad_page = False
+        limit = j + 1
+    seqlen = lpl + j + 1  # cache_seqlens of step s = j
+
+    s2 = tl.arange(0, BLOCK_S)[:, None]
+    rows_ok = tl.where(live, s2 < num_rows, False)
+    stride_s64 = stride_pt_s.to(tl.int64)  # step·(Bp·K·W) passes 2**31 only for huge tables
+    base = page_table_ptr + r * stride_pt_r + s2 * stride_s64
+    for c0 in range(0, W, BLOCK_W):
+        c = c0 + tl.arange(0, BLOCK_W)
+        if PAGED:
+            # The c-th distinct page: the page of the chain slot that opened run c.
+            hit = new[None, :] & ((runs - 1)[None, :] == c[:, None])
+            run_page = tl.sum(tl.where(hit, page[None, :], 0), axis=1)
+        else:
+            run_page, _ = _chain_slot(out_cache_loc_ptr, r, c, tl.where(live, c < num_rows, False),
+                                      NUM_STEPS)  # fmt: skip
+        tile = tl.where(c[None, :] < limit[:, None], run_page[None, :], 0)
+        tl.store(base + c[None, :], tile, mask=rows_ok & (c[None, :] < W))
+
+    stride_cs64 = stride_cs.to(tl.int64)
+    tl.store(cache_seqlens_ptr + j * stride_cs64 + r, seqlen, mask=in_rows)
+    if WRITE_CU:
+        # cu_seqlens_k[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1);
+        # int64 throughout.
+        lpl_before = b * 0
+        if PAGED:
+            for first in range(0, b, BLOCK_B):
+                offs = first + tl.arange(0, BLOCK_B)
+                before = offs < b
+                prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+                lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % page_size, 0), axis=0)
+        start = TOPK * lpl_before + t * lpl + r * (j + 1)
+        cu_row = cu_seqlens_k_ptr + j * stride_cu.to(tl.int64)
+        tl.store(cu_row + r, start, mask=in_rows)
+        last = r == tl.maximum(BK, 1) - 1
+        closing = start + tl.where(live, seqlen, 0)
+        tl.store(cu_row + BK, closing, mask=tl.where(last, j < num_rows, False))
+
+    if HAS_STATUS:
+        pos_bad = live & ~L_ok
+        neg_any = tl.max(neg.to(tl.int32), axis=0) != 0
+        bits = (
+            tl.where(pos_bad, _POS_OOB, 0)
+            | tl.where(neg_any, _POOL_OOB, 0)
+            | tl.where(bad_page, _BAD_PAGE, 0)
+        )
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(
+    out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
+    cu_seqlens_k, status,
+):  # fmt: skip
+    """Validate and allocate; shared by the launcher and the reference."""
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    validate.tensor("seq_lens", seq_lens, ndim=1)
+    device = seq_lens.device
+    B = seq_lens.shape[0]
+    BK = B * topk
+    validate.tensor("out_cache_loc", out_cache_loc, ndim=1, device=device)
+    validate.at_least("out_cache_loc", out_cache_loc.shape[0], BK * num_steps)
+    width = expand_page_table_width(rows)
+    if page_table is None:
+        page_table = torch.empty((rows, BK, width), dtype=torch.int32, device=device)
+    if cache_seqlens is None:
+        cache_seqlens = torch.empty((rows, BK), dtype=torch.int32, device=device)
+    validate.tensor("page_table", page_table, ndim=3, device=device)
+    validate.at_least("page_table", page_table.shape[0], rows, "step rows")
+    validate.at_least("page_table", page_table.shape[1], BK, "branch rows (B*topk)")
+    validate.at_least("page_table", page_table.shape[2], width, "columns (num_rows)")
+    for name, buf, cols in (
+        ("cache_seqlens", cache_seqlens, BK),
+        ("cu_seqlens_k", cu_seqlens_k, BK + 1),
+    ):
+        if buf is None:
+            continue
+        validate.tensor(name, buf, ndim=2, device=device)
+        validate.at_least(name, buf.shape[0], rows, "step rows")
+        validate.at_least(name, buf.shape[1], cols, "entries per row")
+    validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, cache_seqlens
+
+
+def expand_page_table(
+    out_cache_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page tables and lengths of the FA3 expand pass, every draft step in one launch.
+
+    Parameters
+    ----------
+    out_cache_loc : torch.Tensor
+        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (SPEC §1, from
+        :func:`specmeta.assign_draft_cache_locs`).
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, prefix lengths ``L_b``; only ``lpl_b = L_b mod ps`` is read.
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps``.
+    num_rows : int, optional
+        Step rows to build, ``0 ≤ rows ≤ S`` (default ``S``).
+    page_table : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K, W]`` int32 or int64, ``W ≥ rows`` (unit column stride). Rows
+        ``[:rows, :B·K]`` are written entirely: data columns, then 0. Allocated int32
+        ``[rows, B·K, rows]`` when omitted.
+    cache_seqlens : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K]`` int32 or int64: ``lpl_b + s + 1`` (``s + 1`` when ``ps == 1``).
+        Allocated int32 when omitted.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``BAD_PAGE`` when a branch's slots do not follow the slot layout (a slot
+        at the wrong page offset, or more or fewer distinct pages than ``u``: extra pages are
+        dropped, missing ones read the sink), ``POOL_OOB`` for a negative slot (its page reads
+        0), ``POS_OOB`` for a negative ``seq_lens``.
+    cu_seqlens_k : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K + 1]``; when given ``cu_seqlens_k[s, r] = Σ_{r'<r} cache_seqlens[s, r']``
+        for ``r ∈ [0, B·K]``.
+
+    Returns
+    -------
+    (page_table, cache_seqlens) : tuple of torch.Tensor
+        The buffers passed (whole), or new ones.
+
+    Examples
+    --------
+    ``ps=4``, ``K=2``, ``S=2``, ``seq_lens=[7]`` (``lpl=3``); branch 0's slots ``[43, 20]``
+    (pages 10, 5), branch 1's ``[63, 36]`` (pages 15, 9) →
+    step 0: ``page_table=[[10, 0], [15, 0]]``, ``cache_seqlens=[4, 4]``;
+    step 1: ``[[10, 5], [15, 9]]``, ``[5, 5]``.
+
+    Grid ``(max(B·K, 1),)``, one program per branch row writing all its steps. No host sync;
+    ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
+    """
+    topk, num_steps, page_size, rows, B, page_table, cache_seqlens = _prepare(
+        out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
+        cu_seqlens_k, status,
+    )  # fmt: skip
+    if rows == 0:
+        return page_table, cache_seqlens
+    W = page_table.shape[2]
+    _expand_page_table_kernel[(max(B * topk, 1),)](
+        out_cache_loc,
+        seq_lens,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status if status is not None else cache_seqlens,
+        # sizes
+        B,
+        page_size,
+        rows,
+        W,
+        page_table.stride(0),
+        page_table.stride(1),
+        cache_seqlens.stride(0),
+        cu_seqlens_k.stride(0) if cu_seqlens_k is not None else 0,
+        # code shape
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        PAGED=page_size > 1,
+        BLOCK_S=triton.next_power_of_2(num_steps),
+        # One tile covers the usual W = S; wider tables loop over 64-column tiles of zeros.
+        BLOCK_W=min(triton.next_power_of_2(W), 64),
+        BLOCK_B=_BLOCK_B,
+        WRITE_CU=cu_seqlens_k is not None,
+        HAS_STATUS=status is not None,
+        num_warps=1,
+    )
+    return page_table, cache_seqlens
+
+
+def expand_page_table_ref(
+    out_cache_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    num_rows: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`expand_page_table` (vectorised; syncs)."""
+    topk, num_steps, ps, rows, B, page_table, cache_seqlens = _prepare(
+        out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
+        cu_seqlens_k, status,
+    )  # fmt: skip
+    if rows == 0:
+        return page_table, cache_seqlens
+    device = seq_lens.device
+    BK, W = B * topk, page_table.shape[2]
+    L = seq_lens.to(torch.int64)
+    bits = _POS_OOB if bool((L < 0).any()) else 0
+    lpl = (L.clamp_min(0) % ps).repeat_interleave(topk).view(-1, 1)  # [BK, 1]
+    slots = out_cache_loc[: BK * num_steps].view(BK, num_steps)[:, :rows].to(torch.int64)
+    if bool((slots < 0).any()):
+        bits |= _POOL_OOB
+    slots = slots.clamp_min(0)
+    j = torch.arange(rows, device=device).view(1, -1)
+    if ps > 1:
+        page = slots // ps
+        new = torch.ones_like(page, dtype=torch.bool)
+        new[:, 1:] = page[:, 1:] != page[:, :-1]
+        runs = torch.cumsum(new.to(torch.int64), dim=1)
+        u = (lpl + j + ps) // ps
+        if bool(((slots % ps != (lpl + j) % ps) | (runs != u)).any()):
+            bits |= _BAD_PAGE
+        limit = torch.minimum(runs, u)  # [BK, rows]: data columns of step s
+        run_page = torch.zeros_like(page).scatter_(1, runs - 1, page)  # runs share one page
+        seqlen = lpl + j + 1
+    else:
+        limit = (j + 1).expand(BK, rows)
+        run_page = slots
+        seqlen = (j + 1).expand(BK, rows)
+    col = torch.arange(W, device=device).view(1, 1, -1)
+    padded = torch.zeros(BK, W, dtype=torch.int64, device=device)
+    padded[:, :rows] = run_page
+    table = torch.where(col < limit.t().unsqueeze(-1), padded.unsqueeze(0), 0)  # [rows, BK, W]
+    page_table[:rows, :BK] = table.to(page_table.dtype)
+    cache_seqlens[:rows, :BK] = seqlen.t().to(cache_seqlens.dtype)
+    if cu_seqlens_k is not None:
+        cu_seqlens_k[:rows, 0] = 0
+        cu_seqlens_k[:rows, 1 : BK + 1] = torch.cumsum(seqlen.t(), dim=1).to(cu_seqlens_k.dtype)
+    if status is not None and bits:
+        status |= bits
+    return page_table, cache_seqlens

@@ -1,0 +1,195 @@
+"""expand_page_table against its reference and against SPEC §1 / §2.3 read directly, including
+the adversarial inputs of seed 001 (a scatter past its rows) and the empty batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specmeta import Status, new_status
+from specmeta.config import draft_pages_per_branch, uses_layout_b
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+from specmeta.kernels.expand_page_table import expand_page_table, expand_page_table_ref
+from specmeta.workloads import SHAPES, make_batch
+from tests.guard_bands import POISON, Guarded, assert_equal
+
+CONFIGS = [(1, 3, 1), (2, 2, 4), (4, 3, 1), (3, 5, 16), (8, 2, 2), (2, 6, 64), (1, 4, 4)]
+
+
+def _row_width(k, s, ps, prefix=40):
+    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
+
+
+def _draw(shape, gen, device, k, s, ps, batch_size=None, prefix=40):
+    batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                       row_width=_row_width(k, s, ps, prefix), generator=gen, device=device)  # fmt: skip
+    slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                                    topk=k, num_steps=s, page_size=ps)  # fmt: skip
+    return batch, slots
+
+
+def _run(slots, seq_lens, device, *, k, s, ps, rows=None, width=None, spare_rows=0,
+         dtype=torch.int32):  # fmt: skip
+    """Kernel into guarded, poisoned buffers (``spare_rows`` extra branch rows, as a planned
+    ``Bp·K`` buffer has); reference into plain ones; compared exactly."""
+    B = seq_lens.shape[0]
+    rows = s if rows is None else rows
+    width = rows if width is None else width
+    BK = B * k
+    pt = Guarded((rows, BK + spare_rows, width), dtype, device)
+    cs = Guarded((rows, BK + spare_rows), dtype, device)
+    cu = Guarded((rows, BK + 1 + spare_rows), dtype, device)
+    status = new_status(device)
+    kw = dict(topk=k, num_steps=s, page_size=ps, num_rows=rows)
+    expand_page_table(slots, seq_lens, page_table=pt.view, cache_seqlens=cs.view,
+                      cu_seqlens_k=cu.view, status=status, **kw)  # fmt: skip
+    ref_pt, ref_cs, ref_cu = (g.view.clone() for g in (pt, cs, cu))
+    ref_status = new_status(device)
+    expand_page_table_ref(slots, seq_lens, page_table=ref_pt, cache_seqlens=ref_cs,
+                          cu_seqlens_k=ref_cu, status=ref_status, **kw)  # fmt: skip
+    for g, name in ((pt, "page_table"), (cs, "cache_seqlens"), (cu, "cu_seqlens_k")):
+        g.assert_intact(name)
+    assert_equal(pt.view, ref_pt, "page_table")
+    assert_equal(cs.view, ref_cs, "cache_seqlens")
+    assert_equal(cu.view, ref_cu, "cu_seqlens_k")
+    assert_equal(status, ref_status, "status")
+    # Nothing at or past row B·K of any step (seed 001): the spare rows still hold the poison.
+    assert (pt.view[:, BK:] == POISON).all() and (cs.view[:, BK:] == POISON).all()
+    assert (cu.view[:, BK + 1 :] == POISON).all()
+    return pt.view[:, :BK], cs.view[:, :BK], cu.view[:, : BK + 1], status
+
+
+def _check_against_spec(batch, slots, pt, cs, cu, rows):
+    """Read SPEC §1 and §2.3 directly: token ``k`` of the expand sequence of branch ``t`` at
+    step ``s`` lives at slot ``page_table[s, r, k // ps]·ps + k % ps``; the tokens before
+    ``lpl`` are the start of the branch's region (layout B) — for ``t = 0`` the prefix's own
+    last partial page — and token ``lpl + j`` is draft slot ``j``."""
+    B, K, S, ps = batch.batch_size, batch.topk, batch.num_steps, batch.page_size
+    pt, cs, cu = pt.cpu().long(), cs.cpu().long(), cu.cpu().long()
+    r2t, slots = batch.req_to_token.cpu().long(), slots.cpu().long().view(B * K, S)
+    for b in range(B):
+        row = r2t[int(batch.req_pool_indices[b])]
+        L = int(batch.seq_lens_cpu[b])
+        lpl = L % ps if ps > 1 else 0
+        nnp = draft_pages_per_branch(L, S, ps)
+        for t in range(K):
+            r = b * K + t
+            region = L - lpl + (t * nnp * ps if uses_layout_b(K, ps) else 0)
+            for s in range(rows):
+                n = lpl + s + 1
+                assert int(cs[s, r]) == n, f"cache_seqlens[{s}, {r}]"
+                u = -(-n // ps)
+                read = pt[s, r, torch.arange(n) // ps] * ps + torch.arange(n) % ps
+                want = torch.cat([row[region : region + lpl], slots[r, : s + 1]])
+                assert torch.equal(read, want), f"step {s} branch {r}: {read} != {want}"
+                assert not pt[s, r, u:].any(), f"stale columns after {u} in [{s}, {r}]"
+    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("k,s,ps", CONFIGS)
+def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
+    batch, slots = _draw(shape, gen, device, k, s, ps)
+    pt, cs, cu, status = _run(slots, batch.seq_lens, device, k=k, s=s, ps=ps, spare_rows=k)
+    assert int(status) == 0
+    _check_against_spec(batch, slots, pt, cs, cu, s)
+
+
+def test_spec_example(device):
+    ocl = torch.tensor([43, 20, 63, 36], device=device)
+    pt, cs = expand_page_table(ocl, torch.tensor([7], device=device), topk=2, num_steps=2,
+                               page_size=4)  # fmt: skip
+    assert pt.tolist() == [[[10, 0], [15, 0]], [[10, 5], [15, 9]]]
+    assert cs.tolist() == [[4, 4], [5, 5]]
+    pt, cs = expand_page_table(ocl, torch.tensor([7], device=device), topk=2, num_steps=2,
+                               page_size=1)  # fmt: skip
+    assert pt.tolist() == [[[43, 0], [63, 0]], [[43, 20], [63, 36]]]
+    assert cs.tolist() == [[1, 1], [2, 2]]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    b=st.integers(0, 9),
+    k=st.sampled_from([1, 2, 3, 4, 8]),
+    s=st.integers(1, 6),
+    ps=st.sampled_from([1, 2, 4, 16, 64]),
+    shape=st.sampled_from(["mod0", "mod1", "modm1", "random", "near_row_end", "long_short"]),
+    seed=st.integers(0, 2**31 - 1),
+    rows_short=st.integers(0, 2),
+    wide=st.integers(0, 70),
+    out64=st.booleans(),
+)
+def test_property(device, b, k, s, ps, shape, seed, rows_short, wide, out64):
+    g = torch.Generator().manual_seed(seed)
+    batch, slots = _draw(shape, g, device, k, s, ps, batch_size=b, prefix=2 * ps + 8)
+    rows = max(s - rows_short, 0)
+    pt, cs, cu, status = _run(slots, batch.seq_lens, device, k=k, s=s, ps=ps, rows=rows,
+                              width=rows + wide, spare_rows=3,
+                              dtype=torch.int64 if out64 else torch.int32)  # fmt: skip
+    assert int(status) == 0
+    _check_against_spec(batch, slots, pt, cs, cu, rows)
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_adversarial_slots_never_write_outside(device, gen, ps):
+    """Seed 001: slots spread over more pages than a row holds, pages that return, negative ids,
+    a table exactly ``rows`` wide and fewer rows than steps. Stores stay inside the buffer, the
+    extra pages are dropped and reported, the kernel still equals its reference."""
+    B, K, S, rows = 5, 4, 6, 4
+    slots = torch.randint(-3, 50 * ps, (B * K * S,), generator=gen).to(device)
+    seq_lens = torch.randint(-1, 40, (B,), generator=gen).to(device)
+    seq_lens[0] = -2  # a negative length reads as 0 and is reported
+    slots[5] = -1  # a negative slot reads page 0 and is reported
+    _, cs, _, status = _run(slots, seq_lens, device, k=K, s=S, ps=ps, rows=rows, spare_rows=K)
+    want = Status.POOL_OOB | Status.POS_OOB | (Status.BAD_PAGE if ps > 1 else 0)
+    assert int(status) == int(want)
+
+
+def test_misaligned_but_few_pages_is_reported(device):
+    """A chain whose first slot is not at offset ``lpl`` of its page would make FA3 read the
+    wrong tokens even with the right page count: BAD_PAGE."""
+    ocl = torch.tensor([41, 42], device=device)  # lpl = 3 wants offset 3 first, 41 is offset 1
+    status = new_status(device)
+    expand_page_table(ocl, torch.tensor([7], device=device), topk=1, num_steps=2, page_size=4,
+                      status=status)  # fmt: skip
+    assert int(status) == int(Status.BAD_PAGE)
+
+
+def test_empty_batch(device):
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    pt, cs, cu, status = _run(empty, empty, device, k=4, s=3, ps=16, spare_rows=8)
+    assert cu.tolist() == [[0], [0], [0]] and pt.numel() == 0 and int(status) == 0
+    pt, cs = expand_page_table(empty, empty, topk=4, num_steps=3, page_size=16)
+    assert pt.shape == (3, 0, 3) and cs.shape == (3, 0)
+
+
+def test_bad_arguments_raise_before_launch(device, gen):
+    batch, slots = _draw("random", gen, device, 2, 3, 4, batch_size=4)
+    sl = batch.seq_lens
+
+    def i32(*shape):
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    kw = dict(topk=2, num_steps=3, page_size=4)
+    with pytest.raises(ValueError, match="page_table is too small: need 3 columns"):
+        expand_page_table(slots, sl, page_table=i32(3, 8, 2), **kw)
+    with pytest.raises(ValueError, match="page_table is too small: need 8 branch rows"):
+        expand_page_table(slots, sl, page_table=i32(3, 7, 3), **kw)
+    with pytest.raises(ValueError, match="page_table is too small: need 3 step rows"):
+        expand_page_table(slots, sl, page_table=i32(2, 8, 3), **kw)
+    with pytest.raises(ValueError, match="out_cache_loc is too small: need 24"):
+        expand_page_table(slots[:23], sl, **kw)
+    with pytest.raises(ValueError, match="cache_seqlens is too small: need 8"):
+        expand_page_table(slots, sl, cache_seqlens=i32(3, 7), **kw)
+    with pytest.raises(ValueError, match="cu_seqlens_k is too small: need 9"):
+        expand_page_table(slots, sl, cu_seqlens_k=i32(3, 8), **kw)
+    with pytest.raises(ValueError, match="num_rows must be <= num_steps=3"):
+        expand_page_table(slots, sl, num_rows=4, **kw)
+    with pytest.raises(TypeError, match="page_table must be int32 or int64"):
+        expand_page_table(slots, sl, page_table=i32(3, 8, 3).float(), **kw)
+    with pytest.raises(ValueError, match="page_table must have rank 3"):
+        expand_page_table(slots, sl, page_table=i32(8, 3), **kw)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        expand_page_table(slots, sl, topk=0, num_steps=3, page_size=4)
