@@ -31,6 +31,14 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+@functools.lru_cache(maxsize=1)
+def write_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device write-only bandwidth (a fill), GB/s: the ceiling of kernels that mostly write."""
+    dst = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
+    us = graph_us(lambda: dst.fill_(7))
+    return nbytes / (us * 1e-6) / 1e9
+
+
 @triton.jit
 def _empty_kernel(ptr):
     tl.store(ptr, 1)
@@ -67,4 +75,5 @@ def record(benchmark, *, device_us: float, bytes_moved: int = 0, **extra) -> Non
         info["GB/s"] = round(gbs, 1)
         info["copy_GB/s"] = round(bw, 1)
         info["pct_copy_bw"] = round(100 * gbs / bw, 1)
+        info["write_GB/s"] = round(write_bandwidth_gbs(), 1)
     info.update(extra)

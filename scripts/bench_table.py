@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-SKIP = {"gpu", "sms", "torch", "triton", "copy_GB/s", "launch_floor_us"}
+SKIP = {"gpu", "sms", "torch", "triton", "copy_GB/s", "write_GB/s", "launch_floor_us"}
 
 
 def main(paths: list[str]) -> None:
@@ -17,7 +17,8 @@ def main(paths: list[str]) -> None:
             continue
         first = rows[0]["extra_info"]
         print(f"\n### {path.split('/')[-1]}: {first.get('gpu')} torch {first.get('torch')} "
-              f"triton {first.get('triton')}; copy {first.get('copy_GB/s')} GB/s; "
+              f"triton {first.get('triton')}; copy {first.get('copy_GB/s')} GB/s, "
+              f"write {first.get('write_GB/s')} GB/s; "
               f"launch floor {first.get('launch_floor_us')} us")  # fmt: skip
         keys = [k for k in first if k not in SKIP]
         print("| name | host_us | " + " | ".join(keys) + " |")

@@ -72,16 +72,15 @@ def _draft_decode_kv_indices_kernel(
     LAYOUT_B: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    BLOCK_CHAIN: tl.constexpr,  # next power of two ≥ S*K*S
-    BLOCK_PTR: tl.constexpr,  # next power of two ≥ S*K
-    BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
+    BLOCK_STEPS: tl.constexpr,  # next power of two ≥ S
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(chunk_programs, rows·K, max(B, 1))``: program ``(c, d, b)`` copies prefix chunks
     ``c, c + chunk_programs, …`` of request ``b`` into list ``d = s·K + t`` (step ``s``, branch
     ``t``). Neighbouring programs write neighbouring chunks of one list, so the device sees a
-    few long sequential write streams; the source chunk is re-read from L2. Program
-    ``(0, 0, b)`` also writes the chains, ``kv_indptr`` and the status word."""
+    few long sequential write streams; the source chunk is re-read from L2. Programs
+    ``(0, d, b)`` also write list ``d``'s own chain, its ``kv_indptr`` entry and its status
+    bits, so no program carries the whole request's bookkeeping on its critical path."""
     c = tl.program_id(0)
     d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -89,21 +88,24 @@ def _draft_decode_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
 
-    # Exclusive prefix Σ_{b'<b} L_b' as whole-vector loads of seq_lens (one load for B ≤ 1024).
-    cum = b * 0
-    for start in range(0, b, BLOCK_B):
-        offs = start + tl.arange(0, BLOCK_B)
+    # Exclusive prefix Σ_{b'<b} L_b': the first block is one vector load issued beside the
+    # request's own loads; batches past BLOCK_B requests loop over further blocks.
+    offs = tl.arange(0, BLOCK_B)
+    prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
+    cum = tl.sum(tl.maximum(prev, 0), axis=0)
+    for first in range(BLOCK_B, b, BLOCK_B):
+        offs = first + tl.arange(0, BLOCK_B)
         prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
         cum += tl.sum(tl.maximum(prev, 0), axis=0)
     head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
 
-    # Prefix of list (s, t): row_b[0:L] at head + t·L + (b·K + t)·(s+1).
+    # List (s, t) of request b starts at kv_indptr[s, b·K + t] = head + t·L + (b·K + t)·(s+1).
     s_d = d // TOPK
     t_d = d % TOPK
+    start = head + t_d * L + (b * TOPK + t_d) * (s_d + 1)
     # step·row_width passes 2**31 at long contexts: the row offset is 64-bit.
-    list_ptr = kv_indices_ptr + s_d.to(tl.int64) * stride_idx + head + t_d * L
-    list_ptr += (b * TOPK + t_d) * (s_d + 1)
-    list_end = W_idx - head - t_d * L - (b * TOPK + t_d) * (s_d + 1)  # room left in the row
+    list_ptr = kv_indices_ptr + s_d.to(tl.int64) * stride_idx + start
+    room = W_idx - start  # entries left in the row; stores past it are dropped
     k0 = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
         k = k0 + chunk * BLOCK
@@ -112,44 +114,29 @@ def _draft_decode_kv_indices_kernel(
         v = tl.load(
             req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
         )
-        tl.store(list_ptr + k, v, mask=m & (k < list_end))
+        tl.store(list_ptr + k, v, mask=m & (k < room))
 
-    if (c == 0) & (d == 0):
-        # Own chains: entry (s, t, j) for j ≤ s < rows.
-        e = tl.arange(0, BLOCK_CHAIN)
-        s = e // (TOPK * NUM_STEPS)
-        t = (e // NUM_STEPS) % TOPK
-        j = e % NUM_STEPS
-        live = tl.where(b < B, (s < num_rows) & (j <= s), False)
-        p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
+    if c == 0:
+        live_b = b < B
+        # The list's own chain, j ≤ s, after its prefix.
+        j = tl.arange(0, BLOCK_STEPS)
+        live = tl.where(live_b, j <= s_d, False)
+        p = draft_slot_position(L, t_d, j, page_size, NUM_STEPS, LAYOUT_B)
         v = tl.load(
             req_to_token_ptr + row_base + p,
             mask=tl.where(row_ok, live & (p < W_row), False),
             other=0,
         )
-        dst = head + t * L + (b * TOPK + t) * (s + 1) + L + j
-        tl.store(kv_indices_ptr + s.to(tl.int64) * stride_idx + dst, v, mask=live & (dst < W_idx))
-
-        # kv_indptr[s, b·K + t] for t < K.
-        f = tl.arange(0, BLOCK_PTR)
-        s = f // TOPK
-        t = f % TOPK
-        z = b * TOPK + t
-        val = head + t * L + z * (s + 1)
-        tl.store(kv_indptr_ptr + s * stride_ptr + z, val, mask=tl.where(b < B, s < num_rows, False))
-        # The closing entry kv_indptr[s, B·K] = K·ΣL + B·K·it, from the last program (entry 0
-        # when B == 0).
-        last = b == tl.maximum(B, 1) - 1
-        r = tl.arange(0, BLOCK_ROWS)
-        end = head + TOPK * L + B * TOPK * (r + 1)
-        tl.store(
-            kv_indptr_ptr + r * stride_ptr + B * TOPK, end, mask=tl.where(last, r < num_rows, False)
-        )
+        tl.store(list_ptr + L + j, v, mask=live & (L + j < room))
+        tl.store(kv_indptr_ptr + s_d * stride_ptr + b * TOPK + t_d, start, mask=live_b)
+        # The closing entry kv_indptr[s, B·K] = K·ΣL + B·K·(s+1), from the last request's
+        # branch 0 (entry 0 = 0 when B == 0).
+        last = (b == tl.maximum(B, 1) - 1) & (t_d == 0)
+        end = TOPK * (cum + L) + B * TOPK * (s_d + 1)
+        tl.store(kv_indptr_ptr + s_d * stride_ptr + B * TOPK, end, mask=last)
 
         if HAS_STATUS:
-            # The lists of the last row end at K·(cum + L) + (b+1)·K·rows; past W_idx stores
-            # were dropped.
-            over = (head + TOPK * L + (b + 1) * TOPK * num_rows > W_idx) & (b < B)
+            over = (L + s_d + 1 > room) & live_b
             chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
             pos_bad = chain_bad | (L > W_row) | ~L_ok
             bits = (
@@ -296,9 +283,7 @@ def draft_decode_kv_indices(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
-        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
-        BLOCK_ROWS=triton.next_power_of_2(num_steps),
+        BLOCK_STEPS=triton.next_power_of_2(num_steps),
         HAS_STATUS=status is not None,
         num_warps=4,
     )
