@@ -141,7 +141,7 @@ def test_adversarial_slots_never_write_outside(device, gen, ps):
     slots = torch.randint(-3, 50 * ps, (B * K * S,), generator=gen).to(device)
     seq_lens = torch.randint(-1, 40, (B,), generator=gen).to(device)
     seq_lens[0] = -2  # a negative length reads as 0 and is reported
-    slots[5] = -1  # a negative slot reads page 0 and is reported
+    slots[1] = -1  # a negative slot (branch 0, step 1 < rows) reads page 0 and is reported
     _, cs, _, status = _run(slots, seq_lens, device, k=K, s=S, ps=ps, rows=rows, spare_rows=K)
     want = Status.POOL_OOB | Status.POS_OOB | (Status.BAD_PAGE if ps > 1 else 0)
     assert int(status) == int(want)
