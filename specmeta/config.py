@@ -32,6 +32,7 @@ __all__ = [
     "tree_custom_mask_need",
     "branch_kv_indices_need",
     "trtllm_mla_max_blocks",
+    "kv_pool_table_shape",
 ]
 
 
@@ -114,6 +115,12 @@ def trtllm_mla_max_blocks(max_seq_len: int, page_size: int) -> int:
     multiple = max(1, _TRTLLM_BLOCK_TOKENS // page_size)
     blocks = -(-max_seq_len // page_size)
     return max(multiple, -(-blocks // multiple) * multiple)
+
+
+def kv_pool_table_shape(num_buffers: int) -> tuple[int, int]:
+    """``move_kv_cache``'s device pointer table: one ``(base address, row stride, row width,
+    rows)`` int64 row per K/V buffer (SPEC §2.4); sized by the buffers, not by the config."""
+    return (num_buffers, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +279,9 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     add("runner.tree_mask", (bs, nd, nd), torch.bool, "[B, N, N] draft-tree ancestor mask")
     add("runner.accept_index", (bs, s + 1), torch.int32, "[B, S+1] accepted node ids, -1 after")
     add("runner.accept_lens", (bs,), torch.int32, "[B] accepted nodes per request")
+    # Relocation after verify (SPEC §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.
+    add("verify.tgt_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move targets")
+    add("verify.src_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move sources")
     return plan
 
 

@@ -14,7 +14,7 @@ import torch
 
 from .config import draft_row_need
 
-__all__ = ["SHAPES", "Batch", "make_batch", "max_prefix_len", "random_tree_mask"]
+__all__ = ["SHAPES", "Batch", "make_batch", "max_prefix_len", "random_tree_mask", "random_accept"]
 
 SHAPES = (
     "empty",  # B = 0: an idle data-parallel rank
@@ -190,3 +190,23 @@ def random_tree_mask(batch_size: int, topk: int, num_steps: int, num_draft_token
             mask[i, j] = mask[i, parent]
             mask[i, j, j] = True
     return mask
+
+
+def random_accept(tree_mask: torch.Tensor, num_steps: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Accepted paths through the trees of ``tree_mask`` (see :func:`random_tree_mask`): per
+    request, the root-to-node path of a random node cut to a random length in ``[0, depth+1]``
+    (empty, partial and full acceptances; paths that leave the first branch).
+
+    Returns ``accept_index`` ``[B, S+1]`` int32 (global node ids ``i·N + node``, then ``-1``)
+    and ``accept_lens`` ``[B]`` int32, the number of valid entries of each row."""
+    B, N, _ = tree_mask.shape
+    accept_index = torch.full((B, num_steps + 1), -1, dtype=torch.int32)
+    accept_lens = torch.zeros(B, dtype=torch.int32)
+    for i in range(B):
+        node = int(torch.randint(0, N, (1,), generator=generator))
+        path = tree_mask[i, node].nonzero().flatten()  # ancestors have smaller ids: root first
+        k = int(torch.randint(0, path.numel() + 1, (1,), generator=generator))
+        accept_index[i, :k] = (path[:k] + i * N).to(torch.int32)
+        accept_lens[i] = k
+    return accept_index, accept_lens

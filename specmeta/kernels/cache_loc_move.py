@@ -1,0 +1,646 @@
+"""KV relocation after verify: accept compaction and the all-layer KV move (SPEC §2.4).
+
+After the target model verifies the draft tree, the KV of the accepted nodes moves to the front
+of each request's verify window. Two ops do it without a host sync:
+
+* :func:`accept_cache_locs` turns ``accept_index`` into a fixed-length list of ``(tgt, src)``
+  slot pairs, accepted pairs compacted to the front in request order, the tail ``(0, 0)``;
+* :func:`move_kv_cache` copies row ``src[q]`` to row ``tgt[q]`` in every K/V buffer of every
+  layer in **one launch**, with the result of "read every source row, then write every target".
+  It also moves the layout-B prefix-tail pairs of :func:`prefix_tail_copy_pairs` (SPEC §2.1).
+
+Design of ``move_kv_cache``
+---------------------------
+*Ordering.* Pairs may overlap: a target can be another pair's source (chains), two pairs can
+swap, ``src == tgt``. Bytes of different buffers, and different byte columns of one row, never
+alias, so a program that owns a **column slice of one buffer for every pair** can load all its
+sources, pass a CTA barrier, then store all its targets: read-before-write holds by construction,
+in one launch, without a grid-wide barrier (which would deadlock under the interpreter and on a
+shared GPU) and without staging through global memory (which doubles the bytes moved). The
+program holds a ``[BLOCK_N, COLS]`` register tile, ``BLOCK_N = next_pow2(n)`` (a bucketed
+constexpr) and ``COLS = TILE / BLOCK_N`` words, so slices narrow as ``n`` grows: 1 KiB of a row
+at ``n = 64``, 64 B at 1024, 16 B at 4096. Slices of 32 B or more are whole DRAM sectors; the
+narrower ones at ``n > 2048`` cost extra L2 transactions (neighbouring programs fetch the same
+sectors), the price of generality. Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits
+and the launcher raises ``ValueError`` rather than spill.
+
+*Disjoint pairs.* When no pair's target is another pair's source (true of the prefix-tail pairs,
+whose sources sit before ``L_b`` and targets after it), ``disjoint=True`` splits the pairs into
+blocks of ``DISJOINT_BLOCK_N`` with whole-row slices and lifts the bound on ``n``; each block is
+still read before it is written, so the result is the same.
+
+*One launch for every layer.* On the GPU the buffers are reached through a device table of
+``(base address, row stride, row width, rows)`` per buffer, in words of the widest type (8, 4, 2
+or 1 bytes) that divides every row width, row stride and base address. The table is built once
+per set of buffers (:class:`KVPool`, or a cache keyed by the buffers' addresses and shapes) and
+never on the launch path. Programs are ``(column slice, pair block, buffer group)``; each program
+loads its pair indices once and loops over its group of buffers, so the index loads are shared.
+The CPU interpreter runs the same kernel body with ``TABLE=False``, one launch per buffer passed
+as a tensor ("direct" addressing); ``KVPool(..., addressing="table")`` runs the table path on
+the CPU too, where the interpreter follows host addresses.
+
+*Masking.* A pair whose ``tgt`` or ``src`` is outside ``[0, P)`` of a buffer is skipped there (no
+load, no store) and ``Status.POOL_OOB`` is set. Self-moves (``src == tgt``, including the
+``(0, 0)`` pairs that pad every fixed-length pair list) are skipped as well: under read-then-write
+semantics they change nothing, and skipping them keeps the tail of a pair list free. If two moved
+pairs share a target, which one lands is unspecified (as for any scatter).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import kv_pool_table_shape
+from ..status import Status
+
+__all__ = [
+    "accept_cache_locs",
+    "accept_cache_locs_ref",
+    "KVPool",
+    "move_kv_cache",
+    "move_kv_cache_ref",
+    "MAX_OVERLAPPING_PAIRS",
+    "DISJOINT_BLOCK_N",
+]
+
+_BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))  # kernels read only constexpr globals
+_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
+
+# accept_cache_locs: requests per iteration of the single program's scan (a [128, next_pow2(S+1)]
+# tile, 2048 entries at S + 1 = 16, is 16 per thread at 4 warps), and tail entries zeroed per
+# iteration.
+_ACCEPT_BLOCK_B = 128
+_ACCEPT_BLOCK_TAIL = 1024
+
+# move_kv_cache: bytes of one program's register tile. 64 KiB over 16 warps is 128 B (32
+# registers) of data per thread, which leaves room for the addresses under the 128-register cap
+# of a 512-thread program, and keeps 64 KiB of loads in flight per SM.
+_TILE_BYTES = 64 * 1024
+_MAX_WARPS = 16
+MAX_OVERLAPPING_PAIRS = 8192
+"""Most pairs ``move_kv_cache`` orders in one launch when they may overlap: 8192 words of 8 B
+fill the 64 KiB tile with one word per row."""
+DISJOINT_BLOCK_N = 32
+"""Pairs per program with ``disjoint=True``: 32 rows of up to 2 KiB fill the tile."""
+
+
+# --------------------------------------------------------------------------------------------
+# accept_cache_locs
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["B", "N", "C", "stride_acc", "n_out"])
+def _accept_cache_locs_kernel(
+    accept_index_ptr,  # [B, C] int32|int64, row stride stride_acc
+    accept_lens_ptr,  # [B] int32|int64
+    out_cache_loc_ptr,  # [≥ B*N] int32|int64
+    tgt_ptr,  # [≥ B*C] int32|int64
+    src_ptr,  # [≥ B*C] int32|int64
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    N,
+    C,
+    stride_acc,
+    n_out,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # next power of two ≥ C
+    BLOCK_TAIL: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """One program. It walks the requests in blocks of ``BLOCK_B``: one ``tl.cumsum`` per block
+    plus a running carry is the whole O(B) prefix sum; then it zeroes ``[Σacc, B·C)``."""
+    carry = tl.full([], 0, tl.int64)
+    bad = tl.full([], 0, tl.int32)
+    k = tl.arange(0, BLOCK_C)
+    col_live = k < C
+    for start in range(0, B, BLOCK_B):
+        i = start + tl.arange(0, BLOCK_B).to(tl.int64)
+        row_live = i < B
+        acc_in = tl.load(accept_lens_ptr + i, mask=row_live, other=0).to(tl.int64)
+        acc = tl.minimum(tl.maximum(acc_in, 0), C)  # lengths outside [0, C] are clamped
+        bad |= tl.max(((acc != acc_in) & row_live).to(tl.int32), axis=0)
+        first = tl.cumsum(acc, axis=0) - acc + carry  # exclusive prefix Σ_{i'<i} acc_i'
+        carry += tl.sum(acc, axis=0)
+
+        live = row_live[:, None] & col_live[None, :]
+        # row·stride and i·N: both products are taken in 64 bits (i is int64).
+        idx = tl.load(
+            accept_index_ptr + i[:, None] * stride_acc + k[None, :], mask=live, other=-1
+        ).to(tl.int64)
+        want = k[None, :] < acc[:, None]  # the first acc_i entries are accepted nodes
+        lo = i[:, None] * N
+        ok = want & (idx >= lo) & (idx < lo + N) & (k[None, :] < N)
+        # Invalid: an accepted entry outside the request's own window, or an entry after the
+        # run that is not -1 (the -1 run is not a suffix, or accept_lens disagrees).
+        wrong = (want & ~ok) | (live & ~want & (idx != -1))
+        bad |= tl.max(tl.max(wrong.to(tl.int32), axis=1), axis=0)
+        tgt = tl.load(out_cache_loc_ptr + lo + k[None, :], mask=ok, other=0)
+        src = tl.load(out_cache_loc_ptr + idx, mask=ok, other=0)
+        dst = first[:, None] + k[None, :]  # < Σacc ≤ B·C ≤ n_out
+        tl.store(tgt_ptr + dst, tgt, mask=want)
+        tl.store(src_ptr + dst, src, mask=want)
+
+    # The tail [Σacc, B·C) is (0, 0): self-moves of the sink, never stale memory (seed 003).
+    for start in range(carry, n_out.to(tl.int64), BLOCK_TAIL):
+        e = start + tl.arange(0, BLOCK_TAIL)
+        zero = tl.zeros((BLOCK_TAIL,), dtype=tl.int32)
+        tl.store(tgt_ptr + e, zero, mask=e < n_out)
+        tl.store(src_ptr + e, zero, mask=e < n_out)
+
+    if HAS_STATUS:
+        bits = tl.where(bad != 0, _BAD_ACCEPT, 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status):
+    """Validate and allocate; shared by the launcher and the reference."""
+    n_draft = validate.positive("num_draft_tokens", num_draft_tokens)
+    validate.tensor("accept_index", accept_index, ndim=2)
+    device = accept_index.device
+    B, C = accept_index.shape
+    validate.tensor("accept_lens", accept_lens, ndim=1, device=device)
+    validate.length("accept_lens", accept_lens, B)
+    validate.tensor("out_cache_loc", out_cache_loc, ndim=1, device=device)
+    validate.at_least("out_cache_loc", out_cache_loc.shape[0], B * n_draft, "slots (B*N)")
+    n = B * C
+    if tgt is None:
+        tgt = torch.empty(n, dtype=torch.int64, device=device)
+    if src is None:
+        src = torch.empty(n, dtype=torch.int64, device=device)
+    for name, buf in (("tgt", tgt), ("src", src)):
+        validate.tensor(name, buf, ndim=1, device=device)
+        validate.at_least(name, buf.shape[0], n, "pairs (accept_index.numel())")
+    validate.status(status, device)
+    return n_draft, B, C, tgt, src
+
+
+def accept_cache_locs(
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *,
+    num_draft_tokens: int,
+    tgt: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact the accepted verify slots into ``(tgt, src)`` move pairs (SPEC §2.4).
+
+    For request ``i`` with ``acc_i = accept_lens[i]`` and ``k < acc_i``::
+
+        tgt[Σ_{i'<i} acc_i' + k] = out_cache_loc[i·N + k]
+        src[Σ_{i'<i} acc_i' + k] = out_cache_loc[accept_index[i, k]]
+
+    and ``[Σacc, B·C)`` of both is 0 (self-moves of the sink).
+
+    Parameters
+    ----------
+    accept_index : torch.Tensor
+        ``[B, C]`` int32 or int64, ``C = S + 1``: global node ids ``i·N + node``, each row a run
+        of ``acc_i`` accepted nodes followed by ``-1``.
+    accept_lens : torch.Tensor
+        ``[B]`` int32 or int64, ``acc_i`` = the number of valid entries of row ``i`` (the
+        bonus token included: SGLang's ``accept_length + 1``), in ``[0, C]``.
+    out_cache_loc : torch.Tensor
+        ``[≥ B·N]`` int32 or int64, the verify window: node ``j`` of request ``i`` at ``i·N + j``.
+    num_draft_tokens : int
+        ``N``, the verify-window width.
+    tgt, src : torch.Tensor, optional
+        ``[≥ B·C]`` int32 or int64 each (``plan_buffers``: ``verify.tgt_cache_loc``,
+        ``verify.src_cache_loc``); allocated as int64 when omitted.
+    status : torch.Tensor, optional
+        ``int32 [1]``; ``BAD_ACCEPT`` is ORed in when an accepted entry lies outside
+        ``[i·N, (i+1)·N)`` (or ``k ≥ N``), an entry after the run is not ``-1``, or
+        ``accept_lens`` is outside ``[0, C]`` (it is clamped). Such a pair is written ``(0, 0)``;
+        the others keep their positions.
+
+    Returns
+    -------
+    (tgt, src) : tuple of torch.Tensor
+        Views ``tgt[:B·C]`` and ``src[:B·C]``, ready for :func:`move_kv_cache`.
+
+    Examples
+    --------
+    ``N=4``, ``accept_index=[[0, 2, -1], [4, -1, -1]]``, ``accept_lens=[2, 1]``,
+    ``out_cache_loc=[10, 11, 12, 13, 20, 21, 22, 23]`` →
+    ``tgt=[10, 11, 20, 0, 0, 0]``, ``src=[10, 12, 20, 0, 0, 0]``.
+
+    One program: a ``tl.cumsum`` per block of 128 requests and a carried total, then the tail.
+    No host sync; ``B`` is a runtime argument.
+    """
+    n_draft, B, C, tgt, src = _prepare_accept(
+        accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
+    )
+    n = B * C
+    if n == 0:
+        return tgt[:0], src[:0]
+    _accept_cache_locs_kernel[(1,)](
+        accept_index,
+        accept_lens,
+        out_cache_loc,
+        tgt,
+        src,
+        status if status is not None else tgt,
+        # sizes
+        B,
+        n_draft,
+        C,
+        accept_index.stride(0),
+        n,
+        # code shape
+        BLOCK_B=_ACCEPT_BLOCK_B,
+        BLOCK_C=triton.next_power_of_2(C),
+        BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
+        HAS_STATUS=status is not None,
+        num_warps=4,
+    )
+    return tgt[:n], src[:n]
+
+
+def accept_cache_locs_ref(
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *,
+    num_draft_tokens: int,
+    tgt: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`accept_cache_locs` (vectorised over the batch; syncs)."""
+    N, B, C, tgt, src = _prepare_accept(
+        accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
+    )
+    n = B * C
+    if n == 0:
+        return tgt[:0], src[:0]
+    device = accept_index.device
+    acc_in = accept_lens.to(torch.int64)
+    acc = acc_in.clamp(0, C)
+    idx = accept_index.to(torch.int64)
+    k = torch.arange(C, device=device).view(1, -1)
+    lo = torch.arange(B, device=device).view(-1, 1) * N
+    want = k < acc.view(-1, 1)
+    ok = want & (idx >= lo) & (idx < lo + N) & (k < N)
+    wrong = (want & ~ok) | (~want & (idx != -1))
+    slots = out_cache_loc.to(torch.int64)
+    tgt_v = torch.where(ok, slots[torch.where(ok, lo + k, 0)], 0)
+    src_v = torch.where(ok, slots[torch.where(ok, idx, 0)], 0)
+    dst = (torch.cumsum(acc, 0) - acc).view(-1, 1) + k
+    out_t = torch.zeros(n, dtype=torch.int64, device=device)
+    out_s = torch.zeros(n, dtype=torch.int64, device=device)
+    out_t[dst[want]] = tgt_v[want]
+    out_s[dst[want]] = src_v[want]
+    tgt[:n] = out_t.to(tgt.dtype)
+    src[:n] = out_s.to(src.dtype)
+    if status is not None and (bool(wrong.any()) or bool((acc != acc_in).any())):
+        status |= int(Status.BAD_ACCEPT)
+    return tgt[:n], src[:n]
+
+
+# --------------------------------------------------------------------------------------------
+# move_kv_cache
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _word_pointer(address, WORD_BYTES: tl.constexpr):
+    """An int64 byte address as a pointer to words of ``WORD_BYTES`` bytes."""
+    if WORD_BYTES == 8:
+        return address.to(tl.pointer_type(tl.int64))
+    elif WORD_BYTES == 4:
+        return address.to(tl.pointer_type(tl.int32))
+    elif WORD_BYTES == 2:
+        return address.to(tl.pointer_type(tl.int16))
+    else:
+        return address.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit(
+    do_not_specialize=[
+        "n", "num_buffers", "buffers_per_program", "min_rows",
+        "buf_stride", "buf_width", "buf_rows",
+    ]
+)  # fmt: skip
+def _move_kv_cache_kernel(
+    table_ptr,  # [num_buffers, 4] int64: base address, row stride, row width (words), rows P
+    buf_ptr,  # [P, width] words of the one buffer (TABLE=False), row stride buf_stride
+    tgt_ptr,  # [n] int32|int64
+    src_ptr,  # [n] int32|int64
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    n,
+    num_buffers,
+    buffers_per_program,
+    min_rows,  # smallest P of all buffers: a self-move below it is a no-op everywhere
+    buf_stride,
+    buf_width,
+    buf_rows,
+    BLOCK_N: tl.constexpr,  # pairs a program owns (all of them unless pairs are disjoint)
+    COLS: tl.constexpr,  # words of a row per slice
+    TABLE: tl.constexpr,  # buffers from the pointer table (else the one buffer buf_ptr)
+    WORD_BYTES: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(column slices, pair blocks, buffer groups)``: program ``(c, p, g)`` moves words
+    ``[c·COLS, (c+1)·COLS)`` of the rows of pairs ``[p·BLOCK_N, (p+1)·BLOCK_N)`` in buffers
+    ``[g·bpp, (g+1)·bpp)``: all its sources are loaded, then all its targets stored."""
+    c = tl.program_id(0)
+    p = tl.program_id(1)
+    g = tl.program_id(2)
+    q = p.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = q < n
+    tgt = tl.load(tgt_ptr + q, mask=live, other=0).to(tl.int64)
+    src = tl.load(src_ptr + q, mask=live, other=0).to(tl.int64)
+    nonneg = (tgt >= 0) & (src >= 0)
+    moving = live & nonneg & (tgt != src)
+    # Nothing to do (and nothing to report) when every pair is a self-move inside every buffer:
+    # the (0, 0) tail of a fixed-length pair list costs only these index loads.
+    idle = ~live | ((tgt == src) & nonneg & (tgt < min_rows))
+    busy = tl.max((~idle).to(tl.int32), axis=0) != 0
+    bad = tl.full([], 0, tl.int32)
+    if busy:
+        col = c * COLS + tl.arange(0, COLS)
+        first = g * buffers_per_program
+        last = tl.minimum(first + buffers_per_program, num_buffers)
+        for b in range(first, last):
+            if TABLE:
+                entry = table_ptr + b * 4
+                base = _word_pointer(tl.load(entry), WORD_BYTES)
+                stride = tl.load(entry + 1)
+                width = tl.load(entry + 2)
+                rows = tl.load(entry + 3)
+            else:
+                base = buf_ptr
+                stride = buf_stride.to(tl.int64)
+                width = buf_width
+                rows = buf_rows
+            in_pool = nonneg & (tgt < rows) & (src < rows)
+            bad |= tl.max((live & ~in_pool).to(tl.int32), axis=0)
+            mask = (moving & in_pool)[:, None] & (col < width)[None, :]
+            # row·stride passes 2**31 in large pools: tgt and src are int64.
+            vals = tl.load(base + src[:, None] * stride + col[None, :], mask=mask)
+            # Every thread's loads are performed before any thread stores: a target may be
+            # another pair's source, held by another thread of this program.
+            tl.debug_barrier()
+            tl.store(base + tgt[:, None] * stride + col[None, :], vals, mask=mask)
+
+    if HAS_STATUS:
+        # Every slice sees the same pairs; slice 0 reports for its buffers.
+        bits = tl.where((bad != 0) & (c == 0), _POOL_OOB, 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """Validate the buffers and return them with their layout: ``(device, word bytes,
+    ((address, row stride, row width, rows), …))``, strides and widths in words."""
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence):
+        raise TypeError(
+            f"buffers must be a KVPool or a sequence of tensors, got {type(buffers).__name__}"
+        )
+    bufs = tuple(buffers)
+    if not bufs:
+        raise ValueError("buffers must hold at least one tensor, got an empty sequence")
+    device = None
+    rows_bytes = []
+    for i, t in enumerate(bufs):
+        name = f"buffers[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        device = t.device if device is None else device
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} (like buffers[0]), got {t.device}")
+        if t.dim() < 1 or t.shape[0] < 1:
+            raise ValueError(f"{name} must be [P, ...] with P >= 1 (slot 0 is the sink), got shape {tuple(t.shape)}")  # fmt: skip
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"{name} must be a real numeric dtype, got {t.dtype}")
+        if t[0].numel() == 0:
+            raise ValueError(f"{name} has empty rows, shape {tuple(t.shape)}")
+        if not t[0].is_contiguous():
+            raise ValueError(f"{name} must have contiguous rows, got strides {t.stride()}")
+        row = t[0].numel() * t.element_size()
+        stride = t.stride(0) * t.element_size()
+        if t.shape[0] > 1 and stride < row:
+            raise ValueError(f"{name} rows overlap: row stride {stride} B < row width {row} B")
+        rows_bytes.append((t.data_ptr(), stride, row, t.shape[0]))
+    seen = {}
+    for i, (ptr, *_rest) in enumerate(rows_bytes):
+        if ptr in seen:
+            raise ValueError(f"buffers[{seen[ptr]}] and buffers[{i}] are the same memory")
+        seen[ptr] = i
+    word = next(
+        w for w in (8, 4, 2, 1) if all(a % w == 0 and s % w == 0 and r % w == 0
+                                       for a, s, r, _ in rows_bytes)
+    )  # fmt: skip
+    rows = tuple((a, s // word, r // word, p) for a, s, r, p in rows_bytes)
+    return bufs, (device, word, rows)
+
+
+@functools.lru_cache(maxsize=16)
+def _pointer_table(layout: tuple) -> torch.Tensor:
+    """The device table of a layout. Built once per layout (a host-to-device copy); the key is
+    the table's own content, so an entry stays correct for any buffers with that layout."""
+    device, _word, rows = layout
+    table = torch.tensor(rows, dtype=torch.int64).reshape(kv_pool_table_shape(len(rows)))
+    return table.to(device)
+
+
+def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
+    """``t`` as ``[P, row words]`` of the word dtype (same memory)."""
+    flat = t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return flat.view(_WORD_DTYPES[word])
+
+
+class KVPool:
+    """The K/V buffers of every layer, addressed the way :func:`move_kv_cache` moves them.
+
+    Build it once per set of buffers and pass it instead of the list: it validates the buffers
+    and builds the device pointer table once, so a call costs one launch and no host work that
+    grows with the layer count. (A plain list is accepted too; its table is cached, keyed by
+    the buffers' addresses and shapes, but the key is rebuilt on every call.)
+
+    Parameters
+    ----------
+    buffers : sequence of torch.Tensor
+        ``[P, …]`` tensors on one device, any dtype, rows contiguous (the row stride may exceed
+        the row width), ``P ≥ 1``; typically K and V of every layer. Pool sizes may differ.
+    addressing : {"auto", "table", "direct"}
+        ``"table"``: one launch over the device pointer table (the default on CUDA);
+        ``"direct"``: one launch per buffer, each passed as a tensor (the default elsewhere:
+        an interpreter that cannot follow raw addresses still runs the same kernel body).
+
+    The pool holds references to the buffers, so the table never outlives them.
+    """
+
+    def __init__(self, buffers: Sequence[torch.Tensor], *, addressing: str = "auto"):
+        self.buffers, layout = _describe(buffers)
+        if addressing not in ("auto", "table", "direct"):
+            raise ValueError(f"addressing must be 'auto', 'table' or 'direct', got {addressing!r}")
+        self.device, self.word_bytes, rows = layout
+        if addressing == "auto":
+            addressing = "table" if self.device.type == "cuda" else "direct"
+        self.addressing = addressing
+        self.rows = tuple(r[3] for r in rows)
+        self.min_rows = min(self.rows)
+        self.max_row_words = max(r[2] for r in rows)
+        self.table = _pointer_table(layout) if addressing == "table" else None
+        self.words = tuple(_word_view(t, self.word_bytes) for t in self.buffers)
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def __repr__(self) -> str:
+        return (f"KVPool({len(self)} buffers on {self.device}, {self.word_bytes}-byte words, "
+                f"addressing={self.addressing!r})")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device busy: 4 per multiprocessor (one 64 KiB tile is resident
+    per SM); a couple under the CPU interpreter, where each program costs host time."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _launch_shape(n: int, row_words: int, word: int, disjoint: bool) -> tuple[int, int, int]:
+    """``(BLOCK_N, COLS, num_warps)`` for ``n`` pairs over rows of at most ``row_words``."""
+    tile = _TILE_BYTES // word
+    block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
+    cols = max(1, min(tile // block_n, triton.next_power_of_2(row_words)))
+    warps = max(1, min(_MAX_WARPS, block_n * cols // 512))
+    return block_n, cols, warps
+
+
+def _check_pairs(device: torch.device, tgt, src, disjoint, status) -> int:
+    validate.tensor("tgt", tgt, ndim=1, device=device)
+    validate.tensor("src", src, ndim=1, device=device)
+    validate.length("src", src, tgt.shape[0])
+    if not isinstance(disjoint, bool):
+        raise TypeError(f"disjoint must be a bool, got {type(disjoint).__name__}")
+    validate.status(status, device)
+    n = tgt.shape[0]
+    if not disjoint and n > MAX_OVERLAPPING_PAIRS:
+        raise ValueError(
+            f"tgt is too long to order in one launch: need at most {MAX_OVERLAPPING_PAIRS} "
+            f"pairs, have {n}; pass disjoint=True if no target is another pair's source "
+            "(prefix-tail pairs), or split the list"
+        )
+    return n
+
+
+def move_kv_cache(
+    buffers: KVPool | Sequence[torch.Tensor],
+    tgt: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    disjoint: bool = False,
+    status: torch.Tensor | None = None,
+) -> None:
+    """Copy row ``src[q]`` to row ``tgt[q]`` in every buffer, as if every source row were read
+    before any target is written (SPEC §2.4). In place; one launch on the GPU.
+
+    Parameters
+    ----------
+    buffers : KVPool or sequence of torch.Tensor
+        The K and V buffers of every layer, ``[P, …]`` each (see :class:`KVPool`; build one
+        once to keep host work out of the call and the table build out of graph capture).
+    tgt, src : torch.Tensor
+        ``[n]`` int32 or int64 slot ids, for example from :func:`accept_cache_locs` or
+        :func:`prefix_tail_copy_pairs`. ``n ≤ MAX_OVERLAPPING_PAIRS`` unless ``disjoint``.
+    disjoint : bool
+        The caller guarantees that no pair's target is another pair's source: pairs are then
+        moved in independent blocks, whole rows at a time, for any ``n``.
+    status : torch.Tensor, optional
+        ``int32 [1]``; ``POOL_OOB`` when a ``tgt`` or ``src`` lies outside ``[0, P)`` of a
+        buffer (that pair is skipped there, nothing is dereferenced).
+
+    Examples
+    --------
+    Rows ``[a, b, c, d]``, ``tgt=[1, 2, 3, 0]``, ``src=[2, 3, 1, 0]`` → ``[a, c, d, b]``
+    (a rotation; the ``(0, 0)`` pair is a no-op).
+
+    Grid ``(column slices, pair blocks, buffer groups)`` (see the module notes); no host sync;
+    ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
+    """
+    pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
+    n = _check_pairs(pool.device, tgt, src, disjoint, status)
+    if n == 0:
+        return
+    block_n, cols, warps = _launch_shape(n, pool.max_row_words, pool.word_bytes, disjoint)
+    pair_blocks = triton.cdiv(n, block_n)
+    common = dict(
+        tgt_ptr=tgt,
+        src_ptr=src,
+        status_ptr=status if status is not None else tgt,
+        n=n,
+        min_rows=pool.min_rows,
+        BLOCK_N=block_n,
+        COLS=cols,
+        WORD_BYTES=pool.word_bytes,
+        HAS_STATUS=status is not None,
+        num_warps=warps,
+    )
+    target = _target_programs(pool.device)
+    if pool.addressing == "table":
+        slices = triton.cdiv(pool.max_row_words, cols)
+        per_program = max(1, slices * pair_blocks * len(pool) // target)
+        groups = triton.cdiv(len(pool), per_program)
+        _move_kv_cache_kernel[(slices, pair_blocks, groups)](
+            table_ptr=pool.table,
+            buf_ptr=pool.table,
+            num_buffers=len(pool),
+            buffers_per_program=per_program,
+            buf_stride=0,
+            buf_width=0,
+            buf_rows=0,
+            TABLE=True,
+            **common,
+        )
+        return
+    for words in pool.words:
+        slices = triton.cdiv(words.shape[1], cols)
+        _move_kv_cache_kernel[(slices, pair_blocks, 1)](
+            table_ptr=words,
+            buf_ptr=words,
+            num_buffers=1,
+            buffers_per_program=1,
+            buf_stride=words.stride(0),
+            buf_width=words.shape[1],
+            buf_rows=words.shape[0],
+            TABLE=False,
+            **common,
+        )
+
+
+def move_kv_cache_ref(
+    buffers: KVPool | Sequence[torch.Tensor],
+    tgt: torch.Tensor,
+    src: torch.Tensor,
+    *,
+    disjoint: bool = False,
+    status: torch.Tensor | None = None,
+) -> None:
+    """Pure-torch :func:`move_kv_cache`: per buffer, gather the in-range, non-self source rows,
+    then scatter them to their targets (syncs)."""
+    if isinstance(buffers, KVPool):
+        bufs, device = buffers.buffers, buffers.device
+    else:
+        bufs, (device, _, _) = _describe(buffers)
+    _check_pairs(device, tgt, src, disjoint, status)
+    t, s = tgt.to(torch.int64), src.to(torch.int64)
+    bad = False
+    for buf in bufs:
+        rows = _word_view(buf, 1)  # [P, row bytes]: bit-exact for every dtype, fp8 included
+        in_pool = (t >= 0) & (t < rows.shape[0]) & (s >= 0) & (s < rows.shape[0])
+        bad = bad or not bool(in_pool.all())
+        keep = in_pool & (t != s)
+        rows[t[keep]] = rows[s[keep]]  # the right side is gathered (a copy) before the scatter
+    if status is not None and bad:
+        status |= int(Status.POOL_OOB)
