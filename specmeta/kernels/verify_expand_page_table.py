@@ -1,0 +1,261 @@
+"""The FA3 expand pass of target verify with a draft tree (``K > 1``, SPEC §3.2).
+
+Node ``j`` of request ``i`` is query row ``r = i·N + j``; its keys beyond the shared prefix are
+its tree ancestors and itself, ``m[i, j, c] = 1``. The row lists the verify slots
+``row_i[L_i + c]`` of those columns first, in increasing ``c``, then the other columns (never
+read, but every column is defined)::
+
+    page_table[r, k]   = row_i[L_i + c_k]       c_0 < c_1 < … the ancestor columns, then the rest
+    page_table[r, k]   = 0                      for N ≤ k < W
+    cache_seqlens[r]   = Σ_c m[i, j, c]
+    cu_seqlens_k[r]    = Σ_{r'<r} cache_seqlens[r']         r in [0, B·N]
+
+The table holds token slots, so the consumer reads it with a page-size-1 view of the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..status import Status
+from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
+
+__all__ = ["verify_expand_page_table", "verify_expand_page_table_ref"]
+
+_ROW_OOB = int(Status.ROW_OOB)
+_POS_OOB = int(Status.POS_OOB)
+_POOL_OOB = int(Status.POOL_OOB)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj",
+    ]
+)  # fmt: skip
+def _verify_expand_page_table_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    tree_mask_ptr,  # [B, N, N] uint8 (bool viewed as bytes), strides (stride_mb, stride_mj, 1)
+    page_table_ptr,  # [≥B*N, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥B*N] int32|int64
+    cu_seqlens_k_ptr,  # [≥B*N+1] int32|int64: entry 0 only (unless WRITE_CU0)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    N,
+    W,
+    stride_pt,
+    stride_mb,
+    stride_mj,
+    BLOCK_N: tl.constexpr,  # next power of two ≥ N
+    BLOCK_T: tl.constexpr,  # tail columns per store tile
+    WRITE_CU0: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1),)``: program ``i`` orders the ``N × N`` tile of request ``i``'s mask
+    and scatters its verify slots into the ``N`` rows of its nodes."""
+    i = tl.program_id(0).to(tl.int64)
+    live = i < B
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, i, B, R, stride_row
+    )
+    jj = tl.arange(0, BLOCK_N)[:, None]  # node j: query row
+    cc = tl.arange(0, BLOCK_N)[None, :]  # column c: tree node whose slot may be read
+    in_tile = tl.where(live, (jj < N) & (cc < N), False)
+    m = tl.load(tree_mask_ptr + i * stride_mb + jj * stride_mj + cc, mask=in_tile, other=0)
+    m = in_tile & (m != 0)
+    incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
+    cnt = tl.sum(m.to(tl.int32), axis=1)  # [BLOCK_N]: keys of node j
+    pos = tl.where(m, incl - 1, cnt[:, None] + cc - incl)  # rank of column c in row j
+
+    c = tl.arange(0, BLOCK_N)
+    p = L + c
+    want = tl.where(live, c < N, False)
+    slot = tl.load(
+        req_to_token_ptr + row_base + p,
+        mask=tl.where(row_ok, want & (p < W_row), False),
+        other=0,
+    ).to(tl.int64)
+    neg = want & (slot < 0)
+    slot = tl.where(neg, 0, slot)
+
+    rows = i * N + jj  # int64: B·N·W passes 2**31 only for huge tables, but costs nothing
+    tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)
+    row_live = tl.where(live, jj < N, False)
+    for c0 in range(N, W, BLOCK_T):
+        t = c0 + tl.arange(0, BLOCK_T)[None, :]
+        tl.store(page_table_ptr + rows * stride_pt + t, 0 * rows + 0 * t, mask=row_live & (t < W))
+    tl.store(cache_seqlens_ptr + i * N + c, cnt, mask=want)
+    if WRITE_CU0:
+        tl.store(cu_seqlens_k_ptr + i, i * 0, mask=i == 0)
+
+    if HAS_STATUS:
+        pos_bad = tl.max((want & (p >= W_row)).to(tl.int32), axis=0) != 0
+        bits = (
+            tl.where(row_ok, 0, _ROW_OOB)
+            | tl.where(pos_bad | ~L_ok, _POS_OOB, 0)
+            | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, _POOL_OOB, 0)
+        )
+        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
+             cu_seqlens_k, status):  # fmt: skip
+    """Validate and allocate; shared by the launcher and the reference."""
+    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
+                    device=device)  # fmt: skip
+    N = tree_mask.shape[1]
+    if tree_mask.shape != (B, N, N) or N < 1:
+        raise ValueError(
+            f"tree_mask must have shape [B, N, N] = [{B}, N, N] with N >= 1, "
+            f"got {tuple(tree_mask.shape)}"
+        )
+    BN = B * N
+    if page_table is None:
+        page_table = torch.empty((BN, N), dtype=torch.int32, device=device)
+    if cache_seqlens is None:
+        cache_seqlens = torch.empty(BN, dtype=torch.int32, device=device)
+    validate.tensor("page_table", page_table, ndim=2, device=device)
+    validate.at_least("page_table", page_table.shape[0], BN, "rows (B*N)")
+    validate.at_least("page_table", page_table.shape[1], N, "columns (N)")
+    validate.tensor("cache_seqlens", cache_seqlens, ndim=1, device=device)
+    validate.at_least("cache_seqlens", cache_seqlens.shape[0], BN)
+    if cu_seqlens_k is not None:
+        validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
+        validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], BN + 1)
+    validate.status(status, device)
+    return B, N, page_table, cache_seqlens
+
+
+def verify_expand_page_table(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
+
+    Parameters
+    ----------
+    req_pool_indices, req_to_token, seq_lens : torch.Tensor
+        ``[B]``, ``[R, W_row]``, ``[B]`` int32 or int64; node ``j``'s KV slot is
+        ``row_i[L_i + j]``.
+    tree_mask : torch.Tensor
+        ``[B, N, N]`` bool (or uint8), unit stride in the last dimension: ``m[i, j, c]`` is 1
+        iff ``c == j`` or ``c`` is an ancestor of ``j``.
+    page_table : torch.Tensor, optional
+        ``[≥ B·N, W ≥ N]`` int32 or int64; rows ``[:B·N]`` written entirely (0 past column
+        ``N``). Allocated int32 ``[B·N, N]`` when omitted.
+    cache_seqlens : torch.Tensor, optional
+        ``[≥ B·N]`` int32 or int64, keys per node. Allocated int32 when omitted.
+    cu_seqlens_k : torch.Tensor, optional
+        ``[≥ B·N + 1]``; when given, its exclusive prefix sum (entry 0 by the kernel, the rest
+        by one ``torch.cumsum`` launch: a per-node prefix over the masks of all earlier requests
+        would cost every program O(i·N²) reads).
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N > W_row`` or negative ``seq_lens``;
+        those slots read 0), ``POOL_OOB`` (a negative slot id reads 0).
+
+    Returns
+    -------
+    (page_table, cache_seqlens) : tuple of torch.Tensor
+
+    Examples
+    --------
+    ``N=3``, node 1 and node 2 both children of the root, ``L=5``, row ``[…, 50, 51, 52]``
+    at positions 5, 6, 7 → rows ``[50, 51, 52]``, ``[50, 51, 52]``, ``[50, 52, 51]``;
+    ``cache_seqlens=[1, 2, 2]``.
+
+    Grid ``(max(B, 1),)``, one program per request. No host sync.
+    """
+    B, N, page_table, cache_seqlens = _prepare(
+        req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
+        cu_seqlens_k, status,
+    )  # fmt: skip
+    mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    W = page_table.shape[1]
+    _verify_expand_page_table_kernel[(max(B, 1),)](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        mask,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status if status is not None else cache_seqlens,
+        # sizes
+        B,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        N,
+        W,
+        page_table.stride(0),
+        mask.stride(0),
+        mask.stride(1),
+        # code shape
+        BLOCK_N=triton.next_power_of_2(N),
+        BLOCK_T=min(triton.next_power_of_2(max(W - N, 1)), 64),
+        WRITE_CU0=cu_seqlens_k is not None,
+        HAS_STATUS=status is not None,
+    )
+    if cu_seqlens_k is not None and B:
+        BN = B * N
+        torch.cumsum(cache_seqlens[:BN], 0, dtype=cu_seqlens_k.dtype, out=cu_seqlens_k[1 : BN + 1])
+    return page_table, cache_seqlens
+
+
+def verify_expand_page_table_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    *,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
+    B, N, page_table, cache_seqlens = _prepare(
+        req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
+        cu_seqlens_k, status,
+    )  # fmt: skip
+    device = req_to_token.device
+    BN = B * N
+    L = seq_lens.to(torch.int64)
+    bits = _POS_OOB if bool((L < 0).any()) else 0
+    c = torch.arange(N, device=device)
+    slots, gather_bits = gather_rows_ref(
+        req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c
+    )  # [B, N]
+    bits |= gather_bits
+    slots = slots.to(torch.int64)
+    if bool((slots < 0).any()):
+        bits |= _POOL_OOB
+    slots = slots.clamp_min(0)
+    m = tree_mask.to(torch.bool)
+    order = torch.argsort(torch.where(m, c, N + c), dim=-1)  # ancestors first, then the rest
+    table = torch.gather(slots.view(B, 1, N).expand(B, N, N), 2, order).reshape(BN, N)
+    page_table[:BN, :N] = table.to(page_table.dtype)
+    page_table[:BN, N:] = 0
+    counts = m.sum(-1).reshape(BN)
+    cache_seqlens[:BN] = counts.to(cache_seqlens.dtype)
+    if cu_seqlens_k is not None:
+        cu_seqlens_k[0] = 0
+        cu_seqlens_k[1 : BN + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.dtype)
+    if status is not None and bits:
+        status |= bits
+    return page_table, cache_seqlens
