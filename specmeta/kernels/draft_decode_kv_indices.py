@@ -94,9 +94,9 @@ def _draft_decode_kv_indices_kernel(
     prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
     cum = tl.sum(tl.maximum(prev, 0), axis=0)
     for first in range(BLOCK_B, b, BLOCK_B):
-        offs = first + tl.arange(0, BLOCK_B)
-        prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
-        cum += tl.sum(tl.maximum(prev, 0), axis=0)
+        more = first + tl.arange(0, BLOCK_B)
+        lens = tl.load(seq_lens_ptr + more, mask=more < b, other=0).to(tl.int64)
+        cum += tl.sum(tl.maximum(lens, 0), axis=0)
     head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
 
     # List (s, t) of request b starts at kv_indptr[s, b·K + t] = head + t·L + (b·K + t)·(s+1).
