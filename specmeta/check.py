@@ -130,6 +130,79 @@ def _check_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
     return res
 
 
+def _verify_window(b: Batch, n: int) -> torch.Tensor:
+    """``[B·N]`` verify-window slots ``row_b[L_b + j]`` of a batch drawn with ``extra_tokens=N``."""
+    pos = b.seq_lens.to(torch.int64).view(-1, 1) + torch.arange(n, device=b.seq_lens.device)
+    rows = b.req_pool_indices.to(torch.int64).view(-1, 1)
+    return b.req_to_token[rows, pos].reshape(-1).to(torch.int64)
+
+
+def _accept_batches(device: torch.device, g: torch.Generator):
+    """Per batch of :func:`batches`: random trees of ``N = min(1 + K·S, 16)`` nodes, random
+    accepted paths and the verify window."""
+    from .workloads import random_accept, random_tree_mask
+
+    for k, s, _ in CONFIGS:
+        n = min(1 + k * s, 16)
+        for b in batches(device, g, extra_tokens=n):
+            if (b.topk, b.num_steps) != (k, s):
+                continue
+            mask = random_tree_mask(b.batch_size, k, s, n, g)
+            accept_index, accept_lens = random_accept(mask, s, g)
+            yield b, n, accept_index.to(device), accept_lens.to(device), _verify_window(b, n)
+
+
+@register("accept_cache_locs")
+def _check_accept(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.cache_loc_move import accept_cache_locs, accept_cache_locs_ref
+
+    res = CheckResult("accept_cache_locs")
+    status = new_status(device)
+    for b, n, accept_index, accept_lens, window in _accept_batches(device, g):
+        args = (accept_index, accept_lens, window)
+        size = accept_index.numel()
+        tgt, src = (torch.full((size,), -1, dtype=torch.int64, device=device) for _ in range(2))
+        accept_cache_locs(*args, num_draft_tokens=n, tgt=tgt, src=src, status=status)
+        want_t, want_s = accept_cache_locs_ref(*args, num_draft_tokens=n)
+        res.compare("tgt", tgt, want_t, f"N={n} {b.describe()}")
+        res.compare("src", src, want_s, f"N={n} {b.describe()}")
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("move_kv_cache")
+def _check_move(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Accept pairs (overlapping chains) and layout-B prefix-tail pairs (disjoint) moved over a
+    bf16 pool and a byte pool with padded rows, both addressing paths, against the reference."""
+    from .kernels.cache_loc_move import KVPool, accept_cache_locs, move_kv_cache, move_kv_cache_ref
+
+    res = CheckResult("move_kv_cache")
+    status = new_status(device)
+    for case, (b, n, accept_index, accept_lens, window) in enumerate(_accept_batches(device, g)):
+        P = b.pool_size
+        raw = torch.randint(0, 256, (P * (128 + 12),), generator=g, dtype=torch.uint8).to(device)
+        pools = [raw[: P * 128].view(torch.bfloat16).view(P, 64),
+                 raw[P * 128 :].view(P, 12)[:, :9]]  # fmt: skip
+        ref = [p.clone() for p in pools]
+        pairs = [(accept_cache_locs(accept_index, accept_lens, window, num_draft_tokens=n), False)]
+        if uses_layout_b(b.topk, b.page_size) and case % 2 == 0:  # every other batch: time
+            kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+            pairs.append((prefix_tail_copy_pairs(*_args(b), **kw), True))
+        # A cycle through random slots, pairs shuffled: correct only if all reads come first.
+        cycle = (torch.randperm(P - 1, generator=g)[:48] + 1).to(device)
+        order = torch.randperm(cycle.numel(), generator=g).to(device)
+        pairs.append(((cycle[order], cycle.roll(-1)[order]), False))
+        pool = KVPool(pools, addressing="direct" if case % 4 == 0 else "table")
+        for (tgt, src), disjoint in pairs:
+            move_kv_cache(pool, tgt, src, disjoint=disjoint, status=status)
+            move_kv_cache_ref(ref, tgt, src, disjoint=disjoint)
+        for i, (got, want) in enumerate(zip(pools, ref, strict=True)):  # bytes: NaN-safe
+            where = f"{pool.addressing} {b.describe()}"
+            res.compare(f"buffers[{i}]", got.view(torch.uint8), want.view(torch.uint8), where)
+    res.status_bits |= int(status.item())
+    return res
+
+
 def run_checks(device: torch.device, seed: int, names: list[str] | None = None,
                on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:  # fmt: skip
     """Run the named checks (default: all) with one generator seeded by ``seed``."""
