@@ -1,5 +1,6 @@
-"""The dense oracle itself: checked against torch's scaled_dot_product_attention row by row, and
-the log-sum-exp merge against attention over the union of the two key sets."""
+"""The reference consumers themselves: the dense oracle against torch's
+scaled_dot_product_attention row by row, the log-sum-exp merge against attention over the union
+of the two key sets, and the FA3 model against explicit slot lists."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.consumers.dense import dense_attention, merge_lse
+from tests.consumers.fa3 import flash_attn_with_kvcache as fa3_model
 
 
 def _draw(gen, device, T=6, H=4, H_kv=2, D=8, P=40):
@@ -58,3 +60,44 @@ def test_merge_of_disjoint_passes_is_attention_over_their_union(device, gen):
     empty = torch.full_like(l1, float("-inf"))
     o, lse = merge_lse(o1, empty, torch.zeros_like(o2), empty)
     assert not o.any() and torch.isneginf(lse).all()
+
+
+def test_fa3_model_reads_pages_and_aligns_causal_bottom_right(device, gen):
+    """The FA3 model against explicit slot lists: pages of 2 tokens in a shuffled order, two
+    query rows over five keys (FA3's own example: row 0 sees keys 0–3, row 1 all five)."""
+    ps, h_kv = 2, 1
+    k_pool = torch.randn(12, h_kv, 4, generator=gen, dtype=torch.float64).to(device)
+    v_pool = torch.randn(12, h_kv, 4, generator=gen, dtype=torch.float64).to(device)
+    q = torch.randn(2, 2, 4, generator=gen, dtype=torch.float64).to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    kw = dict(cache_seqlens=torch.tensor([5], **i32), page_table=torch.tensor([[4, 1, 3, 0]], **i32),
+              cu_seqlens_q=torch.tensor([0, 2], **i32), max_seqlen_q=2,
+              cu_seqlens_k_new=torch.tensor([0, 5], **i32))  # fmt: skip
+    kc, vc = k_pool.view(6, ps, h_kv, 4), v_pool.view(6, ps, h_kv, 4)
+    keys = [8, 9, 2, 3, 6]  # key k is row k % 2 of page page_table[k // 2]
+    out = fa3_model(q, kc, vc, causal=True, **kw)
+    want, _ = dense_attention(q, k_pool, v_pool, [keys[:4], keys])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    out, lse = fa3_model(q, kc, vc, causal=False, return_softmax_lse=True, **kw)
+    want, want_lse = dense_attention(q, k_pool, v_pool, [keys, keys])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.t(), rtol=1e-12, atol=1e-12)
+
+
+def test_fa3_model_rejects_what_fa3_would_misread(device):
+    i32 = dict(dtype=torch.int32, device=device)
+    pool = torch.zeros(3, 2, 1, 4, dtype=torch.float64, device=device)
+    q = torch.zeros(1, 1, 4, dtype=torch.float64, device=device)
+    base = dict(cache_seqlens=torch.tensor([3], **i32), page_table=torch.tensor([[1, 2]], **i32),
+                cu_seqlens_q=torch.tensor([0, 1], **i32), max_seqlen_q=1)  # fmt: skip
+    fa3_model(q, pool, pool, **base)
+    bad = [
+        dict(cu_seqlens_k_new=torch.tensor([0, 2], **i32)),  # inconsistent with cache_seqlens
+        dict(cache_seqlens=torch.tensor([5], **i32)),  # reads past the table's two columns
+        dict(page_table=torch.tensor([[1, 3]], **i32)),  # page 3 is outside the cache
+        dict(max_seqlen_q=0),
+        dict(page_table=torch.tensor([[1, 2]], dtype=torch.int64, device=device)),
+    ]
+    for change in bad:
+        with pytest.raises(AssertionError):
+            fa3_model(q, pool, pool, **{**base, **change})
