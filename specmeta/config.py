@@ -242,6 +242,76 @@ class BufferSpec:
         return torch.full(self.shape, fill, dtype=self.dtype, device=device)
 
 
+def _plan_flashinfer(cfg: SpecConfig, add) -> None:
+    """FlashInfer builders (SPEC §3.3), keys ``flashinfer.<mode>.<field>``; ``*_host`` buffers
+    are CPU mirrors for ``plan()`` (pinned when the builder's device is CUDA)."""
+    k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
+    total = bs * cfg.max_context_len  # ΣL at full capacity
+    i32 = torch.int32
+    # Per-branch token lists: every step row holds K copies of every prefix (SPEC §2.2).
+    mode = "flashinfer.draft_decode"
+    add(f"{mode}.kv_indices", (s, draft_decode_kv_indices_need(total, bs, k, s)), i32,
+        "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step")  # fmt: skip
+    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets")
+    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror of kv_indptr")
+    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1)")
+    # Cascade (shared-prefix) draft decode: each prefix once, each branch's chain per step.
+    mode = "flashinfer.draft_decode_shared"
+    add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
+        "[ΣL] every prefix once, shared by the request's K branches")  # fmt: skip
+    add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] prefix-level CSR offsets")
+    add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
+    add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
+        "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
+    add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level CSR offsets")
+    add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+    add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: one query row a branch")
+    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
+    # Per-branch page lists for page size > 1 (prefix-tail copies in place first).
+    mode = "flashinfer.draft_decode_paged"
+    add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
+        "[S, K*(ΣL + B*S)/ps + B*K] per-branch page lists, one row per draft step")  # fmt: skip
+    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets, in pages")
+    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+    add(f"{mode}.kv_last_page_len", (s, bs * k), i32, "[S, B*K] tokens on each last page")
+    add(f"{mode}.kv_last_page_len_host", (s, bs * k), i32, "[S, B*K] CPU mirror")
+    # Target verify and draft extend: uniform query stride N, row_b[0 : L_b + N].
+    for mode in ("flashinfer.target_verify", "flashinfer.draft_extend"):
+        add(f"{mode}.qo_indptr", (bs + 1,), i32, "[B+1] N·arange (SPEC §3.1)")
+        add(f"{mode}.qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L + N)]")
+        add(f"{mode}.kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.kv_indices", (verify_kv_indices_need(total, bs, n),), i32,
+            "[ΣL + B*N] row_b[0 : L_b + N]")  # fmt: skip
+        add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
+    mode = "flashinfer.target_verify"
+    add(f"{mode}.custom_mask", (tree_custom_mask_need(total, bs, n),), torch.bool,
+        "[N*ΣL + B*N²] flat bool mask, request i an N × (L_i + N) block")  # fmt: skip
+    add(f"{mode}.mask_indptr", (bs + 1,), i32, "[B+1] mask segment starts (elements)")
+    add(f"{mode}.mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    add(f"{mode}.packed_custom_mask", (tree_custom_mask_need(total, bs, n, packed=True),),
+        torch.uint8, "packed-bit mask, little-endian, segments padded to a byte")  # fmt: skip
+    add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
+    add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+
+
+def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
+    """TRT-LLM MLA builders (SPEC §3.4), keys ``trtllm_mla.<mode>.<field>``. One block-table
+    width serves every mode: branch rows cover ``L + S`` tokens, verify/extend rows ``L + N``."""
+    k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
+    maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, n), ps)
+    i32 = torch.int32
+    mode = "trtllm_mla.draft_decode"
+    add(f"{mode}.block_kv_indices", (bs * k, maxblk), i32,
+        "[B*K, maxblk] page ids of each branch row (per-branch tables; K == 1: the request's)")  # fmt: skip
+    add(f"{mode}.seq_lens_k", (s, bs * k), i32, "[S, B*K] L_b + s + 1")
+    for mode in ("trtllm_mla.target_verify", "trtllm_mla.draft_extend"):
+        add(f"{mode}.block_kv_indices", (bs, maxblk), i32, "[B, maxblk] page ids, -1 beyond use")
+        add(f"{mode}.seq_lens_k", (bs,), i32, "[B] L_b + N")
+        add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange (SPEC §3.1)")
+
+
 def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     """Every persistent buffer's shape and dtype, keyed ``"<mode>.<field>"``.
 
@@ -309,6 +379,8 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
         add("fa3.target_verify.expand_cache_seqlens", (bn,), i32, "[B*N] ancestors per node")
         add("fa3.target_verify.expand_cu_seqlens_k", (bn + 1,), i32, "[B*N+1] Σ lengths")
         add("fa3.target_verify.expand_cu_seqlens_q", (bn + 1,), i32, "[B*N+1] arange(B*N+1)")
+    _plan_flashinfer(cfg, add)
+    _plan_trtllm_mla(cfg, add)
     return plan
 
 

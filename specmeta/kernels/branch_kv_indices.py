@@ -24,7 +24,7 @@ from ..config import branch_kv_indices_need
 from ..status import Status
 from .branch_page_table import branch_page, branch_pages_ref
 from .draft_cache_locs import _check_batch, load_request
-from .draft_decode_kv_indices import _chunk_programs
+from .verify_kv_indices import _chunk_programs
 
 __all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
 
@@ -95,7 +95,7 @@ def _branch_kv_indices_kernel(
 
     stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
     n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
-    pos_bad = tl.full((), 0, tl.int32)
+    pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(pid_c, tl.cdiv(n_last, BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK
@@ -112,34 +112,34 @@ def _branch_kv_indices_kernel(
                 )
 
     if pid_c == 0:
-        t = tl.arange(0, BLOCK_K)
-        live_t = tl.where(valid, t < TOPK, False)
+        tt = tl.arange(0, BLOCK_K)
+        live_t = tl.where(valid, tt < TOPK, False)
         last = b == tl.maximum(B, 1) - 1
         for s in range(0, num_rows):
             n_s = tl.where(valid, (L + s + page_size) // page_size, 0)
             head = tl.sum(tl.where(r == s, heads, 0), axis=0)
-            z = b * TOPK + t
-            tl.store(kv_indptr_ptr + s * stride_ptr + z, head + t * n_s, mask=live_t)
+            z = b * TOPK + tt
+            tl.store(kv_indptr_ptr + s * stride_ptr + z, head + tt * n_s, mask=live_t)
             tl.store(
                 kv_last_page_len_ptr + s * stride_lpl + z,
-                tl.zeros_like(t) + (L + s) % page_size + 1,
+                tl.zeros_like(tt) + (L + s) % page_size + 1,
                 mask=live_t,
             )
             # The closing entry [s, B·K], from the last program (entry 0 when B == 0).
             tl.store(
-                kv_indptr_ptr + s * stride_ptr + B * TOPK + t,
-                head + TOPK * n_s + t * 0,
-                mask=tl.where(last, t == 0, False),
+                kv_indptr_ptr + s * stride_ptr + B * TOPK + tt,
+                head + TOPK * n_s + tt * 0,
+                mask=tl.where(last, tt == 0, False),
             )
         if HAS_STATUS:
             over = valid & (
                 tl.sum(tl.where(r == num_rows - 1, heads, 0), axis=0) + TOPK * n_last > W_idx
             )
-            bits = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
-            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+            flags = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
+            tl.atomic_or(status_ptr, flags, mask=flags != 0)
     if HAS_STATUS:
-        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        flags = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        tl.atomic_or(status_ptr, flags, mask=flags != 0)
 
 
 def _prepare(

@@ -98,7 +98,7 @@ def _branch_page_table_kernel(
     )
     valid = b < B
     stride_pt64 = stride_pt.to(tl.int64)  # row·stride passes 2**31 for large tables
-    pos_bad = tl.full((), 0, tl.int32)
+    pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(pid_c, tl.cdiv(W, BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK

@@ -36,8 +36,12 @@ from .draft_cache_locs import (
     gather_rows_ref,
     load_request,
 )
-from .draft_decode_kv_indices import _chunk_programs
-from .verify_kv_indices import copy_row_prefix, exclusive_length_sum, ragged_prefix_ref
+from .verify_kv_indices import (
+    _chunk_programs,
+    copy_row_prefix,
+    exclusive_length_sum,
+    ragged_prefix_ref,
+)
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
 

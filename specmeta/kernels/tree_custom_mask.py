@@ -115,8 +115,8 @@ def _tree_custom_mask_kernel(
         tl.store(mask_indptr_ptr + b + 1, start + n, mask=valid)
         tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
-            bits = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
-            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+            flags = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
+            tl.atomic_or(status_ptr, flags, mask=flags != 0)
 
 
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):

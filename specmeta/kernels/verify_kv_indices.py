@@ -21,7 +21,7 @@ from .. import validate
 from ..config import verify_kv_indices_need
 from ..status import Status
 from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
-from .draft_decode_kv_indices import _chunk_programs
+from .draft_decode_kv_indices import _target_programs
 
 __all__ = ["verify_kv_indices", "verify_kv_indices_ref", "exclusive_length_sum"]
 
@@ -34,6 +34,13 @@ _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read onl
 _BLOCK = 1024
 # seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
 _BLOCK_B = 1024
+
+
+def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
+    """Programs per request: enough for the grid to fill the device even when a few long
+    requests carry all the work, never more than a ``width``-entry list has chunks."""
+    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
+    return max(1, min(per_request, triton.cdiv(width, _BLOCK)))
 
 
 @triton.jit

@@ -1,0 +1,529 @@
+"""FlashInfer metadata builders (SPEC §3.3): draft decode (per-branch, shared-prefix cascade,
+per-branch pages), target verify with a tree mask, draft extend.
+
+A :class:`FlashInferBuilder` is constructed once from a :class:`~specmeta.SpecConfig` and a
+device; it allocates every buffer it writes from :func:`~specmeta.plan_buffers` (keys
+``flashinfer.<mode>.<field>``) and writes the batch-independent values (``qo_indptr`` strides,
+``kv_last_page_len`` ones) once. Each method then runs the sync-free kernels into those buffers
+and returns a frozen dataclass of views whose field names are FlashInfer ``plan()``'s keywords,
+so the eager path and a CUDA-graph capture use the same code on the same layout.
+
+Host mirrors (``*_host``) are what ``plan()`` needs on the CPU. They are computed from the
+``seq_lens_cpu`` the engine already holds, never copied back from the device (the reference
+engine synchronises there every iteration). Without ``seq_lens_cpu`` they are ``None``.
+
+Which draft-decode form to use:
+
+* :meth:`FlashInferBuilder.draft_decode`: per-branch token lists, planned with page size 1
+  (SPEC §3.3); ``S·K·ΣL`` prefix entries written per iteration.
+* :meth:`FlashInferBuilder.draft_decode_shared_prefix`: a two-level cascade
+  (``MultiLevelCascadeAttentionWrapper``): each prefix once (query stride ``K``), each branch's
+  chain as a second level; ``ΣL + B·K·S(S+1)/2`` entries.
+* :meth:`FlashInferBuilder.draft_decode_paged`: per-branch page lists with the pool's own page
+  size (slot layout B; the prefix-tail copies of ``prefix_tail_copy_pairs`` must be in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import validate
+from ..config import SpecConfig, plan_buffers
+from ..kernels.branch_kv_indices import branch_kv_indices
+from ..kernels.draft_decode_kv_indices import draft_decode_kv_indices
+from ..kernels.shared_prefix_kv_indices import shared_prefix_kv_indices
+from ..kernels.tree_custom_mask import tree_custom_mask
+from ..kernels.verify_kv_indices import verify_kv_indices
+from .layout import UniformQueryLayout
+
+__all__ = [
+    "FlashInferBuilder",
+    "FlashInferDecodeStep",
+    "FlashInferDraftDecode",
+    "FlashInferCascadeStep",
+    "FlashInferCascadeDecode",
+    "FlashInferPrefill",
+]
+
+_PREFIX = "flashinfer."
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashInferDecodeStep:
+    """One draft-decode forward for ``BatchDecodeWithPagedKVCacheWrapper.plan()``."""
+
+    kv_indptr: torch.Tensor
+    """``[B·K + 1]`` int32, device; exact."""
+    kv_indices: torch.Tensor
+    """``[W]`` int32, device; an upper bound: entries ``[0, kv_indptr[-1])`` are this step's."""
+    kv_last_page_len: torch.Tensor
+    """``[B·K]`` int32, device; exact (all 1 with page size 1)."""
+    kv_indptr_host: torch.Tensor | None
+    """``[B·K + 1]`` int32 on the CPU, equal to ``kv_indptr``; ``None`` without ``seq_lens_cpu``."""
+    kv_last_page_len_host: torch.Tensor | None
+    """``[B·K]`` int32 on the CPU, equal to ``kv_last_page_len``; ``None`` without
+    ``seq_lens_cpu``."""
+    page_size: int
+    """The page size to plan with: 1 for token lists, the pool's for page lists."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashInferDraftDecode:
+    """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
+
+    steps: tuple[FlashInferDecodeStep, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashInferCascadeStep:
+    """One draft-decode forward for ``MultiLevelCascadeAttentionWrapper.plan()`` (two levels).
+
+    Level 0 is the shared prefix: request ``b``'s ``K`` branch rows (query stride ``K``) read
+    ``row_b[0:L_b]``. Level 1 is the chains: branch row ``z`` (stride 1) reads its ``s + 1``
+    draft slots. Query rows are ordered ``[b, t]`` in both levels.
+    """
+
+    qo_indptr_arr: tuple[torch.Tensor, torch.Tensor]
+    """``([B + 1], [B·K + 1])`` int32, device: ``K·arange`` and ``arange``; exact."""
+    paged_kv_indptr_arr: tuple[torch.Tensor, torch.Tensor]
+    """``([B + 1], [B·K + 1])`` int32, device: ``[0, cumsum(L)]`` and ``z·(s + 1)``; exact."""
+    paged_kv_indices_arr: tuple[torch.Tensor, torch.Tensor]
+    """``([W0], [W1])`` int32, device; upper bounds (``ΣL`` and ``B·K·(s+1)`` entries used)."""
+    paged_kv_last_page_len: tuple[torch.Tensor, torch.Tensor]
+    """``([B], [B·K])`` int32 ones, device; exact."""
+    qo_indptr_host_arr: tuple[torch.Tensor, torch.Tensor]
+    """CPU mirrors of ``qo_indptr_arr`` (batch independent, always present)."""
+    paged_kv_indptr_host_arr: tuple[torch.Tensor, torch.Tensor] | None
+    """CPU mirrors of ``paged_kv_indptr_arr``; ``None`` without ``seq_lens_cpu``."""
+    page_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashInferCascadeDecode:
+    """Every cascade draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
+
+    steps: tuple[FlashInferCascadeStep, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashInferPrefill:
+    """Target verify or draft extend for ``BatchPrefillWithPagedKVCacheWrapper.plan()``."""
+
+    qo_indptr: torch.Tensor
+    """``[B + 1]`` int32, device: ``N·arange`` (uniform stride, SPEC §3.1); exact."""
+    kv_indptr: torch.Tensor
+    """``[B + 1]`` int32, device: ``[0, cumsum(L + N)]``; exact."""
+    kv_indices: torch.Tensor
+    """``[W]`` int32, device; upper bound: ``ΣL + B·N`` entries used."""
+    kv_last_page_len: torch.Tensor
+    """``[B]`` int32 ones, device; exact."""
+    custom_mask: torch.Tensor | None
+    """Flat bool, device, request ``i`` an ``N × (L_i + N)`` block; upper bound (``None`` for
+    draft extend or when ``packed_custom_mask`` is given)."""
+    packed_custom_mask: torch.Tensor | None
+    """uint8, device: ``custom_mask`` packed little-endian, segments padded to a byte."""
+    mask_indptr: torch.Tensor | None
+    """``[B + 1]`` int32, device: segment starts, in elements (bytes for the packed form)."""
+    causal: bool
+    """``False`` for target verify (the mask decides), ``True`` for draft extend."""
+    qo_indptr_host: torch.Tensor
+    """``[B + 1]`` int32 on the CPU (batch independent, always present)."""
+    kv_indptr_host: torch.Tensor | None
+    """``[B + 1]`` int32 on the CPU; ``None`` without ``seq_lens_cpu``."""
+    mask_indptr_host: torch.Tensor | None
+    """``[B + 1]`` int32 on the CPU; ``None`` without ``seq_lens_cpu`` or a mask."""
+    max_q_len: int
+    """``N``, the same at capture and at replay."""
+    page_size: int = 1
+
+
+class FlashInferBuilder:
+    """FlashInfer metadata for one :class:`~specmeta.SpecConfig`, in planned buffers.
+
+    Parameters
+    ----------
+    cfg : SpecConfig
+        ``K``, ``S``, ``N``, ``ps`` and the capacity (``max_bs``, ``max_context_len``).
+    device : torch.device or str
+        Where the metadata lives. ``*_host`` mirrors live on the CPU, pinned when ``device``
+        is CUDA.
+
+    Attributes
+    ----------
+    buffers : dict of str to torch.Tensor
+        Every ``flashinfer.*`` buffer of the plan, keyed without the prefix.
+    status : torch.Tensor
+        ``int32 [1]``: the status word every method reports into unless given another
+        (read it with :func:`specmeta.check_status`, which syncs).
+
+    Examples
+    --------
+    >>> fi = FlashInferBuilder(cfg, "cuda")
+    >>> meta = fi.draft_decode(req_pool_indices, req_to_token, seq_lens, seq_lens_cpu=lens)
+    >>> wrapper.plan(meta.steps[0].kv_indptr_host, meta.steps[0].kv_indices, ...)  # no sync
+    """
+
+    def __init__(self, cfg: SpecConfig, device: torch.device | str):
+        if not isinstance(cfg, SpecConfig):
+            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        plan = plan_buffers(cfg)
+        pin = self.device.type == "cuda"
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, spec in plan.items():
+            if not name.startswith(_PREFIX):
+                continue
+            if name.endswith("_host"):
+                buf = spec.allocate("cpu")
+                buf = buf.pin_memory() if pin else buf
+            else:
+                buf = spec.allocate(self.device)
+            self.buffers[name[len(_PREFIX) :]] = buf
+        self.status = plan["status"].allocate(self.device)
+        k, s, n, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.max_bs
+        buf = self.buffers
+        for key in (
+            "draft_decode.kv_last_page_len",
+            "draft_decode_shared.kv_last_page_len",
+            "target_verify.kv_last_page_len",
+            "draft_extend.kv_last_page_len",
+        ):
+            buf[key].fill_(1)
+        # Uniform query strides, written once for the largest batch (SPEC §3.1).
+        self._layouts = {
+            "target_verify": UniformQueryLayout.create(
+                n, bs, self.device, out=buf["target_verify.qo_indptr"]
+            ),
+            "draft_extend": UniformQueryLayout.create(
+                n, bs, self.device, out=buf["draft_extend.qo_indptr"]
+            ),
+            "prefix": UniformQueryLayout.create(
+                k, bs, self.device, out=buf["draft_decode_shared.prefix_qo_indptr"]
+            ),
+            "chain": UniformQueryLayout.create(
+                1, bs * k, self.device, out=buf["draft_decode_shared.chain_qo_indptr"]
+            ),
+        }
+        for mode in ("target_verify", "draft_extend"):
+            torch.arange(bs + 1, dtype=torch.int32, out=buf[f"{mode}.qo_indptr_host"])
+            buf[f"{mode}.qo_indptr_host"].mul_(n)
+        self._chain_qo_host = torch.arange(bs * k + 1, dtype=torch.int32)
+        self._ones_host = torch.ones(bs * k, dtype=torch.int32)
+        self._prefix_qo_host = self._chain_qo_host[: bs + 1] * k
+        # The chain level's offsets do not depend on the batch: z·(s + 1).
+        z = torch.arange(bs * k + 1, dtype=torch.int32)
+        for row in range(s):
+            buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
+
+    # ----------------------------------------------------------------------------------------
+    def _batch(self, req_pool_indices, seq_lens_cpu):
+        validate.tensor("req_pool_indices", req_pool_indices, ndim=1)
+        B = req_pool_indices.shape[0]
+        if B > self.cfg.max_bs:
+            raise ValueError(f"batch of {B} requests exceeds the plan's max_bs={self.cfg.max_bs}")
+        lens = None
+        if seq_lens_cpu is not None:
+            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=torch.device("cpu"))
+            validate.length("seq_lens_cpu", seq_lens_cpu, B)
+            lens = seq_lens_cpu.to(torch.int64).clamp_min(0)
+        return B, lens
+
+    def _rows(self, num_rows):
+        s = self.cfg.num_steps
+        if num_rows is None:
+            return s - 1
+        rows = validate.positive("num_rows", num_rows, minimum=0)
+        if rows > s:
+            raise ValueError(f"num_rows must be <= num_steps={s}, got {rows}")
+        return rows
+
+    def _status(self, status):
+        return self.status if status is None else status
+
+    # ----------------------------------------------------------------------------------------
+    def draft_decode(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        num_rows: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> FlashInferDraftDecode:
+        """Per-branch token lists of every draft-decode forward (page size 1, SPEC §3.3).
+
+        Parameters
+        ----------
+        req_pool_indices, req_to_token, seq_lens : torch.Tensor
+            ``[B]``, ``[R, W_row]``, ``[B]`` on the builder's device (``B ≤ max_bs``; a padded
+            batch is a batch).
+        seq_lens_cpu : torch.Tensor, optional
+            ``[B]`` on the CPU, equal to ``seq_lens``: gives the host mirrors and the capacity
+            check before launch.
+        num_rows : int, optional
+            Forwards to build; default ``S − 1`` (draft decode runs ``S − 1`` forwards).
+        status : torch.Tensor, optional
+            Status word; default :attr:`status`.
+        """
+        cfg, buf = self.cfg, self.buffers
+        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
+        rows = self._rows(num_rows)
+        K = cfg.topk
+        draft_decode_kv_indices(
+            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+            page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
+            kv_indptr=buf["draft_decode.kv_indptr"],
+            seq_lens_sum=int(lens.sum()) if lens is not None else None,
+            status=self._status(status),
+        )  # fmt: skip
+        host = None
+        if lens is not None:
+            host = buf["draft_decode.kv_indptr_host"]
+            z = torch.arange(B * K + 1)
+            bz = (z // K).clamp_max(max(B - 1, 0))
+            head = K * (torch.cumsum(lens, 0) - lens)
+            for s in range(rows):
+                if B:
+                    start = head[bz] + (z % K) * lens[bz] + z * (s + 1)
+                    start[B * K] = K * int(lens.sum()) + B * K * (s + 1)
+                    host[s, : B * K + 1] = start.to(torch.int32)
+                else:
+                    host[s, 0] = 0
+        ones = buf["draft_decode.kv_last_page_len"][: B * K]
+        ones_host = self._ones_host[: B * K] if lens is not None else None
+        steps = tuple(
+            FlashInferDecodeStep(
+                kv_indptr=buf["draft_decode.kv_indptr"][s, : B * K + 1],
+                kv_indices=buf["draft_decode.kv_indices"][s],
+                kv_last_page_len=ones,
+                kv_indptr_host=host[s, : B * K + 1] if host is not None else None,
+                kv_last_page_len_host=ones_host,
+                page_size=1,
+            )
+            for s in range(rows)
+        )
+        return FlashInferDraftDecode(steps)
+
+    def draft_decode_shared_prefix(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        num_rows: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> FlashInferCascadeDecode:
+        """Cascade draft decode: each prefix once, each branch's chain a second level.
+
+        Arguments as in :meth:`draft_decode`. One launch builds both levels for every step;
+        the consumer merges the two levels' outputs by log-sum-exp.
+        """
+        cfg, buf = self.cfg, self.buffers
+        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
+        rows = self._rows(num_rows)
+        K, mode = cfg.topk, "draft_decode_shared"
+        shared_prefix_kv_indices(
+            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+            page_size=cfg.page_size, num_rows=rows,
+            prefix_kv_indices=buf[f"{mode}.prefix_kv_indices"],
+            prefix_kv_indptr=buf[f"{mode}.prefix_kv_indptr"],
+            chain_kv_indices=buf[f"{mode}.chain_kv_indices"],
+            chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
+            seq_lens_sum=int(lens.sum()) if lens is not None else None,
+            status=self._status(status),
+        )  # fmt: skip
+        prefix_host = None
+        if lens is not None:
+            prefix_host = buf[f"{mode}.prefix_kv_indptr_host"][: B + 1]
+            prefix_host[0] = 0
+            prefix_host[1:] = torch.cumsum(lens, 0).to(torch.int32)
+        ones = buf[f"{mode}.kv_last_page_len"]
+        qo = (self._layouts["prefix"].cu_seqlens_q(B), self._layouts["chain"].cu_seqlens_q(B * K))
+        qo_host = (self._prefix_qo_host[: B + 1], self._chain_qo_host[: B * K + 1])
+        chain_host = buf[f"{mode}.chain_kv_indptr_host"]
+        steps = tuple(
+            FlashInferCascadeStep(
+                qo_indptr_arr=qo,
+                paged_kv_indptr_arr=(
+                    buf[f"{mode}.prefix_kv_indptr"][: B + 1],
+                    buf[f"{mode}.chain_kv_indptr"][s, : B * K + 1],
+                ),
+                paged_kv_indices_arr=(
+                    buf[f"{mode}.prefix_kv_indices"],
+                    buf[f"{mode}.chain_kv_indices"][s],
+                ),
+                paged_kv_last_page_len=(ones[:B], ones[: B * K]),
+                qo_indptr_host_arr=qo_host,
+                paged_kv_indptr_host_arr=(
+                    (prefix_host, chain_host[s, : B * K + 1]) if prefix_host is not None else None
+                ),
+            )
+            for s in range(rows)
+        )
+        return FlashInferCascadeDecode(steps)
+
+    def draft_decode_paged(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        num_rows: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> FlashInferDraftDecode:
+        """Per-branch page lists with the pool's page size (plan with ``cfg.page_size``).
+
+        Branch ``b·K + t`` at step ``s`` reads the request's full prefix pages, then its own
+        region's pages, ``L_b + s + 1`` tokens. In slot layout B the regions of branches
+        ``t ≥ 1`` start with a copy of the prefix tail: run the pairs of
+        ``prefix_tail_copy_pairs`` through ``move_kv_cache`` before the forward. Arguments as
+        in :meth:`draft_decode`.
+        """
+        cfg, buf = self.cfg, self.buffers
+        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
+        rows = self._rows(num_rows)
+        K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
+        branch_kv_indices(
+            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+            page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
+            kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
+            seq_lens_sum=int(lens.sum()) if lens is not None else None,
+            status=self._status(status),
+        )  # fmt: skip
+        ptr_host = lpl_host = None
+        if lens is not None:
+            ptr_host = buf[f"{mode}.kv_indptr_host"]
+            lpl_host = buf[f"{mode}.kv_last_page_len_host"]
+            for s in range(rows):
+                pages = (lens + s + ps) // ps  # ceil((L + s + 1) / ps)
+                per_branch = pages.repeat_interleave(K)
+                ptr_host[s, 0] = 0
+                ptr_host[s, 1 : B * K + 1] = torch.cumsum(per_branch, 0).to(torch.int32)
+                lpl_host[s, : B * K] = ((lens + s) % ps + 1).repeat_interleave(K).to(torch.int32)
+        steps = tuple(
+            FlashInferDecodeStep(
+                kv_indptr=buf[f"{mode}.kv_indptr"][s, : B * K + 1],
+                kv_indices=buf[f"{mode}.kv_indices"][s],
+                kv_last_page_len=buf[f"{mode}.kv_last_page_len"][s, : B * K],
+                kv_indptr_host=ptr_host[s, : B * K + 1] if ptr_host is not None else None,
+                kv_last_page_len_host=lpl_host[s, : B * K] if lpl_host is not None else None,
+                page_size=ps,
+            )
+            for s in range(rows)
+        )
+        return FlashInferDraftDecode(steps)
+
+    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, lens, status):
+        buf, n = self.buffers, self.cfg.num_draft_tokens
+        B = req_pool_indices.shape[0]
+        verify_kv_indices(
+            req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
+            kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
+            seq_lens_sum=int(lens.sum()) if lens is not None else None,
+            status=self._status(status),
+        )  # fmt: skip
+        host = None
+        if lens is not None:
+            host = buf[f"{mode}.kv_indptr_host"][: B + 1]
+            host[0] = 0
+            host[1:] = torch.cumsum(lens + n, 0).to(torch.int32)
+        return host
+
+    def target_verify(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tree_mask: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        packed: bool = False,
+        status: torch.Tensor | None = None,
+    ) -> FlashInferPrefill:
+        """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
+
+        Parameters
+        ----------
+        tree_mask : torch.Tensor
+            ``[B, N, N]`` bool ancestor mask (``m[i, j, c]`` iff ``c == j`` or ``c`` is an
+            ancestor of ``j``); a chain is the lower triangle.
+        packed : bool
+            Build ``packed_custom_mask`` (FlashInfer's packed-bit form) instead of the bool
+            ``custom_mask``.
+
+        Other arguments as in :meth:`draft_decode`. Two launches: the KV lists and the mask.
+        """
+        cfg, buf = self.cfg, self.buffers
+        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
+        n, mode = cfg.num_draft_tokens, "target_verify"
+        validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3)
+        if tree_mask.shape[1:] != (n, n):
+            raise ValueError(
+                f"tree_mask must be [B, N, N] with N = num_draft_tokens = {n}, "
+                f"got {tuple(tree_mask.shape)}"
+            )
+        host = self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, lens, status)
+        form = "packed_" if packed else ""
+        mask, mask_indptr = tree_custom_mask(
+            seq_lens, tree_mask, packed=packed, custom_mask=buf[f"{mode}.{form}custom_mask"],
+            mask_indptr=buf[f"{mode}.{form}mask_indptr"],
+            seq_lens_sum=int(lens.sum()) if lens is not None else None,
+            status=self._status(status),
+        )  # fmt: skip
+        mask_host = None
+        if lens is not None:
+            sizes = n * (lens + n)
+            sizes = (sizes + 7) // 8 if packed else sizes
+            mask_host = buf[f"{mode}.{form}mask_indptr_host"][: B + 1]
+            mask_host[0] = 0
+            mask_host[1:] = torch.cumsum(sizes, 0).to(torch.int32)
+        return FlashInferPrefill(
+            qo_indptr=self._layouts[mode].cu_seqlens_q(B),
+            kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
+            kv_indices=buf[f"{mode}.kv_indices"],
+            kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
+            custom_mask=None if packed else mask,
+            packed_custom_mask=mask if packed else None,
+            mask_indptr=mask_indptr[: B + 1],
+            causal=False,
+            qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
+            kv_indptr_host=host,
+            mask_indptr_host=mask_host,
+            max_q_len=n,
+        )
+
+    def draft_extend(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        status: torch.Tensor | None = None,
+    ) -> FlashInferPrefill:
+        """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
+        ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
+        :meth:`draft_decode`."""
+        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
+        buf, mode = self.buffers, "draft_extend"
+        host = self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, lens, status)
+        return FlashInferPrefill(
+            qo_indptr=self._layouts[mode].cu_seqlens_q(B),
+            kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
+            kv_indices=buf[f"{mode}.kv_indices"],
+            kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
+            custom_mask=None,
+            packed_custom_mask=None,
+            mask_indptr=None,
+            causal=True,
+            qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
+            kv_indptr_host=host,
+            mask_indptr_host=None,
+            max_q_len=self.cfg.num_draft_tokens,
+        )

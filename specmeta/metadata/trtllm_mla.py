@@ -1,0 +1,242 @@
+"""TRT-LLM MLA metadata builders (SPEC §3.4): draft decode (chains and, through per-branch page
+tables, trees), target verify and draft extend.
+
+TRT-LLM MLA takes one page row per query sequence (``block_kv_indices [rows, maxblk]``, int32
+page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and its KV length
+(``seq_lens_k``); it has no cascade and no custom mask. So:
+
+* draft decode with ``K == 1``: the request's own pages, ``seq_lens_k = L_b + s + 1`` at step
+  ``s`` (the reference engine leaves out ``+ s + 1``);
+* draft decode with ``K > 1``: **per-branch page tables** over slot layout B, one row per branch
+  ``r = b·K + t``: the request's full prefix pages, then the pages of the branch's own region,
+  whose first ``lpl_b`` slots hold the copied prefix tail (run ``prefix_tail_copy_pairs``
+  through ``move_kv_cache`` first). Both cases are one kernel, :func:`branch_page_table`;
+* target verify and draft extend (chains): ``seq_lens_k = L_b + N``, ``cu_seqlens_q = N·arange``,
+  ``max_seq_len_q = N``, ``sum_seq_lens_q = Bp·N``: the same values at capture and at replay
+  (seed ``004``: the reference engine built them from ``accept_length`` at replay and got NaN).
+
+A :class:`TrtllmMlaBuilder` allocates every buffer from :func:`~specmeta.plan_buffers` (keys
+``trtllm_mla.<mode>.<field>``) once; its methods write into them without allocating or
+synchronising and return frozen dataclasses of views named as the consumer's arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import validate
+from ..config import SpecConfig, plan_buffers
+from ..kernels.branch_page_table import branch_page_table
+from ..kernels.prefix_page_table import prefix_page_table
+from .layout import UniformQueryLayout
+
+__all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
+
+_PREFIX = "trtllm_mla."
+# TRT-LLM MLA marks unused block-table entries with -1.
+_UNUSED_BLOCK = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtllmMlaDecodeStep:
+    """One draft-decode forward: one query row per branch (``B·K`` rows, one token each)."""
+
+    block_kv_indices: torch.Tensor
+    """``[B·K, maxblk]`` int32, device: page ids of each branch row, −1 past
+    ``ceil((L_b + S) / ps)``; shared by every step (the longer rows cost nothing: the kernel
+    reads ``seq_lens_k`` tokens)."""
+    seq_lens_k: torch.Tensor
+    """``[B·K]`` int32, device: ``L_b + s + 1``; exact."""
+    max_seq_len_k: int
+    """Host upper bound of ``seq_lens_k``: ``max_context_len + S``, the same at every replay."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtllmMlaDraftDecode:
+    """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
+
+    steps: tuple[TrtllmMlaDecodeStep, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrtllmMlaPrefill:
+    """Target verify or draft extend: ``N`` query rows a request, causal (bottom-right)."""
+
+    block_kv_indices: torch.Tensor
+    """``[B, maxblk]`` int32, device: the request's pages over ``L_b + N`` tokens, −1 beyond."""
+    seq_lens_k: torch.Tensor
+    """``[B]`` int32, device: ``L_b + N``; exact."""
+    cu_seqlens_q: torch.Tensor
+    """``[B + 1]`` int32, device: ``N·arange(B + 1)`` (SPEC §3.1); exact."""
+    max_seq_len_q: int
+    """``N``."""
+    sum_seq_lens_q: int
+    """``B·N`` (padded rows keep their full width)."""
+    max_seq_len_k: int
+    """Host upper bound of ``seq_lens_k``: ``max_context_len + N``."""
+
+
+class TrtllmMlaBuilder:
+    """TRT-LLM MLA metadata for one :class:`~specmeta.SpecConfig`, in planned buffers.
+
+    Parameters
+    ----------
+    cfg : SpecConfig
+        ``K``, ``S``, ``N``, ``ps`` and the capacity (``max_bs``, ``max_context_len``).
+    device : torch.device or str
+        Where the metadata lives.
+
+    Attributes
+    ----------
+    buffers : dict of str to torch.Tensor
+        Every ``trtllm_mla.*`` buffer of the plan, keyed without the prefix.
+    status : torch.Tensor
+        ``int32 [1]``: the status word every method reports into unless given another.
+    """
+
+    def __init__(self, cfg: SpecConfig, device: torch.device | str):
+        if not isinstance(cfg, SpecConfig):
+            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        plan = plan_buffers(cfg)
+        self.buffers = {
+            name[len(_PREFIX) :]: spec.allocate(self.device, fill=_UNUSED_BLOCK)
+            for name, spec in plan.items()
+            if name.startswith(_PREFIX)
+        }
+        self.status = plan["status"].allocate(self.device)
+        n, bs = cfg.num_draft_tokens, cfg.max_bs
+        self._layouts = {
+            mode: UniformQueryLayout.create(
+                n, bs, self.device, out=self.buffers[f"{mode}.cu_seqlens_q"]
+            )
+            for mode in ("target_verify", "draft_extend")
+        }
+
+    @property
+    def max_blocks(self) -> int:
+        """``maxblk``, the block tables' width (TRT-LLM's rule, SPEC §3.4)."""
+        return self.buffers["target_verify.block_kv_indices"].shape[1]
+
+    def _batch(self, req_pool_indices: torch.Tensor, max_seq_len: int | None) -> int:
+        validate.tensor("req_pool_indices", req_pool_indices, ndim=1)
+        B = req_pool_indices.shape[0]
+        if B > self.cfg.max_bs:
+            raise ValueError(f"batch of {B} requests exceeds the plan's max_bs={self.cfg.max_bs}")
+        if max_seq_len is not None:
+            if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+                raise TypeError(f"max_seq_len must be a host int, got {type(max_seq_len).__name__}")
+            if max_seq_len > self.cfg.max_context_len:
+                raise ValueError(
+                    f"max_seq_len={max_seq_len} exceeds the plan's "
+                    f"max_context_len={self.cfg.max_context_len}"
+                )
+        return B
+
+    def draft_decode(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        num_rows: int | None = None,
+        max_seq_len: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> TrtllmMlaDraftDecode:
+        """Draft decode, ``K == 1`` (chains) or ``K > 1`` (per-branch page tables), one launch.
+
+        Parameters
+        ----------
+        req_pool_indices, req_to_token, seq_lens : torch.Tensor
+            ``[B]``, ``[R, W_row]``, ``[B]`` on the builder's device (``B ≤ max_bs``).
+        num_rows : int, optional
+            Forwards to build; default ``S − 1``.
+        max_seq_len : int, optional
+            Host ``max L_b``: checked against the plan before launch.
+        status : torch.Tensor, optional
+            Status word; default :attr:`status`.
+        """
+        cfg, buf = self.cfg, self.buffers
+        B = self._batch(req_pool_indices, max_seq_len)
+        S, K = cfg.num_steps, cfg.topk
+        rows = S - 1 if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+        if rows > S:
+            raise ValueError(f"num_rows must be <= num_steps={S}, got {rows}")
+        table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
+        branch_page_table(
+            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
+            page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=table,
+            seq_lens_k=lens, max_seq_len=max_seq_len,
+            status=self.status if status is None else status,
+        )  # fmt: skip
+        steps = tuple(
+            TrtllmMlaDecodeStep(
+                block_kv_indices=table[: B * K],
+                seq_lens_k=lens[s, : B * K],
+                max_seq_len_k=cfg.max_context_len + S,
+            )
+            for s in range(rows)
+        )
+        return TrtllmMlaDraftDecode(steps)
+
+    def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, max_seq_len, status):
+        cfg, buf = self.cfg, self.buffers
+        B = self._batch(req_pool_indices, max_seq_len)
+        n = cfg.num_draft_tokens
+        table, lens = buf[f"{mode}.block_kv_indices"], buf[f"{mode}.seq_lens_k"]
+        prefix_page_table(
+            req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size, extra_tokens=n,
+            fill_value=_UNUSED_BLOCK, page_table=table, cache_seqlens=lens,
+            status=self.status if status is None else status,
+        )  # fmt: skip
+        layout = self._layouts[mode]
+        return TrtllmMlaPrefill(
+            block_kv_indices=table[:B],
+            seq_lens_k=lens[:B],
+            cu_seqlens_q=layout.cu_seqlens_q(B),
+            max_seq_len_q=layout.max_seqlen_q,
+            sum_seq_lens_q=layout.sum_seqlens_q(B),
+            max_seq_len_k=cfg.max_context_len + n,
+        )
+
+    def target_verify(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        max_seq_len: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> TrtllmMlaPrefill:
+        """Target verify of an ``N``-token chain: ``seq_lens_k = L_b + N``, stride ``N``, causal.
+
+        TRT-LLM MLA has no custom mask, so a tree (``topk > 1``) cannot be verified with it:
+        that raises ``ValueError`` (verify trees with FlashInfer or FA3). Arguments as in
+        :meth:`draft_decode`.
+        """
+        if self.cfg.topk > 1:
+            raise ValueError(
+                f"TRT-LLM MLA is causal only: target verify of a tree (topk={self.cfg.topk}) "
+                "needs a custom mask (FlashInferBuilder.target_verify) or the FA3 cascade"
+            )
+        return self._prefill(
+            "target_verify", req_pool_indices, req_to_token, seq_lens, max_seq_len, status
+        )
+
+    def draft_extend(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        max_seq_len: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> TrtllmMlaPrefill:
+        """Draft extend: ``seq_lens_k = L_b + N``, stride ``N``, causal; the same fixed query
+        layout at capture and at replay. Arguments as in :meth:`draft_decode`."""
+        return self._prefill(
+            "draft_extend", req_pool_indices, req_to_token, seq_lens, max_seq_len, status
+        )

@@ -1,0 +1,231 @@
+"""FlashInfer builders: the metadata, read by a reference consumer the way FlashInfer reads it,
+gives the attention of every branch's or tree node's logical sequence (SPEC §1, §3.3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, Status, plan_buffers
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.workloads import make_batch, random_tree_mask
+from tests.consumers import flashinfer as consumer
+from tests.consumers.dense import dense_attention
+from tests.guard_bands import assert_equal
+
+H, H_KV, D = 4, 2, 8  # query heads, KV heads (grouped-query), head dim
+ATOL = 1e-9  # float64 oracle against float64 consumer: only summation order differs
+
+CONFIGS = [(1, 3, 1), (4, 3, 1), (2, 4, 4), (3, 2, 16)]  # (K, S, ps)
+
+
+def _setup(gen, device, k, s, ps, shape, *, n=None, batch_size=None, ctx=40):
+    n = min(1 + k + (s - 1) * k * k, 8) if n is None else n
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=16,
+                     max_context_len=ctx)  # fmt: skip
+    batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=ctx)  # fmt: skip
+    k_cache = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    return cfg, batch, k_cache, v_cache
+
+
+def _args(batch):
+    return batch.req_pool_indices, batch.req_to_token, batch.seq_lens
+
+
+def branch_sequences(batch, rows):
+    """``[s][b·K + t]``: the slots of branch (b, t)'s logical sequence at step s: its prefix
+    ``row_b[0:L_b]``, then its own first ``s + 1`` draft slots (SPEC §1)."""
+    B, K, S = batch.batch_size, batch.topk, batch.num_steps
+    slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=batch.page_size)
+    slots = slots.cpu().view(B, K, S)
+    r2t = batch.req_to_token.cpu().long()
+    return [
+        [
+            torch.cat(
+                [
+                    r2t[int(batch.req_pool_indices[b])][: int(batch.seq_lens_cpu[b])],
+                    slots[b, t, : s + 1],
+                ]
+            )  # fmt: skip
+            for b in range(B)
+            for t in range(K)
+        ]
+        for s in range(rows)
+    ]
+
+
+def _close(got, want, what):
+    (o, lse), (o_ref, lse_ref) = got, want
+    assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"{what}: outputs differ"
+    assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"{what}: log-sum-exps differ"
+
+
+@pytest.mark.parametrize("shape", ["one", "random", "modm1"])
+@pytest.mark.parametrize("k,s,ps", CONFIGS)
+def test_draft_decode_token_lists(device, gen, k, s, ps, shape):
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    fi = FlashInferBuilder(cfg, device)
+    meta = fi.draft_decode(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, num_rows=s)
+    assert len(meta.steps) == s
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    for step, want in zip(meta.steps, branch_sequences(batch, s), strict=True):
+        assert step.page_size == 1 and step.kv_last_page_len.eq(1).all()
+        assert_equal(step.kv_indptr_host, step.kv_indptr, "kv_indptr_host")
+        _close(consumer.decode(q, kc, vc, step), dense_attention(q, kc, vc, want), "decode")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("shape", ["empty", "odd", "mod1"])
+@pytest.mark.parametrize("k,s,ps", CONFIGS)
+def test_draft_decode_shared_prefix_cascade(device, gen, k, s, ps, shape):
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    fi = FlashInferBuilder(cfg, device)
+    meta = fi.draft_decode_shared_prefix(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu,
+                                         num_rows=s)  # fmt: skip
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    for step, want in zip(meta.steps, branch_sequences(batch, s), strict=True):
+        for host, dev in zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True):
+            assert_equal(host, dev, "paged_kv_indptr_host")
+        for host, dev in zip(step.qo_indptr_host_arr, step.qo_indptr_arr, strict=True):
+            assert_equal(host, dev, "qo_indptr_host")
+        _close(consumer.cascade(q, kc, vc, step), dense_attention(q, kc, vc, want), "cascade")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("shape", ["random", "mod0", "modm1", "near_row_end"])
+@pytest.mark.parametrize("k,s,ps", [(2, 4, 4), (3, 2, 16), (4, 3, 2), (1, 3, 4)])
+def test_draft_decode_paged_needs_the_prefix_tail_copies(device, gen, k, s, ps, shape):
+    """Per-branch page lists with ps > 1 (layout B): right once the prefix-tail copies are
+    applied to the cache, wrong without them whenever a branch t ≥ 1 has a partial page."""
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    fi = FlashInferBuilder(cfg, device)
+    meta = fi.draft_decode_paged(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, num_rows=s)
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    tgt, src = prefix_tail_copy_pairs(*_args(batch), topk=k, num_steps=s, page_size=ps)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[tgt.cpu()], vc2[tgt.cpu()] = kc[src.cpu()], vc[src.cpu()]
+    needs_copy = k > 1 and bool((batch.seq_lens_cpu % ps).any())
+    for step, want in zip(meta.steps, branch_sequences(batch, s), strict=True):
+        assert step.page_size == ps
+        assert_equal(step.kv_indptr_host, step.kv_indptr, "kv_indptr_host")
+        assert_equal(step.kv_last_page_len_host, step.kv_last_page_len, "kv_last_page_len_host")
+        _close(consumer.decode(q, kc2, vc2, step), dense_attention(q, kc2, vc2, want), "paged")
+        if needs_copy:
+            o, _ = consumer.decode(q, kc, vc, step)
+            assert not torch.allclose(o, dense_attention(q, kc, vc, want)[0], atol=1e-6)
+    assert int(fi.status) == 0
+
+
+def tree_sequences(batch, tree, n):
+    """Node j of request i: its prefix, then the verify slots ``row_i[L_i + c]`` of its
+    ancestors and itself (columns set in the tree mask)."""
+    r2t = batch.req_to_token.cpu().long()
+    out = []
+    for i in range(batch.batch_size):
+        L = int(batch.seq_lens_cpu[i])
+        row = r2t[int(batch.req_pool_indices[i])]
+        for j in range(n):
+            out.append(torch.cat([row[:L], row[L : L + n][tree[i, j].cpu()]]))
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("shape", ["empty", "odd", "near_row_end"])
+@pytest.mark.parametrize("k,s,ps", CONFIGS)
+def test_target_verify_tree(device, gen, k, s, ps, shape, packed):
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    n = cfg.num_draft_tokens
+    tree = random_tree_mask(batch.batch_size, k, s, n, gen).to(device)
+    fi = FlashInferBuilder(cfg, device)
+    meta = fi.target_verify(*_args(batch), tree, seq_lens_cpu=batch.seq_lens_cpu, packed=packed)
+    B = batch.batch_size
+    assert meta.qo_indptr.tolist() == [n * i for i in range(B + 1)] and meta.max_q_len == n
+    assert (meta.custom_mask is None) == packed and (meta.packed_custom_mask is None) != packed
+    assert_equal(meta.kv_indptr_host, meta.kv_indptr, "kv_indptr_host")
+    assert_equal(meta.mask_indptr_host, meta.mask_indptr, "mask_indptr_host")
+    assert_equal(meta.qo_indptr_host, meta.qo_indptr, "qo_indptr_host")
+    q = torch.randn(B * n, H, D, generator=gen, dtype=torch.float64)
+    want = dense_attention(q, kc, vc, tree_sequences(batch, tree, n))
+    _close(consumer.prefill(q, kc, vc, meta), want, "verify")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("shape", ["empty", "one", "odd", "long_short"])
+@pytest.mark.parametrize("k,s,ps", CONFIGS[:2])
+def test_draft_extend_causal(device, gen, k, s, ps, shape):
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    n = cfg.num_draft_tokens
+    meta = FlashInferBuilder(cfg, device).draft_extend(
+        *_args(batch), seq_lens_cpu=batch.seq_lens_cpu
+    )
+    assert meta.causal and meta.custom_mask is None and meta.max_q_len == n
+    assert_equal(meta.kv_indptr_host, meta.kv_indptr, "kv_indptr_host")
+    r2t = batch.req_to_token.cpu().long()
+    want = []
+    for i in range(batch.batch_size):
+        L, row = int(batch.seq_lens_cpu[i]), r2t[int(batch.req_pool_indices[i])]
+        want.extend(row[: L + j + 1] for j in range(n))
+    q = torch.randn(batch.batch_size * n, H, D, generator=gen, dtype=torch.float64)
+    _close(consumer.prefill(q, kc, vc, meta), dense_attention(q, kc, vc, want), "extend")
+
+
+def test_buffers_come_from_the_plan_and_memory_shrinks(device):
+    cfg = SpecConfig(topk=8, num_steps=5, num_draft_tokens=16, page_size=1, max_bs=4,
+                     max_context_len=512)  # fmt: skip
+    plan = plan_buffers(cfg)
+    fi = FlashInferBuilder(cfg, device)
+    for name, buf in fi.buffers.items():
+        spec = plan["flashinfer." + name]
+        assert tuple(buf.shape) == spec.shape and buf.dtype == spec.dtype, name
+    per_branch = plan["flashinfer.draft_decode.kv_indices"].numel
+    shared = sum(plan[f"flashinfer.draft_decode_shared.{f}_kv_indices"].numel
+                 for f in ("prefix", "chain"))  # fmt: skip
+    assert per_branch == 5 * (8 * 4 * 512 + 4 * 8 * 5)
+    assert shared == 4 * 512 + 5 * 4 * 8 * 5
+    assert per_branch > cfg.topk * shared
+
+
+def test_padded_batch_rows_stay_consistent(device, gen):
+    """Padded requests (row 0, seq_lens = a fill ≥ N) read only the sink (SPEC §4)."""
+    cfg, batch, _, _ = _setup(gen, device, 2, 3, 1, "odd", batch_size=5)
+    n = cfg.num_draft_tokens
+    pad = 3
+    rpi = torch.cat([batch.req_pool_indices, torch.zeros(pad, dtype=torch.int64, device=device)])
+    sl = torch.cat([batch.seq_lens, torch.full((pad,), n, dtype=torch.int64, device=device)])
+    sl_cpu = torch.cat([batch.seq_lens_cpu, torch.full((pad,), n, dtype=torch.int64)])
+    fi = FlashInferBuilder(cfg, device)
+    tree = random_tree_mask(5 + pad, 2, 3, n, gen).to(device)
+    meta = fi.target_verify(rpi, batch.req_to_token, sl, tree, seq_lens_cpu=sl_cpu)
+    ptr = meta.kv_indptr.cpu()
+    assert meta.kv_indices[int(ptr[5]) : int(ptr[-1])].eq(0).all()
+    dec = fi.draft_decode(rpi, batch.req_to_token, sl, seq_lens_cpu=sl_cpu)
+    for step in dec.steps:
+        ptr = step.kv_indptr.cpu()
+        assert step.kv_indices[int(ptr[5 * 2]) : int(ptr[-1])].eq(0).all()
+    assert int(fi.status) == 0
+
+
+def test_bad_inputs_are_reported_or_raise(device, gen):
+    cfg, batch, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
+    fi = FlashInferBuilder(cfg, device)
+    n = cfg.num_draft_tokens
+    tree = random_tree_mask(5, 2, 3, n, gen).to(device)
+    with pytest.raises(ValueError, match="max_bs"):
+        big = torch.ones(17, dtype=torch.int64, device=device)
+        fi.draft_decode(big, batch.req_to_token, big)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        fi.target_verify(*_args(batch), tree[:, :-1, :-1])
+    with pytest.raises(ValueError, match="seq_lens_cpu"):
+        fi.draft_extend(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu[:3])
+    with pytest.raises(ValueError, match="num_rows"):
+        fi.draft_decode(*_args(batch), num_rows=4)
+    with pytest.raises(TypeError, match="cfg"):
+        FlashInferBuilder({"topk": 2}, device)
+    # A row index out of range is masked and reported, never dereferenced.
+    batch.req_pool_indices[1] = batch.req_to_token.shape[0] + 7
+    fi.target_verify(*_args(batch), tree, seq_lens_cpu=batch.seq_lens_cpu)
+    assert int(fi.status) & int(Status.ROW_OOB)

@@ -1,0 +1,141 @@
+"""TRT-LLM MLA builders: block tables, KV lengths and uniform query rows, read by a reference
+consumer the way TRT-LLM MLA reads them, give the attention of every branch's or token's logical
+sequence (SPEC §1, §3.1, §3.4), trees included through per-branch page tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, Status, plan_buffers
+from specmeta.config import trtllm_mla_max_blocks
+from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
+from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.workloads import make_batch
+from tests.consumers import trtllm_mla as consumer
+from tests.consumers.dense import dense_attention
+from tests.metadata.test_flashinfer import branch_sequences
+
+H, H_KV, D = 4, 1, 8  # MLA: every query head reads the one latent KV head
+ATOL = 1e-9
+
+
+def _setup(gen, device, k, s, ps, shape, *, n=None, batch_size=None, ctx=40):
+    n = s + 1 if n is None else n
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=16,
+                     max_context_len=ctx)  # fmt: skip
+    batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=ctx)  # fmt: skip
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    return cfg, batch, kc, vc
+
+
+def _args(batch):
+    return batch.req_pool_indices, batch.req_to_token, batch.seq_lens
+
+
+def _close(got, want, what):
+    assert torch.allclose(got[0], want[0], atol=ATOL, rtol=0), f"{what}: outputs differ"
+    assert torch.allclose(got[1], want[1], atol=ATOL, rtol=0), f"{what}: log-sum-exps differ"
+
+
+@pytest.mark.parametrize("shape", ["empty", "one", "random", "mod0", "modm1", "near_row_end"])
+@pytest.mark.parametrize("k,s,ps", [(1, 3, 1), (1, 4, 16), (2, 4, 4), (4, 3, 2), (3, 2, 16)])
+def test_draft_decode_per_branch_tables(device, gen, k, s, ps, shape):
+    cfg, batch, kc, vc = _setup(gen, device, k, s, ps, shape)
+    mla = TrtllmMlaBuilder(cfg, device)
+    max_len = int(batch.seq_lens_cpu.max()) if batch.batch_size else None
+    meta = mla.draft_decode(*_args(batch), num_rows=s, max_seq_len=max_len)
+    # Layout B: the prefix tail must be copied into branches t >= 1 before they are read.
+    tgt, src = prefix_tail_copy_pairs(*_args(batch), topk=k, num_steps=s, page_size=ps)
+    kc[tgt.cpu()], vc[tgt.cpu()] = kc[src.cpu()], vc[src.cpu()]
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, cfg.num_draft_tokens), ps)
+    for row, (step, want) in enumerate(zip(meta.steps, branch_sequences(batch, s), strict=True)):
+        assert step.block_kv_indices.shape == (batch.batch_size * k, maxblk)
+        assert step.block_kv_indices.dtype == torch.int32
+        lens = batch.seq_lens_cpu.repeat_interleave(k) + row + 1
+        assert step.seq_lens_k.cpu().tolist() == lens.tolist()  # L + s + 1, not L
+        assert all(step.max_seq_len_k >= x for x in lens.tolist())
+        _close(consumer.decode(q, kc, vc, step, ps), dense_attention(q, kc, vc, want), "decode")
+    table = meta.steps[0].block_kv_indices.cpu() if meta.steps else None
+    for r in range(batch.batch_size * k):
+        used = -(-(int(batch.seq_lens_cpu[r // k]) + s) // ps)
+        assert table[r, used:].eq(-1).all() and table[r, :used].ge(0).all()
+    assert int(mla.status) == 0
+
+
+def _causal_sequences(batch, n):
+    r2t = batch.req_to_token.cpu().long()
+    out = []
+    for i in range(batch.batch_size):
+        L, row = int(batch.seq_lens_cpu[i]), r2t[int(batch.req_pool_indices[i])]
+        out.extend(row[: L + j + 1] for j in range(n))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["target_verify", "draft_extend"])
+@pytest.mark.parametrize("shape", ["empty", "one", "odd", "long_short", "near_row_end"])
+@pytest.mark.parametrize("s,ps", [(3, 1), (4, 16), (2, 64)])
+def test_verify_and_extend_uniform_rows(device, gen, s, ps, shape, mode):
+    cfg, batch, kc, vc = _setup(gen, device, 1, s, ps, shape)
+    n, B = cfg.num_draft_tokens, batch.batch_size
+    mla = TrtllmMlaBuilder(cfg, device)
+    meta = getattr(mla, mode)(*_args(batch))
+    assert meta.seq_lens_k.cpu().tolist() == (batch.seq_lens_cpu + n).tolist()
+    assert meta.cu_seqlens_q.cpu().tolist() == [n * i for i in range(B + 1)]
+    assert meta.max_seq_len_q == n and meta.sum_seq_lens_q == B * n
+    maxblk = meta.block_kv_indices.shape[1]
+    assert maxblk % max(1, 128 // ps) == 0 and maxblk * ps >= cfg.max_context_len + n
+    q = torch.randn(B * n, H, D, generator=gen, dtype=torch.float64)
+    want = dense_attention(q, kc, vc, _causal_sequences(batch, n))
+    _close(consumer.prefill(q, kc, vc, meta, ps), want, mode)
+    assert int(mla.status) == 0
+
+
+def test_query_layout_is_the_same_at_capture_and_replay(device, gen):
+    """Seed 004: a capture at Bp and a replay at B < Bp see the same uniform cu_seqlens_q."""
+    cfg, batch, _, _ = _setup(gen, device, 1, 3, 16, "random", batch_size=16)
+    mla = TrtllmMlaBuilder(cfg, device)
+    captured = mla.draft_extend(*_args(batch))
+    cu_capture = captured.cu_seqlens_q.clone()
+    small = make_batch("random", batch_size=5, topk=1, num_steps=3, page_size=16,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=4, max_len=40)  # fmt: skip
+    replay = mla.draft_extend(*_args(small))
+    # The same memory a graph captured at Bp reads, holding the same values.
+    assert replay.cu_seqlens_q.data_ptr() == captured.cu_seqlens_q.data_ptr()
+    assert torch.equal(replay.cu_seqlens_q, cu_capture[:6])
+    assert replay.max_seq_len_q == captured.max_seq_len_q == 4
+
+
+def test_buffers_come_from_the_plan(device):
+    cfg = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=32, max_bs=4,
+                     max_context_len=1000)  # fmt: skip
+    plan = plan_buffers(cfg)
+    mla = TrtllmMlaBuilder(cfg, device)
+    for name, buf in mla.buffers.items():
+        spec = plan["trtllm_mla." + name]
+        assert tuple(buf.shape) == spec.shape and buf.dtype == spec.dtype, name
+    # ceil(1008 / 32) = 32 pages, a multiple of 128 / 32 = 4 already; pages of 256 need none.
+    assert mla.max_blocks == 32
+    assert trtllm_mla_max_blocks(1008, 256) == 4 and trtllm_mla_max_blocks(1025, 32) == 36
+
+
+def test_bad_inputs_are_reported_or_raise(device, gen):
+    cfg, batch, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
+    mla = TrtllmMlaBuilder(cfg, device)
+    with pytest.raises(ValueError, match="custom mask"):
+        mla.target_verify(*_args(batch))
+    with pytest.raises(ValueError, match="max_bs"):
+        big = torch.ones(17, dtype=torch.int64, device=device)
+        mla.draft_decode(big, batch.req_to_token, big)
+    with pytest.raises(ValueError, match="max_context_len"):
+        mla.draft_decode(*_args(batch), max_seq_len=41)
+    with pytest.raises(TypeError, match="max_seq_len"):
+        mla.draft_extend(*_args(batch), max_seq_len=torch.tensor(3))
+    batch.req_pool_indices[0] = -1
+    mla.draft_decode(*_args(batch))
+    assert int(mla.status) & int(Status.ROW_OOB)
