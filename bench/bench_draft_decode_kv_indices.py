@@ -28,6 +28,8 @@ CASES = [
     (32, 4, 1, 32768),
     (32, 4, 16, 32768),
 ]  # few requests, long context: parallelism within a request
+# The <= 3 us target: B <= 8, L <= 2048.
+CASES += [(bs, k, 1, 2048) for bs in (1, 8) for k in (1, 4, 8)]
 
 
 def _ref_ms(fn, reps: int = 3) -> float:

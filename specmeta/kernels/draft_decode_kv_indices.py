@@ -42,6 +42,8 @@ _BLOCK = 1024
 # seq_lens entries summed per iteration of a program's exclusive-prefix loop (one vector load
 # covers every batch up to 1024 requests).
 _BLOCK_B = 1024
+# Warps per program: 4 keeps 8 entries a thread in flight at BLOCK = 1024.
+_NUM_WARPS = 4
 
 
 @triton.jit(
@@ -285,7 +287,7 @@ def draft_decode_kv_indices(
         BLOCK_B=_BLOCK_B,
         BLOCK_STEPS=triton.next_power_of_2(num_steps),
         HAS_STATUS=status is not None,
-        num_warps=4,
+        num_warps=_NUM_WARPS,
     )
     return kv_indices, kv_indptr
 
