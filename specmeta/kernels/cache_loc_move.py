@@ -18,11 +18,13 @@ sources, pass a CTA barrier, then store all its targets: read-before-write holds
 in one launch, without a grid-wide barrier (which would deadlock under the interpreter and on a
 shared GPU) and without staging through global memory (which doubles the bytes moved). The
 program holds a ``[BLOCK_N, COLS]`` register tile, ``BLOCK_N = next_pow2(n)`` (a bucketed
-constexpr) and ``COLS = TILE / BLOCK_N`` words, so slices narrow as ``n`` grows: 1 KiB of a row
-at ``n = 64``, 64 B at 1024, 16 B at 4096. Slices of 32 B or more are whole DRAM sectors; the
-narrower ones at ``n > 2048`` cost extra L2 transactions (neighbouring programs fetch the same
-sectors), the price of generality. Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits
-and the launcher raises ``ValueError`` rather than spill.
+constexpr) and ``COLS = tile / BLOCK_N`` words: a 32 KiB tile (8 warps) up to 1024 pairs, 64 KiB
+(16 warps) beyond, so slices narrow as ``n`` grows: 512 B of a row at ``n = 64``, 32 B at 1024,
+16 B at 4096. Slices of 32 B or more are whole DRAM sectors; the narrower ones cost extra L2
+transactions (a neighbouring program fetches the other half of each sector), the price of
+generality. Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the
+launcher raises ``ValueError``. When every base address, row stride and row width is a multiple
+of 16 B (``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
 
 *Disjoint pairs.* When no pair's target is another pair's source (true of the prefix-tail pairs,
 whose sources sit before ``L_b`` and targets after it), ``disjoint=True`` splits the pairs into
@@ -78,16 +80,18 @@ _POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr gl
 _ACCEPT_BLOCK_B = 128
 _ACCEPT_BLOCK_TAIL = 1024
 
-# move_kv_cache: bytes of one program's register tile. 64 KiB over 16 warps is 128 B (32
-# registers) of data per thread, which leaves room for the addresses under the 128-register cap
-# of a 512-thread program, and keeps 64 KiB of loads in flight per SM.
-_TILE_BYTES = 64 * 1024
-_MAX_WARPS = 16
+# move_kv_cache: every thread holds _VECTORS_PER_THREAD vectors of 16 B (or of one word when a
+# row is not 16-byte aligned). 8 vectors are 128 B of data a thread: ptxas (sm_90) then needs
+# 80-128 registers and spills nothing, so a tile is 32 KiB at 8 warps (two or three programs per
+# SM) while pairs <= _SMALL_BLOCK_N, and 64 KiB at 16 warps beyond, where the 128-register cap of
+# a 512-thread program still holds it and the slices of a row stay 16 B wide at n = 4096.
+_VECTORS_PER_THREAD = 8
+_SMALL_BLOCK_N = 1024
 MAX_OVERLAPPING_PAIRS = 8192
-"""Most pairs ``move_kv_cache`` orders in one launch when they may overlap: 8192 words of 8 B
-fill the 64 KiB tile with one word per row."""
+"""Most pairs ``move_kv_cache`` orders in one launch when they may overlap: at 8192 the 64 KiB
+tile holds one 8-byte word of every row."""
 DISJOINT_BLOCK_N = 32
-"""Pairs per program with ``disjoint=True``: 32 rows of up to 2 KiB fill the tile."""
+"""Pairs per program with ``disjoint=True``: 32 rows of 1 KiB fill a 32 KiB tile."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +345,7 @@ def _move_kv_cache_kernel(
     COLS: tl.constexpr,  # words of a row per slice
     TABLE: tl.constexpr,  # buffers from the pointer table (else the one buffer buf_ptr)
     WORD_BYTES: tl.constexpr,
+    VEC: tl.constexpr,  # words per 16 B when every row start and width is 16-byte aligned, else 1
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(column slices, pair blocks, buffer groups)``: program ``(c, p, g)`` moves words
@@ -378,13 +383,20 @@ def _move_kv_cache_kernel(
                 rows = buf_rows
             in_pool = nonneg & (tgt < rows) & (src < rows)
             bad |= tl.max((live & ~in_pool).to(tl.int32), axis=0)
-            mask = (moving & in_pool)[:, None] & (col < width)[None, :]
+            # (col // VEC) < (width // VEC) equals col < width (width is a multiple of VEC) and
+            # tells the compiler the mask is uniform over each 16-byte vector.
+            mask = (moving & in_pool)[:, None] & ((col // VEC) < (width // VEC))[None, :]
             # row·stride passes 2**31 in large pools: tgt and src are int64.
-            vals = tl.load(base + src[:, None] * stride + col[None, :], mask=mask)
+            src_ptrs = base + src[:, None] * stride + col[None, :]
+            tgt_ptrs = base + tgt[:, None] * stride + col[None, :]
+            if VEC > 1:
+                src_ptrs = tl.multiple_of(src_ptrs, [1, 16])
+                tgt_ptrs = tl.multiple_of(tgt_ptrs, [1, 16])
+            vals = tl.load(src_ptrs, mask=mask)
             # Every thread's loads are performed before any thread stores: a target may be
             # another pair's source, held by another thread of this program.
             tl.debug_barrier()
-            tl.store(base + tgt[:, None] * stride + col[None, :], vals, mask=mask)
+            tl.store(tgt_ptrs, vals, mask=mask)
 
     if HAS_STATUS:
         # Every slice sees the same pairs; slice 0 reports for its buffers.
@@ -396,8 +408,9 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """Validate the buffers and return them with their layout: ``(device, word bytes,
-    ((address, row stride, row width, rows), …))``, strides and widths in words."""
+    """Validate the buffers and return them with their layout: ``(device, word bytes, aligned,
+    ((address, row stride, row width, rows), …))``, strides and widths in words; ``aligned``
+    when every base address, row stride and row width is a multiple of 16 bytes."""
     if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence):
         raise TypeError(
             f"buffers must be a KVPool or a sequence of tensors, got {type(buffers).__name__}"
@@ -432,19 +445,19 @@ def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
         if ptr in seen:
             raise ValueError(f"buffers[{seen[ptr]}] and buffers[{i}] are the same memory")
         seen[ptr] = i
-    word = next(
-        w for w in (8, 4, 2, 1) if all(a % w == 0 and s % w == 0 and r % w == 0
-                                       for a, s, r, _ in rows_bytes)
+    word, aligned = next(
+        (min(w, 8), w == 16) for w in (16, 8, 4, 2, 1)
+        if all(a % w == 0 and s % w == 0 and r % w == 0 for a, s, r, _ in rows_bytes)
     )  # fmt: skip
     rows = tuple((a, s // word, r // word, p) for a, s, r, p in rows_bytes)
-    return bufs, (device, word, rows)
+    return bufs, (device, word, aligned, rows)
 
 
 @functools.lru_cache(maxsize=16)
 def _pointer_table(layout: tuple) -> torch.Tensor:
     """The device table of a layout. Built once per layout (a host-to-device copy); the key is
     the table's own content, so an entry stays correct for any buffers with that layout."""
-    device, _word, rows = layout
+    device, _word, _aligned, rows = layout
     table = torch.tensor(rows, dtype=torch.int64).reshape(kv_pool_table_shape(len(rows)))
     return table.to(device)
 
@@ -482,7 +495,7 @@ class KVPool:
         self.buffers, layout = _describe(buffers)
         if addressing not in ("auto", "table", "direct"):
             raise ValueError(f"addressing must be 'auto', 'table' or 'direct', got {addressing!r}")
-        self.device, self.word_bytes, rows = layout
+        self.device, self.word_bytes, self.aligned16, rows = layout
         if addressing == "auto":
             addressing = "table" if self.device.type == "cuda" else "direct"
         self.addressing = addressing
@@ -509,13 +522,16 @@ def _target_programs(device: torch.device) -> int:
     return 2
 
 
-def _launch_shape(n: int, row_words: int, word: int, disjoint: bool) -> tuple[int, int, int]:
-    """``(BLOCK_N, COLS, num_warps)`` for ``n`` pairs over rows of at most ``row_words``."""
-    tile = _TILE_BYTES // word
+def _launch_shape(n: int, pool: KVPool, disjoint: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, COLS, VEC, num_warps)`` for ``n`` pairs over the rows of ``pool``."""
     block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
-    cols = max(1, min(tile // block_n, triton.next_power_of_2(row_words)))
-    warps = max(1, min(_MAX_WARPS, block_n * cols // 512))
-    return block_n, cols, warps
+    warps = 8 if block_n <= _SMALL_BLOCK_N else 16
+    vec = 16 // pool.word_bytes if pool.aligned16 else 1
+    tile = warps * 32 * _VECTORS_PER_THREAD * vec
+    cols = max(1, min(tile // block_n, triton.next_power_of_2(pool.max_row_words)))
+    if cols < vec:  # a slice narrower than 16 B: slice starts are no longer 16-byte aligned
+        vec = 1
+    return block_n, cols, vec, warps
 
 
 def _check_pairs(device: torch.device, tgt, src, disjoint, status) -> int:
@@ -573,7 +589,7 @@ def move_kv_cache(
     n = _check_pairs(pool.device, tgt, src, disjoint, status)
     if n == 0:
         return
-    block_n, cols, warps = _launch_shape(n, pool.max_row_words, pool.word_bytes, disjoint)
+    block_n, cols, vec, warps = _launch_shape(n, pool, disjoint)
     pair_blocks = triton.cdiv(n, block_n)
     common = dict(
         tgt_ptr=tgt,
@@ -584,6 +600,7 @@ def move_kv_cache(
         BLOCK_N=block_n,
         COLS=cols,
         WORD_BYTES=pool.word_bytes,
+        VEC=vec,
         HAS_STATUS=status is not None,
         num_warps=warps,
     )
@@ -632,7 +649,7 @@ def move_kv_cache_ref(
     if isinstance(buffers, KVPool):
         bufs, device = buffers.buffers, buffers.device
     else:
-        bufs, (device, _, _) = _describe(buffers)
+        bufs, (device, *_) = _describe(buffers)
     _check_pairs(device, tgt, src, disjoint, status)
     t, s = tgt.to(torch.int64), src.to(torch.int64)
     bad = False

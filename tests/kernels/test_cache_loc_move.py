@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
 import shutil
@@ -477,6 +479,64 @@ def test_pool_keeps_its_buffers_and_picks_the_widest_word(device):
     assert KVPool(bufs[:1]).word_bytes == 8
     assert KVPool([torch.zeros(4, 3, dtype=torch.uint8, device=device)]).word_bytes == 1
     assert pool.addressing == ("table" if device.type == "cuda" else "direct")
+
+
+# The interpreter accepts code that Triton's compiler rejects (loop-carried type changes, plain
+# globals, pointer casts): compile every variant for sm_90 ahead of time, with no GPU, in a
+# process where the interpreter is off, and check that aligned rows get 16-byte vector accesses.
+_AOT = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import specmeta.kernels.cache_loc_move as m
+
+target = GPUTarget("cuda", 90, 32)
+out = {}
+acc = {"accept_index_ptr": "*i32", "accept_lens_ptr": "*i64", "out_cache_loc_ptr": "*i64",
+       "tgt_ptr": "*i64", "src_ptr": "*i32", "status_ptr": "*i32", "B": "i32", "N": "i32",
+       "C": "i32", "stride_acc": "i32", "n_out": "i32", "BLOCK_B": "constexpr",
+       "BLOCK_C": "constexpr", "BLOCK_TAIL": "constexpr", "HAS_STATUS": "constexpr"}
+for status in (True, False):
+    consts = {"BLOCK_B": m._ACCEPT_BLOCK_B, "BLOCK_C": 8, "BLOCK_TAIL": m._ACCEPT_BLOCK_TAIL,
+              "HAS_STATUS": status}
+    triton.compile(ASTSource(m._accept_cache_locs_kernel, acc, consts), target=target)
+for table, word, vec, block_n, cols, warps in [(True, 8, 2, 256, 32, 8), (True, 8, 2, 4096, 2, 16),
+                                               (True, 4, 1, 8192, 1, 16), (False, 8, 2, 64, 64, 8),
+                                               (False, 1, 1, 32, 256, 8), (True, 2, 1, 1024, 8, 8)]:
+    wt = {8: "i64", 4: "i32", 2: "i16", 1: "u8"}[word]
+    sig = {"table_ptr": "*i64", "buf_ptr": f"*{wt}", "tgt_ptr": "*i64", "src_ptr": "*i32",
+           "status_ptr": "*i32", "n": "i32", "num_buffers": "i32", "buffers_per_program": "i32",
+           "min_rows": "i32", "buf_stride": "i32", "buf_width": "i32", "buf_rows": "i32",
+           "BLOCK_N": "constexpr", "COLS": "constexpr", "TABLE": "constexpr",
+           "WORD_BYTES": "constexpr", "VEC": "constexpr", "HAS_STATUS": "constexpr"}
+    consts = {"BLOCK_N": block_n, "COLS": cols, "TABLE": table, "WORD_BYTES": word, "VEC": vec,
+              "HAS_STATUS": True}
+    k = triton.compile(ASTSource(m._move_kv_cache_kernel, sig, consts), target=target,
+                       options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    out[f"{table}-{word}-{vec}-{block_n}"] = [len(re.findall(r"ld\.global[^\n]*\.v[24]", ptx)),
+                                             len(re.findall(r"st\.global[^\n]*\.v[24]", ptx)),
+                                             len(re.findall(r"bar\.sync|barrier\.sync", ptx))]
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_the_gpu(tmp_path):
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    script = tmp_path / "aot.py"
+    script.write_text(_AOT)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for key, (vec_ld, vec_st, barriers) in got.items():
+        assert barriers >= 1, f"{key}: no barrier between the loads and the stores"
+        if key.split("-")[2] != "1":
+            assert vec_ld >= 1 and vec_st >= 1, f"{key}: aligned rows without 16-byte vectors"
 
 
 # --------------------------------------------------------------------------------------------
