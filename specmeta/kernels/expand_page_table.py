@@ -29,9 +29,9 @@ from ..status import Status
 
 __all__ = ["expand_page_table", "expand_page_table_ref"]
 
-_POS_OOB = int(Status.POS_OOB)
-_POOL_OOB = int(Status.POOL_OOB)
-_BAD_PAGE = int(Status.BAD_PAGE)
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
+_BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))  # kernels read only constexpr globals
 
 # seq_lens entries summed per iteration of the exclusive Σ lpl loop (one load up to B = 1024).
 _BLOCK_B = 1024
@@ -310,11 +310,11 @@ def expand_page_table_ref(
     device = seq_lens.device
     BK, W = B * topk, page_table.shape[2]
     L = seq_lens.to(torch.int64)
-    bits = _POS_OOB if bool((L < 0).any()) else 0
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     lpl = (L.clamp_min(0) % ps).repeat_interleave(topk).view(-1, 1)  # [BK, 1]
     slots = out_cache_loc[: BK * num_steps].view(BK, num_steps)[:, :rows].to(torch.int64)
     if bool((slots < 0).any()):
-        bits |= _POOL_OOB
+        bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
     j = torch.arange(rows, device=device).view(1, -1)
     if ps > 1:
@@ -324,7 +324,7 @@ def expand_page_table_ref(
         runs = torch.cumsum(new.to(torch.int64), dim=1)
         u = (lpl + j + ps) // ps
         if bool(((slots % ps != (lpl + j) % ps) | (runs != u)).any()):
-            bits |= _BAD_PAGE
+            bits |= int(Status.BAD_PAGE)
         limit = torch.minimum(runs, u)  # [BK, rows]: data columns of step s
         run_page = torch.zeros_like(page).scatter_(1, runs - 1, page)  # runs share one page
         seqlen = lpl + j + 1

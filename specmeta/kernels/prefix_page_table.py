@@ -29,10 +29,10 @@ from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
 
 __all__ = ["prefix_page_table", "prefix_page_table_ref"]
 
-_ROW_OOB = int(Status.ROW_OOB)
-_POS_OOB = int(Status.POS_OOB)
-_OUT_OF_CAPACITY = int(Status.OUT_OF_CAPACITY)
-_POOL_OOB = int(Status.POOL_OOB)
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
+_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 # Page-table columns one program writes per iteration: 1024 entries keep 8 elements a thread in
 # flight at 4 warps (as in the kv_indices kernels).
@@ -368,11 +368,11 @@ def prefix_page_table_ref(
     bits |= gather_bits
     slots = torch.where(need, slots.to(torch.int64), 0)
     if bool((slots < 0).any()):
-        bits |= _POOL_OOB
+        bits |= int(Status.POOL_OOB)
     pages_of = slots.clamp_min(0) // page_size
     page_table[:B] = torch.where(need, pages_of, fill_value).to(page_table.dtype)
     if bool((wanted > W).any()):
-        bits |= _OUT_OF_CAPACITY
+        bits |= int(Status.OUT_OF_CAPACITY)
 
     r = torch.arange(rows, device=device).view(-1, 1)
     lens = torch.minimum(length.view(1, -1) + r, torch.tensor(cap, device=device))  # [rows, B]

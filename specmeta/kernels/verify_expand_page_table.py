@@ -25,9 +25,9 @@ from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
 
 __all__ = ["verify_expand_page_table", "verify_expand_page_table_ref"]
 
-_ROW_OOB = int(Status.ROW_OOB)
-_POS_OOB = int(Status.POS_OOB)
-_POOL_OOB = int(Status.POOL_OOB)
+_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
+_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
+_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 
 @triton.jit(
@@ -236,7 +236,7 @@ def verify_expand_page_table_ref(
     device = req_to_token.device
     BN = B * N
     L = seq_lens.to(torch.int64)
-    bits = _POS_OOB if bool((L < 0).any()) else 0
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     c = torch.arange(N, device=device)
     slots, gather_bits = gather_rows_ref(
         req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c
@@ -244,7 +244,7 @@ def verify_expand_page_table_ref(
     bits |= gather_bits
     slots = slots.to(torch.int64)
     if bool((slots < 0).any()):
-        bits |= _POOL_OOB
+        bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
     m = tree_mask.to(torch.bool)
     order = torch.argsort(torch.where(m, c, N + c), dim=-1)  # ancestors first, then the rest
