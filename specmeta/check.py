@@ -203,6 +203,83 @@ def _check_move(device: torch.device, g: torch.Generator) -> CheckResult:
     return res
 
 
+@register("graph_runner")
+def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Draft slots and kv_indices built through a GraphRunner (garbage tails re-padded, graphs
+    replayed on CUDA) against the references on the raw batch; padded slots on the sink; and
+    copy_pad against its reference on each batch's seq_lens."""
+    from .config import SpecConfig, allocate_buffers
+    from .runners import GraphRunner, padding
+    from .runners.padding import copy_pad, copy_pad_ref
+
+    res = CheckResult("graph_runner")
+    status = new_status(device)
+    buckets = (1, 2, 4, 8, 16)
+    runners: dict[tuple, tuple] = {}
+    for i, b in enumerate(batches(device, g)):
+        # Two shapes per config, rotating with the config (empty, odd, long_short, mod1, random
+        # and their partners): padded runs cost the interpreter more than plain launches.
+        config, shape = divmod(i, len(SHAPES))
+        if shape not in ((2 * config) % len(SHAPES), (2 * config + 5) % len(SHAPES)):
+            continue
+        k, s, ps, B = b.topk, b.num_steps, b.page_size, b.batch_size
+        R, W = b.req_to_token.shape
+        key = (k, s, ps, W)
+        if key not in runners:
+            cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=2, page_size=ps,
+                             max_bs=buckets[-1], max_context_len=W)  # fmt: skip
+            bufs = allocate_buffers(cfg, device)
+            table = torch.zeros(buckets[-1] + 3, W, dtype=b.req_to_token.dtype, device=device)
+
+            def build(inp, bufs=bufs, table=table, k=k, s=s, ps=ps):
+                args = (inp["req_pool_indices"], table, inp["seq_lens"])
+                kw = dict(topk=k, num_steps=s, page_size=ps, status=status)
+                assign_draft_cache_locs(*args, out_cache_loc=bufs["draft.out_cache_loc"], **kw)
+                draft_decode_kv_indices(*args, kv_indices=bufs["draft_decode.kv_indices"],
+                                        kv_indptr=bufs["draft_decode.kv_indptr"], **kw)  # fmt: skip
+                return {"out_cache_loc": bufs["draft.out_cache_loc"],
+                        "kv_indptr": bufs["draft_decode.kv_indptr"],
+                        "kv_indices": bufs["draft_decode.kv_indices"]}  # fmt: skip
+
+            runner = GraphRunner(build, batch_sizes=buckets, device=device)
+            runner.add_input("req_pool_indices", bufs["runner.req_pool_indices"],
+                             pad=padding.SINK_ROW)  # fmt: skip
+            runner.add_input("seq_lens", bufs["runner.seq_lens"], pad=padding.seq_lens_fill(k))
+            runner.add_output("out_cache_loc", per_request=k * s)
+            runner.add_output("kv_indptr", per_request=k, extra=1, dim=1)
+            runner.add_output("kv_indices", per_request=None)
+            runner.capture()
+            runners[key] = (runner, bufs, table)
+        runner, bufs, table = runners[key]
+        if R > table.shape[0] or b.req_pool_indices.dtype != torch.int64:
+            continue
+        table.zero_()
+        table[:R].copy_(b.req_to_token)
+        bp = runner.bucket(B)
+        for spec in runner.inputs.values():  # garbage tails: the run must re-pad them
+            spec.buffer[B:bp] = 1
+        out = runner.run(B, {"req_pool_indices": b.req_pool_indices, "seq_lens": b.seq_lens},
+                         copy=True).outputs  # fmt: skip
+        kw = dict(topk=k, num_steps=s, page_size=ps)
+        want = assign_draft_cache_locs_ref(*_args(b), **kw)
+        res.compare("out_cache_loc", out["out_cache_loc"], want, b.describe())
+        pad = bufs["draft.out_cache_loc"][B * k * s : bp * k * s]
+        res.compare("padded out_cache_loc", pad, torch.zeros_like(pad), b.describe())
+        idx, ptr = draft_decode_kv_indices_ref(*_args(b), **kw)
+        res.compare("kv_indptr", out["kv_indptr"], ptr, b.describe())
+        for row in range(s):
+            used = draft_decode_kv_indices_need(b.seq_lens_sum, B, k, row + 1)
+            res.compare(f"kv_indices[{row}]", out["kv_indices"][row, :used], idx[row, :used],
+                        b.describe())  # fmt: skip
+        dst = torch.full((bp + 2,), -1, dtype=b.seq_lens.dtype, device=device)
+        want_dst = dst.clone()
+        copy_pad(b.seq_lens, dst[:bp], 7)
+        copy_pad_ref(b.seq_lens, want_dst[:bp], 7)
+        res.compare("copy_pad", dst, want_dst, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
 def run_checks(device: torch.device, seed: int, names: list[str] | None = None,
                on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:  # fmt: skip
     """Run the named checks (default: all) with one generator seeded by ``seed``."""
