@@ -359,13 +359,19 @@ def _move_kv_cache_kernel(
     tgt = tl.load(tgt_ptr + q, mask=live, other=0).to(tl.int64)
     src = tl.load(src_ptr + q, mask=live, other=0).to(tl.int64)
     nonneg = (tgt >= 0) & (src >= 0)
-    moving = live & nonneg & (tgt != src)
+    # Reductions once per program, not per buffer: the largest location and whether any is
+    # negative decide every buffer's POOL_OOB with scalar compares.
+    top = tl.max(tl.where(live, tl.maximum(tgt, src), 0), axis=0)
+    negative = tl.max((live & ~nonneg).to(tl.int32), axis=0) != 0
     # Nothing to do (and nothing to report) when every pair is a self-move inside every buffer:
     # the (0, 0) tail of a fixed-length pair list costs only these index loads.
     idle = ~live | ((tgt == src) & nonneg & (tgt < min_rows))
     busy = tl.max((~idle).to(tl.int32), axis=0) != 0
     bad = tl.full([], 0, tl.int32)
     if busy:
+        moving = (live & nonneg & (tgt != src))[:, None]
+        src_row = src[:, None]
+        tgt_row = tgt[:, None]
         col = c * COLS + tl.arange(0, COLS)
         first = g * buffers_per_program
         last = tl.minimum(first + buffers_per_program, num_buffers)
@@ -381,14 +387,14 @@ def _move_kv_cache_kernel(
                 stride = buf_stride.to(tl.int64)
                 width = buf_width
                 rows = buf_rows
-            in_pool = nonneg & (tgt < rows) & (src < rows)
-            bad |= tl.max((live & ~in_pool).to(tl.int32), axis=0)
+            bad |= (negative | (top >= rows)).to(tl.int32)
             # (col // VEC) < (width // VEC) equals col < width (width is a multiple of VEC) and
             # tells the compiler the mask is uniform over each 16-byte vector.
-            mask = (moving & in_pool)[:, None] & ((col // VEC) < (width // VEC))[None, :]
+            in_row = ((col // VEC) < (width // VEC))[None, :]
+            mask = moving & (tgt_row < rows) & (src_row < rows) & in_row
             # row·stride passes 2**31 in large pools: tgt and src are int64.
-            src_ptrs = base + src[:, None] * stride + col[None, :]
-            tgt_ptrs = base + tgt[:, None] * stride + col[None, :]
+            src_ptrs = base + src_row * stride + col[None, :]
+            tgt_ptrs = base + tgt_row * stride + col[None, :]
             if VEC > 1:
                 src_ptrs = tl.multiple_of(src_ptrs, [1, 16])
                 tgt_ptrs = tl.multiple_of(tgt_ptrs, [1, 16])
