@@ -23,6 +23,15 @@ from .kernels import (  # noqa: E402
     prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
+from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
+from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
+from .kernels.cache_loc_move import (  # noqa: E402
+    KVPool,
+    accept_cache_locs,
+    accept_cache_locs_ref,
+    move_kv_cache,
+    move_kv_cache_ref,
+)
 from .status import SpecmetaStatusError, Status, check_status, new_status  # noqa: E402
 
 __version__ = "0.1.0"
@@ -42,4 +51,11 @@ __all__ = [
     "prefix_tail_copy_pairs_ref",
     "draft_decode_kv_indices",
     "draft_decode_kv_indices_ref",
+    "FlashInferBuilder",
+    "TrtllmMlaBuilder",
+    "accept_cache_locs",
+    "accept_cache_locs_ref",
+    "move_kv_cache",
+    "move_kv_cache_ref",
+    "KVPool",
 ]

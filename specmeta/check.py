@@ -280,6 +280,220 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
     return res
 
 
+# FlashInfer / TRT-LLM MLA kernels and builders (issue 5). Verify-window width of these checks:
+# a tree of up to 8 nodes, never more than the config allows.
+def _tree_width(k: int, s: int) -> int:
+    return min(1 + k + (s - 1) * k * k, 8)
+
+
+@register("verify_kv_indices")
+def _check_verify_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+
+    res = CheckResult("verify_kv_indices")
+    status = new_status(device)
+    for b in batches(device, g, extra_tokens=8):
+        n = _tree_width(b.topk, b.num_steps)
+        kw = dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum)
+        got = verify_kv_indices(*_args(b), status=status, **kw)
+        want = verify_kv_indices_ref(*_args(b), **kw)
+        used = b.seq_lens_sum + b.batch_size * n
+        res.compare("kv_indptr", got[1], want[1], b.describe())
+        res.compare("kv_indices", got[0][:used], want[0][:used], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("tree_custom_mask")
+def _check_tree_custom_mask(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+    from .workloads import random_tree_mask
+
+    res = CheckResult("tree_custom_mask")
+    status = new_status(device)
+    for b in batches(device, g, extra_tokens=8):
+        n = _tree_width(b.topk, b.num_steps)
+        tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(device)
+        for packed in (False, True):
+            kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum)
+            got = tree_custom_mask(b.seq_lens, tree, status=status, **kw)
+            want = tree_custom_mask_ref(b.seq_lens, tree, **kw)
+            used = int(want[1][-1])
+            res.compare(f"mask_indptr packed={packed}", got[1], want[1], b.describe())
+            res.compare(f"custom_mask packed={packed}", got[0][:used], want[0][:used],
+                        b.describe())  # fmt: skip
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("shared_prefix_kv_indices")
+def _check_shared_prefix(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.shared_prefix_kv_indices import (
+        shared_prefix_kv_indices,
+        shared_prefix_kv_indices_ref,
+    )
+
+    res = CheckResult("shared_prefix_kv_indices")
+    status = new_status(device)
+    for b in batches(device, g):
+        B, K, S = b.batch_size, b.topk, b.num_steps
+        kw = dict(topk=K, num_steps=S, page_size=b.page_size, seq_lens_sum=b.seq_lens_sum)
+        got = shared_prefix_kv_indices(*_args(b), status=status, **kw)
+        want = shared_prefix_kv_indices_ref(*_args(b), **kw)
+        res.compare("prefix_kv_indptr", got[1], want[1], b.describe())
+        res.compare("prefix_kv_indices", got[0][: b.seq_lens_sum], want[0][: b.seq_lens_sum],
+                    b.describe())  # fmt: skip
+        res.compare("chain_kv_indptr", got[3], want[3], b.describe())
+        for s in range(S):
+            n = B * K * (s + 1)
+            res.compare(f"chain_kv_indices[{s}]", got[2][s, :n], want[2][s, :n], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("branch_page_table")
+def _check_branch_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.branch_page_table import branch_page_table, branch_page_table_ref
+
+    res = CheckResult("branch_page_table")
+    status = new_status(device)
+    for b in batches(device, g):
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size, fill_value=-1)
+        got = branch_page_table(*_args(b), status=status, **kw)
+        want = branch_page_table_ref(*_args(b), **kw)
+        res.compare("page_table", got[0], want[0], b.describe())
+        res.compare("seq_lens_k", got[1], want[1], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("branch_kv_indices")
+def _check_branch_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
+
+    res = CheckResult("branch_kv_indices")
+    status = new_status(device)
+    for b in batches(device, g):
+        if b.page_size == 1:
+            continue  # page lists serve ps > 1 (ps == 1 equals draft_decode_kv_indices, tested)
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size,
+                  seq_lens_sum=b.seq_lens_sum)  # fmt: skip
+        got = branch_kv_indices(*_args(b), status=status, **kw)
+        want = branch_kv_indices_ref(*_args(b), **kw)
+        res.compare("kv_indptr", got[1], want[1], b.describe())
+        res.compare("kv_last_page_len", got[2], want[2], b.describe())
+        for s in range(b.num_steps):
+            used = int(want[1][s, -1])
+            res.compare(f"kv_indices[{s}]", got[0][s, :used], want[0][s, :used], b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+def _builder_config(b: Batch, n: int):
+    from .config import SpecConfig
+
+    # Capacity for any batch of this sweep: 16 requests, prefixes up to the row width.
+    return SpecConfig(topk=b.topk, num_steps=b.num_steps, num_draft_tokens=n,
+                      page_size=b.page_size, max_bs=16,
+                      max_context_len=b.req_to_token.shape[1])  # fmt: skip
+
+
+@register("flashinfer_builder")
+def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Every FlashInfer mode against the kernel references it is made of, host mirrors against
+    the device values, on one builder per configuration."""
+    from .kernels.shared_prefix_kv_indices import shared_prefix_kv_indices_ref
+    from .kernels.tree_custom_mask import tree_custom_mask_ref
+    from .kernels.verify_kv_indices import verify_kv_indices_ref
+    from .metadata.flashinfer import FlashInferBuilder
+    from .workloads import random_tree_mask
+
+    res = CheckResult("flashinfer_builder")
+    builders: dict[tuple, FlashInferBuilder] = {}
+    for b in batches(device, g, extra_tokens=8):
+        if b.shape not in ("empty", "odd", "modm1", "near_row_end"):
+            continue  # the kernels' own checks sweep every shape; this one checks the wiring
+        K, S, n, d = b.topk, b.num_steps, _tree_width(b.topk, b.num_steps), b.describe()
+        key = (K, S, b.page_size, b.req_to_token.shape[1])
+        if key not in builders:
+            builders[key] = FlashInferBuilder(_builder_config(b, n), device)
+        fi = builders[key]
+        lens = dict(seq_lens_cpu=b.seq_lens_cpu)
+        for step in fi.draft_decode(*_args(b), num_rows=S, **lens).steps:
+            res.compare("draft_decode kv_indptr_host", step.kv_indptr_host, step.kv_indptr, d)
+        casc = fi.draft_decode_shared_prefix(*_args(b), num_rows=S, **lens).steps
+        want = shared_prefix_kv_indices_ref(*_args(b), topk=K, num_steps=S, page_size=b.page_size)
+        for s, step in enumerate(casc):
+            res.compare("cascade prefix kv_indptr", step.paged_kv_indptr_arr[0], want[1], d)
+            res.compare("cascade chain kv_indices", step.paged_kv_indices_arr[1][: b.batch_size * K * (s + 1)],
+                        want[2][s, : b.batch_size * K * (s + 1)], d)  # fmt: skip
+            for host, dev in zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True):
+                res.compare("cascade kv_indptr_host", host, dev, d)
+        for step in fi.draft_decode_paged(*_args(b), num_rows=S, **lens).steps:
+            res.compare("paged kv_indptr_host", step.kv_indptr_host, step.kv_indptr, d)
+            res.compare("paged kv_last_page_len_host", step.kv_last_page_len_host,
+                        step.kv_last_page_len, d)  # fmt: skip
+        tree = random_tree_mask(b.batch_size, K, S, n, g).to(device)
+        for packed in (False, True):
+            meta = fi.target_verify(*_args(b), tree, packed=packed, **lens)
+            idx, ptr = verify_kv_indices_ref(*_args(b), extra_tokens=n)
+            mask, mptr = tree_custom_mask_ref(b.seq_lens, tree, packed=packed,
+                                              seq_lens_sum=b.seq_lens_sum)  # fmt: skip
+            used, mused = int(ptr[-1]), int(mptr[-1])
+            got_mask = meta.packed_custom_mask if packed else meta.custom_mask
+            res.compare("verify kv_indptr", meta.kv_indptr, ptr, d)
+            res.compare("verify kv_indices", meta.kv_indices[:used], idx[:used], d)
+            res.compare("verify mask", got_mask[:mused], mask[:mused], d)
+            res.compare("verify mask_indptr_host", meta.mask_indptr_host, meta.mask_indptr, d)
+            res.compare("verify kv_indptr_host", meta.kv_indptr_host, meta.kv_indptr, d)
+        ext = fi.draft_extend(*_args(b), **lens)
+        res.compare("extend kv_indptr", ext.kv_indptr, ptr, d)
+        res.compare("extend qo_indptr", ext.qo_indptr, ext.qo_indptr_host, d)
+    for fi in builders.values():
+        res.status_bits |= int(fi.status.item())
+    return res
+
+
+@register("trtllm_mla_builder")
+def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> CheckResult:
+    """TRT-LLM MLA draft decode against the per-branch page-table reference, verify and extend
+    against the request page-table reference (fill −1), query layout uniform."""
+    from .kernels.branch_page_table import branch_page_table_ref
+    from .kernels.prefix_page_table import prefix_page_table_ref
+    from .metadata.trtllm_mla import TrtllmMlaBuilder
+
+    res = CheckResult("trtllm_mla_builder")
+    builders: dict[tuple, TrtllmMlaBuilder] = {}
+    for b in batches(device, g, extra_tokens=8):
+        K, S, ps, d = b.topk, b.num_steps, b.page_size, b.describe()
+        n = S + 1 if K == 1 else _tree_width(K, S)
+        key = (K, S, ps, b.req_to_token.shape[1])
+        if key not in builders:
+            builders[key] = TrtllmMlaBuilder(_builder_config(b, n), device)
+        mla = builders[key]
+        B, W = b.batch_size, mla.max_blocks
+        steps = mla.draft_decode(*_args(b), num_rows=S).steps
+        table = torch.full((B * K, W), -7, dtype=torch.int32, device=device)
+        want, lens = branch_page_table_ref(*_args(b), topk=K, num_steps=S, page_size=ps,
+                                           fill_value=-1, page_table=table)  # fmt: skip
+        for s, step in enumerate(steps):
+            res.compare("draft_decode block_kv_indices", step.block_kv_indices, want, d)
+            res.compare("draft_decode seq_lens_k", step.seq_lens_k, lens[s], d)
+        modes = ("draft_extend",) if K > 1 else ("target_verify", "draft_extend")
+        for mode in modes:
+            meta = getattr(mla, mode)(*_args(b))
+            table = torch.full((B, W), -7, dtype=torch.int32, device=device)
+            want, lens = prefix_page_table_ref(*_args(b), page_size=ps, extra_tokens=n,
+                                               fill_value=-1, page_table=table)  # fmt: skip
+            res.compare(f"{mode} block_kv_indices", meta.block_kv_indices, want, d)
+            res.compare(f"{mode} seq_lens_k", meta.seq_lens_k, lens, d)
+            cu = torch.arange(B + 1, device=device) * n
+            res.compare(f"{mode} cu_seqlens_q", meta.cu_seqlens_q, cu, d)
+    for mla in builders.values():
+        res.status_bits |= int(mla.status.item())
+    return res
+
+
 def run_checks(device: torch.device, seed: int, names: list[str] | None = None,
                on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:  # fmt: skip
     """Run the named checks (default: all) with one generator seeded by ``seed``."""

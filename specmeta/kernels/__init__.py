@@ -1,5 +1,14 @@
 """Triton kernels: one op per module, each with its typed launcher and its pure-torch reference."""
 
+from .branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
+from .branch_page_table import branch_page_table, branch_page_table_ref
+from .cache_loc_move import (
+    KVPool,
+    accept_cache_locs,
+    accept_cache_locs_ref,
+    move_kv_cache,
+    move_kv_cache_ref,
+)
 from .draft_cache_locs import (
     assign_draft_cache_locs,
     assign_draft_cache_locs_ref,
@@ -7,6 +16,9 @@ from .draft_cache_locs import (
     prefix_tail_copy_pairs_ref,
 )
 from .draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .shared_prefix_kv_indices import shared_prefix_kv_indices, shared_prefix_kv_indices_ref
+from .tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+from .verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 
 __all__ = [
     "assign_draft_cache_locs",
@@ -15,4 +27,19 @@ __all__ = [
     "prefix_tail_copy_pairs_ref",
     "draft_decode_kv_indices",
     "draft_decode_kv_indices_ref",
+    "verify_kv_indices",
+    "verify_kv_indices_ref",
+    "tree_custom_mask",
+    "tree_custom_mask_ref",
+    "shared_prefix_kv_indices",
+    "shared_prefix_kv_indices_ref",
+    "branch_page_table",
+    "branch_page_table_ref",
+    "branch_kv_indices",
+    "branch_kv_indices_ref",
+    "accept_cache_locs",
+    "accept_cache_locs_ref",
+    "move_kv_cache",
+    "move_kv_cache_ref",
+    "KVPool",
 ]

@@ -32,8 +32,9 @@ _ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr glob
 _POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
-# Page columns one program copies per iteration (as in the kv_indices kernels).
-_BLOCK = 1024
+# Page columns one program copies per iteration: page lists are ps times shorter than token
+# lists, so a smaller block than the kv_indices kernels' keeps lanes busy.
+_BLOCK = 256
 # seq_lens entries summed per iteration of the per-step exclusive-prefix loop; the partial sums
 # are a [BLOCK_ROWS, BLOCK_B] tile, kept small enough to stay in registers.
 _BLOCK_B = 256

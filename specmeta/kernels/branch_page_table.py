@@ -35,8 +35,9 @@ _ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr glob
 _POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
-# Columns one program writes per iteration for all K rows of its request.
-_BLOCK = 512
+# Columns one program writes per iteration for all K rows of its request (page tables are ps
+# times narrower than token lists).
+_BLOCK = 256
 
 
 @triton.jit

@@ -29,8 +29,10 @@ __all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 _POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
-# Output elements (bools, or bytes of eight bits) per program iteration.
+# Output elements per program iteration: 1024 bools, or 256 bytes of eight bits (a [256, 8]
+# tile of mask elements).
 _BLOCK = 1024
+_BLOCK_PACKED = 256
 # seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
 _BLOCK_B = 1024
 
@@ -219,7 +221,7 @@ def tree_custom_mask(
         grid[1],
         # code shape
         PACKED=packed,
-        BLOCK=_BLOCK,
+        BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,
         HAS_STATUS=status is not None,
         num_warps=4,
