@@ -23,8 +23,6 @@ from .kernels import (  # noqa: E402
     prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
-from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
-from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
 from .kernels.cache_loc_move import (  # noqa: E402
     KVPool,
     accept_cache_locs,
@@ -32,6 +30,8 @@ from .kernels.cache_loc_move import (  # noqa: E402
     move_kv_cache,
     move_kv_cache_ref,
 )
+from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
+from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
 from .status import SpecmetaStatusError, Status, check_status, new_status  # noqa: E402
 
 __version__ = "0.1.0"
