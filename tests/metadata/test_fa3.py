@@ -11,7 +11,7 @@ from specmeta import SpecConfig, Status, new_status, plan_buffers
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
 from specmeta.workloads import make_batch, random_tree_mask
-from tests.consumers.dense import dense_attention
+from tests.consumers.dense import dense_attention, merge_lse
 from tests.consumers.fa3 import run_cascade
 from tests.guard_bands import assert_equal
 
@@ -284,3 +284,252 @@ def test_dataclasses_are_frozen_and_kwargs_are_fa3_keywords(device, gen):
                                   "return_softmax_lse"}  # fmt: skip
     with pytest.raises(AttributeError):
         meta.causal = False
+
+
+# --------------------------------------------------------------------------------------------
+# GPU tier: production shapes, graph capture and replay, no host sync, no recompilation, and a
+# real FlashAttention-3 kernel reading the metadata.
+# --------------------------------------------------------------------------------------------
+def _all_passes(fa3, batch, slots, mask):
+    """Every metadata object of every mode, in a fixed order."""
+    out = []
+    for step in fa3.draft_decode(*_args(batch), slots):
+        out += [step.normal, step.expand]
+    verify = fa3.target_verify(*_args(batch), mask)
+    return [m for m in out + [verify.normal, verify.expand, fa3.draft_extend(*_args(batch))] if m]
+
+
+def _assert_same(got, want):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name, value in g.kwargs().items():
+            if isinstance(value, torch.Tensor):
+                assert_equal(value, getattr(w, name), f"pass {i}: {name}")
+            else:
+                assert value == getattr(w, name), f"pass {i}: {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,ps", [(8, 1), (8, 16), (1, 16)])
+def test_gpu_production_shape_equals_reference(gen, k, ps):
+    """B = 256, S = 5, contexts up to 32k, every mode, kernels against the torch builder."""
+    B, S, ctx = 256, 5, 32768
+    n = 16 if k > 1 else S + 1
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    batch = make_batch("long_short", batch_size=B, topk=k, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                       extra_tokens=n)  # fmt: skip
+    batch.seq_lens[1::2] = torch.randint(ctx // 2, ctx, (B // 2,), device="cuda")
+    slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=S, page_size=ps)
+    mask = random_tree_mask(B, k, S, n, gen).cuda()
+    status = new_status("cuda")
+    fa3 = FA3MetadataBuilder(cfg, "cuda")
+    got = []
+    for step in fa3.draft_decode(*_args(batch), slots, status=status):
+        got += [step.normal, step.expand]
+    verify = fa3.target_verify(*_args(batch), mask, status=status)
+    got += [verify.normal, verify.expand, fa3.draft_extend(*_args(batch), status=status)]
+    want = _all_passes(FA3MetadataBuilder(cfg, "cuda", reference=True), batch, slots, mask)
+    _assert_same([m for m in got if m], want)
+    assert int(status) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,ps", [(1, 1), (4, 16), (8, 64), (2, 1)])
+def test_gpu_graph_replay_equals_eager_with_changing_batches(gen, k, ps):
+    """Every mode captured in one graph at Bp; replayed on new batches (new lengths, rows,
+    pages, draft slots, trees) it gives what an eager reference build gives."""
+    Bp, S, ctx = 16, 4, 1024
+    n = 8 if k > 1 else S + 1
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=Bp,
+                     max_context_len=ctx)  # fmt: skip
+    draws = []
+    for shape in ("random", "long_short", "modm1", "max", "mod0"):
+        b = make_batch(shape, batch_size=Bp, topk=k, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                       num_rows=Bp + 8, extra_tokens=n)  # fmt: skip
+        slots = assign_draft_cache_locs(*_args(b), topk=k, num_steps=S, page_size=ps)
+        draws.append((b, slots, random_tree_mask(Bp, k, S, n, gen).cuda()))
+    first, slots0, mask0 = draws[0]
+    rpi, r2t, sl = (t.clone() for t in _args(first))
+    ocl, tree = slots0.clone(), mask0.clone()
+    fa3 = FA3MetadataBuilder(cfg, "cuda")
+    status = new_status("cuda")
+
+    def build():
+        passes = []
+        for step in fa3.draft_decode(rpi, r2t, sl, ocl, status=status):
+            passes += [step.normal, step.expand]
+        verify = fa3.target_verify(rpi, r2t, sl, tree, status=status)
+        passes += [verify.normal, verify.expand, fa3.draft_extend(rpi, r2t, sl, status=status)]
+        return [m for m in passes if m]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        build()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = build()
+    ref = FA3MetadataBuilder(cfg, "cuda", reference=True)
+    for batch, slots, mask in draws[1:] + draws[:1]:
+        for dst, src in zip((rpi, r2t, sl, ocl, tree), (*_args(batch), slots, mask), strict=True):
+            dst.copy_(src)
+        for buf in fa3.buffers.values():
+            if buf.dim() > 1:
+                buf.fill_(-7)  # stale values must not survive a replay
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(captured, _all_passes(ref, batch, slots, mask))
+        assert int(status) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_on_the_build_path(gen):
+    B, K, S, ps, n = 16, 4, 3, 16, 8
+    cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=1024)  # fmt: skip
+    batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                       extra_tokens=n)  # fmt: skip
+    slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=ps)
+    mask = random_tree_mask(B, K, S, n, gen).cuda()
+    fa3 = FA3MetadataBuilder(cfg, "cuda")
+    status = new_status("cuda")
+
+    def build():
+        fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, num_rows=S - 1,
+                         status=status)  # fmt: skip
+        fa3.target_verify(*_args(batch), mask, seq_lens_cpu=batch.seq_lens_cpu, status=status)
+        fa3.draft_extend(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, status=status)
+
+    build()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            build()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(status) == 0
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in fn.cache.values())
+
+
+@pytest.mark.gpu
+def test_gpu_new_batch_size_compiles_nothing(gen):
+    from specmeta.kernels.expand_page_table import _expand_page_table_kernel
+    from specmeta.kernels.prefix_page_table import _prefix_page_table_kernel
+    from specmeta.kernels.verify_expand_page_table import _verify_expand_page_table_kernel
+
+    K, S, ps, n = 4, 5, 16, 8
+    cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=200,
+                     max_context_len=2048)  # fmt: skip
+    fa3 = FA3MetadataBuilder(cfg, "cuda")
+    kernels = (_prefix_page_table_kernel, _expand_page_table_kernel,
+               _verify_expand_page_table_kernel)  # fmt: skip
+    counts = []
+    for B in (7, 13, 1, 64, 200):
+        batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
+                           row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                           extra_tokens=n)  # fmt: skip
+        slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=ps)
+        _all_passes(fa3, batch, slots, random_tree_mask(B, K, S, n, gen).cuda())
+        torch.cuda.synchronize()
+        counts.append(tuple(_compiled_variants(kern) for kern in kernels))
+    assert all(c >= 1 for c in counts[0])
+    assert counts == [counts[0]] * len(counts), f"recompiled for a new batch size: {counts}"
+
+
+def _real_fa3():
+    """``(name, flash_attn_with_kvcache-like callable)`` of an importable FA3, or a skip reason."""
+    import importlib
+
+    errors = []
+    for module, attr in (("flash_attn_interface", "flash_attn_with_kvcache"),
+                         ("sgl_kernel.flash_attn", "flash_attn_with_kvcache")):  # fmt: skip
+        try:
+            return module, getattr(importlib.import_module(module), attr)
+        except Exception as exc:  # ImportError, or a build without the symbol
+            errors.append(f"{module}: {type(exc).__name__}")
+    try:
+        cute = importlib.import_module("flash_attn.cute.interface")
+
+        def via_cute(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
+                     max_seqlen_q, causal, softmax_scale, return_softmax_lse,
+                     cu_seqlens_k_new=None):  # fmt: skip
+            # The CuTe interface takes the KV lengths as seqused_k and has no cu_seqlens_k_new.
+            out, lse = cute._flash_attn_fwd(
+                q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=cache_seqlens,
+                max_seqlen_q=max_seqlen_q, page_table=page_table, softmax_scale=softmax_scale,
+                causal=causal, return_lse=True,
+            )  # fmt: skip
+            return (out, lse) if return_softmax_lse else out
+
+        return "flash_attn.cute", via_cute
+    except Exception as exc:
+        errors.append(f"flash_attn.cute.interface: {type(exc).__name__}")
+    return None, "no FlashAttention-3 importable (" + "; ".join(errors) + ")"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "draft_extend"])
+@pytest.mark.parametrize("k,ps", [(1, 1), (1, 16), (4, 1), (4, 16), (2, 64)])
+def test_gpu_real_fa3_equals_dense_attention(gen, mode, k, ps):
+    """The metadata fed to a real FlashAttention-3 kernel (bf16) gives dense attention over
+    each branch's or node's logical sequence, within bf16 accuracy."""
+    name, fa3_fn = _real_fa3()
+    if name is None:
+        pytest.skip(fa3_fn)
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashAttention-3 runs on Hopper (sm_90)")
+    S, hd, h, h_kv = 3, 128, 8, 2
+    n = S + 1 if k == 1 else 6
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=8,
+                     max_context_len=4 * ps + 300)  # fmt: skip
+    batch = make_batch("random", batch_size=6, topk=k, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                       extra_tokens=n)  # fmt: skip
+    k_pool = torch.randn(batch.pool_size, h_kv, hd, generator=gen).to("cuda", torch.bfloat16)
+    v_pool = torch.randn(batch.pool_size, h_kv, hd, generator=gen).to("cuda", torch.bfloat16)
+    fa3 = FA3MetadataBuilder(cfg, "cuda")
+    rows = _rows(batch)
+    B = batch.batch_size
+    if mode == "draft_decode":
+        slots = _draft_slots(batch, k_pool, v_pool)
+        step = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu)[S - 1]
+        chains = slots.cpu().long().view(B * k, S)
+        lists = [torch.cat([row[:L], chains[b * k + t]])
+                 for b, (row, L) in enumerate(rows) for t in range(k)]  # fmt: skip
+    elif mode == "target_verify":
+        mask = random_tree_mask(B, k, S, n, gen)
+        step = fa3.target_verify(*_args(batch), mask.cuda(), seq_lens_cpu=batch.seq_lens_cpu)
+        lists = [torch.cat([row[:L], row[L + mask[i, j].nonzero().flatten()]])
+                 for i, (row, L) in enumerate(rows) for j in range(n)]  # fmt: skip
+    else:
+        step = FA3Cascade(fa3.draft_extend(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu), None)
+        lists = [row[: L + j + 1] for row, L in rows for j in range(n)]
+    q = torch.randn(len(lists), h, hd, generator=gen).to("cuda", torch.bfloat16)
+    scale = hd**-0.5
+
+    def call(meta):
+        view = meta.page_size
+        kc = k_pool.view(-1, view, h_kv, hd)
+        vc = v_pool.view(-1, view, h_kv, hd)
+        res = fa3_fn(q, kc, vc, **{**meta.kwargs(), "return_softmax_lse": True},
+                     softmax_scale=scale)  # fmt: skip
+        return res[0].double(), res[1].double().t()  # lse [H, total_q] -> [total_q, H]
+
+    out, lse = call(step.normal)
+    if step.expand is not None:
+        out, lse = merge_lse(out, lse, *call(step.expand))
+    want, _ = dense_attention(q.double(), k_pool.double(), v_pool.double(), lists,
+                              softmax_scale=scale)  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
