@@ -45,8 +45,8 @@ for bs, k, ctx in CASES:
     ptr = plan["draft_decode.kv_indptr"].allocate("cuda")
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     line = [f"{bs}-{k}-{ctx}"]
-    for block, warps, per_sm in itertools.product((512, 1024, 2048), (2, 4, 8), (4, 8, 16)):
-        mod._BLOCK, mod._NUM_WARPS = block, warps
+    for block, warps, per_sm in itertools.product((1, 4, 8, 16), (4,), (4, 8)):
+        mod._MIN_CHUNKS, mod._NUM_WARPS = block, warps
         mod._target_programs.cache_clear()
         orig = mod._target_programs
         mod._target_programs = lambda device, n=per_sm: n * 132
@@ -63,9 +63,9 @@ for bs, k, ctx in CASES:
         mod._target_programs = orig
         line.append((us, block, warps, per_sm))
     best = sorted(line[1:])[:3]
-    base = [x for x in line[1:] if x[1:] == (1024, 4, 8)][0]
+    base = [x for x in line[1:] if x[1:] == (8, 4, 4)][0]
     print(
         f"{line[0]:>14}: default {base[0]:.2f} us; best "
-        + "; ".join(f"{u:.2f} us (B{b},w{w},p{p})" for u, b, w, p in best),
+        + "; ".join(f"{u:.2f} us (minchunks{b},w{w},p{p})" for u, b, w, p in best),
         flush=True,
     )

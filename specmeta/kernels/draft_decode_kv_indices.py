@@ -42,6 +42,8 @@ _BLOCK = 1024
 # seq_lens entries summed per iteration of a program's exclusive-prefix loop (one vector load
 # covers every batch up to 1024 requests).
 _BLOCK_B = 1024
+# Chunks of work a program should have before lists are grouped (tuned on an H200).
+_MIN_CHUNKS = 8
 # Warps per program: 4 keeps 8 entries a thread in flight at BLOCK = 1024.
 _NUM_WARPS = 4
 
@@ -49,7 +51,7 @@ _NUM_WARPS = 4
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows",
-        "W_idx", "stride_idx", "stride_ptr", "chunk_programs",
+        "W_idx", "stride_idx", "stride_ptr", "chunk_programs", "lists_per_program",
     ]
 )  # fmt: skip
 def _draft_decode_kv_indices_kernel(
@@ -69,6 +71,7 @@ def _draft_decode_kv_indices_kernel(
     stride_idx,
     stride_ptr,
     chunk_programs,
+    lists_per_program,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
@@ -77,14 +80,15 @@ def _draft_decode_kv_indices_kernel(
     BLOCK_STEPS: tl.constexpr,  # next power of two ≥ S
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(chunk_programs, rows·K, max(B, 1))``: program ``(c, d, b)`` copies prefix chunks
-    ``c, c + chunk_programs, …`` of request ``b`` into list ``d = s·K + t`` (step ``s``, branch
-    ``t``). Neighbouring programs write neighbouring chunks of one list, so the device sees a
-    few long sequential write streams; the source chunk is re-read from L2. Programs
-    ``(0, d, b)`` also write list ``d``'s own chain, its ``kv_indptr`` entry and its status
-    bits, so no program carries the whole request's bookkeeping on its critical path."""
+    """Grid ``(chunk_programs, list_groups, max(B, 1))``: program ``(c, g, b)`` takes lists
+    ``d = g·lists_per_program + i`` (``d = s·K + t``: step ``s``, branch ``t``) of request ``b``
+    one after the other and copies prefix chunks ``c, c + chunk_programs, …`` into each.
+    Neighbouring programs write neighbouring chunks of one list, so the device sees long
+    sequential write streams; the source chunk is re-read from L2. Grouping lists bounds the
+    number of programs when lists are short. Programs with ``c == 0`` also write each list's
+    own chain, its ``kv_indptr`` entry and its status bits."""
     c = tl.program_id(0)
-    d = tl.program_id(1)
+    g = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
@@ -101,6 +105,27 @@ def _draft_decode_kv_indices_kernel(
         cum += tl.sum(tl.maximum(lens, 0), axis=0)
     head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
 
+    for i in range(0, lists_per_program):
+        d = g * lists_per_program + i
+        if d < num_rows * TOPK:
+            _write_list(
+                req_to_token_ptr, kv_indices_ptr, kv_indptr_ptr, status_ptr,
+                row_base, L, row_ok, L_ok, cum, head, b, d, c,
+                B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
+                TOPK, NUM_STEPS, LAYOUT_B, BLOCK, BLOCK_STEPS, HAS_STATUS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _write_list(
+    req_to_token_ptr, kv_indices_ptr, kv_indptr_ptr, status_ptr,
+    row_base, L, row_ok, L_ok, cum, head, b, d, c,
+    B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
+    TOPK: tl.constexpr, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_STEPS: tl.constexpr, HAS_STATUS: tl.constexpr,
+):  # fmt: skip
+    """List ``d = s·K + t`` of request ``b``: its prefix chunks ``c, c + chunk_programs, …``
+    and, for ``c == 0``, its chain, ``kv_indptr`` entry and status bits."""
     # List (s, t) of request b starts at kv_indptr[s, b·K + t] = head + t·L + (b·K + t)·(s+1).
     s_d = d // TOPK
     t_d = d % TOPK
@@ -160,11 +185,25 @@ def _target_programs(device: torch.device) -> int:
     return 4
 
 
-def _chunk_programs(device: torch.device, lists: int, row_width: int) -> int:
-    """Programs per list: enough for the whole grid to fill the device even when a few long
-    requests carry all the work, never more than a full row has chunks."""
-    per_list = triton.cdiv(_target_programs(device), max(lists, 1))
-    return max(1, min(per_list, triton.cdiv(row_width, _BLOCK)))
+def _grid(device: torch.device, batch: int, lists: int, row_width: int) -> tuple[int, int, int, int]:
+    """``(chunk_programs, list_groups, requests, lists_per_program)``.
+
+    Lists are grouped so that a program has at least ``_MIN_CHUNKS`` chunks of work when rows
+    are short (thousands of tiny programs cost more to schedule than to run) while the grid
+    still holds the target number of programs; chunks of one list are split over programs
+    when few long requests carry all the work. Only host-known sizes enter: ``B``, the list
+    count and the row width, never a device value.
+    """
+    target = _target_programs(device)
+    requests = max(batch, 1)
+    row_chunks = triton.cdiv(row_width, _BLOCK)
+    per_program = max(1, min(triton.cdiv(_MIN_CHUNKS, row_chunks), lists))
+    # Keep at least `target` programs where there are that many lists.
+    per_program = max(1, min(per_program, (requests * lists) // target))
+    groups = triton.cdiv(lists, per_program)
+    per_program = triton.cdiv(lists, groups)  # balance the groups
+    chunk_programs = max(1, min(triton.cdiv(target, requests * groups), row_chunks))
+    return chunk_programs, groups, requests, per_program
 
 
 def _prepare(
@@ -250,9 +289,9 @@ def draft_decode_kv_indices(
     --------
     ``seq_lens=[3, 1]``, ``K=2``, one row (``it=1``) → ``kv_indptr=[0, 4, 8, 10, 12]``.
 
-    Grid ``(chunk_programs, rows·K, max(B, 1))``: one program per (chunk group, list, request),
-    ``chunk_programs`` chosen so that few long requests still fill the device; every program
-    computes its request's offset from ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
+    Grid ``(chunk_programs, list_groups, max(B, 1))``: programs split long lists into chunk
+    groups and group short lists, from host-known sizes only; every program computes its
+    request's offset from ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
     """
     topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
@@ -261,8 +300,10 @@ def draft_decode_kv_indices(
     if rows == 0:
         return kv_indices, kv_indptr
     device = req_to_token.device
-    lists = max(B, 1) * rows * topk
-    grid = (_chunk_programs(device, lists, req_to_token.shape[1]), rows * topk, max(B, 1))
+    chunk_programs, groups, requests, lists_per_program = _grid(
+        device, B, rows * topk, req_to_token.shape[1]
+    )
+    grid = (chunk_programs, groups, requests)
     _draft_decode_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -280,7 +321,8 @@ def draft_decode_kv_indices(
         kv_indices.shape[1],
         kv_indices.stride(0),
         kv_indptr.stride(0),
-        grid[0],
+        chunk_programs,
+        lists_per_program,
         # code shape
         TOPK=topk,
         NUM_STEPS=num_steps,
