@@ -16,13 +16,14 @@ from specmeta.workloads import make_batch
 mod = importlib.import_module("specmeta.kernels.draft_decode_kv_indices")
 
 CASES = [
+    (256, 8, 1024),
+    (256, 4, 1024),
+    (64, 8, 1024),
     (8, 8, 1024),
     (8, 8, 2048),
     (8, 4, 2048),
     (1, 8, 2048),
-    (64, 8, 4096),
     (32, 4, 32768),
-    (256, 8, 32768),
 ]
 S = 5
 
