@@ -35,7 +35,7 @@ still read before it is written, so the result is the same.
 ``(base address, row stride, row width, rows)`` per buffer, in words of the widest type (8, 4, 2
 or 1 bytes) that divides every row width, row stride and base address. The table is built once
 per set of buffers (:class:`KVPool`, or a cache keyed by the buffers' addresses and shapes) and
-never on the launch path. Programs are ``(column slice, pair block, buffer group)``; each program
+never on the launch path. Programs are ``(pair block, column slice, buffer group)``; each program
 loads its pair indices once and loops over its group of buffers, so the index loads are shared.
 The CPU interpreter runs the same kernel body with ``TABLE=False``, one launch per buffer passed
 as a tensor ("direct" addressing); ``KVPool(..., addressing="table")`` runs the table path on
@@ -348,11 +348,11 @@ def _move_kv_cache_kernel(
     VEC: tl.constexpr,  # words per 16 B when every row start and width is 16-byte aligned, else 1
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(column slices, pair blocks, buffer groups)``: program ``(c, p, g)`` moves words
+    """Grid ``(pair blocks, column slices, buffer groups)``: program ``(p, c, g)`` moves words
     ``[c·COLS, (c+1)·COLS)`` of the rows of pairs ``[p·BLOCK_N, (p+1)·BLOCK_N)`` in buffers
     ``[g·bpp, (g+1)·bpp)``: all its sources are loaded, then all its targets stored."""
-    c = tl.program_id(0)
-    p = tl.program_id(1)
+    p = tl.program_id(0)  # axis 0: pair blocks can pass the 65535 limit of axes 1 and 2
+    c = tl.program_id(1)
     g = tl.program_id(2)
     q = p.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = q < n
@@ -588,7 +588,7 @@ def move_kv_cache(
     Rows ``[a, b, c, d]``, ``tgt=[1, 2, 3, 0]``, ``src=[2, 3, 1, 0]`` → ``[a, c, d, b]``
     (a rotation; the ``(0, 0)`` pair is a no-op).
 
-    Grid ``(column slices, pair blocks, buffer groups)`` (see the module notes); no host sync;
+    Grid ``(pair blocks, column slices, buffer groups)`` (see the module notes); no host sync;
     ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
@@ -615,7 +615,7 @@ def move_kv_cache(
         slices = triton.cdiv(pool.max_row_words, cols)
         per_program = max(1, slices * pair_blocks * len(pool) // target)
         groups = triton.cdiv(len(pool), per_program)
-        _move_kv_cache_kernel[(slices, pair_blocks, groups)](
+        _move_kv_cache_kernel[(pair_blocks, slices, groups)](
             table_ptr=pool.table,
             buf_ptr=pool.table,
             num_buffers=len(pool),
@@ -629,7 +629,7 @@ def move_kv_cache(
         return
     for words in pool.words:
         slices = triton.cdiv(words.shape[1], cols)
-        _move_kv_cache_kernel[(slices, pair_blocks, 1)](
+        _move_kv_cache_kernel[(pair_blocks, slices, 1)](
             table_ptr=words,
             buf_ptr=words,
             num_buffers=1,
