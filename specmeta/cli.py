@@ -41,6 +41,65 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes} B"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .config import SpecConfig, plan_buffers
+
+    try:
+        cfg = SpecConfig(topk=args.topk, num_steps=args.num_steps, num_draft_tokens=args.num_draft_tokens,
+                         page_size=args.page_size, max_bs=args.max_bs, max_context_len=args.max_context_len)  # fmt: skip
+    except (TypeError, ValueError) as err:
+        print(f"invalid configuration: {err}", file=sys.stderr)
+        return 2
+    plan = plan_buffers(cfg)
+    wanted = set(args.backend or BACKENDS)
+
+    def group(name: str) -> tuple[str, str]:
+        parts = name.split(".")
+        if parts[0] in BACKENDS:
+            return parts[0], parts[1]
+        return "common", parts[0]
+
+    print(f"specmeta plan: topk={cfg.topk} num_steps={cfg.num_steps} num_draft_tokens="
+          f"{cfg.num_draft_tokens} page_size={cfg.page_size} max_bs={cfg.max_bs} "
+          f"max_context_len={cfg.max_context_len} req_to_token_width={cfg.req_to_token_width} "
+          f"pool_size={cfg.pool_size} layout={'B' if cfg.layout_b else 'A'}")  # fmt: skip
+    totals: dict[tuple[str, str], int] = {}
+    print(f"\n{'buffer':<48} {'shape':<26} {'dtype':<8} {'bytes':>12}")
+    for name, spec in plan.items():
+        backend, mode = group(name)
+        if backend != "common" and backend not in wanted:
+            continue
+        totals[(backend, mode)] = totals.get((backend, mode), 0) + spec.nbytes
+        dtype = str(spec.dtype).replace("torch.", "")
+        print(f"{name:<48} {str(list(spec.shape)):<26} {dtype:<8} {_human(spec.nbytes):>12}")
+    print(f"\n{'backend':<12} {'mode':<24} {'bytes':>12}")
+    per_backend: dict[str, int] = {}
+    for (backend, mode), nbytes in totals.items():
+        per_backend[backend] = per_backend.get(backend, 0) + nbytes
+        print(f"{backend:<12} {mode:<24} {_human(nbytes):>12}")
+    for backend, nbytes in per_backend.items():
+        print(f"{backend:<12} {'(all modes)':<24} {_human(nbytes):>12}")
+    per_branch = plan.get("flashinfer.draft_decode.kv_indices")
+    shared = [spec for name, spec in plan.items() if name.startswith("flashinfer.draft_decode_shared.")
+              and "kv_indices" in name]  # fmt: skip
+    if per_branch is not None and shared:
+        shared_bytes = sum(spec.nbytes for spec in shared)
+        print(f"\ndraft-decode kv_indices: per-branch {_human(per_branch.nbytes)} vs shared-prefix "
+              f"{_human(shared_bytes)} ({per_branch.nbytes / max(shared_bytes, 1):.1f}x smaller)")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specmeta", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, help="seed of the random workloads (default: fresh)")
     check.add_argument("--only", nargs="*", help="run only these checks")
     check.set_defaults(func=_cmd_check)
+    plan = sub.add_parser("plan", help="every persistent buffer of a configuration, with bytes")
+    plan.add_argument("--topk", type=int, required=True)
+    plan.add_argument("--num-steps", type=int, required=True)
+    plan.add_argument("--num-draft-tokens", type=int, required=True)
+    plan.add_argument("--page-size", type=int, default=1)
+    plan.add_argument("--max-bs", type=int, required=True)
+    plan.add_argument("--max-context-len", type=int, required=True)
+    plan.add_argument(
+        "--backend", nargs="*", choices=BACKENDS, help="only these backends (default: all)"
+    )
+    plan.set_defaults(func=_cmd_plan)
     args = parser.parse_args(argv)
     return args.func(args)
 
