@@ -253,6 +253,7 @@ class FlashInferBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FlashInferDraftDecode:
         """Per-branch token lists of every draft-decode forward (page size 1, SPEC §3.3).
 
@@ -268,18 +269,23 @@ class FlashInferBuilder:
             Forwards to build; default ``S − 1`` (draft decode runs ``S − 1`` forwards).
         status : torch.Tensor, optional
             Status word; default :attr:`status`.
+        launch : bool
+            ``False``: launch nothing, only refresh the host mirrors from ``seq_lens_cpu`` and
+            return the views. For CUDA graphs: the kernels run inside the captured graph, the
+            host mirrors for ``plan()`` are computed outside it, before each replay.
         """
         cfg, buf = self.cfg, self.buffers
         B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         rows = self._rows(num_rows)
         K = cfg.topk
-        draft_decode_kv_indices(
-            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
-            page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
-            kv_indptr=buf["draft_decode.kv_indptr"],
-            seq_lens_sum=int(lens.sum()) if lens is not None else None,
-            status=self._status(status),
-        )  # fmt: skip
+        if launch:
+            draft_decode_kv_indices(
+                req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+                page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
+                kv_indptr=buf["draft_decode.kv_indptr"],
+                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                status=self._status(status),
+            )  # fmt: skip
         host = None
         if lens is not None:
             host = buf["draft_decode.kv_indptr_host"]
@@ -317,6 +323,7 @@ class FlashInferBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FlashInferCascadeDecode:
         """Cascade draft decode: each prefix once, each branch's chain a second level.
 
@@ -327,16 +334,17 @@ class FlashInferBuilder:
         B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         rows = self._rows(num_rows)
         K, mode = cfg.topk, "draft_decode_shared"
-        shared_prefix_kv_indices(
-            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
-            page_size=cfg.page_size, num_rows=rows,
-            prefix_kv_indices=buf[f"{mode}.prefix_kv_indices"],
-            prefix_kv_indptr=buf[f"{mode}.prefix_kv_indptr"],
-            chain_kv_indices=buf[f"{mode}.chain_kv_indices"],
-            chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
-            seq_lens_sum=int(lens.sum()) if lens is not None else None,
-            status=self._status(status),
-        )  # fmt: skip
+        if launch:
+            shared_prefix_kv_indices(
+                req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+                page_size=cfg.page_size, num_rows=rows,
+                prefix_kv_indices=buf[f"{mode}.prefix_kv_indices"],
+                prefix_kv_indptr=buf[f"{mode}.prefix_kv_indptr"],
+                chain_kv_indices=buf[f"{mode}.chain_kv_indices"],
+                chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
+                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                status=self._status(status),
+            )  # fmt: skip
         prefix_host = None
         if lens is not None:
             prefix_host = buf[f"{mode}.prefix_kv_indptr_host"][: B + 1]
@@ -376,6 +384,7 @@ class FlashInferBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FlashInferDraftDecode:
         """Per-branch page lists with the pool's page size (plan with ``cfg.page_size``).
 
@@ -389,13 +398,14 @@ class FlashInferBuilder:
         B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         rows = self._rows(num_rows)
         K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
-        branch_kv_indices(
-            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
-            page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
-            kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
-            seq_lens_sum=int(lens.sum()) if lens is not None else None,
-            status=self._status(status),
-        )  # fmt: skip
+        if launch:
+            branch_kv_indices(
+                req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
+                page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
+                kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
+                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                status=self._status(status),
+            )  # fmt: skip
         ptr_host = lpl_host = None
         if lens is not None:
             ptr_host = buf[f"{mode}.kv_indptr_host"]
@@ -419,15 +429,16 @@ class FlashInferBuilder:
         )
         return FlashInferDraftDecode(steps)
 
-    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, lens, status):
+    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch):
         buf, n = self.buffers, self.cfg.num_draft_tokens
         B = req_pool_indices.shape[0]
-        verify_kv_indices(
-            req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
-            kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
-            seq_lens_sum=int(lens.sum()) if lens is not None else None,
-            status=self._status(status),
-        )  # fmt: skip
+        if launch:
+            verify_kv_indices(
+                req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
+                kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
+                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                status=self._status(status),
+            )  # fmt: skip
         host = None
         if lens is not None:
             host = buf[f"{mode}.kv_indptr_host"][: B + 1]
@@ -445,6 +456,7 @@ class FlashInferBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         packed: bool = False,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FlashInferPrefill:
         """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
 
@@ -468,14 +480,18 @@ class FlashInferBuilder:
                 f"tree_mask must be [B, N, N] with N = num_draft_tokens = {n}, "
                 f"got {tuple(tree_mask.shape)}"
             )
-        host = self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, lens, status)
+        host = self._prefill_lists(
+            mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
+        )
         form = "packed_" if packed else ""
-        mask, mask_indptr = tree_custom_mask(
-            seq_lens, tree_mask, packed=packed, custom_mask=buf[f"{mode}.{form}custom_mask"],
-            mask_indptr=buf[f"{mode}.{form}mask_indptr"],
-            seq_lens_sum=int(lens.sum()) if lens is not None else None,
-            status=self._status(status),
-        )  # fmt: skip
+        mask = buf[f"{mode}.{form}custom_mask"]
+        mask_indptr = buf[f"{mode}.{form}mask_indptr"]
+        if launch:
+            tree_custom_mask(
+                seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
+                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                status=self._status(status),
+            )  # fmt: skip
         mask_host = None
         if lens is not None:
             sizes = n * (lens + n)
@@ -506,13 +522,16 @@ class FlashInferBuilder:
         *,
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FlashInferPrefill:
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
         B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         buf, mode = self.buffers, "draft_extend"
-        host = self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, lens, status)
+        host = self._prefill_lists(
+            mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
+        )
         return FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],

@@ -229,3 +229,248 @@ def test_bad_inputs_are_reported_or_raise(device, gen):
     batch.req_pool_indices[1] = batch.req_to_token.shape[0] + 7
     fi.target_verify(*_args(batch), tree, seq_lens_cpu=batch.seq_lens_cpu)
     assert int(fi.status) & int(Status.ROW_OOB)
+
+
+def test_launch_false_refreshes_only_the_host_mirrors(device, gen):
+    """The CUDA-graph split: kernels replay inside the graph, plan()'s host mirrors are computed
+    outside it from the next batch's CPU lengths, with no launch and no device read."""
+    cfg, first, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
+    second = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=4,
+                        row_width=cfg.req_to_token_width, generator=gen, device=device,
+                        extra_tokens=cfg.num_draft_tokens, max_len=40)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device)
+    built = fi.draft_decode_paged(*_args(first), seq_lens_cpu=first.seq_lens_cpu)
+    device_before = built.steps[0].kv_indptr.clone()
+    fresh = fi.draft_decode_paged(*_args(second), seq_lens_cpu=second.seq_lens_cpu, launch=False)
+    assert_equal(fresh.steps[0].kv_indptr, device_before, "device values untouched")
+    want = fi.draft_decode_paged(*_args(second), seq_lens_cpu=second.seq_lens_cpu)
+    assert_equal(fresh.steps[0].kv_indptr_host, want.steps[0].kv_indptr, "host mirror")
+    ext = fi.draft_extend(*_args(second), seq_lens_cpu=second.seq_lens_cpu, launch=False)
+    lens = second.seq_lens_cpu + cfg.num_draft_tokens
+    assert ext.kv_indptr_host.tolist() == [0] + torch.cumsum(lens, 0).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: production shapes, CUDA-graph replay against eager builds, no host sync, and a real
+# FlashInfer kernel when one is importable.
+# ---------------------------------------------------------------------------------------------
+def _gpu_batch(gen, cfg, shape, batch_size):
+    return make_batch(shape, batch_size=batch_size, topk=cfg.topk, num_steps=cfg.num_steps,
+                      page_size=cfg.page_size, row_width=cfg.req_to_token_width, generator=gen,
+                      device="cuda", extra_tokens=cfg.num_draft_tokens,
+                      max_len=cfg.max_context_len, num_rows=batch_size + 8)  # fmt: skip
+
+
+def _used(ptr_row):
+    return int(ptr_row[-1])
+
+
+def _assert_build_equal(got, want, what):
+    """Two builds of the same batch: every index a consumer reads is equal (decode steps,
+    cascade levels, prefill lists and masks)."""
+    if hasattr(got, "steps"):
+        for s, (a, b) in enumerate(zip(got.steps, want.steps, strict=True)):
+            if hasattr(a, "qo_indptr_arr"):
+                for lvl in range(2):
+                    ptr = b.paged_kv_indptr_arr[lvl]
+                    assert_equal(a.paged_kv_indptr_arr[lvl], ptr, f"{what}[{s}] level {lvl}")
+                    n = _used(ptr)
+                    assert_equal(a.paged_kv_indices_arr[lvl][:n], b.paged_kv_indices_arr[lvl][:n],
+                                 f"{what}[{s}] level {lvl} kv_indices")  # fmt: skip
+            else:
+                assert_equal(a.kv_indptr, b.kv_indptr, f"{what}[{s}] kv_indptr")
+                n = _used(b.kv_indptr)
+                assert_equal(a.kv_indices[:n], b.kv_indices[:n], f"{what}[{s}] kv_indices")
+                assert_equal(a.kv_last_page_len, b.kv_last_page_len, f"{what}[{s}] last_page_len")
+        return
+    assert_equal(got.qo_indptr, want.qo_indptr, f"{what} qo_indptr")
+    assert_equal(got.kv_indptr, want.kv_indptr, f"{what} kv_indptr")
+    n = _used(want.kv_indptr)
+    assert_equal(got.kv_indices[:n], want.kv_indices[:n], f"{what} kv_indices")
+    for field in ("custom_mask", "packed_custom_mask"):
+        a, b = getattr(got, field), getattr(want, field)
+        if b is not None:
+            m = _used(want.mask_indptr)
+            assert_equal(got.mask_indptr, want.mask_indptr, f"{what} mask_indptr")
+            assert_equal(a[:m].view(torch.uint8), b[:m].view(torch.uint8), f"{what} {field}")
+
+
+def _all_modes(fi, rpi, r2t, sl, tree, rows, lens=None):
+    kw = dict(seq_lens_cpu=lens)
+    return {
+        "draft_decode": fi.draft_decode(rpi, r2t, sl, num_rows=rows, **kw),
+        "shared_prefix": fi.draft_decode_shared_prefix(rpi, r2t, sl, num_rows=rows, **kw),
+        "paged": fi.draft_decode_paged(rpi, r2t, sl, num_rows=rows, **kw),
+        "verify": fi.target_verify(rpi, r2t, sl, tree, **kw),
+        "verify_packed": fi.target_verify(rpi, r2t, sl, tree, packed=True, **kw),
+        "extend": fi.draft_extend(rpi, r2t, sl, **kw),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ps", [1, 16])
+def test_gpu_production_shape_matches_references(gen, ps):
+    """B = 256, K = 8, S = 5, N = 16, contexts to 32k: every mode against the references."""
+    from specmeta.kernels.branch_kv_indices import branch_kv_indices_ref
+    from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indices_ref
+    from specmeta.kernels.shared_prefix_kv_indices import shared_prefix_kv_indices_ref
+    from specmeta.kernels.tree_custom_mask import tree_custom_mask_ref
+    from specmeta.kernels.verify_kv_indices import verify_kv_indices_ref
+
+    B, K, S, N, ctx = 256, 8, 5, 16, 32768
+    cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=N, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    batch = _gpu_batch(gen, cfg, "long_short", B)
+    batch.seq_lens[1::2] = torch.randint(ctx // 2, ctx, (B // 2,), device="cuda")
+    batch.seq_lens_cpu = batch.seq_lens.cpu()
+    tree = random_tree_mask(B, K, S, N, gen).cuda()
+    fi = FlashInferBuilder(cfg, "cuda")
+    got = _all_modes(fi, *_args(batch), tree, S, batch.seq_lens_cpu)
+    a = _args(batch)
+    kw = dict(topk=K, num_steps=S, page_size=ps)
+    idx, ptr = draft_decode_kv_indices_ref(*a, **kw)
+    for s, step in enumerate(got["draft_decode"].steps):
+        assert_equal(step.kv_indptr, ptr[s], "draft_decode kv_indptr")
+        assert_equal(step.kv_indices[: _used(ptr[s])], idx[s, : _used(ptr[s])], "kv_indices")
+        assert_equal(step.kv_indptr_host, ptr[s], "kv_indptr_host")
+    pi, pp, ci, cp = shared_prefix_kv_indices_ref(*a, **kw)
+    for s, step in enumerate(got["shared_prefix"].steps):
+        assert_equal(step.paged_kv_indptr_arr[0], pp, "prefix kv_indptr")
+        assert_equal(step.paged_kv_indices_arr[0][: _used(pp)], pi[: _used(pp)], "prefix")
+        assert_equal(step.paged_kv_indptr_arr[1], cp[s], "chain kv_indptr")
+        assert_equal(step.paged_kv_indices_arr[1][: _used(cp[s])], ci[s, : _used(cp[s])], "chain")
+    bi, bp, bl = branch_kv_indices_ref(*a, **kw)
+    for s, step in enumerate(got["paged"].steps):
+        assert_equal(step.kv_indptr, bp[s], "paged kv_indptr")
+        assert_equal(step.kv_indices[: _used(bp[s])], bi[s, : _used(bp[s])], "paged kv_indices")
+        assert_equal(step.kv_last_page_len, bl[s], "paged kv_last_page_len")
+    vi, vp = verify_kv_indices_ref(*a, extra_tokens=N)
+    for key, packed in (("verify", False), ("verify_packed", True)):
+        meta = got[key]
+        assert_equal(meta.kv_indptr, vp, "verify kv_indptr")
+        assert_equal(meta.kv_indices[: _used(vp)], vi[: _used(vp)], "verify kv_indices")
+        mask, mptr = tree_custom_mask_ref(batch.seq_lens, tree, packed=packed,
+                                          seq_lens_sum=batch.seq_lens_sum)  # fmt: skip
+        got_mask = meta.packed_custom_mask if packed else meta.custom_mask
+        assert_equal(meta.mask_indptr, mptr, "mask_indptr")
+        m = _used(mptr)
+        assert_equal(got_mask[:m].view(torch.uint8), mask[:m].view(torch.uint8), "mask")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,ps", [(1, 1), (4, 16), (8, 64)])
+def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
+    B, S, ctx = 32, 4, 2048
+    n = min(1 + k + (S - 1) * k * k, 16)
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    draws = [_gpu_batch(gen, cfg, shape, B) for shape in ("random", "long_short", "modm1", "max")]
+    trees = [random_tree_mask(B, k, S, n, gen).cuda() for _ in draws]
+    rpi, r2t, sl = (x.clone() for x in _args(draws[0]))
+    tree = trees[0].clone()
+    fi, eager = FlashInferBuilder(cfg, "cuda"), FlashInferBuilder(cfg, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _all_modes(fi, rpi, r2t, sl, tree, S)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _all_modes(fi, rpi, r2t, sl, tree, S)
+    for batch, t in zip(draws[1:] + draws[:1], trees[1:] + trees[:1], strict=True):
+        rpi.copy_(batch.req_pool_indices)
+        r2t.copy_(batch.req_to_token)
+        sl.copy_(batch.seq_lens)
+        tree.copy_(t)
+        graph.replay()
+        want = _all_modes(eager, *_args(batch), t, S)
+        torch.cuda.synchronize()
+        for key in want:
+            _assert_build_equal(captured[key], want[key], f"{key} [{batch.shape}]")
+        # The host mirrors for plan() come from the CPU lengths, outside the graph.
+        host = fi.draft_decode(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, num_rows=S,
+                               launch=False)  # fmt: skip
+        for step in host.steps:
+            assert_equal(step.kv_indptr_host, step.kv_indptr, "kv_indptr_host after replay")
+    assert int(fi.status) == 0 and int(eager.status) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_on_the_build_path(gen):
+    B, K, S, ps = 16, 4, 3, 16
+    cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=8, page_size=ps, max_bs=B,
+                     max_context_len=1024)  # fmt: skip
+    batch = _gpu_batch(gen, cfg, "random", B)
+    tree = random_tree_mask(B, K, S, 8, gen).cuda()
+    fi = FlashInferBuilder(cfg, "cuda")
+    _all_modes(fi, *_args(batch), tree, S, batch.seq_lens_cpu)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _all_modes(fi, *_args(batch), tree, S, batch.seq_lens_cpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(fi.status) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_real_flashinfer_kernels_agree_with_dense_attention(gen):
+    """FlashInfer's own decode, cascade and prefill kernels, planned from the host mirrors."""
+    flashinfer = pytest.importorskip("flashinfer", reason="flashinfer is not installed here")
+    B, K, S, ps, ctx, hq, hkv, d = 8, 4, 3, 16, 512, 8, 2, 128
+    n = 8
+    cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    batch = _gpu_batch(gen, cfg, "random", B)
+    tree = random_tree_mask(B, K, S, n, gen).cuda()
+    kc = torch.randn(batch.pool_size, hkv, d, device="cuda", dtype=torch.float16)
+    vc = torch.randn(batch.pool_size, hkv, d, device="cuda", dtype=torch.float16)
+    tgt, src = prefix_tail_copy_pairs(*_args(batch), topk=K, num_steps=S, page_size=ps)
+    kc[tgt], vc[tgt] = kc[src], vc[src]
+    fi = FlashInferBuilder(cfg, "cuda")
+    lens = batch.seq_lens_cpu
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    slot_cache = (kc.view(-1, 1, hkv, d), vc.view(-1, 1, hkv, d))  # page size 1 view
+    page_cache = (kc.view(-1, ps, hkv, d), vc.view(-1, ps, hkv, d))
+    kc64, vc64 = kc.double().cpu(), vc.double().cpu()
+    seqs = branch_sequences(batch, S)
+    q = torch.randn(B * K, hq, d, device="cuda", dtype=torch.float16)
+    for step_s, (step, want_lists) in enumerate(
+        zip(fi.draft_decode(*_args(batch), seq_lens_cpu=lens, num_rows=S).steps, seqs, strict=True)
+    ):
+        want, _ = dense_attention(q.double().cpu(), kc64, vc64, want_lists)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, hq, hkv, d, 1,
+               q_data_type=torch.float16)  # fmt: skip
+        out = w.run(q, slot_cache)
+        assert torch.allclose(out.double().cpu(), want, atol=2e-2), f"decode step {step_s}"
+    for step, want_lists in zip(fi.draft_decode_paged(*_args(batch), seq_lens_cpu=lens,
+                                                      num_rows=S).steps, seqs, strict=True):  # fmt: skip
+        want, _ = dense_attention(q.double().cpu(), kc64, vc64, want_lists)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, hq, hkv, d, ps,
+               q_data_type=torch.float16)  # fmt: skip
+        assert torch.allclose(w.run(q, page_cache).double().cpu(), want, atol=2e-2), "paged"
+    for step, want_lists in zip(fi.draft_decode_shared_prefix(*_args(batch), seq_lens_cpu=lens,
+                                                              num_rows=S).steps, seqs, strict=True):  # fmt: skip
+        want, _ = dense_attention(q.double().cpu(), kc64, vc64, want_lists)
+        w = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
+        w.plan(list(step.qo_indptr_arr), list(step.paged_kv_indptr_arr),
+               list(step.paged_kv_indices_arr), list(step.paged_kv_last_page_len), hq, hkv, d, 1)  # fmt: skip
+        assert torch.allclose(w.run(q, slot_cache).double().cpu(), want, atol=2e-2), "cascade"
+    meta = fi.target_verify(*_args(batch), tree, seq_lens_cpu=lens)
+    qv = torch.randn(B * n, hq, d, device="cuda", dtype=torch.float16)
+    want, _ = dense_attention(qv.double().cpu(), kc64, vc64, tree_sequences(batch, tree, n))
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, hq, hkv, d, 1,
+           custom_mask=meta.custom_mask, q_data_type=torch.float16)  # fmt: skip
+    assert torch.allclose(w.run(qv, slot_cache).double().cpu(), want, atol=2e-2), "verify"
+    packed = fi.target_verify(*_args(batch), tree, seq_lens_cpu=lens, packed=True)
+    ref_packed, _ = flashinfer.segment_packbits(
+        meta.custom_mask, meta.mask_indptr, bitorder="little"
+    )
+    m = int(packed.mask_indptr[-1])
+    assert_equal(packed.packed_custom_mask[:m], ref_packed[:m], "packed mask vs segment_packbits")

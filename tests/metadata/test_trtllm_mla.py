@@ -139,3 +139,114 @@ def test_bad_inputs_are_reported_or_raise(device, gen):
     batch.req_pool_indices[0] = -1
     mla.draft_decode(*_args(batch))
     assert int(mla.status) & int(Status.ROW_OOB)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: production shapes against the references, CUDA-graph replay against eager builds
+# (the query layout identical at capture and replay, seed 004), no host sync.
+# ---------------------------------------------------------------------------------------------
+def _gpu_batch(gen, cfg, shape, batch_size):
+    return make_batch(shape, batch_size=batch_size, topk=cfg.topk, num_steps=cfg.num_steps,
+                      page_size=cfg.page_size, row_width=cfg.req_to_token_width, generator=gen,
+                      device="cuda", extra_tokens=cfg.num_draft_tokens,
+                      max_len=cfg.max_context_len, num_rows=batch_size + 8)  # fmt: skip
+
+
+def _modes(mla, rpi, r2t, sl, rows):
+    out = {"draft_decode": mla.draft_decode(rpi, r2t, sl, num_rows=rows)}
+    if mla.cfg.topk == 1:
+        out["target_verify"] = mla.target_verify(rpi, r2t, sl)
+    out["draft_extend"] = mla.draft_extend(rpi, r2t, sl)
+    return out
+
+
+def _assert_same(got, want, what):
+    from tests.guard_bands import assert_equal
+
+    if hasattr(got, "steps"):
+        for s, (a, b) in enumerate(zip(got.steps, want.steps, strict=True)):
+            assert_equal(a.block_kv_indices, b.block_kv_indices, f"{what}[{s}] block_kv_indices")
+            assert_equal(a.seq_lens_k, b.seq_lens_k, f"{what}[{s}] seq_lens_k")
+        return
+    for field in ("block_kv_indices", "seq_lens_k", "cu_seqlens_q"):
+        assert_equal(getattr(got, field), getattr(want, field), f"{what} {field}")
+    assert (got.max_seq_len_q, got.sum_seq_lens_q) == (want.max_seq_len_q, want.sum_seq_lens_q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,ps", [(1, 32), (1, 64), (8, 64), (4, 32)])
+def test_gpu_production_shape_matches_references(gen, k, ps):
+    from specmeta.kernels.branch_page_table import branch_page_table_ref
+    from specmeta.kernels.prefix_page_table import prefix_page_table_ref
+    from tests.guard_bands import assert_equal
+
+    B, S, ctx = 256, 5, 32768
+    n = S + 1 if k == 1 else 16
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    batch = _gpu_batch(gen, cfg, "long_short", B)
+    batch.seq_lens[1::2] = torch.randint(ctx // 2, ctx, (B // 2,), device="cuda")
+    mla = TrtllmMlaBuilder(cfg, "cuda")
+    got = _modes(mla, *_args(batch), S)
+    W = mla.max_blocks
+    table = torch.empty(B * k, W, dtype=torch.int32, device="cuda")
+    want, lens = branch_page_table_ref(*_args(batch), topk=k, num_steps=S, page_size=ps,
+                                       fill_value=-1, page_table=table)  # fmt: skip
+    for s, step in enumerate(got["draft_decode"].steps):
+        assert_equal(step.block_kv_indices, want, "draft_decode block_kv_indices")
+        assert_equal(step.seq_lens_k, lens[s], "draft_decode seq_lens_k")
+    for mode in [m for m in got if m != "draft_decode"]:
+        table = torch.empty(B, W, dtype=torch.int32, device="cuda")
+        want, lens = prefix_page_table_ref(*_args(batch), page_size=ps, extra_tokens=n,
+                                           fill_value=-1, page_table=table)  # fmt: skip
+        assert_equal(got[mode].block_kv_indices, want, f"{mode} block_kv_indices")
+        assert_equal(got[mode].seq_lens_k, lens, f"{mode} seq_lens_k")
+    assert int(mla.status) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,ps", [(1, 64), (4, 32)])
+def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
+    B, S, ctx = 32, 4, 4096
+    n = S + 1 if k == 1 else 8
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=B,
+                     max_context_len=ctx)  # fmt: skip
+    draws = [_gpu_batch(gen, cfg, shape, B) for shape in ("random", "long_short", "modm1", "max")]
+    rpi, r2t, sl = (x.clone() for x in _args(draws[0]))
+    mla, eager = TrtllmMlaBuilder(cfg, "cuda"), TrtllmMlaBuilder(cfg, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _modes(mla, rpi, r2t, sl, S)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _modes(mla, rpi, r2t, sl, S)
+    for batch in draws[1:] + draws[:1]:
+        rpi.copy_(batch.req_pool_indices)
+        r2t.copy_(batch.req_to_token)
+        sl.copy_(batch.seq_lens)
+        graph.replay()
+        want = _modes(eager, *_args(batch), S)
+        torch.cuda.synchronize()
+        for key in want:
+            _assert_same(captured[key], want[key], f"{key} [{batch.shape}]")
+    assert int(mla.status) == 0 and int(eager.status) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync_on_the_build_path(gen):
+    cfg = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, page_size=64, max_bs=16,
+                     max_context_len=2048)  # fmt: skip
+    batch = _gpu_batch(gen, cfg, "random", 16)
+    mla = TrtllmMlaBuilder(cfg, "cuda")
+    _modes(mla, *_args(batch), 3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _modes(mla, *_args(batch), 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(mla.status) == 0
