@@ -509,7 +509,8 @@ class KVPool:
         self.min_rows = min(self.rows)
         self.max_row_words = max(r[2] for r in rows)
         self.table = _pointer_table(layout) if addressing == "table" else None
-        self.words = tuple(_word_view(t, self.word_bytes) for t in self.buffers)
+        direct = addressing == "direct"
+        self.words = tuple(_word_view(t, self.word_bytes) for t in self.buffers) if direct else ()
 
     def __len__(self) -> int:
         return len(self.buffers)
@@ -521,8 +522,9 @@ class KVPool:
 
 @functools.lru_cache(maxsize=16)
 def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device busy: 4 per multiprocessor (one 64 KiB tile is resident
-    per SM); a couple under the CPU interpreter, where each program costs host time."""
+    """Programs that keep the device busy: 4 per multiprocessor (one to three tiles are resident
+    per SM, so two waves or more); a couple under the CPU interpreter, where each program costs
+    host time."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2

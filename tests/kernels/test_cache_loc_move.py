@@ -551,12 +551,11 @@ def compiled_variants(fn) -> int:
 
 
 def _gpu_pools(layers, P, row_shape, dtype, gen):
-    out = []
-    for _ in range(2 * layers):
-        raw = torch.randint(0, 256, (P * math.prod(row_shape) * torch.empty((), dtype=dtype).element_size(),),
-                            generator=gen, dtype=torch.uint8)  # fmt: skip
-        out.append(raw.cuda().view(dtype).view(P, *row_shape))
-    return out
+    """K and V of ``layers`` layers, random bytes drawn on the device from a seed of ``gen``."""
+    gc = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    nbytes = P * math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
+    return [torch.randint(0, 256, (nbytes,), generator=gc, dtype=torch.uint8, device="cuda")
+            .view(dtype).view(P, *row_shape) for _ in range(2 * layers)]  # fmt: skip
 
 
 def _bytes(t):
