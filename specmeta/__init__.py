@@ -30,6 +30,7 @@ from .kernels.cache_loc_move import (  # noqa: E402
     move_kv_cache,
     move_kv_cache_ref,
 )
+from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E402
 from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
 from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
 from .status import SpecmetaStatusError, Status, check_status, new_status  # noqa: E402
@@ -58,4 +59,7 @@ __all__ = [
     "move_kv_cache",
     "move_kv_cache_ref",
     "KVPool",
+    "FA3MetadataBuilder",
+    "FA3Metadata",
+    "FA3Cascade",
 ]

@@ -494,6 +494,124 @@ def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> Check
     return res
 
 
+# FlashAttention-3 kernels and builder (issue 3).
+@register("prefix_page_table")
+def _check_prefix_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
+
+    res = CheckResult("prefix_page_table")
+    status = new_status(device)
+    for b in batches(device, g, extra_tokens=8):
+        B, S = b.batch_size, b.num_steps
+        variants = (  # FA3 normal pass, K == 1 draft decode, verify/extend with TRT-LLM's fill
+            dict(exclude_last_partial=uses_layout_b(b.topk, b.page_size)),
+            dict(extra_tokens=1, num_rows=S),
+            dict(extra_tokens=8, fill_value=-1),
+        )
+        for kw in variants:
+            rows = kw.get("num_rows")
+            shape = (B + 1,) if rows is None else (rows, B + 1)
+            cu, ref_cu = (torch.full(shape, -7, dtype=torch.int32, device=device) for _ in "ab")
+            got = prefix_page_table(*_args(b), page_size=b.page_size, cu_seqlens_k=cu,
+                                    status=status, **kw)  # fmt: skip
+            want = prefix_page_table_ref(*_args(b), page_size=b.page_size, cu_seqlens_k=ref_cu,
+                                         **kw)  # fmt: skip
+            res.compare(f"page_table {kw}", got[0], want[0], b.describe())
+            res.compare(f"cache_seqlens {kw}", got[1], want[1], b.describe())
+            res.compare(f"cu_seqlens_k {kw}", cu, ref_cu, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("expand_page_table")
+def _check_expand_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.expand_page_table import expand_page_table, expand_page_table_ref
+
+    res = CheckResult("expand_page_table")
+    status = new_status(device)
+    for b in batches(device, g):
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+        slots = assign_draft_cache_locs(*_args(b), **kw)
+        shape = (b.num_steps, b.batch_size * b.topk + 1)
+        cu, ref_cu = (torch.full(shape, -7, dtype=torch.int32, device=device) for _ in "ab")
+        got = expand_page_table(slots, b.seq_lens, cu_seqlens_k=cu, status=status, **kw)
+        want = expand_page_table_ref(slots, b.seq_lens, cu_seqlens_k=ref_cu, **kw)
+        res.compare("page_table", got[0], want[0], b.describe())
+        res.compare("cache_seqlens", got[1], want[1], b.describe())
+        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("verify_expand_page_table")
+def _check_verify_expand_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
+    from .kernels.verify_expand_page_table import (
+        verify_expand_page_table,
+        verify_expand_page_table_ref,
+    )
+    from .workloads import random_tree_mask
+
+    res = CheckResult("verify_expand_page_table")
+    status = new_status(device)
+    for b in batches(device, g, extra_tokens=8):
+        n = _tree_width(b.topk, b.num_steps)
+        tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(device)
+        cu, ref_cu = (torch.full((b.batch_size * n + 1,), -7, dtype=torch.int32, device=device)
+                      for _ in "ab")  # fmt: skip
+        got = verify_expand_page_table(*_args(b), tree, cu_seqlens_k=cu, status=status)
+        want = verify_expand_page_table_ref(*_args(b), tree, cu_seqlens_k=ref_cu)
+        res.compare("page_table", got[0], want[0], b.describe())
+        res.compare("cache_seqlens", got[1], want[1], b.describe())
+        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
+@register("fa3_builder")
+def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Every FA3 mode's metadata against the same builder running the torch references."""
+    from .metadata.fa3 import FA3MetadataBuilder
+    from .workloads import random_tree_mask
+
+    res = CheckResult("fa3_builder")
+    status = new_status(device)
+    builders: dict[tuple, tuple[FA3MetadataBuilder, FA3MetadataBuilder]] = {}
+    for b in batches(device, g, extra_tokens=8):
+        if b.shape not in ("empty", "odd", "modm1", "near_row_end"):
+            continue  # the kernels' own checks sweep every shape; this one checks the wiring
+        K, S, ps, d = b.topk, b.num_steps, b.page_size, b.describe()
+        n = S + 1 if K == 1 else _tree_width(K, S)
+        key = (K, S, ps, b.req_to_token.shape[1])
+        if key not in builders:
+            cfg = _builder_config(b, n)
+            builders[key] = (FA3MetadataBuilder(cfg, device),
+                             FA3MetadataBuilder(cfg, device, reference=True))  # fmt: skip
+        slots = assign_draft_cache_locs(*_args(b), topk=K, num_steps=S, page_size=ps)
+        tree = random_tree_mask(b.batch_size, K, S, n, g).to(device)
+        results = []
+        for fa3 in builders[key]:
+            passes = []
+            steps = fa3.draft_decode(*_args(b), slots, seq_lens_cpu=b.seq_lens_cpu, status=status)
+            for step in steps:
+                passes += [("draft_decode normal", step.normal), ("draft_decode expand", step.expand)]
+            verify = fa3.target_verify(*_args(b), tree, status=status)
+            passes += [("target_verify normal", verify.normal), ("target_verify expand", verify.expand),
+                       ("draft_extend", fa3.draft_extend(*_args(b), status=status))]  # fmt: skip
+            results.append(passes)
+        for (what, got), (_, want) in zip(*results, strict=True):
+            if got is None or want is None:
+                res.compare(f"{what} present", torch.tensor(got is None), torch.tensor(want is None), d)
+                continue
+            for name, value in got.kwargs().items():
+                other = getattr(want, name)
+                if isinstance(value, torch.Tensor):
+                    res.compare(f"{what} {name}", value, other, d)
+                else:
+                    res.compare(f"{what} {name}", torch.tensor(value), torch.tensor(other), d)
+    res.status_bits |= int(status.item())
+    return res
+
+
 def run_checks(device: torch.device, seed: int, names: list[str] | None = None,
                on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:  # fmt: skip
     """Run the named checks (default: all) with one generator seeded by ``seed``."""

@@ -16,8 +16,11 @@ from .draft_cache_locs import (
     prefix_tail_copy_pairs_ref,
 )
 from .draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .expand_page_table import expand_page_table, expand_page_table_ref
+from .prefix_page_table import prefix_page_table, prefix_page_table_ref
 from .shared_prefix_kv_indices import shared_prefix_kv_indices, shared_prefix_kv_indices_ref
 from .tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+from .verify_expand_page_table import verify_expand_page_table, verify_expand_page_table_ref
 from .verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 
 __all__ = [
@@ -42,4 +45,10 @@ __all__ = [
     "move_kv_cache",
     "move_kv_cache_ref",
     "KVPool",
+    "prefix_page_table",
+    "prefix_page_table_ref",
+    "expand_page_table",
+    "expand_page_table_ref",
+    "verify_expand_page_table",
+    "verify_expand_page_table_ref",
 ]

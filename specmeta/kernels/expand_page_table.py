@@ -38,10 +38,11 @@ _BLOCK_B = 1024
 
 
 @triton.jit
-def _chain_slot(out_cache_loc_ptr, r, j, live, NUM_STEPS: tl.constexpr):
-    """Slots ``out_cache_loc[r·S + j]`` where ``live``, 0 elsewhere; a negative slot reads 0.
-    Returns ``(slot, negative)``."""
-    slot = tl.load(out_cache_loc_ptr + r * NUM_STEPS + j, mask=live, other=0).to(tl.int64)
+def _chain_slot(out_cache_loc_ptr, first, t, j, live, NUM_STEPS: tl.constexpr):
+    """Slots ``out_cache_loc[(first + t)·S + j]`` where ``live``, 0 elsewhere; a negative slot
+    reads 0. Returns ``(slot, negative)``."""
+    slot = tl.load(out_cache_loc_ptr + (first + t) * NUM_STEPS + j, mask=live, other=0)
+    slot = slot.to(tl.int64)
     neg = live & (slot < 0)
     return tl.where(neg, 0, slot), neg
 
@@ -70,81 +71,91 @@ def _expand_page_table_kernel(
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     PAGED: tl.constexpr,  # page_size > 1
-    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j and step index s
+    BLOCK_K: tl.constexpr,  # next power of two ≥ K: branch t
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, and step index s
     BLOCK_W: tl.constexpr,  # columns per store tile
     BLOCK_B: tl.constexpr,
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B·K, 1),)``: program ``r`` writes every step row of branch row ``r`` (the
-    ``[rows, W]`` tile of its table, its lengths and ``cu_seqlens_k`` entries); the last program
-    also writes the closing ``cu_seqlens_k`` entries (entry 0 when ``B == 0``)."""
-    r = tl.program_id(0).to(tl.int64)
-    BK = B * TOPK
-    live = r < BK
-    b = r // TOPK
-    t = r % TOPK
+    """Grid ``(max(B, 1),)``: program ``b`` writes every step of the ``K`` branch rows of
+    request ``b`` as ``[K, S]`` (branch × chain index or step) and ``[K, S, W]`` (branch × step
+    × column) tiles; the last program also writes the closing ``cu_seqlens_k`` entries (entry
+    0 when ``B == 0``)."""
+    b = tl.program_id(0).to(tl.int64)
+    live = b < B
+    first = b * TOPK  # branch row of t = 0
     L = tl.load(seq_lens_ptr + b, mask=live, other=0).to(tl.int64)
     L_ok = L >= 0
     L = tl.maximum(L, 0)
 
-    j = tl.arange(0, BLOCK_S)  # chain index j, and step index s of the per-step vectors
-    in_rows = tl.where(live, j < num_rows, False)
-    slot, neg = _chain_slot(out_cache_loc_ptr, r, j, in_rows, NUM_STEPS)
+    t = tl.arange(0, BLOCK_K)[:, None]
+    j = tl.arange(0, BLOCK_S)[None, :]  # chain index j; also step s of the per-step tiles
+    in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [BLOCK_K, BLOCK_S]
+    slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
     if PAGED:
         lpl = L % page_size
         page = slot // page_size
-        prev, _ = _chain_slot(out_cache_loc_ptr, r, j - 1, in_rows & (j >= 1), NUM_STEPS)
+        prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
+                                      NUM_STEPS)  # fmt: skip
         new = in_rows & ((j == 0) | (prev // page_size != page))
-        runs = tl.cumsum(new.to(tl.int32), axis=0)  # distinct pages among j' ≤ j
+        runs = tl.cumsum(new.to(tl.int32), axis=1)  # distinct pages among j' ≤ j
         u = (lpl + j + page_size) // page_size  # ceil((lpl + s + 1) / ps) for step s = j
         off_bad = in_rows & (slot % page_size != (lpl + j) % page_size)
-        bad_page = tl.max((off_bad | (in_rows & (runs != u))).to(tl.int32), axis=0) != 0
+        bad = off_bad | (in_rows & (runs != u))
+        bad_page = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) != 0
         limit = tl.minimum(runs, u)  # data columns of step s; extra runs are dropped
     else:
         lpl = L * 0
+        page = slot
+        new = in_rows  # every slot is its own page (duplicates are not collapsed)
+        runs = j + 1 + 0 * t
         bad_page = False
-        limit = j + 1
-    seqlen = lpl + j + 1  # cache_seqlens of step s = j
+        limit = runs
+    seqlen = lpl + j + 1 + 0 * t  # [BLOCK_K, BLOCK_S]: cache_seqlens of step s = j
 
-    s2 = tl.arange(0, BLOCK_S)[:, None]
-    rows_ok = tl.where(live, s2 < num_rows, False)
+    # Page-table tiles [branch t, step s, column c]: the c-th distinct page of branch t for
+    # c < limit[t, s], then 0.
+    t3 = tl.arange(0, BLOCK_K)[:, None, None]
+    s3 = tl.arange(0, BLOCK_S)[None, :, None]
+    rows_ok = tl.where(live, (t3 < TOPK) & (s3 < num_rows), False)
     stride_s64 = stride_pt_s.to(tl.int64)  # step·(Bp·K·W) passes 2**31 only for huge tables
-    base = page_table_ptr + r * stride_pt_r + s2 * stride_s64
+    base = page_table_ptr + (first + t3) * stride_pt_r + s3 * stride_s64
     for c0 in range(0, W, BLOCK_W):
         c = c0 + tl.arange(0, BLOCK_W)
-        if PAGED:
-            # The c-th distinct page: the page of the chain slot that opened run c.
-            hit = new[None, :] & ((runs - 1)[None, :] == c[:, None])
-            run_page = tl.sum(tl.where(hit, page[None, :], 0), axis=1)
-        else:
-            run_page, _ = _chain_slot(out_cache_loc_ptr, r, c, tl.where(live, c < num_rows, False),
-                                      NUM_STEPS)  # fmt: skip
-        tile = tl.where(c[None, :] < limit[:, None], run_page[None, :], 0)
-        tl.store(base + c[None, :], tile, mask=rows_ok & (c[None, :] < W))
+        # run_page[t, c]: the page of the chain slot that opened run c of branch t.
+        hit = new[:, None, :] & ((runs - 1)[:, None, :] == c[None, :, None])  # [K, W, S]
+        run_page = tl.sum(tl.where(hit, page[:, None, :], 0), axis=2)  # [K, W]
+        cols = c[None, None, :]
+        tile = tl.where(cols < limit[:, :, None], run_page[:, None, :], 0)
+        tl.store(base + cols, tile, mask=rows_ok & (cols < W))
 
-    stride_cs64 = stride_cs.to(tl.int64)
-    tl.store(cache_seqlens_ptr + j * stride_cs64 + r, seqlen, mask=in_rows)
+    rows2 = first + t  # [BLOCK_K, 1] branch rows
+    tl.store(cache_seqlens_ptr + j * stride_cs.to(tl.int64) + rows2, seqlen, mask=in_rows)
     if WRITE_CU:
-        # cu_seqlens_k[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1);
+        # cu_seqlens_k[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1),
         # int64 throughout.
         lpl_before = b * 0
         if PAGED:
-            for first in range(0, b, BLOCK_B):
-                offs = first + tl.arange(0, BLOCK_B)
+            for start in range(0, b, BLOCK_B):
+                offs = start + tl.arange(0, BLOCK_B)
                 before = offs < b
                 prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
                 lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % page_size, 0), axis=0)
-        start = TOPK * lpl_before + t * lpl + r * (j + 1)
-        cu_row = cu_seqlens_k_ptr + j * stride_cu.to(tl.int64)
-        tl.store(cu_row + r, start, mask=in_rows)
-        last = r == tl.maximum(BK, 1) - 1
-        closing = start + tl.where(live, seqlen, 0)
-        tl.store(cu_row + BK, closing, mask=tl.where(last, j < num_rows, False))
+        cu_start = TOPK * lpl_before + t * lpl + rows2 * (j + 1)
+        cu_rows = cu_seqlens_k_ptr + j * stride_cu.to(tl.int64)
+        tl.store(cu_rows + rows2, cu_start, mask=in_rows)
+        # Closing entry cu[s, B·K] = cu[s, B·K − 1] + cache_seqlens[s, B·K − 1], from the
+        # last request's last branch (0 when B == 0).
+        BK = B * TOPK
+        last = b == tl.maximum(B, 1) - 1
+        closing = tl.where(live, cu_start + seqlen, 0)
+        at_end = tl.where(last, (t == TOPK - 1) & (j < num_rows), False)
+        tl.store(cu_rows + BK + 0 * t, closing, mask=at_end)
 
     if HAS_STATUS:
         pos_bad = live & ~L_ok
-        neg_any = tl.max(neg.to(tl.int32), axis=0) != 0
+        neg_any = tl.max(tl.max(neg.to(tl.int32), axis=1), axis=0) != 0
         bits = (
             tl.where(pos_bad, _POS_OOB, 0)
             | tl.where(neg_any, _POOL_OOB, 0)
@@ -246,8 +257,8 @@ def expand_page_table(
     step 0: ``page_table=[[10, 0], [15, 0]]``, ``cache_seqlens=[4, 4]``;
     step 1: ``[[10, 5], [15, 9]]``, ``[5, 5]``.
 
-    Grid ``(max(B·K, 1),)``, one program per branch row writing all its steps. No host sync;
-    ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
+    Grid ``(max(B, 1),)``, one program per request writing all steps of its ``K`` branches.
+    No host sync; ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
     """
     topk, num_steps, page_size, rows, B, page_table, cache_seqlens = _prepare(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
@@ -256,7 +267,7 @@ def expand_page_table(
     if rows == 0:
         return page_table, cache_seqlens
     W = page_table.shape[2]
-    _expand_page_table_kernel[(max(B * topk, 1),)](
+    _expand_page_table_kernel[(max(B, 1),)](
         out_cache_loc,
         seq_lens,
         page_table,
@@ -276,13 +287,14 @@ def expand_page_table(
         TOPK=topk,
         NUM_STEPS=num_steps,
         PAGED=page_size > 1,
+        BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
-        # One tile covers the usual W = S; wider tables loop over 64-column tiles of zeros.
-        BLOCK_W=min(triton.next_power_of_2(W), 64),
+        # One tile covers the usual W = S; wider tables loop over 16-column tiles of zeros.
+        BLOCK_W=min(triton.next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,
         HAS_STATUS=status is not None,
-        num_warps=1,
+        num_warps=2,
     )
     return page_table, cache_seqlens
 
