@@ -18,7 +18,10 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from specmeta.kernels import expand_page_table, prefix_page_table, verify_expand_page_table
+    from importlib import import_module  # the package re-exports functions of the same names
+    prefix_page_table = import_module("specmeta.kernels.prefix_page_table")
+    expand_page_table = import_module("specmeta.kernels.expand_page_table")
+    verify_expand_page_table = import_module("specmeta.kernels.verify_expand_page_table")
 
     def compile_one(which, variant):
         sizes = dict(
@@ -37,7 +40,7 @@ _SCRIPT = textwrap.dedent(
             expand=(expand_page_table._expand_page_table_kernel,
                     ["out_cache_loc_ptr", "seq_lens_ptr", "page_table_ptr", "cache_seqlens_ptr",
                      "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(TOPK=4, NUM_STEPS=5, PAGED=variant == "paged", BLOCK_S=8, BLOCK_W=8,
+                    dict(TOPK=4, NUM_STEPS=5, PAGED=variant == "paged", BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
                          BLOCK_B=1024, WRITE_CU=True, HAS_STATUS=True)),
             verify=(verify_expand_page_table._verify_expand_page_table_kernel,
                     ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "tree_mask_ptr",
