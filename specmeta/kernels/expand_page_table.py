@@ -101,8 +101,10 @@ def _expand_page_table_kernel(
         new = in_rows & ((j == 0) | (prev // page_size != page))
         runs = tl.cumsum(new.to(tl.int32), axis=1)  # distinct pages among j' ≤ j
         u = (lpl + j + page_size) // page_size  # ceil((lpl + s + 1) / ps) for step s = j
-        off_bad = in_rows & (slot % page_size != (lpl + j) % page_size)
-        bad = off_bad | (in_rows & (runs != u))
+        # The layout check skips sink slots (0): a padded request's chain is all sink (SPEC §4)
+        # and is consistent as it is; a real draft slot never lies on page 0.
+        real = in_rows & (slot != 0)
+        bad = real & ((slot % page_size != (lpl + j) % page_size) | (runs != u))
         bad_page = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) != 0
         limit = tl.minimum(runs, u)  # data columns of step s; extra runs are dropped
     else:
@@ -240,7 +242,8 @@ def expand_page_table(
         ``int32 [1]``: ``BAD_PAGE`` when a branch's slots do not follow the slot layout (a slot
         at the wrong page offset, or more or fewer distinct pages than ``u``: extra pages are
         dropped, missing ones read the sink), ``POOL_OOB`` for a negative slot (its page reads
-        0), ``POS_OOB`` for a negative ``seq_lens``.
+        0), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
+        holds, SPEC §4) are exempt from the layout check.
     cu_seqlens_k : torch.Tensor, optional
         ``[≥ rows, ≥ B·K + 1]``; when given ``cu_seqlens_k[s, r] = Σ_{r'<r} cache_seqlens[s, r']``
         for ``r ∈ [0, B·K]``.
@@ -335,7 +338,8 @@ def expand_page_table_ref(
         new[:, 1:] = page[:, 1:] != page[:, :-1]
         runs = torch.cumsum(new.to(torch.int64), dim=1)
         u = (lpl + j + ps) // ps
-        if bool(((slots % ps != (lpl + j) % ps) | (runs != u)).any()):
+        real = slots != 0  # sink slots (padded requests) are not checked against the layout
+        if bool((real & ((slots % ps != (lpl + j) % ps) | (runs != u))).any()):
             bits |= int(Status.BAD_PAGE)
         limit = torch.minimum(runs, u)  # [BK, rows]: data columns of step s
         run_page = torch.zeros_like(page).scatter_(1, runs - 1, page)  # runs share one page

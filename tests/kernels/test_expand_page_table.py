@@ -193,3 +193,18 @@ def test_bad_arguments_raise_before_launch(device, gen):
         expand_page_table(slots, sl, page_table=i32(8, 3), **kw)
     with pytest.raises(ValueError, match="topk must be >= 1"):
         expand_page_table(slots, sl, topk=0, num_steps=3, page_size=4)
+
+
+@pytest.mark.parametrize("ps,fill", [(4, 1), (16, 6), (64, 5)])
+def test_padded_requests_are_consistent_and_report_nothing(device, gen, ps, fill):
+    """SPEC §4: a padded request (row 0, draft slots 0, seq_lens = a fill value) reads the sink
+    page only and sets no status bit, whatever the fill's residue mod ps."""
+    K, S = 4, 3
+    batch, slots = _draw("random", gen, device, K, S, ps, batch_size=3)
+    slots = torch.cat([slots, torch.zeros(2 * K * S, dtype=slots.dtype, device=device)])
+    seq_lens = torch.cat([batch.seq_lens, torch.full((2,), fill, dtype=batch.seq_lens.dtype,
+                                                     device=device)])  # fmt: skip
+    pt, cs, _, status = _run(slots, seq_lens, device, k=K, s=S, ps=ps)
+    assert int(status) == 0
+    assert not pt[:, 3 * K :].any(), "padded branches read the sink page"
+    assert cs[:, 3 * K :].tolist() == [[fill % ps + s + 1] * 2 * K for s in range(S)]
