@@ -36,11 +36,25 @@ def tensor(
         )
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if contiguous_last and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
     return t
+
+
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """``cuda`` and ``cuda:<current>`` name the same device; so do ``cpu`` and ``cpu:0``."""
+
+    def norm(d: torch.device | str) -> tuple[str, int]:
+        d = torch.device(d)
+        if d.index is not None:
+            return d.type, d.index
+        if d.type == "cuda" and torch.cuda.is_available():
+            return d.type, torch.cuda.current_device()
+        return d.type, 0
+
+    return norm(a) == norm(b)
 
 
 def length(name: str, t: torch.Tensor, expected: int) -> None:

@@ -29,7 +29,10 @@ def test_plan_rejects_an_invalid_config(capsys):
     assert re.search(r"num_draft_tokens=9 is too large", capsys.readouterr().err)
 
 
-def test_check_reports_and_exits_zero(capsys):
-    assert main(["check", "--device", "cpu", "--seed", "3", "--only", "assign_draft_cache_locs"]) == 0
+def test_check_reports_and_exits_zero(capsys, device):
+    assert (
+        main(["check", "--device", str(device), "--seed", "3", "--only", "assign_draft_cache_locs"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "ok   assign_draft_cache_locs" in out and "1 passed, 0 failed" in out

@@ -22,3 +22,12 @@ def test_clean_word_passes_and_set_bits_raise_with_causes(device):
 def test_rejects_wrong_kind_of_word():
     with pytest.raises(TypeError):
         check_status(torch.zeros(2, dtype=torch.int32))
+
+
+def test_validate_treats_cuda_and_cuda_index_alike():
+    from specmeta.validate import same_device
+
+    assert same_device("cpu", torch.device("cpu"))
+    assert not same_device("cpu", "meta")
+    if torch.cuda.is_available():
+        assert same_device("cuda", f"cuda:{torch.cuda.current_device()}")
