@@ -18,6 +18,8 @@ and draft extend (``extra_tokens=N``), and TRT-LLM MLA's ``block_kv_indices``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -166,14 +168,20 @@ def _prefix_page_table_kernel(
         tl.atomic_or(status_ptr, _POOL_OOB, mask=neg_slot != 0)
 
 
-def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
-    """Programs per request: enough for the grid to fill the device (8 per multiprocessor on
-    CUDA, a handful under the CPU interpreter), never more than the table has column chunks."""
+@functools.lru_cache(maxsize=16)
+def _target_programs(device: torch.device) -> int:
+    """Programs that fill the device: 8 per multiprocessor on CUDA, a handful under the CPU
+    interpreter (where each program costs host time). Cached: it sits on the build path."""
     if device.type == "cuda":
-        target = 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
-    return max(1, min(triton.cdiv(target, max(batch, 1)), triton.cdiv(width, _BLOCK)))
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
+    """Programs per request: enough for the grid to fill the device, never more than the table
+    has column chunks."""
+    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
+    return max(1, min(per_request, triton.cdiv(width, _BLOCK)))
 
 
 def _prepare(
