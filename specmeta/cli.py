@@ -100,6 +100,58 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import datetime
+    import pathlib
+    import subprocess
+
+    from . import report
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        jsons = [pathlib.Path(p) for p in args.from_json]
+    else:
+        if not torch.cuda.is_available():
+            print("specmeta bench measures a GPU and none is visible here; render earlier results "
+                  "with --from-json", file=sys.stderr)  # fmt: skip
+            return 2
+        bench_dir = pathlib.Path(args.bench_dir)
+        if not bench_dir.is_dir():
+            print(
+                f"no benchmark folder at {bench_dir} (run from a specmeta checkout)",
+                file=sys.stderr,
+            )
+            return 2
+        jsons = [out / "bench.json"]
+        cmd = [sys.executable, "-m", "pytest", "-q", str(bench_dir), f"--benchmark-json={jsons[0]}",
+               "--benchmark-columns=median", "-p", "no:cacheprovider"]  # fmt: skip
+        if args.k:
+            cmd += ["-k", args.k]
+        print("running:", " ".join(cmd), flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0 or not jsons[0].exists():
+            print(f"benchmarks failed (pytest exit {rc})", file=sys.stderr)
+            return 1
+    rows = report.load_rows(jsons)
+    if not rows:
+        print("no benchmark results in " + ", ".join(map(str, jsons)), file=sys.stderr)
+        return 1
+    date = args.date or datetime.date.today().isoformat()
+    section = report.markdown(rows, date)
+    (out / "bench.md").write_text(section)
+    pngs = report.plot(rows, out / "plots")
+    print(section)
+    print(f"wrote {out / 'bench.md'} and {len(pngs)} plots under {out / 'plots'}")
+    if args.results:
+        results = pathlib.Path(args.results)
+        links = "\n".join(f"![{p.stem}]({p.relative_to(results.parent).as_posix()})" for p in pngs
+                          if p.is_relative_to(results.parent))  # fmt: skip
+        report.update_results(results, section + ("\n" + links if links else ""))
+        print(f"updated {results}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specmeta", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +171,16 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", nargs="*", choices=BACKENDS, help="only these backends (default: all)"
     )
     plan.set_defaults(func=_cmd_plan)
+    bench = sub.add_parser("bench", help="run the bench/ sweeps on the GPU; JSON, tables, plots")
+    bench.add_argument("-k", help="pytest -k expression selecting benchmarks")
+    bench.add_argument("--bench-dir", default="bench", help="the benchmark folder (default: bench)")
+    bench.add_argument("--out", default="bench/results", help="where JSON, tables and plots go")
+    bench.add_argument("--results", help="a RESULTS.md whose generated section is replaced")
+    bench.add_argument(
+        "--from-json", nargs="*", help="render these pytest-benchmark JSON files; run nothing"
+    )
+    bench.add_argument("--date", help="date printed with the results (default: today)")
+    bench.set_defaults(func=_cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -36,3 +36,32 @@ def test_check_reports_and_exits_zero(capsys, device):
     )
     out = capsys.readouterr().out
     assert "ok   assign_draft_cache_locs" in out and "1 passed, 0 failed" in out
+
+
+def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
+    import json
+
+    extra = {"gpu": "TestGPU", "torch": "t", "triton": "x", "copy_GB/s": 1000.0, "write_GB/s": 1500.0,
+             "launch_floor_us": 1.5, "device_us": 2.0, "bs": 8, "topk": 4, "page_size": 16,
+             "ctx": 1024, "pct_copy_bw": 50.0}  # fmt: skip
+    rows = [dict(extra, bs=bs, device_us=float(bs)) for bs in (1, 8, 64)]
+    data = {"benchmarks": [{"name": f"bench_x[{r['bs']}]", "fullname": "bench/bench_x.py::bench_x[1]",
+                            "stats": {"median": 2e-5}, "extra_info": r} for r in rows]}  # fmt: skip
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(data))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nhand-written intro\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--from-json", str(src), "--out", str(out), "--results", str(results),
+                 "--date", "2026-01-02"]) == 0  # fmt: skip
+    table = (out / "bench.md").read_text()
+    assert "TestGPU" in table and "2026-01-02" in table and "1000.0 GB/s" in table
+    assert table.count("| 20.0 |") == 3, "host µs of every row"
+    assert list((out / "plots").glob("*.png"))
+    text = results.read_text()
+    assert "hand-written intro" in text and "TestGPU" in text
+    # A second render replaces the generated section instead of appending another.
+    assert (
+        main(["bench", "--from-json", str(src), "--out", str(out), "--results", str(results)]) == 0
+    )
+    assert results.read_text().count("TestGPU, torch") == 1
