@@ -1,5 +1,7 @@
-"""Replay cost of the draft loop's metadata stages through the graph runner vs the eager builds,
-at B ∈ {1, 8, 64, 256}.
+"""Replay cost of the draft loop's metadata stages (draft decode: draft slots, prefix-tail
+pairs and move, FlashInfer lists / cascade / pages, FA3 cascade; target verify: FlashInfer lists
+and tree mask, FA3 tree cascade; accept: compaction and KV move) through the graph runner vs
+the eager builds, at B ∈ {1, 8, 64, 256}.
 
 Per (config, stage, B) and mode:
 
@@ -22,10 +24,9 @@ import pytest
 import torch
 
 from bench.harness import graph_us, record
-from examples.draft_loop import Metadata
+from examples.draft_loop import Metadata, build_runners
 from specmeta import SpecConfig
-from specmeta.runners import GraphRunner, padding
-from specmeta.workloads import make_batch
+from specmeta.workloads import make_batch, random_tree_mask
 
 BUCKETS = (1, 8, 64, 256)
 CONFIGS = [(1, 3, 4, 1), (4, 5, 16, 16), (8, 4, 32, 1)]  # (K, S, N, ps)
@@ -46,8 +47,9 @@ def _latency_us(fn, reps: int = 50) -> float:
 
 
 class _Setup:
-    """Runners of both stages over planned buffers, captured once per config, and a batch of
-    ``max(BUCKETS)`` requests whose first ``B`` form the batch of ``B``."""
+    """The three runners of :mod:`examples.draft_loop`, captured once per config, an eager
+    twin on its own buffers, and a batch of ``max(BUCKETS)`` requests whose first ``B`` form
+    the batch of ``B``."""
 
     def __init__(self, k, s, n, ps):
         self.cfg = cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps,
@@ -60,30 +62,19 @@ class _Setup:
         self.batch = batch
         self.eager = Metadata(cfg, "cuda", batch.req_to_token)
         self.meta = Metadata(cfg, "cuda", batch.req_to_token)
-        b, fill = self.meta.bufs, padding.seq_lens_fill(k, n)
-        draft = GraphRunner(self.meta.draft, batch_sizes=BUCKETS, device="cuda",
-                            host=self.meta.draft_host)  # fmt: skip
-        draft.add_input("req_pool_indices", b["runner.req_pool_indices"], pad=padding.SINK_ROW)
-        draft.add_input("seq_lens", b["runner.seq_lens"], pad=fill, host_mirror=True)
-        accept = GraphRunner(self.meta.accept, batch_sizes=BUCKETS, device="cuda")
-        accept.add_input("accept_index", b["runner.accept_index"], pad=padding.NO_ACCEPT)
-        accept.add_input("accept_lens", b["runner.accept_lens"], pad=padding.NOTHING_ACCEPTED)
-        accept.add_input("verify_out_cache_loc", b["runner.verify_out_cache_loc"],
-                         pad=padding.SINK_SLOT, per_request=n)  # fmt: skip
-        self.runners = {"draft": draft, "accept": accept}
-        for stage, runner in self.runners.items():
-            for name, (_, per, extra, dim) in Metadata.outputs(stage, cfg).items():
-                runner.add_output(name, per_request=per, extra=extra, dim=dim)
-            runner.capture()
+        self.runners = build_runners(self.meta, BUCKETS, "cuda", pool_size=batch.pool_size)
 
     def inputs(self, stage: str, B: int):
         """``(raw, host_inputs)`` of ``B`` requests for ``stage``."""
-        batch, (s, n) = self.batch, (self.cfg.num_steps, self.cfg.num_draft_tokens)
+        batch, g = self.batch, self.gen
+        s, n = self.cfg.num_steps, self.cfg.num_draft_tokens
+        rpi, lens = batch.req_pool_indices[:B].contiguous(), batch.seq_lens[:B].contiguous()
+        host = {"seq_lens": batch.seq_lens_cpu[:B].contiguous()}
         if stage == "draft":
-            raw = {"req_pool_indices": batch.req_pool_indices[:B].contiguous(),
-                   "seq_lens": batch.seq_lens[:B].contiguous()}  # fmt: skip
-            return raw, {"seq_lens": batch.seq_lens_cpu[:B].contiguous()}
-        g = self.gen
+            return {"req_pool_indices": rpi, "seq_lens": lens}, host
+        if stage == "verify":
+            mask = random_tree_mask(B, self.cfg.topk, s, n, g).cuda()
+            return {"req_pool_indices": rpi, "seq_lens": lens, "tree_mask": mask}, host
         window = torch.randperm(batch.pool_size - 1, generator=g)[: B * n] + 1
         acc = torch.randint(1, s + 2, (B,), generator=g)
         index = torch.full((B, s + 1), -1, dtype=torch.int32)
@@ -101,26 +92,31 @@ def _setup(k, s, n, ps) -> _Setup:
 
 @pytest.mark.parametrize("mode", ["eager", "replay"])
 @pytest.mark.parametrize("B", BUCKETS)
-@pytest.mark.parametrize("stage", ["draft", "accept"])
+@pytest.mark.parametrize("stage", ["draft", "verify", "accept"])
 @pytest.mark.parametrize("k,s,n,ps", CONFIGS, ids=lambda v: str(v))
 def bench_runner(benchmark, k, s, n, ps, stage, B, mode):
     st = _setup(k, s, n, ps)
     raw, host = st.inputs(stage, B)
     runner = st.runners[stage]
     build = getattr(st.eager, stage)
+    build_host = getattr(st.eager, f"{stage}_host", None)
 
     def eager():
+        # What an engine without graphs runs: the build, and the host mirrors for plan().
         build(raw)
+        if build_host is not None:
+            build_host(host)
 
     def replay():
         runner.run(B, raw, host_inputs=host, copy=False)
 
-    # Correctness first: the replay's outputs equal the eager build's.
+    # Correctness first: the replay's outputs equal the eager build's (list buffers are
+    # compared through their offsets in the tests).
     eager()
     res = runner.run(B, raw, host_inputs=host, copy=True)
     for name, (key, per, extra, dim) in Metadata.outputs(stage, st.cfg).items():
         if per is None:
-            continue  # kv_indices: compared through kv_indptr's lists in the tests
+            continue
         want = st.eager.bufs[key].narrow(dim, 0, B * per + extra)
         assert torch.equal(res.outputs[name], want), name
     assert int(st.meta.status) == 0 and int(st.eager.status) == 0
