@@ -43,6 +43,15 @@ def tensor(
     return t
 
 
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``cuda`` → ``cuda:<current>``), so that tensors
+    created on it compare equal to it."""
+    d = torch.device(device)
+    if d.index is None and d.type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     """``cuda`` and ``cuda:<current>`` name the same device; so do ``cpu`` and ``cpu:0``."""
 

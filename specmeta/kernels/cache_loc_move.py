@@ -431,7 +431,7 @@ def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         device = t.device if device is None else device
-        if t.device != device:
+        if not validate.same_device(t.device, device):
             raise ValueError(f"{name} must be on {device} (like buffers[0]), got {t.device}")
         if t.dim() < 1 or t.shape[0] < 1:
             raise ValueError(f"{name} must be [P, ...] with P >= 1 (slot 0 is the sink), got shape {tuple(t.shape)}")  # fmt: skip

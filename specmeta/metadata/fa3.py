@@ -149,7 +149,7 @@ class FA3MetadataBuilder:
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = validate.canonical_device(device)
         self.buffers = {
             name: spec.allocate(self.device)
             for name, spec in plan_buffers(cfg).items()
@@ -181,7 +181,7 @@ class FA3MetadataBuilder:
         B = seq_lens.shape[0]
         if B > self.cfg.max_bs:
             raise ValueError(f"batch of {B} requests exceeds the planned max_bs={self.cfg.max_bs}")
-        if seq_lens.device != self.device:
+        if not validate.same_device(seq_lens.device, self.device):
             raise ValueError(f"seq_lens must be on {self.device}, got {seq_lens.device}")
         if seq_lens_cpu is None:
             return B, None

@@ -169,7 +169,7 @@ class FlashInferBuilder:
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = validate.canonical_device(device)
         plan = plan_buffers(cfg)
         pin = self.device.type == "cuda"
         self.buffers: dict[str, torch.Tensor] = {}

@@ -100,7 +100,7 @@ class TrtllmMlaBuilder:
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = validate.canonical_device(device)
         plan = plan_buffers(cfg)
         self.buffers = {
             name[len(_PREFIX) :]: spec.allocate(self.device, fill=_UNUSED_BLOCK)

@@ -177,7 +177,7 @@ class GraphRunner:
         )
         if not sizes:
             raise ValueError("batch_sizes must name at least one bucket")
-        self.device = torch.device(device)
+        self.device = validate.canonical_device(device)
         self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
             raise ValueError(f"graphs=True needs a CUDA device, got {self.device}")
