@@ -14,6 +14,7 @@ import torch as _torch
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
+from . import probes  # noqa: E402
 from .config import BufferSpec, SpecConfig, allocate_buffers, plan_buffers  # noqa: E402
 from .kernels import (  # noqa: E402
     assign_draft_cache_locs,
@@ -33,6 +34,7 @@ from .kernels.cache_loc_move import (  # noqa: E402
 from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E402
 from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
 from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
+from .runners import GraphRunner, RunResult  # noqa: E402
 from .status import SpecmetaStatusError, Status, check_status, new_status  # noqa: E402
 
 __version__ = "0.1.0"
@@ -62,4 +64,7 @@ __all__ = [
     "FA3MetadataBuilder",
     "FA3Metadata",
     "FA3Cascade",
+    "probes",
+    "GraphRunner",
+    "RunResult",
 ]
