@@ -37,10 +37,12 @@ for stage in "$@"; do
       name=$(echo "$sel" | tr -c 'A-Za-z0-9_' '_' | cut -c1-40)
       timeout 540 python3 -m pytest -q bench/ -k "$sel" --benchmark-json="$OUT/bench_$name.json" \
         --benchmark-columns=median --benchmark-sort=name 2>&1 | tail -n 5 > "$OUT/bench_$name.log"
+      # Raw per-round timings make the JSON too large to bring back; the medians stay.
+      python3 -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); [b['stats'].pop('data', None) for b in d['benchmarks']]; json.dump(d, open(p, 'w'))" "$OUT/bench_$name.json" 2>/dev/null
       cat "$OUT/bench_$name.log"
       summary+=("bench $sel: $(tail -n 1 "$OUT/bench_$name.log")")
       ;;
   esac
 done
-python3 scripts/bench_table.py "$OUT"/bench_*.json 2>/dev/null | tee "$OUT/bench_table.md" | tail -n 60
+python3 -m specmeta.cli bench --from-json "$OUT"/bench_*.json --out "$OUT/report" > /dev/null 2>&1 && tail -n 40 "$OUT/report/bench.md"
 printf '%s\n' "${summary[@]}"

@@ -118,7 +118,10 @@ def _tree_custom_mask_kernel(
         tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
             flags = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
-            tl.atomic_or(status_ptr, flags, mask=flags != 0)
+            # A branch rather than a masked atomic: Triton 3.6 dropped the masked form here
+            # when seq_lens is int64 (seen on an H200; the interpreter was right).
+            if flags != 0:
+                tl.atomic_or(status_ptr, flags)
 
 
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
