@@ -44,5 +44,7 @@ for stage in "$@"; do
       ;;
   esac
 done
-python3 -m specmeta.cli bench --from-json "$OUT"/bench_*.json --out "$OUT/report" > /dev/null 2>&1 && tail -n 40 "$OUT/report/bench.md"
+for j in "$OUT"/bench_*.json; do
+  [ -f "$j" ] && python3 -c "import sys, pathlib; from specmeta import report; print(report.markdown(report.load_rows([pathlib.Path(sys.argv[1])]), 'today'))" "$j" | tail -n 30
+done
 printf '%s\n' "${summary[@]}"
