@@ -27,17 +27,34 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"unknown check(s): {', '.join(unknown)}; known: {', '.join(CHECKS)}", file=sys.stderr
         )
         return 2
-    print(f"specmeta check on {device} (seed {seed}; reproduce with --seed {seed})")
+    print(f"specmeta check on {device} (seed {seed}; reproduce with --seed {seed})", flush=True)
+    tty = sys.stdout.isatty()
+    width = 30
 
-    def show(res):
-        verdict = "ok  " if res.ok else "FAIL"
-        line = (f"{verdict} {res.name:<28} cases {res.cases:>5}  mismatches {res.mismatches:>3}  "
-                f"status 0x{res.status_bits:x}  {res.seconds:6.2f}s")  # fmt: skip
-        print(line + (f"  first: {res.first_failure}" if res.first_failure else ""), flush=True)
+    def progress(done: int, name: str) -> None:
+        filled = width * done // len(names)
+        bar = f"[{'#' * filled}{'.' * (width - filled)}] {done:>2}/{len(names)} {name:<28}"
+        print("\r" + bar if tty else bar, end="" if tty else "\n", flush=True)
 
-    results = run_checks(device, seed, names, on_result=show)
+    done = 0
+
+    def on_result(res) -> None:
+        nonlocal done
+        done += 1
+        progress(done, res.name + ("" if res.ok else "  FAIL"))
+
+    progress(0, "")
+    results = run_checks(device, seed, names, on_result=on_result)
+    if tty:
+        print()
+    print(f"\n{'check':<28} {'cases':>6} {'mismatches':>10} {'status':>7} {'time':>8}  result")
+    for res in results:
+        verdict = "ok" if res.ok else "FAIL"
+        print(f"{res.name:<28} {res.cases:>6} {res.mismatches:>10} {f'0x{res.status_bits:x}':>7} "
+              f"{res.seconds:>7.2f}s  {verdict}" + (f"  ({res.first_failure})" if res.first_failure else ""))  # fmt: skip
     failed = [r.name for r in results if not r.ok]
-    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    total = sum(r.cases for r in results)
+    print(f"\n{total} cases; {len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
 
 

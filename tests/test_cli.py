@@ -35,7 +35,25 @@ def test_check_reports_and_exits_zero(capsys, device):
         == 0
     )
     out = capsys.readouterr().out
-    assert "ok   assign_draft_cache_locs" in out and "1 passed, 0 failed" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("assign_draft_cache_locs "))
+    assert row.split()[-1] == "ok" and row.split()[2] == "0", row
+    assert "1 passed, 0 failed" in out
+
+
+def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
+    import torch
+
+    from specmeta import check
+
+    def broken(dev, gen):
+        res = check.CheckResult("broken")
+        res.compare("x", torch.zeros(3), torch.ones(3), "planted mismatch")
+        return res
+
+    monkeypatch.setitem(check.CHECKS, "broken", broken)
+    assert main(["check", "--device", str(device), "--only", "broken"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "planted mismatch" in out and "0 passed, 1 failed" in out
 
 
 def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
