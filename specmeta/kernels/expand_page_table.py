@@ -49,7 +49,7 @@ def _chain_slot(out_cache_loc_ptr, first, t, j, live, NUM_STEPS: tl.constexpr):
 
 @triton.jit(
     do_not_specialize=[
-        "B", "page_size", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
+        "B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
         "stride_cu",
     ]
 )  # fmt: skip
@@ -61,7 +61,6 @@ def _expand_page_table_kernel(
     cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_cu (unless WRITE_CU)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
-    page_size,
     num_rows,
     W,
     stride_pt_s,
@@ -70,7 +69,8 @@ def _expand_page_table_kernel(
     stride_cu,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
-    PAGED: tl.constexpr,  # page_size > 1
+    PAGED: tl.constexpr,  # PAGE_SIZE > 1
+    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK_K: tl.constexpr,  # next power of two ≥ K: branch t
     BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, and step index s
     BLOCK_W: tl.constexpr,  # columns per store tile
@@ -94,17 +94,17 @@ def _expand_page_table_kernel(
     in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [BLOCK_K, BLOCK_S]
     slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
     if PAGED:
-        lpl = L % page_size
-        page = slot // page_size
+        lpl = L % PAGE_SIZE
+        page = slot // PAGE_SIZE
         prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
                                       NUM_STEPS)  # fmt: skip
-        new = in_rows & ((j == 0) | (prev // page_size != page))
+        new = in_rows & ((j == 0) | (prev // PAGE_SIZE != page))
         runs = tl.cumsum(new.to(tl.int32), axis=1)  # distinct pages among j' ≤ j
-        u = (lpl + j + page_size) // page_size  # ceil((lpl + s + 1) / ps) for step s = j
+        u = (lpl + j + PAGE_SIZE) // PAGE_SIZE  # ceil((lpl + s + 1) / ps) for step s = j
         # The layout check skips sink slots (0): a padded request's chain is all sink (SPEC §4)
         # and is consistent as it is; a real draft slot never lies on page 0.
         real = in_rows & (slot != 0)
-        bad = real & ((slot % page_size != (lpl + j) % page_size) | (runs != u))
+        bad = real & ((slot % PAGE_SIZE != (lpl + j) % PAGE_SIZE) | (runs != u))
         bad_page = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) != 0
         limit = tl.minimum(runs, u)  # data columns of step s; extra runs are dropped
     else:
@@ -143,7 +143,7 @@ def _expand_page_table_kernel(
                 offs = start + tl.arange(0, BLOCK_B)
                 before = offs < b
                 prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
-                lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % page_size, 0), axis=0)
+                lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % PAGE_SIZE, 0), axis=0)
         cu_start = TOPK * lpl_before + t * lpl + rows2 * (j + 1)
         cu_rows = cu_seqlens_k_ptr + j * stride_cu.to(tl.int64)
         tl.store(cu_rows + rows2, cu_start, mask=in_rows)
@@ -279,7 +279,6 @@ def expand_page_table(
         status if status is not None else cache_seqlens,
         # sizes
         B,
-        page_size,
         rows,
         W,
         page_table.stride(0),
@@ -290,6 +289,7 @@ def expand_page_table(
         TOPK=topk,
         NUM_STEPS=num_steps,
         PAGED=page_size > 1,
+        PAGE_SIZE=page_size,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
         # One tile covers the usual W = S; wider tables loop over 16-column tiles of zeros.

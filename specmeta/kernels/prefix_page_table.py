@@ -53,7 +53,7 @@ def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr)
 
 @triton.jit(
     do_not_specialize=[
-        "B", "R", "W_row", "stride_row", "page_size", "extra_tokens", "fill_value", "num_rows",
+        "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows",
         "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs",
     ]
 )  # fmt: skip
@@ -69,7 +69,6 @@ def _prefix_page_table_kernel(
     R,
     W_row,
     stride_row,
-    page_size,
     extra_tokens,
     fill_value,
     num_rows,
@@ -79,7 +78,8 @@ def _prefix_page_table_kernel(
     stride_cu,
     chunk_programs,
     EXCLUDE_LAST_PARTIAL: tl.constexpr,
-    PAGED: tl.constexpr,  # page_size > 1
+    PAGED: tl.constexpr,  # PAGE_SIZE > 1
+    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     WRITE_CU: tl.constexpr,
@@ -94,23 +94,23 @@ def _prefix_page_table_kernel(
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
-    length = _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    length = _covered_len(L, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
     # The table serves every row s < num_rows (length + s tokens): it covers the longest.
     longest = length + num_rows - 1
     if PAGED:
-        pages_wanted = (longest + page_size - 1) // page_size
+        pages_wanted = (longest + PAGE_SIZE - 1) // PAGE_SIZE
     else:
         pages_wanted = longest
     pages = tl.where(live, tl.minimum(pages_wanted, W), 0)
     # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
-    cap = W.to(tl.int64) * page_size
+    cap = W.to(tl.int64) * PAGE_SIZE
 
     col0 = tl.arange(0, BLOCK).to(tl.int64)
     neg_slot = b * 0
     for chunk in range(c, tl.cdiv(W, BLOCK), chunk_programs):
         col = col0 + chunk * BLOCK
         need = col < pages
-        pos = col * page_size
+        pos = col * PAGE_SIZE
         # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
         slot = tl.load(
             req_to_token_ptr + row_base + pos,
@@ -121,7 +121,7 @@ def _prefix_page_table_kernel(
         neg_slot += tl.max(neg.to(tl.int64), axis=0)
         slot = tl.where(neg, 0, slot)
         if PAGED:
-            page = slot // page_size
+            page = slot // PAGE_SIZE
         else:
             page = slot
         # b·stride_pt: B·W passes 2**31 for long rows at page size 1, so b is int64.
@@ -147,7 +147,7 @@ def _prefix_page_table_kernel(
                     before = offs < b
                     prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
                     prev_len = _covered_len(
-                        tl.maximum(prev, 0), page_size, extra_tokens, EXCLUDE_LAST_PARTIAL
+                        tl.maximum(prev, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
                     )
                     prev_len = tl.minimum(prev_len + r, cap)
                     start += tl.sum(tl.where(before, prev_len, 0), axis=0)
@@ -156,7 +156,7 @@ def _prefix_page_table_kernel(
                 tl.store(row + B, start + own, mask=last)
 
         if HAS_STATUS:
-            last_pos = (pages - 1) * page_size
+            last_pos = (pages - 1) * PAGE_SIZE
             pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
             bits = (
                 tl.where(row_ok, 0, _ROW_OOB)
@@ -318,7 +318,6 @@ def prefix_page_table(
         req_to_token.shape[0],
         req_to_token.shape[1],
         req_to_token.stride(0),
-        page_size,
         extra_tokens,
         fill_value,
         rows,
@@ -330,6 +329,7 @@ def prefix_page_table(
         # code shape
         EXCLUDE_LAST_PARTIAL=exclude_last_partial,
         PAGED=page_size > 1,
+        PAGE_SIZE=page_size,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,

@@ -25,9 +25,9 @@ _SCRIPT = textwrap.dedent(
 
     def compile_one(which, variant):
         sizes = dict(
-            prefix=["B", "R", "W_row", "stride_row", "page_size", "extra_tokens", "fill_value",
+            prefix=["B", "R", "W_row", "stride_row", "extra_tokens", "fill_value",
                     "num_rows", "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs"],
-            expand=["B", "page_size", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
+            expand=["B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
                     "stride_cu"],
             verify=["B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj"],
         )[which]
@@ -35,12 +35,14 @@ _SCRIPT = textwrap.dedent(
             prefix=(prefix_page_table._prefix_page_table_kernel,
                     ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "page_table_ptr",
                      "cache_seqlens_ptr", "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged", BLOCK=1024,
+                    dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
+                         PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024,
                          BLOCK_B=1024, WRITE_CU=True, HAS_STATUS=True)),
             expand=(expand_page_table._expand_page_table_kernel,
                     ["out_cache_loc_ptr", "seq_lens_ptr", "page_table_ptr", "cache_seqlens_ptr",
                      "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(TOPK=4, NUM_STEPS=5, PAGED=variant == "paged", BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
+                    dict(TOPK=4, NUM_STEPS=5, PAGED=variant == "paged",
+                         PAGE_SIZE=16 if variant == "paged" else 1, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
                          BLOCK_B=1024, WRITE_CU=True, HAS_STATUS=True)),
             verify=(verify_expand_page_table._verify_expand_page_table_kernel,
                     ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "tree_mask_ptr",
