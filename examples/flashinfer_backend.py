@@ -1,0 +1,131 @@
+"""FlashInfer backend: tree draft decode and target verify metadata, eager and graphed.
+
+A FlashInfer attention backend creates one :class:`FlashInferBuilder` per (config, device).
+Each build writes the builder's planned buffers and returns dataclasses of views named after
+``plan()``'s arguments, plus **host mirrors** (``*_host``) of the index pointers, computed from
+the CPU ``seq_lens`` the engine already holds: ``plan()`` reads them without a device-to-host
+copy. Draft decode gives each branch a page-size-1 token list (its prefix, then its own chain),
+so the tree needs no mask; target verify gives each request its prefix plus the tree window and
+a flat custom mask. Under a :class:`GraphRunner` the lists are built inside the graph and the
+host mirrors of the padded batch by the runner's host function, before each replay.
+
+Run: ``python examples/flashinfer_backend.py [--device cuda] [--seed N]`` (exit status 0 on
+success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+import specmeta
+from specmeta import SpecConfig
+from specmeta.metadata.flashinfer import FlashInferBuilder, FlashInferDraftDecode, FlashInferPrefill
+from specmeta.runners import GraphRunner, padding
+from specmeta.workloads import Batch, make_batch, random_tree_mask
+
+# A tree draft: 3 branches, 3 steps, a 6-node verify tree, pages of 16 tokens in the pool.
+CFG = SpecConfig(topk=3, num_steps=3, num_draft_tokens=6, page_size=16, max_bs=8,
+                 max_context_len=40)  # fmt: skip
+H, H_KV, D = 8, 2, 16  # the model's attention heads (query, KV) and head size
+# Planned buffers the example allocates itself (the builder allocates its own "flashinfer.*").
+RUNNER = ["runner.req_pool_indices", "runner.seq_lens"]
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`main` built eagerly, for the tests to check against dense attention."""
+
+    cfg: SpecConfig
+    batch: Batch
+    tree_mask: torch.Tensor  # [B, N, N] ancestor mask of the verified trees
+    draft: FlashInferDraftDecode  # steps[s]: one per draft forward (S - 1)
+    verify: FlashInferPrefill
+
+
+class Wrapper:
+    """Stand-in for a FlashInfer wrapper (not imported here): ``plan()`` prints its arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def plan(self, **kwargs) -> None:
+        args = (f"{k}={list(v.shape)}@{v.device.type}" if torch.is_tensor(v) else f"{k}={v}"
+                for k, v in kwargs.items())  # fmt: skip
+        print(f"  {self.name}.plan({', '.join(args)})")
+
+
+def main(argv: list[str] | None = None) -> Result:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device, cfg, gen = torch.device(args.device), CFG, torch.Generator().manual_seed(args.seed)
+    K, S, N = cfg.topk, cfg.num_steps, cfg.num_draft_tokens
+    batch = make_batch("random", batch_size=5, topk=K, num_steps=S, page_size=cfg.page_size,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=N, max_len=cfg.max_context_len)  # fmt: skip
+    rpi, r2t, lens, B = batch.req_pool_indices, batch.req_to_token, batch.seq_lens, batch.batch_size
+    lens_cpu = batch.seq_lens_cpu  # the engine's host copy of seq_lens: no sync to get it
+    status = specmeta.new_status(device)
+
+    decode = Wrapper("BatchDecodeWithPagedKVCacheWrapper")
+    prefill = Wrapper("BatchPrefillWithPagedKVCacheWrapper")
+
+    # (a) Eager: the builder is created once; every build reuses its planned buffers.
+    fi = FlashInferBuilder(cfg, device)
+    draft = fi.draft_decode(rpi, r2t, lens, seq_lens_cpu=lens_cpu, status=status)
+    print(f"draft decode, B={B}, forward 0 of {len(draft.steps)}: one query row per branch")
+    step = draft.steps[0]  # draft forward s plans with steps[s]; *_host: CPU, no sync
+    decode.plan(indptr=step.kv_indptr_host, indices=step.kv_indices,
+                last_page_len=step.kv_last_page_len_host, num_qo_heads=H, num_kv_heads=H_KV,
+                head_dim=D, page_size=step.page_size)  # fmt: skip
+    tree = random_tree_mask(B, K, S, N, gen).to(device)
+    verify = fi.target_verify(rpi, r2t, lens, tree, seq_lens_cpu=lens_cpu, status=status)
+    print("target verify: one query row per tree node, the tree as a custom mask")
+    prefill.plan(qo_indptr=verify.qo_indptr_host, paged_kv_indptr=verify.kv_indptr_host,
+                 paged_kv_indices=verify.kv_indices, paged_kv_last_page_len=verify.kv_last_page_len,
+                 num_qo_heads=H, num_kv_heads=H_KV, head_dim_qk=D, page_size=verify.page_size,
+                 custom_mask=verify.custom_mask, causal=verify.causal)  # fmt: skip
+
+    # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
+    g_fi = FlashInferBuilder(cfg, device)
+    g_bufs = specmeta.allocate_buffers(cfg, device, RUNNER)
+
+    def build(inp):  # captured once per bucket: static views [:Bp]
+        g_fi.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"], status=status)
+        return {name: g_fi.buffers[f"draft_decode.{name}"] for name in ("kv_indptr", "kv_indices")}
+
+    def host(mirrors):  # before each replay, on the padded CPU seq_lens: plan()'s host mirrors
+        bp = mirrors["seq_lens"].shape[0]
+        static = (g_bufs["runner.req_pool_indices"][:bp], r2t, g_bufs["runner.seq_lens"][:bp])
+        return {"plan": g_fi.draft_decode(*static, seq_lens_cpu=mirrors["seq_lens"], launch=False)}
+
+    runner = GraphRunner(build, batch_sizes=[4, 8], device=device, host=host)
+    runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
+    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
+                     host_mirror=True)  # fmt: skip
+    runner.add_output("kv_indptr", per_request=K, extra=1, dim=1)
+    runner.add_output("kv_indices", per_request=None)  # read up to kv_indptr[-1]
+    runner.capture()
+    for b in (2, B):  # two batch sizes, two buckets; the last eager build is the whole batch's
+        want = fi.draft_decode(rpi[:b], r2t, lens[:b], seq_lens_cpu=lens_cpu[:b], status=status)
+        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
+                         host_inputs={"seq_lens": lens_cpu[:b]}, copy=False)  # fmt: skip
+        out, planned = res.outputs, res.host["plan"]  # planned: the padded batch, for plan()
+        for s, mine in enumerate(want.steps):
+            used = int(mine.kv_indptr_host[-1])  # a host value: no sync
+            if not (torch.equal(out["kv_indptr"][s], mine.kv_indptr)
+                    and torch.equal(out["kv_indices"][s, :used], mine.kv_indices[:used])
+                    and torch.equal(planned.steps[s].kv_indptr_host[: b * K + 1],
+                                    mine.kv_indptr_host)):  # fmt: skip
+                raise AssertionError(f"B={b}, step {s}: the runner's lists != the eager ones")
+        print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
+    specmeta.check_status(status, where="flashinfer example")  # the one sync, once per iteration
+    return Result(cfg, batch, tree, draft, verify)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""TRT-LLM MLA backend: tree draft decode, draft extend and (chain) target verify metadata.
+
+A TRT-LLM MLA attention backend creates one :class:`TrtllmMlaBuilder` per (config, device).
+TRT-LLM MLA reads one block-table row per query sequence (``block_kv_indices``, page ids, −1
+beyond use) and its KV length (``seq_lens_k``); it has no cascade and no custom mask. So a tree
+draft (``topk > 1``) is served by **per-branch block tables**: each branch row lists the
+request's whole prefix pages, then the pages of its own region (slot layout B), whose first
+slots must hold a copy of the prefix tail (``prefix_tail_copy_pairs`` + ``move_kv_cache``).
+For the same reason a tree cannot be *verified* with TRT-LLM MLA (verify trees with the FA3 or
+FlashInfer builders); a chain (MTP, ``topk == 1``) can, and draft extend always can.
+
+Run: ``python examples/trtllm_mla_backend.py [--device cuda] [--seed N]`` (exit status 0 on
+success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+import specmeta
+from specmeta import SpecConfig
+from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder, TrtllmMlaDraftDecode, TrtllmMlaPrefill
+from specmeta.runners import GraphRunner, padding
+from specmeta.workloads import Batch, make_batch
+
+# A tree draft: 2 branches, 3 steps, a 6-node verify tree, pages of 16 tokens (slot layout B).
+CFG = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=16, max_bs=8,
+                 max_context_len=40)  # fmt: skip
+# The same engine with an MTP chain (topk = 1, N = S + 1): what TRT-LLM MLA can verify.
+CHAIN = dataclasses.replace(CFG, topk=1, num_draft_tokens=CFG.num_steps + 1)
+H, LATENT = 16, 32  # query heads; MLA's compressed KV (ckv + k_pe) a token, one KV "head"
+# Planned buffers the example allocates itself (each builder allocates its own "<backend>.*").
+DRAFT = ["draft.out_cache_loc", "draft.prefix_tail_tgt", "draft.prefix_tail_src"]
+RUNNER = ["runner.req_pool_indices", "runner.seq_lens"]
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`main` built eagerly, for the tests to check against dense attention."""
+
+    cfg: SpecConfig
+    batch: Batch
+    ckv_cache: torch.Tensor  # [P, 1, LATENT] one layer's latent cache, prefix tails copied
+    draft: TrtllmMlaDraftDecode  # steps[s]: one per draft forward (S - 1), one row per branch
+    extend: TrtllmMlaPrefill  # draft extend, N query rows a request
+    verify: TrtllmMlaPrefill  # target verify of the CHAIN config, S + 1 query rows a request
+
+
+def trtllm_batch_decode_with_kv_cache_mla(**kwargs) -> None:
+    """Stand-in for FlashInfer's TRT-LLM MLA kernel (not imported here): prints its arguments."""
+    args = (f"{k}={list(v.shape)}" if torch.is_tensor(v) else f"{k}={v}" for k, v in kwargs.items())
+    print(f"  trtllm_batch_decode_with_kv_cache_mla({', '.join(args)}, ...)")
+
+
+def main(argv: list[str] | None = None) -> Result:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device, cfg, gen = torch.device(args.device), CFG, torch.Generator().manual_seed(args.seed)
+    K, S, N, ps = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size
+    batch = make_batch("random", batch_size=5, topk=K, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=N, max_len=cfg.max_context_len)  # fmt: skip
+    rpi, r2t, lens, B = batch.req_pool_indices, batch.req_to_token, batch.seq_lens, batch.batch_size
+    top = int(batch.seq_lens_cpu.max())  # host max L: checked against the plan before launch
+    # One layer's latent cache (random: the prefixes' KV, written at prefill).
+    ckv_cache = torch.randn(batch.pool_size, 1, LATENT, generator=gen).to(device)
+    ckv = KVPool([ckv_cache])  # move_kv_cache's table of the cache's buffers, built once
+    status = specmeta.new_status(device)
+
+    def draft(mla: TrtllmMlaBuilder, bufs: dict, rpi, lens, **kw) -> TrtllmMlaDraftDecode:
+        """Draft slots (the draft KV goes there), prefix-tail copies, per-branch block tables."""
+        common = dict(topk=K, num_steps=S, page_size=ps, status=status)
+        assign_draft_cache_locs(rpi, r2t, lens, out_cache_loc=bufs[DRAFT[0]], **common)
+        tgt, src = prefix_tail_copy_pairs(rpi, r2t, lens, tgt=bufs[DRAFT[1]], src=bufs[DRAFT[2]],
+                                          **common)  # fmt: skip
+        n = rpi.shape[0] * (K - 1) * (ps - 1)  # branch t >= 1 reads its first page whole
+        move_kv_cache(ckv, tgt[:n], src[:n], disjoint=True, status=status)
+        return mla.draft_decode(rpi, r2t, lens, status=status, **kw)
+
+    # (a) Eager: the builder is created once; every build reuses its planned buffers.
+    mla = TrtllmMlaBuilder(cfg, device)
+    bufs = specmeta.allocate_buffers(cfg, device, DRAFT)
+    meta = draft(mla, bufs, rpi, lens, max_seq_len=top)
+    steps = meta.steps  # draft forward s reads steps[s]
+    print(f"draft decode, B={B}, forward 0 of {len(steps)}: one query sequence per branch")
+    kv_pages = ckv_cache.view(-1, ps, LATENT)
+    trtllm_batch_decode_with_kv_cache_mla(
+        query=torch.zeros(B * K, 1, H, LATENT, device=device), kv_cache=kv_pages,
+        block_tables=steps[0].block_kv_indices, seq_lens=steps[0].seq_lens_k,
+        max_seq_len=steps[0].max_seq_len_k)  # fmt: skip
+    extend = mla.draft_extend(rpi, r2t, lens, max_seq_len=top, status=status)
+    chain = TrtllmMlaBuilder(CHAIN, device)  # a tree cannot be verified here: see the docstring
+    verify = chain.target_verify(rpi, r2t, lens, max_seq_len=top, status=status)
+    for mode, m in (("draft extend", extend), ("target verify (chain)", verify)):
+        # Uniform query rows (cu_seqlens_q = n·arange: the same at capture and replay), causal.
+        print(f"{mode}: {m.sum_seq_lens_q} query rows, {m.max_seq_len_q} a request")
+        trtllm_batch_decode_with_kv_cache_mla(
+            query=torch.zeros(B, m.max_seq_len_q, H, LATENT, device=device), kv_cache=kv_pages,
+            block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k, max_seq_len=m.max_seq_len_k)  # fmt: skip
+
+    # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
+    g_mla = TrtllmMlaBuilder(cfg, device)
+    g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
+
+    def build(inp):  # captured once per bucket: static views [:Bp]
+        draft(g_mla, g_bufs, inp["req_pool_indices"], inp["seq_lens"])
+        return {n: g_mla.buffers[f"draft_decode.{n}"] for n in ("block_kv_indices", "seq_lens_k")}
+
+    runner = GraphRunner(build, batch_sizes=[4, 8], device=device)
+    runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
+    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N))
+    runner.add_output("block_kv_indices", per_request=K)
+    runner.add_output("seq_lens_k", per_request=K, dim=1)
+    runner.capture()
+    for b in (2, B):  # two batch sizes, two buckets; the last eager build is the whole batch's
+        want = draft(mla, bufs, rpi[:b], lens[:b]).steps
+        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]}, copy=False)
+        out = res.outputs
+        for s, mine in enumerate(want):
+            if not (torch.equal(out["block_kv_indices"], mine.block_kv_indices)
+                    and torch.equal(out["seq_lens_k"][s], mine.seq_lens_k)):  # fmt: skip
+                raise AssertionError(f"B={b}, step {s}: the runner's tables != the eager ones")
+        print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
+    specmeta.check_status(status, where="trtllm_mla example")  # the one sync, once per iteration
+    return Result(cfg, batch, ckv_cache, meta, extend, verify)
+
+
+if __name__ == "__main__":
+    main()

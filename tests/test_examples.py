@@ -1,0 +1,186 @@
+"""The README's integration examples (issue 7): each script runs on the device under test (its
+runner replays CUDA graphs there, or takes the same path without capture on CPU) and exits 0
+from the command line; the eager metadata each one returns, read by the torch reference
+consumer of its backend, gives the attention of every branch's (draft decode) or tree node's
+(target verify) logical sequence, rebuilt here from SPEC §1 with the library's references."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs_ref
+from tests.consumers import flashinfer, trtllm_mla
+from tests.consumers.dense import dense_attention
+from tests.consumers.fa3 import run_cascade
+from tests.guard_bands import assert_equal
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ("fa3_backend", "flashinfer_backend", "trtllm_mla_backend")
+H, H_KV, D = 4, 2, 8
+
+
+def _load(name: str):
+    """Import ``examples/<name>.py`` by path (examples/ is not a package)."""
+    module = f"_specmeta_example_{name}"
+    spec = importlib.util.spec_from_file_location(module, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod  # dataclasses resolve their module while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(name: str, device, seed):
+    return _load(name).main(["--device", str(device), "--seed", str(seed)])
+
+
+def _pools(batch, gen, device):
+    """Random float64 K/V pools (no prefix-tail copies: page-size-1 lists never read a hole)."""
+    return tuple(torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+                 .to(device) for _ in "kv")  # fmt: skip
+
+
+def _args(batch):
+    return batch.req_pool_indices, batch.req_to_token, batch.seq_lens
+
+
+def _rows(batch):
+    r2t = batch.req_to_token.cpu().long()
+    rows, lens = batch.req_pool_indices.cpu().tolist(), batch.seq_lens_cpu.tolist()
+    return [(r2t[r], L) for r, L in zip(rows, lens, strict=True)]
+
+
+def _branch_lists(batch, step: int):
+    """Draft forward ``step``: branch (b, t) reads ``row_b[:L_b]`` then its chain ``j ≤ step``."""
+    K, S = batch.topk, batch.num_steps
+    slots = assign_draft_cache_locs_ref(*_args(batch), topk=K, num_steps=S,
+                                        page_size=batch.page_size)  # fmt: skip
+    chains = slots.cpu().long().view(-1, K, S)
+    return [torch.cat([row[:L], chains[b, t, : step + 1]])
+            for b, (row, L) in enumerate(_rows(batch)) for t in range(K)]  # fmt: skip
+
+
+def _tree_lists(batch, tree):
+    """Node j of request i reads ``row_i[:L_i]`` then the window slots ``row_i[L_i + c]`` of
+    its ancestors and itself (the columns set in the tree mask)."""
+    n = tree.shape[-1]
+    return [torch.cat([row[:L], row[L : L + n][tree[i, j].cpu()]])
+            for i, (row, L) in enumerate(_rows(batch)) for j in range(n)]  # fmt: skip
+
+
+def _causal_lists(batch, n):
+    return [row[: L + j + 1] for row, L in _rows(batch) for j in range(n)]
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=1e-9,
+                               msg=lambda m: f"{what}: {m}")  # fmt: skip
+
+
+def _queries(rows, gen, k_cache):
+    """``[rows, H, D]`` float64 queries for a cache ``[P, H_kv, D]`` (``H`` a multiple of
+    ``H_kv``: grouped-query attention)."""
+    return torch.randn(rows, H, k_cache.shape[-1], generator=gen, dtype=torch.float64).to(
+        k_cache.device
+    )
+
+
+def test_fa3_example_means_what_spec_says(device, gen, seed):
+    res = _run("fa3_backend", device, seed)
+    batch, cfg = res.batch, res.cfg
+    B, K, S, N = batch.batch_size, cfg.topk, cfg.num_steps, cfg.num_draft_tokens
+    assert K > 1 and cfg.layout_b, "the example is a tree draft in slot layout B"
+    assert_equal(res.out_cache_loc, assign_draft_cache_locs_ref(
+        *_args(batch), topk=K, num_steps=S, page_size=cfg.page_size), "out_cache_loc")  # fmt: skip
+    # The example's own cache: its prefix-tail moves must be in place for the expand pass.
+    k, v = res.kv_cache
+    assert len(res.draft) == S - 1, "one metadata set per draft forward"
+    q = _queries(B * K, gen, k)
+    for s, step in enumerate(res.draft):
+        assert step.is_cascade, "K > 1: a normal (prefix) and an expand (own chain) pass"
+        assert step.normal.cu_seqlens_q.tolist() == [K * i for i in range(B + 1)]  # SPEC §3.1
+        want = dense_attention(q, k, v, _branch_lists(batch, s))[0]
+        _close(run_cascade(q, k, v, step), want, f"FA3 draft forward {s}")
+    q = _queries(B * N, gen, k)
+    want = dense_attention(q, k, v, _tree_lists(batch, res.tree_mask))[0]
+    _close(run_cascade(q, k, v, res.verify), want, "FA3 target verify")
+
+
+def test_flashinfer_example_means_what_spec_says(device, gen, seed):
+    res = _run("flashinfer_backend", device, seed)
+    batch, cfg = res.batch, res.cfg
+    B, K, S, N = batch.batch_size, cfg.topk, cfg.num_steps, cfg.num_draft_tokens
+    assert K > 1
+    k, v = _pools(batch, gen, device)
+    assert len(res.draft.steps) == S - 1
+    q = _queries(B * K, gen, k)
+    for s, step in enumerate(res.draft.steps):
+        assert step.page_size == 1 and step.kv_indptr_host.device.type == "cpu"
+        assert_equal(step.kv_indptr_host, step.kv_indptr, f"kv_indptr_host of forward {s}")
+        want = dense_attention(q, k, v, _branch_lists(batch, s))
+        got = flashinfer.decode(q, k, v, step)
+        _close(got[0], want[0], f"FlashInfer draft forward {s}")
+        _close(got[1], want[1], f"FlashInfer draft forward {s} (lse)")
+    ver = res.verify
+    assert_equal(ver.kv_indptr_host, ver.kv_indptr, "verify kv_indptr_host")
+    assert_equal(ver.qo_indptr_host, torch.arange(B + 1) * N, "verify qo_indptr_host")
+    q = _queries(B * N, gen, k)
+    want = dense_attention(q, k, v, _tree_lists(batch, res.tree_mask))[0]
+    _close(flashinfer.prefill(q, k, v, ver)[0], want, "FlashInfer target verify")
+
+
+def test_trtllm_mla_example_means_what_spec_says(device, gen, seed):
+    res = _run("trtllm_mla_backend", device, seed)
+    batch, cfg = res.batch, res.cfg
+    B, K, S, N, ps = batch.batch_size, cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size
+    assert K > 1 and cfg.layout_b, "the example is a tree draft in slot layout B"
+    # The example's own latent cache (MLA: keys and values are the one latent head), its
+    # prefix-tail moves in place for the branch rows' first pages.
+    k = v = res.ckv_cache
+    assert len(res.draft.steps) == S - 1
+    q = _queries(B * K, gen, k)
+    for s, step in enumerate(res.draft.steps):
+        lens = batch.seq_lens_cpu.repeat_interleave(K) + s + 1  # SPEC §3.4: L + s + 1
+        assert step.seq_lens_k.cpu().tolist() == lens.tolist()
+        want = dense_attention(q, k, v, _branch_lists(batch, s))[0]
+        _close(trtllm_mla.decode(q, k, v, step, ps)[0], want, f"TRT-LLM MLA draft forward {s}")
+    for meta, n, what in ((res.extend, N, "draft extend"), (res.verify, S + 1, "chain verify")):
+        assert meta.max_seq_len_q == n and meta.sum_seq_lens_q == B * n
+        q = _queries(B * n, gen, k)
+        want = dense_attention(q, k, v, _causal_lists(batch, n))[0]
+        _close(trtllm_mla.prefill(q, k, v, meta, ps)[0], want, f"TRT-LLM MLA {what}")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_exits_zero_from_the_command_line(device, seed, name):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{name}.py"), "--device", str(device),
+         "--seed", str(seed)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("equal to the eager build") == 2, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_gpu_examples_replay_captured_graphs(seed, name, monkeypatch):
+    """On CUDA every runner call of an example replays a captured graph (not the eager path)."""
+    from specmeta.runners import GraphRunner
+
+    replays = []
+    original = GraphRunner.run
+
+    def run(self, *args, **kwargs):
+        res = original(self, *args, **kwargs)
+        replays.append((self.graphs, res.padded_batch_size))
+        return res
+
+    monkeypatch.setattr(GraphRunner, "run", run)
+    _run(name, "cuda", seed)
+    assert replays == [(True, 4), (True, 8)], "B = 2 and B = 5 replay the graphs of 4 and 8"
