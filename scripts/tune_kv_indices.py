@@ -16,13 +16,14 @@ from specmeta.workloads import make_batch
 mod = importlib.import_module("specmeta.kernels.draft_decode_kv_indices")
 
 CASES = [
-    (32, 4, 32768),
-    (64, 4, 32768),
-    (256, 8, 32768),
-    (256, 4, 4096),
-    (64, 8, 4096),
     (256, 8, 1024),
+    (256, 4, 1024),
+    (64, 8, 1024),
+    (8, 8, 1024),
     (8, 8, 2048),
+    (8, 4, 2048),
+    (1, 8, 2048),
+    (32, 4, 32768),
 ]
 S = 5
 
@@ -45,8 +46,8 @@ for bs, k, ctx in CASES:
     ptr = plan["draft_decode.kv_indptr"].allocate("cuda")
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     line = [f"{bs}-{k}-{ctx}"]
-    for min_chunks, outer, per_sm in itertools.product((8, 64, 320), (False, True), (8,)):
-        mod._MIN_CHUNKS, mod._CHUNK_OUTER = min_chunks, outer
+    for block, warps, per_sm in itertools.product((1, 4, 8, 16), (4,), (4, 8)):
+        mod._MIN_CHUNKS, mod._NUM_WARPS = block, warps
         mod._target_programs.cache_clear()
         orig = mod._target_programs
         mod._target_programs = lambda device, n=per_sm: n * 132
@@ -61,11 +62,11 @@ for bs, k, ctx in CASES:
             rep_ms=50,
         )
         mod._target_programs = orig
-        line.append((us, min_chunks, outer, per_sm))
-    best = sorted(line[1:])
-    base = [x for x in line[1:] if x[1:] == (8, False, 8)][0]
+        line.append((us, block, warps, per_sm))
+    best = sorted(line[1:])[:3]
+    base = [x for x in line[1:] if x[1:] == (8, 4, 4)][0]
     print(
         f"{line[0]:>14}: default {base[0]:.2f} us; best "
-        + "; ".join(f"{u:.1f} (m{b},{'outer' if w else 'inner'})" for u, b, w, p in best),
+        + "; ".join(f"{u:.2f} us (minchunks{b},w{w},p{p})" for u, b, w, p in best),
         flush=True,
     )

@@ -44,9 +44,6 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 # Chunks of work a program should have before lists are grouped (tuned on an H200).
 _MIN_CHUNKS = 8
-# Loop order inside a program: chunks outside (one load, a store per list of the group) or
-# lists outside (a load and a store per list and chunk).
-_CHUNK_OUTER = False
 # Warps per program: 4 keeps 8 entries a thread in flight at BLOCK = 1024.
 _NUM_WARPS = 4
 
@@ -82,7 +79,6 @@ def _draft_decode_kv_indices_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_STEPS: tl.constexpr,  # next power of two ≥ S
     HAS_STATUS: tl.constexpr,
-    CHUNK_OUTER: tl.constexpr,  # load a chunk once for all lists of the group
 ):
     """Grid ``(chunk_programs, list_groups, max(B, 1))``: program ``(c, g, b)`` takes lists
     ``d = g·lists_per_program + i`` (``d = s·K + t``: step ``s``, branch ``t``) of request ``b``
@@ -116,27 +112,8 @@ def _draft_decode_kv_indices_kernel(
                 req_to_token_ptr, kv_indices_ptr, kv_indptr_ptr, status_ptr,
                 row_base, L, row_ok, L_ok, cum, head, b, d, c,
                 B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
-                TOPK, NUM_STEPS, LAYOUT_B, BLOCK, BLOCK_STEPS, HAS_STATUS, not CHUNK_OUTER,
+                TOPK, NUM_STEPS, LAYOUT_B, BLOCK, BLOCK_STEPS, HAS_STATUS,
             )  # fmt: skip
-    if CHUNK_OUTER:
-        # Each chunk is loaded once and stored into every list of the group.
-        k0 = tl.arange(0, BLOCK).to(tl.int64)
-        n_lists = num_rows * TOPK
-        for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
-            k = k0 + chunk * BLOCK
-            m = k < L
-            v = tl.load(
-                req_to_token_ptr + row_base + k,
-                mask=tl.where(row_ok, m & (k < W_row), False),
-                other=0,
-            )
-            for i in range(0, lists_per_program):
-                d = g * lists_per_program + i
-                s_d = d // TOPK
-                t_d = d % TOPK
-                start = head + t_d * L + (b * TOPK + t_d) * (s_d + 1)
-                dst = kv_indices_ptr + s_d.to(tl.int64) * stride_idx + start
-                tl.store(dst + k, v, mask=tl.where(d < n_lists, m & (k < W_idx - start), False))
 
 
 @triton.jit
@@ -145,7 +122,7 @@ def _write_list(
     row_base, L, row_ok, L_ok, cum, head, b, d, c,
     B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
     TOPK: tl.constexpr, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_STEPS: tl.constexpr, HAS_STATUS: tl.constexpr, COPY_PREFIX: tl.constexpr,
+    BLOCK_STEPS: tl.constexpr, HAS_STATUS: tl.constexpr,
 ):  # fmt: skip
     """List ``d = s·K + t`` of request ``b``: its prefix chunks ``c, c + chunk_programs, …``
     and, for ``c == 0``, its chain, ``kv_indptr`` entry and status bits."""
@@ -156,18 +133,15 @@ def _write_list(
     # step·row_width passes 2**31 at long contexts: the row offset is 64-bit.
     list_ptr = kv_indices_ptr + s_d.to(tl.int64) * stride_idx + start
     room = W_idx - start  # entries left in the row; stores past it are dropped
-    if COPY_PREFIX:
-        k0 = tl.arange(0, BLOCK).to(tl.int64)
-        for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
-            k = k0 + chunk * BLOCK
-            m = k < L
-            # Scalar conditions join vector masks through tl.where (see draft_cache_locs).
-            v = tl.load(
-                req_to_token_ptr + row_base + k,
-                mask=tl.where(row_ok, m & (k < W_row), False),
-                other=0,
-            )
-            tl.store(list_ptr + k, v, mask=m & (k < room))
+    k0 = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(c, tl.cdiv(L, BLOCK), chunk_programs):
+        k = k0 + chunk * BLOCK
+        m = k < L
+        # Scalar conditions join vector masks through tl.where (see draft_cache_locs).
+        v = tl.load(
+            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
+        )
+        tl.store(list_ptr + k, v, mask=m & (k < room))
 
     if c == 0:
         live_b = b < B
@@ -356,7 +330,6 @@ def draft_decode_kv_indices(
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
         BLOCK_STEPS=triton.next_power_of_2(num_steps),
-        CHUNK_OUTER=_CHUNK_OUTER,
         HAS_STATUS=status is not None,
         num_warps=_NUM_WARPS,
     )
