@@ -81,7 +81,7 @@ def plot(rows: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for group, items in _by_group(rows).items():
-        items = [r for r in items if "bs" in r and "device_us" in r]
+        items = [r for r in items if "bs" in r and r.get("device_us", 0) > 0]
         if not items:
             continue
 
