@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> Result:
     lens_cpu = batch.seq_lens_cpu  # the engine's host copy of seq_lens: no sync to get it
     status = specmeta.new_status(device)
 
+    # Stand-ins of FlashInfer's wrappers: their plan() prints what it receives.
     decode = Wrapper("BatchDecodeWithPagedKVCacheWrapper")
     prefill = Wrapper("BatchPrefillWithPagedKVCacheWrapper")
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> Result:
     g_fi = FlashInferBuilder(cfg, device)
     g_bufs = specmeta.allocate_buffers(cfg, device, RUNNER)
 
-    def build(inp):  # captured once per bucket: static views [:Bp]
+    def build(inp):  # run once per bucket at capture, on the static views [:Bp]
         g_fi.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"], status=status)
         return {name: g_fi.buffers[f"draft_decode.{name}"] for name in ("kv_indptr", "kv_indices")}
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> Result:
     runner.add_output("kv_indptr", per_request=K, extra=1, dim=1)
     runner.add_output("kv_indices", per_request=None)  # read up to kv_indptr[-1]
     runner.capture()
-    for b in (2, B):  # two batch sizes, two buckets; the last eager build is the whole batch's
+    for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = fi.draft_decode(rpi[:b], r2t, lens[:b], seq_lens_cpu=lens_cpu[:b], status=status)
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
                          host_inputs={"seq_lens": lens_cpu[:b]}, copy=False)  # fmt: skip

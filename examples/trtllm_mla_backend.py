@@ -96,20 +96,21 @@ def main(argv: list[str] | None = None) -> Result:
         block_tables=steps[0].block_kv_indices, seq_lens=steps[0].seq_lens_k,
         max_seq_len=steps[0].max_seq_len_k)  # fmt: skip
     extend = mla.draft_extend(rpi, r2t, lens, max_seq_len=top, status=status)
-    chain = TrtllmMlaBuilder(CHAIN, device)  # a tree cannot be verified here: see the docstring
+    chain = TrtllmMlaBuilder(CHAIN, device)  # verify a chain: a tree would need a custom mask
     verify = chain.target_verify(rpi, r2t, lens, max_seq_len=top, status=status)
     for mode, m in (("draft extend", extend), ("target verify (chain)", verify)):
         # Uniform query rows (cu_seqlens_q = n·arange: the same at capture and replay), causal.
         print(f"{mode}: {m.sum_seq_lens_q} query rows, {m.max_seq_len_q} a request")
         trtllm_batch_decode_with_kv_cache_mla(
             query=torch.zeros(B, m.max_seq_len_q, H, LATENT, device=device), kv_cache=kv_pages,
-            block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k, max_seq_len=m.max_seq_len_k)  # fmt: skip
+            block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k,
+            max_seq_len=m.max_seq_len_k)  # fmt: skip
 
     # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
     g_mla = TrtllmMlaBuilder(cfg, device)
     g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
 
-    def build(inp):  # captured once per bucket: static views [:Bp]
+    def build(inp):  # run once per bucket at capture, on the static views [:Bp]
         draft(g_mla, g_bufs, inp["req_pool_indices"], inp["seq_lens"])
         return {n: g_mla.buffers[f"draft_decode.{n}"] for n in ("block_kv_indices", "seq_lens_k")}
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> Result:
     runner.add_output("block_kv_indices", per_request=K)
     runner.add_output("seq_lens_k", per_request=K, dim=1)
     runner.capture()
-    for b in (2, B):  # two batch sizes, two buckets; the last eager build is the whole batch's
+    for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = draft(mla, bufs, rpi[:b], lens[:b]).steps
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]}, copy=False)
         out = res.outputs
