@@ -99,10 +99,13 @@ def main(argv: list[str] | None = None) -> Result:
     chain = TrtllmMlaBuilder(CHAIN, device)  # verify a chain: a tree would need a custom mask
     verify = chain.target_verify(rpi, r2t, lens, max_seq_len=top, status=status)
     for mode, m in (("draft extend", extend), ("target verify (chain)", verify)):
-        # Uniform query rows (cu_seqlens_q = n·arange: the same at capture and replay), causal.
-        print(f"{mode}: {m.sum_seq_lens_q} query rows, {m.max_seq_len_q} a request")
+        # cu_seqlens_q = n·arange(B + 1), the same at capture and replay: request i owns query
+        # rows [n·i, n·(i + 1)), so the sum_seq_lens_q rows view as [B, n] without a pad step.
+        n = m.max_seq_len_q
+        print(f"{mode}: cu_seqlens_q={list(m.cu_seqlens_q.shape)} = {n}·arange, causal")
+        q = torch.zeros(m.sum_seq_lens_q, H, LATENT, device=device)
         trtllm_batch_decode_with_kv_cache_mla(
-            query=torch.zeros(B, m.max_seq_len_q, H, LATENT, device=device), kv_cache=kv_pages,
+            query=q.view(B, n, H, LATENT), kv_cache=kv_pages,
             block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k,
             max_seq_len=m.max_seq_len_k)  # fmt: skip
 
