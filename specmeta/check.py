@@ -42,7 +42,7 @@ class CheckResult:
 
     def compare(self, what: str, got: torch.Tensor, want: torch.Tensor, context: str) -> None:
         self.cases += 1
-        if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+        if got.shape != want.shape or not torch.equal(got, want.to(got.device, got.dtype)):
             self.mismatches += 1
             if not self.first_failure:
                 self.first_failure = f"{what} differs [{context}]"

@@ -51,6 +51,10 @@ def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
         return res
 
     monkeypatch.setitem(check.CHECKS, "broken", broken)
+    # A reference on another device than the kernel's output is compared, not an error.
+    res = check.CheckResult("devices")
+    res.compare("x", torch.ones(2, device=device), torch.ones(2), "cross-device")
+    assert res.ok and res.cases == 1
     assert main(["check", "--device", str(device), "--only", "broken"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "planted mismatch" in out and "0 passed, 1 failed" in out
