@@ -427,7 +427,9 @@ def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> Check
             res.compare("cascade prefix kv_indptr", step.paged_kv_indptr_arr[0], want[1], d)
             res.compare("cascade chain kv_indices", step.paged_kv_indices_arr[1][: b.batch_size * K * (s + 1)],
                         want[2][s, : b.batch_size * K * (s + 1)], d)  # fmt: skip
-            for host, dev in zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True):
+            for host, dev in zip(
+                step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True
+            ):
                 res.compare("cascade kv_indptr_host", host, dev, d)
         for step in fi.draft_decode_paged(*_args(b), num_rows=S, **lens).steps:
             res.compare("paged kv_indptr_host", step.kv_indptr_host, step.kv_indptr, d)
@@ -593,14 +595,19 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
             passes = []
             steps = fa3.draft_decode(*_args(b), slots, seq_lens_cpu=b.seq_lens_cpu, status=status)
             for step in steps:
-                passes += [("draft_decode normal", step.normal), ("draft_decode expand", step.expand)]
+                passes += [
+                    ("draft_decode normal", step.normal),
+                    ("draft_decode expand", step.expand),
+                ]
             verify = fa3.target_verify(*_args(b), tree, status=status)
             passes += [("target_verify normal", verify.normal), ("target_verify expand", verify.expand),
                        ("draft_extend", fa3.draft_extend(*_args(b), status=status))]  # fmt: skip
             results.append(passes)
         for (what, got), (_, want) in zip(*results, strict=True):
             if got is None or want is None:
-                res.compare(f"{what} present", torch.tensor(got is None), torch.tensor(want is None), d)
+                res.compare(
+                    f"{what} present", torch.tensor(got is None), torch.tensor(want is None), d
+                )
                 continue
             for name, value in got.kwargs().items():
                 other = getattr(want, name)

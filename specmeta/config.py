@@ -369,7 +369,12 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
         add("fa3.draft_decode.expand_cu_seqlens_k", (s, bs * k + 1), i32, "[S, B*K+1] Σ lengths")
         add("fa3.draft_decode.expand_cu_seqlens_q", (bs * k + 1,), i32, "[B*K+1] arange(B*K+1)")
     for mode in ("target_verify", "draft_extend"):
-        add(f"fa3.{mode}.page_table", (bs, pages), i32, "[B, W] row pages over L + N (verify K > 1: L)")
+        add(
+            f"fa3.{mode}.page_table",
+            (bs, pages),
+            i32,
+            "[B, W] row pages over L + N (verify K > 1: L)",
+        )
         add(f"fa3.{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths")
         add(f"fa3.{mode}.cu_seqlens_k", (bs + 1,), i32, "[B+1] Σ cache_seqlens")
         add(f"fa3.{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange(B+1)")

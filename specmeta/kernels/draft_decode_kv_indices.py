@@ -185,7 +185,9 @@ def _target_programs(device: torch.device) -> int:
     return 4
 
 
-def _grid(device: torch.device, batch: int, lists: int, row_width: int) -> tuple[int, int, int, int]:
+def _grid(
+    device: torch.device, batch: int, lists: int, row_width: int
+) -> tuple[int, int, int, int]:
     """``(chunk_programs, list_groups, requests, lists_per_program)``.
 
     Lists are grouped so that a program has at least ``_MIN_CHUNKS`` chunks of work when rows
