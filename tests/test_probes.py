@@ -190,6 +190,7 @@ def test_bad_arguments_raise_type_or_value_error(device, on):
 
 
 def test_clean_device_tensors_pass(device, on):
+    assert probes.enabled(), "the probes must be live, or passing proves nothing"
     _all_probes(torch.randn(64, device=device), torch.arange(0, 8, 4, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -231,6 +232,7 @@ def test_enabled_probes_do_not_sync_and_capture_in_a_graph(device, on):
     x = torch.randn(4096, device="cuda")
     # Valid for every probe of _all_probes: inside [0, 8) and multiples of 4.
     idx = torch.tensor([0, 4], device="cuda").repeat(2048)
+    assert probes.enabled(), "the probes must be live, or passing proves nothing"
     _all_probes(x, idx)  # warm-up outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -39,7 +39,7 @@ def _spec_tail_copy(batch, rows_before):
     return new
 
 
-def _move_tails(batch, device, gen, *, disjoint, addressing="auto"):
+def _check_tail_move(batch, device, gen, *, disjoint, addressing="auto"):
     K, S, ps = batch.topk, batch.num_steps, batch.page_size
     P = batch.pool_size
     pools = [GuardedPool(P, (64,), torch.bfloat16, device, gen),
@@ -68,14 +68,14 @@ def _move_tails(batch, device, gen, *, disjoint, addressing="auto"):
 def test_prefix_tail_lands_in_every_branch(device, gen, shape, k, s, ps, disjoint):
     batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
                        generator=gen, device=device)  # fmt: skip
-    _move_tails(batch, device, gen, disjoint=disjoint)
+    _check_tail_move(batch, device, gen, disjoint=disjoint)
 
 
 def test_prefix_tail_over_the_pointer_table(device, gen):
     batch = make_batch("modm1", batch_size=6, topk=4, num_steps=3, page_size=16,
                        row_width=_row_width(4, 3, 16), generator=gen, device=device)  # fmt: skip
-    _move_tails(batch, device, gen, disjoint=False, addressing="table")
-    _move_tails(batch, device, gen, disjoint=True, addressing="table")
+    _check_tail_move(batch, device, gen, disjoint=False, addressing="table")
+    _check_tail_move(batch, device, gen, disjoint=True, addressing="table")
 
 
 def test_every_branch_sees_the_tail_after_the_move(device, gen):
