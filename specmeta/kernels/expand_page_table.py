@@ -47,13 +47,9 @@ def _chain_slot(out_cache_loc_ptr, first, t, j, live, NUM_STEPS: tl.constexpr):
     return tl.where(neg, 0, slot), neg
 
 
-@triton.jit(
-    do_not_specialize=[
-        "B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
-        "stride_cu",
-    ]
-)  # fmt: skip
-def _expand_page_table_kernel(
+@triton.jit
+def _expand_page_table_program(
+    b,  # request
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     seq_lens_ptr,  # [B] int32|int64
     page_table_ptr,  # [≥rows, ≥B*K, W] int32|int64, strides (stride_pt_s, stride_pt_r, 1)
@@ -78,11 +74,12 @@ def _expand_page_table_kernel(
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1),)``: program ``b`` writes every step of the ``K`` branch rows of
+    """Program ``b`` of the grid ``(max(B, 1),)``: every step of the ``K`` branch rows of
     request ``b`` as ``[K, S]`` (branch × chain index or step) and ``[K, S, W]`` (branch × step
-    × column) tiles; the last program also writes the closing ``cu_seqlens_k`` entries (entry
-    0 when ``B == 0``)."""
-    b = tl.program_id(0).to(tl.int64)
+    × column) tiles; the last request also writes the closing ``cu_seqlens_k`` entries (entry
+    0 when ``B == 0``). A device function so that a fused kernel can run it on part of its
+    grid."""
+    b = b.to(tl.int64)  # first·S and branch-row products are int64 from here
     live = b < B
     first = b * TOPK  # branch row of t = 0
     L = tl.load(seq_lens_ptr + b, mask=live, other=0).to(tl.int64)
@@ -164,6 +161,66 @@ def _expand_page_table_kernel(
             | tl.where(bad_page, _BAD_PAGE, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
+        "stride_cu",
+    ]
+)  # fmt: skip
+def _expand_page_table_kernel(
+    out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥rows, ≥B*K, W] int32|int64, strides (stride_pt_s, stride_pt_r, 1)
+    cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_cs
+    cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_cu (unless WRITE_CU)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    num_rows,
+    W,
+    stride_pt_s,
+    stride_pt_r,
+    stride_cs,
+    stride_cu,
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    PAGED: tl.constexpr,  # PAGE_SIZE > 1
+    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
+    BLOCK_K: tl.constexpr,  # next power of two ≥ K: branch t
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, and step index s
+    BLOCK_W: tl.constexpr,  # columns per store tile
+    BLOCK_B: tl.constexpr,
+    WRITE_CU: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1),)``: program ``b`` runs :func:`_expand_page_table_program`."""
+    _expand_page_table_program(
+        tl.program_id(0),
+        out_cache_loc_ptr,
+        seq_lens_ptr,
+        page_table_ptr,
+        cache_seqlens_ptr,
+        cu_seqlens_k_ptr,
+        status_ptr,
+        B,
+        num_rows,
+        W,
+        stride_pt_s,
+        stride_pt_r,
+        stride_cs,
+        stride_cu,
+        TOPK=TOPK,
+        NUM_STEPS=NUM_STEPS,
+        PAGED=PAGED,
+        PAGE_SIZE=PAGE_SIZE,
+        BLOCK_K=BLOCK_K,
+        BLOCK_S=BLOCK_S,
+        BLOCK_W=BLOCK_W,
+        BLOCK_B=BLOCK_B,
+        WRITE_CU=WRITE_CU,
+        HAS_STATUS=HAS_STATUS,
+    )
 
 
 def _prepare(

@@ -51,13 +51,10 @@ def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr)
     return L + extra_tokens
 
 
-@triton.jit(
-    do_not_specialize=[
-        "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows",
-        "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs",
-    ]
-)  # fmt: skip
-def _prefix_page_table_kernel(
+@triton.jit
+def _prefix_page_table_program(
+    b,  # request
+    c,  # first column chunk
     req_pool_indices_ptr,  # [B] int32|int64
     req_to_token_ptr,  # [R, W_row] int32|int64
     seq_lens_ptr,  # [B] int32|int64
@@ -85,11 +82,11 @@ def _prefix_page_table_kernel(
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes column chunks ``c, c +
-    chunk_programs, …`` of row ``b``; program ``(b, 0)`` also writes ``cache_seqlens[:, b]``,
-    ``cu_seqlens_k[:, b]`` (the last program the closing entry) and the status."""
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+    """Program ``(b, c)`` of the grid ``(max(B, 1), chunk_programs)``: writes column chunks
+    ``c, c + chunk_programs, …`` of row ``b``; ``c == 0`` also writes ``cache_seqlens[:, b]``,
+    ``cu_seqlens_k[:, b]`` (the last request the closing entry) and the status. A device
+    function so that a fused kernel can run it on part of its grid."""
+    b = b.to(tl.int64)  # b·stride_pt passes 2**31 (below)
     live = b < B
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
@@ -166,6 +163,74 @@ def _prefix_page_table_kernel(
             tl.atomic_or(status_ptr, bits, mask=bits != 0)
     if HAS_STATUS:
         tl.atomic_or(status_ptr, _POOL_OOB, mask=neg_slot != 0)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows",
+        "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs",
+    ]
+)  # fmt: skip
+def _prefix_page_table_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥rows, ≥B] int32|int64, row stride stride_cs
+    cu_seqlens_k_ptr,  # [≥rows, ≥B+1] int32|int64, row stride stride_cu (unless WRITE_CU)
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    extra_tokens,
+    fill_value,
+    num_rows,
+    W,
+    stride_pt,
+    stride_cs,
+    stride_cu,
+    chunk_programs,
+    EXCLUDE_LAST_PARTIAL: tl.constexpr,
+    PAGED: tl.constexpr,  # PAGE_SIZE > 1
+    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
+    BLOCK: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    WRITE_CU: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` runs
+    :func:`_prefix_page_table_program`."""
+    _prefix_page_table_program(
+        tl.program_id(0),
+        tl.program_id(1),
+        req_pool_indices_ptr,
+        req_to_token_ptr,
+        seq_lens_ptr,
+        page_table_ptr,
+        cache_seqlens_ptr,
+        cu_seqlens_k_ptr,
+        status_ptr,
+        B,
+        R,
+        W_row,
+        stride_row,
+        extra_tokens,
+        fill_value,
+        num_rows,
+        W,
+        stride_pt,
+        stride_cs,
+        stride_cu,
+        chunk_programs,
+        EXCLUDE_LAST_PARTIAL=EXCLUDE_LAST_PARTIAL,
+        PAGED=PAGED,
+        PAGE_SIZE=PAGE_SIZE,
+        BLOCK=BLOCK,
+        BLOCK_B=BLOCK_B,
+        WRITE_CU=WRITE_CU,
+        HAS_STATUS=HAS_STATUS,
+    )
 
 
 @functools.lru_cache(maxsize=16)
