@@ -545,6 +545,37 @@ def _check_expand_page_table(device: torch.device, g: torch.Generator) -> CheckR
     return res
 
 
+@register("draft_decode_page_tables")
+def _check_draft_decode_page_tables(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Both FA3 draft-decode passes in one launch against the two passes' references."""
+    from .kernels.draft_decode_page_tables import (
+        draft_decode_page_tables,
+        draft_decode_page_tables_ref,
+    )
+
+    res = CheckResult("draft_decode_page_tables")
+    status = new_status(device)
+    for b in batches(device, g):
+        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+        slots = assign_draft_cache_locs(*_args(b), **kw)
+        kw["exclude_last_partial"] = uses_layout_b(b.topk, b.page_size)
+        B, BK = b.batch_size, b.batch_size * b.topk
+        cu, ref_cu = (torch.full((B + 1,), -7, dtype=torch.int32, device=device) for _ in "ab")
+        ecu, ref_ecu = (torch.full((b.num_steps, BK + 1), -7, dtype=torch.int32, device=device)
+                        for _ in "ab")  # fmt: skip
+        got = draft_decode_page_tables(*_args(b), slots, cu_seqlens_k=cu,
+                                       expand_cu_seqlens_k=ecu, status=status, **kw)  # fmt: skip
+        want = draft_decode_page_tables_ref(*_args(b), slots, cu_seqlens_k=ref_cu,
+                                            expand_cu_seqlens_k=ref_ecu, **kw)  # fmt: skip
+        names = ("page_table", "cache_seqlens", "expand_page_table", "expand_cache_seqlens")
+        for name, x, y in zip(names, got, want, strict=True):
+            res.compare(name, x, y, b.describe())
+        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
+        res.compare("expand_cu_seqlens_k", ecu, ref_ecu, b.describe())
+    res.status_bits |= int(status.item())
+    return res
+
+
 @register("verify_expand_page_table")
 def _check_verify_expand_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
     from .kernels.verify_expand_page_table import (

@@ -16,6 +16,7 @@ from .draft_cache_locs import (
     prefix_tail_copy_pairs_ref,
 )
 from .draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .draft_decode_page_tables import draft_decode_page_tables, draft_decode_page_tables_ref
 from .expand_page_table import expand_page_table, expand_page_table_ref
 from .prefix_page_table import prefix_page_table, prefix_page_table_ref
 from .shared_prefix_kv_indices import shared_prefix_kv_indices, shared_prefix_kv_indices_ref
@@ -49,6 +50,8 @@ __all__ = [
     "prefix_page_table_ref",
     "expand_page_table",
     "expand_page_table_ref",
+    "draft_decode_page_tables",
+    "draft_decode_page_tables_ref",
     "verify_expand_page_table",
     "verify_expand_page_table_ref",
 ]

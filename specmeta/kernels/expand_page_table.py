@@ -225,9 +225,10 @@ def _expand_page_table_kernel(
 
 def _prepare(
     out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
-    cu_seqlens_k, status,
+    cu_seqlens_k, status, prefix="",
 ):  # fmt: skip
-    """Validate and allocate; shared by the launcher and the reference."""
+    """Validate and allocate; shared by the launcher and the reference. ``prefix`` goes before
+    the output buffers' names in messages (a fused op's ``expand_page_table``, …)."""
     topk = validate.positive("topk", topk)
     num_steps = validate.positive("num_steps", num_steps)
     page_size = validate.positive("page_size", page_size)
@@ -245,13 +246,14 @@ def _prepare(
         page_table = torch.empty((rows, BK, width), dtype=torch.int32, device=device)
     if cache_seqlens is None:
         cache_seqlens = torch.empty((rows, BK), dtype=torch.int32, device=device)
-    validate.tensor("page_table", page_table, ndim=3, device=device)
-    validate.at_least("page_table", page_table.shape[0], rows, "step rows")
-    validate.at_least("page_table", page_table.shape[1], BK, "branch rows (B*topk)")
-    validate.at_least("page_table", page_table.shape[2], width, "columns (num_rows)")
+    name = f"{prefix}page_table"
+    validate.tensor(name, page_table, ndim=3, device=device)
+    validate.at_least(name, page_table.shape[0], rows, "step rows")
+    validate.at_least(name, page_table.shape[1], BK, "branch rows (B*topk)")
+    validate.at_least(name, page_table.shape[2], width, "columns (num_rows)")
     for name, buf, cols in (
-        ("cache_seqlens", cache_seqlens, BK),
-        ("cu_seqlens_k", cu_seqlens_k, BK + 1),
+        (f"{prefix}cache_seqlens", cache_seqlens, BK),
+        (f"{prefix}cu_seqlens_k", cu_seqlens_k, BK + 1),
     ):
         if buf is None:
             continue

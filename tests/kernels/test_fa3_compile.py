@@ -22,6 +22,7 @@ _SCRIPT = textwrap.dedent(
     prefix_page_table = import_module("specmeta.kernels.prefix_page_table")
     expand_page_table = import_module("specmeta.kernels.expand_page_table")
     verify_expand_page_table = import_module("specmeta.kernels.verify_expand_page_table")
+    draft_decode_page_tables = import_module("specmeta.kernels.draft_decode_page_tables")
 
     def compile_one(which, variant):
         sizes = dict(
@@ -30,6 +31,8 @@ _SCRIPT = textwrap.dedent(
             expand=["B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
                     "stride_cu"],
             verify=["B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj"],
+            fused=["B", "R", "W_row", "stride_row", "W", "stride_pt", "chunk_programs", "num_rows",
+                   "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu"],
         )[which]
         fn, ptrs, consts = dict(
             prefix=(prefix_page_table._prefix_page_table_kernel,
@@ -48,6 +51,15 @@ _SCRIPT = textwrap.dedent(
                     ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "tree_mask_ptr",
                      "page_table_ptr", "cache_seqlens_ptr", "cu_seqlens_k_ptr", "status_ptr"],
                     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True)),
+            fused=(draft_decode_page_tables._draft_decode_page_tables_kernel,
+                   ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "out_cache_loc_ptr",
+                    "page_table_ptr", "cache_seqlens_ptr", "cu_seqlens_k_ptr",
+                    "expand_page_table_ptr", "expand_cache_seqlens_ptr", "expand_cu_seqlens_k_ptr",
+                    "status_ptr"],
+                   dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
+                        PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024, BLOCK_B=1024,
+                        TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, WRITE_CU=True,
+                        WRITE_EXPAND_CU=True, HAS_STATUS=True)),
         )[which]
         sig = {p: ("*u8" if p == "tree_mask_ptr" else "*i32") for p in ptrs}
         sig.update({n: "i32" for n in sizes})
@@ -60,7 +72,8 @@ _SCRIPT = textwrap.dedent(
 
     failures = []
     for which, variant in [("prefix", "paged"), ("prefix", "flat"), ("expand", "paged"),
-                           ("expand", "flat"), ("verify", "-")]:
+                           ("expand", "flat"), ("verify", "-"), ("fused", "paged"),
+                           ("fused", "flat")]:
         try:
             compile_one(which, variant)
         except Exception as exc:  # report every kernel that fails, not only the first

@@ -1,0 +1,353 @@
+"""Both page-table passes of FA3 draft decode with ``K > 1`` in one launch (SPEC §2.3, §3.2).
+
+FA3 serves ``K > 1`` draft decode as a cascade of a normal pass over each request's shared
+prefix and an expand pass over each branch's own tokens. Neither pass reads what the other
+writes, so one grid runs both::
+
+    normal pass  (as prefix_page_table, extra_tokens = 0, fill 0, one row)
+        len_b               = L_b            (L_b − lpl_b with exclude_last_partial)
+        page_table[b, c]    = row_b[c·ps] // ps     for c < ceil(len_b / ps), else 0
+        cache_seqlens[b]    = len_b,  cu_seqlens_k[b] = Σ_{b'<b} len_b'
+    expand pass  (as expand_page_table), step s, branch row r = b·K + t, dl = s + 1
+        expand_page_table[s, r, :u]   the u = ceil((lpl_b + dl) / ps) distinct pages of
+                                      out_cache_loc[r·S : r·S + dl] // ps, then 0
+                                      (ps == 1: the dl slots themselves)
+        expand_cache_seqlens[s, r]    = lpl_b + dl   (dl when ps == 1)
+        expand_cu_seqlens_k[s, r]     = Σ_{r'<r} expand_cache_seqlens[s, r']
+
+Each pass alone costs little more than a launch (an empty kernel takes about 0.8 µs on an
+H200), so running the cascade's two passes in one launch is the point of this op: the first
+``chunk_programs`` columns of the grid are the normal pass's programs, the last column the
+expand pass's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .expand_page_table import _expand_page_table_program, expand_page_table_ref
+from .expand_page_table import _prepare as _prepare_expand
+from .prefix_page_table import (
+    _BLOCK,
+    _BLOCK_B,
+    _chunk_programs,
+    _prefix_page_table_program,
+    prefix_page_table_ref,
+)
+from .prefix_page_table import _prepare as _prepare_prefix
+
+__all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
+
+
+@triton.jit(
+    do_not_specialize=[
+        "B", "R", "W_row", "stride_row", "W", "stride_pt", "chunk_programs", "num_rows",
+        "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
+    ]
+)  # fmt: skip
+def _draft_decode_page_tables_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
+    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥B] int32|int64
+    cu_seqlens_k_ptr,  # [≥B+1] int32|int64 (unused unless WRITE_CU)
+    expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
+    expand_cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_ecs
+    expand_cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ecu
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    W,
+    stride_pt,
+    chunk_programs,
+    num_rows,
+    W_expand,
+    stride_ept_s,
+    stride_ept_r,
+    stride_ecs,
+    stride_ecu,
+    EXCLUDE_LAST_PARTIAL: tl.constexpr,
+    PAGED: tl.constexpr,  # PAGE_SIZE > 1
+    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
+    BLOCK: tl.constexpr,  # normal pass: page-table columns per iteration
+    BLOCK_B: tl.constexpr,  # seq_lens entries per iteration of the prefix sums
+    TOPK: tl.constexpr,
+    NUM_STEPS: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two ≥ K
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S
+    BLOCK_W: tl.constexpr,  # expand pass: columns per store tile
+    WRITE_CU: tl.constexpr,
+    WRITE_EXPAND_CU: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """Grid ``(max(B, 1), chunk_programs + 1)`` (``+ 0`` when no expand row is built):
+    program ``(b, c)`` with ``c < chunk_programs`` is program ``(b, c)`` of the normal pass,
+    program ``(b, chunk_programs)`` is program ``b`` of the expand pass."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    if c < chunk_programs:
+        # The normal pass has one row, no extra tokens and fill 0: literal sizes that Triton
+        # folds (a runtime 0 keeps the argument types of the standalone kernel).
+        zero = B * 0
+        _prefix_page_table_program(
+            b,
+            c,
+            req_pool_indices_ptr,
+            req_to_token_ptr,
+            seq_lens_ptr,
+            page_table_ptr,
+            cache_seqlens_ptr,
+            cu_seqlens_k_ptr,
+            status_ptr,
+            B,
+            R,
+            W_row,
+            stride_row,
+            zero,  # extra_tokens
+            zero,  # fill_value
+            zero + 1,  # num_rows
+            W,
+            stride_pt,
+            zero,  # stride_cs: one row
+            zero,  # stride_cu: one row
+            chunk_programs,
+            EXCLUDE_LAST_PARTIAL=EXCLUDE_LAST_PARTIAL,
+            PAGED=PAGED,
+            PAGE_SIZE=PAGE_SIZE,
+            BLOCK=BLOCK,
+            BLOCK_B=BLOCK_B,
+            WRITE_CU=WRITE_CU,
+            HAS_STATUS=HAS_STATUS,
+        )
+    else:
+        _expand_page_table_program(
+            b,
+            out_cache_loc_ptr,
+            seq_lens_ptr,
+            expand_page_table_ptr,
+            expand_cache_seqlens_ptr,
+            expand_cu_seqlens_k_ptr,
+            status_ptr,
+            B,
+            num_rows,
+            W_expand,
+            stride_ept_s,
+            stride_ept_r,
+            stride_ecs,
+            stride_ecu,
+            TOPK=TOPK,
+            NUM_STEPS=NUM_STEPS,
+            PAGED=PAGED,
+            PAGE_SIZE=PAGE_SIZE,
+            BLOCK_K=BLOCK_K,
+            BLOCK_S=BLOCK_S,
+            BLOCK_W=BLOCK_W,
+            BLOCK_B=BLOCK_B,
+            WRITE_CU=WRITE_EXPAND_CU,
+            HAS_STATUS=HAS_STATUS,
+        )
+
+
+def _prepare(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
+    exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k, expand_page_table,
+    expand_cache_seqlens, expand_cu_seqlens_k, status,
+):  # fmt: skip
+    """Validate both passes (each with its own op's checks) and allocate what is missing, before
+    anything is written; shared by the launcher and the reference."""
+    page_size, _, _, B, page_table, cache_seqlens = _prepare_prefix(
+        req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
+        page_table, cache_seqlens, cu_seqlens_k, status,
+    )  # fmt: skip
+    topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens = _prepare_expand(
+        out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, expand_page_table,
+        expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
+    )  # fmt: skip
+    return (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
+            expand_cache_seqlens)  # fmt: skip
+
+
+def draft_decode_page_tables(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    exclude_last_partial: bool,
+    num_rows: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    expand_page_table: torch.Tensor | None = None,
+    expand_cache_seqlens: torch.Tensor | None = None,
+    expand_cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one launch.
+
+    Writes exactly what :func:`specmeta.kernels.prefix_page_table` (normal pass) followed by
+    :func:`specmeta.kernels.expand_page_table` (every step's expand pass) write.
+
+    Parameters
+    ----------
+    req_pool_indices : torch.Tensor
+        ``[B]`` int32 or int64, the row of each request; row 0 reserved.
+    req_to_token : torch.Tensor
+        ``[R, W_row]`` int32 or int64, row → position → KV slot.
+    seq_lens : torch.Tensor
+        ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
+    out_cache_loc : torch.Tensor
+        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (SPEC §1).
+    topk, num_steps, page_size : int
+        ``K``, ``S``, ``ps`` (all ≥ 1).
+    exclude_last_partial : bool
+        Normal pass over ``L_b − (L_b mod ps)`` (slot layout B, where every branch's region
+        starts with the prefix's last partial page) instead of ``L_b``.
+    num_rows : int, optional
+        Expand step rows to build, ``0 ≤ rows ≤ S`` (default ``S``); the normal pass is built
+        whatever ``rows``.
+    page_table : torch.Tensor, optional
+        Normal pass, ``[≥ B, W]`` int32 or int64 (unit column stride); rows ``[:B]`` are written
+        entirely, pages past ``W`` dropped (``OUT_OF_CAPACITY``). Allocated int32
+        ``[B, ceil(W_row / ps)]`` when omitted.
+    cache_seqlens : torch.Tensor, optional
+        Normal pass, ``[≥ B]`` int32 or int64: ``len_b`` (clamped to ``W·ps``). Allocated int32
+        when omitted.
+    cu_seqlens_k : torch.Tensor, optional
+        Normal pass, ``[≥ B + 1]``: ``Σ_{b'<b} cache_seqlens[b']`` for ``b ∈ [0, B]``.
+    expand_page_table : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K, W_e]`` int32 or int64, ``W_e ≥ rows`` (unit column stride); rows
+        ``[:rows, :B·K]`` written entirely. Allocated int32 ``[rows, B·K, rows]`` when omitted.
+    expand_cache_seqlens : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K]`` int32 or int64: ``lpl_b + s + 1`` (``s + 1`` when ``ps == 1``).
+        Allocated int32 when omitted.
+    expand_cu_seqlens_k : torch.Tensor, optional
+        ``[≥ rows, ≥ B·K + 1]``: ``Σ_{r'<r} expand_cache_seqlens[s, r']`` for ``r ∈ [0, B·K]``.
+    status : torch.Tensor, optional
+        ``int32 [1]``, ORed by both passes: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``,
+        ``POOL_OOB`` (normal pass, as :func:`~specmeta.kernels.prefix_page_table`);
+        ``BAD_PAGE``, ``POOL_OOB``, ``POS_OOB`` (expand pass, as
+        :func:`~specmeta.kernels.expand_page_table`).
+
+    Returns
+    -------
+    (page_table, cache_seqlens, expand_page_table, expand_cache_seqlens) : tuple of torch.Tensor
+        The buffers passed (whole), or new ones.
+
+    Examples
+    --------
+    ``ps=4``, ``K=2``, ``S=2``, ``seq_lens=[7]`` (``lpl=3``), row ``[40, 41, 42, 43, 12, 13,
+    14, …]``, branch 0's slots ``[15, 20]`` (pages 3, 5), branch 1's ``[63, 36]`` (pages 15,
+    9), ``exclude_last_partial=True``, ``W=2`` → normal: ``page_table=[[10, 0]]``,
+    ``cache_seqlens=[4]``; expand step 0: ``[[3, 0], [15, 0]]``, ``[4, 4]``; step 1:
+    ``[[3, 5], [15, 9]]``, ``[5, 5]``.
+
+    Grid ``(max(B, 1), chunk_programs + 1)``: columns ``c < chunk_programs`` are the normal
+    pass's programs (request ``b``, column chunks ``c, c + chunk_programs, …``), the last column
+    is the expand pass's program of request ``b`` (all steps of its ``K`` branches). No host
+    sync; ``B``, widths and strides are runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
+    """
+    (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
+     expand_cache_seqlens) = _prepare(
+        req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
+        exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
+        expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+    )  # fmt: skip
+    W = page_table.shape[1]
+    W_expand = expand_page_table.shape[2]
+    chunk_programs = _chunk_programs(req_to_token.device, B, W)
+    # One more column of programs for the expand pass, none when it has no row to build.
+    grid = (max(B, 1), chunk_programs + (1 if rows > 0 else 0))
+    _draft_decode_page_tables_kernel[grid](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        out_cache_loc,
+        page_table,
+        cache_seqlens,
+        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        expand_page_table,
+        expand_cache_seqlens,
+        expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
+        status if status is not None else cache_seqlens,
+        # sizes: both passes
+        B,
+        # normal pass
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        W,
+        page_table.stride(0),
+        chunk_programs,
+        # expand pass
+        rows,
+        W_expand,
+        expand_page_table.stride(0),
+        expand_page_table.stride(1),
+        expand_cache_seqlens.stride(0),
+        expand_cu_seqlens_k.stride(0) if expand_cu_seqlens_k is not None else 0,
+        # code shape
+        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
+        PAGED=page_size > 1,
+        PAGE_SIZE=page_size,
+        BLOCK=_BLOCK,
+        BLOCK_B=_BLOCK_B,
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        BLOCK_K=triton.next_power_of_2(topk),
+        BLOCK_S=triton.next_power_of_2(num_steps),
+        # One tile covers the usual W_e = S; wider tables loop over 16-column tiles of zeros.
+        BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
+        WRITE_CU=cu_seqlens_k is not None,
+        WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
+        HAS_STATUS=status is not None,
+        # The normal pass's 1024-column tiles want 4 warps; the expand pass's [K, S] and
+        # [K, S, W] tiles are correct at any count (the standalone kernel uses 2).
+        num_warps=4,
+    )
+    return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
+
+
+def draft_decode_page_tables_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    *,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    exclude_last_partial: bool,
+    num_rows: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    expand_page_table: torch.Tensor | None = None,
+    expand_cache_seqlens: torch.Tensor | None = None,
+    expand_cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
+    (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
+     expand_cache_seqlens) = _prepare(
+        req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
+        exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
+        expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+    )  # fmt: skip
+    prefix_page_table_ref(req_pool_indices, req_to_token, seq_lens, page_size=page_size,
+                          exclude_last_partial=exclude_last_partial, page_table=page_table,
+                          cache_seqlens=cache_seqlens, cu_seqlens_k=cu_seqlens_k, status=status)  # fmt: skip
+    expand_page_table_ref(out_cache_loc, seq_lens, topk=topk, num_steps=num_steps,
+                          page_size=page_size, num_rows=rows, page_table=expand_page_table,
+                          cache_seqlens=expand_cache_seqlens, cu_seqlens_k=expand_cu_seqlens_k,
+                          status=status)  # fmt: skip
+    return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
