@@ -10,7 +10,7 @@ capture and at replay — and returns small frozen dataclasses whose fields are 
 mode                   passes (``flash_attn_with_kvcache`` calls)                    launches
 =====================  ===========================================================  ==========
 draft decode, K == 1   per step ``s``: row pages, ``cache_seqlens = L + s + 1``       1
-draft decode, K > 1    normal (prefix, ``Q = K``) + per step expand (own chain)      2
+draft decode, K > 1    normal (prefix, ``Q = K``) + per step expand (own chain)      1
 target verify, K == 1  row pages over ``L + N``, ``Q = N``, causal                   1
 target verify, K > 1   normal (``L``, ``Q = N``) + expand (tree ancestors, ``Q = 1``)  3
 draft extend           row pages over ``L + N``, ``Q = N``, causal                   1
@@ -31,7 +31,10 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, plan_buffers
-from ..kernels.expand_page_table import expand_page_table, expand_page_table_ref
+from ..kernels.draft_decode_page_tables import (
+    draft_decode_page_tables,
+    draft_decode_page_tables_ref,
+)
 from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
 from ..kernels.verify_expand_page_table import (
     verify_expand_page_table,
@@ -156,7 +159,7 @@ class FA3MetadataBuilder:
             if name.startswith("fa3.")
         }
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
-        self._expand = expand_page_table_ref if reference else expand_page_table
+        self._draft_tables = draft_decode_page_tables_ref if reference else draft_decode_page_tables
         self._verify_expand = (
             verify_expand_page_table_ref if reference else verify_expand_page_table
         )
@@ -286,15 +289,16 @@ class FA3MetadataBuilder:
                 )
                 for s in range(rows)
             )
-        # Normal pass: the shared prefix, whole pages only in layout B (the last partial page
-        # is the start of every branch's region, read by the expand pass).
-        self._prefix(*args, page_size=ps, exclude_last_partial=cfg.layout_b, page_table=pt[:B],
-                     cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1], status=status)  # fmt: skip
+        # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
+        # B (the last partial page is the start of every branch's region, read by the expand
+        # pass). Expand pass: every step's own chain of every branch.
         BK = B * K
         ept, ecs, ecu = self._tables("draft_decode", "expand_")
-        self._expand(out_cache_loc, seq_lens, topk=K, num_steps=S, page_size=ps, num_rows=rows,
-                     page_table=ept[:rows, :BK], cache_seqlens=ecs[:rows, :BK],
-                     cu_seqlens_k=ecu[:rows, : BK + 1], status=status)  # fmt: skip
+        self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
+                           exclude_last_partial=cfg.layout_b, num_rows=rows, page_table=pt[:B],
+                           cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1],
+                           expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
+                           expand_cu_seqlens_k=ecu[:rows, : BK + 1], status=status)  # fmt: skip
         normal = FA3Metadata(
             cache_seqlens=cs[0, :B],
             page_table=pt[:B],

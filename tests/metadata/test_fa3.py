@@ -425,7 +425,7 @@ def _compiled_variants(fn) -> int:
 
 @pytest.mark.gpu
 def test_gpu_new_batch_size_compiles_nothing(gen):
-    from specmeta.kernels.expand_page_table import _expand_page_table_kernel
+    from specmeta.kernels.draft_decode_page_tables import _draft_decode_page_tables_kernel
     from specmeta.kernels.prefix_page_table import _prefix_page_table_kernel
     from specmeta.kernels.verify_expand_page_table import _verify_expand_page_table_kernel
 
@@ -433,7 +433,7 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
     cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=200,
                      max_context_len=2048)  # fmt: skip
     fa3 = FA3MetadataBuilder(cfg, "cuda")
-    kernels = (_prefix_page_table_kernel, _expand_page_table_kernel,
+    kernels = (_prefix_page_table_kernel, _draft_decode_page_tables_kernel,
                _verify_expand_page_table_kernel)  # fmt: skip
     counts = []
     for B in (7, 13, 1, 64, 200):
