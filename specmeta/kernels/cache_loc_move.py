@@ -18,11 +18,12 @@ sources, pass a CTA barrier, then store all its targets: read-before-write holds
 in one launch, without a grid-wide barrier (which would deadlock under the interpreter and on a
 shared GPU) and without staging through global memory (which doubles the bytes moved). The
 program holds a ``[BLOCK_N, COLS]`` register tile, ``BLOCK_N = next_pow2(n)`` (a bucketed
-constexpr) and ``COLS = tile / BLOCK_N`` words: a 32 KiB tile (8 warps) up to 1024 pairs, 64 KiB
-(16 warps) beyond, so slices narrow as ``n`` grows: 512 B of a row at ``n = 64``, 32 B at 1024,
-16 B at 4096. Slices of 32 B or more are whole DRAM sectors; the narrower ones cost extra L2
-transactions (a neighbouring program fetches the other half of each sector), the price of
-generality. Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the
+constexpr) and ``COLS = tile / BLOCK_N`` words: a 32 KiB tile (8 warps) up to 512 pairs,
+128 KiB (16 warps) from 1024 on, so slices narrow as ``n`` grows: 512 B of a row at ``n = 64``,
+128 B at 1024, 32 B at 4096, 16 B at 8192. Slices of 32 B or more are whole DRAM sectors; the
+narrower ones cost extra L2 transactions (a neighbouring program fetches the other half of each
+sector), and below a 128-byte line each row costs a separate DRAM burst: the price of
+generality (on an H200 the wide tile lifted n = 1024 from 46 % to 73 % of copy bandwidth). Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the
 launcher raises ``ValueError``. When every base address, row stride and row width is a multiple
 of 16 B (``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
 
@@ -81,15 +82,19 @@ _ACCEPT_BLOCK_B = 128
 _ACCEPT_BLOCK_TAIL = 1024
 
 # move_kv_cache: every thread holds _VECTORS_PER_THREAD vectors of 16 B (or of one word when a
-# row is not 16-byte aligned). 8 vectors are 128 B of data a thread: ptxas (sm_90) then needs
-# 80-128 registers and spills nothing, so a tile is 32 KiB at 8 warps (two or three programs per
-# SM) while pairs <= _SMALL_BLOCK_N, and 64 KiB at 16 warps beyond, where the 128-register cap of
-# a 512-thread program still holds it and the slices of a row stay 16 B wide at n = 4096.
+# row is not 16-byte aligned). Up to _SMALL_BLOCK_N pairs, 8 vectors (128 B a thread) at 8 warps
+# make a 32 KiB tile, two or three programs per SM. Beyond, the slice of each row would narrow
+# below a 128-byte line, so the tile grows to 128 KiB: 16 vectors a thread at 16 warps, about
+# two programs per SM (_WIDE_PROGRAMS_PER_SM). Swept on an H200 (scripts/tune_move_kv_cache.py,
+# 32-64 layers, 2-4 KiB rows): at n = 1024 the wide tile moves 73-77 % of copy bandwidth, the
+# 64 KiB one 46 %, at n = 4096 47 % against 30 %.
 _VECTORS_PER_THREAD = 8
-_SMALL_BLOCK_N = 1024
+_WIDE_VECTORS_PER_THREAD = 16
+_SMALL_BLOCK_N = 512
+_WIDE_PROGRAMS_PER_SM = 2
 MAX_OVERLAPPING_PAIRS = 8192
-"""Most pairs ``move_kv_cache`` orders in one launch when they may overlap: at 8192 the 64 KiB
-tile holds one 8-byte word of every row."""
+"""Most pairs ``move_kv_cache`` orders in one launch when they may overlap: at 8192 the 128 KiB
+tile holds 16 bytes of every row."""
 DISJOINT_BLOCK_N = 32
 """Pairs per program with ``disjoint=True``: 32 rows of 1 KiB fill a 32 KiB tile."""
 
@@ -521,21 +526,24 @@ class KVPool:
 
 
 @functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device busy: 4 per multiprocessor (one to three tiles are resident
-    per SM, so two waves or more); a couple under the CPU interpreter, where each program costs
-    host time."""
+def _target_programs(device: torch.device, wide: bool) -> int:
+    """Programs that keep the device busy: 4 per multiprocessor for 32 KiB tiles (one to three
+    are resident per SM, so two waves or more), _WIDE_PROGRAMS_PER_SM for 128 KiB tiles; a
+    couple under the CPU interpreter, where each program costs host time."""
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = _WIDE_PROGRAMS_PER_SM if wide else 4
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
 
 
 def _launch_shape(n: int, pool: KVPool, disjoint: bool) -> tuple[int, int, int, int]:
     """``(BLOCK_N, COLS, VEC, num_warps)`` for ``n`` pairs over the rows of ``pool``."""
     block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
-    warps = 8 if block_n <= _SMALL_BLOCK_N else 16
+    wide = block_n > _SMALL_BLOCK_N
+    warps = 16 if wide else 8
+    vectors = _WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD
     vec = 16 // pool.word_bytes if pool.aligned16 else 1
-    tile = warps * 32 * _VECTORS_PER_THREAD * vec
+    tile = warps * 32 * vectors * vec
     cols = max(1, min(tile // block_n, triton.next_power_of_2(pool.max_row_words)))
     if cols < vec:  # a slice narrower than 16 B: slice starts are no longer 16-byte aligned
         vec = 1
@@ -612,7 +620,7 @@ def move_kv_cache(
         HAS_STATUS=status is not None,
         num_warps=warps,
     )
-    target = _target_programs(pool.device)
+    target = _target_programs(pool.device, block_n > _SMALL_BLOCK_N)
     if pool.addressing == "table":
         slices = triton.cdiv(pool.max_row_words, cols)
         per_program = max(1, slices * pair_blocks * len(pool) // target)
