@@ -168,6 +168,7 @@ def test_adversarial_inputs_report_what_the_reference_reports(device, gen, ps):
     R = batch.req_to_token.shape[0]
     batch.req_pool_indices[0] = R  # ROW_OOB: the row reads as the sink
     batch.seq_lens[1] = -5  # POS_OOB in both passes: read as L = 0
+    batch.seq_lens[2:4] = 2 * ps + 1  # OUT_OF_CAPACITY: 2 whole pages in a table 1 page wide
     batch.req_to_token[int(batch.req_pool_indices[2]), 0] = -4  # POOL_OOB (normal pass)
     slots = torch.randint(-3, 50 * ps, (slots.numel(),), generator=gen).to(device)
     slots[1] = -1  # POOL_OOB (expand pass); random slots break the layout: BAD_PAGE if ps > 1
