@@ -81,7 +81,7 @@ def _draft_decode_page_tables_kernel(
     NUM_STEPS: tl.constexpr,
     BLOCK_K: tl.constexpr,  # next power of two ≥ K
     BLOCK_S: tl.constexpr,  # next power of two ≥ S
-    BLOCK_W: tl.constexpr,  # expand pass: columns per store tile
+    BLOCK_W: tl.constexpr,  # expand pass: columns per tile of zeros past column BLOCK_S
     WRITE_CU: tl.constexpr,
     WRITE_EXPAND_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
@@ -305,7 +305,7 @@ def draft_decode_page_tables(
         NUM_STEPS=num_steps,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
-        # One tile covers the usual W_e = S; wider tables loop over 16-column tiles of zeros.
+        # The data tile covers the usual W_e = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,

@@ -68,33 +68,53 @@ def _expand_page_table_program(
     PAGED: tl.constexpr,  # PAGE_SIZE > 1
     PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK_K: tl.constexpr,  # next power of two ≥ K: branch t
-    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, and step index s
-    BLOCK_W: tl.constexpr,  # columns per store tile
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, step s, data column c
+    BLOCK_W: tl.constexpr,  # columns per tile of zeros past column BLOCK_S
     BLOCK_B: tl.constexpr,
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
     """Program ``b`` of the grid ``(max(B, 1),)``: every step of the ``K`` branch rows of
-    request ``b`` as ``[K, S]`` (branch × chain index or step) and ``[K, S, W]`` (branch × step
-    × column) tiles; the last request also writes the closing ``cu_seqlens_k`` entries (entry
-    0 when ``B == 0``). A device function so that a fused kernel can run it on part of its
-    grid."""
+    request ``b``; the last request also writes the closing ``cu_seqlens_k`` entries (entry 0
+    when ``B == 0``). A device function so that a fused kernel can run it on part of its grid.
+
+    Every tile is 3-D, ``[branch t, chain index j or step s, column c]`` with size-1 axes where
+    a value does not depend on one, so that Triton keeps them all in one register layout (no
+    shared-memory round trip between them). Every load is issued before the first store: a
+    load after a store waits for it (the pointers may alias), one memory latency more."""
     b = b.to(tl.int64)  # first·S and branch-row products are int64 from here
     live = b < B
     first = b * TOPK  # branch row of t = 0
     L = tl.load(seq_lens_ptr + b, mask=live, other=0).to(tl.int64)
+
+    t = tl.arange(0, BLOCK_K)[:, None, None]
+    j = tl.arange(0, BLOCK_S)[None, :, None]  # chain index j; also step s of the tiles
+    c = tl.arange(0, BLOCK_S)[None, None, :]  # column c: data columns are < rows ≤ S
+    in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [K, S, 1]
+    if PAGED:
+        slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
+        # The previous slot gathered again rather than shifted out of `slot`: the two loads
+        # are in flight together, a shift would wait for the first one.
+        prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
+                                      NUM_STEPS)  # fmt: skip
+    else:
+        # Every slot is its own page (duplicates are not collapsed): column c of every step is
+        # chain slot c, gathered straight into the column axis.
+        in_cols = tl.where(live, (t < TOPK) & (c < num_rows), False)  # [K, 1, S]
+        run_page, neg = _chain_slot(out_cache_loc_ptr, first, t, c, in_cols, NUM_STEPS)
+    lpl_before = b * 0  # Σ_{b'<b} lpl_b' (0 when ps == 1), int64
+    if WRITE_CU and PAGED:
+        for start in range(0, b, BLOCK_B):
+            offs = start + tl.arange(0, BLOCK_B)
+            before = offs < b
+            prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+            lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % PAGE_SIZE, 0), axis=0)
+
     L_ok = L >= 0
     L = tl.maximum(L, 0)
-
-    t = tl.arange(0, BLOCK_K)[:, None]
-    j = tl.arange(0, BLOCK_S)[None, :]  # chain index j; also step s of the per-step tiles
-    in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [BLOCK_K, BLOCK_S]
-    slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
     if PAGED:
         lpl = L % PAGE_SIZE
         page = slot // PAGE_SIZE
-        prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
-                                      NUM_STEPS)  # fmt: skip
         new = in_rows & ((j == 0) | (prev // PAGE_SIZE != page))
         runs = tl.cumsum(new.to(tl.int32), axis=1)  # distinct pages among j' ≤ j
         u = (lpl + j + PAGE_SIZE) // PAGE_SIZE  # ceil((lpl + s + 1) / ps) for step s = j
@@ -102,48 +122,35 @@ def _expand_page_table_program(
         # and is consistent as it is; a real draft slot never lies on page 0.
         real = in_rows & (slot != 0)
         bad = real & ((slot % PAGE_SIZE != (lpl + j) % PAGE_SIZE) | (runs != u))
-        bad_page = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) != 0
-        limit = tl.minimum(runs, u)  # data columns of step s; extra runs are dropped
+        bad_page = tl.max(bad.to(tl.int32)) != 0
+        limit = tl.minimum(runs, u)  # [K, S, 1]: data columns of step s; extra runs dropped
+        # run_page[t, c]: the page of the chain slot j that opened run c of branch t.
+        hit = new & (runs - 1 == c)  # [K, S (j), S (c)]
+        run_page = tl.sum(tl.where(hit, page, 0), axis=1)[:, None, :]  # [K, 1, S (c)]
     else:
         lpl = L * 0
-        page = slot
-        new = in_rows  # every slot is its own page (duplicates are not collapsed)
-        runs = j + 1 + 0 * t
         bad_page = False
-        limit = runs
-    seqlen = lpl + j + 1 + 0 * t  # [BLOCK_K, BLOCK_S]: cache_seqlens of step s = j
+        limit = j + 1
+    seqlen = lpl + j + 1 + 0 * t  # [K, S, 1]: cache_seqlens of step s = j
 
     # Page-table tiles [branch t, step s, column c]: the c-th distinct page of branch t for
-    # c < limit[t, s], then 0.
-    t3 = tl.arange(0, BLOCK_K)[:, None, None]
-    s3 = tl.arange(0, BLOCK_S)[None, :, None]
-    rows_ok = tl.where(live, (t3 < TOPK) & (s3 < num_rows), False)
+    # c < limit[t, s], then 0; columns from S on (a table wider than the steps) only hold 0.
     stride_s64 = stride_pt_s.to(tl.int64)  # step·(Bp·K·W) passes 2**31 only for huge tables
-    base = page_table_ptr + (first + t3) * stride_pt_r + s3 * stride_s64
-    for c0 in range(0, W, BLOCK_W):
-        c = c0 + tl.arange(0, BLOCK_W)
-        # run_page[t, c]: the page of the chain slot that opened run c of branch t.
-        hit = new[:, None, :] & ((runs - 1)[:, None, :] == c[None, :, None])  # [K, W, S]
-        run_page = tl.sum(tl.where(hit, page[:, None, :], 0), axis=2)  # [K, W]
-        cols = c[None, None, :]
-        tile = tl.where(cols < limit[:, :, None], run_page[:, None, :], 0)
-        tl.store(base + cols, tile, mask=rows_ok & (cols < W))
+    base = page_table_ptr + (first + t) * stride_pt_r + j * stride_s64  # [K, S, 1]
+    tl.store(base + c, tl.where(c < limit, run_page, 0), mask=in_rows & (c < W))
+    for c0 in range(BLOCK_S, W, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)[None, None, :]
+        tl.store(base + cols, tl.zeros([BLOCK_K, BLOCK_S, BLOCK_W], tl.int32),
+                 mask=in_rows & (cols < W))  # fmt: skip
 
-    rows2 = first + t  # [BLOCK_K, 1] branch rows
-    tl.store(cache_seqlens_ptr + j * stride_cs.to(tl.int64) + rows2, seqlen, mask=in_rows)
+    rows = first + t  # [K, 1, 1] branch rows
+    tl.store(cache_seqlens_ptr + j * stride_cs.to(tl.int64) + rows, seqlen, mask=in_rows)
     if WRITE_CU:
         # cu_seqlens_k[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1),
         # int64 throughout.
-        lpl_before = b * 0
-        if PAGED:
-            for start in range(0, b, BLOCK_B):
-                offs = start + tl.arange(0, BLOCK_B)
-                before = offs < b
-                prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
-                lpl_before += tl.sum(tl.where(before, tl.maximum(prev_L, 0) % PAGE_SIZE, 0), axis=0)
-        cu_start = TOPK * lpl_before + t * lpl + rows2 * (j + 1)
+        cu_start = TOPK * lpl_before + t * lpl + rows * (j + 1)
         cu_rows = cu_seqlens_k_ptr + j * stride_cu.to(tl.int64)
-        tl.store(cu_rows + rows2, cu_start, mask=in_rows)
+        tl.store(cu_rows + rows, cu_start, mask=in_rows)
         # Closing entry cu[s, B·K] = cu[s, B·K − 1] + cache_seqlens[s, B·K − 1], from the
         # last request's last branch (0 when B == 0).
         BK = B * TOPK
@@ -154,7 +161,7 @@ def _expand_page_table_program(
 
     if HAS_STATUS:
         pos_bad = live & ~L_ok
-        neg_any = tl.max(tl.max(neg.to(tl.int32), axis=1), axis=0) != 0
+        neg_any = tl.max(neg.to(tl.int32)) != 0
         bits = (
             tl.where(pos_bad, _POS_OOB, 0)
             | tl.where(neg_any, _POOL_OOB, 0)
@@ -188,8 +195,8 @@ def _expand_page_table_kernel(
     PAGED: tl.constexpr,  # PAGE_SIZE > 1
     PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK_K: tl.constexpr,  # next power of two ≥ K: branch t
-    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, and step index s
-    BLOCK_W: tl.constexpr,  # columns per store tile
+    BLOCK_S: tl.constexpr,  # next power of two ≥ S: chain index j, step s, data column c
+    BLOCK_W: tl.constexpr,  # columns per tile of zeros past column BLOCK_S
     BLOCK_B: tl.constexpr,
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
@@ -351,7 +358,7 @@ def expand_page_table(
         PAGE_SIZE=page_size,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
-        # One tile covers the usual W = S; wider tables loop over 16-column tiles of zeros.
+        # The data tile covers the usual W = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,
