@@ -80,8 +80,9 @@ def _expand_page_table_program(
 
     Every tile is 3-D, ``[branch t, chain index j or step s, column c]`` with size-1 axes where
     a value does not depend on one, so that Triton keeps them all in one register layout (no
-    shared-memory round trip between them). Every load is issued before the first store: a
-    load after a store waits for it (the pointers may alias), one memory latency more."""
+    shared-memory round trip between them). Every load is issued before the first store (the
+    compiler cannot move a load above a store through a pointer that may alias) and, up to
+    B = 1024, before the first use of a loaded value: all of them are in flight together."""
     b = b.to(tl.int64)  # first·S and branch-row products are int64 from here
     live = b < B
     first = b * TOPK  # branch row of t = 0
@@ -104,7 +105,13 @@ def _expand_page_table_program(
         run_page, neg = _chain_slot(out_cache_loc_ptr, first, t, c, in_cols, NUM_STEPS)
     lpl_before = b * 0  # Σ_{b'<b} lpl_b' (0 when ps == 1), int64
     if WRITE_CU and PAGED:
-        for start in range(0, b, BLOCK_B):
+        # The first BLOCK_B lengths (all of them up to B = 1024) in straight-line code, so the
+        # load goes out with the ones above; a load in the loop only goes out once every load
+        # above has arrived (the loop is a separate block, entered after their first use).
+        head = tl.arange(0, BLOCK_B)
+        L_head = tl.load(seq_lens_ptr + head, mask=head < b, other=0).to(tl.int64)
+        lpl_before += tl.sum(tl.where(head < b, tl.maximum(L_head, 0) % PAGE_SIZE, 0), axis=0)
+        for start in range(BLOCK_B, b, BLOCK_B):
             offs = start + tl.arange(0, BLOCK_B)
             before = offs < b
             prev_L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)

@@ -88,6 +88,13 @@ def _prefix_page_table_program(
     function so that a fused kernel can run it on part of its grid."""
     b = b.to(tl.int64)  # b·stride_pt passes 2**31 (below)
     live = b < B
+    # cu_seqlens_k[b] sums seq_lens[:b]. Its first BLOCK_B entries (all of them up to B = 1024)
+    # are loaded here with the request's own, not in the loop below, which the program reaches
+    # only after the gather of the row: one memory latency less.
+    offs_head = tl.arange(0, BLOCK_B)
+    head = tl.where(c == 0, offs_head < b, False)  # program (b, 0) writes cu_seqlens_k[b]
+    if WRITE_CU:
+        L_head = tl.load(seq_lens_ptr + offs_head, mask=head, other=0).to(tl.int64)
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
@@ -132,14 +139,19 @@ def _prefix_page_table_program(
         stride_cs64 = stride_cs.to(tl.int64)
         stride_cu64 = stride_cu.to(tl.int64)
         last = b == tl.maximum(B, 1) - 1
+        if WRITE_CU:
+            len_head = _covered_len(
+                tl.maximum(L_head, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
+            )
         for r in range(0, num_rows):
             own = tl.where(live, tl.minimum(length + r, cap), 0)
             tl.store(cache_seqlens_ptr + r * stride_cs64 + b, own, mask=live)
             if WRITE_CU:
-                # Σ_{b'<b} min(len_b' + r, W·ps) from whole-vector loads of seq_lens; int64
-                # because ΣL passes 2**31 for large batches of long contexts.
-                start = b * 0
-                for first in range(0, b, BLOCK_B):
+                # Σ_{b'<b} min(len_b' + r, W·ps): the head loaded above, then whole-vector
+                # loads of the rest (B > BLOCK_B only); int64 because ΣL passes 2**31 for large
+                # batches of long contexts.
+                start = tl.sum(tl.where(head, tl.minimum(len_head + r, cap), 0), axis=0)
+                for first in range(BLOCK_B, b, BLOCK_B):
                     offs = first + tl.arange(0, BLOCK_B)
                     before = offs < b
                     prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)

@@ -3,6 +3,8 @@ against the two separate ops it fuses, and against SPEC §2.3 read directly."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -123,6 +125,21 @@ def test_fewer_rows_than_steps_equals_the_two_ops(device, gen, k, s, ps, exclude
     _check_normal(batch, *out[:3], extra=0, exclude=exclude, rows=None, fill=0)
     if rows:
         _check_expand(batch, slots, *out[3:], rows)
+
+
+@pytest.mark.parametrize("ps,exclude", [(1, False), (16, True)])
+def test_prefix_sums_past_one_block(device, gen, monkeypatch, ps, exclude):
+    """cu_seqlens_k of both passes sums seq_lens[:b] in blocks of BLOCK_B (1024): the first
+    block with the request's own loads, the rest in a loop. A 4-wide block runs the loop with
+    13 requests."""
+    # The package re-exports a function of the module's name: fetch the module itself.
+    module = importlib.import_module("specmeta.kernels.draft_decode_page_tables")
+    monkeypatch.setattr(module, "_BLOCK_B", 4)
+    batch, slots = _draw("odd", gen, device, 2, 3, ps, batch_size=13)
+    *out, status = _run(batch, slots, device, k=2, s=3, ps=ps, exclude=exclude)
+    assert int(status) == 0
+    _check_normal(batch, *out[:3], extra=0, exclude=exclude, rows=None, fill=0)
+    _check_expand(batch, slots, *out[3:], 3)
 
 
 def test_spec_example(device):
