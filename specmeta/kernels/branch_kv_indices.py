@@ -137,10 +137,10 @@ def _branch_kv_indices_kernel(
                 tl.sum(tl.where(r == num_rows - 1, heads, 0), axis=0) + TOPK * n_last > W_idx
             )
             flags = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
-            tl.atomic_or(status_ptr, flags, mask=flags != 0)
+            tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
     if HAS_STATUS:
         flags = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
-        tl.atomic_or(status_ptr, flags, mask=flags != 0)
+        tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
 
 
 def _prepare(

@@ -128,7 +128,7 @@ def _branch_page_table_kernel(
             | tl.where((pos_bad != 0) | ~L_ok, _POS_OOB, 0)
             | tl.where(over, _OUT_OF_CAPACITY, 0)
         )
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,

@@ -23,8 +23,9 @@ constexpr) and ``COLS = tile / BLOCK_N`` words: a 32 KiB tile (8 warps) up to 51
 128 B at 1024, 32 B at 4096, 16 B at 8192. Slices of 32 B or more are whole DRAM sectors; the
 narrower ones cost extra L2 transactions (a neighbouring program fetches the other half of each
 sector), and below a 128-byte line each row costs a separate DRAM burst: the price of
-generality (on an H200 the wide tile lifted n = 1024 from 46 % to 73 % of copy bandwidth). Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the
-launcher raises ``ValueError``. When every base address, row stride and row width is a multiple
+generality (on an H200 the wide tile lifted n = 1024 from 46 % to 73 % of copy bandwidth).
+Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the launcher
+raises ``ValueError``. When every base address, row stride and row width is a multiple
 of 16 B (``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
 
 *Disjoint pairs.* When no pair's target is another pair's source (true of the prefix-tail pairs,
@@ -162,7 +163,7 @@ def _accept_cache_locs_kernel(
 
     if HAS_STATUS:
         bits = tl.where(bad != 0, _BAD_ACCEPT, 0)
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status):
@@ -412,7 +413,7 @@ def _move_kv_cache_kernel(
     if HAS_STATUS:
         # Every slice sees the same pairs; slice 0 reports for its buffers.
         bits = tl.where((bad != 0) & (c == 0), _POOL_OOB, 0)
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}

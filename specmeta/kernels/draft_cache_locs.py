@@ -112,7 +112,7 @@ def _assign_draft_cache_locs_kernel(
     if HAS_STATUS:
         pos_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
         bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _check_batch(req_pool_indices, req_to_token, seq_lens):
@@ -258,7 +258,7 @@ def _prefix_tail_copy_pairs_kernel(
     if HAS_STATUS:
         pos_bad = tl.max((used & (tgt_pos >= W_row)).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
         bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def prefix_tail_copy_pairs(

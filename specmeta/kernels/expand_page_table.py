@@ -174,7 +174,7 @@ def _expand_page_table_program(
             | tl.where(neg_any, _POOL_OOB, 0)
             | tl.where(bad_page, _BAD_PAGE, 0)
         )
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 @triton.jit(

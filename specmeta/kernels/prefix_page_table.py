@@ -172,9 +172,9 @@ def _prefix_page_table_program(
                 | tl.where(pos_bad, _POS_OOB, 0)
                 | tl.where(live & (pages_wanted > W), _OUT_OF_CAPACITY, 0)
             )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
     if HAS_STATUS:
-        tl.atomic_or(status_ptr, _POOL_OOB, mask=neg_slot != 0)
+        tl.atomic_or(status_ptr, _POOL_OOB, mask=neg_slot != 0, sem="relaxed")
 
 
 @triton.jit(

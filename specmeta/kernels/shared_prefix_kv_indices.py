@@ -155,7 +155,7 @@ def _shared_prefix_kv_indices_kernel(
                 | tl.where(chain_bad | (n > W_row) | ~L_ok, _POS_OOB, 0)
                 | tl.where(over & (b < B), _OUT_OF_CAPACITY, 0)
             )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _prepare(

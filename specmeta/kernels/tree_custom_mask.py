@@ -121,7 +121,7 @@ def _tree_custom_mask_kernel(
             # A branch rather than a masked atomic: Triton 3.6 dropped the masked form here
             # when seq_lens is int64 (seen on an H200; the interpreter was right).
             if flags != 0:
-                tl.atomic_or(status_ptr, flags)
+                tl.atomic_or(status_ptr, flags, sem="relaxed")
 
 
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):

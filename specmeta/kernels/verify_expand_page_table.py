@@ -102,7 +102,7 @@ def _verify_expand_page_table_kernel(
             | tl.where(pos_bad | ~L_ok, _POS_OOB, 0)
             | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, _POOL_OOB, 0)
         )
-        tl.atomic_or(status_ptr, bits, mask=bits != 0)
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,

@@ -118,7 +118,7 @@ def _verify_kv_indices_kernel(
                 | tl.where((n > W_row) | ~L_ok, _POS_OOB, 0)
                 | tl.where(start + n > W_idx, _OUT_OF_CAPACITY, 0)
             )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0)
+            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
