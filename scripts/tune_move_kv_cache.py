@@ -20,7 +20,7 @@ KNOBS = dict(vectors=(4, 8, 16), warps=(8, 16, 32), per_sm=(1, 2, 4))
 def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    orig = (mod._WIDE_VECTORS_PER_THREAD, mod._launch_shape, mod._target_programs)
+    orig = (mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._target_programs)
     for layers, row_bytes, n in CASES:
         P = 2 * n + 64
         bufs = [torch.zeros((P, *ROW_SHAPES[row_bytes]), dtype=torch.bfloat16, device="cuda")
@@ -30,16 +30,8 @@ def main() -> None:
         moved = 2 * n * row_bytes * len(bufs)
         results = []
         for vectors, warps, per_sm in itertools.product(*KNOBS.values()):
-            mod._WIDE_VECTORS_PER_THREAD = vectors
-
-            def shape(n, pool, disjoint, warps=warps):
-                block_n, _cols, vec, _warps = orig[1](n, pool, disjoint)
-                vec = 16 // pool.word_bytes if pool.aligned16 else 1
-                tile = warps * 32 * mod._WIDE_VECTORS_PER_THREAD * vec
-                cols = max(1, min(tile // block_n, 1 << (pool.max_row_words - 1).bit_length()))
-                return block_n, cols, vec if cols >= vec else 1, warps
-
-            mod._launch_shape = shape
+            # The wide-tile knobs of the launcher (every case here has n > _SMALL_BLOCK_N).
+            mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS = vectors, warps
             mod._target_programs = lambda device, wide, k=per_sm: k * sms
             try:
                 us = graph_us(lambda p=pool, t=tgt, s=src: mod.move_kv_cache(p, t, s), rep_ms=30)
@@ -48,7 +40,7 @@ def main() -> None:
                 continue
             pct = 100 * moved / (us * 1e-6) / 1e9 / copy_bw
             results.append((us, pct, vectors, warps, per_sm))
-        mod._WIDE_VECTORS_PER_THREAD, mod._launch_shape, mod._target_programs = orig
+        mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._target_programs = orig
         results.sort()
         print(f"{layers}x{row_bytes}B n={n}: best " + "; ".join(
             f"{us:.1f} us {pct:.1f} % v{v} w{w} p{p}" for us, pct, v, w, p in results[:4]),

@@ -91,6 +91,7 @@ _ACCEPT_BLOCK_TAIL = 1024
 # 64 KiB one 46 %, at n = 4096 47 % against 30 %.
 _VECTORS_PER_THREAD = 8
 _WIDE_VECTORS_PER_THREAD = 16
+_WIDE_WARPS = 16
 _SMALL_BLOCK_N = 512
 _WIDE_PROGRAMS_PER_SM = 2
 MAX_OVERLAPPING_PAIRS = 8192
@@ -541,7 +542,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool) -> tuple[int, int, int, 
     """``(BLOCK_N, COLS, VEC, num_warps)`` for ``n`` pairs over the rows of ``pool``."""
     block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
     wide = block_n > _SMALL_BLOCK_N
-    warps = 16 if wide else 8
+    warps = _WIDE_WARPS if wide else 8
     vectors = _WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD
     vec = 16 // pool.word_bytes if pool.aligned16 else 1
     tile = warps * 32 * vectors * vec
