@@ -1,15 +1,15 @@
 """Try the launch knobs of draft_decode_kv_indices on the GPU (a tuning aid, not a benchmark of
 record: bench/ holds those).
 
-Sweeps 16-byte vector stores on/off, the block size, warps per program and programs per
-multiprocessor over the cases that miss the issue's targets, and prints, per case, the default
-and the best settings with their device µs and % of the copy bandwidth measured in this run.
+Sweeps the most chunks a program copies, the lists a program fills from one load, warps, block size and
+programs per multiprocessor over the cases that miss the issue's targets, and prints, per case,
+the default and the best settings with their device µs and % of the copy bandwidth measured in
+this run, then the settings whose worst case is best, and registers per variant.
 Usage: ``python scripts/tune_kv_indices.py [--quick]``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import itertools
 import sys
@@ -36,19 +36,30 @@ CASES = [  # (B, K, L): the >= 32 MB launches furthest from 75 %, and the <= 3 u
 ]
 S = 5
 KNOBS = dict(
-    aligned=(False, True),
-    block=(1024, 2048),
+    chunks=(1, 2, 4),
+    lists=(8, 16),
     warps=(4, 8),
-    per_sm=(8, 16),
-    status=(False, True),  # the status word costs a reduction and an atomic per list
+    block=(1024,),
+    per_sm=(4, 8, 16),
 )
 DEFAULT = dict(
-    aligned=mod._ALIGNED_STORES, block=mod._BLOCK, warps=mod._NUM_WARPS, per_sm=8, status=True
+    chunks=mod._MAX_CHUNKS,
+    lists=mod._LISTS_PER_PROGRAM,
+    warps=mod._NUM_WARPS,
+    block=mod._BLOCK,
+    per_sm=mod._PROGRAMS_PER_SM,
 )
 
 
-def vector_stores(launch) -> int:
-    """16-byte stores in the PTX of the kernel ``launch`` runs."""
+def set_knobs(knob: dict) -> None:
+    mod._MAX_CHUNKS, mod._LISTS_PER_PROGRAM, mod._NUM_WARPS, mod._BLOCK = (
+        knob["chunks"], knob["lists"], knob["warps"], knob["block"],
+    )  # fmt: skip
+    mod._PROGRAMS_PER_SM = knob["per_sm"]
+
+
+def compiled(launch):
+    """The compiled kernel that ``launch`` runs."""
     kernel = mod._draft_decode_kv_indices_kernel
     seen = {}
 
@@ -65,17 +76,23 @@ def vector_stores(launch) -> int:
         launch()
     finally:
         mod._draft_decode_kv_indices_kernel = kernel
-    ptx = seen["k"].asm["ptx"]
-    return ptx.count("st.global.v4") + ptx.count("st.global.v2.b64")
+    return seen["k"]
+
+
+def describe(launch) -> str:
+    """Registers, spills and 16-byte stores of the kernel ``launch`` runs."""
+    k = compiled(launch)
+    ptx = k.asm["ptx"]
+    vectors = ptx.count("st.global.v4") + ptx.count("st.global.v2.b64")
+    return f"{k.n_regs} registers, {k.n_spills} spills, {vectors} vector stores"
 
 
 def main() -> None:
     quick = "--quick" in sys.argv
     copy_bw, write_bw = copy_bandwidth_gbs(), write_bandwidth_gbs()
     print(f"copy {copy_bw:.0f} GB/s, write {write_bw:.0f} GB/s", flush=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    orig_target = mod._target_programs
     summary = []
+    table = {}  # knob settings → [(case, written bytes, us, % of copy bandwidth)]
     for bs, k, ctx in CASES:
         cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=S + 1, max_bs=bs,
                          max_context_len=ctx)  # fmt: skip
@@ -93,40 +110,47 @@ def main() -> None:
 
         status = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-        def launch(args=args, k=k, idx=idx, ptr=ptr, status=status, with_status=True):
+        def launch(args=args, k=k, idx=idx, ptr=ptr, status=status):
             return mod.draft_decode_kv_indices(*args, topk=k, num_steps=S, kv_indices=idx,
-                                               kv_indptr=ptr,
-                                               status=status if with_status else None)  # fmt: skip
+                                               kv_indptr=ptr, status=status)  # fmt: skip
 
         results = []
         for values in itertools.product(*KNOBS.values()):
             knob = dict(zip(KNOBS, values, strict=True))
-            if quick and (knob["block"] != 1024 or knob["per_sm"] != 8):
+            if quick and (knob["per_sm"] != DEFAULT["per_sm"] or knob["block"] != 1024):
                 continue
-            mod._ALIGNED_STORES, mod._BLOCK, mod._NUM_WARPS = (
-                knob["aligned"], knob["block"], knob["warps"],
-            )  # fmt: skip
-            mod._target_programs = lambda device, n=knob["per_sm"]: n * sms
-            us = graph_us(functools.partial(launch, with_status=knob["status"]), rep_ms=30)
+            set_knobs(knob)
+            us = graph_us(launch, rep_ms=30)
             results.append((us, knob))
-        mod._target_programs = orig_target
-        mod._ALIGNED_STORES, mod._BLOCK, mod._NUM_WARPS = (
-            DEFAULT["aligned"], DEFAULT["block"], DEFAULT["warps"],
-        )  # fmt: skip
+            pct_us = 100 * moved / (us * 1e-6) / 1e9 / copy_bw
+            table.setdefault(tuple(values), []).append((written, us, pct_us))
+        set_knobs(DEFAULT)
         results.sort(key=lambda r: r[0])
         base = next(us for us, knob in results if knob == DEFAULT)
         pct = lambda us, moved=moved: 100 * moved / (us * 1e-6) / 1e9 / copy_bw  # noqa: E731
         best = results[:3]
         line = (f"{bs:>3}-{k}-{ctx:<5} {written / 1e6:7.1f} MB  default {base:7.2f} us "
-                f"({pct(base):4.1f} %)  best " + "; ".join(
+                f"({pct(base):4.1f} %)  best: " + "; ".join(
                     f"{us:.2f} us {pct(us):.1f} % {knob}" for us, knob in best))  # fmt: skip
         print(line, flush=True)
         summary.append(line)
-    mod._ALIGNED_STORES = True
-    print("vector stores in PTX (aligned on):", vector_stores(launch))
-    mod._ALIGNED_STORES = False
-    print("vector stores in PTX (aligned off):", vector_stores(launch))
-    mod._ALIGNED_STORES = DEFAULT["aligned"]
+    # One setting for every case: the targets are >= 75 % for launches writing >= 32 MB and
+    # <= 3 us for the small ones, so rank by the worst of each.
+    ranked = []
+    for values, rows in table.items():
+        worst_pct = min(p for w, us, p in rows if w >= 32e6)
+        worst_us = max(us for w, us, p in rows if w < 32e6)
+        ranked.append((-worst_pct, worst_us, values))
+    ranked.sort()
+    for neg_pct, worst_us, values in ranked[:6]:
+        print(f"{dict(zip(KNOBS, values, strict=True))}: worst {-neg_pct:.1f} % over >= 32 MB, "
+              f"slowest small case {worst_us:.2f} us")  # fmt: skip
+    code = ("lists", "warps", "block")
+    for values in itertools.product(*(KNOBS[name] for name in code)):
+        knob = dict(DEFAULT, **dict(zip(code, values, strict=True)))
+        set_knobs(knob)
+        print(f"{knob}: {describe(launch)}")
+    set_knobs(DEFAULT)
 
 
 if __name__ == "__main__":

@@ -36,24 +36,37 @@ _ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr glob
 _POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
-# Prefix entries one program loads per iteration and stores K·rows times. 1024 int32 entries
-# keep 8 elements a thread in flight at 4 warps, enough to saturate the store path.
+# Prefix entries a program loads per iteration and stores into each of its lists. 1024 int32
+# entries keep 8 elements a thread in flight at 4 warps.
 _BLOCK = 1024
 # seq_lens entries summed per iteration of a program's exclusive-prefix loop (one vector load
 # covers every batch up to 1024 requests).
 _BLOCK_B = 1024
-# Chunks of work a program should have before lists are grouped (tuned on an H200).
-_MIN_CHUNKS = 8
+# Lists of one request a program fills from each chunk it loads: one load then feeds this many
+# stores, so a program waits on one load per chunk, not one per list. (On an H200, 16 or all of
+# a request's lists did no better, and a larger edge tile slowed the small launches.)
+_LISTS_PER_PROGRAM = 8
 # Warps per program: 4 keeps 8 entries a thread in flight at BLOCK = 1024.
 _NUM_WARPS = 4
-# Store each list's 16-byte-aligned body in vectors (a tuning switch; see _write_list).
+# Programs per multiprocessor the grid aims at.
+_PROGRAMS_PER_SM = 8
+# Most chunks of a row one program copies: long rows are split further even when the grid
+# already holds the target number of programs (at B = 256, K = 8, 32k: 83 % of copy bandwidth
+# with 2, 66 % with all 33 chunks in one program).
+_MAX_CHUNKS = 2
+# Store each list's 16-byte-aligned body in vectors (a tuning switch; see the kernel) when the
+# launch's lists can hold _VECTOR_STORES_MIN entries: vectors lift the large launches by 10-15
+# points of copy bandwidth, and scalar stores finish the small latency-bound ones 0.4 us sooner.
+# All knobs were swept on an H200 with scripts/tune_kv_indices.py.
 _ALIGNED_STORES = True
+_VECTOR_STORES_MIN = 1 << 22
 
 
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows",
         "W_idx", "stride_idx", "stride_ptr", "chunk_programs", "lists_per_program",
+        "vector_stores",
     ]
 )  # fmt: skip
 def _draft_decode_kv_indices_kernel(
@@ -74,22 +87,26 @@ def _draft_decode_kv_indices_kernel(
     stride_ptr,
     chunk_programs,
     lists_per_program,
+    vector_stores,  # 0: scalar stores; else bodies in VEC-entry vectors
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_STEPS: tl.constexpr,  # next power of two ≥ S
+    BLOCK_LISTS: tl.constexpr,  # next power of two ≥ lists_per_program
+    BLOCK_EDGE: tl.constexpr,  # next power of two ≥ 2·VEC + BLOCK_STEPS
     VEC: tl.constexpr,  # kv_indices entries per 16 bytes
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(chunk_programs, list_groups, max(B, 1))``: program ``(c, g, b)`` takes lists
-    ``d = g·lists_per_program + i`` (``d = s·K + t``: step ``s``, branch ``t``) of request ``b``
-    one after the other and copies prefix chunks ``c, c + chunk_programs, …`` into each.
-    Neighbouring programs write neighbouring chunks of one list, so the device sees long
-    sequential write streams; the source chunk is re-read from L2. Grouping lists bounds the
-    number of programs when lists are short. Programs with ``c == 0`` also write each list's
-    own chain, its ``kv_indptr`` entry and its status bits."""
+    """Grid ``(chunk_programs, list_groups, max(B, 1))``: program ``(c, g, b)`` owns lists
+    ``d ∈ [g·lists_per_program, (g+1)·lists_per_program)`` (``d = s·K + t``: step ``s``,
+    branch ``t``) of request ``b``. For each prefix chunk ``c, c + chunk_programs, …`` it loads
+    the chunk once and stores it into every list it owns, so a program waits on one load per
+    chunk whatever the number of lists; neighbouring programs write neighbouring chunks, so
+    the device sees long sequential write streams. Programs with ``c == 0`` then write every
+    owned list's edges (the entries before and after its vector-aligned body), its own chain,
+    its ``kv_indptr`` entry and its status bits, all lists at once."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -108,110 +125,148 @@ def _draft_decode_kv_indices_kernel(
         cum += tl.sum(tl.maximum(lens, 0), axis=0)
     head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
 
-    for i in range(0, lists_per_program):
-        d = g * lists_per_program + i
-        if d < num_rows * TOPK:
-            _write_list(
-                req_to_token_ptr, kv_indices_ptr, kv_indptr_ptr, status_ptr,
-                row_base, L, row_ok, L_ok, cum, head, b, d, c,
-                B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
-                TOPK, NUM_STEPS, LAYOUT_B, BLOCK, BLOCK_STEPS, VEC, HAS_STATUS,
-            )  # fmt: skip
+    num_lists = num_rows * TOPK
+    d_first = g * lists_per_program
+    d_end = tl.minimum(d_first + lists_per_program, num_lists)
+    src = req_to_token_ptr + row_base
+
+    # Programs with c == 0 also write every owned list's edges and chain: one row of this tile
+    # per list. Lanes [0, VEC) are the entries before the list's 16-byte-aligned body,
+    # [VEC, 2·VEC) those after it, [2·VEC, 2·VEC + S) its own chain (j ≤ s) after its prefix.
+    # The tile's loads go out before the bodies' loads and its stores after the bodies'
+    # stores, so a short list costs one memory round trip, not two. (Other programs compute
+    # the tile with every lane masked off: no memory traffic, no branch.)
+    d = d_first + tl.arange(0, BLOCK_LISTS).to(tl.int64)
+    live_d = tl.where(c == 0, d < d_end, False)
+    vector = vector_stores != 0
+    list_off, start, lim, head_n = _list_extent(d, b, L, head, W_idx, stride_idx, TOPK, VEC)
+    # Scalar stores leave no edge before or after the body: the body is the whole prefix.
+    head_n = tl.where(vector, head_n, 0)
+    s_d = d // TOPK
+    t_d = d % TOPK
+    room = W_idx - start  # entries left in the row; stores past it are dropped
+    body_end = tl.where(vector, head_n + (lim - head_n) // VEC * VEC, lim)
+    live_b = b < B
+    e = tl.arange(0, BLOCK_EDGE)[None, :]
+    j = e - 2 * VEC  # chain step of the chain lanes
+    is_head = e < VEC
+    is_tail = (e >= VEC) & (j < 0)
+    chain_pos = draft_slot_position(L, t_d[:, None], j, page_size, NUM_STEPS, LAYOUT_B)
+    pos = tl.where(is_head, e, tl.where(is_tail, body_end[:, None] + e - VEC, chain_pos))
+    keep = tl.where(
+        is_head,
+        e < head_n[:, None],
+        tl.where(
+            is_tail,
+            pos < lim[:, None],
+            tl.where(live_b, (j <= s_d[:, None]) & (L + j < room[:, None]), False),
+        ),
+    )
+    keep = keep & live_d[:, None]
+    edge = tl.load(src + pos, mask=tl.where(row_ok, keep & (pos < W_row), False), other=0)
+
+    # The prefix bodies. A list starts anywhere in its row, so its 16-byte-aligned body begins
+    # h = 0 … VEC−1 entries into the prefix: the chunk is loaded at every shift h (the extra
+    # loads hit L1) and each list stores the one that lines up with its vectors, with a mask
+    # that is uniform over each vector so the compiler emits 16-byte stores. One load of a
+    # chunk feeds every owned list.
+    # Per-lane offsets are int32 within a chunk; the chunk's base, like every offset into a
+    # row, is int64. No list stores past W_idx, which bounds the loop whatever L is.
+    src_lim = tl.where(row_ok, tl.minimum(L, W_row), 0)  # loads past the row give 0
+    n_chunks = tl.cdiv(tl.minimum(L, W_idx), BLOCK)
+    # Each path takes its own lane offsets, so the compiler gives each its own register layout
+    # (four entries a thread for vectors, one for coalesced scalar stores).
+    if vector:
+        k0 = tl.arange(0, BLOCK)
+        for chunk in range(c, n_chunks, chunk_programs):
+            base = tl.cast(chunk, tl.int64) * BLOCK
+            row_chunk = src + base
+            # The shifted loads reach VEC − 1 entries into the next chunk.
+            n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK + VEC).to(tl.int32)
+            v0 = tl.load(row_chunk + k0, mask=k0 < n_load, other=0)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+            if VEC > 1:
+                v1 = tl.load(row_chunk + k0 + 1, mask=k0 + 1 < n_load, other=0)
+            if VEC > 2:
+                v2 = tl.load(row_chunk + k0 + 2, mask=k0 + 2 < n_load, other=0)
+                v3 = tl.load(row_chunk + k0 + 3, mask=k0 + 3 < n_load, other=0)
+            for dd in range(d_first, d_end):
+                dd_off, _, dd_lim, dd_head = _list_extent(
+                    dd, b, L, head, W_idx, stride_idx, TOPK, VEC
+                )  # fmt: skip
+                # Entries of this chunk in the list's body: a multiple of VEC, as is the
+                # body's start, so the mask is uniform over each vector.
+                body_n = (dd_lim - dd_head) // VEC * VEC
+                n_store = tl.multiple_of(
+                    tl.minimum(tl.maximum(body_n - base, 0), BLOCK).to(tl.int32), VEC
+                )
+                body_ptr = kv_indices_ptr + tl.multiple_of(dd_off + dd_head, VEC) + base
+                v = tl.where(
+                    dd_head == 0, v0, tl.where(dd_head == 1, v1, tl.where(dd_head == 2, v2, v3))
+                )
+                tl.store(body_ptr + k0, v, mask=k0 < n_store)
+    else:
+        # Scalar stores: the whole prefix is the body.
+        lane = tl.arange(0, BLOCK)
+        for chunk in range(c, n_chunks, chunk_programs):
+            base = tl.cast(chunk, tl.int64) * BLOCK
+            n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK).to(tl.int32)
+            v = tl.load(src + base + lane, mask=lane < n_load, other=0)
+            for dd in range(d_first, d_end):
+                dd_off, _, dd_lim, _ = _list_extent(dd, b, L, head, W_idx, stride_idx, TOPK, 1)
+                n_store = tl.minimum(tl.maximum(dd_lim - base, 0), BLOCK).to(tl.int32)
+                tl.store(kv_indices_ptr + dd_off + base + lane, v, mask=lane < n_store)
+
+    dst = tl.where(j < 0, pos, L + j)  # entry within the list
+    tl.store(kv_indices_ptr + list_off[:, None] + dst, edge, mask=keep)
+
+    # kv_indptr[s, b·K + t] = the list's start; the closing entry kv_indptr[s, B·K] =
+    # K·ΣL + B·K·(s+1) comes from the last request's branch 0 (entry 0 = 0 when B == 0).
+    ptr_row = kv_indptr_ptr + s_d * stride_ptr
+    tl.store(ptr_row + b * TOPK + t_d, start, mask=tl.where(live_b, live_d, False))
+    last = tl.where(b == tl.maximum(B, 1) - 1, (t_d == 0) & live_d, False)
+    end = TOPK * (cum + L) + B * TOPK * (s_d + 1)
+    tl.store(ptr_row + B * TOPK, end, mask=last)
+
+    if HAS_STATUS:
+        # Positions grow with j: the chain's last one (j = s) decides whether any is past the
+        # row. The atomic is masked per list, so nothing is issued when all is well.
+        last_p = draft_slot_position(L, t_d, s_d, page_size, NUM_STEPS, LAYOUT_B)
+        over = tl.where(live_b, L + s_d + 1 > room, False)
+        pos_bad = tl.where(live_b, last_p >= W_row, False) | (L > W_row) | ~L_ok
+        bits = (
+            tl.where(row_ok, 0, _ROW_OOB)
+            | tl.where(pos_bad, _POS_OOB, 0)
+            | tl.where(over, _OUT_OF_CAPACITY, 0)
+        )
+        bits = tl.where(live_d, bits, 0)
+        tl.atomic_or(status_ptr + 0 * d, bits, mask=bits != 0, sem="relaxed")
 
 
 @triton.jit
-def _write_list(
-    req_to_token_ptr, kv_indices_ptr, kv_indptr_ptr, status_ptr,
-    row_base, L, row_ok, L_ok, cum, head, b, d, c,
-    B, W_row, page_size, W_idx, stride_idx, stride_ptr, chunk_programs,
-    TOPK: tl.constexpr, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_STEPS: tl.constexpr, VEC: tl.constexpr, HAS_STATUS: tl.constexpr,
-):  # fmt: skip
-    """List ``d = s·K + t`` of request ``b``: its prefix chunks ``c, c + chunk_programs, …``
-    and, for ``c == 0``, its chain, ``kv_indptr`` entry and status bits."""
-    # List (s, t) of request b starts at kv_indptr[s, b·K + t] = head + t·L + (b·K + t)·(s+1).
+def _list_extent(d, b, L, head, W_idx, stride_idx, TOPK: tl.constexpr, VEC: tl.constexpr):
+    """``(list_off, start, lim, head_n)`` of list ``d = s·K + t`` of request ``b`` (``d`` a
+    scalar or a vector): its offset in ``kv_indices``, its start in its step row
+    ``kv_indptr[s, b·K + t] = head + t·L + (b·K + t)·(s+1)``, the prefix entries that fit in
+    the row, and the entries before its first ``VEC``-aligned one."""
     s_d = d // TOPK
     t_d = d % TOPK
     start = head + t_d * L + (b * TOPK + t_d) * (s_d + 1)
     # step·row_width passes 2**31 at long contexts: the row offset is 64-bit.
     list_off = s_d.to(tl.int64) * stride_idx + start
-    list_ptr = kv_indices_ptr + list_off
-    room = W_idx - start  # entries left in the row; stores past it are dropped
-    # Stored entries: the prefix, cut at the row's end. From the list's first VEC-aligned
-    # entry on, whole 16-byte vectors are stored with a mask that is uniform over each vector,
-    # so the compiler emits vector stores (the buffer itself is 16-byte aligned when Triton
-    # specialises it so; otherwise the hints stay true and the stores stay scalar). The head
-    # before it and the tail after the last whole vector, under VEC entries each, are stored
-    # with the chain.
-    lim = tl.minimum(L, tl.maximum(room, 0))
+    lim = tl.minimum(L, tl.maximum(W_idx - start, 0))
     head_n = tl.minimum((VEC - list_off % VEC) % VEC, lim)
-    body_n = tl.multiple_of((lim - head_n) // VEC * VEC, VEC)
-    body_ptr = kv_indices_ptr + tl.multiple_of(list_off + head_n, VEC)
-    k0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(c, tl.cdiv(body_n, BLOCK), chunk_programs):
-        kk = k0 + chunk * BLOCK
-        k = kk + head_n
-        m = kk < body_n
-        # Scalar conditions join vector masks through tl.where (see draft_cache_locs).
-        v = tl.load(
-            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
-        )
-        tl.store(body_ptr + kk, v, mask=m)
-
-    if c == 0:
-        # Lanes [0, VEC): the head; lanes [VEC, 2·VEC): the tail.
-        e = tl.arange(0, 2 * VEC).to(tl.int64)
-        is_head = e < VEC
-        ke = tl.where(is_head, e, head_n + body_n + e - VEC)
-        me = tl.where(is_head, e < head_n, ke < lim)
-        ve = tl.load(
-            req_to_token_ptr + row_base + ke,
-            mask=tl.where(row_ok, me & (ke < W_row), False),
-            other=0,
-        )
-        tl.store(list_ptr + ke, ve, mask=me)
-        live_b = b < B
-        # The list's own chain, j ≤ s, after its prefix.
-        j = tl.arange(0, BLOCK_STEPS)
-        live = tl.where(live_b, j <= s_d, False)
-        p = draft_slot_position(L, t_d, j, page_size, NUM_STEPS, LAYOUT_B)
-        v = tl.load(
-            req_to_token_ptr + row_base + p,
-            mask=tl.where(row_ok, live & (p < W_row), False),
-            other=0,
-        )
-        tl.store(list_ptr + L + j, v, mask=live & (L + j < room))
-        tl.store(kv_indptr_ptr + s_d * stride_ptr + b * TOPK + t_d, start, mask=live_b)
-        # The closing entry kv_indptr[s, B·K] = K·ΣL + B·K·(s+1), from the last request's
-        # branch 0 (entry 0 = 0 when B == 0).
-        last = (b == tl.maximum(B, 1) - 1) & (t_d == 0)
-        end = TOPK * (cum + L) + B * TOPK * (s_d + 1)
-        tl.store(kv_indptr_ptr + s_d * stride_ptr + B * TOPK, end, mask=last)
-
-        if HAS_STATUS:
-            # Positions grow with j: the chain's last one (j = s) decides whether any is past
-            # the row, without a reduction. The atomic sits behind a branch, so nothing is
-            # issued when all is well.
-            last_p = draft_slot_position(L, t_d, s_d, page_size, NUM_STEPS, LAYOUT_B)
-            over = (L + s_d + 1 > room) & live_b
-            pos_bad = (live_b & (last_p >= W_row)) | (L > W_row) | ~L_ok
-            bits = (
-                tl.where(row_ok, 0, _ROW_OOB)
-                | tl.where(pos_bad, _POS_OOB, 0)
-                | tl.where(over, _OUT_OF_CAPACITY, 0)
-            )
-            if bits != 0:
-                tl.atomic_or(status_ptr, bits, sem="relaxed")
+    return list_off, start, lim, head_n
 
 
 @functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device busy: 8 per multiprocessor on CUDA (on an H200, 8 beat 4
-    by 13% at B = 32, L = 32k and tied elsewhere once short lists are grouped; see
-    scripts/tune_kv_indices.py); a handful under the CPU interpreter, where each program
-    costs host time."""
+def _target_programs(device: torch.device, per_sm: int = 8) -> int:
+    """Programs that keep the device busy: ``per_sm`` per multiprocessor on CUDA; a handful
+    under the CPU interpreter, where each program costs host time."""
     if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
@@ -220,22 +275,20 @@ def _grid(
 ) -> tuple[int, int, int, int]:
     """``(chunk_programs, list_groups, requests, lists_per_program)``.
 
-    Lists are grouped so that a program has at least ``_MIN_CHUNKS`` chunks of work when rows
-    are short (thousands of tiny programs cost more to schedule than to run) while the grid
-    still holds the target number of programs; chunks of one list are split over programs
-    when few long requests carry all the work. Only host-known sizes enter: ``B``, the list
-    count and the row width, never a device value.
+    A program owns up to ``_LISTS_PER_PROGRAM`` lists of one request (the groups balanced), and
+    the chunks of a row are split over as many programs as it takes to reach the target
+    number. Only host-known sizes enter: ``B``, the list count and the row width, never a
+    device value.
     """
-    target = _target_programs(device)
+    target = _target_programs(device, _PROGRAMS_PER_SM)
     requests = max(batch, 1)
-    row_chunks = triton.cdiv(row_width, _BLOCK)
-    per_program = max(1, min(triton.cdiv(_MIN_CHUNKS, row_chunks), lists))
-    # Keep at least `target` programs where there are that many lists.
-    per_program = max(1, min(per_program, (requests * lists) // target))
-    groups = triton.cdiv(lists, per_program)
+    groups = triton.cdiv(lists, max(1, min(lists, _LISTS_PER_PROGRAM)))
     per_program = triton.cdiv(lists, groups)  # balance the groups
-    chunk_programs = max(1, min(triton.cdiv(target, requests * groups), row_chunks))
-    return chunk_programs, groups, requests, per_program
+    row_chunks = triton.cdiv(row_width, _BLOCK)
+    chunk_programs = max(
+        triton.cdiv(target, requests * groups), triton.cdiv(row_chunks, _MAX_CHUNKS)
+    )
+    return max(1, min(chunk_programs, row_chunks)), groups, requests, per_program
 
 
 def _prepare(
@@ -336,6 +389,11 @@ def draft_decode_kv_indices(
         device, B, rows * topk, req_to_token.shape[1]
     )
     grid = (chunk_programs, groups, requests)
+    block_steps = triton.next_power_of_2(num_steps)
+    vec = 16 // kv_indices.element_size()
+    # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
+    # MB; below, the launch is latency-bound and scalar stores finish sooner.
+    vector = _ALIGNED_STORES and B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
     _draft_decode_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -355,14 +413,17 @@ def draft_decode_kv_indices(
         kv_indptr.stride(0),
         chunk_programs,
         lists_per_program,
+        int(vector),
         # code shape
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_STEPS=triton.next_power_of_2(num_steps),
-        VEC=16 // kv_indices.element_size() if _ALIGNED_STORES else 1,
+        BLOCK_STEPS=block_steps,
+        BLOCK_LISTS=triton.next_power_of_2(_LISTS_PER_PROGRAM),
+        BLOCK_EDGE=triton.next_power_of_2(2 * vec + block_steps),
+        VEC=vec,
         HAS_STATUS=status is not None,
         num_warps=_NUM_WARPS,
     )
