@@ -27,8 +27,10 @@ mod = importlib.import_module("specmeta.kernels.draft_decode_kv_indices")
 CASES = [  # (B, K, L): the >= 32 MB launches furthest from 75 %, and the <= 3 us cases
     (32, 4, 32768),
     (256, 8, 1024),
-    (256, 1, 32768),
+    (8, 8, 32768),
+    (64, 1, 32768),
     (64, 8, 4096),
+    (256, 4, 4096),
     (256, 8, 32768),
     (8, 8, 1024),
     (8, 8, 2048),
@@ -36,11 +38,11 @@ CASES = [  # (B, K, L): the >= 32 MB launches furthest from 75 %, and the <= 3 u
 ]
 S = 5
 KNOBS = dict(
-    chunks=(1, 2, 4),
+    chunks=(1, 2, 4),  # most chunks a program copies of a row of <= _LONG_ROW_CHUNKS chunks
     lists=(8, 16),
     warps=(4, 8),
-    block=(1024,),
-    per_sm=(4, 8, 16),
+    block=(512, 1024),
+    per_sm=(4, 8, 12),
 )
 DEFAULT = dict(
     chunks=mod._MAX_CHUNKS,
