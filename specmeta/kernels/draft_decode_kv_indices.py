@@ -377,9 +377,12 @@ def draft_decode_kv_indices(
     --------
     ``seq_lens=[3, 1]``, ``K=2``, one row (``it=1``) → ``kv_indptr=[0, 4, 8, 10, 12]``.
 
-    Grid ``(chunk_programs, list_groups, max(B, 1))``: programs split long lists into chunk
-    groups and group short lists, from host-known sizes only; every program computes its
-    request's offset from ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime arguments.
+    Grid ``(chunk_programs, list_groups, max(B, 1))``: a program copies a few chunks of its
+    request's prefix into up to ``_LISTS_PER_PROGRAM`` of its lists, loading each chunk once;
+    the grid is sized from host-known sizes only, and every program computes its request's
+    offset from ``seq_lens`` with vector loads. Vector or scalar stores are a runtime choice
+    of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
+    arguments.
     """
     topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
