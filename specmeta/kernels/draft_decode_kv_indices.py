@@ -57,11 +57,10 @@ _PROGRAMS_PER_SM = 8
 # two, so that a program's fixed work (its request, the prefix sum, the edges) is shared.
 _MAX_CHUNKS = 2
 _LONG_ROW_CHUNKS = 8
-# Store each list's 16-byte-aligned body in vectors (a tuning switch; see the kernel) when the
-# launch's lists can hold _VECTOR_STORES_MIN entries: vectors lift the large launches by 10-15
-# points of copy bandwidth, and scalar stores finish the small latency-bound ones 0.4 us sooner.
+# Store each list's 16-byte-aligned body in vectors when the launch's lists can hold
+# _VECTOR_STORES_MIN entries: vectors lift the large launches by 10-15 points of copy
+# bandwidth, and scalar stores finish the small latency-bound ones 0.4 us sooner.
 # All knobs were swept on an H200 with scripts/tune_kv_indices.py.
-_ALIGNED_STORES = True
 _VECTOR_STORES_MIN = 1 << 22
 
 
@@ -96,9 +95,8 @@ def _draft_decode_kv_indices_kernel(
     LAYOUT_B: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    BLOCK_STEPS: tl.constexpr,  # next power of two ≥ S
     BLOCK_LISTS: tl.constexpr,  # next power of two ≥ lists_per_program
-    BLOCK_EDGE: tl.constexpr,  # next power of two ≥ 2·VEC + BLOCK_STEPS
+    BLOCK_EDGE: tl.constexpr,  # next power of two ≥ 2·VEC + S
     VEC: tl.constexpr,  # kv_indices entries per 16 bytes
     HAS_STATUS: tl.constexpr,
 ):
@@ -281,8 +279,7 @@ def _grid(
     A program owns up to ``_LISTS_PER_PROGRAM`` lists of one request (the groups balanced), and
     the chunks of a row are split over as many programs as it takes to reach the target
     number, with at most ``_MAX_CHUNKS`` (one for long rows) a program. Only host-known sizes
-    enter: ``B``, the list count and the row width, never a
-    device value.
+    enter: ``B``, the list count and the row width, never a device value.
     """
     target = _target_programs(device, _PROGRAMS_PER_SM)
     requests = max(batch, 1)
@@ -395,11 +392,10 @@ def draft_decode_kv_indices(
         device, B, rows * topk, req_to_token.shape[1]
     )
     grid = (chunk_programs, groups, requests)
-    block_steps = triton.next_power_of_2(num_steps)
     vec = 16 // kv_indices.element_size()
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
-    vector = _ALIGNED_STORES and B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
+    vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
     _draft_decode_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -426,9 +422,8 @@ def draft_decode_kv_indices(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_STEPS=block_steps,
         BLOCK_LISTS=triton.next_power_of_2(_LISTS_PER_PROGRAM),
-        BLOCK_EDGE=triton.next_power_of_2(2 * vec + block_steps),
+        BLOCK_EDGE=triton.next_power_of_2(2 * vec + num_steps),
         VEC=vec,
         HAS_STATUS=status is not None,
         num_warps=_NUM_WARPS,

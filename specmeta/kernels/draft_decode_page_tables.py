@@ -318,8 +318,9 @@ def draft_decode_page_tables(
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
         HAS_STATUS=status is not None,
-        # The normal pass's 1024-column tiles want 4 warps; the expand pass's [K, S] and
-        # [K, S, W] tiles are correct at any count (the standalone kernel uses 2).
+        # The normal pass's 256-1024-column blocks want 4 warps; the expand pass's [K, S] and
+        # [K, S, W] tiles run with 2 in the standalone kernel. (On Triton 3.6 one warp built
+        # wrong expand tables; see scripts/tune_fa3_build.py.)
         num_warps=_NUM_WARPS,
     )
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens

@@ -100,8 +100,7 @@ TILES = [(True, 1024, 8), (True, 64, 1), (True, 16, 3), (False, 16, 2), (True, 3
 @pytest.mark.parametrize("aligned,block,lists", TILES)
 @pytest.mark.parametrize("shape", ["random", "long_short", "near_row_end"])
 def test_tiles_match_reference(device, gen, monkeypatch, shape, aligned, block, lists):
-    monkeypatch.setattr(kv_module, "_ALIGNED_STORES", aligned)
-    monkeypatch.setattr(kv_module, "_VECTOR_STORES_MIN", 0)
+    monkeypatch.setattr(kv_module, "_VECTOR_STORES_MIN", 0 if aligned else 1 << 62)
     monkeypatch.setattr(kv_module, "_BLOCK", block)
     monkeypatch.setattr(kv_module, "_LISTS_PER_PROGRAM", lists)
     for k, s, ps in [(2, 3, 1), (4, 2, 4), (1, 4, 16)]:
