@@ -172,8 +172,9 @@ def _check_accept(device: torch.device, g: torch.Generator) -> CheckResult:
 
 @register("move_kv_cache")
 def _check_move(device: torch.device, g: torch.Generator) -> CheckResult:
-    """Accept pairs (overlapping chains) and layout-B prefix-tail pairs (disjoint) moved over a
-    bf16 pool and a byte pool with padded rows, both addressing paths, against the reference."""
+    """Accept pairs (overlapping chains, ordered) and layout-B prefix-tail pairs (disjoint)
+    moved over a bf16 pool and a byte pool with padded rows, both addressing paths, against the
+    reference."""
     from .kernels.cache_loc_move import KVPool, accept_cache_locs, move_kv_cache, move_kv_cache_ref
 
     res = CheckResult("move_kv_cache")
@@ -184,18 +185,21 @@ def _check_move(device: torch.device, g: torch.Generator) -> CheckResult:
         pools = [raw[: P * 128].view(torch.bfloat16).view(P, 64),
                  raw[P * 128 :].view(P, 12)[:, :9]]  # fmt: skip
         ref = [p.clone() for p in pools]
-        pairs = [(accept_cache_locs(accept_index, accept_lens, window, num_draft_tokens=n), False)]
+        # Accepted paths list node ids in increasing order: their pairs are ordered. Every
+        # other batch moves them through the general (read everything first) path instead.
+        accept = accept_cache_locs(accept_index, accept_lens, window, num_draft_tokens=n)
+        pairs = [(accept, dict(ordered=case % 2 == 1))]
         if uses_layout_b(b.topk, b.page_size) and case % 2 == 0:  # every other batch: time
             kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-            pairs.append((prefix_tail_copy_pairs(*_args(b), **kw), True))
+            pairs.append((prefix_tail_copy_pairs(*_args(b), **kw), dict(disjoint=True)))
         # A cycle through random slots, pairs shuffled: correct only if all reads come first.
         cycle = (torch.randperm(P - 1, generator=g)[:48] + 1).to(device)
         order = torch.randperm(cycle.numel(), generator=g).to(device)
-        pairs.append(((cycle[order], cycle.roll(-1)[order]), False))
+        pairs.append(((cycle[order], cycle.roll(-1)[order]), {}))
         pool = KVPool(pools, addressing="direct" if case % 4 == 0 else "table")
-        for (tgt, src), disjoint in pairs:
-            move_kv_cache(pool, tgt, src, disjoint=disjoint, status=status)
-            move_kv_cache_ref(ref, tgt, src, disjoint=disjoint)
+        for (tgt, src), promise in pairs:
+            move_kv_cache(pool, tgt, src, status=status, **promise)
+            move_kv_cache_ref(ref, tgt, src, **promise)
         for i, (got, want) in enumerate(zip(pools, ref, strict=True)):  # bytes: NaN-safe
             where = f"{pool.addressing} {b.describe()}"
             res.compare(f"buffers[{i}]", got.view(torch.uint8), want.view(torch.uint8), where)

@@ -28,17 +28,28 @@ Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and th
 raises ``ValueError``. When every base address, row stride and row width is a multiple
 of 16 B (``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
 
+*Ordered pairs.* Holding every pair's slice is needed only when nothing is known about the
+order. When no pair reads a slot that an earlier pair writes (``ordered=True``: the pairs of
+:func:`accept_cache_locs`, whose accepted paths list node ids in increasing order), moving the
+pairs block after block in list order gives the same result. A program then owns a column
+slice of its buffers for *every* pair, as above, but walks the pairs in blocks of ``BLOCK_N``:
+each block is loaded, a CTA barrier passes, the block is stored, and the next block's stores
+come after that barrier too. The slice no longer narrows with ``n``: it is the whole row (a
+power of two), halved only while the slices of all buffers give too few programs, down to a
+128-byte line; ``BLOCK_N`` fills an 8 KiB tile. There is no bound on ``n``.
+
 *Disjoint pairs.* When no pair's target is another pair's source (true of the prefix-tail pairs,
 whose sources sit before ``L_b`` and targets after it), ``disjoint=True`` splits the pairs into
-blocks of ``DISJOINT_BLOCK_N`` with whole-row slices and lifts the bound on ``n``; each block is
-still read before it is written, so the result is the same.
+blocks of ``DISJOINT_BLOCK_N`` with whole-row slices, and the blocks go to different programs;
+each block is still read before it is written, so the result is the same.
 
 *One launch for every layer.* On the GPU the buffers are reached through a device table of
 ``(base address, row stride, row width, rows)`` per buffer, in words of the widest type (8, 4, 2
 or 1 bytes) that divides every row width, row stride and base address. The table is built once
 per set of buffers (:class:`KVPool`, or a cache keyed by the buffers' addresses and shapes) and
-never on the launch path. Programs are ``(pair block, column slice, buffer group)``; each program
-loads its pair indices once and loops over its group of buffers, so the index loads are shared.
+never on the launch path. Programs are ``(pair programs, column slice, buffer group)``; each program
+loads the pair indices of a block once and loops over its group of buffers, so the index loads
+are shared.
 The CPU interpreter runs the same kernel body with ``TABLE=False``, one launch per buffer passed
 as a tensor ("direct" addressing); ``KVPool(..., addressing="table")`` runs the table path on
 the CPU too, where the interpreter follows host addresses.
@@ -97,6 +108,14 @@ _WIDE_PROGRAMS_PER_SM = 2
 MAX_OVERLAPPING_PAIRS = 8192
 """Most pairs ``move_kv_cache`` orders in one launch when they may overlap: at 8192 the 128 KiB
 tile holds 16 bytes of every row."""
+# Ordered pairs: 4 vectors a thread at 4 warps, an 8 KiB tile per block of pairs, many programs
+# per SM; slices no narrower than a 128-byte line. Swept on an H200 (scripts/
+# tune_move_kv_cache.py --ordered): the worst of seven cases (1152-4096 B rows, n = 256-4096)
+# went from 76-77 % of copy bandwidth with a 32 KiB tile at 8 warps to 81 %; 16 or 64 KiB tiles
+# and 2 or 8 warps did worse.
+_ORDERED_WARPS = 4
+_ORDERED_VECTORS_PER_THREAD = 4
+_ORDERED_MIN_SLICE_BYTES = 128
 DISJOINT_BLOCK_N = 32
 """Pairs per program with ``disjoint=True``: 32 rows of 1 KiB fill a 32 KiB tile."""
 
@@ -331,7 +350,7 @@ def _word_pointer(address, WORD_BYTES: tl.constexpr):
 
 @triton.jit(
     do_not_specialize=[
-        "n", "num_buffers", "buffers_per_program", "min_rows",
+        "n", "blocks_per_program", "num_buffers", "buffers_per_program", "min_rows",
         "buf_stride", "buf_width", "buf_rows",
     ]
 )  # fmt: skip
@@ -342,6 +361,7 @@ def _move_kv_cache_kernel(
     src_ptr,  # [n] int32|int64
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     n,
+    blocks_per_program,  # pair blocks a program moves one after the other (ordered pairs)
     num_buffers,
     buffers_per_program,
     min_rows,  # smallest P of all buffers: a self-move below it is a no-op everywhere
@@ -355,61 +375,69 @@ def _move_kv_cache_kernel(
     VEC: tl.constexpr,  # words per 16 B when every row start and width is 16-byte aligned, else 1
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(pair blocks, column slices, buffer groups)``: program ``(p, c, g)`` moves words
-    ``[c·COLS, (c+1)·COLS)`` of the rows of pairs ``[p·BLOCK_N, (p+1)·BLOCK_N)`` in buffers
-    ``[g·bpp, (g+1)·bpp)``: all its sources are loaded, then all its targets stored."""
+    """Grid ``(pair programs, column slices, buffer groups)``: program ``(p, c, g)`` moves words
+    ``[c·COLS, (c+1)·COLS)`` of the rows of pair blocks ``[p·bpp, (p+1)·bpp)`` (``BLOCK_N``
+    pairs each, ``bpp = blocks_per_program``) in buffers ``[g·bpg, (g+1)·bpg)``. For each block
+    and buffer, all its sources are loaded, then all its targets stored; blocks go in list
+    order."""
     p = tl.program_id(0)  # axis 0: pair blocks can pass the 65535 limit of axes 1 and 2
     c = tl.program_id(1)
     g = tl.program_id(2)
-    q = p.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = q < n
-    tgt = tl.load(tgt_ptr + q, mask=live, other=0).to(tl.int64)
-    src = tl.load(src_ptr + q, mask=live, other=0).to(tl.int64)
-    nonneg = (tgt >= 0) & (src >= 0)
-    # Reductions once per program, not per buffer: the largest location and whether any is
-    # negative decide every buffer's POOL_OOB with scalar compares.
-    top = tl.max(tl.where(live, tl.maximum(tgt, src), 0), axis=0)
-    negative = tl.max((live & ~nonneg).to(tl.int32), axis=0) != 0
-    # Nothing to do (and nothing to report) when every pair is a self-move inside every buffer:
-    # the (0, 0) tail of a fixed-length pair list costs only these index loads.
-    idle = ~live | ((tgt == src) & nonneg & (tgt < min_rows))
-    busy = tl.max((~idle).to(tl.int32), axis=0) != 0
+    first_block = p * blocks_per_program
+    last_block = tl.minimum(first_block + blocks_per_program, tl.cdiv(n, BLOCK_N))
+    col = c * COLS + tl.arange(0, COLS)
+    first = g * buffers_per_program
+    last = tl.minimum(first + buffers_per_program, num_buffers)
     bad = tl.full([], 0, tl.int32)
-    if busy:
-        moving = (live & nonneg & (tgt != src))[:, None]
-        src_row = src[:, None]
-        tgt_row = tgt[:, None]
-        col = c * COLS + tl.arange(0, COLS)
-        first = g * buffers_per_program
-        last = tl.minimum(first + buffers_per_program, num_buffers)
-        for b in range(first, last):
-            if TABLE:
-                entry = table_ptr + b * 4
-                base = _word_pointer(tl.load(entry), WORD_BYTES)
-                stride = tl.load(entry + 1)
-                width = tl.load(entry + 2)
-                rows = tl.load(entry + 3)
-            else:
-                base = buf_ptr
-                stride = buf_stride.to(tl.int64)
-                width = buf_width
-                rows = buf_rows
-            bad |= (negative | (top >= rows)).to(tl.int32)
-            # (col // VEC) < (width // VEC) equals col < width (width is a multiple of VEC) and
-            # tells the compiler the mask is uniform over each 16-byte vector.
-            in_row = ((col // VEC) < (width // VEC))[None, :]
-            mask = moving & (tgt_row < rows) & (src_row < rows) & in_row
-            # row·stride passes 2**31 in large pools: tgt and src are int64.
-            src_ptrs = base + src_row * stride + col[None, :]
-            tgt_ptrs = base + tgt_row * stride + col[None, :]
-            if VEC > 1:
-                src_ptrs = tl.multiple_of(src_ptrs, [1, 16])
-                tgt_ptrs = tl.multiple_of(tgt_ptrs, [1, 16])
-            vals = tl.load(src_ptrs, mask=mask)
-            # Every thread's loads are performed before any thread stores: a target may be
-            # another pair's source, held by another thread of this program.
-            tl.debug_barrier()
-            tl.store(tgt_ptrs, vals, mask=mask)
+    for blk in range(first_block, last_block):
+        q = tl.cast(blk, tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = q < n
+        tgt = tl.load(tgt_ptr + q, mask=live, other=0).to(tl.int64)
+        src = tl.load(src_ptr + q, mask=live, other=0).to(tl.int64)
+        nonneg = (tgt >= 0) & (src >= 0)
+        # Reductions once per block, not per buffer: the largest location and whether any is
+        # negative decide every buffer's POOL_OOB with scalar compares.
+        top = tl.max(tl.where(live, tl.maximum(tgt, src), 0), axis=0)
+        negative = tl.max((live & ~nonneg).to(tl.int32), axis=0) != 0
+        # Nothing to do (and nothing to report) when every pair is a self-move inside every
+        # buffer: the (0, 0) tail of a fixed-length pair list costs only these index loads.
+        idle = ~live | ((tgt == src) & nonneg & (tgt < min_rows))
+        busy = tl.max((~idle).to(tl.int32), axis=0) != 0
+        if busy:
+            moving = (live & nonneg & (tgt != src))[:, None]
+            src_row = src[:, None]
+            tgt_row = tgt[:, None]
+            for b in range(first, last):
+                if TABLE:
+                    entry = table_ptr + b * 4
+                    base = _word_pointer(tl.load(entry), WORD_BYTES)
+                    stride = tl.load(entry + 1)
+                    width = tl.load(entry + 2)
+                    rows = tl.load(entry + 3)
+                else:
+                    base = buf_ptr
+                    stride = buf_stride.to(tl.int64)
+                    width = buf_width
+                    rows = buf_rows
+                bad |= (negative | (top >= rows)).to(tl.int32)
+                # (col // VEC) < (width // VEC) equals col < width (width is a multiple of VEC)
+                # and tells the compiler the mask is uniform over each 16-byte vector.
+                in_row = ((col // VEC) < (width // VEC))[None, :]
+                mask = moving & (tgt_row < rows) & (src_row < rows) & in_row
+                # row·stride passes 2**31 in large pools: tgt and src are int64.
+                src_ptrs = base + src_row * stride + col[None, :]
+                tgt_ptrs = base + tgt_row * stride + col[None, :]
+                if VEC > 1:
+                    src_ptrs = tl.multiple_of(src_ptrs, [1, 16])
+                    tgt_ptrs = tl.multiple_of(tgt_ptrs, [1, 16])
+                # Rows are touched once: evict-first loads and streaming (.cs) stores. On an
+                # H200 they lift 1152-byte rows at n = 1024 by 4-7 points of copy bandwidth.
+                vals = tl.load(src_ptrs, mask=mask, eviction_policy="evict_first")
+                # Every thread's loads are performed before any thread stores: a target may be
+                # another pair's source, held by another thread of this program. The barrier
+                # also orders this block's stores after the loads of every earlier block.
+                tl.debug_barrier()
+                tl.store(tgt_ptrs, vals, mask=mask, cache_modifier=".cs")
 
     if HAS_STATUS:
         # Every slice sees the same pairs; slice 0 reports for its buffers.
@@ -538,33 +566,57 @@ def _target_programs(device: torch.device, wide: bool) -> int:
     return 2
 
 
-def _launch_shape(n: int, pool: KVPool, disjoint: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, COLS, VEC, num_warps)`` for ``n`` pairs over the rows of ``pool``."""
-    block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
-    wide = block_n > _SMALL_BLOCK_N
-    warps = _WIDE_WARPS if wide else 8
-    vectors = _WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD
-    vec = 16 // pool.word_bytes if pool.aligned16 else 1
-    tile = warps * 32 * vectors * vec
-    cols = max(1, min(tile // block_n, triton.next_power_of_2(pool.max_row_words)))
-    if cols < vec:  # a slice narrower than 16 B: slice starts are no longer 16-byte aligned
-        vec = 1
-    return block_n, cols, vec, warps
+def _ordered_cols(pool: KVPool, tile: int, vec: int, target: int) -> int:
+    """Words of a row per slice for ordered pairs: the whole row (a power of two), halved while
+    the slices of all buffers give fewer than ``target`` programs, down to a 128-byte line; the
+    tile holds 16 pairs at least."""
+    cols = min(triton.next_power_of_2(pool.max_row_words), tile // 16)
+    line = max(vec, _ORDERED_MIN_SLICE_BYTES // pool.word_bytes)
+    while cols > line and len(pool) * triton.cdiv(pool.max_row_words, cols) < target:
+        cols //= 2
+    return cols
 
 
-def _check_pairs(device: torch.device, tgt, src, disjoint, status) -> int:
+def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
+    """The launch for ``n`` pairs over the rows of ``pool``: ``BLOCK_N``, ``COLS``, ``VEC``,
+    ``num_warps``, the programs along the pairs and the blocks each moves in list order."""
+    vec16 = 16 // pool.word_bytes if pool.aligned16 else 1
+    row = triton.next_power_of_2(pool.max_row_words)
+    if ordered and not disjoint:  # blocks of pairs, one program walks them in list order
+        warps = _ORDERED_WARPS
+        tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
+        target = _target_programs(pool.device, False)
+        cols = _ordered_cols(pool, tile, vec16, target)
+        block_n = max(16, min(tile // cols, triton.next_power_of_2(n)))
+        pair_programs, blocks_per_program = 1, triton.cdiv(n, block_n)
+    else:  # independent blocks of pairs (disjoint), or one block holding every pair
+        block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
+        wide = block_n > _SMALL_BLOCK_N
+        warps = _WIDE_WARPS if wide else 8
+        tile = warps * 32 * (_WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD) * vec16
+        target = _target_programs(pool.device, wide)
+        cols = max(1, min(tile // block_n, row))
+        pair_programs, blocks_per_program = triton.cdiv(n, block_n), 1
+    vec = vec16 if cols >= vec16 else 1  # narrower slices are not 16-byte aligned
+    return dict(BLOCK_N=block_n, COLS=cols, VEC=vec, num_warps=warps, target=target,
+                pair_programs=pair_programs, blocks_per_program=blocks_per_program)  # fmt: skip
+
+
+def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status) -> int:
     validate.tensor("tgt", tgt, ndim=1, device=device)
     validate.tensor("src", src, ndim=1, device=device)
     validate.length("src", src, tgt.shape[0])
-    if not isinstance(disjoint, bool):
-        raise TypeError(f"disjoint must be a bool, got {type(disjoint).__name__}")
+    for name, flag in (("disjoint", disjoint), ("ordered", ordered)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     validate.status(status, device)
     n = tgt.shape[0]
-    if not disjoint and n > MAX_OVERLAPPING_PAIRS:
+    if not (disjoint or ordered) and n > MAX_OVERLAPPING_PAIRS:
         raise ValueError(
             f"tgt is too long to order in one launch: need at most {MAX_OVERLAPPING_PAIRS} "
-            f"pairs, have {n}; pass disjoint=True if no target is another pair's source "
-            "(prefix-tail pairs), or split the list"
+            f"pairs, have {n}; pass ordered=True if no pair reads a slot an earlier pair "
+            "writes (accept_cache_locs pairs), disjoint=True if no target is another pair's "
+            "source (prefix-tail pairs), or split the list"
         )
     return n
 
@@ -574,6 +626,7 @@ def move_kv_cache(
     tgt: torch.Tensor,
     src: torch.Tensor,
     *,
+    ordered: bool = False,
     disjoint: bool = False,
     status: torch.Tensor | None = None,
 ) -> None:
@@ -587,47 +640,61 @@ def move_kv_cache(
         once to keep host work out of the call and the table build out of graph capture).
     tgt, src : torch.Tensor
         ``[n]`` int32 or int64 slot ids, for example from :func:`accept_cache_locs` or
-        :func:`prefix_tail_copy_pairs`. ``n ≤ MAX_OVERLAPPING_PAIRS`` unless ``disjoint``.
+        :func:`prefix_tail_copy_pairs`. ``n ≤ MAX_OVERLAPPING_PAIRS`` unless ``ordered`` or
+        ``disjoint``.
+    ordered : bool
+        The caller guarantees that moving the pairs one at a time in list order gives the same
+        result: no pair's source is the target of an earlier pair (``tgt[i] != src[j]`` for
+        ``i < j``; self-moves aside). :func:`accept_cache_locs` pairs are ordered whenever every
+        accepted path lists its node ids in increasing order (each tree node numbered after its
+        parent, as in SGLang's and EAGLE's verify trees): within a request, pair ``k`` writes
+        window slot ``k`` and reads slot ``accept_index[i, k] − i·N ≥ k``, and requests never
+        share slots. Pairs are then moved whole rows at a time, in blocks walked in list order,
+        for any ``n``.
     disjoint : bool
-        The caller guarantees that no pair's target is another pair's source: pairs are then
-        moved in independent blocks, whole rows at a time, for any ``n``.
+        The caller guarantees that no pair's target is another pair's source (which implies
+        ``ordered``): pairs are then moved in independent blocks, whole rows at a time, for any
+        ``n``.
     status : torch.Tensor, optional
         ``int32 [1]``; ``POOL_OOB`` when a ``tgt`` or ``src`` lies outside ``[0, P)`` of a
         buffer (that pair is skipped there, nothing is dereferenced).
+
+    A broken ``ordered`` or ``disjoint`` promise can move stale rows, but never touches memory
+    outside the buffers: every access stays masked to ``[0, P)``.
 
     Examples
     --------
     Rows ``[a, b, c, d]``, ``tgt=[1, 2, 3, 0]``, ``src=[2, 3, 1, 0]`` → ``[a, c, d, b]``
     (a rotation; the ``(0, 0)`` pair is a no-op).
 
-    Grid ``(pair blocks, column slices, buffer groups)`` (see the module notes); no host sync;
-    ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
+    Grid ``(pair programs, column slices, buffer groups)`` (see the module notes); no host
+    sync; ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
-    n = _check_pairs(pool.device, tgt, src, disjoint, status)
+    n = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     if n == 0:
         return
-    block_n, cols, vec, warps = _launch_shape(n, pool, disjoint)
-    pair_blocks = triton.cdiv(n, block_n)
+    shape = _launch_shape(n, pool, disjoint, ordered)
+    cols, pair_programs = shape["COLS"], shape["pair_programs"]
     common = dict(
         tgt_ptr=tgt,
         src_ptr=src,
         status_ptr=status if status is not None else tgt,
         n=n,
+        blocks_per_program=shape["blocks_per_program"],
         min_rows=pool.min_rows,
-        BLOCK_N=block_n,
+        BLOCK_N=shape["BLOCK_N"],
         COLS=cols,
         WORD_BYTES=pool.word_bytes,
-        VEC=vec,
+        VEC=shape["VEC"],
         HAS_STATUS=status is not None,
-        num_warps=warps,
+        num_warps=shape["num_warps"],
     )
-    target = _target_programs(pool.device, block_n > _SMALL_BLOCK_N)
     if pool.addressing == "table":
         slices = triton.cdiv(pool.max_row_words, cols)
-        per_program = max(1, slices * pair_blocks * len(pool) // target)
+        per_program = max(1, slices * pair_programs * len(pool) // shape["target"])
         groups = triton.cdiv(len(pool), per_program)
-        _move_kv_cache_kernel[(pair_blocks, slices, groups)](
+        _move_kv_cache_kernel[(pair_programs, slices, groups)](
             table_ptr=pool.table,
             buf_ptr=pool.table,
             num_buffers=len(pool),
@@ -641,7 +708,7 @@ def move_kv_cache(
         return
     for words in pool.words:
         slices = triton.cdiv(words.shape[1], cols)
-        _move_kv_cache_kernel[(pair_blocks, slices, 1)](
+        _move_kv_cache_kernel[(pair_programs, slices, 1)](
             table_ptr=words,
             buf_ptr=words,
             num_buffers=1,
@@ -659,6 +726,7 @@ def move_kv_cache_ref(
     tgt: torch.Tensor,
     src: torch.Tensor,
     *,
+    ordered: bool = False,
     disjoint: bool = False,
     status: torch.Tensor | None = None,
 ) -> None:
@@ -668,7 +736,7 @@ def move_kv_cache_ref(
         bufs, device = buffers.buffers, buffers.device
     else:
         bufs, (device, *_) = _describe(buffers)
-    _check_pairs(device, tgt, src, disjoint, status)
+    _check_pairs(device, tgt, src, disjoint, ordered, status)
     t, s = tgt.to(torch.int64), src.to(torch.int64)
     bad = False
     for buf in bufs:

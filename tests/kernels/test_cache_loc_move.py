@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from specmeta import Status, new_status
 from specmeta.config import SpecConfig, plan_buffers
+from specmeta.kernels import cache_loc_move
 from specmeta.kernels.cache_loc_move import (
     DISJOINT_BLOCK_N,
     MAX_OVERLAPPING_PAIRS,
@@ -329,13 +330,14 @@ def _spec_move(rows_before, tgt, src):
     return new
 
 
-def _run_move(pools, tgt, src, device, *, addressing, disjoint=False):
+def _run_move(pools, tgt, src, device, *, addressing, disjoint=False, ordered=False):
     before = [p.rows().cpu().clone() for p in pools]
     ref = [p.view.clone() for p in pools]
     status, ref_status = new_status(device), new_status(device)
     pool = KVPool([p.view for p in pools], addressing=addressing)
-    move_kv_cache(pool, tgt.to(device), src.to(device), disjoint=disjoint, status=status)
-    move_kv_cache_ref(ref, tgt.to(device), src.to(device), disjoint=disjoint, status=ref_status)
+    flags = dict(disjoint=disjoint, ordered=ordered)
+    move_kv_cache(pool, tgt.to(device), src.to(device), status=status, **flags)
+    move_kv_cache_ref(ref, tgt.to(device), src.to(device), status=ref_status, **flags)
     for i, p in enumerate(pools):
         p.assert_intact(f"buffers[{i}]")
         got = p.rows()
@@ -402,6 +404,57 @@ def test_move_disjoint_blocks(device, gen, addressing):
     assert _run_move(pools, tgt, src, device, addressing=addressing, disjoint=True) == 0
 
 
+def _ordered_pairs(P, n, gen, *, dtype=torch.int64):
+    """Pairs safe in list order whose dependencies cross blocks: a chain shifted by n // 4 (pair
+    ``i`` writes the slot pair ``i - n//4`` read), with self-moves and sink pairs mixed in.
+    Moving the blocks in any other order, or in parallel, reads overwritten rows."""
+    slots = torch.randperm(P - 1, generator=gen)[: 2 * n] + 1
+    tgt, src = slots[:n].clone(), slots[n // 4 : n // 4 + n].clone()
+    tgt[5::9] = 0
+    src[5::9] = 0
+    src[7::13] = tgt[7::13]
+    return tgt.to(dtype), src.to(dtype)
+
+
+@pytest.mark.parametrize("addressing", ["direct", "table"])
+@pytest.mark.parametrize("programs", ["default", "many"])
+def test_move_ordered_blocks_in_list_order(device, gen, addressing, programs, monkeypatch):
+    """ordered=True walks blocks of pairs in list order: a chain whose reads and writes sit in
+    different blocks moves as the reference says. "many" asks for more programs than the rows
+    have 128-byte lines, so slices narrow to one line and blocks grow."""
+    if programs == "many":
+        monkeypatch.setattr(cache_loc_move, "_target_programs", lambda device, wide: 10_000)
+    P = 200
+    pools = [GuardedPool(P, (576,), torch.bfloat16, device, gen),
+             GuardedPool(P - 8, (3,), torch.float16, device, gen, pad=1),
+             GuardedPool(P, (40,), torch.uint8, device, gen)]  # fmt: skip
+    pool = KVPool([p.view for p in pools], addressing=addressing)
+    n = 90
+    shape = cache_loc_move._launch_shape(n, pool, False, True)
+    assert shape["pair_programs"] == 1 and shape["blocks_per_program"] >= 2, shape
+    tgt, src = _ordered_pairs(P - 8, n, gen)
+    assert _run_move(pools, tgt, src, device, addressing=addressing, ordered=True) == 0
+
+
+def test_move_ordered_out_of_range_is_skipped_and_reported(device, gen):
+    pools = _make_pools("mixed_8b_words", 64, device, gen)
+    tgt, src = _ordered_pairs(40, 30, gen, dtype=torch.int32)
+    # Targets the pairs above do not write (a shared target lands either way): 45 <- 60 is in
+    # range of the first pool only.
+    tgt = torch.cat([tgt, torch.tensor([64, 45, -2, 1 << 30], dtype=torch.int32)])
+    src = torch.cat([src, torch.tensor([2, 60, 5, 4], dtype=torch.int32)])
+    got = _run_move(pools, tgt, src, device, addressing="table", ordered=True)
+    assert got == int(Status.POOL_OOB)
+
+
+def test_move_ordered_lifts_the_pair_bound(device, gen):
+    """More pairs than one program can order in registers: fine when they are ordered."""
+    n = MAX_OVERLAPPING_PAIRS + 3
+    pool = GuardedPool(2 * n + 8, (), torch.float32, device, gen)
+    tgt, src = _ordered_pairs(2 * n + 8, n, gen)
+    assert _run_move([pool], tgt, src, device, addressing="direct", ordered=True) == 0
+
+
 def test_move_nothing(device, gen):
     pool = GuardedPool(16, (4,), torch.float16, device, gen)
     status = new_status(device)
@@ -414,10 +467,12 @@ def test_move_nothing(device, gen):
     assert int(status) == 0
 
 
-def test_move_after_accept(device, gen):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_move_after_accept(device, gen, ordered):
     """End to end (SPEC §2.4): after accept_cache_locs + move_kv_cache, the first acc_i slots of
-    every request's verify window hold the KV its accepted nodes had."""
-    B, K, S, N = 6, 4, 3, 8
+    every request's verify window hold the KV its accepted nodes had. The paths list node ids
+    in increasing order, so the pairs are ordered; 13 requests span several pair blocks."""
+    B, K, S, N = 13, 4, 3, 8
     accept_index, accept_lens, slots = _accept_inputs(B, K, S, N, gen, device)
     P = int(slots.max()) + 1
     pools = [GuardedPool(P, (64,), torch.bfloat16, device, gen),
@@ -425,7 +480,7 @@ def test_move_after_accept(device, gen):
     before = [p.rows().cpu().clone() for p in pools]
     tgt, src = accept_cache_locs(accept_index, accept_lens, slots, num_draft_tokens=N)
     status = new_status(device)
-    move_kv_cache([p.view for p in pools], tgt, src, status=status)
+    move_kv_cache([p.view for p in pools], tgt, src, ordered=ordered, status=status)
     assert int(status) == 0
     sl = slots.cpu()
     for p, old in zip(pools, before, strict=True):
@@ -462,6 +517,8 @@ def test_move_bad_input_raises_before_launch(device):
         move_kv_cache([buf], idx, idx[:1])
     with pytest.raises(TypeError, match="disjoint"):
         move_kv_cache([buf], idx, idx, disjoint=1)
+    with pytest.raises(TypeError, match="ordered"):
+        move_kv_cache([buf], idx, idx, ordered="yes")
     with pytest.raises(ValueError, match="addressing"):
         KVPool([buf], addressing="fast")
     big = torch.zeros(MAX_OVERLAPPING_PAIRS + 1, dtype=torch.int64, device=device)
@@ -506,8 +563,9 @@ for table, word, vec, block_n, cols, warps in [(True, 8, 2, 256, 32, 8), (True, 
                                                (False, 1, 1, 32, 256, 8), (True, 2, 1, 1024, 8, 8)]:
     wt = {8: "i64", 4: "i32", 2: "i16", 1: "u8"}[word]
     sig = {"table_ptr": "*i64", "buf_ptr": f"*{wt}", "tgt_ptr": "*i64", "src_ptr": "*i32",
-           "status_ptr": "*i32", "n": "i32", "num_buffers": "i32", "buffers_per_program": "i32",
-           "min_rows": "i32", "buf_stride": "i32", "buf_width": "i32", "buf_rows": "i32",
+           "status_ptr": "*i32", "n": "i32", "blocks_per_program": "i32", "num_buffers": "i32",
+           "buffers_per_program": "i32", "min_rows": "i32", "buf_stride": "i32",
+           "buf_width": "i32", "buf_rows": "i32",
            "BLOCK_N": "constexpr", "COLS": "constexpr", "TABLE": "constexpr",
            "WORD_BYTES": "constexpr", "VEC": "constexpr", "HAS_STATUS": "constexpr"}
     consts = {"BLOCK_N": block_n, "COLS": cols, "TABLE": table, "WORD_BYTES": word, "VEC": vec,
@@ -573,13 +631,34 @@ def test_gpu_pointer_table_matches_reference(gen, n, row_shape, dtype):
     P = 2 * n + 64
     bufs = _gpu_pools(32, P, row_shape, dtype, gen)
     tgt, src = _overlapping_pairs(P, n - 6, gen, oob=True)  # 6 out-of-range pairs on top
-    tgt, src = tgt.cuda(), src.cuda()
+    _check_gpu_move(bufs, tgt.cuda(), src.cuda(), ordered=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,row_shape,dtype", [(4096, (576,), torch.bfloat16),
+                                              (1024, (1152,), torch.uint8),
+                                              (300, (8, 128), torch.float16),
+                                              (20000, (1,), torch.float32)])  # fmt: skip
+def test_gpu_ordered_pairs_match_reference(gen, n, row_shape, dtype):
+    """ordered=True at production sizes: a chain whose dependencies cross blocks (thousands of
+    programs run at once, so moving the blocks in parallel would read overwritten rows), with
+    out-of-range pairs appended; past MAX_OVERLAPPING_PAIRS too."""
+    P = 2 * n + 64
+    bufs = _gpu_pools(32, P, row_shape, dtype, gen)
+    tgt, src = _ordered_pairs(P, n, gen)
+    tgt = torch.cat([tgt, torch.tensor([P, 3, -1, 1 << 40, 5, 6])])
+    src = torch.cat([src, torch.tensor([1, P + 9, 4, 2, -7, 1 << 40])])
+    _check_gpu_move(bufs, tgt.cuda(), src.cuda(), ordered=True)
+
+
+def _check_gpu_move(bufs, tgt, src, *, ordered):
     for addressing in ("table", "direct"):
         got = [b.clone() for b in bufs]
         ref = [b.clone() for b in bufs]
         status, ref_status = new_status("cuda"), new_status("cuda")
-        move_kv_cache(KVPool(got, addressing=addressing), tgt, src, status=status)
-        move_kv_cache_ref(ref, tgt, src, status=ref_status)
+        move_kv_cache(KVPool(got, addressing=addressing), tgt, src, ordered=ordered,
+                      status=status)  # fmt: skip
+        move_kv_cache_ref(ref, tgt, src, ordered=ordered, status=ref_status)
         for i, (a, b) in enumerate(zip(got, ref, strict=True)):
             assert_equal(_bytes(a), _bytes(b), f"buffers[{i}] ({addressing})")
         assert int(status) == int(ref_status) == int(Status.POOL_OOB)
@@ -645,6 +724,7 @@ def test_gpu_no_host_sync(gen):
                                          status=status)  # fmt: skip
             move_kv_cache(pool, tgt, src, status=status)
             move_kv_cache(bufs, tgt, src, disjoint=False, status=status)
+            move_kv_cache(pool, tgt, src, ordered=True, status=status)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -661,6 +741,7 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
         ai, al, slots = _accept_inputs(B, K, S, N, gen, "cuda")
         tgt, src = accept_cache_locs(ai, al, slots, num_draft_tokens=N, status=status)
         move_kv_cache(bufs, tgt, src, status=status)
+        move_kv_cache(bufs, tgt, src, ordered=True, status=status)
         torch.cuda.synchronize()
         counts.append(
             (compiled_variants(_accept_cache_locs_kernel), compiled_variants(_move_kv_cache_kernel))
@@ -680,6 +761,7 @@ src = torch.randint(-3, P + 3, (257,), generator=g).cuda()
 status = specmeta.new_status("cuda")
 move_kv_cache(KVPool(bufs), tgt, src, status=status)
 move_kv_cache(bufs, tgt, src, disjoint=True, status=status)
+move_kv_cache(KVPool(bufs), tgt, src, ordered=True, status=status)
 ai = torch.randint(-1, 40, (5, 4), generator=g).int().cuda()
 al = torch.randint(-1, 6, (5,), generator=g).cuda()
 t, s = accept_cache_locs(ai, al, torch.arange(40).cuda(), num_draft_tokens=8, status=status)
