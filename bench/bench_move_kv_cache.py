@@ -3,8 +3,10 @@
 counting bytes read and written, % of the copy bandwidth measured in the same run (target: ≥ 70 %
 for n ≥ 256), host µs of the launcher, and a per-buffer torch index copy for comparison.
 
-Two pair patterns: ``overlap`` (a shifted chain through random slots: most targets are other
-pairs' sources, so only read-all-then-write-all is right; the default mode) and ``disjoint``
+Three pair patterns: ``overlap`` (a chain through random slots shifted by n/4: three targets in
+four are other pairs' sources, so only read-all-then-write-all is right; the default mode),
+``ordered`` (the same pairs with ``ordered=True``: no pair reads a slot an earlier pair writes,
+as with accept_cache_locs pairs, so blocks of whole rows go in list order) and ``disjoint``
 (targets and sources apart, ``disjoint=True``: whole-row blocks, the prefix-tail path)."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache
 ROW_SHAPES = {1152: (576,), 2048: (8, 128), 4096: (16, 128)}  # bf16 rows: MLA, 8 and 16 heads
 CASES = [
     (layers, row_bytes, n, pattern)
-    for pattern in ("overlap", "disjoint")
+    for pattern in ("overlap", "ordered", "disjoint")
     for layers in (32, 64)
     for row_bytes in (1152, 2048, 4096)
     for n in (64, 256, 1024, 4096)
@@ -29,7 +31,7 @@ CASES = [
 def _pairs(P: int, n: int, pattern: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     slots = torch.randperm(P - 1, generator=g)[: 2 * n] + 1  # the sink stays out
     tgt = slots[:n]
-    src = slots[n // 4 : n // 4 + n] if pattern == "overlap" else slots[n:]
+    src = slots[n:] if pattern == "disjoint" else slots[n // 4 : n // 4 + n]
     return tgt.cuda(), src.cuda()
 
 
@@ -52,10 +54,10 @@ def bench_move_kv_cache(benchmark, layers, row_bytes, n, pattern):
     pool = KVPool(bufs)
     tgt, src = _pairs(P, n, pattern, g)
     status = new_status("cuda")
-    disjoint = pattern == "disjoint"
+    promise = dict(disjoint=pattern == "disjoint", ordered=pattern == "ordered")
 
     def run():
-        move_kv_cache(pool, tgt, src, disjoint=disjoint, status=status)
+        move_kv_cache(pool, tgt, src, status=status, **promise)
 
     # Correctness first, on the first and last two buffers (a full copy would double memory).
     watched = [0, 1, len(bufs) - 2, len(bufs) - 1]
