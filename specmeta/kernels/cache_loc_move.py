@@ -566,11 +566,11 @@ def _target_programs(device: torch.device, wide: bool) -> int:
     return 2
 
 
-def _ordered_cols(pool: KVPool, tile: int, vec: int, target: int) -> int:
-    """Words of a row per slice for ordered pairs: the whole row (a power of two), halved while
-    the slices of all buffers give fewer than ``target`` programs, down to a 128-byte line; the
-    tile holds 16 pairs at least."""
-    cols = min(triton.next_power_of_2(pool.max_row_words), tile // 16)
+def _ordered_cols(pool: KVPool, row: int, tile: int, vec: int, target: int) -> int:
+    """Words of a row per slice for ordered pairs: the whole row (``row``, a power of two),
+    halved while the slices of all buffers give fewer than ``target`` programs, down to a
+    128-byte line; the tile holds 16 pairs at least."""
+    cols = min(row, tile // 16)
     line = max(vec, _ORDERED_MIN_SLICE_BYTES // pool.word_bytes)
     while cols > line and len(pool) * triton.cdiv(pool.max_row_words, cols) < target:
         cols //= 2
@@ -586,7 +586,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
         warps = _ORDERED_WARPS
         tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
         target = _target_programs(pool.device, False)
-        cols = _ordered_cols(pool, tile, vec16, target)
+        cols = _ordered_cols(pool, row, tile, vec16, target)
         block_n = max(16, min(tile // cols, triton.next_power_of_2(n)))
         pair_programs, blocks_per_program = 1, triton.cdiv(n, block_n)
     else:  # independent blocks of pairs (disjoint), or one block holding every pair
