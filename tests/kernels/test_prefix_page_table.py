@@ -155,6 +155,7 @@ def test_out_of_range_inputs_are_masked(device, gen):
     batch.seq_lens[1] = -5  # POS_OOB: read as L = 0
     batch.seq_lens[2] = W_row + 9  # POS_OOB: pages past the row read 0
     row3 = int(batch.req_pool_indices[3])
+    batch.seq_lens[3] = batch.seq_lens[3].clamp_min(1)  # the negative slot is in its table
     batch.req_to_token[row3, 0] = -4  # POOL_OOB: a negative slot id reads page 0
     n_row = W_row // 4  # the table is wide enough for request 2: no capacity problem
     pt, cs, _, status = _run(batch, device, extra=0, exclude=False, rows=None, fill=0,
