@@ -33,7 +33,13 @@ __all__ = [
     "branch_kv_indices_need",
     "trtllm_mla_max_blocks",
     "kv_pool_table_shape",
+    "ROW_ALIGN",
 ]
+
+# Row positions a default req_to_token width is a multiple of: 16 int32 slots are 64 bytes, so
+# every row starts 16-byte aligned and a page-size-1 page table (a row gather) moves 16-byte
+# vectors (the FA3 draft-decode build at B = 256, ps = 1 in bench/RESULTS.md).
+ROW_ALIGN = 16
 
 
 def uses_layout_b(topk: int, page_size: int) -> bool:
@@ -142,9 +148,11 @@ class SpecConfig:
     max_context_len : int
         Largest committed prefix ``L_b`` of any request. Draft and verify slots come on top.
     req_to_token_width : int, optional
-        ``W_row``. Defaults to the smallest whole number of pages that holds a request of
-        ``max_context_len`` plus its draft region (either layout) or its verify window; a value
-        below that need is rejected.
+        ``W_row``. Defaults to the smallest width that holds a request of ``max_context_len``
+        plus its draft region (either layout) or its verify window, rounded up to whole pages
+        and to a multiple of ``ROW_ALIGN`` (16) positions, so that rows start 16-byte aligned
+        and the page-size-1 row gathers use vector loads; a value below the need is rejected
+        (any width at or above it is valid).
     pool_size : int, optional
         ``P``, KV slots in the pool, a multiple of ``page_size``; page 0 is the reserved sink.
         Defaults to ``(max_bs · W_row + page_size)`` rounded up to a page.
@@ -181,9 +189,10 @@ class SpecConfig:
             )
         need_w = self.row_width_need
         if self.req_to_token_width is None:
-            # Rows hold whole pages: the default width is rounded up to a page.
-            ps = self.page_size
-            object.__setattr__(self, "req_to_token_width", -(-need_w // ps) * ps)
+            # Rows hold whole pages and whole 16-position (64-byte) lines: every int32 row then
+            # starts 16-byte aligned, and a row gather at page size 1 moves 16-byte vectors.
+            unit = math.lcm(self.page_size, ROW_ALIGN)
+            object.__setattr__(self, "req_to_token_width", -(-need_w // unit) * unit)
         elif self.req_to_token_width < need_w:
             raise ValueError(
                 f"SpecConfig.req_to_token_width={self.req_to_token_width} is too small: a request of "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from specmeta import SpecConfig, plan_buffers
-from specmeta.config import draft_row_need
+from specmeta.config import ROW_ALIGN, draft_row_need
 
 
 def test_rejects_invalid_values():
@@ -53,8 +55,11 @@ def test_prefix_tail_pairs_only_in_layout_b():
     assert b["draft.prefix_tail_tgt"].shape == (2 * 3 * 15,)
 
 
-@pytest.mark.parametrize("ps", [1, 16, 64])
-def test_default_row_width_is_whole_pages(ps):
+@pytest.mark.parametrize("ps", [1, 3, 16, 64])
+def test_default_row_width_is_whole_pages_and_lines(ps):
     cfg = SpecConfig(topk=1, num_steps=5, num_draft_tokens=6, page_size=ps, max_context_len=1000)
     assert cfg.req_to_token_width % ps == 0
+    assert cfg.req_to_token_width % ROW_ALIGN == 0, "int32 rows start 16-byte aligned"
     assert cfg.req_to_token_width >= 1000 + 6
+    unit = ps * ROW_ALIGN // math.gcd(ps, ROW_ALIGN)
+    assert cfg.req_to_token_width - unit < cfg.row_width_need, "the smallest such width"
