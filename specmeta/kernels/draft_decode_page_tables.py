@@ -34,6 +34,7 @@ from .prefix_page_table import (
     _BLOCK_B,
     _chunk_programs,
     _prefix_page_table_program,
+    _vectors,
     prefix_page_table_ref,
 )
 from .prefix_page_table import _prepare as _prepare_prefix
@@ -90,13 +91,16 @@ def _draft_decode_page_tables_kernel(
     BLOCK_K: tl.constexpr,  # next power of two ≥ K
     BLOCK_S: tl.constexpr,  # next power of two ≥ S
     BLOCK_W: tl.constexpr,  # expand pass: columns per tile of zeros past column BLOCK_S
+    VEC_IN: tl.constexpr,  # normal pass: req_to_token entries per vector load (1: scalar)
+    VEC_OUT: tl.constexpr,  # normal pass: page_table entries per vector store (1: scalar)
     WRITE_CU: tl.constexpr,
     WRITE_EXPAND_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1), chunk_programs + 1)`` (``+ 0`` when no expand row is built):
-    program ``(b, c)`` with ``c < chunk_programs`` is program ``(b, c)`` of the normal pass,
-    program ``(b, chunk_programs)`` is program ``b`` of the expand pass."""
+    """Grid ``(B + 1, chunk_programs + 1)`` (``+ 0`` when no expand row is built): program
+    ``(b, c)`` with ``c < chunk_programs`` is program ``(b, c)`` of the normal pass (row ``B``:
+    its ``cu_seqlens_k``), program ``(b, chunk_programs)`` with ``b < max(B, 1)`` is program
+    ``b`` of the expand pass."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     if c < chunk_programs:
@@ -130,10 +134,12 @@ def _draft_decode_page_tables_kernel(
             PAGE_SIZE=PAGE_SIZE,
             BLOCK=BLOCK,
             BLOCK_B=BLOCK_B,
+            VEC_IN=VEC_IN,
+            VEC_OUT=VEC_OUT,
             WRITE_CU=WRITE_CU,
             HAS_STATUS=HAS_STATUS,
         )
-    else:
+    elif b < tl.maximum(B, 1):
         _expand_page_table_program(
             b,
             out_cache_loc_ptr,
@@ -259,10 +265,11 @@ def draft_decode_page_tables(
     ``cache_seqlens=[4]``; expand step 0: ``[[3, 0], [15, 0]]``, ``[4, 4]``; step 1:
     ``[[3, 5], [15, 9]]``, ``[5, 5]``.
 
-    Grid ``(max(B, 1), chunk_programs + 1)``: columns ``c < chunk_programs`` are the normal
-    pass's programs (request ``b``, column chunks ``c, c + chunk_programs, …``), the last column
-    is the expand pass's program of request ``b`` (all steps of its ``K`` branches). No host
-    sync; ``B``, widths and strides are runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
+    Grid ``(B + 1, chunk_programs + 1)``: columns ``c < chunk_programs`` are the normal
+    pass's programs (request ``b``, column chunks ``c, c + chunk_programs, …``; program
+    ``(B, 0)`` its ``cu_seqlens_k``), the last column is the expand pass's program of request
+    ``b`` (all steps of its ``K`` branches). No host sync; ``B``, widths and strides are
+    runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
      expand_cache_seqlens) = _prepare(
@@ -273,8 +280,9 @@ def draft_decode_page_tables(
     W = page_table.shape[1]
     W_expand = expand_page_table.shape[2]
     chunk_programs = _chunk_programs(req_to_token.device, B, W)
-    # One more column of programs for the expand pass, none when it has no row to build.
-    grid = (max(B, 1), chunk_programs + (1 if rows > 0 else 0))
+    # One more column of programs for the expand pass, none when it has no row to build; one
+    # more row for the normal pass's cu_seqlens_k.
+    grid = (B + 1, chunk_programs + (1 if rows > 0 else 0))
     _draft_decode_page_tables_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -315,6 +323,7 @@ def draft_decode_page_tables(
         BLOCK_S=triton.next_power_of_2(num_steps),
         # The data tile covers the usual W_e = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
+        **_vectors(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
         HAS_STATUS=status is not None,

@@ -39,7 +39,7 @@ _POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr gl
 # Page-table columns one program writes per iteration: 1024 entries keep 8 elements a thread in
 # flight at 4 warps (as in the kv_indices kernels).
 _BLOCK = 1024
-# seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
+# seq_lens entries per block of the cu_seqlens_k scan (one block up to B = 1024).
 _BLOCK_B = 1024
 
 
@@ -49,6 +49,52 @@ def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr)
     if EXCLUDE_LAST_PARTIAL:
         L = L - L % page_size
     return L + extra_tokens
+
+
+@triton.jit
+def _prefix_cu_seqlens_program(
+    seq_lens_ptr,  # [B] int32|int64
+    cu_seqlens_k_ptr,  # [≥rows, ≥B+1] int32|int64, row stride stride_cu
+    B,
+    extra_tokens,
+    num_rows,
+    W,
+    stride_cu,
+    EXCLUDE_LAST_PARTIAL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    WRITE_CU: tl.constexpr,  # else nothing to do
+):
+    """``cu_seqlens_k[r, :B + 1]`` of every row ``r < num_rows``: the exclusive scan of
+    ``min(len_b + r, W·ps)``, closing entry included, by one program for the whole batch (int64
+    sums: ΣL passes 2**31 for large batches of long contexts). A program of its own, so that no
+    gathering program waits for a block-wide reduction after its gather: on an H200 a sum per
+    request in the programs that gather cost the B = 256, ps = 1 FA3 build 0.5 µs, and a batch
+    of one 0.35 µs."""
+    if WRITE_CU:
+        cap = W.to(tl.int64) * PAGE_SIZE
+        stride_cu64 = stride_cu.to(tl.int64)
+        offs = tl.arange(0, BLOCK_B)
+        # The first BLOCK_B lengths (all of them up to B = 1024) once for every row.
+        L_head = tl.load(seq_lens_ptr + offs, mask=offs < B, other=0).to(tl.int64)
+        len_head = _covered_len(
+            tl.maximum(L_head, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
+        )
+        for r in range(0, num_rows):
+            row = cu_seqlens_k_ptr + r * stride_cu64
+            own = tl.where(offs < B, tl.minimum(len_head + r, cap), 0)
+            # Entry b is the inclusive scan less request b's own length; entry B (own 0) closes.
+            tl.store(row + offs, tl.cumsum(own, axis=0) - own, mask=offs <= B)
+            carry = tl.sum(own, axis=0)
+            for first in range(BLOCK_B, B + 1, BLOCK_B):  # B ≥ BLOCK_B only
+                more = first + offs
+                L_more = tl.load(seq_lens_ptr + more, mask=more < B, other=0).to(tl.int64)
+                len_more = _covered_len(
+                    tl.maximum(L_more, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
+                )
+                own = tl.where(more < B, tl.minimum(len_more + r, cap), 0)
+                tl.store(row + more, carry + tl.cumsum(own, axis=0) - own, mask=more <= B)
+                carry += tl.sum(own, axis=0)
 
 
 @triton.jit
@@ -79,22 +125,62 @@ def _prefix_page_table_program(
     PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    VEC_IN: tl.constexpr,  # req_to_token entries per 16 B when rows allow vector loads, else 1
+    VEC_OUT: tl.constexpr,  # page_table entries per 16 B when rows allow vector stores, else 1
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Program ``(b, c)`` of the grid ``(max(B, 1), chunk_programs)``: writes column chunks
-    ``c, c + chunk_programs, …`` of row ``b``; ``c == 0`` also writes ``cache_seqlens[:, b]``,
-    ``cu_seqlens_k[:, b]`` (the last request the closing entry) and the status. A device
-    function so that a fused kernel can run it on part of its grid."""
+    """Program ``(b, c)`` of the grid ``(B + 1, chunk_programs)``. For ``b < B``: column chunks
+    ``c, c + chunk_programs, …`` of row ``b``, and with ``c == 0`` also ``cache_seqlens[:, b]``
+    and the status. Program ``(B, 0)`` writes ``cu_seqlens_k`` (entry 0 alone when ``B = 0``),
+    the other programs of row ``B`` nothing. A device function so that a fused kernel can run
+    it on part of its grid."""
     b = b.to(tl.int64)  # b·stride_pt passes 2**31 (below)
-    live = b < B
-    # cu_seqlens_k[b] sums seq_lens[:b]. Its first BLOCK_B entries (all of them up to B = 1024)
-    # are loaded here with the request's own, not in the loop below, which the program reaches
-    # only after the gather of the row: one memory latency less.
-    offs_head = tl.arange(0, BLOCK_B)
-    head = tl.where(c == 0, offs_head < b, False)  # program (b, 0) writes cu_seqlens_k[b]
-    if WRITE_CU:
-        L_head = tl.load(seq_lens_ptr + offs_head, mask=head, other=0).to(tl.int64)
+    if b < B:
+        _prefix_rows(
+            b, c, req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, page_table_ptr,
+            cache_seqlens_ptr, status_ptr, B, R, W_row, stride_row, extra_tokens, fill_value,
+            num_rows, W, stride_pt, stride_cs, chunk_programs, EXCLUDE_LAST_PARTIAL, PAGED,
+            PAGE_SIZE, BLOCK, VEC_IN, VEC_OUT, HAS_STATUS,
+        )  # fmt: skip
+    elif c == 0:
+        _prefix_cu_seqlens_program(
+            seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
+            EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU,
+        )  # fmt: skip
+
+
+@triton.jit
+def _prefix_rows(
+    b,  # request < B, int64
+    c,  # first column chunk
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥rows, ≥B] int32|int64, row stride stride_cs
+    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
+    B,
+    R,
+    W_row,
+    stride_row,
+    extra_tokens,
+    fill_value,
+    num_rows,
+    W,
+    stride_pt,
+    stride_cs,
+    chunk_programs,
+    EXCLUDE_LAST_PARTIAL: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC_IN: tl.constexpr,
+    VEC_OUT: tl.constexpr,
+    HAS_STATUS: tl.constexpr,
+):
+    """The work of program ``(b, c)`` for a request ``b < B``: its column chunks, and with
+    ``c == 0`` its ``cache_seqlens`` and status bits."""
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
@@ -105,67 +191,53 @@ def _prefix_page_table_program(
         pages_wanted = (longest + PAGE_SIZE - 1) // PAGE_SIZE
     else:
         pages_wanted = longest
-    pages = tl.where(live, tl.minimum(pages_wanted, W), 0)
+    pages = tl.minimum(pages_wanted, W)
     # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
     cap = W.to(tl.int64) * PAGE_SIZE
 
-    col0 = tl.arange(0, BLOCK).to(tl.int64)
+    # Per-lane work is kept to a compare, an address and a select (a 4 MiB table at ps = 1 is
+    # a million lanes): the row's bounds fold into scalar limits, and columns are int32 (a
+    # table of 2**31 columns is not a thing) added to 64-bit row pointers.
+    filled = pages.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
+    readable = tl.where(row_ok, tl.minimum(filled, tl.cdiv(W_row, PAGE_SIZE)), 0)
+    loadable = readable
+    writable = W
+    row_ptr = req_to_token_ptr + row_base
+    out_ptr = page_table_ptr + b * stride_pt  # int64: B·W passes 2**31 at page size 1
+    if VEC_IN > 1:
+        # ps == 1, rows 16-byte aligned and W_row a multiple of VEC_IN (the launcher checked):
+        # loads reach up to the next whole vector, still inside the row, so every vector is
+        # loaded whole; the slots past `readable` are never used.
+        row_ptr = tl.multiple_of(row_ptr, 16)
+        loadable = (readable + VEC_IN - 1) // VEC_IN * VEC_IN
+    if VEC_OUT > 1:
+        # Rows 16-byte aligned and W a multiple of VEC_OUT (the launcher checked): written so
+        # that the compiler sees it.
+        out_ptr = tl.multiple_of(out_ptr, 16)
+        writable = W // VEC_OUT * VEC_OUT
+    col0 = tl.arange(0, BLOCK)
     for chunk in range(c, tl.cdiv(W, BLOCK), chunk_programs):
         col = col0 + chunk * BLOCK
-        need = col < pages
-        pos = col * PAGE_SIZE
-        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
-        slot = tl.load(
-            req_to_token_ptr + row_base + pos,
-            mask=tl.where(row_ok, need & (pos < W_row), False),
-            other=0,
-        ).to(tl.int64)
-        neg = need & (slot < 0)
-        slot = tl.where(neg, 0, slot)
         if PAGED:
-            page = slot // PAGE_SIZE
+            slot = tl.load(row_ptr + col * PAGE_SIZE, mask=col < loadable, other=0)
+            page = tl.maximum(slot, 0) // PAGE_SIZE  # a negative slot reads page 0
         else:
-            page = slot
-        # b·stride_pt: B·W passes 2**31 for long rows at page size 1, so b is int64.
-        tl.store(
-            page_table_ptr + b * stride_pt + col,
-            tl.where(need, page, fill_value),
-            mask=tl.where(live, col < W, False),
-        )
+            slot = tl.load(row_ptr + col, mask=col < loadable, other=0)
+            page = tl.maximum(slot, 0)
+        tl.store(out_ptr + col, tl.where(col < filled, page, fill_value), mask=col < writable)
         if HAS_STATUS:
-            # A negative slot is reported by the lanes that saw it, after the store and with no
-            # reduction across the block: a tl.max per chunk before the store cost the
-            # fused FA3 build at B = 256, ps = 1 (a 4 MiB gather) 0.8 µs of 5.1 on an H200.
-            tl.atomic_or(status_ptr + 0 * col, _POOL_OOB, mask=neg, sem="relaxed")
+            # A negative slot is reported after the store, by one atomic per vector a thread
+            # holds (a reduction inside the thread), never by a reduction across the block: a
+            # tl.max per chunk before the store cost the fused FA3 build at B = 256, ps = 1 (a
+            # 4 MiB gather) 0.8 µs of 5.1 on an H200.
+            neg = ((slot < 0) & (col < readable)).to(tl.int32)
+            neg = tl.max(tl.reshape(neg, (BLOCK // VEC_IN, VEC_IN)), axis=1)
+            tl.atomic_or(status_ptr + 0 * neg, _POOL_OOB, mask=neg != 0, sem="relaxed")
 
     if c == 0:
         stride_cs64 = stride_cs.to(tl.int64)
-        stride_cu64 = stride_cu.to(tl.int64)
-        last = b == tl.maximum(B, 1) - 1
-        if WRITE_CU:
-            len_head = _covered_len(
-                tl.maximum(L_head, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
-            )
         for r in range(0, num_rows):
-            own = tl.where(live, tl.minimum(length + r, cap), 0)
-            tl.store(cache_seqlens_ptr + r * stride_cs64 + b, own, mask=live)
-            if WRITE_CU:
-                # Σ_{b'<b} min(len_b' + r, W·ps): the head loaded above, then whole-vector
-                # loads of the rest (B > BLOCK_B only); int64 because ΣL passes 2**31 for large
-                # batches of long contexts.
-                start = tl.sum(tl.where(head, tl.minimum(len_head + r, cap), 0), axis=0)
-                for first in range(BLOCK_B, b, BLOCK_B):
-                    offs = first + tl.arange(0, BLOCK_B)
-                    before = offs < b
-                    prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
-                    prev_len = _covered_len(
-                        tl.maximum(prev, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
-                    )
-                    prev_len = tl.minimum(prev_len + r, cap)
-                    start += tl.sum(tl.where(before, prev_len, 0), axis=0)
-                row = cu_seqlens_k_ptr + r * stride_cu64
-                tl.store(row + b, start, mask=live)
-                tl.store(row + B, start + own, mask=last)
+            tl.store(cache_seqlens_ptr + r * stride_cs64 + b, tl.minimum(length + r, cap))
 
         if HAS_STATUS:
             last_pos = (pages - 1) * PAGE_SIZE
@@ -173,7 +245,7 @@ def _prefix_page_table_program(
             bits = (
                 tl.where(row_ok, 0, _ROW_OOB)
                 | tl.where(pos_bad, _POS_OOB, 0)
-                | tl.where(live & (pages_wanted > W), _OUT_OF_CAPACITY, 0)
+                | tl.where(pages_wanted > W, _OUT_OF_CAPACITY, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -209,6 +281,8 @@ def _prefix_page_table_kernel(
     PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    VEC_IN: tl.constexpr,
+    VEC_OUT: tl.constexpr,
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
@@ -241,6 +315,8 @@ def _prefix_page_table_kernel(
         PAGE_SIZE=PAGE_SIZE,
         BLOCK=BLOCK,
         BLOCK_B=BLOCK_B,
+        VEC_IN=VEC_IN,
+        VEC_OUT=VEC_OUT,
         WRITE_CU=WRITE_CU,
         HAS_STATUS=HAS_STATUS,
     )
@@ -260,6 +336,25 @@ def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
     has column chunks."""
     per_request = triton.cdiv(_target_programs(device), max(batch, 1))
     return max(1, min(per_request, triton.cdiv(width, _BLOCK)))
+
+
+def _entries_per_vector(table: torch.Tensor, width: int) -> int:
+    """Entries of ``table`` per 16-byte vector when every row of it starts 16-byte aligned and
+    the ``width`` entries a kernel reaches in a row are whole vectors; else 1 (scalar access).
+    Host arithmetic on the tensor's address and strides: no sync."""
+    size = table.element_size()
+    per = 16 // size
+    aligned = table.data_ptr() % 16 == 0 and table.stride(0) * size % 16 == 0
+    return per if aligned and width % per == 0 else 1
+
+
+def _vectors(req_to_token: torch.Tensor, page_table: torch.Tensor, page_size: int) -> dict:
+    """``VEC_IN`` and ``VEC_OUT`` of a launch: a row gather at page size 1 loads whole
+    vectors, a table's rows are stored in whole vectors (a strided gather, ps > 1, cannot be
+    vector loads). Rows of ``SpecConfig.req_to_token_width`` and the planned page tables
+    qualify: the width is a whole number of 16 positions."""
+    vec_in = _entries_per_vector(req_to_token, req_to_token.shape[1]) if page_size == 1 else 1
+    return dict(VEC_IN=vec_in, VEC_OUT=_entries_per_vector(page_table, page_table.shape[1]))
 
 
 def _prepare(
@@ -372,16 +467,17 @@ def prefix_page_table(
     ``[[10, 0, 0]]`` and ``[4]``; with ``extra_tokens=2, num_rows=2``: ``[[10, 3, 0]]``,
     ``cache_seqlens=[[7], [8]]``.
 
-    Grid ``(max(B, 1), chunk_programs)``; the program of request ``b`` sums ``seq_lens[:b]``
-    with vector loads for its ``cu_seqlens_k`` entry. No host sync; ``B``, lengths, widths and
-    strides are runtime arguments.
+    Grid ``(B + 1, chunk_programs)``: programs ``(b, c)`` gather request ``b``'s row, program
+    ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
+    and strides are runtime arguments.
     """
     page_size, extra_tokens, rows, B, page_table, cache_seqlens = _prepare(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
     W = page_table.shape[1]
-    grid = (max(B, 1), _chunk_programs(req_to_token.device, B, W))
+    # Rows b < B gather request b, row B has the cu_seqlens_k program.
+    grid = (B + 1, _chunk_programs(req_to_token.device, B, W))
     two_d = cache_seqlens.dim() == 2
     _prefix_page_table_kernel[grid](
         req_pool_indices,
@@ -410,6 +506,7 @@ def prefix_page_table(
         PAGE_SIZE=page_size,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
+        **_vectors(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         HAS_STATUS=status is not None,
         num_warps=4,

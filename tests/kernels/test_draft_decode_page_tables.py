@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from specmeta import SpecConfig, Status, allocate_buffers, new_status
-from specmeta.config import uses_layout_b
+from specmeta.config import ROW_ALIGN, uses_layout_b
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.kernels.draft_decode_page_tables import (
     draft_decode_page_tables,
     draft_decode_page_tables_ref,
 )
 from specmeta.kernels.expand_page_table import expand_page_table
-from specmeta.kernels.prefix_page_table import prefix_page_table
+from specmeta.kernels.prefix_page_table import _vectors, prefix_page_table
 from specmeta.workloads import SHAPES, make_batch
 from tests.guard_bands import POISON, Guarded, assert_equal
 from tests.kernels.test_expand_page_table import _check_against_spec as _check_expand
@@ -111,6 +111,29 @@ def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, exclude)
     pt, cs, cu, ept, ecs, ecu = out
     _check_normal(batch, pt, cs, cu, extra=0, exclude=exclude, rows=None, fill=0)
     _check_expand(batch, slots, ept, ecs, ecu, s)
+
+
+@pytest.mark.parametrize("k,s", [(2, 3), (4, 2)])
+def test_vector_gather_uses_only_the_slots_it_covers(device, gen, k, s):
+    """Page size 1 with rows of whole 16-position lines (SpecConfig's default width): the normal
+    pass loads whole 16-byte vectors, up to 3 slots past a request's prefix. Those slots (the
+    draft region, here overwritten with junk once the draft slots are assigned) are neither
+    written nor reported, by the fused kernel as by the standalone op."""
+    width = -(-_row_width(k, s, 1) // ROW_ALIGN) * ROW_ALIGN
+    batch = make_batch("random", batch_size=7, topk=k, num_steps=s, page_size=1,
+                       row_width=width, generator=gen, device=device)  # fmt: skip
+    slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=s, page_size=1)
+    for b in range(batch.batch_size):
+        L = int(batch.seq_lens_cpu[b])
+        for pos, junk in zip(range(L, min(L + 3, width)), (-6, 7777, -6), strict=False):
+            batch.req_to_token[int(batch.req_pool_indices[b]), pos] = junk
+    table = torch.empty(batch.batch_size, width, dtype=torch.int32, device=device)
+    assert _vectors(batch.req_to_token, table, 1) == dict(VEC_IN=4, VEC_OUT=4)
+    *out, status = _run(batch, slots, device, k=k, s=s, ps=1, exclude=False, width=width,
+                        separate=True)  # fmt: skip
+    assert int(status) == 0
+    _check_normal(batch, *out[:3], extra=0, exclude=False, rows=None, fill=0)
+    _check_expand(batch, slots, *out[3:], s)
 
 
 @pytest.mark.parametrize("k,s,ps,exclude", [(2, 4, 4, True), (4, 3, 1, False)])

@@ -40,7 +40,8 @@ _SCRIPT = textwrap.dedent(
                      "cache_seqlens_ptr", "cu_seqlens_k_ptr", "status_ptr"],
                     dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
                          PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024,
-                         BLOCK_B=1024, WRITE_CU=True, HAS_STATUS=True)),
+                         BLOCK_B=1024, VEC_IN=1 if variant == "paged" else 4, VEC_OUT=4,
+                         WRITE_CU=True, HAS_STATUS=True)),
             expand=(expand_page_table._expand_page_table_kernel,
                     ["out_cache_loc_ptr", "seq_lens_ptr", "page_table_ptr", "cache_seqlens_ptr",
                      "cu_seqlens_k_ptr", "status_ptr"],
@@ -58,7 +59,8 @@ _SCRIPT = textwrap.dedent(
                     "status_ptr"],
                    dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
                         PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024, BLOCK_B=1024,
-                        TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, WRITE_CU=True,
+                        TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8,
+                        VEC_IN=1 if variant == "paged" else 4, VEC_OUT=4, WRITE_CU=True,
                         WRITE_EXPAND_CU=True, HAS_STATUS=True)),
         )[which]
         sig = {p: ("*u8" if p == "tree_mask_ptr" else "*i32") for p in ptrs}

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specmeta import Status, new_status
-from specmeta.kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
+from specmeta.config import ROW_ALIGN
+from specmeta.kernels.prefix_page_table import _vectors, prefix_page_table, prefix_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
 from tests.guard_bands import Guarded, assert_equal
 
@@ -135,6 +138,57 @@ def test_property(device, b, ps, extra, exclude, rows, fill, shape, seed, out64,
                        index_dtype=torch.int32 if idx32 else torch.int64)  # fmt: skip
     kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
     pt, cs, cu, status = _run(batch, device, dtype=torch.int64 if out64 else torch.int32, **kw)
+    assert int(status) == 0
+    _check_against_spec(batch, pt, cs, cu, **kw)
+
+
+def test_vector_access_needs_aligned_rows_of_whole_vectors():
+    t = torch.zeros(4, 32, dtype=torch.int32)
+    assert _vectors(t, t, 1) == dict(VEC_IN=4, VEC_OUT=4)
+    assert _vectors(t.long(), t.long(), 1) == dict(VEC_IN=2, VEC_OUT=2)
+    assert _vectors(t, t, 4)["VEC_IN"] == 1, "a strided gather (ps > 1) loads scalars"
+    assert _vectors(t[:, 1:], t[:, 2:], 1) == dict(VEC_IN=1, VEC_OUT=1), "rows off a vector"
+    u = torch.zeros(4, 30, dtype=torch.int32)
+    assert _vectors(u, u, 1) == dict(VEC_IN=1, VEC_OUT=1), "120-byte rows"
+    assert _vectors(t[:, :30], t[:, :30], 1) == dict(VEC_IN=1, VEC_OUT=1), "30 of 32 columns"
+
+
+@pytest.mark.parametrize("slot64", [False, True])
+@pytest.mark.parametrize("rows,fill", [(None, 0), (3, -1)])
+def test_vector_gather_uses_only_the_slots_it_covers(device, gen, slot64, rows, fill):
+    """Page size 1 with rows of whole 16-position lines (SpecConfig's default width): the gather
+    loads whole 16-byte vectors, up to 3 slots past a request's last page. Those slots, here
+    negative or a page of another request, are neither written nor reported."""
+    width = -(-_row_width(2, 3, 1, 3) // ROW_ALIGN) * ROW_ALIGN
+    batch = make_batch("random", batch_size=7, topk=2, num_steps=3, page_size=1, row_width=width,
+                       generator=gen, device=device, extra_tokens=3)  # fmt: skip
+    if slot64:
+        batch.req_to_token = batch.req_to_token.long()
+    extra = 0 if rows is None else 1
+    for b in range(batch.batch_size):
+        end = int(batch.seq_lens_cpu[b]) + extra + (rows or 1) - 1  # positions the table covers
+        for pos, junk in zip(range(end, min(end + 3, width)), (-6, 7777, -6), strict=False):
+            batch.req_to_token[int(batch.req_pool_indices[b]), pos] = junk
+    table = torch.empty(batch.batch_size, width, dtype=torch.int32, device=device)
+    vec = _vectors(batch.req_to_token, table, 1)
+    assert vec == dict(VEC_IN=16 // batch.req_to_token.element_size(), VEC_OUT=4)
+    kw = dict(extra=extra, exclude=False, rows=rows, fill=fill)
+    pt, cs, cu, status = _run(batch, device, width=width, **kw)
+    assert int(status) == 0
+    _check_against_spec(batch, pt, cs, cu, **kw)
+
+
+@pytest.mark.parametrize("B", [12, 13])
+def test_cu_seqlens_scan_past_one_block(device, gen, monkeypatch, B):
+    """One program scans seq_lens for cu_seqlens_k in blocks of BLOCK_B (1024), carrying the
+    sum from block to block and row to row. A 4-wide block runs the loop with 12 requests (the
+    closing entry alone in the last block) and with 13."""
+    # The package re-exports a function of the module's name: fetch the module itself.
+    module = importlib.import_module("specmeta.kernels.prefix_page_table")
+    monkeypatch.setattr(module, "_BLOCK_B", 4)
+    batch = _draw("random", gen, device, 1, 3, 4, 1, batch_size=B)
+    kw = dict(extra=1, exclude=False, rows=3, fill=0)
+    pt, cs, cu, status = _run(batch, device, **kw)
     assert int(status) == 0
     _check_against_spec(batch, pt, cs, cu, **kw)
 
