@@ -137,117 +137,78 @@ def _prefix_page_table_program(
     it on part of its grid."""
     b = b.to(tl.int64)  # b·stride_pt passes 2**31 (below)
     if b < B:
-        _prefix_rows(
-            b, c, req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, page_table_ptr,
-            cache_seqlens_ptr, status_ptr, B, R, W_row, stride_row, extra_tokens, fill_value,
-            num_rows, W, stride_pt, stride_cs, chunk_programs, EXCLUDE_LAST_PARTIAL, PAGED,
-            PAGE_SIZE, BLOCK, VEC_IN, VEC_OUT, HAS_STATUS,
-        )  # fmt: skip
+        row_base, L, row_ok, L_ok = load_request(
+            req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
+        )
+        length = _covered_len(L, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+        # The table serves every row s < num_rows (length + s tokens): it covers the longest.
+        longest = length + num_rows - 1
+        if PAGED:
+            pages_wanted = (longest + PAGE_SIZE - 1) // PAGE_SIZE
+        else:
+            pages_wanted = longest
+        pages = tl.minimum(pages_wanted, W)
+        # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
+        cap = W.to(tl.int64) * PAGE_SIZE
+
+        # Per-lane work is kept to a compare, an address and a select (a 4 MiB table at ps = 1 is
+        # a million lanes): the row's bounds fold into scalar limits, and columns are int32 (a
+        # table of 2**31 columns is not a thing) added to 64-bit row pointers.
+        filled = pages.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
+        readable = tl.where(row_ok, tl.minimum(filled, tl.cdiv(W_row, PAGE_SIZE)), 0)
+        loadable = readable
+        writable = W
+        row_ptr = req_to_token_ptr + row_base
+        out_ptr = page_table_ptr + b * stride_pt  # int64: B·W passes 2**31 at page size 1
+        if VEC_IN > 1:
+            # ps == 1, rows 16-byte aligned and W_row a multiple of VEC_IN (the launcher checked):
+            # loads reach up to the next whole vector, still inside the row, so every vector is
+            # loaded whole; the slots past `readable` are never used.
+            row_ptr = tl.multiple_of(row_ptr, 16)
+            loadable = (readable + VEC_IN - 1) // VEC_IN * VEC_IN
+        if VEC_OUT > 1:
+            # Rows 16-byte aligned and W a multiple of VEC_OUT (the launcher checked): written so
+            # that the compiler sees it.
+            out_ptr = tl.multiple_of(out_ptr, 16)
+            writable = W // VEC_OUT * VEC_OUT
+        col0 = tl.arange(0, BLOCK)
+        for chunk in range(c, tl.cdiv(W, BLOCK), chunk_programs):
+            col = col0 + chunk * BLOCK
+            if PAGED:
+                slot = tl.load(row_ptr + col * PAGE_SIZE, mask=col < loadable, other=0)
+                page = tl.maximum(slot, 0) // PAGE_SIZE  # a negative slot reads page 0
+            else:
+                slot = tl.load(row_ptr + col, mask=col < loadable, other=0)
+                page = tl.maximum(slot, 0)
+            tl.store(out_ptr + col, tl.where(col < filled, page, fill_value), mask=col < writable)
+            if HAS_STATUS:
+                # A negative slot is reported after the store, by one atomic per vector a thread
+                # holds (a reduction inside the thread), never by a reduction across the block: a
+                # tl.max per chunk before the store cost the fused FA3 build at B = 256, ps = 1 (a
+                # 4 MiB gather) 0.8 µs of 5.1 on an H200.
+                neg = ((slot < 0) & (col < readable)).to(tl.int32)
+                neg = tl.max(tl.reshape(neg, (BLOCK // VEC_IN, VEC_IN)), axis=1)
+                tl.atomic_or(status_ptr + 0 * neg, _POOL_OOB, mask=neg != 0, sem="relaxed")
+
+        if c == 0:
+            stride_cs64 = stride_cs.to(tl.int64)
+            for r in range(0, num_rows):
+                tl.store(cache_seqlens_ptr + r * stride_cs64 + b, tl.minimum(length + r, cap))
+
+            if HAS_STATUS:
+                last_pos = (pages - 1) * PAGE_SIZE
+                pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
+                bits = (
+                    tl.where(row_ok, 0, _ROW_OOB)
+                    | tl.where(pos_bad, _POS_OOB, 0)
+                    | tl.where(pages_wanted > W, _OUT_OF_CAPACITY, 0)
+                )
+                tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
     elif c == 0:
         _prefix_cu_seqlens_program(
             seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
             EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU,
         )  # fmt: skip
-
-
-@triton.jit
-def _prefix_rows(
-    b,  # request < B, int64
-    c,  # first column chunk
-    req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
-    seq_lens_ptr,  # [B] int32|int64
-    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
-    cache_seqlens_ptr,  # [≥rows, ≥B] int32|int64, row stride stride_cs
-    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
-    B,
-    R,
-    W_row,
-    stride_row,
-    extra_tokens,
-    fill_value,
-    num_rows,
-    W,
-    stride_pt,
-    stride_cs,
-    chunk_programs,
-    EXCLUDE_LAST_PARTIAL: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    VEC_IN: tl.constexpr,
-    VEC_OUT: tl.constexpr,
-    HAS_STATUS: tl.constexpr,
-):
-    """The work of program ``(b, c)`` for a request ``b < B``: its column chunks, and with
-    ``c == 0`` its ``cache_seqlens`` and status bits."""
-    row_base, L, row_ok, L_ok = load_request(
-        req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
-    )
-    length = _covered_len(L, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
-    # The table serves every row s < num_rows (length + s tokens): it covers the longest.
-    longest = length + num_rows - 1
-    if PAGED:
-        pages_wanted = (longest + PAGE_SIZE - 1) // PAGE_SIZE
-    else:
-        pages_wanted = longest
-    pages = tl.minimum(pages_wanted, W)
-    # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
-    cap = W.to(tl.int64) * PAGE_SIZE
-
-    # Per-lane work is kept to a compare, an address and a select (a 4 MiB table at ps = 1 is
-    # a million lanes): the row's bounds fold into scalar limits, and columns are int32 (a
-    # table of 2**31 columns is not a thing) added to 64-bit row pointers.
-    filled = pages.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
-    readable = tl.where(row_ok, tl.minimum(filled, tl.cdiv(W_row, PAGE_SIZE)), 0)
-    loadable = readable
-    writable = W
-    row_ptr = req_to_token_ptr + row_base
-    out_ptr = page_table_ptr + b * stride_pt  # int64: B·W passes 2**31 at page size 1
-    if VEC_IN > 1:
-        # ps == 1, rows 16-byte aligned and W_row a multiple of VEC_IN (the launcher checked):
-        # loads reach up to the next whole vector, still inside the row, so every vector is
-        # loaded whole; the slots past `readable` are never used.
-        row_ptr = tl.multiple_of(row_ptr, 16)
-        loadable = (readable + VEC_IN - 1) // VEC_IN * VEC_IN
-    if VEC_OUT > 1:
-        # Rows 16-byte aligned and W a multiple of VEC_OUT (the launcher checked): written so
-        # that the compiler sees it.
-        out_ptr = tl.multiple_of(out_ptr, 16)
-        writable = W // VEC_OUT * VEC_OUT
-    col0 = tl.arange(0, BLOCK)
-    for chunk in range(c, tl.cdiv(W, BLOCK), chunk_programs):
-        col = col0 + chunk * BLOCK
-        if PAGED:
-            slot = tl.load(row_ptr + col * PAGE_SIZE, mask=col < loadable, other=0)
-            page = tl.maximum(slot, 0) // PAGE_SIZE  # a negative slot reads page 0
-        else:
-            slot = tl.load(row_ptr + col, mask=col < loadable, other=0)
-            page = tl.maximum(slot, 0)
-        tl.store(out_ptr + col, tl.where(col < filled, page, fill_value), mask=col < writable)
-        if HAS_STATUS:
-            # A negative slot is reported after the store, by one atomic per vector a thread
-            # holds (a reduction inside the thread), never by a reduction across the block: a
-            # tl.max per chunk before the store cost the fused FA3 build at B = 256, ps = 1 (a
-            # 4 MiB gather) 0.8 µs of 5.1 on an H200.
-            neg = ((slot < 0) & (col < readable)).to(tl.int32)
-            neg = tl.max(tl.reshape(neg, (BLOCK // VEC_IN, VEC_IN)), axis=1)
-            tl.atomic_or(status_ptr + 0 * neg, _POOL_OOB, mask=neg != 0, sem="relaxed")
-
-    if c == 0:
-        stride_cs64 = stride_cs.to(tl.int64)
-        for r in range(0, num_rows):
-            tl.store(cache_seqlens_ptr + r * stride_cs64 + b, tl.minimum(length + r, cap))
-
-        if HAS_STATUS:
-            last_pos = (pages - 1) * PAGE_SIZE
-            pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
-            bits = (
-                tl.where(row_ok, 0, _ROW_OOB)
-                | tl.where(pos_bad, _POS_OOB, 0)
-                | tl.where(pages_wanted > W, _OUT_OF_CAPACITY, 0)
-            )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 @triton.jit(
