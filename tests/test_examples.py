@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs_ref
-from tests.consumers import flashinfer, trtllm_mla
-from tests.consumers.dense import dense_attention
-from tests.consumers.fa3 import run_cascade
+from specmeta.testing.consumers import flashinfer, trtllm_mla
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.consumers.fa3 import run_cascade
 from tests.guard_bands import assert_equal
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import torch
 from specmeta import SpecConfig, Status, new_status, plan_buffers
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.consumers.fa3 import run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
-from tests.consumers.dense import dense_attention, merge_lse
-from tests.consumers.fa3 import run_cascade
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -446,90 +446,3 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
         counts.append(tuple(_compiled_variants(kern) for kern in kernels))
     assert all(c >= 1 for c in counts[0])
     assert counts == [counts[0]] * len(counts), f"recompiled for a new batch size: {counts}"
-
-
-def _real_fa3():
-    """``(name, flash_attn_with_kvcache-like callable)`` of an importable FA3, or a skip reason."""
-    import importlib
-
-    errors = []
-    for module, attr in (("flash_attn_interface", "flash_attn_with_kvcache"),
-                         ("sgl_kernel.flash_attn", "flash_attn_with_kvcache")):  # fmt: skip
-        try:
-            return module, getattr(importlib.import_module(module), attr)
-        except Exception as exc:  # ImportError, or a build without the symbol
-            errors.append(f"{module}: {type(exc).__name__}")
-    try:
-        cute = importlib.import_module("flash_attn.cute.interface")
-
-        def via_cute(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
-                     max_seqlen_q, causal, softmax_scale, return_softmax_lse,
-                     cu_seqlens_k_new=None):  # fmt: skip
-            # The CuTe interface takes the KV lengths as seqused_k and has no cu_seqlens_k_new.
-            out, lse = cute._flash_attn_fwd(
-                q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, seqused_k=cache_seqlens,
-                max_seqlen_q=max_seqlen_q, page_table=page_table, softmax_scale=softmax_scale,
-                causal=causal, return_lse=True,
-            )  # fmt: skip
-            return (out, lse) if return_softmax_lse else out
-
-        return "flash_attn.cute", via_cute
-    except Exception as exc:
-        errors.append(f"flash_attn.cute.interface: {type(exc).__name__}")
-    return None, "no FlashAttention-3 importable (" + "; ".join(errors) + ")"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "draft_extend"])
-@pytest.mark.parametrize("k,ps", [(1, 1), (1, 16), (4, 1), (4, 16), (2, 64)])
-def test_gpu_real_fa3_equals_dense_attention(gen, mode, k, ps):
-    """The metadata fed to a real FlashAttention-3 kernel (bf16) gives dense attention over
-    each branch's or node's logical sequence, within bf16 accuracy."""
-    name, fa3_fn = _real_fa3()
-    if name is None:
-        pytest.skip(fa3_fn)
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("FlashAttention-3 runs on Hopper (sm_90)")
-    S, hd, h, h_kv = 3, 128, 8, 2
-    n = S + 1 if k == 1 else 6
-    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=8,
-                     max_context_len=4 * ps + 300)  # fmt: skip
-    batch = make_batch("random", batch_size=6, topk=k, num_steps=S, page_size=ps,
-                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
-                       extra_tokens=n)  # fmt: skip
-    k_pool = torch.randn(batch.pool_size, h_kv, hd, generator=gen).to("cuda", torch.bfloat16)
-    v_pool = torch.randn(batch.pool_size, h_kv, hd, generator=gen).to("cuda", torch.bfloat16)
-    fa3 = FA3MetadataBuilder(cfg, "cuda")
-    rows = _rows(batch)
-    B = batch.batch_size
-    if mode == "draft_decode":
-        slots = _draft_slots(batch, k_pool, v_pool)
-        step = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu)[S - 1]
-        chains = slots.cpu().long().view(B * k, S)
-        lists = [torch.cat([row[:L], chains[b * k + t]])
-                 for b, (row, L) in enumerate(rows) for t in range(k)]  # fmt: skip
-    elif mode == "target_verify":
-        mask = random_tree_mask(B, k, S, n, gen)
-        step = fa3.target_verify(*_args(batch), mask.cuda(), seq_lens_cpu=batch.seq_lens_cpu)
-        lists = [torch.cat([row[:L], row[L + mask[i, j].nonzero().flatten()]])
-                 for i, (row, L) in enumerate(rows) for j in range(n)]  # fmt: skip
-    else:
-        step = FA3Cascade(fa3.draft_extend(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu), None)
-        lists = [row[: L + j + 1] for row, L in rows for j in range(n)]
-    q = torch.randn(len(lists), h, hd, generator=gen).to("cuda", torch.bfloat16)
-    scale = hd**-0.5
-
-    def call(meta):
-        view = meta.page_size
-        kc = k_pool.view(-1, view, h_kv, hd)
-        vc = v_pool.view(-1, view, h_kv, hd)
-        res = fa3_fn(q, kc, vc, **{**meta.kwargs(), "return_softmax_lse": True},
-                     softmax_scale=scale)  # fmt: skip
-        return res[0].double(), res[1].double().t()  # lse [H, total_q] -> [total_q, H]
-
-    out, lse = call(step.normal)
-    if step.expand is not None:
-        out, lse = merge_lse(out, lse, *call(step.expand))
-    want, _ = dense_attention(q.double(), k_pool.double(), v_pool.double(), lists,
-                              softmax_scale=scale)  # fmt: skip
-    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")

@@ -11,9 +11,9 @@ from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.config import trtllm_mla_max_blocks
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.testing.consumers import trtllm_mla as consumer
+from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch
-from tests.consumers import trtllm_mla as consumer
-from tests.consumers.dense import dense_attention
 from tests.metadata.test_flashinfer import branch_sequences
 
 H, H_KV, D = 4, 1, 8  # MLA: every query head reads the one latent KV head

@@ -18,9 +18,9 @@ from examples.draft_loop import (
     next_requests,
 )
 from specmeta import SpecConfig, probes
-from tests.consumers import flashinfer
-from tests.consumers.dense import dense_attention
-from tests.consumers.fa3 import run_cascade
+from specmeta.testing.consumers import flashinfer
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.consumers.fa3 import run_cascade
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16, 32)
@@ -92,28 +92,32 @@ def _check_attention(got, want, real_rows, what):
     assert torch.isfinite(got[real_rows:]).all(), f"{what}: a padded row is not finite"
 
 
-def _check_host_mirrors(loop, stage, bp):
+def _check_host_mirrors(host, bp):
     """FlashInfer's plan() mirrors, computed on the host from the padded CPU seq_lens, equal the
     device values of the padded batch: the padded rows' host scalars are right too."""
-    K = loop.cfg.topk
-    fi = loop.meta.fi.buffers
-    if stage == "draft":
-        pairs = [("draft_decode.kv_indptr", K, 1), ("draft_decode_shared.prefix_kv_indptr", 1, 1),
-                 ("draft_decode_shared.chain_kv_indptr", K, 1),
-                 ("draft_decode_paged.kv_indptr", K, 1),
-                 ("draft_decode_paged.kv_last_page_len", K, 0)]  # fmt: skip
-    else:
-        pairs = [("target_verify.kv_indptr", 1, 1), ("target_verify.mask_indptr", 1, 1)]
-    for key, per, extra in pairs:
-        n = bp * per + extra
-        dev, host = fi[key][..., :n], fi[key + "_host"][..., :n]
-        assert_equal(host, dev.cpu(), f"{key}_host (Bp={bp})")
+    for mode, res in host["plan"].items():
+        if hasattr(res, "steps"):
+            for s, step in enumerate(res.steps):
+                if hasattr(step, "paged_kv_indptr_host_arr"):
+                    pairs = [*zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr,
+                                  strict=True),
+                             *zip(step.paged_kv_last_page_len_host_arr,
+                                  step.paged_kv_last_page_len, strict=True)]  # fmt: skip
+                else:
+                    pairs = [(step.kv_indptr_host, step.kv_indptr),
+                             (step.kv_last_page_len_host, step.kv_last_page_len)]  # fmt: skip
+                for i, (h, d) in enumerate(pairs):
+                    assert_equal(h, d.cpu(), f"{mode}[{s}] mirror {i} (Bp={bp})")
+        else:
+            assert_equal(res.kv_indptr_host, res.kv_indptr.cpu(), f"{mode} kv_indptr (Bp={bp})")
+            assert_equal(res.mask_indptr_host, res.mask_indptr.cpu(), f"{mode} mask (Bp={bp})")
+            assert_equal(res.kv_last_page_len_host, res.kv_last_page_len.cpu(), f"{mode} lpl")
 
 
 def _check_draft(loop, reqs, d):
     cfg, B, K = loop.cfg, len(reqs), loop.cfg.topk
     _compare("draft", cfg, d.runner, d.eager, B)
-    _check_host_mirrors(loop, "draft", d.padded_batch_size)
+    _check_host_mirrors(d.host, d.padded_batch_size)
     assert d.host["seq_lens_sum"] == sum(d.seq_lens) + (d.padded_batch_size - B) * loop.fill
     # Dense truth: each branch attends to its logical prefix and its own chain 0 … s, rebuilt
     # from the model's table (not from any pool slot or metadata). Every consumer must agree.
@@ -144,7 +148,7 @@ def _check_verify(loop, reqs, v):
     its prefix and its ancestors (itself included), rebuilt from the table."""
     cfg, B, N = loop.cfg, len(reqs), loop.cfg.num_draft_tokens
     _compare("verify", cfg, v.runner, v.eager, B)
-    _check_host_mirrors(loop, "verify", v.padded_batch_size)
+    _check_host_mirrors(v.host, v.padded_batch_size)
     keys, vals, lists, start = [], [], [], 0
     for i, L in enumerate(v.seq_lens):
         node_k, node_v = loop.model.kv(v.tokens[i], L + v.depth[i])[0]

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.consumers.dense import dense_attention, merge_lse
-from tests.consumers.fa3 import flash_attn_with_kvcache as fa3_model
+from specmeta.kernels.merge_state import merge_state_ref
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.consumers.fa3 import flash_attn_with_kvcache as fa3_model
 
 
 def _draw(gen, device, T=6, H=4, H_kv=2, D=8, P=40):
@@ -53,12 +54,12 @@ def test_merge_of_disjoint_passes_is_attention_over_their_union(device, gen):
     second = [s[len(s) // 2 :] for s in lists]
     o1, l1 = dense_attention(q, k, v, first)
     o2, l2 = dense_attention(q, k, v, second)
-    o, lse = merge_lse(o1, l1, o2, l2)
+    o, lse = merge_state_ref(o1, l1, o2, l2)
     want, want_lse = dense_attention(q, k, v, lists)
     torch.testing.assert_close(o, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
     empty = torch.full_like(l1, float("-inf"))
-    o, lse = merge_lse(o1, empty, torch.zeros_like(o2), empty)
+    o, lse = merge_state_ref(o1, empty, torch.zeros_like(o2), empty)
     assert not o.any() and torch.isneginf(lse).all()
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["dense_attention", "merge_lse"]
+__all__ = ["dense_attention"]
 
 
 def dense_attention(
@@ -85,31 +85,3 @@ def dense_attention(
     weights = torch.nan_to_num(weights, nan=0.0)
     out = torch.einsum("thn,tnhd->thd", weights, v)
     return out, lse
-
-
-def merge_lse(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two attention passes over disjoint key sets by their log-sum-exp (the cascade).
-
-    Parameters
-    ----------
-    o1, o2 : torch.Tensor
-        ``[T, H, D_v]`` outputs of the two passes (each normalised over its own keys).
-    lse1, lse2 : torch.Tensor
-        ``[T, H]`` their log-sum-exps; ``−inf`` marks an empty pass.
-
-    Returns
-    -------
-    (o, lse) : tuple of torch.Tensor
-        float64 ``o = (e^lse1·o1 + e^lse2·o2) / (e^lse1 + e^lse2)`` and
-        ``lse = log(e^lse1 + e^lse2)``, computed stably; both passes empty gives ``o = 0``,
-        ``lse = −inf``.
-    """
-    lse1, lse2 = lse1.to(torch.float64), lse2.to(torch.float64)
-    lse = torch.logaddexp(lse1, lse2)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w1 = torch.where(torch.isinf(lse1), torch.zeros_like(lse1), torch.exp(lse1 - safe))
-    w2 = torch.where(torch.isinf(lse2), torch.zeros_like(lse2), torch.exp(lse2 - safe))
-    o = w1.unsqueeze(-1) * o1.to(torch.float64) + w2.unsqueeze(-1) * o2.to(torch.float64)
-    return o, lse

@@ -4,14 +4,14 @@ Query sequence ``i`` reads tokens ``0 … seq_lens_k[i] − 1``; token ``q`` liv
 ``block_kv_indices[i, q // ps]`` at offset ``q % ps``. A page the sequence needs must not be −1
 (the kernel would read out of bounds). Prefill (target verify, draft extend) gives request ``i``
 the query rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]``, causal bottom-right. Attention over the
-resulting slots is the float64 dense oracle of :mod:`tests.consumers.dense`.
+resulting slots is the float64 dense oracle of :mod:`specmeta.testing.consumers.dense`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tests.consumers.dense import dense_attention
+from specmeta.testing.consumers.dense import dense_attention
 
 __all__ = ["sequence_slots", "decode", "prefill"]
 

@@ -1,7 +1,7 @@
 """A torch reference consumer of FlashInfer's paged metadata, read the way FlashInfer reads it.
 
 It turns each query row's CSR metadata into the KV slots it covers and attends over them with the
-float64 dense oracle (:mod:`tests.consumers.dense`): pages ``kv_indices[kv_indptr[i] :
+float64 dense oracle (:mod:`specmeta.testing.consumers.dense`): pages ``kv_indices[kv_indptr[i] :
 kv_indptr[i+1]]`` of size ``page_size``, the last one holding ``kv_last_page_len[i]`` tokens; a
 prefill request's query rows ``qo_indptr[i] : qo_indptr[i+1]`` see the columns its mask allows
 (flat ``custom_mask``, the packed-bit form, or causal bottom-right); a cascade runs each level
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.consumers.dense import dense_attention, merge_lse
+from specmeta.kernels.merge_state import merge_state_ref
+from specmeta.testing.consumers.dense import dense_attention
 
 __all__ = ["csr_slots", "decode", "prefill", "cascade"]
 
@@ -85,5 +86,5 @@ def cascade(q, k_cache, v_cache, step):
         qo = qo_indptr.cpu().long().tolist()
         rows = [lists[i] for i in range(len(lists)) for _ in range(qo[i + 1] - qo[i])]
         o, s = dense_attention(q, k_cache, v_cache, rows)
-        out, lse = (o, s) if out is None else merge_lse(out, lse, o, s)
+        out, lse = (o, s) if out is None else merge_state_ref(out, lse, o, s)
     return out, lse

@@ -15,14 +15,15 @@ It is stricter than FA3 where strictness proves a property of the metadata: it r
 id outside the cache, a page-table column past the table's width, more query rows than
 ``max_seqlen_q``, non-int32 metadata, and a ``cu_seqlens_k_new`` that is not
 ``[0, cumsum(cache_seqlens)]``. The arithmetic is the float64 oracle of
-:mod:`tests.consumers.dense`; :func:`run_cascade` merges the two passes of a cascade by LSE.
+:mod:`specmeta.testing.consumers.dense`; :func:`run_cascade` merges the two passes of a cascade by LSE.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tests.consumers.dense import dense_attention, merge_lse
+from specmeta.kernels.merge_state import merge_state_ref
+from specmeta.testing.consumers.dense import dense_attention
 
 __all__ = ["flash_attn_with_kvcache", "attend", "run_cascade"]
 
@@ -96,4 +97,4 @@ def run_cascade(q, k_pool, v_pool, cascade, softmax_scale=None) -> torch.Tensor:
     if cascade.expand is None:
         return out
     out_e, lse_e = attend(q, k_pool, v_pool, cascade.expand, softmax_scale)
-    return merge_lse(out, lse, out_e, lse_e)[0]
+    return merge_state_ref(out, lse, out_e, lse_e)[0]
