@@ -92,11 +92,11 @@ def shared_prefix_chain_need(batch: int, topk: int, num_rows: int) -> int:
 def tree_custom_mask_need(
     seq_lens_sum: int, batch: int, num_draft_tokens: int, packed: bool = False
 ) -> int:
-    """Elements of FlashInfer's flat verify mask: ``N·ΣL + B·N²`` bools; packed (one bit each,
-    every request's segment padded to a whole byte) at most ``floor((N·ΣL + B·N²) / 8) + B``
-    bytes, since ``Σ ceil(x_i / 8) ≤ floor(Σx_i / 8) + B``."""
-    bits = num_draft_tokens * seq_lens_sum + batch * num_draft_tokens * num_draft_tokens
-    return bits // 8 + batch if packed else bits
+    """Elements of FlashInfer's flat verify mask: ``N·ΣL + B·N²`` bools, or as many bytes when
+    packed (each request's packed segment starts at its element offset, the layout FlashInfer
+    0.7's ``plan()`` reads; see :mod:`specmeta.kernels.tree_custom_mask`)."""
+    del packed  # both forms span the same offsets
+    return num_draft_tokens * seq_lens_sum + batch * num_draft_tokens * num_draft_tokens
 
 
 def branch_kv_indices_need(
@@ -264,6 +264,7 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
     add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets")
     add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror of kv_indptr")
     add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1)")
+    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
     # Cascade (shared-prefix) draft decode: each prefix once, each branch's chain per step.
     mode = "flashinfer.draft_decode_shared"
     add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
@@ -271,12 +272,15 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
     add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] prefix-level CSR offsets")
     add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
     add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
+    add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
     add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
         "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
     add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level CSR offsets")
     add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
     add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: one query row a branch")
+    add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
     add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
+    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
     # Per-branch page lists for page size > 1 (prefix-tail copies in place first).
     mode = "flashinfer.draft_decode_paged"
     add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
@@ -294,13 +298,14 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
         add(f"{mode}.kv_indices", (verify_kv_indices_need(total, bs, n),), i32,
             "[ΣL + B*N] row_b[0 : L_b + N]")  # fmt: skip
         add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
+        add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
     mode = "flashinfer.target_verify"
     add(f"{mode}.custom_mask", (tree_custom_mask_need(total, bs, n),), torch.bool,
         "[N*ΣL + B*N²] flat bool mask, request i an N × (L_i + N) block")  # fmt: skip
     add(f"{mode}.mask_indptr", (bs + 1,), i32, "[B+1] mask segment starts (elements)")
     add(f"{mode}.mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
     add(f"{mode}.packed_custom_mask", (tree_custom_mask_need(total, bs, n, packed=True),),
-        torch.uint8, "packed-bit mask, little-endian, segments padded to a byte")  # fmt: skip
+        torch.uint8, "packed-bit mask, little-endian, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
 

@@ -7,10 +7,16 @@ every prefix column and the tree columns of its ancestors and itself::
     custom_mask[mask_indptr[i] + j·(L_i + N) + c]    = 1                    for c < L_i
     custom_mask[mask_indptr[i] + j·(L_i + N) + L_i + c'] = tree_mask[i, j, c']   for c' < N
 
-The packed form is what FlashInfer's prefill ``plan()`` makes of it with
-``segment_packbits(custom_mask, mask_indptr, bitorder="little")``: every request's segment packed
-eight elements a byte, element ``e`` at bit ``e % 8`` of byte ``e // 8`` (little-endian within
-the byte), the segment padded with zero bits to a whole byte, and ``mask_indptr`` counting bytes.
+The packed form is the one FlashInfer 0.7's prefill ``plan(packed_custom_mask=...)`` reads:
+every request's segment packed eight elements a byte, element ``e`` at bit ``e % 8`` of byte
+``e // 8`` (little-endian within the byte, as ``segment_packbits(..., bitorder="little")``),
+padded with zero bits to a whole byte, and the segment of request ``i`` starting at byte
+``mask_indptr[i]``, its *element* offset ``Σ_{i'<i} N·(L_i' + N)``. That ``plan()`` computes
+the segment starts itself, in elements, and its kernel reads them as byte offsets; a compact
+layout (segments back to back) is read at the wrong offsets for every request after the first.
+Placing each segment at its element offset makes the two agree: the bytes between segments are
+never written or read, so the packed buffer is as large as the bool one. What it saves is the
+device-to-host copy that ``plan(custom_mask=...)`` makes to pack the bool form.
 """
 
 from __future__ import annotations
@@ -38,18 +44,15 @@ _BLOCK_B = 1024
 
 
 @triton.jit
-def _segment_start(seq_lens_ptr, b, N, PACKED: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Σ_{i<b} of the segment sizes: ``N·(L_i + N)`` elements, or ``ceil(N·(L_i + N) / 8)``
-    bytes when packed (int64: N·ΣL passes 2**31 at long contexts)."""
+def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
+    """Σ_{i<b} N·(L_i + N): the segment's start in elements, and in bytes when packed
+    (int64: N·ΣL passes 2**31 at long contexts)."""
     cum = b * 0
     for start in range(0, b, BLOCK_B):
         offs = start + tl.arange(0, BLOCK_B)
         before = offs < b
         L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
-        size = N * (L + N)
-        if PACKED:
-            size = (size + 7) // 8
-        cum += tl.sum(tl.where(before, size, 0), axis=0)
+        cum += tl.sum(tl.where(before, N * (L + N), 0), axis=0)
     return cum
 
 
@@ -96,7 +99,7 @@ def _tree_custom_mask_kernel(
     n = n_bits
     if PACKED:
         n = (n_bits + 7) // 8
-    start = _segment_start(seq_lens_ptr, b, N, PACKED, BLOCK_B)
+    start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
     tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
 
     e0 = tl.arange(0, BLOCK).to(tl.int64)
@@ -114,7 +117,7 @@ def _tree_custom_mask_kernel(
         tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n) & (dst < W_mask))
 
     if c == 0:
-        tl.store(mask_indptr_ptr + b + 1, start + n, mask=valid)
+        tl.store(mask_indptr_ptr + b + 1, start + n_bits, mask=valid)
         tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
             flags = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
@@ -151,7 +154,7 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
         if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
-        what = "bytes (bound: floor((N*ΣL + B*N²)/8) + B)" if packed else "elements (N*ΣL + B*N²)"
+        what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
         validate.at_least("custom_mask", custom_mask.shape[0], need, what)
     validate.status(status, device)
     return B, N, custom_mask, mask_indptr
@@ -178,14 +181,14 @@ def tree_custom_mask(
         ``j`` (unit stride in the last dimension).
     packed : bool
         ``False``: one bool per element. ``True``: eight elements a byte, little-endian bit
-        order, each request's segment padded to a whole byte (FlashInfer's
-        ``segment_packbits(..., bitorder="little")``).
+        order, each request's segment padded to a whole byte and starting at byte
+        ``mask_indptr[i]`` (its element offset: what FlashInfer 0.7's ``plan()`` reads).
     custom_mask : torch.Tensor, optional
         ``[W_mask]`` bool (or uint8 when ``packed``); stores past ``W_mask`` are dropped and
         reported. Allocated from ``seq_lens_sum`` when omitted (one of the two is required).
     mask_indptr : torch.Tensor, optional
-        ``[≥ B + 1]`` int32 or int64: segment starts in elements (bytes when ``packed``),
-        entry 0 included.
+        ``[≥ B + 1]`` int32 or int64: segment starts in elements (the same values, read as
+        byte offsets, when ``packed``), entry 0 included.
     seq_lens_sum : int, optional
         Host-side ``ΣL``; when given, ``custom_mask`` is checked before launch.
     status : torch.Tensor, optional
@@ -198,8 +201,8 @@ def tree_custom_mask(
     Examples
     --------
     ``seq_lens=[1]``, ``N=2``, root 0 with child 1 → rows ``[1, 1, 0]`` and ``[1, 1, 1]``:
-    ``custom_mask=[1, 1, 0, 1, 1, 1]``, ``mask_indptr=[0, 6]``; packed: one byte
-    ``0b111011 = 59``, ``mask_indptr=[0, 1]``.
+    ``custom_mask=[1, 1, 0, 1, 1, 1]``, ``mask_indptr=[0, 6]``; packed: the byte
+    ``0b111011 = 59`` at offset 0, ``mask_indptr=[0, 6]``.
 
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
@@ -249,18 +252,17 @@ def tree_custom_mask_ref(
     device = seq_lens.device
     L = seq_lens.to(torch.int64).clamp_min(0)
     n_bits = N * (L + N)
-    n = (n_bits + 7) // 8 if packed else n_bits
-    end = torch.cumsum(n, 0)
-    start = end - n
+    n = (n_bits + 7) // 8 if packed else n_bits  # elements written per request
+    start = torch.cumsum(n_bits, 0) - n_bits
     mask_indptr[0] = 0
-    mask_indptr[1 : B + 1] = end.to(mask_indptr.dtype)
+    mask_indptr[1 : B + 1] = (start + n_bits).to(mask_indptr.dtype)
     bits = 0
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
-    total = int(end[-1]) if B else 0
+    total = int(n.sum()) if B else 0
     if total:
         req = torch.repeat_interleave(torch.arange(B, device=device), n)
-        e = torch.arange(total, device=device) - start[req]
+        e = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[req]
         if packed:
             bit = e.view(-1, 1) * 8 + torch.arange(8, device=device).view(1, 8)
             req_b = req.view(-1, 1).expand_as(bit)
