@@ -255,10 +255,13 @@ class Metadata:
                              f"have {have}")  # fmt: skip
         args = (*self._static(bp, "req_pool_indices"), self.req_to_token,
                 *self._static(bp, "seq_lens"))  # fmt: skip
-        for build in (self.fi.draft_decode, self.fi.draft_decode_shared_prefix,
-                      self.fi.draft_decode_paged):  # fmt: skip
-            build(*args, seq_lens_cpu=lens, num_rows=c.num_steps, launch=False)
-        return {"seq_lens_sum": total}
+        kw = dict(seq_lens_cpu=lens, num_rows=c.num_steps, launch=False)
+        plan = {
+            "draft_decode": self.fi.draft_decode(*args, **kw),
+            "draft_decode_shared": self.fi.draft_decode_shared_prefix(*args, **kw),
+            "draft_decode_paged": self.fi.draft_decode_paged(*args, **kw),
+        }
+        return {"seq_lens_sum": total, "plan": plan}
 
     def verify(self, inp) -> dict[str, torch.Tensor]:
         """Target-verify metadata over each request's ``N``-token window."""
@@ -275,9 +278,9 @@ class Metadata:
         lens = mirrors["seq_lens"]
         bp = lens.shape[0]
         rpi, seq_lens, mask = self._static(bp, "req_pool_indices", "seq_lens", "tree_mask")
-        self.fi.target_verify(rpi, self.req_to_token, seq_lens, mask, seq_lens_cpu=lens,
-                              launch=False)  # fmt: skip
-        return {"seq_lens_sum": int(lens.sum())}
+        plan = self.fi.target_verify(rpi, self.req_to_token, seq_lens, mask, seq_lens_cpu=lens,
+                                     launch=False)  # fmt: skip
+        return {"seq_lens_sum": int(lens.sum()), "plan": {"target_verify": plan}}
 
     def accept(self, inp) -> dict[str, torch.Tensor]:
         """Move pairs of the accepted nodes (SPEC §2.4)."""

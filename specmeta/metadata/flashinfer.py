@@ -31,11 +31,15 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, plan_buffers
-from ..kernels.branch_kv_indices import branch_kv_indices
-from ..kernels.draft_decode_kv_indices import draft_decode_kv_indices
-from ..kernels.shared_prefix_kv_indices import shared_prefix_kv_indices
-from ..kernels.tree_custom_mask import tree_custom_mask
-from ..kernels.verify_kv_indices import verify_kv_indices
+from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
+from ..kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from ..kernels.shared_prefix_kv_indices import (
+    shared_prefix_kv_indices,
+    shared_prefix_kv_indices_ref,
+)
+from ..kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+from ..kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+from .host_mirrors import HostMirrorRing
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -48,6 +52,15 @@ __all__ = [
 ]
 
 _PREFIX = "flashinfer."
+# Host mirrors that change with the batch; they come from a ring (see host_mirrors). The other
+# ``*_host`` buffers hold values fixed at construction (strides, ones), written once.
+_PER_BATCH_MIRRORS = {
+    "draft_decode": ("kv_indptr_host",),
+    "draft_decode_shared": ("prefix_kv_indptr_host",),
+    "draft_decode_paged": ("kv_indptr_host", "kv_last_page_len_host"),
+    "target_verify": ("kv_indptr_host", "mask_indptr_host", "packed_mask_indptr_host"),
+    "draft_extend": ("kv_indptr_host",),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,8 @@ class FlashInferCascadeStep:
     """CPU mirrors of ``qo_indptr_arr`` (batch independent, always present)."""
     paged_kv_indptr_host_arr: tuple[torch.Tensor, torch.Tensor] | None
     """CPU mirrors of ``paged_kv_indptr_arr``; ``None`` without ``seq_lens_cpu``."""
+    paged_kv_last_page_len_host_arr: tuple[torch.Tensor, torch.Tensor]
+    """CPU mirrors of ``paged_kv_last_page_len`` (ones, always present)."""
     page_size: int = 1
 
 
@@ -123,15 +138,20 @@ class FlashInferPrefill:
     """Flat bool, device, request ``i`` an ``N × (L_i + N)`` block; upper bound (``None`` for
     draft extend or when ``packed_custom_mask`` is given)."""
     packed_custom_mask: torch.Tensor | None
-    """uint8, device: ``custom_mask`` packed little-endian, segments padded to a byte."""
+    """uint8, device: ``custom_mask`` packed little-endian, each request's segment padded to a
+    byte and starting at byte ``mask_indptr[i]`` (the layout FlashInfer 0.7's ``plan()`` reads;
+    see :mod:`specmeta.kernels.tree_custom_mask`)."""
     mask_indptr: torch.Tensor | None
-    """``[B + 1]`` int32, device: segment starts, in elements (bytes for the packed form)."""
+    """``[B + 1]`` int32, device: segment starts, in elements (read as bytes for the packed
+    form). ``plan()`` computes the same offsets itself; it is not passed."""
     causal: bool
     """``False`` for target verify (the mask decides), ``True`` for draft extend."""
     qo_indptr_host: torch.Tensor
     """``[B + 1]`` int32 on the CPU (batch independent, always present)."""
     kv_indptr_host: torch.Tensor | None
     """``[B + 1]`` int32 on the CPU; ``None`` without ``seq_lens_cpu``."""
+    kv_last_page_len_host: torch.Tensor
+    """``[B]`` int32 ones on the CPU (always present)."""
     mask_indptr_host: torch.Tensor | None
     """``[B + 1]`` int32 on the CPU; ``None`` without ``seq_lens_cpu`` or a mask."""
     max_q_len: int
@@ -149,11 +169,21 @@ class FlashInferBuilder:
     device : torch.device or str
         Where the metadata lives. ``*_host`` mirrors live on the CPU, pinned when ``device``
         is CUDA.
+    reference : bool
+        Build with the pure-torch references instead of the kernels (a test and benchmark
+        baseline; it syncs).
+    mirror_depth : int
+        Sets of per-batch host mirrors, used in turn (default 2): a build reuses a set only
+        once the stream has passed the ``plan()`` that read it, so an engine may build
+        iteration ``i + 1`` before the device has run iteration ``i``'s ``plan()`` copies
+        (:mod:`specmeta.metadata.host_mirrors`). The mirrors of a result stay valid until
+        ``mirror_depth`` more builds of the same mode.
 
     Attributes
     ----------
     buffers : dict of str to torch.Tensor
-        Every ``flashinfer.*`` buffer of the plan, keyed without the prefix.
+        Every ``flashinfer.*`` buffer of the plan, keyed without the prefix, except the
+        per-batch host mirrors, which live in the ring.
     status : torch.Tensor
         ``int32 [1]``: the status word every method reports into unless given another
         (read it with :func:`specmeta.check_status`, which syncs).
@@ -165,16 +195,26 @@ class FlashInferBuilder:
     >>> wrapper.plan(meta.steps[0].kv_indptr_host, meta.steps[0].kv_indices, ...)  # no sync
     """
 
-    def __init__(self, cfg: SpecConfig, device: torch.device | str):
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        device: torch.device | str,
+        *,
+        reference: bool = False,
+        mirror_depth: int = 2,
+    ):
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.device = validate.canonical_device(device)
         plan = plan_buffers(cfg)
         pin = self.device.type == "cuda"
+        ring_names = {
+            f"{_PREFIX}{m}.{f}" for m, fields in _PER_BATCH_MIRRORS.items() for f in fields
+        }
         self.buffers: dict[str, torch.Tensor] = {}
         for name, spec in plan.items():
-            if not name.startswith(_PREFIX):
+            if not name.startswith(_PREFIX) or name in ring_names:
                 continue
             if name.endswith("_host"):
                 buf = spec.allocate("cpu")
@@ -182,7 +222,19 @@ class FlashInferBuilder:
             else:
                 buf = spec.allocate(self.device)
             self.buffers[name[len(_PREFIX) :]] = buf
+        self._mirrors = {
+            mode: HostMirrorRing(
+                {f: plan[f"{_PREFIX}{mode}.{f}"] for f in fields}, mirror_depth, self.device
+            )
+            for mode, fields in _PER_BATCH_MIRRORS.items()
+        }
         self.status = plan["status"].allocate(self.device)
+        pick = (lambda kernel, ref: ref) if reference else (lambda kernel, ref: kernel)
+        self._draft_kv = pick(draft_decode_kv_indices, draft_decode_kv_indices_ref)
+        self._shared_kv = pick(shared_prefix_kv_indices, shared_prefix_kv_indices_ref)
+        self._branch_kv = pick(branch_kv_indices, branch_kv_indices_ref)
+        self._verify_kv = pick(verify_kv_indices, verify_kv_indices_ref)
+        self._tree_mask = pick(tree_custom_mask, tree_custom_mask_ref)
         k, s, n, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.max_bs
         buf = self.buffers
         for key in (
@@ -192,6 +244,7 @@ class FlashInferBuilder:
             "draft_extend.kv_last_page_len",
         ):
             buf[key].fill_(1)
+            buf[f"{key}_host"].fill_(1)
         # Uniform query strides, written once for the largest batch (SPEC §3.1).
         self._layouts = {
             "target_verify": UniformQueryLayout.create(
@@ -207,12 +260,13 @@ class FlashInferBuilder:
                 1, bs * k, self.device, out=buf["draft_decode_shared.chain_qo_indptr"]
             ),
         }
-        for mode in ("target_verify", "draft_extend"):
-            torch.arange(bs + 1, dtype=torch.int32, out=buf[f"{mode}.qo_indptr_host"])
-            buf[f"{mode}.qo_indptr_host"].mul_(n)
-        self._chain_qo_host = torch.arange(bs * k + 1, dtype=torch.int32)
-        self._ones_host = torch.ones(bs * k, dtype=torch.int32)
-        self._prefix_qo_host = self._chain_qo_host[: bs + 1] * k
+        for key, dev in (
+            ("target_verify.qo_indptr_host", "target_verify.qo_indptr"),
+            ("draft_extend.qo_indptr_host", "draft_extend.qo_indptr"),
+            ("draft_decode_shared.prefix_qo_indptr_host", "draft_decode_shared.prefix_qo_indptr"),
+            ("draft_decode_shared.chain_qo_indptr_host", "draft_decode_shared.chain_qo_indptr"),
+        ):
+            buf[key].copy_(buf[dev])  # once, at construction
         # The chain level's offsets do not depend on the batch: z·(s + 1).
         z = torch.arange(bs * k + 1, dtype=torch.int32)
         for row in range(s):
@@ -279,7 +333,7 @@ class FlashInferBuilder:
         rows = self._rows(num_rows)
         K = cfg.topk
         if launch:
-            draft_decode_kv_indices(
+            self._draft_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
                 kv_indptr=buf["draft_decode.kv_indptr"],
@@ -288,7 +342,7 @@ class FlashInferBuilder:
             )  # fmt: skip
         host = None
         if lens is not None:
-            host = buf["draft_decode.kv_indptr_host"]
+            host = self._mirrors["draft_decode"].next()["kv_indptr_host"]
             z = torch.arange(B * K + 1)
             bz = (z // K).clamp_max(max(B - 1, 0))
             head = K * (torch.cumsum(lens, 0) - lens)
@@ -300,7 +354,7 @@ class FlashInferBuilder:
                 else:
                     host[s, 0] = 0
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
-        ones_host = self._ones_host[: B * K] if lens is not None else None
+        ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
         steps = tuple(
             FlashInferDecodeStep(
                 kv_indptr=buf["draft_decode.kv_indptr"][s, : B * K + 1],
@@ -335,7 +389,7 @@ class FlashInferBuilder:
         rows = self._rows(num_rows)
         K, mode = cfg.topk, "draft_decode_shared"
         if launch:
-            shared_prefix_kv_indices(
+            self._shared_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=cfg.page_size, num_rows=rows,
                 prefix_kv_indices=buf[f"{mode}.prefix_kv_indices"],
@@ -347,12 +401,16 @@ class FlashInferBuilder:
             )  # fmt: skip
         prefix_host = None
         if lens is not None:
-            prefix_host = buf[f"{mode}.prefix_kv_indptr_host"][: B + 1]
+            prefix_host = self._mirrors[mode].next()["prefix_kv_indptr_host"][: B + 1]
             prefix_host[0] = 0
             prefix_host[1:] = torch.cumsum(lens, 0).to(torch.int32)
         ones = buf[f"{mode}.kv_last_page_len"]
         qo = (self._layouts["prefix"].cu_seqlens_q(B), self._layouts["chain"].cu_seqlens_q(B * K))
-        qo_host = (self._prefix_qo_host[: B + 1], self._chain_qo_host[: B * K + 1])
+        qo_host = (
+            buf[f"{mode}.prefix_qo_indptr_host"][: B + 1],
+            buf[f"{mode}.chain_qo_indptr_host"][: B * K + 1],
+        )
+        ones_host = buf[f"{mode}.kv_last_page_len_host"]
         chain_host = buf[f"{mode}.chain_kv_indptr_host"]
         steps = tuple(
             FlashInferCascadeStep(
@@ -370,6 +428,7 @@ class FlashInferBuilder:
                 paged_kv_indptr_host_arr=(
                     (prefix_host, chain_host[s, : B * K + 1]) if prefix_host is not None else None
                 ),
+                paged_kv_last_page_len_host_arr=(ones_host[:B], ones_host[: B * K]),
             )
             for s in range(rows)
         )
@@ -399,7 +458,7 @@ class FlashInferBuilder:
         rows = self._rows(num_rows)
         K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
         if launch:
-            branch_kv_indices(
+            self._branch_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
                 kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
@@ -408,8 +467,8 @@ class FlashInferBuilder:
             )  # fmt: skip
         ptr_host = lpl_host = None
         if lens is not None:
-            ptr_host = buf[f"{mode}.kv_indptr_host"]
-            lpl_host = buf[f"{mode}.kv_last_page_len_host"]
+            mirrors = self._mirrors[mode].next()
+            ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
             for s in range(rows):
                 pages = (lens + s + ps) // ps  # ceil((L + s + 1) / ps)
                 per_branch = pages.repeat_interleave(K)
@@ -433,18 +492,19 @@ class FlashInferBuilder:
         buf, n = self.buffers, self.cfg.num_draft_tokens
         B = req_pool_indices.shape[0]
         if launch:
-            verify_kv_indices(
+            self._verify_kv(
                 req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
                 kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
                 status=self._status(status),
             )  # fmt: skip
-        host = None
+        mirrors = None
         if lens is not None:
-            host = buf[f"{mode}.kv_indptr_host"][: B + 1]
+            mirrors = self._mirrors[mode].next()
+            host = mirrors["kv_indptr_host"][: B + 1]
             host[0] = 0
             host[1:] = torch.cumsum(lens + n, 0).to(torch.int32)
-        return host
+        return mirrors
 
     def target_verify(
         self,
@@ -480,25 +540,24 @@ class FlashInferBuilder:
                 f"tree_mask must be [B, N, N] with N = num_draft_tokens = {n}, "
                 f"got {tuple(tree_mask.shape)}"
             )
-        host = self._prefill_lists(
+        mirrors = self._prefill_lists(
             mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
         )
         form = "packed_" if packed else ""
         mask = buf[f"{mode}.{form}custom_mask"]
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
         if launch:
-            tree_custom_mask(
+            self._tree_mask(
                 seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
                 status=self._status(status),
             )  # fmt: skip
         mask_host = None
-        if lens is not None:
-            sizes = n * (lens + n)
-            sizes = (sizes + 7) // 8 if packed else sizes
-            mask_host = buf[f"{mode}.{form}mask_indptr_host"][: B + 1]
+        if mirrors is not None:
+            # Element offsets in both forms (the packed segments start there, read as bytes).
+            mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1]
             mask_host[0] = 0
-            mask_host[1:] = torch.cumsum(sizes, 0).to(torch.int32)
+            mask_host[1:] = torch.cumsum(n * (lens + n), 0).to(torch.int32)
         return FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
@@ -509,7 +568,8 @@ class FlashInferBuilder:
             mask_indptr=mask_indptr[: B + 1],
             causal=False,
             qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
-            kv_indptr_host=host,
+            kv_indptr_host=mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None,
+            kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=mask_host,
             max_q_len=n,
         )
@@ -529,7 +589,7 @@ class FlashInferBuilder:
         :meth:`draft_decode`."""
         B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         buf, mode = self.buffers, "draft_extend"
-        host = self._prefill_lists(
+        mirrors = self._prefill_lists(
             mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
         )
         return FlashInferPrefill(
@@ -542,7 +602,8 @@ class FlashInferBuilder:
             mask_indptr=None,
             causal=True,
             qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
-            kv_indptr_host=host,
+            kv_indptr_host=mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None,
+            kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=None,
             max_q_len=self.cfg.num_draft_tokens,
         )

@@ -28,8 +28,8 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, plan_buffers
-from ..kernels.branch_page_table import branch_page_table
-from ..kernels.prefix_page_table import prefix_page_table
+from ..kernels.branch_page_table import branch_page_table, branch_page_table_ref
+from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
 from .layout import UniformQueryLayout
 
 __all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
@@ -87,6 +87,9 @@ class TrtllmMlaBuilder:
         ``K``, ``S``, ``N``, ``ps`` and the capacity (``max_bs``, ``max_context_len``).
     device : torch.device or str
         Where the metadata lives.
+    reference : bool
+        Build with the pure-torch references instead of the kernels (a test and benchmark
+        baseline; it syncs).
 
     Attributes
     ----------
@@ -96,7 +99,7 @@ class TrtllmMlaBuilder:
         ``int32 [1]``: the status word every method reports into unless given another.
     """
 
-    def __init__(self, cfg: SpecConfig, device: torch.device | str):
+    def __init__(self, cfg: SpecConfig, device: torch.device | str, *, reference: bool = False):
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -108,6 +111,8 @@ class TrtllmMlaBuilder:
             if name.startswith(_PREFIX)
         }
         self.status = plan["status"].allocate(self.device)
+        self._branch = branch_page_table_ref if reference else branch_page_table
+        self._prefix = prefix_page_table_ref if reference else prefix_page_table
         n, bs = cfg.num_draft_tokens, cfg.max_bs
         self._layouts = {
             mode: UniformQueryLayout.create(
@@ -166,7 +171,7 @@ class TrtllmMlaBuilder:
         if rows > S:
             raise ValueError(f"num_rows must be <= num_steps={S}, got {rows}")
         table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
-        branch_page_table(
+        self._branch(
             req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
             page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=table,
             seq_lens_k=lens, max_seq_len=max_seq_len,
@@ -187,7 +192,7 @@ class TrtllmMlaBuilder:
         B = self._batch(req_pool_indices, max_seq_len)
         n = cfg.num_draft_tokens
         table, lens = buf[f"{mode}.block_kv_indices"], buf[f"{mode}.seq_lens_k"]
-        prefix_page_table(
+        self._prefix(
             req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size, extra_tokens=n,
             fill_value=_UNUSED_BLOCK, page_table=table, cache_seqlens=lens,
             status=self.status if status is None else status,
