@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
-# Usage: scripts/gpu_visit.sh [tests[=p1,p2]] [sanitize[=p1,p2]] [bench=<pytest -k expr>] ...
-# Full logs go under $OUT (or ./.device-out); a short table is printed last.
+# Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]]
+#                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
+#                             [bench=<pytest -k expr>] ...
+# `kernels` installs the real attention kernels staged by scripts/gpu_kernels.sh (or finds them
+# installed) and puts them on PYTHONPATH for the stages after it; once it has, a skipped
+# real-kernel test fails the visit. Full logs go under $OUT (or ./.device-out); a short table is
+# printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.device-out}
@@ -15,12 +20,56 @@ p = torch.cuda.get_device_properties(0)
 print(f"device: {p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 PY
 
+kernels=0
+skips() {  # skipped tests in a junit XML file
+  python3 -c "import sys, xml.etree.ElementTree as E; r=E.parse(sys.argv[1]).getroot(); print(sum(int(s.get('skipped', 0)) for s in r.iter('testsuite')))" "$1" 2>/dev/null || echo "?"
+}
 for stage in "$@"; do
   case "$stage" in
+    kernels)
+      if [ ! -d "${TARGET:-/tmp/specmeta-kernels}" ]; then
+        bash scripts/gpu_kernels.sh install > "$OUT/kernels_install.log" 2>&1
+      fi
+      eval "$(bash scripts/gpu_kernels.sh env)"
+      if python3 -c "import flash_attn.cute, flashinfer" 2> "$OUT/kernels_import.log"; then
+        kernels=1
+        python3 - <<'PY' | tee -a "$OUT/env.txt"
+from importlib.metadata import version
+print("kernels: " + ", ".join(f"{p} {version(p)}" for p in ("flash-attn-4", "flashinfer-python", "nvidia-cutlass-dsl")))
+PY
+        summary+=("kernels: installed and importable")
+      else
+        tail -n 5 "$OUT/kernels_import.log"
+        summary+=("kernels: FAILED to import (see kernels_import.log)")
+      fi
+      ;;
+    real|real=*)
+      sel=${stage#real}; sel=${sel#=}
+      SPECMETA_REAL_KERNEL_LOG="$OUT/real_errors.json" timeout 540 python3 -m pytest -q -rs \
+        tests/metadata/test_real_kernels.py ${sel:+-k "$sel"} --junitxml="$OUT/real.xml" 2>&1 \
+        | tee "$OUT/real.log" | tail -n 25
+      n_skip=$(skips "$OUT/real.xml")
+      verdict=""
+      [ "$kernels" = 1 ] && [ "$n_skip" != 0 ] && verdict=" FAILED: $n_skip real-kernel tests skipped"
+      summary+=("real kernels: $(tail -n 1 "$OUT/real.log")$verdict")
+      ;;
+    sanitize-real=*)
+      spec=${stage#sanitize-real=}; tool=${spec%%:*}; sel=${spec#*:}
+      timeout 540 compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
+        python3 -m pytest -q -x tests/metadata/test_real_kernels.py -k "$sel" \
+        > "$OUT/sanitize_$tool.log" 2>&1
+      rc=$?
+      tail -n 8 "$OUT/sanitize_$tool.log"
+      summary+=("compute-sanitizer $tool ($sel): rc=$rc; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1) $(grep -E 'passed|failed' "$OUT/sanitize_$tool.log" | tail -n 1)")
+      ;;
     tests|tests=*)
       paths=${stage#tests}; paths=${paths#=}; paths=${paths//,/ }
-      timeout 480 python3 -m pytest -q ${paths:-tests} 2>&1 | tee "$OUT/tests.log" | tail -n 25
-      summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      timeout 480 python3 -m pytest -q -rs ${paths:-tests} --junitxml="$OUT/tests.xml" 2>&1 \
+        | tee "$OUT/tests.log" | tail -n 25
+      n_real=$(grep -cE "SKIPPED.*test_real_kernels" "$OUT/tests.log")
+      verdict=""
+      [ "$kernels" = 1 ] && [ "$n_real" != 0 ] && verdict=" FAILED: real-kernel tests skipped"
+      summary+=("tests: $(tail -n 1 "$OUT/tests.log")$verdict")
       ;;
     sanitize|sanitize=*)
       paths=${stage#sanitize}; paths=${paths#=}; paths=${paths//,/ }

@@ -98,8 +98,29 @@ class FA3Metadata:
     max_seqlen_k: int
 
     def kwargs(self) -> dict[str, Any]:
-        """``flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs(), softmax_scale=…)``."""
+        """Keywords of FA3's ``flash_attn_with_kvcache`` (``flash_attn_interface``, sgl-kernel):
+        ``flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs(), softmax_scale=…)``."""
         return {name: getattr(self, name) for name in _KEYWORDS}
+
+    def varlen_kwargs(self) -> dict[str, Any]:
+        """Keywords of FlashAttention's CuTe ``flash_attn.cute.flash_attn_varlen_func``:
+        ``out, lse = flash_attn_varlen_func(q, k_cache, v_cache, **meta.varlen_kwargs(),
+        softmax_scale=…)``.
+
+        The KV lengths go in as ``seqused_k`` (with a page table that kernel takes no
+        ``cu_seqlens_k``, so ``cu_seqlens_k_new`` is left out) and ``return_lse`` replaces
+        ``return_softmax_lse``. Its LSE is ``[H, total_q]`` float32, natural log, and ``−inf``
+        for a sequence with no keys (a layout-B normal pass whose prefix is shorter than a
+        page): :func:`specmeta.merge_state` takes ``lse.t()`` and handles it.
+        """
+        return {
+            "cu_seqlens_q": self.cu_seqlens_q,
+            "seqused_k": self.cache_seqlens,
+            "page_table": self.page_table,
+            "max_seqlen_q": self.max_seqlen_q,
+            "causal": self.causal,
+            "return_lse": self.return_softmax_lse,
+        }
 
 
 @dataclasses.dataclass(frozen=True)

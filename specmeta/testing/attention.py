@@ -1,0 +1,257 @@
+"""Attention over a paged KV pool, driven by a builder's metadata: one object per backend.
+
+An engine's attention layer runs in two steps, and so does every backend here:
+
+* ``handle = backend.prepare(meta)`` once per forward (FlashInfer: the wrapper's ``plan()``
+  from the builder's host mirrors; the others: nothing);
+* ``out = backend(handle, q, k_pool, v_pool)`` once per layer, on that layer's KV pool.
+
+``meta`` is whatever the builder returned for the forward: an :class:`~specmeta.FA3Cascade`
+or :class:`~specmeta.FA3Metadata`, a FlashInfer decode step, cascade step or prefill, or a
+TRT-LLM MLA decode step or prefill. ``q`` is ``[T, H, D]`` (one row per query token, in the
+builder's row order), ``k_pool`` and ``v_pool`` are ``[P, H_kv, D]``, one row per KV slot (the
+pool is viewed in pages of the metadata's page size, so ``P`` is a multiple of it). The
+result is ``[T, H, D]`` in ``q``'s dtype, with the softmax scale ``1/sqrt(D)``.
+
+:class:`TorchAttention` reads the metadata with the torch consumers of
+:mod:`specmeta.testing.consumers` (float64, any device; the CPU tier). The real kernels are
+:class:`CuteFlashAttention` (FlashAttention's CuTe kernels, ``flash_attn.cute``) and
+:class:`FlashInferAttention` (FlashInfer's wrappers); they import their library when
+constructed and need a CUDA device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ..kernels.merge_state import merge_state
+from ..metadata.fa3 import FA3Cascade, FA3Metadata
+from ..metadata.flashinfer import FlashInferCascadeStep, FlashInferDecodeStep, FlashInferPrefill
+from ..metadata.trtllm_mla import TrtllmMlaDecodeStep, TrtllmMlaPrefill
+from .consumers import fa3 as fa3_consumer
+from .consumers import flashinfer as flashinfer_consumer
+from .consumers import trtllm_mla as trtllm_consumer
+
+__all__ = ["TorchAttention", "CuteFlashAttention", "FlashInferAttention", "backend"]
+
+# Wrappers of one kind used in turn by FlashInferAttention: more than the forwards a host plans
+# ahead of its device within one draft iteration.
+_WRAPPERS_PER_KIND = 4
+
+
+class TorchAttention:
+    """The torch consumers (float64 arithmetic, exact reading of the metadata).
+
+    Parameters
+    ----------
+    page_size : int
+        The pool's page size: TRT-LLM MLA's metadata does not carry it.
+    """
+
+    name = "torch"
+
+    def __init__(self, page_size: int = 1):
+        self.page_size = page_size
+
+    def prepare(self, meta: Any) -> Any:
+        return meta
+
+    def __call__(self, meta, q, k_pool, v_pool) -> torch.Tensor:
+        if isinstance(meta, FA3Cascade):
+            out = fa3_consumer.run_cascade(q, k_pool, v_pool, meta)
+        elif isinstance(meta, FA3Metadata):
+            out = fa3_consumer.attend(q, k_pool, v_pool, meta)[0]
+        elif isinstance(meta, FlashInferDecodeStep):
+            out = flashinfer_consumer.decode(q, k_pool, v_pool, meta)[0]
+        elif isinstance(meta, FlashInferCascadeStep):
+            out = flashinfer_consumer.cascade(q, k_pool, v_pool, meta)[0]
+        elif isinstance(meta, FlashInferPrefill):
+            out = flashinfer_consumer.prefill(q, k_pool, v_pool, meta)[0]
+        elif isinstance(meta, TrtllmMlaDecodeStep):
+            out = trtllm_consumer.decode(q, k_pool, v_pool, meta, self.page_size)[0]
+        elif isinstance(meta, TrtllmMlaPrefill):
+            out = trtllm_consumer.prefill(q, k_pool, v_pool, meta, self.page_size)[0]
+        else:
+            raise TypeError(f"no torch consumer for metadata of type {type(meta).__name__}")
+        return out.to(q.dtype)
+
+
+class CuteFlashAttention:
+    """FlashAttention's CuTe kernels (``flash_attn.cute.flash_attn_varlen_func``, the
+    ``flash-attn-4`` package) reading :class:`~specmeta.FA3Metadata` through
+    :meth:`~specmeta.FA3Metadata.varlen_kwargs`; a cascade's two passes are merged by
+    :func:`~specmeta.kernels.merge_state.merge_state`.
+
+    TRT-LLM MLA's block tables are read too, as plain paged attention (one query row per branch
+    in draft decode, ``cu_seqlens_q`` rows causal in a prefill): TRT-LLM's own MLA kernels need
+    Blackwell, so this is how their page ids and lengths are checked on Hopper.
+
+    Parameters
+    ----------
+    page_size : int
+        The pool's page size, for TRT-LLM MLA metadata (FA3 metadata carries its own).
+    """
+
+    name = "flash_attn.cute"
+
+    def __init__(self, page_size: int = 1):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self._fn = flash_attn_varlen_func
+        self.page_size = page_size
+        self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def prepare(self, meta: Any) -> Any:
+        if isinstance(meta, TrtllmMlaDecodeStep):
+            rows = meta.seq_lens_k.shape[0]
+            key = (rows, meta.seq_lens_k.device)
+            if key not in self._aranges:  # one query row per branch: cu_seqlens_q = arange
+                self._aranges[key] = torch.arange(
+                    rows + 1, dtype=torch.int32, device=meta.seq_lens_k.device
+                )
+            return _Paged(meta.block_kv_indices, meta.seq_lens_k, self._aranges[key], 1, False,
+                          self.page_size)  # fmt: skip
+        if isinstance(meta, TrtllmMlaPrefill):
+            return _Paged(meta.block_kv_indices, meta.seq_lens_k, meta.cu_seqlens_q,
+                          meta.max_seq_len_q, True, self.page_size)  # fmt: skip
+        if not isinstance(meta, FA3Cascade | FA3Metadata):
+            raise TypeError(f"FlashAttention reads FA3 metadata, got {type(meta).__name__}")
+        return meta
+
+    def _pass(self, meta: FA3Metadata, q, k_pool, v_pool):
+        ps = meta.page_size
+        k_cache = k_pool.view(-1, ps, *k_pool.shape[1:])
+        v_cache = v_pool.view(-1, ps, *v_pool.shape[1:])
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return self._fn(q, k_cache, v_cache, **meta.varlen_kwargs(), softmax_scale=scale)
+
+    def __call__(self, meta, q, k_pool, v_pool) -> torch.Tensor:
+        if isinstance(meta, FA3Metadata | _Paged):
+            return self._pass(meta, q, k_pool, v_pool)[0]
+        out, lse = self._pass(meta.normal, q, k_pool, v_pool)
+        if meta.expand is None:
+            return out
+        out_e, lse_e = self._pass(meta.expand, q, k_pool, v_pool)
+        # The kernels' LSE is [H, total_q]: the merge reads it through the transposed view.
+        return merge_state(out, lse.t(), out_e, lse_e.t(), out=out)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Paged:
+    """TRT-LLM MLA metadata as the keywords of a plain paged ``flash_attn_varlen_func`` call."""
+
+    page_table: torch.Tensor
+    seqused_k: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+    causal: bool
+    page_size: int
+
+    def varlen_kwargs(self) -> dict[str, Any]:
+        return {
+            "cu_seqlens_q": self.cu_seqlens_q,
+            "seqused_k": self.seqused_k,
+            "page_table": self.page_table,
+            "max_seqlen_q": self.max_seqlen_q,
+            "causal": self.causal,
+        }
+
+
+class FlashInferAttention:
+    """FlashInfer's wrappers, planned from the builder's host mirrors (no device-to-host copy).
+
+    ``prepare`` plans a wrapper of the kind the metadata is for (decode, cascade, prefill);
+    ``__call__`` runs it. One workspace serves every wrapper. A ``plan()`` queues copies from
+    the wrapper's own pinned buffers, so each kind keeps a few wrappers used in turn: planning
+    the next forward never rewrites what an earlier plan's copy has still to read.
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads, head_dim : int
+        The model's attention shape.
+    dtype : torch.dtype
+        Query and KV dtype.
+    device : torch.device or str
+        Where the workspace lives.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+        import flashinfer
+
+        self._fi = flashinfer
+        self.shape = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        self._wrappers: dict[tuple[str, int], Any] = {}
+        self._turn: dict[str, int] = {}
+
+    def _wrapper(self, kind: str):
+        turn = self._turn[kind] = (self._turn.get(kind, -1) + 1) % _WRAPPERS_PER_KIND
+        if (kind, turn) not in self._wrappers:
+            fi, ws = self._fi, self._workspace
+            self._wrappers[(kind, turn)] = {
+                "decode": lambda: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"),
+                "cascade": lambda: fi.MultiLevelCascadeAttentionWrapper(2, ws, "NHD"),
+                # fa2 takes custom masks; "auto" would pick fa3 on Hopper for the first,
+                # unmasked plan and keep it.
+                "prefill": lambda: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"),
+            }[kind]()
+        return self._wrappers[(kind, turn)]
+
+    def prepare(self, meta: Any) -> Any:
+        hq, hkv, d = self.shape
+        kw = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        if _batch(meta) == 0:
+            return None  # FlashInfer 0.7's plan() rejects an empty batch: an idle rank skips it
+        if isinstance(meta, FlashInferDecodeStep):
+            w = self._wrapper("decode")
+            w.plan(meta.kv_indptr_host, meta.kv_indices, meta.kv_last_page_len_host, hq, hkv, d,
+                   meta.page_size, **kw)  # fmt: skip
+        elif isinstance(meta, FlashInferCascadeStep):
+            w = self._wrapper("cascade")
+            w.plan(list(meta.qo_indptr_host_arr), list(meta.paged_kv_indptr_host_arr),
+                   list(meta.paged_kv_indices_arr), list(meta.paged_kv_last_page_len_host_arr),
+                   hq, hkv, d, meta.page_size, **kw)  # fmt: skip
+        elif isinstance(meta, FlashInferPrefill):
+            w = self._wrapper("prefill")
+            w.plan(meta.qo_indptr_host, meta.kv_indptr_host, meta.kv_indices,
+                   meta.kv_last_page_len_host, hq, hkv, d, meta.page_size,
+                   custom_mask=meta.custom_mask, packed_custom_mask=meta.packed_custom_mask,
+                   causal=meta.causal, **kw)  # fmt: skip
+        else:
+            raise TypeError(f"FlashInfer reads FlashInfer metadata, got {type(meta).__name__}")
+        return (w, meta.page_size)
+
+    def __call__(self, handle, q, k_pool, v_pool) -> torch.Tensor:
+        if handle is None:
+            return torch.empty_like(q)
+        w, ps = handle
+        k_cache = k_pool.view(-1, ps, *k_pool.shape[1:])
+        v_cache = v_pool.view(-1, ps, *v_pool.shape[1:])
+        return w.run(q, (k_cache, v_cache))
+
+
+def _batch(meta: Any) -> int:
+    """Sequences of a FlashInfer result (its query groups), from shapes only."""
+    if isinstance(meta, FlashInferCascadeStep):
+        return meta.qo_indptr_arr[0].shape[0] - 1
+    if isinstance(meta, FlashInferPrefill):
+        return meta.qo_indptr.shape[0] - 1
+    if isinstance(meta, FlashInferDecodeStep):
+        return meta.kv_indptr.shape[0] - 1
+    raise TypeError(f"FlashInfer reads FlashInfer metadata, got {type(meta).__name__}")
+
+
+def backend(name: str, **kwargs) -> Any:
+    """``"torch"``, ``"flash_attn.cute"`` or ``"flashinfer"`` by name (``kwargs`` go to its
+    constructor)."""
+    kinds = {c.name: c for c in (TorchAttention, CuteFlashAttention, FlashInferAttention)}
+    if name not in kinds:
+        raise ValueError(f"backend must be one of {sorted(kinds)}, got {name!r}")
+    return kinds[name](**kwargs)

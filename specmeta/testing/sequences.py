@@ -1,0 +1,51 @@
+"""The logical sequences every query row must attend to, as KV slot lists, from the contract
+alone (never from the metadata under test): the truth that attention through any backend's
+metadata is compared with (:func:`specmeta.testing.consumers.dense.dense_attention`).
+
+All three read a :class:`specmeta.workloads.Batch` (its ``req_to_token`` rows and CPU lengths)
+and return one CPU ``int64`` slot list per query row, in the builders' row order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..workloads import Batch
+
+__all__ = ["branch_sequences", "tree_sequences", "extend_sequences"]
+
+
+def _rows(batch: Batch) -> list[tuple[torch.Tensor, int]]:
+    r2t = batch.req_to_token.cpu().long()
+    rpi = batch.req_pool_indices.cpu().long()
+    return [(r2t[int(rpi[b])], int(batch.seq_lens_cpu[b])) for b in range(batch.batch_size)]
+
+
+def branch_sequences(batch: Batch, out_cache_loc: torch.Tensor, step: int) -> list[torch.Tensor]:
+    """Draft-decode forward ``step``: branch ``b·K + t`` reads its prefix ``row_b[0:L_b]``, then
+    its own draft slots ``out_cache_loc[b, t, 0 … step]`` (SPEC §1)."""
+    K, S = batch.topk, batch.num_steps
+    chains = out_cache_loc.cpu().long().view(-1, K, S)
+    return [
+        torch.cat([row[:L], chains[b, t, : step + 1]])
+        for b, (row, L) in enumerate(_rows(batch))
+        for t in range(K)
+    ]
+
+
+def tree_sequences(batch: Batch, tree_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Target verify: node ``j`` of request ``i`` reads its prefix, then the verify-window slots
+    ``row_i[L_i + c]`` of its ancestors and itself (the columns set in ``tree_mask[i, j]``)."""
+    tree = tree_mask.cpu()
+    n = tree.shape[-1]
+    return [
+        torch.cat([row[:L], row[L : L + n][tree[i, j]]])
+        for i, (row, L) in enumerate(_rows(batch))
+        for j in range(n)
+    ]
+
+
+def extend_sequences(batch: Batch, num_tokens: int) -> list[torch.Tensor]:
+    """Draft extend (and a chain's verify): query ``j`` of request ``i`` reads
+    ``row_i[0 : L_i + j + 1]`` (causal, bottom-right over ``L_i + num_tokens`` keys)."""
+    return [row[: L + j + 1] for row, L in _rows(batch) for j in range(num_tokens)]

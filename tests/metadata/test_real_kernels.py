@@ -1,0 +1,374 @@
+"""The builders' metadata read by the real attention kernels (GPU tier).
+
+FlashAttention's CuTe kernels (``flash-attn-4``) read every FA3 builder mode and, as plain paged
+attention, TRT-LLM MLA's block tables; FlashInfer's wrappers read every FlashInfer builder mode,
+planned from the builder's host mirrors. Each result is compared with float64 dense attention
+over the logical sequences of :mod:`specmeta.testing.sequences`, built from the contract alone.
+Then: a CUDA graph that captures the metadata build and the attention together, replayed at
+several batch sizes through the :class:`~specmeta.GraphRunner`; the whole build-plan-attend path
+under ``torch.cuda.set_sync_debug_mode("error")``; and host mirrors that stay right while the
+host runs a build ahead of the device.
+
+The kernels are imported, never skipped: where they are missing these tests fail
+(``scripts/gpu_kernels.sh`` installs them on the GPU machine). ``SPECMETA_REAL_KERNEL_LOG``
+names a JSON file that receives every case's largest error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, new_status
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.metadata.fa3 import FA3MetadataBuilder
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.runners import GraphRunner, padding
+from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
+from specmeta.workloads import make_batch, random_tree_mask
+
+pytestmark = pytest.mark.gpu
+
+H, H_KV, D = 8, 2, 128  # grouped-query attention, one head dim: few compiled variants
+S = 3
+DTYPE = torch.bfloat16
+TOL = 2e-2  # bf16 attention against a float64 oracle
+TOPKS = [1, 2, 4, 8]
+PAGE_SIZES = [1, 16, 64]
+BATCHES = [0, 1, 5]
+_ERRORS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_errors():
+    yield
+    path = os.environ.get("SPECMETA_REAL_KERNEL_LOG")
+    if path and _ERRORS:
+        log = pathlib.Path(path)
+        old = json.loads(log.read_text()) if log.exists() else {}
+        log.write_text(json.dumps({**old, **_ERRORS}, indent=1))
+
+
+@pytest.fixture(scope="module")
+def cute():
+    return CuteFlashAttention()
+
+
+@pytest.fixture(scope="module")
+def flashinfer_attn():
+    return FlashInferAttention(H, H_KV, D, DTYPE, "cuda")
+
+
+class _Case:
+    """A batch, a bf16 KV pool with the draft slots' prefix-tail copies in place (slot layout
+    B), a verify tree, and the float64 copies of the pool for the oracle."""
+
+    def __init__(self, gen, k, ps, batch_size, *, n=None):
+        self.n = n if n is not None else (S + 1 if k == 1 else 8)
+        self.cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=self.n, page_size=ps,
+                              max_bs=8, max_context_len=3 * ps + 150)  # fmt: skip
+        self.batch = make_batch("random", batch_size=batch_size, topk=k, num_steps=S,
+                                page_size=ps, row_width=self.cfg.req_to_token_width,
+                                generator=gen, device="cuda", extra_tokens=self.n,
+                                max_len=self.cfg.max_context_len)  # fmt: skip
+        P = self.batch.pool_size
+        self.k_pool = torch.randn(P, H_KV, D, generator=gen).to("cuda", DTYPE)
+        self.v_pool = torch.randn(P, H_KV, D, generator=gen).to("cuda", DTYPE)
+        kw = dict(topk=k, num_steps=S, page_size=ps)
+        self.slots = assign_draft_cache_locs(*self.args, **kw)
+        tgt, src = prefix_tail_copy_pairs(*self.args, **kw)
+        for pool in (self.k_pool, self.v_pool):
+            pool[tgt.long()] = pool[src.long()].clone()
+        self.tree = random_tree_mask(batch_size, k, S, self.n, gen).cuda()
+        self.k64, self.v64 = self.k_pool.double().cpu(), self.v_pool.double().cpu()
+        self.gen = gen
+
+    @property
+    def args(self):
+        return self.batch.req_pool_indices, self.batch.req_to_token, self.batch.seq_lens
+
+    def query(self, rows):
+        return torch.randn(rows, H, D, generator=self.gen).to("cuda", DTYPE)
+
+    def check(self, attention, meta, lists, what):
+        q = self.query(len(lists))
+        out = attention(attention.prepare(meta), q, self.k_pool, self.v_pool)
+        assert out.shape == q.shape, f"{what}: output shape {tuple(out.shape)}"
+        want, _ = dense_attention(q.double().cpu(), self.k64, self.v64, lists)
+        got = out.double().cpu()
+        err = float((got - want).abs().max()) if got.numel() else 0.0
+        _ERRORS[what] = err
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("batch_size", BATCHES)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "draft_extend"])
+def test_gpu_fa3_metadata_through_flash_attn_cute(gen, cute, mode, k, ps, batch_size):
+    c = _Case(gen, k, ps, batch_size)
+    fa3 = FA3MetadataBuilder(c.cfg, "cuda")
+    status = new_status("cuda")
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, status=status)
+    what = f"fa3 {mode} k={k} ps={ps} B={batch_size}"
+    if mode == "draft_decode":
+        steps = fa3.draft_decode(*c.args, c.slots, num_rows=S, **kw)
+        for s, cascade in enumerate(steps):
+            c.check(cute, cascade, branch_sequences(c.batch, c.slots, s), f"{what} step {s}")
+    elif mode == "target_verify":
+        verify = fa3.target_verify(*c.args, c.tree, **kw)
+        c.check(cute, verify, tree_sequences(c.batch, c.tree), what)
+    else:
+        c.check(cute, fa3.draft_extend(*c.args, **kw), extend_sequences(c.batch, c.n), what)
+    assert int(status) == 0
+
+
+_FI_MODES = ["draft_decode", "draft_decode_paged", "draft_decode_shared_prefix",
+             "target_verify", "target_verify_packed", "draft_extend"]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch_size", BATCHES)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+@pytest.mark.parametrize("mode", _FI_MODES)
+def test_gpu_flashinfer_metadata_through_flashinfer(gen, flashinfer_attn, mode, k, ps, batch_size):
+    c = _Case(gen, k, ps, batch_size)
+    fi = FlashInferBuilder(c.cfg, "cuda")
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu)
+    what = f"flashinfer {mode} k={k} ps={ps} B={batch_size}"
+    if mode.startswith("draft_decode"):
+        build = getattr(fi, mode)
+        for s, step in enumerate(build(*c.args, num_rows=S, **kw).steps):
+            c.check(flashinfer_attn, step, branch_sequences(c.batch, c.slots, s), f"{what} [{s}]")
+    elif mode.startswith("target_verify"):
+        verify = fi.target_verify(*c.args, c.tree, packed=mode.endswith("packed"), **kw)
+        c.check(flashinfer_attn, verify, tree_sequences(c.batch, c.tree), what)
+    else:
+        c.check(flashinfer_attn, fi.draft_extend(*c.args, **kw), extend_sequences(c.batch, c.n),
+                what)  # fmt: skip
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("batch_size", BATCHES)
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_trtllm_mla_block_tables_through_flash_attn_cute(gen, k, ps, batch_size):
+    """TRT-LLM MLA's own kernels need Blackwell: its per-branch block tables and lengths are
+    read here by the CuTe kernel as plain paged attention (draft decode, and a chain's verify
+    and extend)."""
+    c = _Case(gen, k, ps, batch_size)
+    cute = CuteFlashAttention(page_size=ps)
+    mla = TrtllmMlaBuilder(c.cfg, "cuda")
+    top = int(c.batch.seq_lens_cpu.max()) if batch_size else 0
+    what = f"trtllm_mla k={k} ps={ps} B={batch_size}"
+    for s, step in enumerate(mla.draft_decode(*c.args, num_rows=S, max_seq_len=top).steps):
+        c.check(cute, step, branch_sequences(c.batch, c.slots, s), f"{what} draft [{s}]")
+    c.check(cute, mla.draft_extend(*c.args, max_seq_len=top), extend_sequences(c.batch, c.n),
+            f"{what} extend")  # fmt: skip
+    if k == 1:
+        verify = mla.target_verify(*c.args, max_seq_len=top)
+        c.check(cute, verify, extend_sequences(c.batch, c.n), f"{what} verify")
+    assert int(mla.status) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# One CUDA graph per bucket captures the metadata build and the attention together.
+# --------------------------------------------------------------------------------------------
+def _graphed_draft(gen, k, ps, backend):
+    """Draft decode of every step, build + attention in one graph per bucket, replayed at
+    batch sizes that move between buckets, every result against dense attention."""
+    buckets, seen = [4, 8], []
+    cfg_case = _Case(gen, k, ps, 8)
+    cfg = cfg_case.cfg
+    r2t, kp, vp = cfg_case.batch.req_to_token, cfg_case.k_pool, cfg_case.v_pool
+    bp_max, K = max(buckets), k
+    static = {
+        "req_pool_indices": torch.zeros(bp_max, dtype=torch.int64, device="cuda"),
+        "seq_lens": torch.zeros(bp_max, dtype=torch.int64, device="cuda"),
+        "out_cache_loc": torch.zeros(bp_max * K * S, dtype=torch.int64, device="cuda"),
+        "q": torch.zeros(bp_max * K, H, D, dtype=DTYPE, device="cuda"),
+    }
+    status = new_status("cuda")
+    if backend == "fa3":
+        builder, attn = FA3MetadataBuilder(cfg, "cuda"), CuteFlashAttention()
+    else:
+        builder = FlashInferBuilder(cfg, "cuda")
+        fi, ws = attn_module(), torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        # One graph-mode wrapper per (bucket, step). Its indices buffer *is* the builder's
+        # kv_indices row, so the indices the graph writes are the ones its kernel reads.
+        wrappers = {
+            (bp, s): fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(bp * K + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buffer=builder.buffers["draft_decode.kv_indices"][s],
+                paged_kv_last_page_len_buffer=torch.zeros(bp * K, dtype=torch.int32, device="cuda"),
+            )  # fmt: skip
+            for bp in buckets
+            for s in range(S)
+        }
+
+    def plan(bp, lens_cpu):
+        rpi, sl = static["req_pool_indices"][:bp], static["seq_lens"][:bp]
+        res = builder.draft_decode(rpi, r2t, sl, seq_lens_cpu=lens_cpu, num_rows=S, launch=False)
+        for s, step in enumerate(res.steps):
+            used = int(step.kv_indptr_host[-1])  # host value: no sync
+            wrappers[(bp, s)].plan(step.kv_indptr_host, step.kv_indices[:used],
+                                   step.kv_last_page_len_host, H, H_KV, D, 1,
+                                   q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+
+    def build(inp):
+        bp = inp["seq_lens"].shape[0]
+        q = inp["q"]
+        if backend == "fa3":
+            steps = builder.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"],
+                                         inp["out_cache_loc"], num_rows=S, status=status)  # fmt: skip
+            return {f"out{s}": attn(attn.prepare(m), q, kp, vp) for s, m in enumerate(steps)}
+        builder.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"], num_rows=S,
+                             status=status)  # fmt: skip
+        return {f"out{s}": wrappers[(bp, s)].run(q, (kp.view(-1, 1, H_KV, D),
+                                                     vp.view(-1, 1, H_KV, D)))
+                for s in range(S)}  # fmt: skip
+
+    def host(mirrors):
+        if backend != "fa3":
+            plan(mirrors["seq_lens"].shape[0], mirrors["seq_lens"])
+        return {}
+
+    runner = GraphRunner(build, batch_sizes=buckets, device="cuda", host=host)
+    runner.add_input("req_pool_indices", static["req_pool_indices"], pad=padding.SINK_ROW)
+    runner.add_input("seq_lens", static["seq_lens"], pad=padding.seq_lens_fill(K, cfg.num_draft_tokens),
+                     host_mirror=True)  # fmt: skip
+    runner.add_input("out_cache_loc", static["out_cache_loc"], pad=padding.SINK_SLOT,
+                     per_request=K * S)  # fmt: skip
+    runner.add_input("q", static["q"], pad=padding.FLOAT, per_request=K)
+    for s in range(S):
+        runner.add_output(f"out{s}", per_request=K)
+    if backend != "fa3":
+        for bp in buckets:  # a graph-mode wrapper is planned before its capture
+            plan(bp, torch.full((bp,), padding.seq_lens_fill(K, cfg.num_draft_tokens)))
+    runner.capture()
+    rows = r2t.shape[0]
+    for B in (8, 5, 3, 1, 0, 6):
+        # A new batch on the graphs' own table: fresh lengths, other rows, its prefix-tail
+        # copies moved into the pool the graphs read.
+        c = _Case(gen, k, ps, B)
+        c.batch.req_to_token, c.k_pool, c.v_pool = r2t, kp, vp
+        c.batch.req_pool_indices = (torch.randperm(rows - 1, generator=gen)[:B] + 1).cuda()
+        kw = dict(topk=K, num_steps=S, page_size=ps)
+        slots = assign_draft_cache_locs(*c.args, **kw)
+        tgt, src = prefix_tail_copy_pairs(*c.args, **kw)
+        for pool in (kp, vp):
+            pool[tgt.long()] = pool[src.long()].clone()
+        inputs = {"req_pool_indices": c.batch.req_pool_indices, "seq_lens": c.batch.seq_lens}
+        q = c.query(B * K)
+        res = runner.run(B, {**inputs, "out_cache_loc": slots, "q": q},
+                         host_inputs={"seq_lens": c.batch.seq_lens_cpu}, copy=True)  # fmt: skip
+        seen.append(res.padded_batch_size)
+        for s in range(S):
+            out = res.outputs[f"out{s}"]
+            assert out.shape == (B * K, H, D)
+            want, _ = dense_attention(q.double().cpu(), kp.double().cpu(), vp.double().cpu(),
+                                      branch_sequences(c.batch, slots, s))  # fmt: skip
+            torch.testing.assert_close(out.double().cpu(), want, rtol=TOL, atol=TOL,
+                                       msg=lambda m, s=s, B=B: f"{backend} B={B} step {s}: {m}")  # fmt: skip
+    assert set(seen) == set(buckets), f"replays used buckets {seen}"
+    assert int(status) == 0
+
+
+def attn_module():
+    import flashinfer
+
+    return flashinfer
+
+
+@pytest.mark.parametrize("k,ps", [(1, 16), (4, 16), (8, 1)])
+def test_gpu_fa3_build_and_attention_in_one_graph(gen, k, ps):
+    _graphed_draft(gen, k, ps, "fa3")
+
+
+@pytest.mark.parametrize("k,ps", [(1, 1), (4, 16)])
+def test_gpu_flashinfer_build_and_attention_in_one_graph(gen, k, ps):
+    _graphed_draft(gen, k, ps, "flashinfer")
+
+
+# --------------------------------------------------------------------------------------------
+# No host sync from the build to the attention; mirrors that survive a host running ahead.
+# --------------------------------------------------------------------------------------------
+def test_gpu_build_plan_and_attention_make_no_host_sync(gen, cute, flashinfer_attn):
+    c = _Case(gen, 4, 16, 5)
+    fa3, fi = FA3MetadataBuilder(c.cfg, "cuda"), FlashInferBuilder(c.cfg, "cuda")
+    status = new_status("cuda")
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu)
+    q = c.query(5 * c.n)
+
+    def iteration():
+        outs = []
+        for cascade in fa3.draft_decode(*c.args, c.slots, num_rows=S, status=status, **kw):
+            outs.append(cute(cute.prepare(cascade), q[: 5 * 4], c.k_pool, c.v_pool))
+        outs.append(cute(cute.prepare(fa3.target_verify(*c.args, c.tree, status=status, **kw)),
+                         q, c.k_pool, c.v_pool))  # fmt: skip
+        outs.append(cute(cute.prepare(fa3.draft_extend(*c.args, status=status, **kw)),
+                         q, c.k_pool, c.v_pool))  # fmt: skip
+        for mode in ("draft_decode", "draft_decode_paged", "draft_decode_shared_prefix"):
+            for step in getattr(fi, mode)(*c.args, num_rows=S, **kw).steps:
+                h = flashinfer_attn.prepare(step)
+                outs.append(flashinfer_attn(h, q[: 5 * 4], c.k_pool, c.v_pool))
+        for meta in (
+            fi.target_verify(*c.args, c.tree, packed=True, **kw),
+            fi.draft_extend(*c.args, **kw),
+        ):
+            outs.append(flashinfer_attn(flashinfer_attn.prepare(meta), q, c.k_pool, c.v_pool))
+        return outs
+
+    iteration()  # compile and plan once outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            iteration()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert int(status) == 0 and int(fi.status) == 0
+
+
+def _busy(ms: float = 200.0):
+    """Hold the current stream for about ``ms`` milliseconds."""
+    torch.cuda._sleep(int(ms * 1e6))  # about 1 GHz or more: at least ``ms``
+
+
+@pytest.mark.parametrize(
+    "mode", ["draft_decode", "target_verify_packed", "draft_decode_shared_prefix"]
+)
+def test_gpu_flashinfer_mirrors_survive_a_host_running_one_build_ahead(gen, flashinfer_attn, mode):
+    """Build i, plan(i), build i + 1 (other lengths) while plan(i)'s copies still wait behind
+    a busy stream, then run(i): attention of batch i, because build i + 1 wrote the other set
+    of mirrors."""
+    first, second = _Case(gen, 4, 16, 5), _Case(gen, 4, 16, 5)
+    second.batch.req_to_token = first.batch.req_to_token
+    fi = FlashInferBuilder(first.cfg, "cuda")
+
+    def build(case):
+        kw = dict(seq_lens_cpu=case.batch.seq_lens_cpu)
+        if mode == "target_verify_packed":
+            return fi.target_verify(*case.args, first.tree, packed=True, **kw)
+        return getattr(fi, mode)(*case.args, num_rows=S, **kw).steps[S - 1]
+
+    q = first.query(5 * (first.n if mode.startswith("target") else 4))
+    _busy()
+    handle = flashinfer_attn.prepare(build(first))
+    out = flashinfer_attn(handle, q, first.k_pool, first.v_pool).clone()
+    build(second)  # the host runs ahead: i + 1's mirrors are written before plan(i)'s copy ran
+    lists = (tree_sequences(first.batch, first.tree) if mode.startswith("target")
+             else branch_sequences(first.batch, first.slots, S - 1))  # fmt: skip
+    want, _ = dense_attention(q.double().cpu(), first.k64, first.v64, lists)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=TOL, atol=TOL)
