@@ -8,6 +8,7 @@ import torch
 
 from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.kernels.tree_custom_mask import written_part
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
@@ -296,15 +297,9 @@ def _assert_build_equal(got, want, what):
 
 
 def _assert_masks_equal(got, want, mask_indptr, packed, what):
-    """The written part of two masks: everything up to the last segment's end, or, packed,
-    each segment's ``ceil(n / 8)`` bytes at its element offset (the gaps are never written)."""
-    ptr = mask_indptr.cpu().long().tolist()
-    if not packed:
-        assert_equal(got[: ptr[-1]].view(torch.uint8), want[: ptr[-1]].view(torch.uint8), what)
-        return
-    for i in range(len(ptr) - 1):
-        lo, n = ptr[i], (ptr[i + 1] - ptr[i] + 7) // 8
-        assert_equal(got[lo : lo + n], want[lo : lo + n], f"{what} segment {i}")
+    """The written part of two masks (:func:`written_part`: packed gaps are never written)."""
+    assert_equal(written_part(got, mask_indptr, packed), written_part(want, mask_indptr, packed),
+                 what)  # fmt: skip
 
 
 def _all_modes(fi, rpi, r2t, sl, tree, rows, lens=None):
