@@ -35,6 +35,8 @@ class CheckResult:
     status_bits: int = 0
     seconds: float = 0.0
     first_failure: str = ""
+    details: list[str] = dataclasses.field(default_factory=list)
+    """Lines printed under the summary table (the lossless loop's per-backend figures)."""
 
     @property
     def ok(self) -> bool:
@@ -310,7 +312,7 @@ def _check_verify_kv_indices(device: torch.device, g: torch.Generator) -> CheckR
 
 @register("tree_custom_mask")
 def _check_tree_custom_mask(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref, written_part
     from .workloads import random_tree_mask
 
     res = CheckResult("tree_custom_mask")
@@ -322,10 +324,9 @@ def _check_tree_custom_mask(device: torch.device, g: torch.Generator) -> CheckRe
             kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum)
             got = tree_custom_mask(b.seq_lens, tree, status=status, **kw)
             want = tree_custom_mask_ref(b.seq_lens, tree, **kw)
-            used = int(want[1][-1])
             res.compare(f"mask_indptr packed={packed}", got[1], want[1], b.describe())
-            res.compare(f"custom_mask packed={packed}", got[0][:used], want[0][:used],
-                        b.describe())  # fmt: skip
+            res.compare(f"custom_mask packed={packed}", written_part(*got, packed),
+                        written_part(*want, packed), b.describe())  # fmt: skip
     res.status_bits |= int(status.item())
     return res
 
@@ -407,7 +408,7 @@ def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> Check
     """Every FlashInfer mode against the kernel references it is made of, host mirrors against
     the device values, on one builder per configuration."""
     from .kernels.shared_prefix_kv_indices import shared_prefix_kv_indices_ref
-    from .kernels.tree_custom_mask import tree_custom_mask_ref
+    from .kernels.tree_custom_mask import tree_custom_mask_ref, written_part
     from .kernels.verify_kv_indices import verify_kv_indices_ref
     from .metadata.flashinfer import FlashInferBuilder
     from .workloads import random_tree_mask
@@ -445,11 +446,12 @@ def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> Check
             idx, ptr = verify_kv_indices_ref(*_args(b), extra_tokens=n)
             mask, mptr = tree_custom_mask_ref(b.seq_lens, tree, packed=packed,
                                               seq_lens_sum=b.seq_lens_sum)  # fmt: skip
-            used, mused = int(ptr[-1]), int(mptr[-1])
+            used = int(ptr[-1])
             got_mask = meta.packed_custom_mask if packed else meta.custom_mask
             res.compare("verify kv_indptr", meta.kv_indptr, ptr, d)
             res.compare("verify kv_indices", meta.kv_indices[:used], idx[:used], d)
-            res.compare("verify mask", got_mask[:mused], mask[:mused], d)
+            res.compare("verify mask", written_part(got_mask, meta.mask_indptr, packed),
+                        written_part(mask, mptr, packed), d)  # fmt: skip
             res.compare("verify mask_indptr_host", meta.mask_indptr_host, meta.mask_indptr, d)
             res.compare("verify kv_indptr_host", meta.kv_indptr_host, meta.kv_indptr, d)
         ext = fi.draft_extend(*_args(b), **lens)
@@ -651,6 +653,98 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
                 else:
                     res.compare(f"{what} {name}", torch.tensor(value), torch.tensor(other), d)
     res.status_bits |= int(status.item())
+    return res
+
+
+# The end-to-end check: (topk, steps, verify-window width) per backend, page size 4 (slot layout
+# B for trees). TRT-LLM MLA verifies chains only.
+_LOOP_SHAPES = {"fa3": (2, 3, 6), "flashinfer": (2, 3, 6), "trtllm_mla": (1, 3, 4)}
+_LOOP_PAGE_SIZE = 4
+_LOOP_TOKENS = 12  # new tokens a request, at least: small and CPU-fast
+
+
+@register("lossless_loop")
+def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Speculative decoding of a tiny model through each backend's metadata, end to end: every
+    output equals greedy decoding of the target and every iteration drafts the same tree and
+    accepts as many tokens as the same loop on specmeta's references. CPU: the torch models of the attention kernels,
+    float64. GPU: the real kernels (FlashAttention's CuTe kernels for FA3, FlashInfer's
+    wrappers) in bf16, against a float32 reference; near-ties within
+    :data:`~specmeta.testing.tiny_model.DEFAULT_MARGIN` are counted, not failed."""
+    from .config import SpecConfig
+    from .testing.attention import CuteFlashAttention, FlashInferAttention, TorchAttention
+    from .testing.spec_loop import SpeculativeLoop, greedy_agreement, make_requests
+    from .testing.tiny_model import DEFAULT_MARGIN, TinyConfig, TinyModel
+
+    res = CheckResult("lossless_loop")
+    gpu = device.type == "cuda"
+    model_cfg = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512) if gpu \
+        else TinyConfig()  # fmt: skip
+    dtype = torch.bfloat16 if gpu else torch.float64
+    target = TinyModel.random(model_cfg, int(torch.randint(0, 2**31 - 1, (1,), generator=g)),
+                              dtype=dtype, device=device)  # fmt: skip
+    draft = target.perturbed(0.1, int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
+    reference = target.to(dtype=torch.float32) if gpu else target
+    margin = DEFAULT_MARGIN if gpu else 0.0
+    for backend, (k, s, n) in _LOOP_SHAPES.items():
+        ps = _LOOP_PAGE_SIZE
+        if gpu and backend == "fa3":
+            attention = CuteFlashAttention()
+        elif gpu and backend == "flashinfer":
+            attention = FlashInferAttention(model_cfg.num_heads, model_cfg.num_kv_heads,
+                                            model_cfg.head_dim, dtype=dtype, device=device)  # fmt: skip
+        else:
+            attention = TorchAttention(page_size=ps)
+        requests = make_requests([(0, 0, 1), (0,)], vocab_size=model_cfg.vocab_size,
+                                 page_size=ps, max_new_tokens=_LOOP_TOKENS, generator=g)  # fmt: skip
+        longest = max(r.prompt.shape[0] + r.max_new_tokens for r in requests)
+        cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=3,
+                         max_context_len=longest)  # fmt: skip
+        runs = {}
+        for reference_build in (False, True):
+            twins = [dataclasses.replace(r, output=[]) for r in requests]
+            loop = SpeculativeLoop(cfg, target, draft, backend=backend, attention=attention,
+                                   mode="auto", buckets=(1, 2), reference=reference_build,
+                                   timing=gpu and not reference_build,
+                                   raise_on_status=False)  # fmt: skip
+            runs[reference_build] = (twins, loop.run(twins))
+        (served, history), (_, ref_history) = runs[False], runs[True]
+        agreement = [greedy_agreement(r, reference, margin) for r in served]
+        res.cases += sum(a.tokens for a in agreement) + len(history)
+        res.mismatches += sum(a.mismatches for a in agreement)
+        for it in history:
+            res.status_bits |= it.status
+
+        def accepted(hist):  # per iteration: each request's accepted length and draft tree
+            return [[(r.rid, r.accepted, r.tree_tokens, r.tree_parents) for r in it.requests]
+                    for it in hist]  # fmt: skip
+
+        same = accepted(history) == accepted(ref_history)
+        res.mismatches += 0 if same else 1
+        lossless = all(a.lossless for a in agreement)
+        for a, r in zip(agreement, served, strict=True):
+            if not a.lossless and not res.first_failure:
+                res.first_failure = (f"{backend}: request {r.rid} leaves greedy decoding at "
+                                     f"token {a.first_mismatch}")  # fmt: skip
+        if not same and not res.first_failure:
+            res.first_failure = (f"{backend}: acceptance or draft trees differ from the loop "
+                                 f"on the references")  # fmt: skip
+        per_iteration = " ".join(str(it.tokens) for it in history)
+        near = sum(a.near_ties for a in agreement)
+        res.details.append(
+            f"{backend:<11} ({attention.name}, topk={k}, {s} steps, page size {ps}): tokens per "
+            f"iteration {per_iteration}; lossless: {'yes' if lossless else 'no'}"
+            + (f" ({near} near-ties within {margin})" if near else "")
+            + ("" if same else "; acceptance or trees differ from the references' loop")
+        )
+        timed = [it.seconds for it in history if it.seconds and it.batch_size]
+        if timed:
+            mean = {key: 1e3 * sum(t[key] for t in timed) / len(timed) for key in timed[0]}
+            res.details.append(
+                f"{'':<11} iteration {mean['total']:.2f} ms: metadata {mean['metadata']:.2f}, "
+                f"attention {mean['attention']:.2f}, rest {mean['rest']:.2f} (mean of "
+                f"{len(timed)})"
+            )
     return res
 
 

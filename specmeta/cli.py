@@ -52,6 +52,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         verdict = "ok" if res.ok else "FAIL"
         print(f"{res.name:<28} {res.cases:>6} {res.mismatches:>10} {f'0x{res.status_bits:x}':>7} "
               f"{res.seconds:>7.2f}s  {verdict}" + (f"  ({res.first_failure})" if res.first_failure else ""))  # fmt: skip
+    for res in results:
+        if res.details:
+            print(f"\n{res.name}:")
+            for line in res.details:
+                print(f"  {line}")
     failed = [r.name for r in results if not r.ok]
     total = sum(r.cases for r in results)
     print(f"\n{total} cases; {len(results) - len(failed)} passed, {len(failed)} failed")

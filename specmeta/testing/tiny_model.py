@@ -1,0 +1,349 @@
+"""A tiny decoder-only transformer whose attention reads a paged KV pool through specmeta's
+metadata: the model of the end-to-end lossless tests (:mod:`specmeta.testing.spec_loop`).
+
+Random weights from a seed, ``num_layers`` pre-norm blocks (RMSNorm, grouped-query attention
+with rotary positions, a SwiGLU MLP), a small vocabulary. :meth:`TinyModel.forward` takes the
+attention as an argument, ``attention(layer, q, k, v) -> out``, so one set of weights runs
+three ways:
+
+* :class:`PagedAttention`: the engine's way. The forward's keys and values are written into the
+  KV pool at ``out_cache_loc``, then an attention backend of :mod:`specmeta.testing.attention`
+  reads the pool through a builder's metadata (draft decode, target verify, draft extend);
+* :class:`DenseCache`: plain causal attention over a growing per-sequence cache, with no paging
+  and nothing of specmeta: the greedy reference (:meth:`TinyModel.greedy`);
+* :class:`DensePrefill`: causal attention inside one sequence that also stores its keys and
+  values into the pool: prompt prefill, which is outside specmeta's scope.
+
+Margins. Greedy decoding is compared token for token, so a near-tie between the two largest
+logits is where two correct implementations may disagree (bf16 kernels against a float32
+reference). The logits are ``logit_scale · W_out · rmsnorm(h)``: at the default scale the top
+logit leads the second by about 1 (median), and :data:`DEFAULT_MARGIN` is the lead the GPU tests
+call decisive. A token emitted where the float32 reference leads it by less is a near-tie,
+counted and reported; any other difference is a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..kernels.cache_loc_move import KVPool
+
+__all__ = [
+    "DEFAULT_MARGIN",
+    "TinyConfig",
+    "TinyModel",
+    "KVCache",
+    "PagedAttention",
+    "DenseCache",
+    "DensePrefill",
+    "Attention",
+]
+
+DEFAULT_MARGIN = 0.5
+"""Top logit over an emitted token (float32 reference, logits) below which a difference is a
+near-tie. Measured on the CPU for the GPU configuration (``head_dim`` 128, bf16 weights and
+activations against float32 arithmetic on the same weights, 12 seeds × 256 greedy steps): a
+single logit moved by at most 0.16, the argmax changed at 1 % of the steps, all with a lead
+below 0.12; a quarter of the steps lead by less than 0.5 (``test_lossless.py`` re-measures it)."""
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attention(layer, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+    """Sizes of a :class:`TinyModel`.
+
+    Attributes
+    ----------
+    vocab_size, hidden_size, num_layers : int
+        Vocabulary, residual width and number of blocks.
+    num_heads, num_kv_heads, head_dim : int
+        Grouped-query attention: ``num_heads`` query heads share ``num_kv_heads`` KV heads.
+    intermediate_size : int
+        SwiGLU width.
+    rope_theta : float
+        Rotary base.
+    logit_scale : float
+        Multiplies the output logits: sets how far the top logit leads (see the module).
+    """
+
+    vocab_size: int = 64
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    logit_scale: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TinyConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"TinyConfig.num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")  # fmt: skip
+        if self.head_dim % 2:
+            raise ValueError(f"TinyConfig.head_dim={self.head_dim} must be even (rotary pairs)")
+
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x [T, H, D]`` at ``positions [T]``; the angles
+    are computed in float64 whatever ``x``'s dtype."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    ang = positions.to(torch.float64).view(-1, 1) * inv.view(1, -1)  # [T, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def _causal_attention(q, k, v, first: int) -> torch.Tensor:
+    """``q [T, H, D]`` at sequence positions ``first … first+T−1`` over ``k, v [first+T, H_kv, D]``
+    (positions ``0 …``), causal; computed in ``q``'s dtype."""
+    T, H, D = q.shape
+    group = H // k.shape[1]
+    kk = k.repeat_interleave(group, 1)
+    vv = v.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,nhd->htn", q, kk) / math.sqrt(D)
+    qpos = first + torch.arange(T, device=q.device).view(-1, 1)
+    visible = torch.arange(k.shape[0], device=q.device).view(1, -1) <= qpos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("htn,nhd->thd", scores.softmax(-1), vv)
+
+
+class KVCache:
+    """One model's paged KV pool: per layer ``k, v [P, H_kv, D]``; slot ``s`` is row ``s``
+    (page ``s // page_size``), slot 0 the reserved sink.
+
+    Attributes
+    ----------
+    k, v : list of torch.Tensor
+        Per layer.
+    pool : KVPool
+        Every K and V buffer, for :func:`specmeta.move_kv_cache` (one launch for all layers).
+    """
+
+    def __init__(self, cfg: TinyConfig, pool_size: int, dtype: torch.dtype, device):
+        shape = (pool_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.pool = KVPool([*self.k, *self.v])
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The forward's KV write: row ``slots[i]`` of layer ``layer`` gets ``k[i], v[i]``."""
+        idx = slots.reshape(-1).long()
+        self.k[layer][idx] = k.to(self.k[layer].dtype)
+        self.v[layer][idx] = v.to(self.v[layer].dtype)
+
+
+class PagedAttention:
+    """Attention of one forward through specmeta metadata: store this forward's KV at
+    ``out_cache_loc``, then ``backend(handle, q, k_pool, v_pool)`` per layer.
+
+    Parameters
+    ----------
+    cache : KVCache
+        The model's pool.
+    out_cache_loc : torch.Tensor
+        ``[T]`` slots of the forward's tokens, in query-row order.
+    backend : object
+        An attention backend of :mod:`specmeta.testing.attention`.
+    handle : object
+        ``backend.prepare(meta)`` of the forward's metadata (once per forward, not per layer).
+    timer : callable, optional
+        ``timer(name)`` returns a context manager; the backend call is timed as
+        ``"attention"``.
+    """
+
+    def __init__(self, cache: KVCache, out_cache_loc: torch.Tensor, backend, handle, timer=None):
+        self.cache, self.out_cache_loc = cache, out_cache_loc
+        self.backend, self.handle, self.timer = backend, handle, timer
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        self.cache.store(layer, self.out_cache_loc, k, v)
+        if self.timer is None:
+            return self.backend(self.handle, q, self.cache.k[layer], self.cache.v[layer])
+        with self.timer("attention"):
+            return self.backend(self.handle, q, self.cache.k[layer], self.cache.v[layer])
+
+
+class DensePrefill:
+    """Causal attention within one sequence (positions ``0 … T−1``) that also stores the keys
+    and values at ``slots`` of ``cache``: a prompt's prefill, dense, outside specmeta."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor):
+        self.cache, self.slots = cache, slots
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        self.cache.store(layer, self.slots, k, v)
+        return _causal_attention(q, k, v, 0)
+
+
+class DenseCache:
+    """Plain causal attention over a per-sequence cache that grows with every call: no pages,
+    no metadata. Calls must pass consecutive positions (the chunk follows the cache)."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        first = 0 if self.k[layer] is None else self.k[layer].shape[0]
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
+        return _causal_attention(q, self.k[layer], self.v[layer], first)
+
+
+class TinyModel:
+    """The model: weights and the forward pass.
+
+    Parameters
+    ----------
+    cfg : TinyConfig
+        Sizes.
+    weights : dict of str to torch.Tensor
+        As drawn by :meth:`random`; all of one dtype and device.
+
+    Examples
+    --------
+    >>> model = TinyModel.random(TinyConfig(), seed=0)
+    >>> tokens, margins = model.greedy(torch.tensor([3, 1, 4]), 8)   # the reference
+    >>> draft = model.perturbed(0.3, seed=1)                         # a worse draft
+    """
+
+    def __init__(self, cfg: TinyConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        self.weights = weights
+        first = next(iter(weights.values()))
+        self.dtype, self.device = first.dtype, first.device
+
+    @classmethod
+    def random(cls, cfg: TinyConfig, seed: int, *, dtype: torch.dtype = torch.float64,
+               device: torch.device | str = "cpu") -> TinyModel:  # fmt: skip
+        """Weights drawn from ``seed`` (float64 on the CPU, then cast to ``dtype``): the same
+        seed gives the same model on every device and in every dtype, up to the cast."""
+        g = torch.Generator().manual_seed(seed)
+
+        def normal(*shape, std):
+            return torch.randn(*shape, generator=g, dtype=torch.float64) * std
+
+        c = cfg
+        hd, kvd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        w = {"embed": normal(c.vocab_size, c.hidden_size, std=1.0)}
+        for i in range(c.num_layers):
+            w[f"{i}.attn_norm"] = 1.0 + normal(c.hidden_size, std=0.1)
+            w[f"{i}.wq"] = normal(c.hidden_size, hd, std=c.hidden_size**-0.5)
+            w[f"{i}.wk"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
+            w[f"{i}.wv"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
+            w[f"{i}.wo"] = normal(hd, c.hidden_size, std=hd**-0.5)
+            w[f"{i}.mlp_norm"] = 1.0 + normal(c.hidden_size, std=0.1)
+            w[f"{i}.w_gate"] = normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5)
+            w[f"{i}.w_up"] = normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5)
+            w[f"{i}.w_down"] = normal(c.intermediate_size, c.hidden_size,
+                                      std=c.intermediate_size**-0.5)  # fmt: skip
+        w["final_norm"] = 1.0 + normal(c.hidden_size, std=0.1)
+        w["lm_head"] = normal(c.hidden_size, c.vocab_size, std=c.logit_scale * c.hidden_size**-0.5)
+        return cls(cfg, {k: v.to(device=device, dtype=dtype) for k, v in w.items()})
+
+    def perturbed(self, scale: float, seed: int) -> TinyModel:
+        """A copy whose every weight matrix gets Gaussian noise of ``scale`` times its own
+        standard deviation: a draft model that is right often, but not always."""
+        if not scale >= 0:
+            raise ValueError(f"scale must be >= 0, got {scale!r}")
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for name, w in self.weights.items():
+            w64 = w.to(torch.float64).cpu()
+            noise = torch.randn(w64.shape, generator=g, dtype=torch.float64)
+            out[name] = (w64 + scale * w64.std() * noise).to(device=self.device, dtype=self.dtype)
+        return TinyModel(self.cfg, out)
+
+    def to(self, *, dtype: torch.dtype | None = None, device=None) -> TinyModel:
+        """The same weights in another dtype or on another device."""
+        dtype = dtype or self.dtype
+        device = device if device is not None else self.device
+        return TinyModel(self.cfg, {k: v.to(device=device, dtype=dtype)
+                                    for k, v in self.weights.items()})  # fmt: skip
+
+    def new_cache(self, pool_size: int) -> KVCache:
+        """An empty paged KV pool of ``pool_size`` slots in the model's dtype and device."""
+        return KVCache(self.cfg, pool_size, self.dtype, self.device)
+
+    # ----------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                attention: Attention) -> torch.Tensor:  # fmt: skip
+        """Logits ``[T, V]`` (float32 or wider) of ``tokens [T]`` at ``positions [T]``; the
+        attention of every layer is ``attention(layer, q, k, v)``, with rotary positions
+        already applied to ``q`` and ``k``."""
+        c, w = self.cfg, self.weights
+        T = tokens.shape[0]
+        tokens = tokens.to(self.device).long()
+        positions = positions.to(self.device)
+        h = w["embed"][tokens]
+        for i in range(c.num_layers):
+            x = _rmsnorm(h, w[f"{i}.attn_norm"])
+            q = (x @ w[f"{i}.wq"]).view(T, c.num_heads, c.head_dim)
+            k = (x @ w[f"{i}.wk"]).view(T, c.num_kv_heads, c.head_dim)
+            v = (x @ w[f"{i}.wv"]).view(T, c.num_kv_heads, c.head_dim)
+            q = _rope(q, positions, c.rope_theta)
+            k = _rope(k, positions, c.rope_theta)
+            o = attention(i, q, k, v).to(h.dtype)
+            h = h + o.reshape(T, c.num_heads * c.head_dim) @ w[f"{i}.wo"]
+            x = _rmsnorm(h, w[f"{i}.mlp_norm"])
+            gate = torch.nn.functional.silu(x @ w[f"{i}.w_gate"])
+            h = h + (gate * (x @ w[f"{i}.w_up"])) @ w[f"{i}.w_down"]
+        logits = _rmsnorm(h, w["final_norm"]) @ w["lm_head"]
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, V]`` of a whole prompt at positions ``0 … T−1``, its KV stored at
+        ``slots [T]`` of ``cache`` (dense attention: prefill is not specmeta's)."""
+        positions = torch.arange(tokens.shape[0], device=self.device)
+        return self.forward(tokens, positions, DensePrefill(cache, slots))
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[T, V]`` of a whole sequence, dense causal attention, no cache."""
+        positions = torch.arange(tokens.shape[0], device=self.device)
+        return self.forward(tokens, positions, DenseCache(self.cfg.num_layers))
+
+    @torch.no_grad()
+    def greedy(self, prompt: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain greedy decoding, the reference of the lossless tests: no pages, no metadata,
+        no specmeta, one token a forward over a dense per-sequence cache.
+
+        Returns
+        -------
+        (tokens, margins) : tuple of torch.Tensor
+            ``tokens [num_tokens]`` int64 (CPU), the continuation of ``prompt``, and
+            ``margins [num_tokens]`` float64, the lead of each step's top logit over the
+            second.
+        """
+        cache = DenseCache(self.cfg.num_layers)
+        seq = prompt.to(self.device).long()
+        logits = self.forward(seq, torch.arange(seq.shape[0], device=self.device), cache)[-1]
+        tokens, margins = [], []
+        pos = seq.shape[0]
+        for _ in range(num_tokens):
+            top = logits.double().topk(2).values
+            nxt = int(logits.argmax())
+            tokens.append(nxt)
+            margins.append(float(top[0] - top[1]))
+            step = torch.tensor([nxt], device=self.device)
+            logits = self.forward(step, torch.tensor([pos], device=self.device), cache)[-1]
+            pos += 1
+        return torch.tensor(tokens, dtype=torch.int64), torch.tensor(margins, dtype=torch.float64)
