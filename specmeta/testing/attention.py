@@ -40,7 +40,7 @@ __all__ = ["TorchAttention", "CuteFlashAttention", "FlashInferAttention", "backe
 
 # Wrappers of one kind used in turn by FlashInferAttention: more than the forwards a host plans
 # ahead of its device within one draft iteration.
-_WRAPPERS_PER_KIND = 4
+_WRAPPERS_PER_KIND = 8
 
 
 class TorchAttention:

@@ -1,0 +1,46 @@
+"""HostMirrorRing: sets handed out in turn, a set never handed out twice in a row, and bad
+depths rejected (the wait on the device is the GPU tier's test of the FlashInfer builder)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig
+from specmeta.config import BufferSpec
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.host_mirrors import HostMirrorRing
+from specmeta.workloads import make_batch
+
+
+def test_sets_rotate_and_are_distinct(device):
+    spec = {"a": BufferSpec((4,), torch.int32, "a"), "b": BufferSpec((2, 3), torch.int32, "b")}
+    ring = HostMirrorRing(spec, 3, device)
+    sets = [ring.next() for _ in range(6)]
+    ptrs = [s["a"].data_ptr() for s in sets]
+    assert len(set(ptrs[:3])) == 3 and ptrs[3:] == ptrs[:3]
+    assert all(s["b"].shape == (2, 3) and s["a"].device.type == "cpu" for s in sets)
+    assert sets[0]["a"].is_pinned() == (device.type == "cuda")
+
+
+@pytest.mark.parametrize("depth", [0, -1, 1.5, True])
+def test_bad_depth_is_rejected(device, depth):
+    with pytest.raises(ValueError, match="mirror_depth must be an int >= 1"):
+        HostMirrorRing({}, depth, device)
+
+
+def test_builder_keeps_the_last_results_mirrors_until_the_ring_comes_round(device, gen):
+    """Two builds of different batches: the first result's host mirrors still hold the first
+    batch (depth 2), the device values of both match their own batch."""
+    cfg = SpecConfig(topk=2, num_steps=2, num_draft_tokens=4, page_size=1, max_bs=4,
+                     max_context_len=40)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, mirror_depth=2)
+    batches = [make_batch("random", batch_size=3, topk=2, num_steps=2, page_size=1,
+                          row_width=cfg.req_to_token_width, generator=gen, device=device,
+                          max_len=40) for _ in range(2)]  # fmt: skip
+    results = [fi.draft_extend(b.req_pool_indices, b.req_to_token, b.seq_lens,
+                               seq_lens_cpu=b.seq_lens_cpu) for b in batches]  # fmt: skip
+    for b, res in zip(batches, results, strict=True):
+        want = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(b.seq_lens_cpu + 4, 0)])
+        assert res.kv_indptr_host.tolist() == want.tolist()
+    assert results[0].kv_indptr_host.data_ptr() != results[1].kv_indptr_host.data_ptr()
