@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> Result:
     verify = fi.target_verify(rpi, r2t, lens, tree, seq_lens_cpu=lens_cpu, status=status)
     print("target verify: one query row per tree node, the tree as a custom mask")
     prefill.plan(qo_indptr=verify.qo_indptr_host, paged_kv_indptr=verify.kv_indptr_host,
-                 paged_kv_indices=verify.kv_indices, paged_kv_last_page_len=verify.kv_last_page_len,
+                 paged_kv_indices=verify.kv_indices,
+                 paged_kv_last_page_len=verify.kv_last_page_len_host,
                  num_qo_heads=H, num_kv_heads=H_KV, head_dim_qk=D, page_size=verify.page_size,
                  custom_mask=verify.custom_mask, causal=verify.causal)  # fmt: skip
 
