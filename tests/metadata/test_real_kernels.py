@@ -186,7 +186,7 @@ def test_gpu_trtllm_mla_block_tables_through_flash_attn_cute(gen, k, ps, batch_s
 # --------------------------------------------------------------------------------------------
 # One CUDA graph per bucket captures the metadata build and the attention together.
 # --------------------------------------------------------------------------------------------
-def _graphed_draft(gen, k, ps, backend):
+def _check_graphed_draft(gen, k, ps, backend):
     """Draft decode of every step, build + attention in one graph per bucket, replayed at
     batch sizes that move between buckets, every result against dense attention."""
     buckets, seen = [4, 8], []
@@ -297,12 +297,12 @@ def attn_module():
 
 @pytest.mark.parametrize("k,ps", [(1, 16), (4, 16), (8, 1)])
 def test_gpu_fa3_build_and_attention_in_one_graph(gen, k, ps):
-    _graphed_draft(gen, k, ps, "fa3")
+    _check_graphed_draft(gen, k, ps, "fa3")
 
 
 @pytest.mark.parametrize("k,ps", [(1, 1), (4, 16)])
 def test_gpu_flashinfer_build_and_attention_in_one_graph(gen, k, ps):
-    _graphed_draft(gen, k, ps, "flashinfer")
+    _check_graphed_draft(gen, k, ps, "flashinfer")
 
 
 # --------------------------------------------------------------------------------------------
