@@ -289,12 +289,21 @@ def test_lossless_full_cpu(case, draft_kind, draw, seed, device):
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_example_prints_accepted_lengths_and_lossless(seed, capsys):
+def test_example_prints_accepted_lengths_and_lossless(device, seed, capsys):
     path = ROOT / "examples" / "speculative_loop.py"
     spec = importlib.util.spec_from_file_location("_specmeta_example_speculative_loop", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    args = ["--backend", "flashinfer", "--device", "cpu", "--tokens", "8", "--seed", str(seed)]
+    args = [
+        "--backend",
+        "flashinfer",
+        "--device",
+        device.type,
+        "--tokens",
+        "8",
+        "--seed",
+        str(seed),
+    ]
     assert example.main(args) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+(eager|graph)", ln)]
@@ -307,17 +316,18 @@ def test_example_prints_accepted_lengths_and_lossless(seed, capsys):
     assert out.rstrip().endswith("lossless: yes")
 
 
-def test_check_prints_tokens_per_iteration_and_lossless_per_backend(seed, capsys):
+def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed, capsys):
     from specmeta.cli import main
 
-    assert main(["check", "--device", "cpu", "--seed", str(seed), "--only", "lossless_loop"]) == 0
+    argv = ["check", "--device", device.type, "--seed", str(seed), "--only", "lossless_loop"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     lines = [ln.strip() for ln in out.splitlines() if "tokens per iteration" in ln]
     assert [ln.split()[0] for ln in lines] == ["fa3", "flashinfer", "trtllm_mla"], out
     assert all(ln.endswith("lossless: yes") for ln in lines), out
 
 
-def test_check_reports_a_lossy_loop(seed, capsys, monkeypatch):
+def test_check_reports_a_lossy_loop(device, seed, capsys, monkeypatch):
     """A verify that commits the runner-up instead of the argmax bonus token: `specmeta check`
     must say so and fail."""
     from specmeta.cli import main
@@ -332,7 +342,8 @@ def test_check_reports_a_lossy_loop(seed, capsys, monkeypatch):
         return path, lens, last.topk(2, -1).indices[:, 1]
 
     monkeypatch.setattr(spec_loop, "greedy_accept", lossy)
-    assert main(["check", "--device", "cpu", "--seed", str(seed), "--only", "lossless_loop"]) == 1
+    argv = ["check", "--device", device.type, "--seed", str(seed), "--only", "lossless_loop"]
+    assert main(argv) == 1
     out = capsys.readouterr().out
     lines = [ln.strip() for ln in out.splitlines() if "tokens per iteration" in ln]
     assert len(lines) == 3 and all("lossless: no" in ln for ln in lines), out
