@@ -312,7 +312,8 @@ def _check_verify_kv_indices(device: torch.device, g: torch.Generator) -> CheckR
 
 @register("tree_custom_mask")
 def _check_tree_custom_mask(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref, written_part
+    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
+    from .testing.masks import written_part
     from .workloads import random_tree_mask
 
     res = CheckResult("tree_custom_mask")
@@ -408,9 +409,10 @@ def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> Check
     """Every FlashInfer mode against the kernel references it is made of, host mirrors against
     the device values, on one builder per configuration."""
     from .kernels.shared_prefix_kv_indices import shared_prefix_kv_indices_ref
-    from .kernels.tree_custom_mask import tree_custom_mask_ref, written_part
+    from .kernels.tree_custom_mask import tree_custom_mask_ref
     from .kernels.verify_kv_indices import verify_kv_indices_ref
     from .metadata.flashinfer import FlashInferBuilder
+    from .testing.masks import written_part
     from .workloads import random_tree_mask
 
     res = CheckResult("flashinfer_builder")

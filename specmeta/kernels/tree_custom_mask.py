@@ -30,7 +30,7 @@ from ..config import tree_custom_mask_need
 from ..status import Status
 from .draft_decode_kv_indices import _target_programs
 
-__all__ = ["tree_custom_mask", "tree_custom_mask_ref", "written_part"]
+__all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 
 _POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
 _OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
@@ -284,18 +284,3 @@ def tree_custom_mask_ref(
     if status is not None and bits:
         status |= bits
     return custom_mask, mask_indptr
-
-
-def written_part(
-    custom_mask: torch.Tensor, mask_indptr: torch.Tensor, packed: bool
-) -> torch.Tensor:
-    """The elements (bytes when ``packed``) a build writes, segment after segment, as uint8:
-    what two builds of one batch must agree on. A packed segment is the ``ceil(n / 8)`` bytes
-    at its element offset; the bytes between segments are never written. Syncs (a checking
-    aid)."""
-    ptr = mask_indptr.cpu().long().tolist()
-    flat = custom_mask.view(torch.uint8)
-    if not packed:
-        return flat[: ptr[-1]]
-    parts = [flat[lo : lo + (hi - lo + 7) // 8] for lo, hi in zip(ptr[:-1], ptr[1:], strict=True)]
-    return torch.cat(parts) if parts else flat[:0]

@@ -8,10 +8,10 @@ import torch
 
 from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
-from specmeta.kernels.tree_custom_mask import written_part
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.masks import written_part
 from specmeta.workloads import make_batch, random_tree_mask
 from tests.guard_bands import assert_equal
 

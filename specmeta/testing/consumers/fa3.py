@@ -28,6 +28,12 @@ from specmeta.testing.consumers.dense import dense_attention
 __all__ = ["flash_attn_with_kvcache", "attend", "run_cascade"]
 
 
+def _require(ok: object, message: str) -> None:
+    """Reject metadata that breaks FA3's contract (an explicit raise: it holds under ``-O``)."""
+    if not ok:
+        raise AssertionError(message)
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -50,25 +56,26 @@ def flash_attn_with_kvcache(
     num_pages, ps, h_kv, _ = k_cache.shape
     for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table),
                     ("cu_seqlens_q", cu_seqlens_q)):  # fmt: skip
-        assert t.dtype == torch.int32, f"FA3 needs int32 {name}, got {t.dtype}"
+        _require(t.dtype == torch.int32, f"FA3 needs int32 {name}, got {t.dtype}")
     batch = cu_seqlens_q.numel() - 1
     cu_q = cu_seqlens_q.cpu().long()
     lens = cache_seqlens.cpu().long()
     table = page_table.cpu().long()
-    assert lens.numel() >= batch and table.shape[0] >= batch, "metadata shorter than the batch"
-    assert int(cu_q[0]) == 0 and int(cu_q[-1]) == q.shape[0], "cu_seqlens_q must cover q"
+    _require(lens.numel() >= batch and table.shape[0] >= batch, "metadata shorter than the batch")
+    _require(int(cu_q[0]) == 0 and int(cu_q[-1]) == q.shape[0], "cu_seqlens_q must cover q")
     if cu_seqlens_k_new is not None:
         want = torch.cat([torch.zeros(1, dtype=torch.long), lens[:batch].cumsum(0)])
         got = cu_seqlens_k_new.cpu().long()
-        assert torch.equal(got, want), f"cu_seqlens_k_new {got.tolist()} != {want.tolist()}"
+        if not torch.equal(got, want):
+            raise AssertionError(f"cu_seqlens_k_new {got.tolist()} != {want.tolist()}")
     rows: list[torch.Tensor] = []
     for b in range(batch):
         n_q, n_k = int(cu_q[b + 1] - cu_q[b]), int(lens[b])
-        assert 0 <= n_q <= max_seqlen_q, f"sequence {b}: {n_q} query rows > {max_seqlen_q}"
+        _require(0 <= n_q <= max_seqlen_q, f"sequence {b}: {n_q} query rows > {max_seqlen_q}")
         n_pages = -(-n_k // ps)
-        assert n_pages <= table.shape[1], f"sequence {b} reads past its page-table row"
+        _require(n_pages <= table.shape[1], f"sequence {b} reads past its page-table row")
         pages = table[b, :n_pages]
-        assert ((pages >= 0) & (pages < num_pages)).all(), f"sequence {b}: page id out of cache"
+        _require(((pages >= 0) & (pages < num_pages)).all(), f"sequence {b}: page id out of cache")
         k = torch.arange(n_k)
         slots = pages[k // ps] * ps + k % ps  # rows of the flattened [num_pages·ps] cache
         for i in range(n_q):

@@ -67,7 +67,8 @@ def prefill(q, k_cache, v_cache, meta):
         elif meta.packed_custom_mask is not None:
             allowed = _unpack(meta.packed_custom_mask, mask_ptr[i], qlen * kvlen).view(qlen, kvlen)
         else:
-            assert meta.causal
+            if not meta.causal:
+                raise AssertionError("a prefill without a mask must be causal")
             j = torch.arange(qlen).view(-1, 1)
             allowed = torch.arange(kvlen).view(1, -1) <= kvlen - qlen + j
         rows.extend(kv[allowed[j]] for j in range(qlen))
