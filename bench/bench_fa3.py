@@ -58,9 +58,9 @@ def bench_expand_page_table(benchmark, bs, k, ps):
     cfg, batch, slots = _setup(bs, k, ps)
     fa3 = FA3MetadataBuilder(cfg, "cuda")  # only for its planned buffers
     BK = bs * k
-    pt = fa3.buffers["fa3.draft_decode.expand_page_table"][:, :BK]
-    cs = fa3.buffers["fa3.draft_decode.expand_cache_seqlens"][:, :BK]
-    cu = fa3.buffers["fa3.draft_decode.expand_cu_seqlens_k"][:, : BK + 1]
+    pt = fa3.buffers["draft_decode.expand_page_table"][:, :BK]
+    cs = fa3.buffers["draft_decode.expand_cache_seqlens"][:, :BK]
+    cu = fa3.buffers["draft_decode.expand_cu_seqlens_k"][:, : BK + 1]
     status = new_status("cuda")
     kw = dict(topk=k, num_steps=S, page_size=ps)
 
@@ -112,7 +112,7 @@ def bench_fa3_draft_decode_build(benchmark, bs, k, ps):
     assert int(status) == 0
 
     device_us = graph_us(run)
-    tables = [fa3.buffers[f"fa3.draft_decode.{f}"] for f in (
+    tables = [fa3.buffers[f"draft_decode.{f}"] for f in (
         "page_table", "cache_seqlens", "cu_seqlens_k", "expand_page_table",
         "expand_cache_seqlens", "expand_cu_seqlens_k")]  # fmt: skip
     written = 4 * sum(t.numel() for t in tables)

@@ -196,7 +196,7 @@ class Metadata:
         ours = [n for n in plan if n.split(".")[0] not in ("fa3", "flashinfer", "trtllm_mla")]
         self.bufs = {
             **allocate_buffers(cfg, device, ours),
-            **self.fa3.buffers,
+            **{"fa3." + name: t for name, t in self.fa3.buffers.items()},
             **{"flashinfer." + name: t for name, t in self.fi.buffers.items()},
         }
         self.req_to_token = req_to_token

@@ -21,7 +21,8 @@ import specmeta
 from specmeta import SpecConfig
 from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
-from specmeta.metadata.fa3 import FA3Cascade, FA3MetadataBuilder
+from specmeta.kernels.merge_state import merge_state
+from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
 from specmeta.runners import GraphRunner, padding
 from specmeta.workloads import Batch, make_batch, random_tree_mask
 
@@ -47,11 +48,17 @@ class Result:
     verify: FA3Cascade
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs) -> None:
-    """Stand-in for FA3's kernel (not imported here): prints the arguments it receives."""
+def flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs):
+    """Stand-in for FA3's kernel (not imported here): prints the arguments it receives and
+    returns zeros of the kernel's shapes: ``out [T, H, D]`` and, with ``return_softmax_lse``,
+    ``lse [H, T]`` float32."""
     args = [f"{k}={list(v.shape) if torch.is_tensor(v) else v}" for k, v in kwargs.items()]
     print(f"  flash_attn_with_kvcache(q={list(q.shape)}, k_cache={list(k_cache.shape)}, v_cache, "
           f"{', '.join(args)})")  # fmt: skip
+    out = torch.zeros_like(q)
+    if not kwargs["return_softmax_lse"]:
+        return out
+    return out, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
 
 
 def main(argv: list[str] | None = None) -> Result:
@@ -79,12 +86,21 @@ def main(argv: list[str] | None = None) -> Result:
         move_kv_cache(kv_pool, tgt[:n], src[:n], disjoint=True, status=status)
         return fa3.draft_decode(rpi, r2t, lens, slots, num_rows=S - 1, status=status)
 
-    def attend(q: torch.Tensor, cascade: FA3Cascade) -> None:
-        """The attention of the backend's forward: both passes, then their (o, lse) merged."""
-        passes = (cascade.normal, cascade.expand) if cascade.is_cascade else (cascade.normal,)
-        for meta in passes:
+    def attend(q: torch.Tensor, cascade: FA3Cascade) -> torch.Tensor:
+        """The attention of the backend's forward: one pass, or a cascade's two passes over
+        disjoint keys (the shared prefix; each row's own chain or tree ancestors) merged by
+        their log-sum-exp. An empty pass has LSE −inf and weight 0 in the merge."""
+
+        def run(meta: FA3Metadata):
             k_cache, v_cache = (c.view(-1, meta.page_size, H_KV, D) for c in kv_cache)
-            flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs())
+            return flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs())
+
+        if not cascade.is_cascade:
+            return run(cascade.normal)
+        o, lse = run(cascade.normal)
+        o_expand, lse_expand = run(cascade.expand)
+        merge_state(o, lse.t(), o_expand, lse_expand.t(), out=o)  # LSEs come as [H, T]
+        return o
 
     # (a) Eager: the builder is created once; every build reuses its planned buffers.
     fa3, bufs = FA3MetadataBuilder(cfg, device), specmeta.allocate_buffers(cfg, device, DRAFT)
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> Result:
 
     def build(inp):  # run once per bucket at capture, on the static views [:Bp]
         draft(g_fa3, g_bufs, inp["req_pool_indices"], inp["seq_lens"])
-        return {f: g_fa3.buffers[f"fa3.draft_decode.{f}"] for f in fields}
+        return {f: g_fa3.buffers[f"draft_decode.{f}"] for f in fields}
 
     runner = GraphRunner(build, batch_sizes=[4, 8], device=device)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)

@@ -52,9 +52,12 @@ class Wrapper:
         self.name = name
 
     def plan(self, **kwargs) -> None:
-        args = (f"{k}={list(v.shape)}@{v.device.type}" if torch.is_tensor(v) else f"{k}={v}"
-                for k, v in kwargs.items())  # fmt: skip
-        print(f"  {self.name}.plan({', '.join(args)})")
+        def show(v):
+            if torch.is_tensor(v):
+                return f"{list(v.shape)}@{v.device.type}"
+            return f"[{', '.join(map(show, v))}]" if isinstance(v, list) else str(v)
+
+        print(f"  {self.name}.plan({', '.join(f'{k}={show(v)}' for k, v in kwargs.items())})")
 
 
 def main(argv: list[str] | None = None) -> Result:
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> Result:
 
     # Stand-ins of FlashInfer's wrappers: their plan() prints what it receives.
     decode = Wrapper("BatchDecodeWithPagedKVCacheWrapper")
+    cascade = Wrapper("MultiLevelCascadeAttentionWrapper")
     prefill = Wrapper("BatchPrefillWithPagedKVCacheWrapper")
 
     # (a) Eager: the builder is created once; every build reuses its planned buffers.
@@ -83,6 +87,16 @@ def main(argv: list[str] | None = None) -> Result:
     decode.plan(indptr=step.kv_indptr_host, indices=step.kv_indices,
                 last_page_len=step.kv_last_page_len_host, num_qo_heads=H, num_kv_heads=H_KV,
                 head_dim=D, page_size=step.page_size)  # fmt: skip
+    # The same forwards as a two-level cascade: level 0 lists each prefix once for the K query
+    # rows of its request, level 1 each branch's own draft slots; the wrapper merges the levels.
+    shared = fi.draft_decode_shared_prefix(rpi, r2t, lens, seq_lens_cpu=lens_cpu, status=status)
+    levels = shared.steps[0]
+    cascade.plan(qo_indptr_arr=list(levels.qo_indptr_host_arr),
+                 paged_kv_indptr_arr=list(levels.paged_kv_indptr_host_arr),
+                 paged_kv_indices_arr=list(levels.paged_kv_indices_arr),
+                 paged_kv_last_page_len=list(levels.paged_kv_last_page_len_host_arr),
+                 num_qo_heads=H, num_kv_heads=H_KV, head_dim=D,
+                 page_size=levels.page_size)  # fmt: skip
     tree = random_tree_mask(B, K, S, N, gen).to(device)
     verify = fi.target_verify(rpi, r2t, lens, tree, seq_lens_cpu=lens_cpu, status=status)
     print("target verify: one query row per tree node, the tree as a custom mask")

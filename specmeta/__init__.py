@@ -31,6 +31,7 @@ from .kernels.cache_loc_move import (  # noqa: E402
     move_kv_cache,
     move_kv_cache_ref,
 )
+from .kernels.merge_state import merge_state, merge_state_ref  # noqa: E402
 from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E402
 from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
 from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
@@ -61,6 +62,8 @@ __all__ = [
     "move_kv_cache",
     "move_kv_cache_ref",
     "KVPool",
+    "merge_state",
+    "merge_state_ref",
     "FA3MetadataBuilder",
     "FA3Metadata",
     "FA3Cascade",

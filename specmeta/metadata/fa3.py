@@ -40,10 +40,12 @@ from ..kernels.verify_expand_page_table import (
     verify_expand_page_table,
     verify_expand_page_table_ref,
 )
+from .inputs import BuildInputs, check_build_inputs, check_num_rows
 from .layout import UniformQueryLayout
 
 __all__ = ["FA3Metadata", "FA3Cascade", "FA3MetadataBuilder"]
 
+_PREFIX = "fa3."
 _KEYWORDS = (
     "cache_seqlens",
     "page_table",
@@ -160,7 +162,11 @@ class FA3MetadataBuilder:
     Attributes
     ----------
     buffers : dict[str, torch.Tensor]
-        The ``"fa3.*"`` buffers of ``plan_buffers(cfg)``, allocated zero-filled.
+        The ``"fa3.*"`` buffers of ``plan_buffers(cfg)``, allocated zero-filled, keyed without
+        the ``fa3.`` prefix (``"draft_decode.page_table"``), as in every builder.
+    status : torch.Tensor
+        ``int32 [1]``: the status word every method reports into unless given another (read it
+        with :func:`specmeta.check_status`, which syncs).
 
     Examples
     --------
@@ -174,11 +180,13 @@ class FA3MetadataBuilder:
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.device = validate.canonical_device(device)
+        plan = plan_buffers(cfg)
         self.buffers = {
-            name: spec.allocate(self.device)
-            for name, spec in plan_buffers(cfg).items()
-            if name.startswith("fa3.")
+            name[len(_PREFIX) :]: spec.allocate(self.device)
+            for name, spec in plan.items()
+            if name.startswith(_PREFIX)
         }
+        self.status = plan["status"].allocate(self.device)
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
         self._draft_tables = draft_decode_page_tables_ref if reference else draft_decode_page_tables
         self._verify_expand = (
@@ -189,50 +197,45 @@ class FA3MetadataBuilder:
         def layout(width: int, rows: int, key: str) -> UniformQueryLayout:
             return UniformQueryLayout.create(width, rows, self.device, out=self.buffers[key])
 
-        self._q_draft = layout(k, bs, "fa3.draft_decode.cu_seqlens_q")
-        self._q_verify = layout(n, bs, "fa3.target_verify.cu_seqlens_q")
-        self._q_extend = layout(n, bs, "fa3.draft_extend.cu_seqlens_q")
+        self._q_draft = layout(k, bs, "draft_decode.cu_seqlens_q")
+        self._q_verify = layout(n, bs, "target_verify.cu_seqlens_q")
+        self._q_extend = layout(n, bs, "draft_extend.cu_seqlens_q")
         if k > 1:
-            self._q_draft_expand = layout(1, bs * k, "fa3.draft_decode.expand_cu_seqlens_q")
-            self._q_verify_expand = layout(1, bs * n, "fa3.target_verify.expand_cu_seqlens_q")
+            self._q_draft_expand = layout(1, bs * k, "draft_decode.expand_cu_seqlens_q")
+            self._q_verify_expand = layout(1, bs * n, "target_verify.expand_cu_seqlens_q")
 
     # ----------------------------------------------------------------------------------------
-    def _batch(
-        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor | None
-    ) -> tuple[int, torch.Tensor | None]:
-        """``(B, seq_lens_cpu as int64 or None)``, checked against the plan; host data only."""
-        validate.tensor("seq_lens", seq_lens, ndim=1)
-        B = seq_lens.shape[0]
-        if B > self.cfg.max_bs:
-            raise ValueError(f"batch of {B} requests exceeds the planned max_bs={self.cfg.max_bs}")
-        if not validate.same_device(seq_lens.device, self.device):
-            raise ValueError(f"seq_lens must be on {self.device}, got {seq_lens.device}")
-        if seq_lens_cpu is None:
-            return B, None
-        validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=torch.device("cpu"))
-        validate.length("seq_lens_cpu", seq_lens_cpu, B)
-        return B, seq_lens_cpu.to(torch.int64).clamp_min(0)
+    def _check(self, mode: str, *args, **kwargs) -> BuildInputs:
+        """Every host check of one build (:func:`~specmeta.metadata.inputs.check_build_inputs`),
+        before its first launch."""
+        return check_build_inputs(
+            f"FA3MetadataBuilder.{mode}", self.cfg, self.device, *args, **kwargs
+        )
 
-    def _max_len(self, lens_cpu: torch.Tensor | None, whole_pages: bool = False) -> int:
+    def _status(self, status: torch.Tensor | None) -> torch.Tensor:
+        return self.status if status is None else status
+
+    def _max_len(self, inputs: BuildInputs, whole_pages: bool = False) -> int:
         """``max L`` (or ``max L − lpl``) from the CPU mirror, else the planned bound."""
+        lens_cpu = inputs.seq_lens_cpu
         if lens_cpu is None:
             return self.cfg.max_context_len
         if whole_pages:
             lens_cpu = lens_cpu - lens_cpu % self.cfg.page_size
         return int(lens_cpu.max()) if lens_cpu.numel() else 0
 
-    def _max_lpl(self, lens_cpu: torch.Tensor | None) -> int:
+    def _max_lpl(self, inputs: BuildInputs) -> int:
         """``max(L mod ps)`` from the CPU mirror, else ``ps − 1`` (0 when ``ps == 1``)."""
-        ps = self.cfg.page_size
-        if lens_cpu is None or not lens_cpu.numel():
-            return ps - 1 if lens_cpu is None else 0
-        return int((lens_cpu % ps).max())
+        ps, lens_cpu = self.cfg.page_size, inputs.seq_lens_cpu
+        if lens_cpu is None:
+            return ps - 1
+        return int((lens_cpu % ps).max()) if lens_cpu.numel() else 0
 
     # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
-        """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``fa3.<mode>.<prefix>*``."""
+        """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
         return tuple(
-            self.buffers[f"fa3.{mode}.{prefix}{field}"]
+            self.buffers[f"{mode}.{prefix}{field}"]
             for field in ("page_table", "cache_seqlens", "cu_seqlens_k")
         )
 
@@ -264,7 +267,7 @@ class FA3MetadataBuilder:
             Steps to build, ``0 ≤ rows ≤ S`` (default ``S``; the engine runs ``S − 1``
             forwards).
         status : torch.Tensor, optional
-            ``int32 [1]`` status word passed to every launch.
+            ``int32 [1]`` status word of every launch; default :attr:`status`.
 
         Returns
         -------
@@ -276,12 +279,17 @@ class FA3MetadataBuilder:
         """
         cfg = self.cfg
         K, S, ps = cfg.topk, cfg.num_steps, cfg.page_size
-        rows = S if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-        if rows > S:
-            raise ValueError(f"num_rows must be <= num_steps={S}, got {rows}")
-        B, lens_cpu = self._batch(seq_lens, seq_lens_cpu)
+        where = "FA3MetadataBuilder.draft_decode"
+        rows = check_num_rows(where, num_rows, S, default=S)
         if K > 1 and out_cache_loc is None:
-            raise ValueError("out_cache_loc is required for draft decode with topk > 1")
+            raise ValueError(
+                f"{where}: out_cache_loc is required with topk={K} > 1 (the expand pass reads "
+                "each branch's draft slots); pass the out_cache_loc of assign_draft_cache_locs"
+            )
+        inputs = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc,
+                             status=status)  # fmt: skip
+        B, status = inputs.batch, self._status(status)
         if rows == 0:
             return ()
         args = (req_pool_indices, req_to_token, seq_lens)
@@ -292,7 +300,7 @@ class FA3MetadataBuilder:
             self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows, page_table=pt[:B],
                          cache_seqlens=cs[:rows, :B], cu_seqlens_k=cu[:rows, : B + 1],
                          status=status)  # fmt: skip
-            top = self._max_len(lens_cpu)
+            top = self._max_len(inputs)
             return tuple(
                 FA3Cascade(
                     normal=FA3Metadata(
@@ -329,10 +337,10 @@ class FA3MetadataBuilder:
             causal=False,
             return_softmax_lse=True,
             page_size=ps,
-            max_seqlen_k=self._max_len(lens_cpu, whole_pages=cfg.layout_b),
+            max_seqlen_k=self._max_len(inputs, whole_pages=cfg.layout_b),
         )
         cu_e = self._q_draft_expand.cu_seqlens_q(BK)
-        lpl_max = self._max_lpl(lens_cpu)
+        lpl_max = self._max_lpl(inputs)
         return tuple(
             FA3Cascade(
                 normal=normal,
@@ -383,9 +391,15 @@ class FA3MetadataBuilder:
         """
         cfg = self.cfg
         K, N, ps = cfg.topk, cfg.num_draft_tokens, cfg.page_size
-        B, lens_cpu = self._batch(seq_lens, seq_lens_cpu)
         if K > 1 and tree_mask is None:
-            raise ValueError("tree_mask is required for target verify with topk > 1")
+            raise ValueError(
+                f"FA3MetadataBuilder.target_verify: tree_mask is required with topk={K} > 1; "
+                f"pass the [B, N, N] bool ancestor mask of the draft tree (N = {N})"
+            )
+        inputs = self._check("target_verify", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
+                             status=status)  # fmt: skip
+        B, status = inputs.batch, self._status(status)
         args = (req_pool_indices, req_to_token, seq_lens)
         pt, cs, cu = self._tables("target_verify")
         extra = N if K == 1 else 0
@@ -400,7 +414,7 @@ class FA3MetadataBuilder:
             causal=K == 1,
             return_softmax_lse=K > 1,
             page_size=ps,
-            max_seqlen_k=self._max_len(lens_cpu) + extra,
+            max_seqlen_k=self._max_len(inputs) + extra,
         )
         if K == 1:
             return FA3Cascade(normal=normal, expand=None)
@@ -436,7 +450,9 @@ class FA3MetadataBuilder:
         Parameters are those of :meth:`draft_decode`.
         """
         N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
-        B, lens_cpu = self._batch(seq_lens, seq_lens_cpu)
+        inputs = self._check("draft_extend", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, status = inputs.batch, self._status(status)
         pt, cs, cu = self._tables("draft_extend")
         self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
                      page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
@@ -450,5 +466,5 @@ class FA3MetadataBuilder:
             causal=True,
             return_softmax_lse=False,
             page_size=ps,
-            max_seqlen_k=self._max_len(lens_cpu) + N,
+            max_seqlen_k=self._max_len(inputs) + N,
         )

@@ -40,6 +40,7 @@ from ..kernels.shared_prefix_kv_indices import (
 from ..kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from .host_mirrors import HostMirrorRing
+from .inputs import BuildInputs, check_build_inputs, check_num_rows
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -260,39 +261,30 @@ class FlashInferBuilder:
                 1, bs * k, self.device, out=buf["draft_decode_shared.chain_qo_indptr"]
             ),
         }
-        for key, dev in (
-            ("target_verify.qo_indptr_host", "target_verify.qo_indptr"),
-            ("draft_extend.qo_indptr_host", "draft_extend.qo_indptr"),
-            ("draft_decode_shared.prefix_qo_indptr_host", "draft_decode_shared.prefix_qo_indptr"),
-            ("draft_decode_shared.chain_qo_indptr_host", "draft_decode_shared.chain_qo_indptr"),
+        # Their host mirrors, written on the host by the same helper (no device-to-host copy).
+        for key, width, rows in (
+            ("target_verify.qo_indptr_host", n, bs),
+            ("draft_extend.qo_indptr_host", n, bs),
+            ("draft_decode_shared.prefix_qo_indptr_host", k, bs),
+            ("draft_decode_shared.chain_qo_indptr_host", 1, bs * k),
         ):
-            buf[key].copy_(buf[dev])  # once, at construction
+            UniformQueryLayout.create(width, rows, "cpu", out=buf[key])
         # The chain level's offsets do not depend on the batch: z·(s + 1).
         z = torch.arange(bs * k + 1, dtype=torch.int32)
         for row in range(s):
             buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
 
     # ----------------------------------------------------------------------------------------
-    def _batch(self, req_pool_indices, seq_lens_cpu):
-        validate.tensor("req_pool_indices", req_pool_indices, ndim=1)
-        B = req_pool_indices.shape[0]
-        if B > self.cfg.max_bs:
-            raise ValueError(f"batch of {B} requests exceeds the plan's max_bs={self.cfg.max_bs}")
-        lens = None
-        if seq_lens_cpu is not None:
-            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=torch.device("cpu"))
-            validate.length("seq_lens_cpu", seq_lens_cpu, B)
-            lens = seq_lens_cpu.to(torch.int64).clamp_min(0)
-        return B, lens
+    def _check(self, mode, req_pool_indices, req_to_token, seq_lens, **kwargs) -> BuildInputs:
+        """Every host check of one build, before its first launch (:mod:`.inputs`)."""
+        return check_build_inputs(
+            f"FlashInferBuilder.{mode}", self.cfg, self.device, req_pool_indices, req_to_token,
+            seq_lens, **kwargs,
+        )  # fmt: skip
 
-    def _rows(self, num_rows):
+    def _rows(self, mode, num_rows):
         s = self.cfg.num_steps
-        if num_rows is None:
-            return s - 1
-        rows = validate.positive("num_rows", num_rows, minimum=0)
-        if rows > s:
-            raise ValueError(f"num_rows must be <= num_steps={s}, got {rows}")
-        return rows
+        return check_num_rows(f"FlashInferBuilder.{mode}", num_rows, s, default=s - 1)
 
     def _status(self, status):
         return self.status if status is None else status
@@ -329,8 +321,10 @@ class FlashInferBuilder:
             host mirrors for ``plan()`` are computed outside it, before each replay.
         """
         cfg, buf = self.cfg, self.buffers
-        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
-        rows = self._rows(num_rows)
+        rows = self._rows("draft_decode", num_rows)
+        inputs = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, lens = inputs.batch, inputs.seq_lens_cpu
         K = cfg.topk
         if launch:
             self._draft_kv(
@@ -385,8 +379,10 @@ class FlashInferBuilder:
         the consumer merges the two levels' outputs by log-sum-exp.
         """
         cfg, buf = self.cfg, self.buffers
-        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
-        rows = self._rows(num_rows)
+        rows = self._rows("draft_decode_shared_prefix", num_rows)
+        inputs = self._check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
+                             seq_lens, seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, lens = inputs.batch, inputs.seq_lens_cpu
         K, mode = cfg.topk, "draft_decode_shared"
         if launch:
             self._shared_kv(
@@ -454,8 +450,10 @@ class FlashInferBuilder:
         in :meth:`draft_decode`.
         """
         cfg, buf = self.cfg, self.buffers
-        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
-        rows = self._rows(num_rows)
+        rows = self._rows("draft_decode_paged", num_rows)
+        inputs = self._check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, lens = inputs.batch, inputs.seq_lens_cpu
         K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
         if launch:
             self._branch_kv(
@@ -532,14 +530,16 @@ class FlashInferBuilder:
         Other arguments as in :meth:`draft_decode`. Two launches: the KV lists and the mask.
         """
         cfg, buf = self.cfg, self.buffers
-        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         n, mode = cfg.num_draft_tokens, "target_verify"
-        validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3)
-        if tree_mask.shape[1:] != (n, n):
+        if tree_mask is None:
             raise ValueError(
-                f"tree_mask must be [B, N, N] with N = num_draft_tokens = {n}, "
-                f"got {tuple(tree_mask.shape)}"
+                "FlashInferBuilder.target_verify: tree_mask is required; pass the [B, N, N] "
+                f"bool ancestor mask of the draft tree (N = {n}; a chain is the lower triangle)"
             )
+        inputs = self._check(mode, req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
+                             status=status)  # fmt: skip
+        B, lens = inputs.batch, inputs.seq_lens_cpu
         mirrors = self._prefill_lists(
             mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
         )
@@ -587,8 +587,10 @@ class FlashInferBuilder:
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
-        B, lens = self._batch(req_pool_indices, seq_lens_cpu)
         buf, mode = self.buffers, "draft_extend"
+        inputs = self._check(mode, req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, lens = inputs.batch, inputs.seq_lens_cpu
         mirrors = self._prefill_lists(
             mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
         )

@@ -30,6 +30,7 @@ from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_page_table import branch_page_table, branch_page_table_ref
 from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
+from .inputs import check_build_inputs, check_num_rows
 from .layout import UniformQueryLayout
 
 __all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
@@ -126,20 +127,30 @@ class TrtllmMlaBuilder:
         """``maxblk``, the block tables' width (TRT-LLM's rule, SPEC §3.4)."""
         return self.buffers["target_verify.block_kv_indices"].shape[1]
 
-    def _batch(self, req_pool_indices: torch.Tensor, max_seq_len: int | None) -> int:
-        validate.tensor("req_pool_indices", req_pool_indices, ndim=1)
-        B = req_pool_indices.shape[0]
-        if B > self.cfg.max_bs:
-            raise ValueError(f"batch of {B} requests exceeds the plan's max_bs={self.cfg.max_bs}")
+    def _check(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
+               status):  # fmt: skip
+        """Every host check of one build, before its first launch (:mod:`.inputs`); returns
+        ``(B, max L)``: the host bound of the lengths from ``seq_lens_cpu`` or ``max_seq_len``,
+        ``None`` when neither was given."""
+        where = f"TrtllmMlaBuilder.{mode}"
+        inputs = check_build_inputs(
+            where, self.cfg, self.device, req_pool_indices, req_to_token, seq_lens,
+            seq_lens_cpu=seq_lens_cpu, status=status,
+        )  # fmt: skip
         if max_seq_len is not None:
             if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-                raise TypeError(f"max_seq_len must be a host int, got {type(max_seq_len).__name__}")
+                raise TypeError(
+                    f"{where}: max_seq_len must be a host int, got {type(max_seq_len).__name__}; "
+                    "pass int(...) of a value the host already holds, or seq_lens_cpu="
+                )
             if max_seq_len > self.cfg.max_context_len:
                 raise ValueError(
-                    f"max_seq_len={max_seq_len} exceeds the plan's "
-                    f"max_context_len={self.cfg.max_context_len}"
+                    f"{where}: max_seq_len={max_seq_len} exceeds the plan's "
+                    f"max_context_len={self.cfg.max_context_len}; build the SpecConfig with "
+                    f"max_context_len >= {max_seq_len}"
                 )
-        return B
+        top = inputs.max_len(max_seq_len) if inputs.seq_lens_cpu is not None else max_seq_len
+        return inputs.batch, top
 
     def draft_decode(
         self,
@@ -147,6 +158,7 @@ class TrtllmMlaBuilder:
         req_to_token: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
+        seq_lens_cpu: torch.Tensor | None = None,
         num_rows: int | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
@@ -157,24 +169,27 @@ class TrtllmMlaBuilder:
         ----------
         req_pool_indices, req_to_token, seq_lens : torch.Tensor
             ``[B]``, ``[R, W_row]``, ``[B]`` on the builder's device (``B ≤ max_bs``).
+        seq_lens_cpu : torch.Tensor, optional
+            ``[B]`` CPU mirror of ``seq_lens``: every length is checked against the plan
+            before launch.
         num_rows : int, optional
             Forwards to build; default ``S − 1``.
         max_seq_len : int, optional
-            Host ``max L_b``: checked against the plan before launch.
+            Host ``max L_b`` (an alternative to ``seq_lens_cpu``): checked against the plan
+            before launch.
         status : torch.Tensor, optional
             Status word; default :attr:`status`.
         """
         cfg, buf = self.cfg, self.buffers
-        B = self._batch(req_pool_indices, max_seq_len)
         S, K = cfg.num_steps, cfg.topk
-        rows = S - 1 if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-        if rows > S:
-            raise ValueError(f"num_rows must be <= num_steps={S}, got {rows}")
+        rows = check_num_rows("TrtllmMlaBuilder.draft_decode", num_rows, S, default=S - 1)
+        B, top = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                             seq_lens_cpu, max_seq_len, status)  # fmt: skip
         table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
         self._branch(
             req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
             page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=table,
-            seq_lens_k=lens, max_seq_len=max_seq_len,
+            seq_lens_k=lens, max_seq_len=top,
             status=self.status if status is None else status,
         )  # fmt: skip
         steps = tuple(
@@ -187,9 +202,11 @@ class TrtllmMlaBuilder:
         )
         return TrtllmMlaDraftDecode(steps)
 
-    def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, max_seq_len, status):
+    def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
+                 status):  # fmt: skip
         cfg, buf = self.cfg, self.buffers
-        B = self._batch(req_pool_indices, max_seq_len)
+        B, _ = self._check(mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu,
+                           max_seq_len, status)  # fmt: skip
         n = cfg.num_draft_tokens
         table, lens = buf[f"{mode}.block_kv_indices"], buf[f"{mode}.seq_lens_k"]
         self._prefix(
@@ -213,6 +230,7 @@ class TrtllmMlaBuilder:
         req_to_token: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
+        seq_lens_cpu: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
     ) -> TrtllmMlaPrefill:
@@ -224,11 +242,13 @@ class TrtllmMlaBuilder:
         """
         if self.cfg.topk > 1:
             raise ValueError(
-                f"TRT-LLM MLA is causal only: target verify of a tree (topk={self.cfg.topk}) "
-                "needs a custom mask (FlashInferBuilder.target_verify) or the FA3 cascade"
+                f"TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree "
+                f"(topk={self.cfg.topk}) cannot be verified with it; verify trees with a custom "
+                "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
             )
         return self._prefill(
-            "target_verify", req_pool_indices, req_to_token, seq_lens, max_seq_len, status
+            "target_verify", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
+            status,
         )
 
     def draft_extend(
@@ -237,11 +257,13 @@ class TrtllmMlaBuilder:
         req_to_token: torch.Tensor,
         seq_lens: torch.Tensor,
         *,
+        seq_lens_cpu: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
     ) -> TrtllmMlaPrefill:
         """Draft extend: ``seq_lens_k = L_b + N``, stride ``N``, causal; the same fixed query
         layout at capture and at replay. Arguments as in :meth:`draft_decode`."""
         return self._prefill(
-            "draft_extend", req_pool_indices, req_to_token, seq_lens, max_seq_len, status
+            "draft_extend", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
+            status,
         )

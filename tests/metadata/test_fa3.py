@@ -26,7 +26,7 @@ def _setup(device, gen, k, ps, *, s=3, n=None, batch_size=5, max_bs=7, shape="ra
                      max_context_len=2 * ps + 24)  # fmt: skip
     batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
-                       extra_tokens=n)  # fmt: skip
+                       extra_tokens=n, max_len=cfg.max_context_len)  # fmt: skip
     k_pool = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64).to(device)
     v_pool = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64).to(device)
     return cfg, batch, k_pool, v_pool, FA3MetadataBuilder(cfg, device)
@@ -193,9 +193,9 @@ def test_metadata_reads_as_the_spec_says(device, gen):
 def test_plan_has_every_fa3_buffer_and_nothing_else_is_allocated(device, gen):
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, 4, 4, n=6)
     plan = {name: spec for name, spec in plan_buffers(cfg).items() if name.startswith("fa3.")}
-    assert set(fa3.buffers) == set(plan)
+    assert {"fa3." + name for name in fa3.buffers} == set(plan)  # keyed without "fa3."
     for name, spec in plan.items():
-        buf = fa3.buffers[name]
+        buf = fa3.buffers[name.removeprefix("fa3.")]
         assert tuple(buf.shape) == spec.shape and buf.dtype == spec.dtype == torch.int32, name
     assert plan["fa3.draft_decode.expand_page_table"].shape == (3, 7 * 4, 3)
     assert plan["fa3.target_verify.expand_page_table"].shape == (7 * 6, 6)
@@ -226,7 +226,7 @@ def test_rebuild_leaves_nothing_stale(device, gen):
     cfg, long_b, k_pool, v_pool, fa3 = _setup(device, gen, 2, 4, shape="max")
     short = make_batch("long_short", batch_size=5, topk=2, num_steps=3, page_size=4,
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
-                       extra_tokens=4)  # fmt: skip
+                       extra_tokens=4, max_len=cfg.max_context_len)  # fmt: skip
     fa3.draft_decode(*_args(long_b), _draft_slots(long_b, k_pool, v_pool))
     k_pool = torch.randn(short.pool_size, H_KV, D, generator=gen, dtype=torch.float64).to(device)
     v_pool = torch.randn_like(k_pool)
@@ -250,16 +250,16 @@ def test_bad_inputs_raise_before_launch(device, gen):
         fa3.draft_decode(*_args(batch))
     with pytest.raises(ValueError, match="tree_mask is required"):
         fa3.target_verify(*_args(batch))
-    with pytest.raises(ValueError, match="num_rows must be <= num_steps=3"):
+    with pytest.raises(ValueError, match=r"num_rows=4 is outside \[0, num_steps=3\]"):
         fa3.draft_decode(*_args(batch), slots, num_rows=4)
     assert fa3.draft_decode(*_args(batch), slots, num_rows=0) == ()
     big = make_batch("random", batch_size=8, topk=2, num_steps=3, page_size=4,
                      row_width=cfg.req_to_token_width, generator=gen, device=device)  # fmt: skip
-    with pytest.raises(ValueError, match="exceeds the planned max_bs=7"):
+    with pytest.raises(ValueError, match="the batch has 8 requests, over the plan's max_bs=7"):
         fa3.draft_extend(*_args(big))
-    with pytest.raises(ValueError, match="seq_lens_cpu must have 5 elements"):
+    with pytest.raises(ValueError, match="seq_lens_cpu has 4 entries but the batch has 5"):
         fa3.draft_extend(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu[:4])
-    with pytest.raises(ValueError, match="out_cache_loc is too small"):
+    with pytest.raises(ValueError, match="out_cache_loc has 10 slots, but the batch needs"):
         fa3.draft_decode(*_args(batch), slots[:10])
     with pytest.raises(TypeError, match="cfg must be a SpecConfig"):
         FA3MetadataBuilder({"topk": 2}, device)
@@ -318,7 +318,7 @@ def test_gpu_production_shape_equals_reference(gen, k, ps):
                      max_context_len=ctx)  # fmt: skip
     batch = make_batch("long_short", batch_size=B, topk=k, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device="cuda",
-                       extra_tokens=n)  # fmt: skip
+                       extra_tokens=n, max_len=cfg.max_context_len)  # fmt: skip
     batch.seq_lens[1::2] = torch.randint(ctx // 2, ctx, (B // 2,), device="cuda")
     slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=S, page_size=ps)
     mask = random_tree_mask(B, k, S, n, gen).cuda()
@@ -347,7 +347,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_batches(gen, k, ps):
     for shape in ("random", "long_short", "modm1", "max", "mod0"):
         b = make_batch(shape, batch_size=Bp, topk=k, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device="cuda",
-                       num_rows=Bp + 8, extra_tokens=n)  # fmt: skip
+                       num_rows=Bp + 8, extra_tokens=n, max_len=cfg.max_context_len)  # fmt: skip
         slots = assign_draft_cache_locs(*_args(b), topk=k, num_steps=S, page_size=ps)
         draws.append((b, slots, random_tree_mask(Bp, k, S, n, gen).cuda()))
     first, slots0, mask0 = draws[0]
@@ -392,7 +392,7 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
                      max_context_len=1024)  # fmt: skip
     batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device="cuda",
-                       extra_tokens=n)  # fmt: skip
+                       extra_tokens=n, max_len=cfg.max_context_len)  # fmt: skip
     slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=ps)
     mask = random_tree_mask(B, K, S, n, gen).cuda()
     fa3 = FA3MetadataBuilder(cfg, "cuda")
@@ -439,7 +439,7 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
     for B in (7, 13, 1, 64, 200):
         batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
                            row_width=cfg.req_to_token_width, generator=gen, device="cuda",
-                           extra_tokens=n)  # fmt: skip
+                           extra_tokens=n, max_len=cfg.max_context_len)  # fmt: skip
         slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=ps)
         _all_passes(fa3, batch, slots, random_tree_mask(B, K, S, n, gen).cuda())
         torch.cuda.synchronize()

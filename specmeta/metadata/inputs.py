@@ -1,0 +1,214 @@
+"""The host checks every builder runs on its inputs before its first launch.
+
+One rule for the three builders: whatever the host can see is checked here, before anything is
+launched or written — the type, dtype, rank, shape and device of every tensor passed in, the
+batch against the plan's ``max_bs``, ``req_to_token``'s width against the row positions the plan
+needs, ``tree_mask`` and ``out_cache_loc`` against the batch, and, when the engine passes
+``seq_lens_cpu``, every length against the plan's ``max_context_len``. Only what the host
+cannot see (device values of ``req_pool_indices``, ``seq_lens``, slot ids) is left to the masks
+and the status word.
+
+Every message names the builder call, the argument, the value it got and the fix, e.g.::
+
+    FA3MetadataBuilder.draft_decode: seq_lens_cpu holds 1500, over the plan's
+    max_context_len=256; build the SpecConfig with max_context_len >= 1500
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import validate
+from ..config import SpecConfig
+
+__all__ = ["BuildInputs", "check_build_inputs", "check_num_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildInputs:
+    """What a build needs of its checked inputs on the host.
+
+    Attributes
+    ----------
+    batch : int
+        ``B``, requests in the (possibly padded) batch.
+    seq_lens_cpu : torch.Tensor or None
+        ``[B]`` int64 copy of the engine's CPU mirror, or ``None`` when it was not given.
+    """
+
+    batch: int
+    seq_lens_cpu: torch.Tensor | None
+
+    @property
+    def seq_lens_sum(self) -> int | None:
+        """``ΣL`` from the CPU mirror, for the launchers' capacity checks; ``None`` without it."""
+        return None if self.seq_lens_cpu is None else int(self.seq_lens_cpu.sum())
+
+    def max_len(self, default: int) -> int:
+        """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
+        if self.seq_lens_cpu is None:
+            return default
+        return int(self.seq_lens_cpu.max()) if self.batch else 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _tensor(
+    where: str,
+    name: str,
+    t: object,
+    device: torch.device,
+    *,
+    dtypes: tuple[torch.dtype, ...] = validate.INDEX_DTYPES,
+    ndim: int,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(
+            f"{where}: {name} has dtype {_dtype_name(t.dtype)}; pass it as {want} "
+            f"(e.g. {name}.to(torch.{_dtype_name(dtypes[0])}))"
+        )
+    if t.dim() != ndim:
+        raise ValueError(
+            f"{where}: {name} has shape {list(t.shape)}; it must have {ndim} dimension"
+            f"{'s' if ndim != 1 else ''}"
+        )
+    if not validate.same_device(t.device, device):
+        raise ValueError(
+            f"{where}: {name} is on {t.device}, but this builder lives on {device}; "
+            f"pass {name} on {device} (or construct the builder on {t.device})"
+        )
+    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{where}: {name} has strides {list(t.stride())}; its last dimension must be "
+            f"contiguous (pass {name}.contiguous())"
+        )
+    return t
+
+
+def check_num_rows(where: str, num_rows: object, num_steps: int, default: int) -> int:
+    """``num_rows`` (forwards to build), ``0 ≤ rows ≤ S``; ``default`` when ``None``."""
+    if num_rows is None:
+        return default
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int):
+        raise TypeError(f"{where}: num_rows must be an int, got {type(num_rows).__name__}")
+    if not 0 <= num_rows <= num_steps:
+        raise ValueError(
+            f"{where}: num_rows={num_rows} is outside [0, num_steps={num_steps}]; "
+            f"pass at most num_steps rows (the default, {default}, builds every draft forward)"
+        )
+    return num_rows
+
+
+def check_build_inputs(
+    where: str,
+    cfg: SpecConfig,
+    device: torch.device,
+    req_pool_indices: object,
+    req_to_token: object,
+    seq_lens: object,
+    *,
+    seq_lens_cpu: object = None,
+    tree_mask: object = None,
+    out_cache_loc: object = None,
+    status: object = None,
+) -> BuildInputs:
+    """Check one build's inputs on the host; raise before anything is launched.
+
+    Parameters
+    ----------
+    where : str
+        ``"<Builder>.<mode>"``, the prefix of every message.
+    cfg, device
+        The builder's plan and device.
+    req_pool_indices, req_to_token, seq_lens : torch.Tensor
+        ``[B]``, ``[R, W_row]``, ``[B]`` int32 or int64 on ``device``; ``B ≤ max_bs`` and
+        ``W_row ≥ cfg.row_width_need``.
+    seq_lens_cpu : torch.Tensor, optional
+        ``[B]`` integer CPU mirror of ``seq_lens``: each value in ``[0, max_context_len]``.
+    tree_mask : torch.Tensor, optional
+        ``[B, N, N]`` bool on ``device`` (checked when given).
+    out_cache_loc : torch.Tensor, optional
+        ``[≥ B·K·S]`` integer draft slots on ``device`` (checked when given).
+    status : torch.Tensor, optional
+        ``int32 [1]`` on ``device`` (checked when given).
+
+    Returns
+    -------
+    BuildInputs
+    """
+    rpi = _tensor(where, "req_pool_indices", req_pool_indices, device, ndim=1)
+    table = _tensor(where, "req_to_token", req_to_token, device, ndim=2)
+    lens = _tensor(where, "seq_lens", seq_lens, device, ndim=1)
+    B = rpi.shape[0]
+    if lens.shape[0] != B:
+        raise ValueError(
+            f"{where}: seq_lens has {lens.shape[0]} entries but req_pool_indices has {B}; "
+            "pass one length per request"
+        )
+    if B > cfg.max_bs:
+        raise ValueError(
+            f"{where}: the batch has {B} requests, over the plan's max_bs={cfg.max_bs}; "
+            f"build the SpecConfig with max_bs >= {B}"
+        )
+    need = cfg.row_width_need
+    if table.shape[1] < need:
+        raise ValueError(
+            f"{where}: req_to_token is {table.shape[1]} positions wide, but the plan needs "
+            f"{need} (a prefix of max_context_len={cfg.max_context_len} plus its draft and "
+            f"verify slots); allocate req_to_token with at least {need} columns, e.g. "
+            f"SpecConfig.req_to_token_width={cfg.req_to_token_width}"
+        )
+    if tree_mask is not None:
+        n = cfg.num_draft_tokens
+        mask = _tensor(where, "tree_mask", tree_mask, device, dtypes=(torch.bool,), ndim=3)
+        if tuple(mask.shape) != (B, n, n):
+            raise ValueError(
+                f"{where}: tree_mask has shape {list(mask.shape)}; it must be [B, N, N] = "
+                f"[{B}, {n}, {n}] (B requests, N = num_draft_tokens = {n})"
+            )
+    if out_cache_loc is not None:
+        slots = _tensor(where, "out_cache_loc", out_cache_loc, device, ndim=1)
+        need_slots = B * cfg.topk * cfg.num_steps
+        if slots.shape[0] < need_slots:
+            raise ValueError(
+                f"{where}: out_cache_loc has {slots.shape[0]} slots, but the batch needs "
+                f"B·K·S = {need_slots} (laid out [B, K, S]); pass the out_cache_loc filled "
+                "by assign_draft_cache_locs for this batch"
+            )
+    if status is not None:
+        word = _tensor(where, "status", status, device, dtypes=(torch.int32,), ndim=1)
+        if word.shape[0] != 1:
+            raise ValueError(
+                f"{where}: status has shape {list(word.shape)}; it must be int32 [1] "
+                "(specmeta.new_status(device))"
+            )
+    if seq_lens_cpu is None:
+        return BuildInputs(B, None)
+    cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, torch.device("cpu"), ndim=1)
+    if cpu.shape[0] != B:
+        raise ValueError(
+            f"{where}: seq_lens_cpu has {cpu.shape[0]} entries but the batch has {B}; pass "
+            "the CPU copy of this batch's seq_lens"
+        )
+    cpu = cpu.to(torch.int64)
+    if B:
+        low, high = int(cpu.min()), int(cpu.max())
+        if low < 0:
+            raise ValueError(
+                f"{where}: seq_lens_cpu holds {low}; lengths must be >= 0 (pass the committed "
+                "prefix length of each request)"
+            )
+        if high > cfg.max_context_len:
+            raise ValueError(
+                f"{where}: seq_lens_cpu holds {high}, over the plan's "
+                f"max_context_len={cfg.max_context_len}; build the SpecConfig with "
+                f"max_context_len >= {high}"
+            )
+    return BuildInputs(B, cpu)

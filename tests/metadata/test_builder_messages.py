@@ -1,0 +1,268 @@
+"""What a user sees when a builder gets bad input: one exception, raised before any launch and
+before any write, naming the call, the argument, the value and the fix.
+
+Every expected message below is written out in full. The config is small enough to work out
+its numbers by hand: ``topk=2, num_steps=3, num_draft_tokens=6, page_size=4, max_bs=4,
+max_context_len=32``. A request of 32 tokens in slot layout B needs at most
+``base + K·nnp·ps = 28 + 2·2·4 = 44`` row positions (at ``L = 30`` or 31), more than its verify
+window ``32 + 6 = 38``; the default ``req_to_token_width`` rounds 44 up to 48.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import FA3MetadataBuilder, FlashInferBuilder, SpecConfig, TrtllmMlaBuilder
+
+CFG = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=4, max_bs=4,
+                 max_context_len=32)  # fmt: skip
+CHAIN = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, page_size=4, max_bs=4,
+                   max_context_len=32)  # fmt: skip
+B = 3
+
+
+def _inputs(device, cfg=CFG, batch=B, width=48):
+    """A valid batch: rows 1..B of a zeroed table, lengths 5, 9, 30."""
+    return dict(
+        req_pool_indices=torch.arange(1, batch + 1, dtype=torch.int32, device=device),
+        req_to_token=torch.zeros(batch + 1, width, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([5, 9, 30, 7][:batch], dtype=torch.int32, device=device),
+    )
+
+
+def _call(builder, mode, inputs, **kw):
+    args = (inputs["req_pool_indices"], inputs["req_to_token"], inputs["seq_lens"])
+    return getattr(builder, mode)(*args, **kw)
+
+
+def _raises(kind, message, fn, *args, **kw):
+    with pytest.raises(kind) as info:
+        fn(*args, **kw)
+    assert str(info.value) == message
+    return info
+
+
+def _builders(device):
+    return {
+        "FA3MetadataBuilder": FA3MetadataBuilder(CFG, device),
+        "FlashInferBuilder": FlashInferBuilder(CFG, device),
+        "TrtllmMlaBuilder": TrtllmMlaBuilder(CFG, device),
+    }
+
+
+# Modes every builder serves on CFG; the FA3 ones get the extra argument they need.
+def _modes(name, device):
+    slots = torch.zeros(B * 2 * 3, dtype=torch.int64, device=device)
+    mask = torch.ones(B, 6, 6, dtype=torch.bool, device=device)
+    if name == "FA3MetadataBuilder":
+        return [("draft_decode", dict(out_cache_loc=slots)),
+                ("target_verify", dict(tree_mask=mask)), ("draft_extend", {})]  # fmt: skip
+    if name == "FlashInferBuilder":
+        return [("draft_decode", {}), ("draft_decode_shared_prefix", {}),
+                ("draft_decode_paged", {}), ("target_verify", dict(tree_mask=mask)),
+                ("draft_extend", {})]  # fmt: skip
+    return [("draft_decode", {}), ("draft_extend", {})]
+
+
+def _all(device):
+    for name, builder in _builders(device).items():
+        for mode, extra in _modes(name, device):
+            yield f"{name}.{mode}", builder, mode, extra
+
+
+def _snapshot(builder):
+    """Every buffer the builder owns, and its status word, copied to the host."""
+    bufs = {k: v.detach().cpu().clone() for k, v in builder.buffers.items()}
+    return bufs, builder.status.cpu().clone()
+
+
+def _unchanged(builder, before):
+    bufs, status = _snapshot(builder)
+    for key, value in before[0].items():
+        assert torch.equal(bufs[key], value), f"{key} was written before the exception"
+    assert torch.equal(status, before[1])
+
+
+def test_seq_lens_over_the_plan_names_the_config_and_the_fix(device):
+    for where, builder, mode, extra in _all(device):
+        inputs = _inputs(device)
+        lens_cpu = torch.tensor([5, 1500, 30], dtype=torch.int32)
+        before = _snapshot(builder)
+        _raises(ValueError,
+                f"{where}: seq_lens_cpu holds 1500, over the plan's max_context_len=32; "
+                "build the SpecConfig with max_context_len >= 1500",
+                _call, builder, mode, inputs, seq_lens_cpu=lens_cpu, **extra)  # fmt: skip
+        _unchanged(builder, before)
+
+
+def test_negative_seq_lens_cpu(device):
+    for where, builder, mode, extra in _all(device):
+        lens_cpu = torch.tensor([5, -2, 30], dtype=torch.int64)
+        _raises(ValueError,
+                f"{where}: seq_lens_cpu holds -2; lengths must be >= 0 (pass the committed "
+                "prefix length of each request)",
+                _call, builder, mode, _inputs(device), seq_lens_cpu=lens_cpu, **extra)  # fmt: skip
+
+
+def test_narrow_req_to_token_is_caught_on_the_host(device):
+    for where, builder, mode, extra in _all(device):
+        before = _snapshot(builder)
+        _raises(ValueError,
+                f"{where}: req_to_token is 40 positions wide, but the plan needs 44 (a prefix "
+                "of max_context_len=32 plus its draft and verify slots); allocate req_to_token "
+                "with at least 44 columns, e.g. SpecConfig.req_to_token_width=48",
+                _call, builder, mode, _inputs(device, width=40), **extra)  # fmt: skip
+        _unchanged(builder, before)
+
+
+def test_batch_over_max_bs(device):
+    for where, builder, mode, extra in _all(device):
+        inputs = _inputs(device, batch=5)
+        inputs["seq_lens"] = torch.full((5,), 3, dtype=torch.int32, device=device)
+        if "out_cache_loc" in extra:
+            extra = dict(out_cache_loc=torch.zeros(5 * 6, dtype=torch.int64, device=device))
+        if "tree_mask" in extra:
+            extra = dict(tree_mask=torch.ones(5, 6, 6, dtype=torch.bool, device=device))
+        _raises(ValueError,
+                f"{where}: the batch has 5 requests, over the plan's max_bs=4; build the "
+                "SpecConfig with max_bs >= 5",
+                _call, builder, mode, inputs, **extra)  # fmt: skip
+
+
+def test_seq_lens_and_seq_lens_cpu_must_match_the_batch(device):
+    for where, builder, mode, extra in _all(device):
+        inputs = _inputs(device)
+        short = dict(inputs, seq_lens=inputs["seq_lens"][:2])
+        _raises(ValueError,
+                f"{where}: seq_lens has 2 entries but req_pool_indices has 3; pass one length "
+                "per request",
+                _call, builder, mode, short, **extra)  # fmt: skip
+        _raises(ValueError,
+                f"{where}: seq_lens_cpu has 2 entries but the batch has 3; pass the CPU copy "
+                "of this batch's seq_lens",
+                _call, builder, mode, inputs, seq_lens_cpu=torch.tensor([5, 9]),
+                **extra)  # fmt: skip
+
+
+def test_wrong_dtype_rank_and_type(device):
+    for where, builder, mode, extra in _all(device):
+        inputs = _inputs(device)
+        floats = dict(inputs, seq_lens=inputs["seq_lens"].float())
+        _raises(TypeError,
+                f"{where}: seq_lens has dtype float32; pass it as int32 or int64 "
+                "(e.g. seq_lens.to(torch.int32))",
+                _call, builder, mode, floats, **extra)  # fmt: skip
+        flat = dict(inputs, req_to_token=inputs["req_to_token"].view(-1))
+        _raises(ValueError,
+                f"{where}: req_to_token has shape [192]; it must have 2 dimensions",
+                _call, builder, mode, flat, **extra)  # fmt: skip
+        listed = dict(inputs, req_pool_indices=[1, 2, 3])
+        _raises(TypeError, f"{where}: req_pool_indices must be a torch.Tensor, got list",
+                _call, builder, mode, listed, **extra)  # fmt: skip
+
+
+def test_device_mismatch_names_the_argument_and_where_the_builder_lives():
+    # A builder on the meta device: every input on the CPU is on the wrong device.
+    for where, builder, mode, _ in _all("meta"):
+        extra = dict(_modes(where.split(".")[0], "meta"))[mode]
+        inputs = dict(_inputs("meta"), req_to_token=_inputs("cpu")["req_to_token"])
+        _raises(ValueError,
+                f"{where}: req_to_token is on cpu, but this builder lives on meta; pass "
+                "req_to_token on meta (or construct the builder on cpu)",
+                _call, builder, mode, inputs, **extra)  # fmt: skip
+
+
+def test_tree_mask_is_checked_before_the_first_launch(device):
+    """FA3's verify launches twice; a mask of the wrong shape must stop it before either."""
+    fa3, fi = FA3MetadataBuilder(CFG, device), FlashInferBuilder(CFG, device)
+    inputs = _inputs(device)
+    for where, builder in (("FA3MetadataBuilder", fa3), ("FlashInferBuilder", fi)):
+        for shape in ((B, 5, 5), (B, 6, 6, 1), (2, 6, 6)):
+            mask = torch.ones(shape, dtype=torch.bool, device=device)
+            before = _snapshot(builder)
+            with pytest.raises(ValueError) as info:
+                _call(builder, "target_verify", inputs, tree_mask=mask)
+            want = (f"{where}.target_verify: tree_mask has shape {list(shape)}; it must be "
+                    f"[B, N, N] = [3, 6, 6] (B requests, N = num_draft_tokens = 6)")  # fmt: skip
+            if len(shape) != 3:
+                want = (f"{where}.target_verify: tree_mask has shape {list(shape)}; it must "
+                        "have 3 dimensions")  # fmt: skip
+            assert str(info.value) == want
+            _unchanged(builder, before)
+        _raises(TypeError,
+                f"{where}.target_verify: tree_mask has dtype int64; pass it as bool "
+                "(e.g. tree_mask.to(torch.bool))",
+                _call, builder, "target_verify", inputs,
+                tree_mask=torch.ones(B, 6, 6, dtype=torch.int64, device=device))  # fmt: skip
+    _raises(ValueError,
+            "FA3MetadataBuilder.target_verify: tree_mask is required with topk=2 > 1; pass the "
+            "[B, N, N] bool ancestor mask of the draft tree (N = 6)",
+            _call, fa3, "target_verify", inputs)  # fmt: skip
+
+
+def test_fa3_draft_slots_and_rows(device):
+    fa3 = FA3MetadataBuilder(CFG, device)
+    inputs = _inputs(device)
+    _raises(ValueError,
+            "FA3MetadataBuilder.draft_decode: out_cache_loc is required with topk=2 > 1 (the "
+            "expand pass reads each branch's draft slots); pass the out_cache_loc of "
+            "assign_draft_cache_locs",
+            _call, fa3, "draft_decode", inputs)  # fmt: skip
+    _raises(ValueError,
+            "FA3MetadataBuilder.draft_decode: out_cache_loc has 10 slots, but the batch needs "
+            "B·K·S = 18 (laid out [B, K, S]); pass the out_cache_loc filled by "
+            "assign_draft_cache_locs for this batch",
+            _call, fa3, "draft_decode", inputs,
+            out_cache_loc=torch.zeros(10, dtype=torch.int64, device=device))  # fmt: skip
+
+
+def test_num_rows_and_status(device):
+    slots = torch.zeros(B * 6, dtype=torch.int64, device=device)
+    for name, builder in _builders(device).items():
+        extra = dict(out_cache_loc=slots) if name == "FA3MetadataBuilder" else {}
+        default = 3 if name == "FA3MetadataBuilder" else 2
+        _raises(ValueError,
+                f"{name}.draft_decode: num_rows=4 is outside [0, num_steps=3]; pass at most "
+                f"num_steps rows (the default, {default}, builds every draft forward)",
+                _call, builder, "draft_decode", _inputs(device), num_rows=4,
+                **extra)  # fmt: skip
+        _raises(TypeError, f"{name}.draft_decode: num_rows must be an int, got float",
+                _call, builder, "draft_decode", _inputs(device), num_rows=2.0,
+                **extra)  # fmt: skip
+        _raises(ValueError,
+                f"{name}.draft_extend: status has shape [2]; it must be int32 [1] "
+                "(specmeta.new_status(device))",
+                _call, builder, "draft_extend", _inputs(device),
+                status=torch.zeros(2, dtype=torch.int32, device=device))  # fmt: skip
+
+
+def test_trtllm_hints_and_trees(device):
+    mla = TrtllmMlaBuilder(CFG, device)
+    _raises(ValueError,
+            "TrtllmMlaBuilder.draft_extend: max_seq_len=1500 exceeds the plan's "
+            "max_context_len=32; build the SpecConfig with max_context_len >= 1500",
+            _call, mla, "draft_extend", _inputs(device), max_seq_len=1500)  # fmt: skip
+    _raises(TypeError,
+            "TrtllmMlaBuilder.draft_decode: max_seq_len must be a host int, got Tensor; pass "
+            "int(...) of a value the host already holds, or seq_lens_cpu=",
+            _call, mla, "draft_decode", _inputs(device), max_seq_len=torch.tensor(3))  # fmt: skip
+    _raises(ValueError,
+            "TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree (topk=2) "
+            "cannot be verified with it; verify trees with a custom mask "
+            "(FlashInferBuilder.target_verify) or the FA3 cascade",
+            _call, mla, "target_verify", _inputs(device))  # fmt: skip
+
+
+def test_builders_own_a_status_word_that_a_masked_fault_reaches(device):
+    """One rule: each builder reports into its own word unless the call passes one."""
+    for cls in (FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder):
+        builder = cls(CHAIN, device)
+        inputs = _inputs(device, cfg=CHAIN)
+        inputs["req_pool_indices"][1] = 99  # a row outside req_to_token: ROW_OOB, masked
+        _call(builder, "draft_extend", inputs)
+        assert int(builder.status) == 1, cls.__name__
+        passed = torch.zeros(1, dtype=torch.int32, device=device)
+        builder.status.zero_()
+        _call(builder, "draft_extend", inputs, status=passed)
+        assert (int(passed), int(builder.status)) == (1, 0), cls.__name__
