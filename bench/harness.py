@@ -1,4 +1,4 @@
-"""How benchmarks measure the device (STYLE.md §14).
+"""How benchmarks measure the device (style §14).
 
 Device time is the median over CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so
 launch gaps between Python calls do not count; the ceilings it is compared with — the device's

@@ -283,7 +283,7 @@ class Metadata:
         return {"seq_lens_sum": int(lens.sum()), "plan": {"target_verify": plan}}
 
     def accept(self, inp) -> dict[str, torch.Tensor]:
-        """Move pairs of the accepted nodes (SPEC §2.4)."""
+        """Move pairs of the accepted nodes (design §2.4)."""
         b = self.bufs
         tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
                                 inp["verify_out_cache_loc"],
@@ -300,7 +300,7 @@ class Metadata:
 def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[str, GraphRunner]:
     """The three runners of an iteration over ``meta``'s builds and planned buffers, captured.
 
-    Every static input is registered with its SPEC §4 pad and a probe of its range (run when
+    Every static input is registered with its design §4 pad and a probe of its range (run when
     :mod:`specmeta.probes` are enabled); ``seq_lens`` keeps a CPU mirror for the host scalars
     and FlashInfer's ``plan()`` mirrors of the padded batch.
     """

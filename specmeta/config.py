@@ -1,4 +1,4 @@
-"""SpecConfig and the capacity plan: the only place a buffer size is computed (SPEC §5).
+"""SpecConfig and the capacity plan: the only place a buffer size is computed (design §5).
 
 Every persistent buffer of every kernel, backend and mode is sized here, from one
 :class:`SpecConfig`, and both the eager path and the CUDA-graph path allocate from
@@ -43,7 +43,8 @@ ROW_ALIGN = 16
 
 
 def uses_layout_b(topk: int, page_size: int) -> bool:
-    """Slot layout B (page-aligned branch regions) applies when ``ps > 1`` and ``K > 1`` (SPEC §1)."""
+    """Slot layout B (page-aligned branch regions) applies when ``ps > 1`` and ``K > 1``
+    (design §1)."""
     return page_size > 1 and topk > 1
 
 
@@ -62,23 +63,24 @@ def draft_row_need(prefix_len: int, topk: int, num_steps: int, page_size: int) -
 
 
 def page_table_width(row_width: int, page_size: int) -> int:
-    """Columns of a page table over a whole ``req_to_token`` row: ``ceil(W_row / ps)`` (SPEC §2.3)."""
+    """Columns of a page table over a whole ``req_to_token`` row: ``ceil(W_row / ps)``
+    (design §2.3)."""
     return -(-row_width // page_size)
 
 
 def expand_page_table_width(num_rows: int) -> int:
     """Columns of the FA3 expand page table: a step ``s`` branch spans ``u ≤ s + 1 ≤ rows`` pages
-    (``ceil((lpl + dl) / ps) ≤ dl`` for ``lpl < ps``), so ``rows`` (SPEC §2.3)."""
+    (``ceil((lpl + dl) / ps) ≤ dl`` for ``lpl < ps``), so ``rows`` (design §2.3)."""
     return num_rows
 
 
 def draft_decode_kv_indices_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int) -> int:
-    """Entries of one ``kv_indices`` row for the last step: ``K·ΣL + B·K·rows`` (SPEC §2.2)."""
+    """Entries of one ``kv_indices`` row for the last step: ``K·ΣL + B·K·rows`` (design §2.2)."""
     return topk * seq_lens_sum + batch * topk * num_rows
 
 
 def verify_kv_indices_need(seq_lens_sum: int, batch: int, extra_tokens: int) -> int:
-    """Entries of the ragged lists ``row_b[0 : L_b + extra]``: ``ΣL + B·extra`` (SPEC §3.3).
+    """Entries of the ragged lists ``row_b[0 : L_b + extra]``: ``ΣL + B·extra`` (design §3.3).
     With ``extra = 0`` it is the shared level of the cascade draft decode."""
     return seq_lens_sum + batch * extra_tokens
 
@@ -117,7 +119,7 @@ _TRTLLM_BLOCK_TOKENS = 128
 
 def trtllm_mla_max_blocks(max_seq_len: int, page_size: int) -> int:
     """Columns of TRT-LLM MLA's ``block_kv_indices``: ``ceil(max_seq_len / ps)`` rounded up to a
-    multiple of ``max(1, 128 // ps)`` (SPEC §3.4)."""
+    multiple of ``max(1, 128 // ps)`` (design §3.4)."""
     multiple = max(1, _TRTLLM_BLOCK_TOKENS // page_size)
     blocks = -(-max_seq_len // page_size)
     return max(multiple, -(-blocks // multiple) * multiple)
@@ -125,7 +127,7 @@ def trtllm_mla_max_blocks(max_seq_len: int, page_size: int) -> int:
 
 def kv_pool_table_shape(num_buffers: int) -> tuple[int, int]:
     """``move_kv_cache``'s device pointer table: one ``(base address, row stride, row width,
-    rows)`` int64 row per K/V buffer (SPEC §2.4); sized by the buffers, not by the config."""
+    rows)`` int64 row per K/V buffer (design §2.4); sized by the buffers, not by the config."""
     return (num_buffers, 4)
 
 
@@ -211,7 +213,7 @@ class SpecConfig:
 
     @property
     def layout_b(self) -> bool:
-        """Whether draft slots use page-aligned branch regions (SPEC §1, layout B)."""
+        """Whether draft slots use page-aligned branch regions (design §1, layout B)."""
         return uses_layout_b(self.topk, self.page_size)
 
     @property
@@ -252,12 +254,12 @@ class BufferSpec:
 
 
 def _plan_flashinfer(cfg: SpecConfig, add) -> None:
-    """FlashInfer builders (SPEC §3.3), keys ``flashinfer.<mode>.<field>``; ``*_host`` buffers
+    """FlashInfer builders (design §3.3), keys ``flashinfer.<mode>.<field>``; ``*_host`` buffers
     are CPU mirrors for ``plan()`` (pinned when the builder's device is CUDA)."""
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     total = bs * cfg.max_context_len  # ΣL at full capacity
     i32 = torch.int32
-    # Per-branch token lists: every step row holds K copies of every prefix (SPEC §2.2).
+    # Per-branch token lists: every step row holds K copies of every prefix (design §2.2).
     mode = "flashinfer.draft_decode"
     add(f"{mode}.kv_indices", (s, draft_decode_kv_indices_need(total, bs, k, s)), i32,
         "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step")  # fmt: skip
@@ -291,7 +293,7 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
     add(f"{mode}.kv_last_page_len_host", (s, bs * k), i32, "[S, B*K] CPU mirror")
     # Target verify and draft extend: uniform query stride N, row_b[0 : L_b + N].
     for mode in ("flashinfer.target_verify", "flashinfer.draft_extend"):
-        add(f"{mode}.qo_indptr", (bs + 1,), i32, "[B+1] N·arange (SPEC §3.1)")
+        add(f"{mode}.qo_indptr", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
         add(f"{mode}.qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L + N)]")
         add(f"{mode}.kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
@@ -311,7 +313,7 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
 
 
 def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
-    """TRT-LLM MLA builders (SPEC §3.4), keys ``trtllm_mla.<mode>.<field>``. One block-table
+    """TRT-LLM MLA builders (design §3.4), keys ``trtllm_mla.<mode>.<field>``. One block-table
     width serves every mode: branch rows cover ``L + S`` tokens, verify/extend rows ``L + N``."""
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, n), ps)
@@ -323,7 +325,7 @@ def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
     for mode in ("trtllm_mla.target_verify", "trtllm_mla.draft_extend"):
         add(f"{mode}.block_kv_indices", (bs, maxblk), i32, "[B, maxblk] page ids, -1 beyond use")
         add(f"{mode}.seq_lens_k", (bs,), i32, "[B] L_b + N")
-        add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange (SPEC §3.1)")
+        add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
 
 
 def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
@@ -339,13 +341,13 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
         plan[name] = BufferSpec(tuple(int(x) for x in shape), dtype, doc)
 
     add("status", (1,), torch.int32, "status word (specmeta.Status bits)")
-    # Draft slots (SPEC §1, §2.1).
+    # Draft slots (design §1, §2.1).
     add("draft.out_cache_loc", (bs * k * s,), torch.int64, "[B, K, S] draft KV slots")
     add("draft.positions", (bs * k,), torch.int64, "[B*K] position of each branch's first token")
     tail_pairs = bs * (k - 1) * (ps - 1) if cfg.layout_b else 0
     add("draft.prefix_tail_tgt", (tail_pairs,), torch.int64, "layout-B prefix-tail copy targets")
     add("draft.prefix_tail_src", (tail_pairs,), torch.int64, "layout-B prefix-tail copy sources")
-    # Draft-decode CSR lists for page-size-1 consumers (SPEC §2.2): every step row holds K copies
+    # Draft-decode CSR lists for page-size-1 consumers (design §2.2): every step row holds K copies
     # of every prefix (the topk factor the reference engine's graph path forgot) plus the chains.
     add(
         "draft_decode.kv_indices",
@@ -354,7 +356,7 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
         "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step",
     )
     add("draft_decode.kv_indptr", (s, bs * k + 1), torch.int32, "[S, B*K+1] CSR offsets")
-    # Static inputs of the CUDA-graph runners (SPEC §4): the engine's per-batch tensors, copied
+    # Static inputs of the CUDA-graph runners (design §4): the engine's per-batch tensors, copied
     # into [:B] and padded in [B:Bp] before every replay.
     nd = cfg.num_draft_tokens
     add("runner.req_pool_indices", (bs,), torch.int64, "[B] req_to_token row of each request")
@@ -363,10 +365,10 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     add("runner.tree_mask", (bs, nd, nd), torch.bool, "[B, N, N] draft-tree ancestor mask")
     add("runner.accept_index", (bs, s + 1), torch.int32, "[B, S+1] accepted node ids, -1 after")
     add("runner.accept_lens", (bs,), torch.int32, "[B] accepted nodes per request")
-    # Relocation after verify (SPEC §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.
+    # Relocation after verify (design §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.
     add("verify.tgt_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move targets")
     add("verify.src_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move sources")
-    # FlashAttention-3 metadata (SPEC §2.3, §3.2), one set per mode so the metadata of every mode
+    # FlashAttention-3 metadata (design §2.3, §3.2), one set per mode so the metadata of every mode
     # can live at once (e.g. captured in different graphs); int32, as flash_attn_with_kvcache
     # wants. Cascade ("expand_*") buffers exist only for K > 1.
     i32, n_draft = torch.int32, cfg.num_draft_tokens

@@ -1,8 +1,8 @@
-"""Async probes: device-side NaN / Inf / out-of-range / page-alignment assertions (SPEC §6).
+"""Async probes: device-side NaN / Inf / out-of-range / page-alignment assertions (design §6).
 
 A probe checks an input handed in from outside — token ids against the vocabulary, indices
 against the pool, probabilities for NaN — without a host sync, so it can sit on a build path and
-inside a captured CUDA graph. The kernels' own masks and status word (SPEC §2.5) guard what
+inside a captured CUDA graph. The kernels' own masks and status word (design §2.5) guard what
 specmeta writes; probes guard what it is given.
 
 * **Off by default**, and then a call returns before touching its arguments (well under 1 µs of

@@ -1,4 +1,4 @@
-"""The status word: how kernels report what they had to mask (SPEC §2.5).
+"""The status word: how kernels report what they had to mask (design §2.5).
 
 Every launcher takes an optional ``status`` tensor, ``int32 [1]`` on the launch device. A kernel
 that masked a gather or a store ORs one bit per cause into it; nothing is ever written outside a

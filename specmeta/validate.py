@@ -1,4 +1,4 @@
-"""Host-side argument checks shared by every launcher (STYLE.md §9).
+"""Host-side argument checks shared by every launcher (style §9).
 
 They read shapes, dtypes, strides and devices only — never device values — so they cost no sync.
 Each raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong device, rank, shape or

@@ -1,4 +1,4 @@
-"""The workload vocabulary shared by tests, benchmarks and ``specmeta check`` (STYLE.md §12).
+"""The workload vocabulary shared by tests, benchmarks and ``specmeta check`` (style §12).
 
 A :class:`Batch` is a complete, self-consistent set of inputs: a ``req_to_token`` table whose
 rows map to shuffled, page-aligned, non-contiguous pages of a pool (row 0 and page 0 reserved),

@@ -1,4 +1,4 @@
-"""Guard bands and poisoned outputs (STYLE.md §13).
+"""Guard bands and poisoned outputs (style §13).
 
 An output is carved out of a larger buffer whose margins hold a canary; tests assert the canary
 survives (nothing was written outside the output) and the output is poisoned first (an unwritten
@@ -41,7 +41,7 @@ class Guarded:
 
 
 def assert_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> None:
-    """Exact equality (STYLE.md §10); the message names the first mismatching coordinates."""
+    """Exact equality (style §10); the message names the first mismatching coordinates."""
     if actual.shape != expected.shape:
         raise AssertionError(
             f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"

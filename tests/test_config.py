@@ -1,4 +1,4 @@
-"""SpecConfig validation and the capacity plan (SPEC §5)."""
+"""SpecConfig validation and the capacity plan (design §5)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 runner replays CUDA graphs there, or takes the same path without capture on CPU) and exits 0
 from the command line; the eager metadata each one returns, read by the torch reference
 consumer of its backend, gives the attention of every branch's (draft decode) or tree node's
-(target verify) logical sequence, rebuilt here from SPEC §1 with the library's references."""
+(target verify) logical sequence, rebuilt here from design §1 with the library's references."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_fa3_example_means_what_spec_says(device, gen, seed):
     q = _queries(B * K, gen, k)
     for s, step in enumerate(res.draft):
         assert step.is_cascade, "K > 1: a normal (prefix) and an expand (own chain) pass"
-        assert step.normal.cu_seqlens_q.tolist() == [K * i for i in range(B + 1)]  # SPEC §3.1
+        assert step.normal.cu_seqlens_q.tolist() == [K * i for i in range(B + 1)]  # design §3.1
         want = dense_attention(q, k, v, _branch_lists(batch, s))[0]
         _close(run_cascade(q, k, v, step), want, f"FA3 draft forward {s}")
     q = _queries(B * N, gen, k)
@@ -147,7 +147,7 @@ def test_trtllm_mla_example_means_what_spec_says(device, gen, seed):
     assert len(res.draft.steps) == S - 1
     q = _queries(B * K, gen, k)
     for s, step in enumerate(res.draft.steps):
-        lens = batch.seq_lens_cpu.repeat_interleave(K) + s + 1  # SPEC §3.4: L + s + 1
+        lens = batch.seq_lens_cpu.repeat_interleave(K) + s + 1  # design §3.4: L + s + 1
         assert step.seq_lens_k.cpu().tolist() == lens.tolist()
         want = dense_attention(q, k, v, _branch_lists(batch, s))[0]
         _close(trtllm_mla.decode(q, k, v, step, ps)[0], want, f"TRT-LLM MLA draft forward {s}")
@@ -185,7 +185,7 @@ def test_readme_quickstart_runs(device):
     for step in meta.steps:
         assert_equal(step.kv_indptr_host, step.kv_indptr, "Quickstart kv_indptr_host")
     K, lens = cfg.topk, batch.seq_lens_cpu
-    first = [0] + (lens.repeat_interleave(K) + 1).cumsum(0).tolist()  # SPEC §2.2, forward 0
+    first = [0] + (lens.repeat_interleave(K) + 1).cumsum(0).tolist()  # design §2.2, forward 0
     assert meta.steps[0].kv_indptr_host.tolist() == first
 
 

@@ -1,4 +1,4 @@
-"""Async probes (SPEC §6): CPU tensors raise at once naming the label, a disabled probe does no
+"""Async probes (design §6): CPU tensors raise at once naming the label, a disabled probe does no
 tensor work at all, device probes are sync-free and capturable (GPU tier)."""
 
 from __future__ import annotations

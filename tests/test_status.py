@@ -1,4 +1,4 @@
-"""The status word and check_status (SPEC §2.5)."""
+"""The status word and check_status (design §2.5)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""FlashAttention-3 metadata for draft decode, target verify and draft extend (SPEC §3.2).
+"""FlashAttention-3 metadata for draft decode, target verify and draft extend (design §3.2).
 
 :class:`FA3MetadataBuilder` is constructed once per (config, device): it allocates its
 persistent buffers from :func:`specmeta.plan_buffers` (keys ``"fa3.<mode>.<field>"``) and writes
-the uniform-stride ``cu_seqlens_q`` of every pass once (SPEC §3.1). Each build then launches
+the uniform-stride ``cu_seqlens_q`` of every pass once (design §3.1). Each build then launches
 the sync-free kernels into those buffers — no allocation, no host sync, the same addresses at
 capture and at replay — and returns small frozen dataclasses whose fields are views into them:
 
@@ -71,7 +71,7 @@ class FA3Metadata:
         ``ceil(cache_seqlens / page_size)`` columns are meaningful, the rest are 0 (the sink).
     cu_seqlens_q : torch.Tensor
         ``[B' + 1]`` int32, ``max_seqlen_q · arange(B' + 1)``: uniform stride, the same at
-        capture and replay (SPEC §3.1).
+        capture and replay (design §3.1).
     cu_seqlens_k_new : torch.Tensor
         ``[B' + 1]`` int32, ``[0, cumsum(cache_seqlens)]``, exact.
     max_seqlen_q : int
@@ -250,7 +250,7 @@ class FA3MetadataBuilder:
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
     ) -> tuple[FA3Cascade, ...]:
-        """Metadata of every draft-decode step (SPEC §3.2), one :class:`FA3Cascade` per step.
+        """Metadata of every draft-decode step (design §3.2), one :class:`FA3Cascade` per step.
 
         Parameters
         ----------
@@ -444,7 +444,7 @@ class FA3MetadataBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
     ) -> FA3Metadata:
-        """Metadata of draft extend: ``N`` query rows per request (SPEC §3.1),
+        """Metadata of draft extend: ``N`` query rows per request (design §3.1),
         ``cache_seqlens = L + N``, causal bottom-right, row pages over ``L + N`` tokens.
 
         Parameters are those of :meth:`draft_decode`.

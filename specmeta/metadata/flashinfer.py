@@ -1,4 +1,4 @@
-"""FlashInfer metadata builders (SPEC §3.3): draft decode (per-branch, shared-prefix cascade,
+"""FlashInfer metadata builders (design §3.3): draft decode (per-branch, shared-prefix cascade,
 per-branch pages), target verify with a tree mask, draft extend.
 
 A :class:`FlashInferBuilder` is constructed once from a :class:`~specmeta.SpecConfig` and a
@@ -15,7 +15,7 @@ engine synchronises there every iteration). Without ``seq_lens_cpu`` they are ``
 Which draft-decode form to use:
 
 * :meth:`FlashInferBuilder.draft_decode`: per-branch token lists, planned with page size 1
-  (SPEC §3.3); ``S·K·ΣL`` prefix entries written per iteration.
+  (design §3.3); ``S·K·ΣL`` prefix entries written per iteration.
 * :meth:`FlashInferBuilder.draft_decode_shared_prefix`: a two-level cascade
   (``MultiLevelCascadeAttentionWrapper``): each prefix once (query stride ``K``), each branch's
   chain as a second level; ``ΣL + B·K·S(S+1)/2`` entries.
@@ -128,7 +128,7 @@ class FlashInferPrefill:
     """Target verify or draft extend for ``BatchPrefillWithPagedKVCacheWrapper.plan()``."""
 
     qo_indptr: torch.Tensor
-    """``[B + 1]`` int32, device: ``N·arange`` (uniform stride, SPEC §3.1); exact."""
+    """``[B + 1]`` int32, device: ``N·arange`` (uniform stride, design §3.1); exact."""
     kv_indptr: torch.Tensor
     """``[B + 1]`` int32, device: ``[0, cumsum(L + N)]``; exact."""
     kv_indices: torch.Tensor
@@ -246,7 +246,7 @@ class FlashInferBuilder:
         ):
             buf[key].fill_(1)
             buf[f"{key}_host"].fill_(1)
-        # Uniform query strides, written once for the largest batch (SPEC §3.1).
+        # Uniform query strides, written once for the largest batch (design §3.1).
         self._layouts = {
             "target_verify": UniformQueryLayout.create(
                 n, bs, self.device, out=buf["target_verify.qo_indptr"]
@@ -301,7 +301,7 @@ class FlashInferBuilder:
         status: torch.Tensor | None = None,
         launch: bool = True,
     ) -> FlashInferDraftDecode:
-        """Per-branch token lists of every draft-decode forward (page size 1, SPEC §3.3).
+        """Per-branch token lists of every draft-decode forward (page size 1, design §3.3).
 
         Parameters
         ----------

@@ -1,4 +1,4 @@
-"""The uniform-stride query layout every backend shares (SPEC §3.1).
+"""The uniform-stride query layout every backend shares (design §3.1).
 
 When every request contributes a fixed query width ``Q`` (``K`` for the draft-decode normal
 pass, 1 for the expand pass, ``N`` for target verify and draft extend)::

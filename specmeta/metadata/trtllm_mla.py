@@ -1,4 +1,4 @@
-"""TRT-LLM MLA metadata builders (SPEC §3.4): draft decode (chains and, through per-branch page
+"""TRT-LLM MLA metadata builders (design §3.4): draft decode (chains and, through per-branch page
 tables, trees), target verify and draft extend.
 
 TRT-LLM MLA takes one page row per query sequence (``block_kv_indices [rows, maxblk]``, int32
@@ -70,7 +70,7 @@ class TrtllmMlaPrefill:
     seq_lens_k: torch.Tensor
     """``[B]`` int32, device: ``L_b + N``; exact."""
     cu_seqlens_q: torch.Tensor
-    """``[B + 1]`` int32, device: ``N·arange(B + 1)`` (SPEC §3.1); exact."""
+    """``[B + 1]`` int32, device: ``N·arange(B + 1)`` (design §3.1); exact."""
     max_seq_len_q: int
     """``N``."""
     sum_seq_lens_q: int
@@ -124,7 +124,7 @@ class TrtllmMlaBuilder:
 
     @property
     def max_blocks(self) -> int:
-        """``maxblk``, the block tables' width (TRT-LLM's rule, SPEC §3.4)."""
+        """``maxblk``, the block tables' width (TRT-LLM's rule, design §3.4)."""
         return self.buffers["target_verify.block_kv_indices"].shape[1]
 
     def _check(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,

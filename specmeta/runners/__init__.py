@@ -1,4 +1,4 @@
-"""CUDA-graph runners and padding policies (SPEC §4)."""
+"""CUDA-graph runners and padding policies (design §4)."""
 
 from .graph_runner import GraphRunner, RunResult, StaticInput, StaticOutput
 

@@ -1,4 +1,4 @@
-"""A CUDA-graph runner whose every static input declares its pad value (SPEC §4).
+"""A CUDA-graph runner whose every static input declares its pad value (design §4).
 
 The runner owns a set of persistent input buffers (from :func:`specmeta.plan_buffers`), each
 registered **with its pad value** — there is no way to register one without — and a build
@@ -231,7 +231,7 @@ class GraphRunner:
             A planned buffer (:func:`specmeta.plan_buffers`), ``[≥ max_bucket·per_request, *row]``,
             contiguous, on the runner's device. The runner writes it on every call.
         pad : int, float or bool
-            The value of padded rows (SPEC §4; see :mod:`specmeta.runners.padding`). Keyword
+            The value of padded rows (design §4; see :mod:`specmeta.runners.padding`). Keyword
             only, no default: a buffer without a pad policy cannot be registered.
         per_request : int
             Rows of ``buffer`` per request.

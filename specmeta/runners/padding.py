@@ -1,4 +1,4 @@
-"""Pad values of SPEC §4 and the one op that applies them: copy ``[:B]``, pad ``[B:Bp]``.
+"""Pad values of design §4 and the one op that applies them: copy ``[:B]``, pad ``[B:Bp]``.
 
 A padded request must be a complete, consistent request whose every derived index lands on the
 sink (row 0 of ``req_to_token``, slot 0 / page 0 of the pool):
@@ -57,7 +57,7 @@ TOPK_INDEX = 0
 FLOAT = 0.0
 """Pad of float inputs (probabilities, hidden states)."""
 NO_ACCEPT = -1
-"""``accept_index`` pad: a row of −1, i.e. no accepted node (SPEC §2.4)."""
+"""``accept_index`` pad: a row of −1, i.e. no accepted node (design §2.4)."""
 NOTHING_ACCEPTED = 0
 """``accept_lens`` pad."""
 TREE_MASK = True

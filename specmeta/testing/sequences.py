@@ -23,7 +23,7 @@ def _rows(batch: Batch) -> list[tuple[torch.Tensor, int]]:
 
 def branch_sequences(batch: Batch, out_cache_loc: torch.Tensor, step: int) -> list[torch.Tensor]:
     """Draft-decode forward ``step``: branch ``b·K + t`` reads its prefix ``row_b[0:L_b]``, then
-    its own draft slots ``out_cache_loc[b, t, 0 … step]`` (SPEC §1)."""
+    its own draft slots ``out_cache_loc[b, t, 0 … step]`` (design §1)."""
     K, S = batch.topk, batch.num_steps
     chains = out_cache_loc.cpu().long().view(-1, K, S)
     return [

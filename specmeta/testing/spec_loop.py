@@ -509,7 +509,7 @@ class MetadataStages:
 
     def build_runners(self, buckets: Sequence[int], device: torch.device,
                       graphs: bool | None = None) -> None:  # fmt: skip
-        """One captured :class:`GraphRunner` per stage; every static input with its SPEC §4 pad
+        """One captured :class:`GraphRunner` per stage; every static input with its design §4 pad
         (padded requests read and write only the sinks). ``graphs``: as the runner's (default:
         CUDA graphs on a CUDA device); the references synchronise, so they never capture."""
         graphs = False if self.reference else graphs

@@ -1,5 +1,5 @@
 """branch_page_table against its reference and against what a per-branch row must mean: every
-logical position of a branch lands on the slot that holds its token (SPEC §1)."""
+logical position of a branch lands on the slot that holds its token (design §1)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _run(batch, device, *, width=None, fill=-1, rows=None, with_max=True):
 def expected_branch_slots(batch):
     """``[B][K]`` lists of the slot holding each logical position ``q < L_b + S`` of a branch:
     the prefix's own slot, except the tail ``[base, L)`` of branches ``t ≥ 1``, which lives at
-    the target of its prefix-tail copy pair, then the branch's draft slots (SPEC §1, §2.1)."""
+    the target of its prefix-tail copy pair, then the branch's draft slots (design §1, §2.1)."""
     B, K, S, ps = batch.batch_size, batch.topk, batch.num_steps, batch.page_size
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     slots = assign_draft_cache_locs(*args, topk=K, num_steps=S, page_size=ps).cpu().view(B, K, S)

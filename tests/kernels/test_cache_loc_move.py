@@ -1,4 +1,4 @@
-"""accept_cache_locs and move_kv_cache against their references and SPEC §2.4 read directly."""
+"""accept_cache_locs and move_kv_cache against their references and design §2.4 read directly."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _accept_inputs(B, K, S, N, gen, device, *, idx_dtype=torch.int32, len_dtype=
 
 
 def _accept_spec(accept_index, accept_lens, out_cache_loc, N):
-    """SPEC §2.4 read directly, with loops: valid rows only."""
+    """design §2.4 read directly, with loops: valid rows only."""
     idx, lens, slots = accept_index.cpu().tolist(), accept_lens.cpu().tolist(), out_cache_loc.cpu()
     tgt, src = [], []
     for i, (row, acc) in enumerate(zip(idx, lens, strict=True)):
@@ -86,8 +86,8 @@ def test_accept_matches_reference_and_spec(device, gen, B, k, s, n):
     tgt, src, status = _run_accept(*inputs, n, device)
     assert status == 0
     spec_t, spec_s = _accept_spec(*inputs, n)
-    assert_equal(tgt, spec_t, "tgt vs SPEC")
-    assert_equal(src, spec_s, "src vs SPEC")
+    assert_equal(tgt, spec_t, "tgt vs design")
+    assert_equal(src, spec_s, "src vs design")
 
 
 @pytest.mark.parametrize(
@@ -100,8 +100,8 @@ def test_accept_index_dtypes(device, gen, idx_dtype, len_dtype, slot_dtype, out_
     tgt, src, status = _run_accept(*inputs, 8, device, out_dtype=out_dtype)
     assert status == 0
     spec_t, spec_s = _accept_spec(*inputs, 8)
-    assert_equal(tgt, spec_t, "tgt vs SPEC")
-    assert_equal(src, spec_s, "src vs SPEC")
+    assert_equal(tgt, spec_t, "tgt vs design")
+    assert_equal(src, spec_s, "src vs design")
 
 
 def test_accept_spec_example(device):
@@ -321,7 +321,7 @@ def _overlapping_pairs(P, n, gen, *, oob=False, dtype=torch.int64):
 
 
 def _spec_move(rows_before, tgt, src):
-    """SPEC §2.4 read directly: every in-range pair copies the *old* source row."""
+    """design §2.4 read directly: every in-range pair copies the *old* source row."""
     P = rows_before.shape[0]
     new = rows_before.clone()
     for t, s in zip(tgt.tolist(), src.tolist(), strict=True):
@@ -343,7 +343,7 @@ def _run_move(pools, tgt, src, device, *, addressing, disjoint=False, ordered=Fa
         got = p.rows()
         ref_rows = ref[i].as_strided((ref[i].shape[0], ref[i][0].numel()), (ref[i].stride(0), 1))
         assert_equal(got, ref_rows.view(torch.uint8), f"buffers[{i}] vs reference")
-        assert_equal(got, _spec_move(before[i], tgt, src), f"buffers[{i}] vs SPEC")
+        assert_equal(got, _spec_move(before[i], tgt, src), f"buffers[{i}] vs design")
     assert_equal(status, ref_status, "status")
     return int(status)
 
@@ -469,7 +469,7 @@ def test_move_nothing(device, gen):
 
 @pytest.mark.parametrize("ordered", [False, True])
 def test_move_after_accept(device, gen, ordered):
-    """End to end (SPEC §2.4): after accept_cache_locs + move_kv_cache, the first acc_i slots of
+    """End to end (design §2.4): after accept_cache_locs + move_kv_cache, the first acc_i slots of
     every request's verify window hold the KV its accepted nodes had. The paths list node ids
     in increasing order, so the pairs are ordered; 13 requests span several pair blocks."""
     B, K, S, N = 13, 4, 3, 8

@@ -1,4 +1,4 @@
-"""assign_draft_cache_locs and prefix_tail_copy_pairs against their references and SPEC §1."""
+"""assign_draft_cache_locs and prefix_tail_copy_pairs against their references and design §1."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
 
 
 def _check_layout_semantics(batch, out):
-    """SPEC §1 read directly (not through the reference): slots are distinct, layout A is
+    """design §1 read directly (not through the reference): slots are distinct, layout A is
     contiguous in the row, layout-B branch regions are page aligned and disjoint."""
     B, K, S, ps = batch.batch_size, batch.topk, batch.num_steps, batch.page_size
     out = out.cpu().view(B, K, S)

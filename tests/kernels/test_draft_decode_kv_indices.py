@@ -1,4 +1,4 @@
-"""draft_decode_kv_indices against its reference and against SPEC §2.2 read directly."""
+"""draft_decode_kv_indices against its reference and against design §2.2 read directly."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def _run(batch, device, *, rows=None, width=None, idx_dtype=torch.int32, with_su
 
 
 def _check_against_spec(batch, idx, ptr, rows):
-    """Each branch's list is its prefix then its own chain (SPEC §2.2), with the chain read from
-    assign_draft_cache_locs' slots (SPEC §1)."""
+    """Each branch's list is its prefix then its own chain (design §2.2), with the chain read from
+    assign_draft_cache_locs' slots (design §1)."""
     B, K, S = batch.batch_size, batch.topk, batch.num_steps
     slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
                                     topk=K, num_steps=S, page_size=batch.page_size)  # fmt: skip

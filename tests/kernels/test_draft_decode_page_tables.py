@@ -1,5 +1,5 @@
 """draft_decode_page_tables (both FA3 draft-decode passes in one launch) against its reference,
-against the two separate ops it fuses, and against SPEC §2.3 read directly."""
+against the two separate ops it fuses, and against design §2.3 read directly."""
 
 from __future__ import annotations
 

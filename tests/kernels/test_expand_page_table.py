@@ -1,4 +1,4 @@
-"""expand_page_table against its reference and against SPEC §1 / §2.3 read directly, including
+"""expand_page_table against its reference and against design §1 / §2.3 read directly, including
 the adversarial inputs of seed 001 (a scatter past its rows) and the empty batch."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _run(slots, seq_lens, device, *, k, s, ps, rows=None, width=None, spare_rows
 
 
 def _check_against_spec(batch, slots, pt, cs, cu, rows):
-    """Read SPEC §1 and §2.3 directly: token ``k`` of the expand sequence of branch ``t`` at
+    """Read design §1 and §2.3 directly: token ``k`` of the expand sequence of branch ``t`` at
     step ``s`` lives at slot ``page_table[s, r, k // ps]·ps + k % ps``; the tokens before
     ``lpl`` are the start of the branch's region (layout B) — for ``t = 0`` the prefix's own
     last partial page — and token ``lpl + j`` is draft slot ``j``."""
@@ -197,7 +197,7 @@ def test_bad_arguments_raise_before_launch(device, gen):
 
 @pytest.mark.parametrize("ps,fill", [(4, 1), (16, 6), (64, 5)])
 def test_padded_requests_are_consistent_and_report_nothing(device, gen, ps, fill):
-    """SPEC §4: a padded request (row 0, draft slots 0, seq_lens = a fill value) reads the sink
+    """design §4: a padded request (row 0, draft slots 0, seq_lens = a fill value) reads the sink
     page only and sets no status bit, whatever the fill's residue mod ps."""
     K, S = 4, 3
     batch, slots = _draw("random", gen, device, K, S, ps, batch_size=3)

@@ -1,4 +1,4 @@
-"""prefix_page_table against its reference and against SPEC §2.3 (normal pass) read directly."""
+"""prefix_page_table against its reference and against design §2.3 (normal pass) read directly."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _run(batch, device, *, extra, exclude, rows, fill, width=None, dtype=torch.i
 
 
 def _check_against_spec(batch, pt, cs, cu, *, extra, exclude, rows, fill):
-    """SPEC §2.3: page_table[b, c] = row_b[c·ps] // ps for the pages covering the longest row's
+    """design §2.3: page_table[b, c] = row_b[c·ps] // ps for the pages covering the longest row's
     tokens, ``fill`` beyond; cache_seqlens = len + s; cu_seqlens_k its exclusive prefix sum."""
     ps = batch.page_size
     pt, r2t = pt.cpu().long(), batch.req_to_token.cpu().long()

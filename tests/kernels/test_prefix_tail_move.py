@@ -1,5 +1,5 @@
 """Layout-B prefix-tail copies: prefix_tail_copy_pairs fed to move_kv_cache, checked against
-SPEC §1 read directly: afterwards every branch t ≥ 1's region starts with a copy of the prefix
+design §1 read directly: afterwards every branch t ≥ 1's region starts with a copy of the prefix
 tail, and nothing else in any pool changed."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _row_width(k, s, ps, prefix=48):
 
 
 def _spec_tail_copy(batch, rows_before):
-    """SPEC §1: slot row_b[base + t·nnp·ps + u] receives slot row_b[base + u], t ∈ [1, K),
+    """design §1: slot row_b[base + t·nnp·ps + u] receives slot row_b[base + u], t ∈ [1, K),
     u < lpl_b; every other slot keeps its bytes."""
     K, S, ps = batch.topk, batch.num_steps, batch.page_size
     r2t = batch.req_to_token.cpu().long()
@@ -57,7 +57,7 @@ def _check_tail_move(batch, device, gen, *, disjoint, addressing="auto"):
     assert int(status) == 0
     for i, (p, old) in enumerate(zip(pools, before, strict=True)):
         p.assert_intact(f"buffers[{i}]")
-        assert_equal(p.rows(), _spec_tail_copy(batch, old), f"buffers[{i}] vs SPEC §1")
+        assert_equal(p.rows(), _spec_tail_copy(batch, old), f"buffers[{i}] vs design §1")
         ref_rows = ref[i].reshape(ref[i].shape[0], -1).view(torch.uint8)
         assert_equal(p.rows(), ref_rows, f"buffers[{i}] vs reference")
 
@@ -79,7 +79,7 @@ def test_prefix_tail_over_the_pointer_table(device, gen):
 
 
 def test_every_branch_sees_the_tail_after_the_move(device, gen):
-    """The consumer's view (SPEC §1): reading a branch region page by page, its first lpl slots
+    """The consumer's view (design §1): reading a branch region page by page, its first lpl slots
     equal the prefix's last partial page, for every branch."""
     K, S, ps = 3, 2, 8
     batch = make_batch("modm1", batch_size=4, topk=K, num_steps=S, page_size=ps,
@@ -164,5 +164,5 @@ def test_gpu_prefix_tails_in_a_graph_without_sync(gen):
         graph.replay()
         torch.cuda.synchronize()
         for p, old in zip(pools[:4], before, strict=True):
-            assert_equal(p.view(torch.int16), _spec_tail_copy(batch, old), "pool vs SPEC §1")
+            assert_equal(p.view(torch.int16), _spec_tail_copy(batch, old), "pool vs design §1")
         assert int(bufs["status"]) == 0

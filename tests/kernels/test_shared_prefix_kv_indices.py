@@ -1,5 +1,5 @@
 """shared_prefix_kv_indices against its reference, against the per-branch lists it replaces,
-and against SPEC §1 read directly."""
+and against design §1 read directly."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _run(batch, device, *, rows=None, prefix_width=None, idx_dtype=torch.int32, 
 
 def _check_against_spec(batch, out, rows):
     """Prefix level: row_b[0:L_b] once per request; chain level: branch z's first s+1 draft
-    slots (SPEC §1). Concatenated, branch z's two lists are its per-branch list (SPEC §2.2)."""
+    slots (design §1). Concatenated, branch z's two lists are its per-branch list (design §2.2)."""
     B, K, S = batch.batch_size, batch.topk, batch.num_steps
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     slots = assign_draft_cache_locs(*args, topk=K, num_steps=S, page_size=batch.page_size)

@@ -1,4 +1,4 @@
-"""tree_custom_mask against its reference, SPEC §3.3 read directly, and numpy's packbits."""
+"""tree_custom_mask against its reference, design §3.3 read directly, and numpy's packbits."""
 
 from __future__ import annotations
 

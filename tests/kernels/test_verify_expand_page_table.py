@@ -1,4 +1,4 @@
-"""verify_expand_page_table against its reference and against SPEC §3.2 (verify cascade, expand
+"""verify_expand_page_table against its reference and against design §3.2 (verify cascade, expand
 rows from the tree mask) read directly."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""verify_kv_indices against its reference and against SPEC §3.3 read directly."""
+"""verify_kv_indices against its reference and against design §3.3 read directly."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _run(batch, device, extra, *, width=None, idx_dtype=torch.int32, with_sum=Tr
 
 
 def _check_against_spec(batch, idx, ptr, extra):
-    """kv_indptr = [0, cumsum(L + N)]; request b's list is row_b[0 : L_b + N] (SPEC §3.3)."""
+    """kv_indptr = [0, cumsum(L + N)]; request b's list is row_b[0 : L_b + N] (design §3.3)."""
     idx, ptr, r2t = idx.cpu(), ptr.cpu(), batch.req_to_token.cpu()
     assert int(ptr[0]) == 0
     for b in range(batch.batch_size):

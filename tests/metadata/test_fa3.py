@@ -1,4 +1,4 @@
-"""FA3 metadata builders (SPEC §3.2): the metadata read by a torch model of FA3 gives the same
+"""FA3 metadata builders (design §3.2): the metadata read by a torch model of FA3 gives the same
 attention as dense attention over each branch's or node's logical sequence; plus exact equality
 with the reference builder, the planned buffers, and the edge cases (B = 0, padding, reuse)."""
 
@@ -43,7 +43,7 @@ def _rows(batch):
 
 
 def _draft_slots(batch, k_pool, v_pool):
-    """Draft slots per SPEC §1 and, in layout B, the prefix-tail copies into branches 1…K−1
+    """Draft slots per design §1 and, in layout B, the prefix-tail copies into branches 1…K−1
     (what move_kv_cache does before a page-granular consumer reads a branch)."""
     kw = dict(topk=batch.topk, num_steps=batch.num_steps, page_size=batch.page_size)
     slots = assign_draft_cache_locs(*_args(batch), **kw)
@@ -167,7 +167,7 @@ def test_equals_reference_builder_exactly(device, gen, k, ps):
 
 
 def test_metadata_reads_as_the_spec_says(device, gen):
-    """SPEC §3.2 read directly on one configuration (K = 4, ps = 16, layout B)."""
+    """design §3.2 read directly on one configuration (K = 4, ps = 16, layout B)."""
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, 4, 16, s=3, n=6, shape="modm1")
     slots = _draft_slots(batch, k_pool, v_pool)
     steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu)

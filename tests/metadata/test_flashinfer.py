@@ -1,5 +1,5 @@
 """FlashInfer builders: the metadata, read by a reference consumer the way FlashInfer reads it,
-gives the attention of every branch's or tree node's logical sequence (SPEC §1, §3.3)."""
+gives the attention of every branch's or tree node's logical sequence (design §1, §3.3)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _args(batch):
 
 def branch_sequences(batch, rows):
     """``[s][b·K + t]``: the slots of branch (b, t)'s logical sequence at step s: its prefix
-    ``row_b[0:L_b]``, then its own first ``s + 1`` draft slots (SPEC §1)."""
+    ``row_b[0:L_b]``, then its own first ``s + 1`` draft slots (design §1)."""
     B, K, S = batch.batch_size, batch.topk, batch.num_steps
     slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=batch.page_size)
     slots = slots.cpu().view(B, K, S)
@@ -191,7 +191,7 @@ def test_buffers_come_from_the_plan_and_memory_shrinks(device):
 
 
 def test_padded_batch_rows_stay_consistent(device, gen):
-    """Padded requests (row 0, seq_lens = a fill ≥ N) read only the sink (SPEC §4)."""
+    """Padded requests (row 0, seq_lens = a fill ≥ N) read only the sink (design §4)."""
     cfg, batch, _, _ = _setup(gen, device, 2, 3, 1, "odd", batch_size=5)
     n = cfg.num_draft_tokens
     pad = 3

@@ -1,4 +1,4 @@
-"""The uniform-stride query layout (SPEC §3.1, seed 004)."""
+"""The uniform-stride query layout (design §3.1, seed 004)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TRT-LLM MLA builders: block tables, KV lengths and uniform query rows, read by a reference
 consumer the way TRT-LLM MLA reads them, give the attention of every branch's or token's logical
-sequence (SPEC §1, §3.1, §3.4), trees included through per-branch page tables."""
+sequence (design §1, §3.1, §3.4), trees included through per-branch page tables."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def _check_verify(loop, reqs, v):
 
 
 def _check_prefix_tails(loop, reqs, d):
-    """SPEC §1, layout B: right after the draft run, the hole slots of branches 1 … K−1 hold a
+    """design §1, layout B: right after the draft run, the hole slots of branches 1 … K−1 hold a
     copy of the prefix tail, in every layer's K and V."""
     cfg = loop.cfg
     if not cfg.layout_b:
@@ -187,7 +187,7 @@ def _check_accept(loop, reqs, v, a, lengths_before):
     eager = _cut("accept", cfg, a.eager, B)
     for name, got in a.runner.items():
         assert_equal(got, eager[name], f"accept {name} B={B}")
-    # SPEC §2.4 read directly: accepted pairs compacted in request order, then (0, 0).
+    # design §2.4 read directly: accepted pairs compacted in request order, then (0, 0).
     window = v.window.cpu()
     tgt, src = [], []
     for i, path in enumerate(a.paths):
@@ -209,7 +209,7 @@ def _check_accept(loop, reqs, v, a, lengths_before):
 
 
 def _check_padding(loop, B):
-    """Every static input's tail holds its pad after the run (SPEC §4)."""
+    """Every static input's tail holds its pad after the run (design §4)."""
     for runner in loop.runners.values():
         bp = runner.bucket(B)
         for spec in runner.inputs.values():
@@ -245,7 +245,7 @@ def test_draft_loop_through_runners(device, gen, k, s, n, ps):
 
 
 def test_padded_layout_b_rows_set_no_status_bit(device, gen):
-    """A padded request's slots are all the sink (SPEC §4); no kernel may report them."""
+    """A padded request's slots are all the sink (design §4); no kernel may report them."""
     cfg = _config(2, 3, 4, 4)
     loop = DraftLoop(cfg, LoopShape(), BUCKETS, device, gen, CONSUMERS)
     loop.draft(loop.new_requests(3))  # bucket 4: one padded request

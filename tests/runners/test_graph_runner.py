@@ -1,4 +1,4 @@
-"""The graph runner (SPEC §4): declared padding, bucket choice, poisoned tails, layout checks,
+"""The graph runner (design §4): declared padding, bucket choice, poisoned tails, layout checks,
 probes on inputs, and the copy-pad op. On CPU it runs the same path without capture; on CUDA
 the same tests capture and replay graphs, and the GPU tier adds no-sync and no-recompile."""
 
@@ -111,7 +111,7 @@ def _compare(res, eager, cfg, B, seq_lens_sum):
 
 
 def _check_padded_rows(meta, cfg, B, bp, fill, raw_sum):
-    """SPEC §4 read directly: every padded request is a complete request on the sink."""
+    """design §4 read directly: every padded request is a complete request on the sink."""
     K, S, b = cfg.topk, cfg.num_steps, meta.bufs
     assert b["runner.req_pool_indices"][B:bp].eq(0).all()
     assert b["runner.seq_lens"][B:bp].eq(fill).all()
@@ -345,7 +345,7 @@ def test_copy_pad_matches_reference_and_spares_the_tail(device, gen, dtype, pad,
     copy_pad(src, storage[m : m + npad], pad)
     copy_pad_ref(src, want[m : m + npad], pad)
     assert_equal(storage, want, "copy_pad (guard bands included)")
-    # SPEC §4 read directly: [:n] the raw rows, [n:npad] the pad, the guards untouched.
+    # design §4 read directly: [:n] the raw rows, [n:npad] the pad, the guards untouched.
     assert torch.equal(storage[m : m + n], src)
     assert storage[m + n : m + npad].eq(torch.tensor(pad).to(dtype)).all()
     assert storage[:m].eq(guard).all() and storage[m + npad :].eq(guard).all()

@@ -1,5 +1,5 @@
 """A torch model of what FlashAttention-3's ``flash_attn_with_kvcache`` computes from its
-metadata, used to prove that specmeta's FA3 metadata means what SPEC §3.2 says.
+metadata, used to prove that specmeta's FA3 metadata means what design §3.2 says.
 
 :func:`flash_attn_with_kvcache` takes the keyword names of the real function (so a builder's
 ``meta.kwargs()`` is splatted into it unchanged) and defines the semantics the way FA3 does:
