@@ -397,11 +397,15 @@ def _check_branch_kv_indices(device: torch.device, g: torch.Generator) -> CheckR
 
 def _builder_config(b: Batch, n: int):
     from .config import SpecConfig
+    from .workloads import max_prefix_len
 
-    # Capacity for any batch of this sweep: 16 requests, prefixes up to the row width.
+    # Capacity for any batch of this sweep: 16 requests, and the longest prefix whose draft
+    # region and verify window fit the batch's rows (the builders check that on the host).
+    width = b.req_to_token.shape[1]
+    longest = max_prefix_len(width, b.topk, b.num_steps, b.page_size, n)
     return SpecConfig(topk=b.topk, num_steps=b.num_steps, num_draft_tokens=n,
-                      page_size=b.page_size, max_bs=16,
-                      max_context_len=b.req_to_token.shape[1])  # fmt: skip
+                      page_size=b.page_size, max_bs=16, max_context_len=longest,
+                      req_to_token_width=width)  # fmt: skip
 
 
 @register("flashinfer_builder")

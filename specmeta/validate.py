@@ -31,15 +31,26 @@ def tensor(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
+        first = str(dtypes[0]).replace("torch.", "")
         raise TypeError(
-            f"{name} must be {_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}"
+            f"{name} must be {_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}; "
+            f"convert it with {name}.to(torch.{first})"
         )
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have rank {ndim}, got shape {tuple(t.shape)}; see the launcher's "
+            "docstring for its shape"
+        )
     if device is not None and not same_device(t.device, device):
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
+        raise ValueError(
+            f"{name} must be on {device}, got {t.device}; pass every tensor of this call on "
+            "one device"
+        )
     if contiguous_last and t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got {t.stride()}")
+        raise ValueError(
+            f"{name} must have unit stride in its last dimension, got {t.stride()}; pass "
+            f"{name}.contiguous()"
+        )
     return t
 
 
@@ -69,13 +80,19 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
 def length(name: str, t: torch.Tensor, expected: int) -> None:
     """Check that a rank-1 ``t`` has exactly ``expected`` elements."""
     if t.shape[0] != expected:
-        raise ValueError(f"{name} must have {expected} elements, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have {expected} elements, got shape {tuple(t.shape)}; its length "
+            "must match the other inputs of this call"
+        )
 
 
 def at_least(name: str, have: int, need: int, what: str = "elements") -> None:
     """Capacity check before launch: ``need`` must not exceed ``have``."""
     if need > have:
-        raise ValueError(f"{name} is too small: need {need} {what}, have {have}")
+        raise ValueError(
+            f"{name} is too small: need {need} {what}, have {have}; allocate it from "
+            "specmeta.plan_buffers(cfg) with a config that covers this batch"
+        )
 
 
 def positive(name: str, value: object, minimum: int = 1) -> int:

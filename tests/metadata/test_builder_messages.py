@@ -266,3 +266,37 @@ def test_builders_own_a_status_word_that_a_masked_fault_reaches(device):
         builder.status.zero_()
         _call(builder, "draft_extend", inputs, status=passed)
         assert (int(passed), int(builder.status)) == (1, 0), cls.__name__
+
+
+def test_free_launchers_say_the_argument_the_value_and_the_fix(device):
+    """The launchers' own checks (specmeta.validate), seen through public launchers."""
+    from specmeta import accept_cache_locs, assign_draft_cache_locs
+
+    rpi = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    table = torch.zeros(3, 48, dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    kw = dict(topk=2, num_steps=3, page_size=4)
+    _raises(TypeError,
+            "seq_lens must be int32 or int64, got float32; convert it with "
+            "seq_lens.to(torch.int32)",
+            assign_draft_cache_locs, rpi, table, lens.float(), **kw)  # fmt: skip
+    _raises(ValueError,
+            "seq_lens must have 2 elements, got shape (3,); its length must match the other "
+            "inputs of this call",
+            assign_draft_cache_locs, rpi, table, torch.cat([lens, lens[:1]]), **kw)  # fmt: skip
+    _raises(ValueError,
+            "out_cache_loc is too small: need 12 elements, have 5; allocate it from "
+            "specmeta.plan_buffers(cfg) with a config that covers this batch",
+            assign_draft_cache_locs, rpi, table, lens,
+            out_cache_loc=torch.zeros(5, dtype=torch.int64, device=device), **kw)  # fmt: skip
+    _raises(ValueError,
+            "req_to_token must have unit stride in its last dimension, got (1, 3); pass "
+            "req_to_token.contiguous()",
+            assign_draft_cache_locs, rpi, table.t().contiguous().t()[:, :3], lens,
+            **kw)  # fmt: skip
+    index = torch.tensor([[0, -1, -1, -1]], dtype=torch.int32, device=device)
+    _raises(ValueError,
+            "accept_index must have rank 2, got shape (4,); see the launcher's docstring for "
+            "its shape",
+            accept_cache_locs, index[0], torch.ones(1, dtype=torch.int32, device=device),
+            torch.zeros(6, dtype=torch.int64, device=device), num_draft_tokens=6)  # fmt: skip
