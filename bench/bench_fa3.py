@@ -100,9 +100,9 @@ def bench_fa3_draft_decode_build(benchmark, bs, k, ps):
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens, slots)
 
     def run():
-        return fa3.draft_decode(*args, status=status)
+        return fa3.draft_decode(*args, num_rows=S, status=status)
 
-    steps, want = run(), ref.draft_decode(*args)  # correctness first
+    steps, want = run(), ref.draft_decode(*args, num_rows=S)  # correctness first
     for got_step, want_step in zip(steps, want, strict=True):
         for part in ("normal", "expand"):
             got_m, want_m = getattr(got_step, part), getattr(want_step, part)
@@ -118,7 +118,7 @@ def bench_fa3_draft_decode_build(benchmark, bs, k, ps):
     written = 4 * sum(t.numel() for t in tables)
     pages_read = sum(-(-int(x) // ps) for x in batch.seq_lens_cpu)
     read = 4 * pages_read + slots.element_size() * slots.numel() + 16 * bs
-    ref_us = _eager_us(lambda: ref.draft_decode(*args), reps=5)
+    ref_us = _eager_us(lambda: ref.draft_decode(*args, num_rows=S), reps=5)
     record(benchmark, device_us=device_us, bytes_moved=written + read, bs=bs, topk=k,
            page_size=ps, steps=S, ctx=CTX, launches=1, ref_eager_us=round(ref_us, 1),
            meets_3us_target=(device_us <= TARGET_US) if bs * k <= 512 else None)  # fmt: skip

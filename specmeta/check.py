@@ -636,7 +636,8 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
         results = []
         for fa3 in builders[key]:
             passes = []
-            steps = fa3.draft_decode(*_args(b), slots, seq_lens_cpu=b.seq_lens_cpu, status=status)
+            steps = fa3.draft_decode(*_args(b), slots, seq_lens_cpu=b.seq_lens_cpu, num_rows=S,
+                                     status=status)  # fmt: skip
             for step in steps:
                 passes += [
                     ("draft_decode normal", step.normal),

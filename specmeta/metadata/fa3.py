@@ -25,11 +25,11 @@ builder's buffers: the next build of the same mode overwrites them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.draft_decode_page_tables import (
     draft_decode_page_tables,
@@ -40,10 +40,11 @@ from ..kernels.verify_expand_page_table import (
     verify_expand_page_table,
     verify_expand_page_table_ref,
 )
-from .inputs import BuildInputs, check_build_inputs, check_num_rows
+from .contract import Capabilities, DraftSteps, MetadataBuilder
+from .inputs import BuildInputs
 from .layout import UniformQueryLayout
 
-__all__ = ["FA3Metadata", "FA3Cascade", "FA3MetadataBuilder"]
+__all__ = ["FA3Metadata", "FA3Cascade", "FA3DraftDecode", "FA3MetadataBuilder"]
 
 _PREFIX = "fa3."
 _KEYWORDS = (
@@ -146,7 +147,15 @@ class FA3Cascade:
         return self.expand is not None
 
 
-class FA3MetadataBuilder:
+@dataclasses.dataclass(frozen=True)
+class FA3DraftDecode(DraftSteps):
+    """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]`` (the
+    result is also the sequence of its steps)."""
+
+    steps: tuple[FA3Cascade, ...]
+
+
+class FA3MetadataBuilder(MetadataBuilder):
     """Builds FA3 metadata into persistent buffers planned for ``cfg``.
 
     Parameters
@@ -155,6 +164,9 @@ class FA3MetadataBuilder:
         ``K``, ``S``, ``N``, ``ps``, ``max_bs``, ``W_row``: fixes every buffer's shape.
     device : torch.device or str
         Where the buffers live; the inputs of every build must be there too.
+    modes : iterable of str, optional
+        The modes served (``draft_decode``, ``target_verify``, ``draft_extend``; default all):
+        only their buffers are allocated.
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
@@ -162,8 +174,8 @@ class FA3MetadataBuilder:
     Attributes
     ----------
     buffers : dict[str, torch.Tensor]
-        The ``"fa3.*"`` buffers of ``plan_buffers(cfg)``, allocated zero-filled, keyed without
-        the ``fa3.`` prefix (``"draft_decode.page_table"``), as in every builder.
+        The ``"fa3.*"`` buffers of the served modes, allocated zero-filled, keyed without the
+        ``fa3.`` prefix (``"draft_decode.page_table"``), as in every builder.
     status : torch.Tensor
         ``int32 [1]``: the status word every method reports into unless given another (read it
         with :func:`specmeta.check_status`, which syncs).
@@ -175,45 +187,47 @@ class FA3MetadataBuilder:
     >>> o, lse = flash_attn_with_kvcache(q, k, v, **steps[0].normal.kwargs())
     """
 
-    def __init__(self, cfg: SpecConfig, device: torch.device | str, *, reference: bool = False):
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
-        self.device = validate.canonical_device(device)
+    plan_prefix = _PREFIX
+    capabilities = Capabilities(
+        modes=("draft_decode", "target_verify", "draft_extend"),
+        tree_draft=True,
+        tree_verify=True,
+        page_sizes="any",
+        graph_safe=frozenset({"draft_decode", "target_verify", "draft_extend"}),
+    )
+
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        device: torch.device | str,
+        *,
+        modes: Iterable[str] | None = None,
+        reference: bool = False,
+    ):
+        super().__init__(cfg, device, modes=modes, reference=reference)
         plan = plan_buffers(cfg)
         self.buffers = {
-            name[len(_PREFIX) :]: spec.allocate(self.device)
-            for name, spec in plan.items()
-            if name.startswith(_PREFIX)
+            key[len(_PREFIX) :]: plan[key].allocate(self.device)
+            for key in self.plan_keys(cfg, self.modes)
         }
-        self.status = plan["status"].allocate(self.device)
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
         self._draft_tables = draft_decode_page_tables_ref if reference else draft_decode_page_tables
         self._verify_expand = (
             verify_expand_page_table_ref if reference else verify_expand_page_table
         )
         k, n, bs = cfg.topk, cfg.num_draft_tokens, cfg.max_bs
-
-        def layout(width: int, rows: int, key: str) -> UniformQueryLayout:
-            return UniformQueryLayout.create(width, rows, self.device, out=self.buffers[key])
-
-        self._q_draft = layout(k, bs, "draft_decode.cu_seqlens_q")
-        self._q_verify = layout(n, bs, "target_verify.cu_seqlens_q")
-        self._q_extend = layout(n, bs, "draft_extend.cu_seqlens_q")
-        if k > 1:
-            self._q_draft_expand = layout(1, bs * k, "draft_decode.expand_cu_seqlens_q")
-            self._q_verify_expand = layout(1, bs * n, "target_verify.expand_cu_seqlens_q")
-
-    # ----------------------------------------------------------------------------------------
-    def _check(self, mode: str, *args, **kwargs) -> BuildInputs:
-        """Every host check of one build (:func:`~specmeta.metadata.inputs.check_build_inputs`),
-        before its first launch."""
-        return check_build_inputs(
-            f"FA3MetadataBuilder.{mode}", self.cfg, self.device, *args, **kwargs
-        )
-
-    def _status(self, status: torch.Tensor | None) -> torch.Tensor:
-        return self.status if status is None else status
+        self._q: dict[str, UniformQueryLayout] = {}
+        widths = {"draft_decode": (k, 1, k), "target_verify": (n, 1, n), "draft_extend": (n,)}
+        for mode in self.modes:
+            # The normal pass: Q rows a request; K > 1 also the expand pass: one row a sequence.
+            self._q[mode] = UniformQueryLayout.create(
+                widths[mode][0], bs, self.device, out=self.buffers[f"{mode}.cu_seqlens_q"]
+            )
+            if k > 1 and len(widths[mode]) == 3:
+                self._q[f"{mode}.expand"] = UniformQueryLayout.create(
+                    1, bs * widths[mode][2], self.device,
+                    out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
+                )  # fmt: skip
 
     def _max_len(self, inputs: BuildInputs, whole_pages: bool = False) -> int:
         """``max L`` (or ``max L − lpl``) from the CPU mirror, else the planned bound."""
@@ -249,7 +263,8 @@ class FA3MetadataBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
-    ) -> tuple[FA3Cascade, ...]:
+        launch: bool = True,
+    ) -> FA3DraftDecode:
         """Metadata of every draft-decode step (design §3.2), one :class:`FA3Cascade` per step.
 
         Parameters
@@ -264,44 +279,47 @@ class FA3MetadataBuilder:
         seq_lens_cpu : torch.Tensor, optional
             ``[B]`` CPU mirror of ``seq_lens``: makes ``max_seqlen_k`` exact.
         num_rows : int, optional
-            Steps to build, ``0 ≤ rows ≤ S`` (default ``S``; the engine runs ``S − 1``
-            forwards).
+            Steps to build, ``0 ≤ rows ≤ S``; default ``S − 1``, the draft forwards.
         status : torch.Tensor, optional
             ``int32 [1]`` status word of every launch; default :attr:`status`.
+        launch : bool
+            ``False``: launch nothing (the kernels run inside a captured graph); the host
+            scalars (``max_seqlen_k``) still follow ``seq_lens_cpu``.
 
         Returns
         -------
-        tuple of FA3Cascade
-            Step ``s``: ``K == 1`` → ``normal`` only, ``cache_seqlens = L + s + 1``,
+        FA3DraftDecode
+            ``steps[s]``, an :class:`FA3Cascade`: ``K == 1`` → ``normal`` only, ``cache_seqlens = L + s + 1``,
             ``max_seqlen_q = 1``; ``K > 1`` → ``normal`` (stride ``K``, non-causal,
             ``cache_seqlens = L`` or ``L − lpl`` in layout B; the same object every step) and
             ``expand`` (stride 1, ``cache_seqlens = lpl + s + 1``).
         """
         cfg = self.cfg
         K, S, ps = cfg.topk, cfg.num_steps, cfg.page_size
-        where = "FA3MetadataBuilder.draft_decode"
-        rows = check_num_rows(where, num_rows, S, default=S)
+        where = self.require("draft_decode")
+        rows = self.draft_rows("draft_decode", num_rows)
         if K > 1 and out_cache_loc is None:
             raise ValueError(
                 f"{where}: out_cache_loc is required with topk={K} > 1 (the expand pass reads "
                 "each branch's draft slots); pass the out_cache_loc of assign_draft_cache_locs"
             )
-        inputs = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
-                             seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc,
-                             status=status)  # fmt: skip
-        B, status = inputs.batch, self._status(status)
+        inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                            seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc,
+                            status=status)  # fmt: skip
+        B, status = inputs.batch, self.status_word(status)
         if rows == 0:
-            return ()
+            return FA3DraftDecode(())
         args = (req_pool_indices, req_to_token, seq_lens)
         pt, cs, cu = self._tables("draft_decode")
-        cu_q = self._q_draft.cu_seqlens_q(B)
+        cu_q = self._q["draft_decode"].cu_seqlens_q(B)
         if K == 1:
             # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
-            self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows, page_table=pt[:B],
-                         cache_seqlens=cs[:rows, :B], cu_seqlens_k=cu[:rows, : B + 1],
-                         status=status)  # fmt: skip
+            if launch:
+                self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows,
+                             page_table=pt[:B], cache_seqlens=cs[:rows, :B],
+                             cu_seqlens_k=cu[:rows, : B + 1], status=status)  # fmt: skip
             top = self._max_len(inputs)
-            return tuple(
+            return FA3DraftDecode(tuple(
                 FA3Cascade(
                     normal=FA3Metadata(
                         cache_seqlens=cs[s, :B],
@@ -317,17 +335,20 @@ class FA3MetadataBuilder:
                     expand=None,
                 )
                 for s in range(rows)
-            )
+            ))
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
         BK = B * K
         ept, ecs, ecu = self._tables("draft_decode", "expand_")
-        self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
-                           exclude_last_partial=cfg.layout_b, num_rows=rows, page_table=pt[:B],
-                           cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1],
-                           expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
-                           expand_cu_seqlens_k=ecu[:rows, : BK + 1], status=status)  # fmt: skip
+        if launch:
+            self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
+                               exclude_last_partial=cfg.layout_b, num_rows=rows,
+                               page_table=pt[:B], cache_seqlens=cs[0, :B],
+                               cu_seqlens_k=cu[0, : B + 1], expand_page_table=ept[:rows, :BK],
+                               expand_cache_seqlens=ecs[:rows, :BK],
+                               expand_cu_seqlens_k=ecu[:rows, : BK + 1],
+                               status=status)  # fmt: skip
         normal = FA3Metadata(
             cache_seqlens=cs[0, :B],
             page_table=pt[:B],
@@ -339,9 +360,9 @@ class FA3MetadataBuilder:
             page_size=ps,
             max_seqlen_k=self._max_len(inputs, whole_pages=cfg.layout_b),
         )
-        cu_e = self._q_draft_expand.cu_seqlens_q(BK)
+        cu_e = self._q["draft_decode.expand"].cu_seqlens_q(BK)
         lpl_max = self._max_lpl(inputs)
-        return tuple(
+        return FA3DraftDecode(tuple(
             FA3Cascade(
                 normal=normal,
                 expand=FA3Metadata(
@@ -357,7 +378,7 @@ class FA3MetadataBuilder:
                 ),
             )
             for s in range(rows)
-        )
+        ))
 
     def target_verify(
         self,
@@ -368,6 +389,7 @@ class FA3MetadataBuilder:
         *,
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FA3Cascade:
         """Metadata of target verify over the ``N``-token window ``row_i[L_i : L_i + N]``.
 
@@ -377,8 +399,8 @@ class FA3MetadataBuilder:
             As in :meth:`draft_decode`.
         tree_mask : torch.Tensor, optional
             ``[B, N, N]`` bool ancestor mask; required when ``K > 1`` (not read when ``K == 1``:
-            the chain is the causal mask).
-        seq_lens_cpu, status
+            the chain is the causal mask; not needed with ``launch=False``).
+        seq_lens_cpu, status, launch
             As in :meth:`draft_decode`.
 
         Returns
@@ -391,24 +413,27 @@ class FA3MetadataBuilder:
         """
         cfg = self.cfg
         K, N, ps = cfg.topk, cfg.num_draft_tokens, cfg.page_size
-        if K > 1 and tree_mask is None:
+        where = self.require("target_verify")
+        if K > 1 and tree_mask is None and launch:
             raise ValueError(
-                f"FA3MetadataBuilder.target_verify: tree_mask is required with topk={K} > 1; "
+                f"{where}: tree_mask is required with topk={K} > 1; "
                 f"pass the [B, N, N] bool ancestor mask of the draft tree (N = {N})"
             )
-        inputs = self._check("target_verify", req_pool_indices, req_to_token, seq_lens,
-                             seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
-                             status=status)  # fmt: skip
-        B, status = inputs.batch, self._status(status)
+        inputs = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
+                            seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
+                            status=status)  # fmt: skip
+        B, status = inputs.batch, self.status_word(status)
         args = (req_pool_indices, req_to_token, seq_lens)
         pt, cs, cu = self._tables("target_verify")
         extra = N if K == 1 else 0
-        self._prefix(*args, page_size=ps, extra_tokens=extra, page_table=pt[:B],
-                     cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1], status=status)  # fmt: skip
+        if launch:
+            self._prefix(*args, page_size=ps, extra_tokens=extra, page_table=pt[:B],
+                         cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
+                         status=status)  # fmt: skip
         normal = FA3Metadata(
             cache_seqlens=cs[:B],
             page_table=pt[:B],
-            cu_seqlens_q=self._q_verify.cu_seqlens_q(B),
+            cu_seqlens_q=self._q["target_verify"].cu_seqlens_q(B),
             cu_seqlens_k_new=cu[: B + 1],
             max_seqlen_q=N,
             causal=K == 1,
@@ -420,12 +445,13 @@ class FA3MetadataBuilder:
             return FA3Cascade(normal=normal, expand=None)
         BN = B * N
         ept, ecs, ecu = self._tables("target_verify", "expand_")
-        self._verify_expand(*args, tree_mask, page_table=ept[:BN], cache_seqlens=ecs[:BN],
-                            cu_seqlens_k=ecu[: BN + 1], status=status)  # fmt: skip
+        if launch:
+            self._verify_expand(*args, tree_mask, page_table=ept[:BN], cache_seqlens=ecs[:BN],
+                                cu_seqlens_k=ecu[: BN + 1], status=status)  # fmt: skip
         expand = FA3Metadata(
             cache_seqlens=ecs[:BN],
             page_table=ept[:BN],
-            cu_seqlens_q=self._q_verify_expand.cu_seqlens_q(BN),
+            cu_seqlens_q=self._q["target_verify.expand"].cu_seqlens_q(BN),
             cu_seqlens_k_new=ecu[: BN + 1],
             max_seqlen_q=1,
             causal=False,
@@ -443,6 +469,7 @@ class FA3MetadataBuilder:
         *,
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> FA3Metadata:
         """Metadata of draft extend: ``N`` query rows per request (design §3.1),
         ``cache_seqlens = L + N``, causal bottom-right, row pages over ``L + N`` tokens.
@@ -450,17 +477,18 @@ class FA3MetadataBuilder:
         Parameters are those of :meth:`draft_decode`.
         """
         N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
-        inputs = self._check("draft_extend", req_pool_indices, req_to_token, seq_lens,
-                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, status = inputs.batch, self._status(status)
+        inputs = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens,
+                            seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
+        B, status = inputs.batch, self.status_word(status)
         pt, cs, cu = self._tables("draft_extend")
-        self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
-                     page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
-                     status=status)  # fmt: skip
+        if launch:
+            self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
+                         page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
+                         status=status)  # fmt: skip
         return FA3Metadata(
             cache_seqlens=cs[:B],
             page_table=pt[:B],
-            cu_seqlens_q=self._q_extend.cu_seqlens_q(B),
+            cu_seqlens_q=self._q["draft_extend"].cu_seqlens_q(B),
             cu_seqlens_k_new=cu[: B + 1],
             max_seqlen_q=N,
             causal=True,

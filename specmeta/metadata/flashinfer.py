@@ -26,10 +26,10 @@ Which draft-decode form to use:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
 from ..kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
@@ -39,8 +39,8 @@ from ..kernels.shared_prefix_kv_indices import (
 )
 from ..kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .host_mirrors import HostMirrorRing
-from .inputs import BuildInputs, check_build_inputs, check_num_rows
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -53,8 +53,8 @@ __all__ = [
 ]
 
 _PREFIX = "flashinfer."
-# Host mirrors that change with the batch; they come from a ring (see host_mirrors). The other
-# ``*_host`` buffers hold values fixed at construction (strides, ones), written once.
+# Host mirrors that change with the batch, by plan group; they come from a ring (see
+# host_mirrors). The other ``*_host`` buffers hold values fixed at construction (strides, ones).
 _PER_BATCH_MIRRORS = {
     "draft_decode": ("kv_indptr_host",),
     "draft_decode_shared": ("prefix_kv_indptr_host",),
@@ -84,7 +84,7 @@ class FlashInferDecodeStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashInferDraftDecode:
+class FlashInferDraftDecode(DraftSteps):
     """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
 
     steps: tuple[FlashInferDecodeStep, ...]
@@ -117,7 +117,7 @@ class FlashInferCascadeStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashInferCascadeDecode:
+class FlashInferCascadeDecode(DraftSteps):
     """Every cascade draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
 
     steps: tuple[FlashInferCascadeStep, ...]
@@ -160,7 +160,7 @@ class FlashInferPrefill:
     page_size: int = 1
 
 
-class FlashInferBuilder:
+class FlashInferBuilder(MetadataBuilder):
     """FlashInfer metadata for one :class:`~specmeta.SpecConfig`, in planned buffers.
 
     Parameters
@@ -170,6 +170,11 @@ class FlashInferBuilder:
     device : torch.device or str
         Where the metadata lives. ``*_host`` mirrors live on the CPU, pinned when ``device``
         is CUDA.
+    modes : iterable of str, optional
+        The modes served (``draft_decode``, ``draft_decode_shared_prefix``,
+        ``draft_decode_paged``, ``target_verify``, ``draft_extend``; default all): only their
+        buffers are allocated. The three draft forms differ most in memory: at ``max_bs`` 256,
+        ``K`` 8, a 32k context, ``draft_decode`` alone plans 1.3 GB of ``kv_indices``.
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
@@ -183,7 +188,7 @@ class FlashInferBuilder:
     Attributes
     ----------
     buffers : dict of str to torch.Tensor
-        Every ``flashinfer.*`` buffer of the plan, keyed without the prefix, except the
+        The ``flashinfer.*`` buffers of the served modes, keyed without the prefix, except the
         per-batch host mirrors, which live in the ring.
     status : torch.Tensor
         ``int32 [1]``: the status word every method reports into unless given another
@@ -196,27 +201,39 @@ class FlashInferBuilder:
     >>> wrapper.plan(meta.steps[0].kv_indptr_host, meta.steps[0].kv_indices, ...)  # no sync
     """
 
+    plan_prefix = _PREFIX
+    capabilities = Capabilities(
+        modes=("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged",
+               "target_verify", "draft_extend"),
+        tree_draft=True,
+        tree_verify=True,
+        page_sizes="any",
+        graph_safe=frozenset({"draft_decode", "draft_decode_shared_prefix",
+                              "draft_decode_paged", "target_verify", "draft_extend"}),
+    )  # fmt: skip
+    plan_groups = {"draft_decode_shared_prefix": "draft_decode_shared"}
+
     def __init__(
         self,
         cfg: SpecConfig,
         device: torch.device | str,
         *,
+        modes: Iterable[str] | None = None,
         reference: bool = False,
         mirror_depth: int = 2,
     ):
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
-        self.device = validate.canonical_device(device)
+        super().__init__(cfg, device, modes=modes, reference=reference)
         plan = plan_buffers(cfg)
         pin = self.device.type == "cuda"
+        groups = {self.plan_groups.get(m, m) for m in self.modes}
         ring_names = {
-            f"{_PREFIX}{m}.{f}" for m, fields in _PER_BATCH_MIRRORS.items() for f in fields
+            f"{_PREFIX}{g}.{f}" for g, fields in _PER_BATCH_MIRRORS.items() for f in fields
         }
         self.buffers: dict[str, torch.Tensor] = {}
-        for name, spec in plan.items():
-            if not name.startswith(_PREFIX) or name in ring_names:
+        for name in self.plan_keys(cfg, self.modes):
+            if name in ring_names:
                 continue
+            spec = plan[name]
             if name.endswith("_host"):
                 buf = spec.allocate("cpu")
                 buf = buf.pin_memory() if pin else buf
@@ -224,12 +241,12 @@ class FlashInferBuilder:
                 buf = spec.allocate(self.device)
             self.buffers[name[len(_PREFIX) :]] = buf
         self._mirrors = {
-            mode: HostMirrorRing(
-                {f: plan[f"{_PREFIX}{mode}.{f}"] for f in fields}, mirror_depth, self.device
+            group: HostMirrorRing(
+                {f: plan[f"{_PREFIX}{group}.{f}"] for f in fields}, mirror_depth, self.device
             )
-            for mode, fields in _PER_BATCH_MIRRORS.items()
+            for group, fields in _PER_BATCH_MIRRORS.items()
+            if group in groups
         }
-        self.status = plan["status"].allocate(self.device)
         pick = (lambda kernel, ref: ref) if reference else (lambda kernel, ref: kernel)
         self._draft_kv = pick(draft_decode_kv_indices, draft_decode_kv_indices_ref)
         self._shared_kv = pick(shared_prefix_kv_indices, shared_prefix_kv_indices_ref)
@@ -238,56 +255,29 @@ class FlashInferBuilder:
         self._tree_mask = pick(tree_custom_mask, tree_custom_mask_ref)
         k, s, n, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.max_bs
         buf = self.buffers
-        for key in (
-            "draft_decode.kv_last_page_len",
-            "draft_decode_shared.kv_last_page_len",
-            "target_verify.kv_last_page_len",
-            "draft_extend.kv_last_page_len",
+        for group in ("draft_decode", "draft_decode_shared", "target_verify", "draft_extend"):
+            if group in groups:  # page size 1: every last page holds one token
+                buf[f"{group}.kv_last_page_len"].fill_(1)
+                buf[f"{group}.kv_last_page_len_host"].fill_(1)
+        # Uniform query strides, written once for the largest batch (design §3.1), and their
+        # host mirrors, written on the host by the same helper (no device-to-host copy).
+        self._layouts = {}
+        for name, group, key, width, rows in (
+            ("target_verify", "target_verify", "target_verify.qo_indptr", n, bs),
+            ("draft_extend", "draft_extend", "draft_extend.qo_indptr", n, bs),
+            ("prefix", "draft_decode_shared", "draft_decode_shared.prefix_qo_indptr", k, bs),
+            ("chain", "draft_decode_shared", "draft_decode_shared.chain_qo_indptr", 1, bs * k),
         ):
-            buf[key].fill_(1)
-            buf[f"{key}_host"].fill_(1)
-        # Uniform query strides, written once for the largest batch (design §3.1).
-        self._layouts = {
-            "target_verify": UniformQueryLayout.create(
-                n, bs, self.device, out=buf["target_verify.qo_indptr"]
-            ),
-            "draft_extend": UniformQueryLayout.create(
-                n, bs, self.device, out=buf["draft_extend.qo_indptr"]
-            ),
-            "prefix": UniformQueryLayout.create(
-                k, bs, self.device, out=buf["draft_decode_shared.prefix_qo_indptr"]
-            ),
-            "chain": UniformQueryLayout.create(
-                1, bs * k, self.device, out=buf["draft_decode_shared.chain_qo_indptr"]
-            ),
-        }
-        # Their host mirrors, written on the host by the same helper (no device-to-host copy).
-        for key, width, rows in (
-            ("target_verify.qo_indptr_host", n, bs),
-            ("draft_extend.qo_indptr_host", n, bs),
-            ("draft_decode_shared.prefix_qo_indptr_host", k, bs),
-            ("draft_decode_shared.chain_qo_indptr_host", 1, bs * k),
-        ):
-            UniformQueryLayout.create(width, rows, "cpu", out=buf[key])
-        # The chain level's offsets do not depend on the batch: z·(s + 1).
-        z = torch.arange(bs * k + 1, dtype=torch.int32)
-        for row in range(s):
-            buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
-
-    # ----------------------------------------------------------------------------------------
-    def _check(self, mode, req_pool_indices, req_to_token, seq_lens, **kwargs) -> BuildInputs:
-        """Every host check of one build, before its first launch (:mod:`.inputs`)."""
-        return check_build_inputs(
-            f"FlashInferBuilder.{mode}", self.cfg, self.device, req_pool_indices, req_to_token,
-            seq_lens, **kwargs,
-        )  # fmt: skip
-
-    def _rows(self, mode, num_rows):
-        s = self.cfg.num_steps
-        return check_num_rows(f"FlashInferBuilder.{mode}", num_rows, s, default=s - 1)
-
-    def _status(self, status):
-        return self.status if status is None else status
+            if group in groups:
+                self._layouts[name] = UniformQueryLayout.create(
+                    width, rows, self.device, out=buf[key]
+                )
+                UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
+        if "draft_decode_shared" in groups:
+            # The chain level's offsets do not depend on the batch: z·(s + 1).
+            z = torch.arange(bs * k + 1, dtype=torch.int32)
+            for row in range(s):
+                buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
 
     # ----------------------------------------------------------------------------------------
     def draft_decode(
@@ -321,8 +311,8 @@ class FlashInferBuilder:
             host mirrors for ``plan()`` are computed outside it, before each replay.
         """
         cfg, buf = self.cfg, self.buffers
-        rows = self._rows("draft_decode", num_rows)
-        inputs = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+        rows = self.draft_rows("draft_decode", num_rows)
+        inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
         K = cfg.topk
@@ -332,7 +322,7 @@ class FlashInferBuilder:
                 page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
                 kv_indptr=buf["draft_decode.kv_indptr"],
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self._status(status),
+                status=self.status_word(status),
             )  # fmt: skip
         host = None
         if lens is not None:
@@ -379,8 +369,8 @@ class FlashInferBuilder:
         the consumer merges the two levels' outputs by log-sum-exp.
         """
         cfg, buf = self.cfg, self.buffers
-        rows = self._rows("draft_decode_shared_prefix", num_rows)
-        inputs = self._check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
+        rows = self.draft_rows("draft_decode_shared_prefix", num_rows)
+        inputs = self.check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
                              seq_lens, seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
         K, mode = cfg.topk, "draft_decode_shared"
@@ -393,7 +383,7 @@ class FlashInferBuilder:
                 chain_kv_indices=buf[f"{mode}.chain_kv_indices"],
                 chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self._status(status),
+                status=self.status_word(status),
             )  # fmt: skip
         prefix_host = None
         if lens is not None:
@@ -450,8 +440,8 @@ class FlashInferBuilder:
         in :meth:`draft_decode`.
         """
         cfg, buf = self.cfg, self.buffers
-        rows = self._rows("draft_decode_paged", num_rows)
-        inputs = self._check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
+        rows = self.draft_rows("draft_decode_paged", num_rows)
+        inputs = self.check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
         K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
@@ -461,7 +451,7 @@ class FlashInferBuilder:
                 page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
                 kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self._status(status),
+                status=self.status_word(status),
             )  # fmt: skip
         ptr_host = lpl_host = None
         if lens is not None:
@@ -494,7 +484,7 @@ class FlashInferBuilder:
                 req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
                 kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self._status(status),
+                status=self.status_word(status),
             )  # fmt: skip
         mirrors = None
         if lens is not None:
@@ -531,12 +521,13 @@ class FlashInferBuilder:
         """
         cfg, buf = self.cfg, self.buffers
         n, mode = cfg.num_draft_tokens, "target_verify"
+        where = self.require(mode)
         if tree_mask is None:
             raise ValueError(
-                "FlashInferBuilder.target_verify: tree_mask is required; pass the [B, N, N] "
+                f"{where}: tree_mask is required; pass the [B, N, N] "
                 f"bool ancestor mask of the draft tree (N = {n}; a chain is the lower triangle)"
             )
-        inputs = self._check(mode, req_pool_indices, req_to_token, seq_lens,
+        inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
                              status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
@@ -550,7 +541,7 @@ class FlashInferBuilder:
             self._tree_mask(
                 seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
                 seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self._status(status),
+                status=self.status_word(status),
             )  # fmt: skip
         mask_host = None
         if mirrors is not None:
@@ -588,7 +579,7 @@ class FlashInferBuilder:
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
         buf, mode = self.buffers, "draft_extend"
-        inputs = self._check(mode, req_pool_indices, req_to_token, seq_lens,
+        inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
         mirrors = self._prefill_lists(

@@ -23,14 +23,14 @@ synchronising and return frozen dataclasses of views named as the consumer's arg
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_page_table import branch_page_table, branch_page_table_ref
 from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
-from .inputs import check_build_inputs, check_num_rows
+from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .layout import UniformQueryLayout
 
 __all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
@@ -55,7 +55,7 @@ class TrtllmMlaDecodeStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrtllmMlaDraftDecode:
+class TrtllmMlaDraftDecode(DraftSteps):
     """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
 
     steps: tuple[TrtllmMlaDecodeStep, ...]
@@ -79,7 +79,7 @@ class TrtllmMlaPrefill:
     """Host upper bound of ``seq_lens_k``: ``max_context_len + N``."""
 
 
-class TrtllmMlaBuilder:
+class TrtllmMlaBuilder(MetadataBuilder):
     """TRT-LLM MLA metadata for one :class:`~specmeta.SpecConfig`, in planned buffers.
 
     Parameters
@@ -88,6 +88,10 @@ class TrtllmMlaBuilder:
         ``K``, ``S``, ``N``, ``ps`` and the capacity (``max_bs``, ``max_context_len``).
     device : torch.device or str
         Where the metadata lives.
+    modes : iterable of str, optional
+        The modes served (``draft_decode``, ``target_verify``, ``draft_extend``): only their
+        buffers are allocated. Default: all of them the config allows; TRT-LLM MLA is causal
+        only, so ``target_verify`` with ``topk > 1`` is refused here, at construction.
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
@@ -95,23 +99,34 @@ class TrtllmMlaBuilder:
     Attributes
     ----------
     buffers : dict of str to torch.Tensor
-        Every ``trtllm_mla.*`` buffer of the plan, keyed without the prefix.
+        The ``trtllm_mla.*`` buffers of the served modes, keyed without the prefix.
     status : torch.Tensor
         ``int32 [1]``: the status word every method reports into unless given another.
     """
 
-    def __init__(self, cfg: SpecConfig, device: torch.device | str, *, reference: bool = False):
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
-        self.device = validate.canonical_device(device)
+    plan_prefix = _PREFIX
+    capabilities = Capabilities(
+        modes=("draft_decode", "target_verify", "draft_extend"),
+        tree_draft=True,  # per-branch block tables over slot layout B
+        tree_verify=False,  # no custom mask: a tree cannot be verified
+        page_sizes="any",
+        graph_safe=frozenset({"draft_decode", "target_verify", "draft_extend"}),
+    )
+
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        device: torch.device | str,
+        *,
+        modes: Iterable[str] | None = None,
+        reference: bool = False,
+    ):
+        super().__init__(cfg, device, modes=modes, reference=reference)
         plan = plan_buffers(cfg)
         self.buffers = {
-            name[len(_PREFIX) :]: spec.allocate(self.device, fill=_UNUSED_BLOCK)
-            for name, spec in plan.items()
-            if name.startswith(_PREFIX)
+            key[len(_PREFIX) :]: plan[key].allocate(self.device, fill=_UNUSED_BLOCK)
+            for key in self.plan_keys(cfg, self.modes)
         }
-        self.status = plan["status"].allocate(self.device)
         self._branch = branch_page_table_ref if reference else branch_page_table
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
         n, bs = cfg.num_draft_tokens, cfg.max_bs
@@ -120,23 +135,23 @@ class TrtllmMlaBuilder:
                 n, bs, self.device, out=self.buffers[f"{mode}.cu_seqlens_q"]
             )
             for mode in ("target_verify", "draft_extend")
+            if mode in self.modes
         }
 
     @property
     def max_blocks(self) -> int:
         """``maxblk``, the block tables' width (TRT-LLM's rule, design §3.4)."""
-        return self.buffers["target_verify.block_kv_indices"].shape[1]
+        spec = plan_buffers(self.cfg)["trtllm_mla.draft_extend.block_kv_indices"]
+        return spec.shape[1]
 
     def _check(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
                status):  # fmt: skip
         """Every host check of one build, before its first launch (:mod:`.inputs`); returns
         ``(B, max L)``: the host bound of the lengths from ``seq_lens_cpu`` or ``max_seq_len``,
         ``None`` when neither was given."""
-        where = f"TrtllmMlaBuilder.{mode}"
-        inputs = check_build_inputs(
-            where, self.cfg, self.device, req_pool_indices, req_to_token, seq_lens,
-            seq_lens_cpu=seq_lens_cpu, status=status,
-        )  # fmt: skip
+        where = self.require(mode)
+        inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
+                            seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         if max_seq_len is not None:
             if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
                 raise TypeError(
@@ -162,6 +177,7 @@ class TrtllmMlaBuilder:
         num_rows: int | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> TrtllmMlaDraftDecode:
         """Draft decode, ``K == 1`` (chains) or ``K > 1`` (per-branch page tables), one launch.
 
@@ -179,19 +195,22 @@ class TrtllmMlaBuilder:
             before launch.
         status : torch.Tensor, optional
             Status word; default :attr:`status`.
+        launch : bool
+            ``False``: launch nothing, return the views (the kernels run in a captured graph).
         """
         cfg, buf = self.cfg, self.buffers
         S, K = cfg.num_steps, cfg.topk
-        rows = check_num_rows("TrtllmMlaBuilder.draft_decode", num_rows, S, default=S - 1)
+        rows = self.draft_rows("draft_decode", num_rows)
         B, top = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu, max_seq_len, status)  # fmt: skip
         table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
-        self._branch(
-            req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
-            page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=table,
-            seq_lens_k=lens, max_seq_len=top,
-            status=self.status if status is None else status,
-        )  # fmt: skip
+        if launch:
+            self._branch(
+                req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
+                page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK,
+                page_table=table, seq_lens_k=lens, max_seq_len=top,
+                status=self.status_word(status),
+            )  # fmt: skip
         steps = tuple(
             TrtllmMlaDecodeStep(
                 block_kv_indices=table[: B * K],
@@ -203,17 +222,18 @@ class TrtllmMlaBuilder:
         return TrtllmMlaDraftDecode(steps)
 
     def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-                 status):  # fmt: skip
+                 status, launch):  # fmt: skip
         cfg, buf = self.cfg, self.buffers
         B, _ = self._check(mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu,
                            max_seq_len, status)  # fmt: skip
         n = cfg.num_draft_tokens
         table, lens = buf[f"{mode}.block_kv_indices"], buf[f"{mode}.seq_lens_k"]
-        self._prefix(
-            req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size, extra_tokens=n,
-            fill_value=_UNUSED_BLOCK, page_table=table, cache_seqlens=lens,
-            status=self.status if status is None else status,
-        )  # fmt: skip
+        if launch:
+            self._prefix(
+                req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size,
+                extra_tokens=n, fill_value=_UNUSED_BLOCK, page_table=table, cache_seqlens=lens,
+                status=self.status_word(status),
+            )  # fmt: skip
         layout = self._layouts[mode]
         return TrtllmMlaPrefill(
             block_kv_indices=table[:B],
@@ -233,6 +253,7 @@ class TrtllmMlaBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> TrtllmMlaPrefill:
         """Target verify of an ``N``-token chain: ``seq_lens_k = L_b + N``, stride ``N``, causal.
 
@@ -248,7 +269,7 @@ class TrtllmMlaBuilder:
             )
         return self._prefill(
             "target_verify", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-            status,
+            status, launch,
         )
 
     def draft_extend(
@@ -260,10 +281,11 @@ class TrtllmMlaBuilder:
         seq_lens_cpu: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
+        launch: bool = True,
     ) -> TrtllmMlaPrefill:
         """Draft extend: ``seq_lens_k = L_b + N``, stride ``N``, causal; the same fixed query
         layout at capture and at replay. Arguments as in :meth:`draft_decode`."""
         return self._prefill(
             "draft_extend", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-            status,
+            status, launch,
         )

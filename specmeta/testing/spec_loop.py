@@ -448,39 +448,30 @@ class MetadataStages:
     # Per backend
     # --------------------------------------------------------------------------------------------
     def _draft_decode(self, rpi, lens, slots, lens_cpu, launch: bool = True):
-        """Per draft forward ``s < S − 1``: the metadata the attention backend reads."""
-        rows, st, r2t = self.cfg.num_steps - 1, self.status, self.req_to_token
+        """Per draft forward ``s < S − 1``: the metadata the attention backend reads. Every
+        builder takes the same keywords (:mod:`specmeta.metadata.contract`); FA3 also reads
+        the draft slots."""
+        kw = dict(seq_lens_cpu=lens_cpu, num_rows=self.cfg.num_steps - 1, status=self.status,
+                  launch=launch)  # fmt: skip
+        args = (rpi, self.req_to_token, lens)
         if self.backend == "fa3":
-            return self.builder.draft_decode(rpi, r2t, lens, slots, seq_lens_cpu=lens_cpu,
-                                             num_rows=rows, status=st)  # fmt: skip
+            return self.builder.draft_decode(*args, slots, **kw).steps
         if self.backend == "flashinfer":
             build = {"decode": self.builder.draft_decode,
                      "shared_prefix": self.builder.draft_decode_shared_prefix,
                      "paged": self.builder.draft_decode_paged}[self.draft_form]  # fmt: skip
-            return build(rpi, r2t, lens, seq_lens_cpu=lens_cpu, num_rows=rows, status=st,
-                         launch=launch).steps  # fmt: skip
-        return self.builder.draft_decode(rpi, r2t, lens, num_rows=rows, status=st,
-                                         max_seq_len=_max(lens_cpu)).steps  # fmt: skip
+            return build(*args, **kw).steps
+        return self.builder.draft_decode(*args, **kw).steps
 
     def _target_verify(self, rpi, lens, tree_mask, lens_cpu, launch: bool = True):
-        st, r2t = self.status, self.req_to_token
-        if self.backend == "fa3":
-            return self.builder.target_verify(rpi, r2t, lens, tree_mask, seq_lens_cpu=lens_cpu,
-                                              status=st)  # fmt: skip
-        if self.backend == "flashinfer":
-            return self.builder.target_verify(rpi, r2t, lens, tree_mask, seq_lens_cpu=lens_cpu,
-                                              status=st, launch=launch)  # fmt: skip
-        # A chain (topk == 1): causal over the window, no mask needed.
-        return self.builder.target_verify(rpi, r2t, lens, max_seq_len=_max(lens_cpu), status=st)
+        kw = dict(seq_lens_cpu=lens_cpu, status=self.status, launch=launch)
+        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
+            return self.builder.target_verify(rpi, self.req_to_token, lens, **kw)
+        return self.builder.target_verify(rpi, self.req_to_token, lens, tree_mask, **kw)
 
     def _draft_extend(self, rpi, lens, lens_cpu, launch: bool = True):
-        st, r2t = self.status, self.req_to_token
-        if self.backend == "fa3":
-            return self.builder.draft_extend(rpi, r2t, lens, seq_lens_cpu=lens_cpu, status=st)
-        if self.backend == "flashinfer":
-            return self.builder.draft_extend(rpi, r2t, lens, seq_lens_cpu=lens_cpu, status=st,
-                                             launch=launch)  # fmt: skip
-        return self.builder.draft_extend(rpi, r2t, lens, max_seq_len=_max(lens_cpu), status=st)
+        kw = dict(seq_lens_cpu=lens_cpu, status=self.status, launch=launch)
+        return self.builder.draft_extend(rpi, self.req_to_token, lens, **kw)
 
     # --------------------------------------------------------------------------------------------
     # The runners
@@ -555,13 +546,6 @@ class MetadataStages:
         fn = getattr(self, stage)
         out = fn(inputs) if stage == "accept" else fn(inputs, seq_lens_cpu)
         return out, self.meta.get(stage, {}).get(batch_size), batch_size
-
-
-def _max(lens_cpu: torch.Tensor | None) -> int | None:
-    """Host ``max L`` for TRT-LLM MLA's capacity check (``None`` without a host mirror)."""
-    if lens_cpu is None:
-        return None
-    return int(lens_cpu.max()) if lens_cpu.numel() else 0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -221,10 +221,9 @@ def test_num_rows_and_status(device):
     slots = torch.zeros(B * 6, dtype=torch.int64, device=device)
     for name, builder in _builders(device).items():
         extra = dict(out_cache_loc=slots) if name == "FA3MetadataBuilder" else {}
-        default = 3 if name == "FA3MetadataBuilder" else 2
         _raises(ValueError,
                 f"{name}.draft_decode: num_rows=4 is outside [0, num_steps=3]; pass at most "
-                f"num_steps rows (the default, {default}, builds every draft forward)",
+                "num_steps rows (the default, 2, builds every draft forward)",
                 _call, builder, "draft_decode", _inputs(device), num_rows=4,
                 **extra)  # fmt: skip
         _raises(TypeError, f"{name}.draft_decode: num_rows must be an int, got float",

@@ -66,7 +66,7 @@ def test_draft_decode_equals_dense_attention(device, gen, k, ps):
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, k, ps, s=S, shape=shape)
     slots = _draft_slots(batch, k_pool, v_pool)
     status = new_status(device)
-    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, status=status)
+    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, status=status, num_rows=fa3.cfg.num_steps)
     assert len(steps) == S and all(st.is_cascade == (k > 1) for st in steps)
     B = batch.batch_size
     q = torch.randn(B * k, H, D, generator=gen, dtype=torch.float64).to(device)
@@ -84,7 +84,7 @@ def test_layout_b_without_the_prefix_tail_copy_is_wrong(device, gen):
     t ≥ 1 read stale KV in their first page."""
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, 2, 4, shape="modm1", batch_size=3)
     slots = assign_draft_cache_locs(*_args(batch), topk=2, num_steps=3, page_size=4)
-    steps = fa3.draft_decode(*_args(batch), slots)
+    steps = fa3.draft_decode(*_args(batch), slots, num_rows=fa3.cfg.num_steps)
     q = torch.randn(6, H, D, generator=gen, dtype=torch.float64).to(device)
     chains = slots.cpu().long().view(6, 3)
     lists = [torch.cat([row[:L], chains[b * 2 + t, :1]])
@@ -147,9 +147,9 @@ def test_equals_reference_builder_exactly(device, gen, k, ps):
     ref = FA3MetadataBuilder(cfg, device, reference=True)
     slots = _draft_slots(batch, k_pool, v_pool)
     mask = random_tree_mask(batch.batch_size, k, 3, cfg.num_draft_tokens, gen).to(device)
-    got = [*fa3.draft_decode(*_args(batch), slots), fa3.target_verify(*_args(batch), mask),
+    got = [*fa3.draft_decode(*_args(batch), slots, num_rows=fa3.cfg.num_steps), fa3.target_verify(*_args(batch), mask),
            FA3Cascade(fa3.draft_extend(*_args(batch)), None)]  # fmt: skip
-    want = [*ref.draft_decode(*_args(batch), slots), ref.target_verify(*_args(batch), mask),
+    want = [*ref.draft_decode(*_args(batch), slots, num_rows=ref.cfg.num_steps), ref.target_verify(*_args(batch), mask),
             FA3Cascade(ref.draft_extend(*_args(batch)), None)]  # fmt: skip
     owned = {t.untyped_storage().data_ptr() for t in fa3.buffers.values()}
     for g, w in zip(got, want, strict=True):
@@ -170,7 +170,7 @@ def test_metadata_reads_as_the_spec_says(device, gen):
     """design §3.2 read directly on one configuration (K = 4, ps = 16, layout B)."""
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, 4, 16, s=3, n=6, shape="modm1")
     slots = _draft_slots(batch, k_pool, v_pool)
-    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu)
+    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, num_rows=fa3.cfg.num_steps)
     B, L = batch.batch_size, batch.seq_lens_cpu
     lpl = L % 16
     normal = steps[0].normal
@@ -210,7 +210,7 @@ def test_empty_batch(device, gen, k, ps):
     slots = _draft_slots(batch, k_pool, v_pool)
     mask = torch.zeros(0, n, n, dtype=torch.bool, device=device)
     status = new_status(device)
-    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, status=status)
+    steps = fa3.draft_decode(*_args(batch), slots, seq_lens_cpu=batch.seq_lens_cpu, status=status, num_rows=fa3.cfg.num_steps)
     verify = fa3.target_verify(*_args(batch), mask, status=status)
     extend = fa3.draft_extend(*_args(batch), status=status)
     for meta in [*(st.normal for st in steps), *(st.expand for st in steps if st.expand),
@@ -231,7 +231,7 @@ def test_rebuild_leaves_nothing_stale(device, gen):
     k_pool = torch.randn(short.pool_size, H_KV, D, generator=gen, dtype=torch.float64).to(device)
     v_pool = torch.randn_like(k_pool)
     slots = _draft_slots(short, k_pool, v_pool)
-    steps = fa3.draft_decode(*_args(short), slots)
+    steps = fa3.draft_decode(*_args(short), slots, num_rows=fa3.cfg.num_steps)
     pt, lens = steps[0].normal.page_table.cpu(), steps[0].normal.cache_seqlens.cpu()
     for b in range(5):
         assert not pt[b, -(-int(lens[b]) // 4) :].any(), f"stale pages in row {b}"
@@ -252,7 +252,7 @@ def test_bad_inputs_raise_before_launch(device, gen):
         fa3.target_verify(*_args(batch))
     with pytest.raises(ValueError, match=r"num_rows=4 is outside \[0, num_steps=3\]"):
         fa3.draft_decode(*_args(batch), slots, num_rows=4)
-    assert fa3.draft_decode(*_args(batch), slots, num_rows=0) == ()
+    assert fa3.draft_decode(*_args(batch), slots, num_rows=0).steps == ()
     big = make_batch("random", batch_size=8, topk=2, num_steps=3, page_size=4,
                      row_width=cfg.req_to_token_width, generator=gen, device=device)  # fmt: skip
     with pytest.raises(ValueError, match="the batch has 8 requests, over the plan's max_bs=7"):
@@ -293,7 +293,7 @@ def test_dataclasses_are_frozen_and_kwargs_are_fa3_keywords(device, gen):
 def _all_passes(fa3, batch, slots, mask):
     """Every metadata object of every mode, in a fixed order."""
     out = []
-    for step in fa3.draft_decode(*_args(batch), slots):
+    for step in fa3.draft_decode(*_args(batch), slots, num_rows=fa3.cfg.num_steps):
         out += [step.normal, step.expand]
     verify = fa3.target_verify(*_args(batch), mask)
     return [m for m in out + [verify.normal, verify.expand, fa3.draft_extend(*_args(batch))] if m]
@@ -325,7 +325,7 @@ def test_gpu_production_shape_equals_reference(gen, k, ps):
     status = new_status("cuda")
     fa3 = FA3MetadataBuilder(cfg, "cuda")
     got = []
-    for step in fa3.draft_decode(*_args(batch), slots, status=status):
+    for step in fa3.draft_decode(*_args(batch), slots, status=status, num_rows=fa3.cfg.num_steps):
         got += [step.normal, step.expand]
     verify = fa3.target_verify(*_args(batch), mask, status=status)
     got += [verify.normal, verify.expand, fa3.draft_extend(*_args(batch), status=status)]
@@ -358,7 +358,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_batches(gen, k, ps):
 
     def build():
         passes = []
-        for step in fa3.draft_decode(rpi, r2t, sl, ocl, status=status):
+        for step in fa3.draft_decode(rpi, r2t, sl, ocl, status=status, num_rows=fa3.cfg.num_steps):
             passes += [step.normal, step.expand]
         verify = fa3.target_verify(rpi, r2t, sl, tree, status=status)
         passes += [verify.normal, verify.expand, fa3.draft_extend(rpi, r2t, sl, status=status)]

@@ -1,0 +1,215 @@
+"""The contract every metadata builder follows (design §3).
+
+A builder is created once per (config, device) and serves the **modes** named at construction,
+allocating only their share of the capacity plan (§5). Every mode method takes the same inputs
+and keywords:
+
+=================  ===========================================================================
+argument           meaning
+=================  ===========================================================================
+req_pool_indices   ``[B]`` int32/int64 on the builder's device (``B ≤ max_bs``)
+req_to_token       ``[R, W_row]`` int32/int64, ``W_row ≥ cfg.row_width_need``
+seq_lens           ``[B]`` int32/int64, the committed prefix lengths
+seq_lens_cpu=      optional ``[B]`` host copy: exact host scalars, mirrors, capacity checks
+num_rows=          draft decode only: forwards to build, ``0 ≤ rows ≤ S``, default ``S − 1``
+status=            ``int32 [1]``; default: the builder's own word, :attr:`status`
+launch=            ``False``: launch nothing, refresh only what the host computes (mirrors,
+                   host scalars) and return the views; the kernels run inside a captured graph
+=================  ===========================================================================
+
+and returns a frozen dataclass of views into the builder's buffers; a draft-decode result has
+``steps`` (one entry per forward) and is also the sequence of its steps. Every host-visible
+input is checked before the first launch (:mod:`specmeta.metadata.inputs`).
+
+What a backend can do is data, :class:`Capabilities`, checked when the builder is constructed:
+a mode it cannot serve for the config (a tree verify on a causal-only kernel) is refused there,
+not at the first call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from .. import validate
+from ..config import SpecConfig, plan_buffers
+from .inputs import BuildInputs, check_build_inputs, check_num_rows
+
+__all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend's builder serves.
+
+    Attributes
+    ----------
+    modes : tuple of str
+        Every mode method of the builder.
+    tree_draft : bool
+        ``draft_decode`` with ``topk > 1``.
+    tree_verify : bool
+        ``target_verify`` with ``topk > 1`` (a tree mask or a cascade over ancestors).
+    page_sizes : str
+        The page sizes the metadata is built for (``"any"``: every positive size).
+    graph_safe : frozenset of str
+        Modes whose build may be captured in a CUDA graph (the host mirrors, if any, are
+        refreshed outside it with ``launch=False``).
+    """
+
+    modes: tuple[str, ...]
+    tree_draft: bool
+    tree_verify: bool
+    page_sizes: str
+    graph_safe: frozenset[str]
+
+    def serves(self, mode: str, cfg: SpecConfig) -> bool:
+        """Whether ``mode`` can be built for ``cfg``."""
+        if mode not in self.modes:
+            return False
+        if cfg.topk > 1 and mode == "target_verify":
+            return self.tree_verify
+        if cfg.topk > 1 and mode.startswith("draft_decode"):
+            return self.tree_draft
+        return True
+
+
+class DraftSteps:
+    """A draft-decode result is the sequence of its ``steps``: ``len``, index and iterate."""
+
+    steps: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.steps[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.steps)
+
+
+class MetadataBuilder:
+    """The base of every builder: construction, mode selection, host checks, status word.
+
+    Parameters
+    ----------
+    cfg : SpecConfig
+        Fixes every buffer's shape.
+    device : torch.device or str
+        Where the buffers live; every input of a build must be there too.
+    modes : iterable of str, optional
+        The modes this builder serves; only their buffers are allocated. Default: every mode of
+        :attr:`capabilities` that the config allows.
+    reference : bool
+        Build with the pure-torch references instead of the kernels (a test and benchmark
+        baseline; it syncs).
+
+    Attributes
+    ----------
+    cfg, device
+        As given.
+    modes : tuple of str
+        The modes served, in :attr:`capabilities` order.
+    buffers : dict of str to torch.Tensor
+        The planned buffers of those modes, keyed ``"<mode>.<field>"`` (the plan's key without
+        the backend prefix).
+    status : torch.Tensor
+        ``int32 [1]``: the word every call reports into unless given another (read it with
+        :func:`specmeta.check_status`, which syncs).
+    """
+
+    #: The plan's key prefix of this backend, e.g. ``"fa3."``.
+    plan_prefix: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    #: The plan group (``"<prefix><group>.<field>"``) of each mode whose group differs from it.
+    plan_groups: ClassVar[dict[str, str]] = {}
+
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        device: torch.device | str,
+        *,
+        modes: Iterable[str] | None = None,
+        reference: bool = False,
+    ):
+        if not isinstance(cfg, SpecConfig):
+            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.device = validate.canonical_device(device)
+        self.reference = bool(reference)
+        self.modes = self.check_modes(cfg, modes)
+        self.status = plan_buffers(cfg)["status"].allocate(self.device)
+
+    # -- what the builder allocates -----------------------------------------------------------
+    @classmethod
+    def check_modes(cls, cfg: SpecConfig, modes: Iterable[str] | None) -> tuple[str, ...]:
+        """The modes a builder for ``cfg`` serves: ``modes`` checked against the capabilities,
+        or every mode the config allows."""
+        caps, name = cls.capabilities, cls.__name__
+        if modes is None:
+            return tuple(m for m in caps.modes if caps.serves(m, cfg))
+        if isinstance(modes, str):
+            modes = (modes,)
+        chosen = tuple(modes)
+        for mode in chosen:
+            if mode not in caps.modes:
+                raise ValueError(
+                    f"{name}: unknown mode {mode!r}; the modes are {', '.join(caps.modes)}"
+                )
+            if not caps.serves(mode, cfg):
+                raise ValueError(
+                    f"{name}: {mode} with topk={cfg.topk} needs a tree, which this backend "
+                    f"cannot build; drop {mode!r} from modes, or use a backend whose "
+                    "capabilities have it (FA3MetadataBuilder, FlashInferBuilder)"
+                )
+        if not chosen:
+            raise ValueError(f"{name}: modes is empty; name at least one of {caps.modes}")
+        return tuple(m for m in caps.modes if m in chosen)
+
+    @classmethod
+    def plan_keys(cls, cfg: SpecConfig, modes: Iterable[str] | None = None) -> list[str]:
+        """The keys of ``plan_buffers(cfg)`` that a builder for ``modes`` allocates (its own
+        host mirrors included): what ``specmeta plan`` totals for a backend."""
+        groups = {cls.plan_groups.get(m, m) for m in cls.check_modes(cfg, modes)}
+        keys = []
+        for key in plan_buffers(cfg):
+            if key.startswith(cls.plan_prefix):
+                group = key[len(cls.plan_prefix) :].split(".", 1)[0]
+                if group in groups and cls.allocates(key[len(cls.plan_prefix) :]):
+                    keys.append(key)
+        return keys
+
+    @classmethod
+    def allocates(cls, name: str) -> bool:
+        """Whether the builder allocates the buffer ``<mode>.<field>`` of a mode it serves
+        (all of them unless a subclass narrows it)."""
+        del name
+        return True
+
+    # -- per call -----------------------------------------------------------------------------
+    def require(self, mode: str) -> str:
+        """``"<Builder>.<mode>"``, after checking that the builder serves ``mode``."""
+        where = f"{type(self).__name__}.{mode}"
+        if mode not in self.modes:
+            raise ValueError(
+                f"{where}: this builder was constructed with modes={list(self.modes)}; "
+                f"construct it with {mode!r} among its modes"
+            )
+        return where
+
+    def check(self, mode: str, *args: Any, **kwargs: Any) -> BuildInputs:
+        """Every host check of one build, before its first launch (:mod:`.inputs`)."""
+        return check_build_inputs(self.require(mode), self.cfg, self.device, *args, **kwargs)
+
+    def draft_rows(self, mode: str, num_rows: int | None) -> int:
+        """``num_rows`` of a draft-decode mode; default ``S − 1``, the draft forwards."""
+        s = self.cfg.num_steps
+        return check_num_rows(self.require(mode), num_rows, s, default=s - 1)
+
+    def status_word(self, status: torch.Tensor | None) -> torch.Tensor:
+        """The word a call reports into: ``status``, or the builder's own."""
+        return self.status if status is None else status
