@@ -181,7 +181,8 @@ def _table(rows: list[tuple[str, ...]], right: set[int], indent: str = "  ") -> 
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
         lines.append((indent + "  ".join(cells)).rstrip())
     return lines
 

@@ -46,6 +46,14 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     assert summary["grand total"] == [*_human(grand_dev).split(), *_human(grand_host).split()]
 
 
+def test_plan_knows_every_group_of_plan_keys():
+    """Every plan key is a builder's (``<backend>.``) or in a described engine group."""
+    from specmeta.cli import ENGINE_GROUPS
+
+    prefixes = {name.split(".")[0] for name in plan_buffers(CFG)}
+    assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS)
+
+
 def test_plan_totals_are_what_the_builders_allocate():
     """The device bytes per backend equal those of a builder created on the CPU: ``plan`` shows
     what the builder allocates, neither more nor less."""
