@@ -11,6 +11,6 @@ import specmeta  # noqa: F401
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="benchmarks measure a GPU; run them through the device tool")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: the benchmarks measure one")
     for item in items:
         item.add_marker(skip)

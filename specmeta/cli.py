@@ -1,18 +1,97 @@
-"""The ``specmeta`` command."""
+"""The ``specmeta`` command: ``check``, ``plan`` and ``bench``.
+
+Every mistake in what the user typed ends in one line on stderr, ``specmeta <command>: ...``,
+that names the argument, the value and the fix, and exit status 2 (:class:`UsageError`);
+``check`` and ``bench`` exit 1 when what they ran failed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import random
 import sys
 
 import torch
 
+DESCRIPTION = """\
+specmeta builds the attention metadata of speculative decoding (EAGLE, EAGLE3, MTP, topk > 1
+tree drafts) for paged KV caches and CUDA graphs. This command checks the kernels on this
+machine, sizes the buffers of a configuration, and benchmarks a GPU."""
+
+EPILOG = """\
+examples:
+  specmeta check                        every kernel against its reference (CPU: Triton's interpreter)
+  specmeta check --only fa3_builder     one check
+  specmeta plan --topk 8 --num-steps 5 --num-draft-tokens 64 --page-size 16 \\
+      --max-bs 256 --max-context-len 32768 --backend fa3
+  specmeta bench --from-json bench/results/bench.json
+
+'specmeta COMMAND --help' describes each command's options."""
+
+
+class UsageError(Exception):
+    """A mistake in the command line: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the message and where help is), not the usage."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message}; see '{self.prog} --help'\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# specmeta check
+
 
 def _device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device the checks run on, or a :class:`UsageError` saying why it cannot be used."""
+    if not name:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise UsageError(f"--device {name}: not a device name; pass cpu or cuda") from None
+    label = f"--device {name}" if name else f"--device (default: {device})"
+    if device.type == "cpu":
+        interpret = os.environ.get("TRITON_INTERPRET")
+        if interpret != "1":
+            # The switch is read when the kernels are decorated, at `import specmeta`.
+            state = "unset (CUDA is present)" if interpret is None else f"set to {interpret!r}"
+            raise UsageError(
+                f"{label}: the kernels run on CPU tensors only under Triton's interpreter, and "
+                f"TRITON_INTERPRET is {state}; run TRITON_INTERPRET=1 specmeta check --device cpu"
+            )
+        return device
+    if device.type != "cuda":
+        raise UsageError(f"{label}: specmeta checks on cpu or cuda only; pass one of them")
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) is built without CUDA"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
+        raise UsageError(f"{label}: {why}; leave --device out or pass --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(
+            f"{label}: {count} CUDA device(s) visible, numbered from 0; pass --device "
+            f"cuda:{count - 1} or lower"
+        )
+    return device
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -23,10 +102,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     names = args.only or list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
-        print(
-            f"unknown check(s): {', '.join(unknown)}; known: {', '.join(CHECKS)}", file=sys.stderr
+        raise UsageError(
+            f"--only {' '.join(unknown)}: no such check; pick from {', '.join(CHECKS)}"
         )
-        return 2
     print(f"specmeta check on {device} (seed {seed}; reproduce with --seed {seed})", flush=True)
     tty = sys.stdout.isatty()
     width = 30
@@ -63,7 +141,26 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------------------------
+# specmeta plan
+
 BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
+BUILDERS = {
+    "fa3": "FA3MetadataBuilder",
+    "flashinfer": "FlashInferBuilder",
+    "trtllm_mla": "TrtllmMlaBuilder",
+}
+# The builders that allocate the plan's "status" word for themselves (FA3's takes status=).
+_OWN_STATUS = ("flashinfer", "trtllm_mla")
+# What uses each group of plan keys that no builder allocates (the engine allocates those it
+# needs with allocate_buffers).
+ENGINE_GROUPS = {
+    "draft": "draft KV slots, layout-B prefix-tail pairs: draft decode, any backend",
+    "verify": "accepted-KV move pairs: accept_cache_locs + move_kv_cache after verify",
+    "runner": "static inputs of GraphRunner (CUDA graphs)",
+    "draft_decode": "draft_decode_kv_indices called directly (FlashInferBuilder has its own)",
+    "status": "a status word (specmeta.new_status)",
+}
 
 
 def _human(nbytes: int) -> str:
@@ -74,52 +171,117 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _is_host(name: str) -> bool:
+    """Plan keys that the builders allocate on the CPU (FlashInfer's ``plan()`` mirrors)."""
+    return name.endswith("_host")
+
+
+def _table(rows: list[tuple[str, ...]], right: set[int], indent: str = "  ") -> list[str]:
+    """Rows as columns as wide as their widest cell (column ``i`` right-aligned if in ``right``)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def _buffer_rows(plan: dict, names: list[str]) -> list[str]:
+    rows = [("buffer", "shape", "dtype", "on", "bytes")]
+    for name in names:
+        spec = plan[name]
+        rows.append((name, str(list(spec.shape)), str(spec.dtype).replace("torch.", ""),
+                     "host" if _is_host(name) else "device", _human(spec.nbytes)))  # fmt: skip
+    return _table(rows, right={4})
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .config import SpecConfig, plan_buffers
+    from .config import SpecConfig, max_num_draft_tokens, plan_buffers
 
+    k, s, n = args.topk, args.num_steps, args.num_draft_tokens
+    if n > max_num_draft_tokens(k, s):
+        top = max_num_draft_tokens(k, s)
+        raise UsageError(
+            f"--num-draft-tokens {n} is too large for --topk {k} --num-steps {s}: a draft tree "
+            f"has at most 1 + K + (S-1)·K² = {top} nodes; pass at most {top}"
+        )
     try:
-        cfg = SpecConfig(topk=args.topk, num_steps=args.num_steps, num_draft_tokens=args.num_draft_tokens,
-                         page_size=args.page_size, max_bs=args.max_bs, max_context_len=args.max_context_len)  # fmt: skip
+        cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=args.page_size,
+                         max_bs=args.max_bs, max_context_len=args.max_context_len)  # fmt: skip
     except (TypeError, ValueError) as err:
-        print(f"invalid configuration: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(f"invalid configuration: {err}") from None
     plan = plan_buffers(cfg)
-    wanted = set(args.backend or BACKENDS)
-
-    def group(name: str) -> tuple[str, str]:
-        parts = name.split(".")
-        if parts[0] in BACKENDS:
-            return parts[0], parts[1]
-        return "common", parts[0]
+    backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
+    engine = [g for g in ENGINE_GROUPS if g in (args.with_ or ())]
 
     print(f"specmeta plan: topk={cfg.topk} num_steps={cfg.num_steps} num_draft_tokens="
           f"{cfg.num_draft_tokens} page_size={cfg.page_size} max_bs={cfg.max_bs} "
-          f"max_context_len={cfg.max_context_len} req_to_token_width={cfg.req_to_token_width} "
-          f"pool_size={cfg.pool_size} layout={'B' if cfg.layout_b else 'A'}")  # fmt: skip
-    totals: dict[tuple[str, str], int] = {}
-    print(f"\n{'buffer':<48} {'shape':<26} {'dtype':<8} {'bytes':>12}")
-    for name, spec in plan.items():
-        backend, mode = group(name)
-        if backend != "common" and backend not in wanted:
-            continue
-        totals[(backend, mode)] = totals.get((backend, mode), 0) + spec.nbytes
-        dtype = str(spec.dtype).replace("torch.", "")
-        print(f"{name:<48} {str(list(spec.shape)):<26} {dtype:<8} {_human(spec.nbytes):>12}")
-    print(f"\n{'backend':<12} {'mode':<24} {'bytes':>12}")
-    per_backend: dict[str, int] = {}
-    for (backend, mode), nbytes in totals.items():
-        per_backend[backend] = per_backend.get(backend, 0) + nbytes
-        print(f"{backend:<12} {mode:<24} {_human(nbytes):>12}")
-    for backend, nbytes in per_backend.items():
-        print(f"{backend:<12} {'(all modes)':<24} {_human(nbytes):>12}")
-    per_branch = plan.get("flashinfer.draft_decode.kv_indices")
-    shared = [spec for name, spec in plan.items() if name.startswith("flashinfer.draft_decode_shared.")
-              and "kv_indices" in name]  # fmt: skip
-    if per_branch is not None and shared:
-        shared_bytes = sum(spec.nbytes for spec in shared)
-        print(f"\ndraft-decode kv_indices: per-branch {_human(per_branch.nbytes)} vs shared-prefix "
-              f"{_human(shared_bytes)} ({per_branch.nbytes / max(shared_bytes, 1):.1f}x smaller)")  # fmt: skip
+          f"max_context_len={cfg.max_context_len}")  # fmt: skip
+    print(f"  req_to_token_width={cfg.req_to_token_width} pool_size={cfg.pool_size} "
+          f"slot layout {'B' if cfg.layout_b else 'A'}")  # fmt: skip
+    grand = {"device": 0, "host": 0}
+    summary: list[tuple[str, ...]] = [("", "device", "host")]
+    for backend in backends:
+        names = [name for name in plan if name.split(".")[0] == backend]
+        order = list(dict.fromkeys(name.split(".")[1] for name in names))
+        names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
+        if backend in _OWN_STATUS:
+            names.append("status")
+        print(f"\n{backend}: {BUILDERS[backend]}(cfg, device) allocates all of these when it is "
+              "created, for every mode")  # fmt: skip
+        for line in _buffer_rows(plan, names):
+            print(line)
+        modes: dict[str, dict[str, int]] = {}
+        for name in names:
+            mode = name.split(".")[1] if "." in name else "(status word)"
+            where = "host" if _is_host(name) else "device"
+            modes.setdefault(mode, {"device": 0, "host": 0})[where] += plan[name].nbytes
+        rows = [("mode", "device", "host")]
+        rows += [(mode, _human(b["device"]), _human(b["host"])) for mode, b in modes.items()]
+        dev, host = (sum(b[w] for b in modes.values()) for w in ("device", "host"))
+        rows.append((f"{backend} total", _human(dev), _human(host)))
+        print()
+        for line in _table(rows, right={1, 2}):
+            print(line)
+        if host:
+            print("  host: one set of CPU mirrors for plan(), pinned when the device is CUDA; the")
+            print("  builder keeps mirror_depth sets (default 2) of the per-build index pointers")
+        summary.append((f"{BUILDERS[backend]}", _human(dev), _human(host)))
+        grand["device"] += dev
+        grand["host"] += host
+
+    groups = {g: [name for name in plan if name.split(".")[0] == g] for g in ENGINE_GROUPS}
+    print("\nengine buffers: no builder allocates these; an engine allocates those it uses with")
+    print("specmeta.allocate_buffers(cfg, device, names); --with GROUP adds a group to the total")
+    rows = [("group", "bytes", "in total", "what uses it")]
+    for group, names in groups.items():
+        nbytes = sum(plan[name].nbytes for name in names)
+        rows.append((group, _human(nbytes), "yes" if group in engine else "no", ENGINE_GROUPS[group]))
+    for line in _table(rows, right={1}):
+        print(line)
+    for group in engine:
+        print(f"\n{group}:")
+        for line in _buffer_rows(plan, groups[group]):
+            print(line)
+        nbytes = sum(plan[name].nbytes for name in groups[group])
+        summary.append((f"engine: {group}", _human(nbytes), _human(0)))
+        grand["device"] += nbytes
+    summary.append(("grand total", _human(grand["device"]), _human(grand["host"])))
+    print()
+    for line in _table(summary, right={1, 2}, indent=""):
+        print(line)
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# specmeta bench
+
+
+def _require(module: str, what: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"{what} needs {module}, which is not installed; "
+                         "pip install \"specmeta[bench]\"")  # fmt: skip
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -127,24 +289,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import pathlib
     import subprocess
 
-    from . import report
-
+    # Everything the command line asks for is checked before anything is created or run.
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.results and not pathlib.Path(args.results).parent.is_dir():
+        raise UsageError(f"--results {args.results}: its folder does not exist; pass a path in an "
+                         "existing folder")  # fmt: skip
     if args.from_json:
         jsons = [pathlib.Path(p) for p in args.from_json]
+        for path in jsons:
+            if not path.is_file():
+                raise UsageError(f"--from-json {path}: no such file; pass the JSON that "
+                                 "pytest --benchmark-json wrote")  # fmt: skip
+        _require("matplotlib", "--from-json (its plots)")
     else:
         if not torch.cuda.is_available():
-            print("specmeta bench measures a GPU and none is visible here; render earlier results "
-                  "with --from-json", file=sys.stderr)  # fmt: skip
-            return 2
+            raise UsageError("no CUDA device is visible and the benchmarks measure a GPU; run it on "
+                             "a GPU machine, or render earlier results with --from-json FILE")  # fmt: skip
         bench_dir = pathlib.Path(args.bench_dir)
         if not bench_dir.is_dir():
-            print(
-                f"no benchmark folder at {bench_dir} (run from a specmeta checkout)",
-                file=sys.stderr,
-            )
-            return 2
+            raise UsageError(f"--bench-dir {bench_dir}: no such folder; run from a specmeta "
+                             "checkout or pass --bench-dir PATH")  # fmt: skip
+        _require("pytest_benchmark", "running the benchmarks")
+        _require("matplotlib", "running the benchmarks (their plots)")
+        out.mkdir(parents=True, exist_ok=True)
         jsons = [out / "bench.json"]
         cmd = [sys.executable, "-m", "pytest", "-q", str(bench_dir), f"--benchmark-json={jsons[0]}",
                "--benchmark-columns=median", "-p", "no:cacheprovider"]  # fmt: skip
@@ -153,14 +320,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print("running:", " ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
         if rc != 0 or not jsons[0].exists():
-            print(f"benchmarks failed (pytest exit {rc})", file=sys.stderr)
+            print(f"specmeta bench: benchmarks failed (pytest exit {rc})", file=sys.stderr)
             return 1
-    rows = report.load_rows(jsons)
+
+    from . import report
+
+    rows = []
+    for path in jsons:
+        try:
+            rows += report.load_rows([path])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UsageError(f"--from-json {path}: not pytest-benchmark JSON ({type(err).__name__}); "
+                             "pass the file pytest --benchmark-json wrote") from None  # fmt: skip
     if not rows:
-        print("no benchmark results in " + ", ".join(map(str, jsons)), file=sys.stderr)
-        return 1
+        raise UsageError("no benchmark results in " + ", ".join(map(str, jsons)))
     date = args.date or datetime.date.today().isoformat()
     section = report.markdown(rows, date)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(section)
     pngs = report.plot(rows, out / "plots")
     print(section)
@@ -174,37 +350,84 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specmeta", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="every kernel against its reference on random workloads")
-    check.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    check.add_argument("--seed", type=int, help="seed of the random workloads (default: fresh)")
-    check.add_argument("--only", nargs="*", help="run only these checks")
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specmeta", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"specmeta {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    check = sub.add_parser(
+        "check", help="every kernel against its pure-torch reference, on random workloads",
+        description="Run every kernel (or those of --only) against its pure-torch reference on "
+        "random workloads and print one line per check; exit status 1 if any failed.",
+    )  # fmt: skip
+    check.add_argument("--device", metavar="DEVICE",
+                       help="cpu, cuda or cuda:N (default: cuda when a GPU is visible, else cpu)")  # fmt: skip
+    check.add_argument("--seed", type=int, help="seed of the random workloads (default: a fresh "
+                       "one, printed so that a run can be repeated)")  # fmt: skip
+    check.add_argument("--only", nargs="+", metavar="CHECK",
+                       help="run only these checks (default: all)")  # fmt: skip
     check.set_defaults(func=_cmd_check)
-    plan = sub.add_parser("plan", help="every persistent buffer of a configuration, with bytes")
-    plan.add_argument("--topk", type=int, required=True)
-    plan.add_argument("--num-steps", type=int, required=True)
-    plan.add_argument("--num-draft-tokens", type=int, required=True)
-    plan.add_argument("--page-size", type=int, default=1)
-    plan.add_argument("--max-bs", type=int, required=True)
-    plan.add_argument("--max-context-len", type=int, required=True)
-    plan.add_argument(
-        "--backend", nargs="*", choices=BACKENDS, help="only these backends (default: all)"
-    )
+
+    plan = sub.add_parser(
+        "plan", help="the buffers each builder allocates for a configuration, with totals",
+        description="Size a configuration: every buffer each backend's builder allocates when it "
+        "is created (all of its modes), per-mode and per-backend totals, the buffers an engine "
+        "allocates itself, and a grand total. Sizes come from specmeta.plan_buffers(cfg).",
+    )  # fmt: skip
+    plan.add_argument("--topk", type=_positive_int, required=True, metavar="K",
+                      help="K, branches per request during draft decode (1: a chain, as MTP); required")  # fmt: skip
+    plan.add_argument("--num-steps", type=_positive_int, required=True, metavar="S",
+                      help="S, draft steps; required")
+    plan.add_argument("--num-draft-tokens", type=_positive_int, required=True, metavar="N",
+                      help="N, verify-window width: the draft tree's nodes, root included; "
+                      "N - 1 <= K + (S-1)·K² (with K = 1 usually N = S + 1); required")  # fmt: skip
+    plan.add_argument("--page-size", type=_positive_int, default=1, metavar="PS",
+                      help="tokens per KV page (default: %(default)s)")
+    plan.add_argument("--max-bs", type=_positive_int, required=True, metavar="B",
+                      help="largest batch (the largest CUDA-graph bucket); required")
+    plan.add_argument("--max-context-len", type=_positive_int, required=True, metavar="L",
+                      help="longest committed prefix of a request; draft and verify slots come "
+                      "on top; required")  # fmt: skip
+    plan.add_argument("--backend", nargs="+", choices=BACKENDS, metavar="BACKEND",
+                      help=f"only these backends, of {', '.join(BACKENDS)} (default: all)")
+    plan.add_argument("--with", dest="with_", nargs="+", choices=tuple(ENGINE_GROUPS),
+                      metavar="GROUP", help="add these engine buffer groups, of "
+                      f"{', '.join(ENGINE_GROUPS)}, to the grand total (default: none)")  # fmt: skip
     plan.set_defaults(func=_cmd_plan)
-    bench = sub.add_parser("bench", help="run the bench/ sweeps on the GPU; JSON, tables, plots")
-    bench.add_argument("-k", help="pytest -k expression selecting benchmarks")
-    bench.add_argument("--bench-dir", default="bench", help="the benchmark folder (default: bench)")
-    bench.add_argument("--out", default="bench/results", help="where JSON, tables and plots go")
-    bench.add_argument("--results", help="a RESULTS.md whose generated section is replaced")
-    bench.add_argument(
-        "--from-json", nargs="*", help="render these pytest-benchmark JSON files; run nothing"
-    )
+
+    bench = sub.add_parser(
+        "bench", help="run the bench/ sweeps on a GPU, or render earlier results",
+        description="Run the benchmark sweeps of a specmeta checkout on the GPU and write their "
+        "JSON, Markdown tables and plots; with --from-json, render earlier JSON and run nothing.",
+    )  # fmt: skip
+    bench.add_argument("-k", metavar="EXPR", help="pytest -k expression selecting benchmarks")
+    bench.add_argument("--bench-dir", default="bench", metavar="DIR",
+                       help="the benchmark folder (default: %(default)s)")
+    bench.add_argument("--out", default="bench/results", metavar="DIR",
+                       help="where JSON, tables and plots go (default: %(default)s)")
+    bench.add_argument("--results", metavar="FILE",
+                       help="a RESULTS.md whose generated section is replaced")
+    bench.add_argument("--from-json", nargs="+", metavar="FILE",
+                       help="render these pytest-benchmark JSON files; run nothing")
     bench.add_argument("--date", help="date printed with the results (default: today)")
     bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as err:
+        print(f"specmeta {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

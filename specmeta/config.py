@@ -34,12 +34,19 @@ __all__ = [
     "trtllm_mla_max_blocks",
     "kv_pool_table_shape",
     "ROW_ALIGN",
+    "max_num_draft_tokens",
 ]
 
 # Row positions a default req_to_token width is a multiple of: 16 int32 slots are 64 bytes, so
 # every row starts 16-byte aligned and a page-size-1 page table (a row gather) moves 16-byte
 # vectors (the FA3 draft-decode build at B = 256, ps = 1 in bench/RESULTS.md).
 ROW_ALIGN = 16
+
+
+def max_num_draft_tokens(topk: int, num_steps: int) -> int:
+    """The most nodes a draft tree can have, root included: ``1 + K + (S−1)·K²`` (the largest
+    valid ``num_draft_tokens``; a chain, ``K = 1``, has ``S + 1``)."""
+    return 1 + topk + (num_steps - 1) * topk * topk
 
 
 def uses_layout_b(topk: int, page_size: int) -> bool:
@@ -184,10 +191,10 @@ class SpecConfig:
             if value < 1:
                 raise ValueError(f"SpecConfig.{name} must be >= 1, got {value}")
         k, s, n = self.topk, self.num_steps, self.num_draft_tokens
-        if n - 1 > k + (s - 1) * k * k:
+        if n > max_num_draft_tokens(k, s):
             raise ValueError(
                 f"SpecConfig: num_draft_tokens={n} is too large for topk={k}, num_steps={s}: a draft "
-                f"tree has at most 1 + K + (S-1)·K² = {1 + k + (s - 1) * k * k} nodes"
+                f"tree has at most 1 + K + (S-1)·K² = {max_num_draft_tokens(k, s)} nodes"
             )
         need_w = self.row_width_need
         if self.req_to_token_width is None:

@@ -2,7 +2,7 @@
 
 Kernel tests run on CUDA where it exists and on CPU under TRITON_INTERPRET=1 elsewhere (that is
 CI). ``SPECMETA_TEST_DEVICE=cpu`` forces the CPU tier on a GPU machine. Tests marked ``gpu`` are
-skipped with a reason when CUDA is absent.
+skipped with the reason "needs a CUDA GPU" when CUDA is absent.
 """
 
 from __future__ import annotations
@@ -52,9 +52,13 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available() and os.environ.get("SPECMETA_TEST_DEVICE", "cuda") == "cuda":
+    if not torch.cuda.is_available():
+        reason = "needs a CUDA GPU"
+    elif os.environ.get("SPECMETA_TEST_DEVICE", "cuda") != "cuda":
+        reason = "a GPU-tier test; SPECMETA_TEST_DEVICE=cpu runs the CPU tier only (unset it)"
+    else:
         return
-    skip = pytest.mark.skip(reason="needs CUDA (GPU tier); run it through the device tool")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -5,28 +5,105 @@ from __future__ import annotations
 import re
 
 from specmeta import SpecConfig, plan_buffers
-from specmeta.cli import main
+from specmeta.cli import BUILDERS, _human, main
+
+PLAN = ["plan", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8", "--page-size", "16",
+        "--max-bs", "8", "--max-context-len", "1024"]  # fmt: skip
+CFG = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
+                 max_context_len=1024)  # fmt: skip
 
 
-def test_plan_lists_every_buffer_with_its_bytes(capsys):
-    args = ["plan", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8", "--page-size", "16",
-            "--max-bs", "8", "--max-context-len", "1024"]  # fmt: skip
-    assert main(args) == 0
+def _rows(out: str, prefix: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.split() and ln.split()[0].startswith(prefix)]
+
+
+def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
+    groups = ["draft", "verify", "runner", "draft_decode", "status"]
+    assert main([*PLAN, "--with", *groups]) == 0
     out = capsys.readouterr().out
-    plan = plan_buffers(SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
-                                   max_context_len=1024))  # fmt: skip
+    plan = plan_buffers(CFG)
     for name, spec in plan.items():
-        line = next((ln for ln in out.splitlines() if ln.startswith(name + " ")), None)
+        line = next((ln for ln in out.splitlines() if ln.split()[:1] == [name]), None)
         assert line is not None, f"{name} missing from the plan output"
-        assert str(list(spec.shape)) in line
-    assert "(all modes)" in out
+        assert str(list(spec.shape)) in line and _human(spec.nbytes) in line
+    # The summary, after the last blank line: one row per builder and engine group, a grand total.
+    rows = [re.fullmatch(r"(.+?) {2,}(\S+ \S+) +(\S+ \S+)", ln)
+            for ln in out.split("\n\n")[-1].splitlines()[1:]]  # fmt: skip
+    summary = {m[1]: [*m[2].split(), *m[3].split()] for m in rows}
+    grand_dev = grand_host = 0
+    for backend, builder in BUILDERS.items():
+        names = [n for n in plan if n.startswith(backend + ".")]
+        names += ["status"] if backend != "fa3" else []
+        dev = sum(plan[n].nbytes for n in names if not n.endswith("_host"))
+        host = sum(plan[n].nbytes for n in names if n.endswith("_host"))
+        assert f"{backend} total" in out
+        assert summary[builder] == [*_human(dev).split(), *_human(host).split()], builder
+        grand_dev, grand_host = grand_dev + dev, grand_host + host
+    for group in groups:
+        dev = sum(spec.nbytes for name, spec in plan.items() if name.split(".")[0] == group)
+        assert summary[f"engine: {group}"] == [*_human(dev).split(), "0", "B"], group
+        grand_dev += dev
+    assert summary["grand total"] == [*_human(grand_dev).split(), *_human(grand_host).split()]
 
 
-def test_plan_rejects_an_invalid_config(capsys):
-    args = ["plan", "--topk", "2", "--num-steps", "2", "--num-draft-tokens", "9", "--max-bs", "1",
-            "--max-context-len", "10"]  # fmt: skip
-    assert main(args) == 2
-    assert re.search(r"num_draft_tokens=9 is too large", capsys.readouterr().err)
+def test_plan_knows_every_group_of_plan_keys():
+    """Every plan key is a builder's (``<backend>.``) or in a described engine group."""
+    from specmeta.cli import ENGINE_GROUPS
+
+    prefixes = {name.split(".")[0] for name in plan_buffers(CFG)}
+    assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS)
+
+
+def test_plan_totals_are_what_the_builders_allocate():
+    """The device bytes per backend equal those of a builder created on the CPU: ``plan`` shows
+    what the builder allocates, neither more nor less."""
+    import torch
+
+    from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
+    from specmeta.cli import _OWN_STATUS
+
+    plan = plan_buffers(CFG)
+    for backend, cls in (("fa3", FA3MetadataBuilder), ("flashinfer", FlashInferBuilder),
+                         ("trtllm_mla", TrtllmMlaBuilder)):  # fmt: skip
+        builder = cls(CFG, "cpu")
+        got = [t for key, t in builder.buffers.items() if not key.endswith("_host")]
+        status = getattr(builder, "status", None)
+        got += [status] if isinstance(status, torch.Tensor) else []
+        names = [n for n in plan if n.startswith(backend + ".") and not n.endswith("_host")]
+        names += ["status"] if backend in _OWN_STATUS else []
+        assert sum(t.nbytes for t in got) == sum(plan[n].nbytes for n in names), backend
+        assert len(got) == len(names), backend
+
+
+def test_plan_for_one_backend_shows_only_its_buffers(capsys):
+    assert main([*PLAN, "--backend", "fa3"]) == 0
+    out = capsys.readouterr().out
+    assert not _rows(out, "flashinfer.") and not _rows(out, "trtllm_mla.")
+    assert "shared-prefix" not in out and "FlashInferBuilder  " not in out
+    # The engine buffers are listed, not counted: the grand total is the FA3 builder's.
+    fa3 = sum(spec.nbytes for name, spec in plan_buffers(CFG).items() if name.startswith("fa3."))
+    grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
+    assert grand.split()[2:4] == _human(fa3).split()
+    assert "draft_decode.kv_indices" not in out  # the free kernel's list: listed as a group only
+
+
+def test_plan_with_engine_groups_adds_them_to_the_grand_total(capsys):
+    assert main([*PLAN, "--backend", "trtllm_mla", "--with", "draft", "verify"]) == 0
+    out = capsys.readouterr().out
+    plan = plan_buffers(CFG)
+    want = sum(spec.nbytes for name, spec in plan.items()
+               if name.split(".")[0] in ("trtllm_mla", "status", "draft", "verify"))  # fmt: skip
+    grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
+    assert grand.split()[2:4] == _human(want).split()
+    assert _rows(out, "draft.out_cache_loc") and _rows(out, "verify.tgt_cache_loc")
+
+
+def test_plan_columns_fit_the_longest_name(capsys):
+    assert main([*PLAN, "--backend", "flashinfer"]) == 0
+    rows = _rows(capsys.readouterr().out, "flashinfer.")
+    longest = max(len(ln.split()[0]) for ln in rows)
+    starts = {ln.index("[") for ln in rows}  # the shape column
+    assert len(starts) == 1 and starts.pop() > 2 + longest
 
 
 def test_check_reports_and_exits_zero(capsys, device):

@@ -582,7 +582,7 @@ print(json.dumps(out))
 
 def test_kernels_compile_for_the_gpu(tmp_path):
     if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this Triton has no NVIDIA backend")
+        pytest.skip("needs Triton's NVIDIA backend, which this Triton build lacks")
     script = tmp_path / "aot.py"
     script.write_text(_AOT)
     root = Path(__file__).resolve().parents[2]
@@ -776,7 +776,7 @@ def test_gpu_compute_sanitizer_memcheck_clean(tmp_path):
     any buffer."""
     tool = shutil.which("compute-sanitizer")
     if tool is None:
-        pytest.skip("compute-sanitizer is not on PATH")
+        pytest.skip("needs compute-sanitizer (CUDA toolkit) on PATH")
     script = tmp_path / "sanitized.py"
     script.write_text(_SANITIZED)
     root = Path(__file__).resolve().parents[2]

@@ -269,7 +269,7 @@ def test_lossless_cpu(backend, draft_kind, gen, device):
 def _full_params():
     """Every (case, draft, draw) of the full set, or one skipped placeholder."""
     if not FULL_ON_CPU:
-        skip = pytest.mark.skip(reason="the full CPU set runs with SPECMETA_LOSSLESS=full")
+        skip = pytest.mark.skip(reason="the full set takes hours on the CPU; run it with SPECMETA_LOSSLESS=full")
         return [pytest.param(None, None, None, marks=skip, id="full-set")]
     return [pytest.param(c, d, n, id=f"{c.id}-{d}-{n}")
             for c in FULL for d in DRAFTS for n in range(3)]  # fmt: skip

@@ -1,0 +1,235 @@
+"""Every message the `specmeta` command gives on bad input: one line on stderr that names the
+argument, the value and the fix, exit status 2, nothing on stdout and nothing created.
+
+The expected lines are written here from what each message should say; a change of wording is a
+change of this file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from specmeta import cli
+from specmeta.check import CHECKS
+
+PLAN = ["--num-steps", "2", "--max-bs", "1", "--max-context-len", "10"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    """Exit status and stderr of ``specmeta argv``; stdout must stay empty."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exit_:  # argparse's own usage errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert out == ""
+    return code, err
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.fixture
+def empty_cwd(tmp_path, monkeypatch):
+    """An empty working folder, checked to stay empty."""
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------- check
+
+
+def test_check_device_cuda_with_a_cpu_only_torch(capsys, no_cuda, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert run(capsys, "check", "--device", "cuda") == (
+        2,
+        f"specmeta check: --device cuda: this torch ({torch.__version__}) is built without CUDA; "
+        "leave --device out or pass --device cpu\n",
+    )
+
+
+def test_check_device_cuda_without_a_visible_gpu(capsys, no_cuda, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert run(capsys, "check", "--device", "cuda") == (
+        2,
+        "specmeta check: --device cuda: no CUDA device is visible; "
+        "leave --device out or pass --device cpu\n",
+    )
+
+
+def test_check_device_index_beyond_the_gpus(capsys, one_gpu):
+    assert run(capsys, "check", "--device", "cuda:3") == (
+        2,
+        "specmeta check: --device cuda:3: 1 CUDA device(s) visible, numbered from 0; "
+        "pass --device cuda:0 or lower\n",
+    )
+
+
+def test_check_device_that_is_no_device(capsys):
+    assert run(capsys, "check", "--device", "gpu0") == (
+        2,
+        "specmeta check: --device gpu0: not a device name; pass cpu or cuda\n",
+    )
+
+
+def test_check_device_of_another_kind(capsys):
+    assert run(capsys, "check", "--device", "meta") == (
+        2,
+        "specmeta check: --device meta: specmeta checks on cpu or cuda only; pass one of them\n",
+    )
+
+
+def test_check_device_cpu_without_the_interpreter(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert run(capsys, "check", "--device", "cpu") == (
+        2,
+        "specmeta check: --device cpu: the kernels run on CPU tensors only under Triton's "
+        "interpreter, and TRITON_INTERPRET is set to '0'; "
+        "run TRITON_INTERPRET=1 specmeta check --device cpu\n",
+    )
+
+
+def test_check_device_cpu_on_a_gpu_machine(capsys, one_gpu, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert run(capsys, "check", "--device", "cpu") == (
+        2,
+        "specmeta check: --device cpu: the kernels run on CPU tensors only under Triton's "
+        "interpreter, and TRITON_INTERPRET is unset (CUDA is present); "
+        "run TRITON_INTERPRET=1 specmeta check --device cpu\n",
+    )
+
+
+def test_check_only_an_unknown_check(capsys):
+    assert run(capsys, "check", "--only", "assign_draft_cache_locs", "fa4_builder") == (
+        2,
+        "specmeta check: --only fa4_builder: no such check; pick from "
+        + ", ".join(CHECKS) + "\n",
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- plan
+
+
+def test_plan_topk_zero(capsys):
+    assert run(capsys, "plan", "--topk", "0", "--num-draft-tokens", "3", *PLAN) == (
+        2,
+        "specmeta plan: argument --topk: must be an integer >= 1, got '0'; "
+        "see 'specmeta plan --help'\n",
+    )
+
+
+def test_plan_page_size_not_a_number(capsys):
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", "--page-size", "16k",
+               *PLAN) == (
+        2,
+        "specmeta plan: argument --page-size: must be an integer >= 1, got '16k'; "
+        "see 'specmeta plan --help'\n",
+    )  # fmt: skip
+
+
+def test_plan_num_draft_tokens_too_large(capsys):
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "9", *PLAN) == (
+        2,
+        "specmeta plan: --num-draft-tokens 9 is too large for --topk 2 --num-steps 2: a draft "
+        "tree has at most 1 + K + (S-1)·K² = 7 nodes; pass at most 7\n",
+    )
+
+
+def test_plan_without_its_required_options(capsys):
+    assert run(capsys, "plan", "--topk", "2") == (
+        2,
+        "specmeta plan: the following arguments are required: --num-steps, --num-draft-tokens, "
+        "--max-bs, --max-context-len; see 'specmeta plan --help'\n",
+    )
+
+
+def test_no_command(capsys):
+    assert run(capsys) == (
+        2,
+        "specmeta: the following arguments are required: COMMAND; see 'specmeta --help'\n",
+    )
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def test_bench_without_a_gpu_creates_nothing(capsys, no_cuda, empty_cwd):
+    assert run(capsys, "bench") == (
+        2,
+        "specmeta bench: no CUDA device is visible and the benchmarks measure a GPU; run it on a "
+        "GPU machine, or render earlier results with --from-json FILE\n",
+    )
+
+
+def test_bench_without_the_benchmark_folder(capsys, one_gpu, empty_cwd):
+    assert run(capsys, "bench") == (
+        2,
+        "specmeta bench: --bench-dir bench: no such folder; run from a specmeta checkout or pass "
+        "--bench-dir PATH\n",
+    )
+
+
+def test_bench_without_pytest_benchmark(capsys, one_gpu, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench").mkdir()
+    monkeypatch.setitem(sys.modules, "pytest_benchmark", None)  # find_spec: not installed
+    assert run(capsys, "bench") == (
+        2,
+        "specmeta bench: running the benchmarks needs pytest_benchmark, which is not installed; "
+        'pip install "specmeta[bench]"\n',
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["bench"]
+
+
+def test_bench_from_a_missing_json(capsys, empty_cwd):
+    assert run(capsys, "bench", "--from-json", "results.json") == (
+        2,
+        "specmeta bench: --from-json results.json: no such file; pass the JSON that "
+        "pytest --benchmark-json wrote\n",
+    )
+
+
+def test_bench_from_json_without_matplotlib(capsys, tmp_path, monkeypatch):
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps({"benchmarks": []}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec: not installed
+    assert run(capsys, "bench", "--from-json", str(src), "--out", str(tmp_path / "out")) == (
+        2,
+        "specmeta bench: --from-json (its plots) needs matplotlib, which is not installed; "
+        'pip install "specmeta[bench]"\n',
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,error", [('{"benchmarks": [', "JSONDecodeError"),
+                                        ("[1, 2]", "AttributeError")])  # fmt: skip
+def test_bench_from_json_that_is_not_pytest_benchmark(capsys, tmp_path, text, error):
+    src = tmp_path / "in.json"
+    src.write_text(text)
+    assert run(capsys, "bench", "--from-json", str(src), "--out", str(tmp_path / "out")) == (
+        2,
+        f"specmeta bench: --from-json {src}: not pytest-benchmark JSON ({error}); pass the file "
+        "pytest --benchmark-json wrote\n",
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_results_in_a_missing_folder(capsys, empty_cwd):
+    assert run(capsys, "bench", "--from-json", "x.json", "--results", "docs/RESULTS.md") == (
+        2,
+        "specmeta bench: --results docs/RESULTS.md: its folder does not exist; pass a path in an "
+        "existing folder\n",
+    )

@@ -1,0 +1,20 @@
+"""The package's metadata as a package index shows it."""
+
+from __future__ import annotations
+
+import configparser
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_long_description_has_no_relative_links():
+    """A package index renders the long description without the repository around it, so a link
+    to a repository file would break there; files are named as code paths instead."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    path = cfg["metadata"]["long_description"].removeprefix("file:").strip()
+    text = (ROOT / path).read_text()
+    targets = re.findall(r"\]\(([^)]*)\)", text) + re.findall(r"src=\"([^\"]*)\"", text)
+    assert [t for t in targets if not re.match(r"https?://", t)] == []
