@@ -150,8 +150,18 @@ BUILDERS = {
     "flashinfer": "FlashInferBuilder",
     "trtllm_mla": "TrtllmMlaBuilder",
 }
-# The builders that allocate the plan's "status" word for themselves (FA3's takes status=).
-_OWN_STATUS = ("flashinfer", "trtllm_mla")
+# Every mode of any builder, in the order the builders list them.
+MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged", "target_verify",
+         "draft_extend")  # fmt: skip
+
+
+def _builder_class(backend: str):
+    from .metadata.fa3 import FA3MetadataBuilder
+    from .metadata.flashinfer import FlashInferBuilder
+    from .metadata.trtllm_mla import TrtllmMlaBuilder
+
+    return {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
+            "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
 # What uses each group of plan keys that no builder allocates (the engine allocates those it
 # needs with allocate_buffers).
 ENGINE_GROUPS = {
@@ -223,13 +233,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     grand = {"device": 0, "host": 0}
     summary: list[tuple[str, ...]] = [("", "device", "host")]
     for backend in backends:
-        names = [name for name in plan if name.split(".")[0] == backend]
+        cls = _builder_class(backend)
+        served = cls.check_modes(cfg, None)  # what the config allows this backend to serve
+        chosen = tuple(m for m in served if m in (args.modes or served))
+        if not chosen:
+            print(f"\n{backend}: {BUILDERS[backend]} serves none of --modes "
+                  f"(it serves {', '.join(served)} for this config)")  # fmt: skip
+            continue
+        # The builder's own statement of what it allocates.
+        extra = {"verify_mask": args.verify_mask} if backend == "flashinfer" else {}
+        names = cls.plan_keys(cfg, chosen, **extra)
         order = list(dict.fromkeys(name.split(".")[1] for name in names))
         names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
-        if backend in _OWN_STATUS:
-            names.append("status")
-        print(f"\n{backend}: {BUILDERS[backend]}(cfg, device) allocates all of these when it is "
-              "created, for every mode")  # fmt: skip
+        names.append("status")  # every builder owns a status word
+        options = "".join(f", {k}={v!r}" for k, v in extra.items())
+        print(f"\n{backend}: {BUILDERS[backend]}(cfg, device, modes={list(chosen)}{options}) "
+              "allocates these when it is created")  # fmt: skip
         for line in _buffer_rows(plan, names):
             print(line)
         modes: dict[str, dict[str, int]] = {}
@@ -396,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                       "on top; required")  # fmt: skip
     plan.add_argument("--backend", nargs="+", choices=BACKENDS, metavar="BACKEND",
                       help=f"only these backends, of {', '.join(BACKENDS)} (default: all)")
+    plan.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
+                      help="the builder modes the engine uses (default: every mode each backend "
+                      f"serves for the config); choices: {', '.join(MODES)}")  # fmt: skip
+    plan.add_argument("--verify-mask", choices=("bool", "packed", "both"), default="both",
+                      help="FlashInfer's target-verify mask forms to allocate, each N·ΣL + B·N² "
+                      "bytes at full capacity; packed is what FlashInfer 0.7's plan() reads "
+                      "without a sync")  # fmt: skip
     plan.add_argument("--with", dest="with_", nargs="+", choices=tuple(ENGINE_GROUPS),
                       metavar="GROUP", help="add these engine buffer groups, of "
                       f"{', '.join(ENGINE_GROUPS)}, to the grand total (default: none)")  # fmt: skip

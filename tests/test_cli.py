@@ -17,6 +17,11 @@ def _rows(out: str, prefix: str) -> list[str]:
     return [ln for ln in out.splitlines() if ln.split() and ln.split()[0].startswith(prefix)]
 
 
+# TRT-LLM MLA cannot verify a tree: with topk = 4 its builder serves no target_verify and
+# allocates none of its buffers.
+_NOT_SERVED = "trtllm_mla.target_verify."
+
+
 def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     groups = ["draft", "verify", "runner", "draft_decode", "status"]
     assert main([*PLAN, "--with", *groups]) == 0
@@ -24,6 +29,9 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     plan = plan_buffers(CFG)
     for name, spec in plan.items():
         line = next((ln for ln in out.splitlines() if ln.split()[:1] == [name]), None)
+        if name.startswith(_NOT_SERVED):
+            assert line is None, f"{name} is not allocated by a topk=4 TRT-LLM MLA builder"
+            continue
         assert line is not None, f"{name} missing from the plan output"
         assert str(list(spec.shape)) in line and _human(spec.nbytes) in line
     # The summary, after the last blank line: one row per builder and engine group, a grand total.
@@ -32,8 +40,8 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     summary = {m[1]: [*m[2].split(), *m[3].split()] for m in rows}
     grand_dev = grand_host = 0
     for backend, builder in BUILDERS.items():
-        names = [n for n in plan if n.startswith(backend + ".")]
-        names += ["status"] if backend != "fa3" else []
+        names = [n for n in plan if n.startswith(backend + ".") and not n.startswith(_NOT_SERVED)]
+        names += ["status"]  # every builder owns one
         dev = sum(plan[n].nbytes for n in names if not n.endswith("_host"))
         host = sum(plan[n].nbytes for n in names if n.endswith("_host"))
         assert f"{backend} total" in out
@@ -60,17 +68,17 @@ def test_plan_totals_are_what_the_builders_allocate():
     import torch
 
     from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
-    from specmeta.cli import _OWN_STATUS
 
     plan = plan_buffers(CFG)
     for backend, cls in (("fa3", FA3MetadataBuilder), ("flashinfer", FlashInferBuilder),
                          ("trtllm_mla", TrtllmMlaBuilder)):  # fmt: skip
         builder = cls(CFG, "cpu")
         got = [t for key, t in builder.buffers.items() if not key.endswith("_host")]
-        status = getattr(builder, "status", None)
-        got += [status] if isinstance(status, torch.Tensor) else []
-        names = [n for n in plan if n.startswith(backend + ".") and not n.endswith("_host")]
-        names += ["status"] if backend in _OWN_STATUS else []
+        assert isinstance(builder.status, torch.Tensor)
+        got.append(builder.status)
+        names = [n for n in plan if n.startswith(backend + ".") and not n.endswith("_host")
+                 and not n.startswith(_NOT_SERVED)]  # fmt: skip
+        names += ["status"]
         assert sum(t.nbytes for t in got) == sum(plan[n].nbytes for n in names), backend
         assert len(got) == len(names), backend
 
@@ -82,6 +90,7 @@ def test_plan_for_one_backend_shows_only_its_buffers(capsys):
     assert "shared-prefix" not in out and "FlashInferBuilder  " not in out
     # The engine buffers are listed, not counted: the grand total is the FA3 builder's.
     fa3 = sum(spec.nbytes for name, spec in plan_buffers(CFG).items() if name.startswith("fa3."))
+    fa3 += 4  # its status word
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(fa3).split()
     assert "draft_decode.kv_indices" not in out  # the free kernel's list: listed as a group only
@@ -92,7 +101,8 @@ def test_plan_with_engine_groups_adds_them_to_the_grand_total(capsys):
     out = capsys.readouterr().out
     plan = plan_buffers(CFG)
     want = sum(spec.nbytes for name, spec in plan.items()
-               if name.split(".")[0] in ("trtllm_mla", "status", "draft", "verify"))  # fmt: skip
+               if name.split(".")[0] in ("trtllm_mla", "status", "draft", "verify")
+               and not name.startswith(_NOT_SERVED))  # fmt: skip
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(want).split()
     assert _rows(out, "draft.out_cache_loc") and _rows(out, "verify.tgt_cache_loc")
@@ -164,3 +174,28 @@ def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
         main(["bench", "--from-json", str(src), "--out", str(out), "--results", str(results)]) == 0
     )
     assert results.read_text().count("TestGPU, torch") == 1
+
+
+def test_plan_for_the_modes_an_engine_uses(capsys):
+    """``--modes`` and ``--verify-mask`` narrow the plan to what a builder constructed with the
+    same choice allocates: here FlashInfer's shared-prefix draft decode and a packed verify."""
+    import torch
+
+    from specmeta import FlashInferBuilder
+
+    modes = ["draft_decode_shared_prefix", "target_verify"]
+    args = [*PLAN, "--backend", "flashinfer", "--modes", *modes, "--verify-mask", "packed"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert not _rows(out, "flashinfer.draft_decode.") and not _rows(out, "flashinfer.draft_extend")
+    assert not _rows(out, "flashinfer.draft_decode_paged")
+    assert not _rows(out, "flashinfer.target_verify.custom_mask")
+    assert _rows(out, "flashinfer.target_verify.packed_custom_mask")
+    assert _rows(out, "flashinfer.draft_decode_shared.prefix_kv_indices")
+    fi = FlashInferBuilder(CFG, "cpu", modes=modes, verify_mask="packed")
+    device = sum(t.nbytes for k, t in fi.buffers.items() if not k.endswith("_host"))
+    device += fi.status.nbytes
+    grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
+    assert grand.split()[2:4] == _human(device).split()
+    assert isinstance(fi.status, torch.Tensor)
+    assert set(fi.modes) == set(modes)

@@ -178,6 +178,9 @@ class FlashInferBuilder(MetadataBuilder):
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
+    verify_mask : str
+        ``"bool"``, ``"packed"`` or ``"both"`` (default): the tree-mask forms target verify
+        builds, and so allocates; ``target_verify(packed=...)`` must ask for one of them.
     mirror_depth : int
         Sets of per-batch host mirrors, used in turn (default 2): a build reuses a set only
         once the stream has passed the ``plan()`` that read it, so an engine may build
@@ -212,6 +215,30 @@ class FlashInferBuilder(MetadataBuilder):
                               "draft_decode_paged", "target_verify", "draft_extend"}),
     )  # fmt: skip
     plan_groups = {"draft_decode_shared_prefix": "draft_decode_shared"}
+    #: The target-verify mask forms: the bool ``custom_mask``, the packed-bit one, or both.
+    VERIFY_MASKS = ("bool", "packed", "both")
+    _MASK_FIELDS = {
+        "bool": ("custom_mask", "mask_indptr", "mask_indptr_host"),
+        "packed": ("packed_custom_mask", "packed_mask_indptr", "packed_mask_indptr_host"),
+    }
+
+    @classmethod
+    def plan_keys(cls, cfg: SpecConfig, modes: Iterable[str] | None = None,
+                  verify_mask: str = "both") -> list[str]:  # fmt: skip
+        """As :meth:`MetadataBuilder.plan_keys`; ``verify_mask`` drops the mask form that
+        target verify will not build (each form is ``N·ΣL + B·N²`` bytes at full capacity)."""
+        if verify_mask not in cls.VERIFY_MASKS:
+            raise ValueError(
+                f"FlashInferBuilder: verify_mask={verify_mask!r}; pass one of "
+                f"{', '.join(map(repr, cls.VERIFY_MASKS))}"
+            )
+        dropped = {
+            f"{_PREFIX}target_verify.{field}"
+            for form, fields in cls._MASK_FIELDS.items()
+            if verify_mask not in (form, "both")
+            for field in fields
+        }
+        return [key for key in super().plan_keys(cfg, modes) if key not in dropped]
 
     def __init__(
         self,
@@ -221,16 +248,23 @@ class FlashInferBuilder(MetadataBuilder):
         modes: Iterable[str] | None = None,
         reference: bool = False,
         mirror_depth: int = 2,
+        verify_mask: str = "both",
     ):
         super().__init__(cfg, device, modes=modes, reference=reference)
+        self.verify_mask = verify_mask
         plan = plan_buffers(cfg)
         pin = self.device.type == "cuda"
         groups = {self.plan_groups.get(m, m) for m in self.modes}
         ring_names = {
             f"{_PREFIX}{g}.{f}" for g, fields in _PER_BATCH_MIRRORS.items() for f in fields
         }
+        own = set(self.plan_keys(cfg, None, verify_mask))
+        mirrors = {
+            g: tuple(f for f in fields if f"{_PREFIX}{g}.{f}" in own)
+            for g, fields in _PER_BATCH_MIRRORS.items()
+        }
         self.buffers: dict[str, torch.Tensor] = {}
-        for name in self.plan_keys(cfg, self.modes):
+        for name in self.plan_keys(cfg, self.modes, verify_mask):
             if name in ring_names:
                 continue
             spec = plan[name]
@@ -244,7 +278,7 @@ class FlashInferBuilder(MetadataBuilder):
             group: HostMirrorRing(
                 {f: plan[f"{_PREFIX}{group}.{f}"] for f in fields}, mirror_depth, self.device
             )
-            for group, fields in _PER_BATCH_MIRRORS.items()
+            for group, fields in mirrors.items()
             if group in groups
         }
         pick = (lambda kernel, ref: ref) if reference else (lambda kernel, ref: kernel)
@@ -522,6 +556,12 @@ class FlashInferBuilder(MetadataBuilder):
         cfg, buf = self.cfg, self.buffers
         n, mode = cfg.num_draft_tokens, "target_verify"
         where = self.require(mode)
+        if self.verify_mask not in ("packed" if packed else "bool", "both"):
+            raise ValueError(
+                f"{where}: packed={packed}, but this builder was constructed with "
+                f"verify_mask={self.verify_mask!r}; construct it with "
+                f"verify_mask={'packed' if packed else 'bool'!r} or 'both'"
+            )
         if tree_mask is None:
             raise ValueError(
                 f"{where}: tree_mask is required; pass the [B, N, N] "
