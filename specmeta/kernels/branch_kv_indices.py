@@ -22,15 +22,19 @@ import triton.language as tl
 from .. import validate
 from ..config import branch_kv_indices_need
 from ..status import Status
-from .branch_page_table import branch_page, branch_pages_ref
-from .draft_cache_locs import _check_batch, load_request
-from .verify_kv_indices import _chunk_programs
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    branch_page,
+    branch_pages_ref,
+    check_batch,
+    chunk_programs,
+    load_request,
+)
 
 __all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Page columns one program copies per iteration: page lists are ps times shorter than token
 # lists, so a smaller block than the kv_indices kernels' keeps lanes busy.
@@ -38,6 +42,9 @@ _BLOCK = 256
 # seq_lens entries summed per iteration of the per-step exclusive-prefix loop; the partial sums
 # are a [BLOCK_ROWS, BLOCK_B] tile, kept small enough to stay in registers.
 _BLOCK_B = 256
+# Page columns per chunk when the grid is sized: programs per request are counted in chunks of
+# 1024 columns, four of the kernel's blocks, so a program always has a few blocks to copy.
+_CHUNK_COLUMNS = 1024
 
 
 @triton.jit(
@@ -136,10 +143,10 @@ def _branch_kv_indices_kernel(
             over = valid & (
                 tl.sum(tl.where(r == num_rows - 1, heads, 0), axis=0) + TOPK * n_last > W_idx
             )
-            flags = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
+            flags = tl.where(~L_ok, POS_OOB, 0) | tl.where(over, OUT_OF_CAPACITY, 0)
             tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
     if HAS_STATUS:
-        flags = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        flags = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
         tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
 
 
@@ -153,7 +160,7 @@ def _prepare(
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -245,7 +252,7 @@ def branch_kv_indices(
     kv_indices, kv_indptr, kv_last_page_len = out
     device = req_to_token.device
     pages = triton.cdiv(req_to_token.shape[1], page_size)
-    grid = (max(B, 1), _chunk_programs(device, B, pages))
+    grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
     _branch_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,

@@ -73,6 +73,7 @@ import triton.language as tl
 from .. import validate
 from ..config import kv_pool_table_shape
 from ..status import Status
+from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
 __all__ = [
     "accept_cache_locs",
@@ -84,8 +85,6 @@ __all__ = [
     "DISJOINT_BLOCK_N",
 ]
 
-_BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 # accept_cache_locs: requests per iteration of the single program's scan (a [128, next_pow2(S+1)]
 # tile, 2048 entries at S + 1 = 16, is 16 per thread at 4 warps), and tail entries zeroed per
@@ -182,7 +181,7 @@ def _accept_cache_locs_kernel(
         tl.store(src_ptr + e, zero, mask=e < n_out)
 
     if HAS_STATUS:
-        bits = tl.where(bad != 0, _BAD_ACCEPT, 0)
+        bits = tl.where(bad != 0, BAD_ACCEPT, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -441,7 +440,7 @@ def _move_kv_cache_kernel(
 
     if HAS_STATUS:
         # Every slice sees the same pairs; slice 0 reports for its buffers.
-        bits = tl.where((bad != 0) & (c == 0), _POOL_OOB, 0)
+        bits = tl.where((bad != 0) & (c == 0), POOL_OOB, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -555,15 +554,11 @@ class KVPool:
                 f"addressing={self.addressing!r})")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device, wide: bool) -> int:
+def _move_programs(device: torch.device, wide: bool) -> int:
     """Programs that keep the device busy: 4 per multiprocessor for 32 KiB tiles (one to three
     are resident per SM, so two waves or more), _WIDE_PROGRAMS_PER_SM for 128 KiB tiles; a
     couple under the CPU interpreter, where each program costs host time."""
-    if device.type == "cuda":
-        per_sm = _WIDE_PROGRAMS_PER_SM if wide else 4
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+    return target_programs(device, _WIDE_PROGRAMS_PER_SM if wide else 4, cpu=2)
 
 
 def _ordered_cols(pool: KVPool, row: int, tile: int, vec: int, target: int) -> int:
@@ -585,7 +580,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
     if ordered and not disjoint:  # blocks of pairs, one program walks them in list order
         warps = _ORDERED_WARPS
         tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
-        target = _target_programs(pool.device, False)
+        target = _move_programs(pool.device, False)
         cols = _ordered_cols(pool, row, tile, vec16, target)
         block_n = max(16, min(tile // cols, triton.next_power_of_2(n)))
         pair_programs, blocks_per_program = 1, triton.cdiv(n, block_n)
@@ -594,7 +589,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
         wide = block_n > _SMALL_BLOCK_N
         warps = _WIDE_WARPS if wide else 8
         tile = warps * 32 * (_WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD) * vec16
-        target = _target_programs(pool.device, wide)
+        target = _move_programs(pool.device, wide)
         cols = max(1, min(tile // block_n, row))
         pair_programs, blocks_per_program = triton.cdiv(n, block_n), 1
     vec = vec16 if cols >= vec16 else 1  # narrower slices are not 16-byte aligned

@@ -26,12 +26,10 @@ import triton.language as tl
 from .. import validate
 from ..config import expand_page_table_width
 from ..status import Status
+from ._common import BAD_PAGE, POOL_OOB, POS_OOB
 
 __all__ = ["expand_page_table", "expand_page_table_ref"]
 
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
-_BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))  # kernels read only constexpr globals
 
 # seq_lens entries summed per iteration of the exclusive Σ lpl loop (one load up to B = 1024).
 _BLOCK_B = 1024
@@ -48,7 +46,7 @@ def _chain_slot(out_cache_loc_ptr, first, t, j, live, NUM_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _expand_page_table_program(
+def expand_page_table_program(
     b,  # request
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     seq_lens_ptr,  # [B] int32|int64
@@ -170,9 +168,9 @@ def _expand_page_table_program(
         pos_bad = live & ~L_ok
         neg_any = tl.max(neg.to(tl.int32)) != 0
         bits = (
-            tl.where(pos_bad, _POS_OOB, 0)
-            | tl.where(neg_any, _POOL_OOB, 0)
-            | tl.where(bad_page, _BAD_PAGE, 0)
+            tl.where(pos_bad, POS_OOB, 0)
+            | tl.where(neg_any, POOL_OOB, 0)
+            | tl.where(bad_page, BAD_PAGE, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -208,8 +206,8 @@ def _expand_page_table_kernel(
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1),)``: program ``b`` runs :func:`_expand_page_table_program`."""
-    _expand_page_table_program(
+    """Grid ``(max(B, 1),)``: program ``b`` runs :func:`expand_page_table_program`."""
+    expand_page_table_program(
         tl.program_id(0),
         out_cache_loc_ptr,
         seq_lens_ptr,
@@ -237,7 +235,7 @@ def _expand_page_table_kernel(
     )
 
 
-def _prepare(
+def prepare_expand_page_table(
     out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
     cu_seqlens_k, status, prefix="",
 ):  # fmt: skip
@@ -336,7 +334,7 @@ def expand_page_table(
     Grid ``(max(B, 1),)``, one program per request writing all steps of its ``K`` branches.
     No host sync; ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
     """
-    topk, num_steps, page_size, rows, B, page_table, cache_seqlens = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, cache_seqlens = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -389,7 +387,7 @@ def expand_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`expand_page_table` (vectorised; syncs)."""
-    topk, num_steps, ps, rows, B, page_table, cache_seqlens = _prepare(
+    topk, num_steps, ps, rows, B, page_table, cache_seqlens = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip

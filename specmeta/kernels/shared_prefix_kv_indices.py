@@ -29,25 +29,23 @@ import triton.language as tl
 from .. import validate
 from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
 from ..status import Status
-from .draft_cache_locs import (
-    _check_batch,
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
+    chunk_programs,
+    copy_row_prefix,
     draft_positions_ref,
     draft_slot_position,
+    exclusive_length_sum,
     gather_rows_ref,
     load_request,
-)
-from .verify_kv_indices import (
-    _chunk_programs,
-    copy_row_prefix,
-    exclusive_length_sum,
     ragged_prefix_ref,
 )
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Prefix entries one program copies per iteration (as in draft_decode_kv_indices).
 _BLOCK = 1024
@@ -151,9 +149,9 @@ def _shared_prefix_kv_indices_kernel(
             chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
             over = (start + n > W_prefix) | ((b + 1) * TOPK * num_rows > W_chain)
             bits = (
-                tl.where(row_ok, 0, _ROW_OOB)
-                | tl.where(chain_bad | (n > W_row) | ~L_ok, _POS_OOB, 0)
-                | tl.where(over & (b < B), _OUT_OF_CAPACITY, 0)
+                tl.where(row_ok, 0, ROW_OOB)
+                | tl.where(chain_bad | (n > W_row) | ~L_ok, POS_OOB, 0)
+                | tl.where(over & (b < B), OUT_OF_CAPACITY, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -168,7 +166,7 @@ def _prepare(
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if prefix_kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -275,7 +273,7 @@ def shared_prefix_kv_indices(
     )  # fmt: skip
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
-    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
     _shared_prefix_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,

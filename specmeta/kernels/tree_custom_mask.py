@@ -28,12 +28,10 @@ import triton.language as tl
 from .. import validate
 from ..config import tree_custom_mask_need
 from ..status import Status
-from .draft_decode_kv_indices import _target_programs
+from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
 
 __all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Output elements per program iteration: 1024 bools, or 256 bytes of eight bits (a [256, 8]
 # tile of mask elements).
@@ -120,7 +118,7 @@ def _tree_custom_mask_kernel(
         tl.store(mask_indptr_ptr + b + 1, start + n_bits, mask=valid)
         tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
-            flags = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
+            flags = tl.where(L_ok, 0, POS_OOB) | tl.where(start + n > W_mask, OUT_OF_CAPACITY, 0)
             # A branch rather than a masked atomic: Triton 3.6 dropped the masked form here
             # when seq_lens is int64 (seen on an H200; the interpreter was right).
             if flags != 0:
@@ -211,7 +209,7 @@ def tree_custom_mask(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
-    grid = (max(B, 1), max(1, triton.cdiv(_target_programs(device), max(B, 1))))
+    grid = (max(B, 1), max(1, triton.cdiv(target_programs(device), max(B, 1))))
     _tree_custom_mask_kernel[grid](
         seq_lens,
         tree_mask.view(torch.uint8),
