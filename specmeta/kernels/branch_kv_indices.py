@@ -184,8 +184,8 @@ def _prepare(
         need = branch_kv_indices_need(seq_lens_sum, B, topk, rows, page_size)
         validate.at_least("kv_indices", kv_indices.shape[1], need,
                           "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len)
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len), status
 
 
 def branch_kv_indices(
@@ -243,7 +243,7 @@ def branch_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, page_size, rows, B, out = _prepare(
+    topk, num_steps, page_size, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
     )  # fmt: skip
@@ -260,7 +260,7 @@ def branch_kv_indices(
         kv_indices,
         kv_indptr,
         kv_last_page_len,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -280,7 +280,7 @@ def branch_kv_indices(
         BLOCK_B=_BLOCK_B,
         BLOCK_ROWS=triton.next_power_of_2(num_steps),
         BLOCK_K=triton.next_power_of_2(topk),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return out
@@ -302,7 +302,7 @@ def branch_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, page_size, rows, B, out = _prepare(
+    topk, num_steps, page_size, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
     )  # fmt: skip
@@ -335,6 +335,6 @@ def branch_kv_indices_ref(
         kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)
         if B and K * int(n.sum()) > W_idx:
             bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return out

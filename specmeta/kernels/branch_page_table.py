@@ -142,8 +142,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
         # L // ps + nnp(L) == ceil((L + S) / ps), monotone in L.
         need = max_seq_len // page_size + draft_pages_per_branch(max_seq_len, num_steps, page_size)
         validate.at_least("page_table", page_table.shape[1], need, "columns (ceil((L+S)/ps))")
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, page_table, seq_lens_k
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status
 
 
 def branch_page_table(
@@ -203,7 +203,7 @@ def branch_page_table(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths, widths and strides are
     runtime arguments.
     """
-    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         page_table, seq_lens_k, max_seq_len, status,
     )  # fmt: skip
@@ -218,7 +218,7 @@ def branch_page_table(
         seq_lens,
         page_table,
         seq_lens_k,
-        status if status is not None else seq_lens_k,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -236,7 +236,7 @@ def branch_page_table(
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
         BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return page_table, seq_lens_k
@@ -258,7 +258,7 @@ def branch_page_table_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_page_table` (vectorised; syncs)."""
-    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         page_table, seq_lens_k, max_seq_len, status,
     )  # fmt: skip
@@ -280,6 +280,6 @@ def branch_page_table_ref(
     L = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
     s = torch.arange(rows, device=seq_lens.device).view(-1, 1)
     seq_lens_k[:rows, : B * topk] = (L.view(1, -1) + s + 1).to(seq_lens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, seq_lens_k

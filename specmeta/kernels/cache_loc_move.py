@@ -203,8 +203,8 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
     for name, buf in (("tgt", tgt), ("src", src)):
         validate.tensor(name, buf, ndim=1, device=device)
         validate.at_least(name, buf.shape[0], n, "pairs (accept_index.numel())")
-    validate.status(status, device)
-    return n_draft, B, C, tgt, src
+    status = validate.status(status, device)
+    return n_draft, B, C, tgt, src, status
 
 
 def accept_cache_locs(
@@ -261,7 +261,7 @@ def accept_cache_locs(
     One program: a ``tl.cumsum`` per block of 128 requests and a carried total, then the tail.
     No host sync; ``B`` is a runtime argument.
     """
-    n_draft, B, C, tgt, src = _prepare_accept(
+    n_draft, B, C, tgt, src, status = _prepare_accept(
         accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
     )
     n = B * C
@@ -273,7 +273,7 @@ def accept_cache_locs(
         out_cache_loc,
         tgt,
         src,
-        status if status is not None else tgt,
+        status,
         # sizes
         B,
         n_draft,
@@ -284,7 +284,7 @@ def accept_cache_locs(
         BLOCK_B=_ACCEPT_BLOCK_B,
         BLOCK_C=triton.next_power_of_2(C),
         BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return tgt[:n], src[:n]
@@ -301,7 +301,7 @@ def accept_cache_locs_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`accept_cache_locs` (vectorised over the batch; syncs)."""
-    N, B, C, tgt, src = _prepare_accept(
+    N, B, C, tgt, src, status = _prepare_accept(
         accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
     )
     n = B * C
@@ -326,7 +326,7 @@ def accept_cache_locs_ref(
     out_s[dst[want]] = src_v[want]
     tgt[:n] = out_t.to(tgt.dtype)
     src[:n] = out_s.to(src.dtype)
-    if status is not None and (bool(wrong.any()) or bool((acc != acc_in).any())):
+    if bool(wrong.any()) or bool((acc != acc_in).any()):
         status |= int(Status.BAD_ACCEPT)
     return tgt[:n], src[:n]
 
@@ -597,14 +597,14 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
                 pair_programs=pair_programs, blocks_per_program=blocks_per_program)  # fmt: skip
 
 
-def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status) -> int:
+def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status):
     validate.tensor("tgt", tgt, ndim=1, device=device)
     validate.tensor("src", src, ndim=1, device=device)
     validate.length("src", src, tgt.shape[0])
     for name, flag in (("disjoint", disjoint), ("ordered", ordered)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    validate.status(status, device)
+    status = validate.status(status, device)
     n = tgt.shape[0]
     if not (disjoint or ordered) and n > MAX_OVERLAPPING_PAIRS:
         raise ValueError(
@@ -613,7 +613,7 @@ def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status) -> i
             "writes (accept_cache_locs pairs), disjoint=True if no target is another pair's "
             "source (prefix-tail pairs), or split the list"
         )
-    return n
+    return n, status
 
 
 def move_kv_cache(
@@ -666,7 +666,7 @@ def move_kv_cache(
     sync; ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
-    n = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
+    n, status = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     if n == 0:
         return
     shape = _launch_shape(n, pool, disjoint, ordered)
@@ -674,7 +674,7 @@ def move_kv_cache(
     common = dict(
         tgt_ptr=tgt,
         src_ptr=src,
-        status_ptr=status if status is not None else tgt,
+        status_ptr=status,
         n=n,
         blocks_per_program=shape["blocks_per_program"],
         min_rows=pool.min_rows,
@@ -682,7 +682,7 @@ def move_kv_cache(
         COLS=cols,
         WORD_BYTES=pool.word_bytes,
         VEC=shape["VEC"],
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=shape["num_warps"],
     )
     if pool.addressing == "table":
@@ -731,7 +731,7 @@ def move_kv_cache_ref(
         bufs, device = buffers.buffers, buffers.device
     else:
         bufs, (device, *_) = _describe(buffers)
-    _check_pairs(device, tgt, src, disjoint, ordered, status)
+    _, status = _check_pairs(device, tgt, src, disjoint, ordered, status)
     t, s = tgt.to(torch.int64), src.to(torch.int64)
     bad = False
     for buf in bufs:
@@ -740,5 +740,5 @@ def move_kv_cache_ref(
         bad = bad or not bool(in_pool.all())
         keep = in_pool & (t != s)
         rows[t[keep]] = rows[s[keep]]  # the right side is gathered (a copy) before the scatter
-    if status is not None and bad:
+    if bad:
         status |= int(Status.POOL_OOB)

@@ -155,7 +155,7 @@ def assign_draft_cache_locs(
     _check_out("out_cache_loc", out_cache_loc, n, device)
     if positions is not None:
         _check_out("positions", positions, B * topk, device)
-    validate.status(status, device)
+    status = validate.status(status, device)
     if B == 0:
         return out_cache_loc
     _assign_draft_cache_locs_kernel[(B,)](
@@ -164,7 +164,7 @@ def assign_draft_cache_locs(
         seq_lens,
         out_cache_loc,
         positions if positions is not None else out_cache_loc,
-        status if status is not None else out_cache_loc,
+        status,
         B,
         req_to_token.shape[0],
         req_to_token.shape[1],
@@ -175,7 +175,7 @@ def assign_draft_cache_locs(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=triton.next_power_of_2(topk * num_steps),
         WRITE_POSITIONS=positions is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
     )
     return out_cache_loc
 
@@ -281,7 +281,7 @@ def prefix_tail_copy_pairs(
         src = torch.empty(n, dtype=torch.int64, device=device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
-    validate.status(status, device)
+    status = validate.status(status, device)
     if n == 0:
         return tgt, src
     _prefix_tail_copy_pairs_kernel[(B,)](
@@ -290,7 +290,7 @@ def prefix_tail_copy_pairs(
         seq_lens,
         tgt,
         src,
-        status if status is not None else tgt,
+        status,
         B,
         req_to_token.shape[0],
         req_to_token.shape[1],
@@ -299,7 +299,7 @@ def prefix_tail_copy_pairs(
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=triton.next_power_of_2(width),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
     )
     return tgt, src
 
@@ -322,6 +322,7 @@ def assign_draft_cache_locs_ref(
     status: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`assign_draft_cache_locs`."""
+    status = validate.status(status, req_to_token.device)
     B = req_pool_indices.shape[0]
     n = B * topk * num_steps
     if out_cache_loc is None:
@@ -351,6 +352,7 @@ def prefix_tail_copy_pairs_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_tail_copy_pairs`."""
     device = req_to_token.device
+    status = validate.status(status, device)
     B = req_pool_indices.shape[0]
     width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
     n = B * width

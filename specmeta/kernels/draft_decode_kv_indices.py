@@ -313,8 +313,8 @@ def _prepare(
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
         validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
-    validate.status(status, device)
-    return topk, num_steps, rows, B, kv_indices, kv_indptr
+    status = validate.status(status, device)
+    return topk, num_steps, rows, B, kv_indices, kv_indptr, status
 
 
 def draft_decode_kv_indices(
@@ -374,7 +374,7 @@ def draft_decode_kv_indices(
     of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
     )  # fmt: skip
@@ -395,7 +395,7 @@ def draft_decode_kv_indices(
         seq_lens,
         kv_indices,
         kv_indptr,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -418,7 +418,7 @@ def draft_decode_kv_indices(
         BLOCK_LISTS=triton.next_power_of_2(_LISTS_PER_PROGRAM),
         BLOCK_EDGE=triton.next_power_of_2(2 * vec + num_steps),
         VEC=vec,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=_NUM_WARPS,
     )
     return kv_indices, kv_indptr
@@ -439,7 +439,7 @@ def draft_decode_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
     )  # fmt: skip
@@ -481,6 +481,6 @@ def draft_decode_kv_indices_ref(
         kv_indices[s][dst[keep]] = vals[keep].to(kv_indices.dtype)
     if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
         bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return kv_indices, kv_indptr

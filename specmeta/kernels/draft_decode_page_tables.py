@@ -179,16 +179,18 @@ def _prepare(
 ):  # fmt: skip
     """Validate both passes (each with its own op's checks) and allocate what is missing, before
     anything is written; shared by the launcher and the reference."""
-    page_size, _, _, B, page_table, cache_seqlens = prepare_prefix_page_table(
+    page_size, _, _, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
         page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
-    topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens = prepare_expand_page_table(
+    topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens, status = (
+        prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, expand_page_table,
-        expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
+            expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
+        )
     )  # fmt: skip
     return (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-            expand_cache_seqlens)  # fmt: skip
+            expand_cache_seqlens, status)  # fmt: skip
 
 
 def draft_decode_page_tables(
@@ -276,7 +278,7 @@ def draft_decode_page_tables(
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens) = _prepare(
+     expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
@@ -298,7 +300,7 @@ def draft_decode_page_tables(
         expand_page_table,
         expand_cache_seqlens,
         expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes: both passes
         B,
         # normal pass
@@ -330,7 +332,7 @@ def draft_decode_page_tables(
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         # The normal pass's 256-1024-column blocks want 4 warps; the expand pass's [K, S] and
         # [K, S, W] tiles run with 2 in the standalone kernel. (On Triton 3.6 one warp built
         # wrong expand tables; see scripts/tune_fa3_build.py.)
@@ -360,7 +362,7 @@ def draft_decode_page_tables_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
     (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens) = _prepare(
+     expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,

@@ -272,8 +272,8 @@ def prepare_expand_page_table(
         validate.tensor(name, buf, ndim=2, device=device)
         validate.at_least(name, buf.shape[0], rows, "step rows")
         validate.at_least(name, buf.shape[1], cols, "entries per row")
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status
 
 
 def expand_page_table(
@@ -334,7 +334,7 @@ def expand_page_table(
     Grid ``(max(B, 1),)``, one program per request writing all steps of its ``K`` branches.
     No host sync; ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
     """
-    topk, num_steps, page_size, rows, B, page_table, cache_seqlens = prepare_expand_page_table(
+    topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -347,7 +347,7 @@ def expand_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         rows,
@@ -367,7 +367,7 @@ def expand_page_table(
         BLOCK_W=min(triton.next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=2,
     )
     return page_table, cache_seqlens
@@ -387,7 +387,7 @@ def expand_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`expand_page_table` (vectorised; syncs)."""
-    topk, num_steps, ps, rows, B, page_table, cache_seqlens = prepare_expand_page_table(
+    topk, num_steps, ps, rows, B, page_table, cache_seqlens, status = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -428,6 +428,6 @@ def expand_page_table_ref(
     if cu_seqlens_k is not None:
         cu_seqlens_k[:rows, 0] = 0
         cu_seqlens_k[:rows, 1 : BK + 1] = torch.cumsum(seqlen.t(), dim=1).to(cu_seqlens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

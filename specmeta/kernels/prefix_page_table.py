@@ -325,8 +325,8 @@ def prepare_prefix_page_table(
         )
         if seq_ndim == 2:
             validate.at_least(name, buf.shape[0], rows, "rows (num_rows)")
-    validate.status(status, device)
-    return page_size, extra_tokens, rows, B, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status
 
 
 def prefix_page_table(
@@ -401,7 +401,7 @@ def prefix_page_table(
     ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
     and strides are runtime arguments.
     """
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens = prepare_prefix_page_table(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
@@ -416,7 +416,7 @@ def prefix_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -438,7 +438,7 @@ def prefix_page_table(
         BLOCK_B=_BLOCK_B,
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return page_table, cache_seqlens
@@ -460,7 +460,7 @@ def prefix_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens = prepare_prefix_page_table(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
@@ -495,6 +495,6 @@ def prefix_page_table_ref(
         cu = cu_seqlens_k if cu_seqlens_k.dim() == 2 else cu_seqlens_k.view(1, -1)
         cu[:rows, 0] = 0
         cu[:rows, 1 : B + 1] = torch.cumsum(lens, dim=1).to(cu.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

@@ -202,9 +202,9 @@ def _prepare(
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
                           "entries (ΣL)")  # fmt: skip
-    validate.status(status, device)
+    status = validate.status(status, device)
     out = (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
-    return topk, num_steps, rows, B, out
+    return topk, num_steps, rows, B, out, status
 
 
 def shared_prefix_kv_indices(
@@ -266,7 +266,7 @@ def shared_prefix_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
     ``B``, lengths and strides are runtime arguments.
     """
-    topk, num_steps, rows, B, out = _prepare(
+    topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
         status,
@@ -282,7 +282,7 @@ def shared_prefix_kv_indices(
         prefix_kv_indptr,
         chain_kv_indices,
         chain_kv_indptr,
-        status if status is not None else prefix_kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -304,7 +304,7 @@ def shared_prefix_kv_indices(
         BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
         BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
         BLOCK_ROWS=triton.next_power_of_2(num_steps),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return out
@@ -327,7 +327,7 @@ def shared_prefix_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`shared_prefix_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, out = _prepare(
+    topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
         status,
@@ -354,6 +354,6 @@ def shared_prefix_kv_indices_ref(
         it = s + 1
         chain_kv_indptr[s, : B * K + 1] = (z * it).to(chain_kv_indptr.dtype)
         chain_kv_indices[s, : B * K * it] = chain[:, :it].reshape(-1).to(chain_kv_indices.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return out

@@ -154,8 +154,8 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
         need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
         what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
         validate.at_least("custom_mask", custom_mask.shape[0], need, what)
-    validate.status(status, device)
-    return B, N, custom_mask, mask_indptr
+    status = validate.status(status, device)
+    return B, N, custom_mask, mask_indptr, status
 
 
 def tree_custom_mask(
@@ -205,7 +205,7 @@ def tree_custom_mask(
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
-    B, N, custom_mask, mask_indptr = _prepare(
+    B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
@@ -215,7 +215,7 @@ def tree_custom_mask(
         tree_mask.view(torch.uint8),
         custom_mask.view(torch.uint8),
         mask_indptr,
-        status if status is not None else mask_indptr,
+        status,
         # sizes
         B,
         N,
@@ -227,7 +227,7 @@ def tree_custom_mask(
         PACKED=packed,
         BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return custom_mask, mask_indptr
@@ -244,7 +244,7 @@ def tree_custom_mask_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`tree_custom_mask` (vectorised over every element; syncs)."""
-    B, N, custom_mask, mask_indptr = _prepare(
+    B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
@@ -279,6 +279,6 @@ def tree_custom_mask_ref(
         custom_mask[dst[keep]] = val[keep].to(custom_mask.dtype)
         if not bool(keep.all()):
             bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return custom_mask, mask_indptr

@@ -126,8 +126,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, ca
     if cu_seqlens_k is not None:
         validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
         validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], BN + 1)
-    validate.status(status, device)
-    return B, N, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return B, N, page_table, cache_seqlens, status
 
 
 def verify_expand_page_table(
@@ -176,7 +176,7 @@ def verify_expand_page_table(
 
     Grid ``(max(B, 1),)``, one program per request. No host sync.
     """
-    B, N, page_table, cache_seqlens = _prepare(
+    B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -190,7 +190,7 @@ def verify_expand_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -205,7 +205,7 @@ def verify_expand_page_table(
         BLOCK_N=triton.next_power_of_2(N),
         BLOCK_T=min(triton.next_power_of_2(max(W - N, 1)), 64),
         WRITE_CU0=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
     )
     if cu_seqlens_k is not None and B:
         BN = B * N
@@ -225,7 +225,7 @@ def verify_expand_page_table_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
-    B, N, page_table, cache_seqlens = _prepare(
+    B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -252,6 +252,6 @@ def verify_expand_page_table_ref(
     if cu_seqlens_k is not None:
         cu_seqlens_k[0] = 0
         cu_seqlens_k[1 : BN + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

@@ -108,8 +108,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
         validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
-    validate.status(status, device)
-    return extra_tokens, B, kv_indices, kv_indptr
+    status = validate.status(status, device)
+    return extra_tokens, B, kv_indices, kv_indptr, status
 
 
 def verify_kv_indices(
@@ -160,7 +160,7 @@ def verify_kv_indices(
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    extra_tokens, B, kv_indices, kv_indptr = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
@@ -172,7 +172,7 @@ def verify_kv_indices(
         seq_lens,
         kv_indices,
         kv_indptr,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -184,7 +184,7 @@ def verify_kv_indices(
         # code shape
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return kv_indices, kv_indptr
@@ -202,7 +202,7 @@ def verify_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_kv_indices` (vectorised over the batch; syncs)."""
-    extra_tokens, B, kv_indices, kv_indptr = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
@@ -215,6 +215,6 @@ def verify_kv_indices_ref(
         bits |= int(Status.POS_OOB)
     if B and int(end[-1]) > kv_indices.shape[0]:
         bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return kv_indices, kv_indptr
