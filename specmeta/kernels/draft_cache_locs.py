@@ -210,11 +210,14 @@ def _prefix_tail_copy_pairs_kernel(
     base = L - lpl
     nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
 
+    # Outside layout B (K == 1 or ps == 1) the list is empty and the program only checks the
+    # request's row and length, so a bad one is reported as every other op reports it.
     width = (TOPK - 1) * (page_size - 1)
+    per_branch = tl.maximum(page_size - 1, 1)  # pairs per branch; 1 keeps // and % defined
     e = tl.arange(0, BLOCK)
     live = e < width
-    t = 1 + e // (page_size - 1)
-    u = e % (page_size - 1)
+    t = 1 + e // per_branch
+    u = e % per_branch
     used = live & (u < lpl)
     src_pos = base + u
     tgt_pos = base + t * nnp * page_size + u
@@ -247,7 +250,8 @@ def prefix_tail_copy_pairs(
     Pair ``q = (b·(K−1) + t−1)·(ps−1) + u`` is ``src = row_b[base_b + u]``,
     ``tgt = row_b[base_b + t·nnp_b·ps + u]`` for ``u < lpl_b``, and ``(0, 0)`` (a self-move of
     the sink) otherwise. The list has a fixed length ``B·(K−1)·(ps−1)``, so it needs no host
-    sync; feed it to ``move_kv_cache``. Outside layout B it is empty.
+    sync; feed it to ``move_kv_cache``. Outside layout B it is empty, and the launch only
+    checks every request's row and length (a bad one is reported all the same).
 
     Parameters
     ----------
@@ -282,7 +286,7 @@ def prefix_tail_copy_pairs(
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
     status = validate.status(status, device)
-    if n == 0:
+    if B == 0:
         return tgt, src
     _prefix_tail_copy_pairs_kernel[(B,)](
         req_pool_indices,
@@ -298,7 +302,7 @@ def prefix_tail_copy_pairs(
         page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
-        BLOCK=triton.next_power_of_2(width),
+        BLOCK=triton.next_power_of_2(max(width, 1)),
         HAS_STATUS=True,
     )
     return tgt, src
@@ -361,6 +365,14 @@ def prefix_tail_copy_pairs_ref(
     if src is None:
         src = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
+        # Outside layout B nothing is gathered; a bad row or length is reported all the same.
+        rows = req_pool_indices.to(torch.int64)
+        bits = (
+            0 if bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()) else int(Status.ROW_OOB)
+        )
+        if bool((seq_lens < 0).any()):
+            bits |= int(Status.POS_OOB)
+        or_status(status, bits)
         return tgt, src
     L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
     lpl = L % page_size

@@ -90,8 +90,11 @@ def expand_page_table_program(
     j = tl.arange(0, BLOCK_S)[None, :, None]  # chain index j; also step s of the tiles
     c = tl.arange(0, BLOCK_S)[None, None, :]  # column c: data columns are < rows ≤ S
     in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [K, S, 1]
+    # Every step's slot is loaded, built or not, so that a negative one is always reported;
+    # the steps past num_rows feed nothing else.
+    in_steps = tl.where(live, (t < TOPK) & (j < NUM_STEPS), False)  # [K, S, 1]
     if PAGED:
-        slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
+        slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_steps, NUM_STEPS)
         # The previous slot gathered again rather than shifted out of `slot`: the two loads
         # are in flight together, a shift would wait for the first one.
         prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
@@ -99,7 +102,9 @@ def expand_page_table_program(
     else:
         # Every slot is its own page (duplicates are not collapsed): column c of every step is
         # chain slot c, gathered straight into the column axis.
-        in_cols = tl.where(live, (t < TOPK) & (c < num_rows), False)  # [K, 1, S]
+        # Every step's slot, built or not (a negative one is reported); columns past num_rows
+        # are never stored.
+        in_cols = tl.where(live, (t < TOPK) & (c < NUM_STEPS), False)  # [K, 1, S]
         run_page, neg = _chain_slot(out_cache_loc_ptr, first, t, c, in_cols, NUM_STEPS)
     lpl_before = b * 0  # Σ_{b'<b} lpl_b' (0 when ps == 1), int64
     if WRITE_CU and PAGED:
@@ -313,7 +318,7 @@ def expand_page_table(
         ``int32 [1]``: ``BAD_PAGE`` when a branch's slots do not follow the slot layout (a slot
         at the wrong page offset, or more or fewer distinct pages than ``u``: extra pages are
         dropped, missing ones read the sink), ``POOL_OOB`` for a negative slot (its page reads
-        0), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
+        0; every step's slots are checked, built or not), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
         holds, SPEC §4) are exempt from the layout check.
     cu_seqlens_k : torch.Tensor, optional
         ``[≥ rows, ≥ B·K + 1]``; when given ``cu_seqlens_k[s, r] = Σ_{r'<r} cache_seqlens[s, r']``
@@ -398,8 +403,9 @@ def expand_page_table_ref(
     L = seq_lens.to(torch.int64)
     bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     lpl = (L.clamp_min(0) % ps).repeat_interleave(topk).view(-1, 1)  # [BK, 1]
-    slots = out_cache_loc[: BK * num_steps].view(BK, num_steps)[:, :rows].to(torch.int64)
-    if bool((slots < 0).any()):
+    every = out_cache_loc[: BK * num_steps].view(BK, num_steps)  # every step, built or not
+    slots = every[:, :rows].to(torch.int64)
+    if bool((every < 0).any()):
         bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
     j = torch.arange(rows, device=device).view(1, -1)
