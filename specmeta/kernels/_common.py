@@ -92,6 +92,18 @@ def vector_widths(req_to_token: torch.Tensor, page_table: torch.Tensor, page_siz
 # Device helpers.
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def row_offset(row, stride):
+    """``row · stride`` in 64 bits: the element offset of row ``row`` of a strided tensor.
+
+    The one rule for row offsets (SPEC §2.5, STYLE.md §3): a caller's view may have any row
+    stride (a row of a larger buffer, a stride past 2**30), so ``(rows − 1) · stride`` can pass
+    2**31 whatever the sizes of the batch, and the product is always taken in 64 bits. A stride
+    of 2**31 or more already arrives as an int64 argument; below that, Triton passes an int32
+    and an int32 row index times it would wrap."""
+    return tl.cast(row, tl.int64) * stride  # tl.cast: row may be a plain loop counter
+
+
+@triton.jit
 def draft_slot_position(L, t, j, page_size, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr):
     """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (SPEC §1)."""
     if LAYOUT_B:

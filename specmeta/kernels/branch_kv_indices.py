@@ -31,6 +31,7 @@ from ._common import (
     check_batch,
     chunk_programs,
     load_request,
+    row_offset,
 )
 
 __all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
@@ -101,7 +102,6 @@ def _branch_kv_indices_kernel(
         heads += tl.sum(tl.where(before[None, :], pages, 0), axis=1)
     heads = heads * TOPK
 
-    stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
     n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
@@ -116,7 +116,9 @@ def _branch_kv_indices_kernel(
                 n_s = (L + s + page_size) // page_size
                 dst = tl.sum(tl.where(r == s, heads, 0), axis=0) + t * n_s + col
                 tl.store(
-                    kv_indices_ptr + s * stride_idx64 + dst, page, mask=(col < n_s) & (dst < W_idx)
+                    kv_indices_ptr + row_offset(s, stride_idx) + dst,
+                    page,
+                    mask=(col < n_s) & (dst < W_idx),
                 )
 
     if pid_c == 0:
@@ -127,15 +129,15 @@ def _branch_kv_indices_kernel(
             n_s = tl.where(valid, (L + s + page_size) // page_size, 0)
             head = tl.sum(tl.where(r == s, heads, 0), axis=0)
             z = b * TOPK + tt
-            tl.store(kv_indptr_ptr + s * stride_ptr + z, head + tt * n_s, mask=live_t)
+            tl.store(kv_indptr_ptr + row_offset(s, stride_ptr) + z, head + tt * n_s, mask=live_t)
             tl.store(
-                kv_last_page_len_ptr + s * stride_lpl + z,
+                kv_last_page_len_ptr + row_offset(s, stride_lpl) + z,
                 tl.zeros_like(tt) + (L + s) % page_size + 1,
                 mask=live_t,
             )
             # The closing entry [s, B·K], from the last program (entry 0 when B == 0).
             tl.store(
-                kv_indptr_ptr + s * stride_ptr + B * TOPK + tt,
+                kv_indptr_ptr + row_offset(s, stride_ptr) + B * TOPK + tt,
                 head + TOPK * n_s + tt * 0,
                 mask=tl.where(last, tt == 0, False),
             )

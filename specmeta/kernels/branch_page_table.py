@@ -35,6 +35,7 @@ from ._common import (
     check_batch,
     chunk_programs,
     load_request,
+    row_offset,
 )
 
 __all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_pages_ref"]
@@ -84,7 +85,6 @@ def _branch_page_table_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     valid = b < B
-    stride_pt64 = stride_pt.to(tl.int64)  # row·stride passes 2**31 for large tables
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(pid_c, tl.cdiv(W, BLOCK), chunk_programs):
@@ -95,7 +95,7 @@ def _branch_page_table_kernel(
                 req_to_token_ptr, row_base, row_ok, L, t, col, W_row, page_size, NUM_STEPS
             )
             val = tl.where(used, page, fill_value)
-            row = page_table_ptr + (b * TOPK + t) * stride_pt64
+            row = page_table_ptr + row_offset(b * TOPK + t, stride_pt)
             tl.store(row + col, val, mask=in_w)
             pos_bad |= tl.max((bad & in_w).to(tl.int32), axis=0)
 
@@ -104,7 +104,9 @@ def _branch_page_table_kernel(
         s = f // TOPK
         z = b * TOPK + f % TOPK
         tl.store(
-            seq_lens_k_ptr + s * stride_sl + z, L + s + 1, mask=tl.where(valid, s < num_rows, False)
+            seq_lens_k_ptr + row_offset(s, stride_sl) + z,
+            L + s + 1,
+            mask=tl.where(valid, s < num_rows, False),
         )
     if HAS_STATUS:
         nnp = (L % page_size + NUM_STEPS + page_size - 1) // page_size

@@ -42,6 +42,7 @@ from ._common import (
     gather_rows_ref,
     load_request,
     ragged_prefix_ref,
+    row_offset,
 )
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
@@ -122,7 +123,7 @@ def _shared_prefix_kv_indices_kernel(
         )
         dst = (b * TOPK + t) * (s + 1) + j  # int64 (b is): B·K·S stays small, but cheap
         tl.store(
-            chain_kv_indices_ptr + s.to(tl.int64) * stride_chain + dst,
+            chain_kv_indices_ptr + row_offset(s, stride_chain) + dst,
             v,
             mask=live & (dst < W_chain),
         )
@@ -132,7 +133,7 @@ def _shared_prefix_kv_indices_kernel(
         s = f // TOPK
         z = b * TOPK + f % TOPK
         tl.store(
-            chain_kv_indptr_ptr + s * stride_chain_ptr + z,
+            chain_kv_indptr_ptr + row_offset(s, stride_chain_ptr) + z,
             z * (s + 1),
             mask=tl.where(b < B, s < num_rows, False),
         )
@@ -140,7 +141,7 @@ def _shared_prefix_kv_indices_kernel(
         last = b == tl.maximum(B, 1) - 1
         r = tl.arange(0, BLOCK_ROWS)
         tl.store(
-            chain_kv_indptr_ptr + r * stride_chain_ptr + B * TOPK,
+            chain_kv_indptr_ptr + row_offset(r, stride_chain_ptr) + B * TOPK,
             (r + 1).to(tl.int64) * (B * TOPK),
             mask=tl.where(last, r < num_rows, False),
         )
