@@ -148,9 +148,12 @@ def copy_row_prefix(
     chunk_step, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Copy ``row[0:n]`` to ``dst[dst_start : dst_start + n]``, chunks ``first_chunk,
-    first_chunk + chunk_step, …``; gathers past ``W_row`` read 0, stores past ``W_dst`` drop."""
+    first_chunk + chunk_step, …``; gathers past ``W_row`` read 0, stores past ``W_dst`` drop.
+    The loop covers only what ``dst`` can hold: a garbage ``n`` costs no more than a full
+    buffer (the caller reports it)."""
+    n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_dst - dst_start, 0), W_dst))
     k0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(first_chunk, tl.cdiv(n, BLOCK), chunk_step):
+    for chunk in range(first_chunk, tl.cdiv(n_fit, BLOCK), chunk_step):
         k = k0 + chunk * BLOCK
         m = k < n
         # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).

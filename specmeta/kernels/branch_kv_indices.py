@@ -105,7 +105,19 @@ def _branch_kv_indices_kernel(
     n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(pid_c, tl.cdiv(n_last, BLOCK), chunk_programs):
+    # Columns past W_idx can hold nothing (every entry lands at or after its column), so the
+    # loop stops there: a garbage length costs no more than a full buffer. The last used
+    # column of the last branch holds the largest position, which decides POS_OOB whatever
+    # the loop covered.
+    lpl = L % page_size
+    full = (L - lpl) // page_size
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+    c_last = n_last - 1
+    pos_last = tl.where(
+        c_last < full, c_last * page_size, L - lpl + ((TOPK - 1) * nnp + c_last - full) * page_size
+    )
+    pos_bad |= ((n_last > 0) & (pos_last >= W_row)).to(tl.int32)
+    for chunk in range(pid_c, tl.cdiv(tl.minimum(n_last, W_idx), BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK
         for t in tl.static_range(TOPK):
             page, used, bad = branch_page(

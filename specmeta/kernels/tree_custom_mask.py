@@ -100,8 +100,11 @@ def _tree_custom_mask_kernel(
     start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
     tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
 
+    # The loop covers only what the buffer can hold: a garbage length (2**40) costs no more than
+    # a full buffer, and is reported (OUT_OF_CAPACITY, below).
+    n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_mask - start, 0), W_mask))
     e0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(c, tl.cdiv(n, BLOCK), chunk_programs):
+    for chunk in range(c, tl.cdiv(n_fit, BLOCK), chunk_programs):
         e = e0 + chunk * BLOCK
         if PACKED:
             k = tl.arange(0, 8)
@@ -112,7 +115,7 @@ def _tree_custom_mask_kernel(
         else:
             v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj)
         dst = start + e
-        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n) & (dst < W_mask))
+        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n_fit) & (dst < W_mask))
 
     if c == 0:
         tl.store(mask_indptr_ptr + b + 1, start + n_bits, mask=valid)
@@ -257,10 +260,14 @@ def tree_custom_mask_ref(
     bits = 0
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
-    total = int(n.sum()) if B else 0
+    # Only what the buffer holds is built, as in the kernel: a garbage length costs no more.
+    fit = torch.minimum(n, (custom_mask.shape[0] - start).clamp(0, custom_mask.shape[0]))
+    if B and bool((fit < n).any()):
+        bits |= int(Status.OUT_OF_CAPACITY)
+    total = int(fit.sum()) if B else 0
     if total:
-        req = torch.repeat_interleave(torch.arange(B, device=device), n)
-        e = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[req]
+        req = torch.repeat_interleave(torch.arange(B, device=device), fit)
+        e = torch.arange(total, device=device) - (torch.cumsum(fit, 0) - fit)[req]
         if packed:
             bit = e.view(-1, 1) * 8 + torch.arange(8, device=device).view(1, 8)
             req_b = req.view(-1, 1).expand_as(bit)
@@ -274,11 +281,7 @@ def tree_custom_mask_ref(
         val = live & ((col < prefix_len) | tree)
         if packed:
             val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
-        dst = start[req] + e
-        keep = dst < custom_mask.shape[0]
-        custom_mask[dst[keep]] = val[keep].to(custom_mask.dtype)
-        if not bool(keep.all()):
-            bits |= int(Status.OUT_OF_CAPACITY)
+        custom_mask[start[req] + e] = val.to(custom_mask.dtype)
     if bits:
         status |= bits
     return custom_mask, mask_indptr
