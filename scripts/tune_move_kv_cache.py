@@ -33,14 +33,14 @@ def _pool(layers, row_bytes, n):
 
 
 def tune_any(copy_bw: float, sms: int) -> None:
-    orig = (mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._target_programs)
+    orig = (mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._move_programs)
     for layers, row_bytes, n in CASES:
         pool, tgt, src, moved = _pool(layers, row_bytes, n)
         results = []
         for vectors, warps, per_sm in itertools.product(*KNOBS.values()):
             # The wide-tile knobs of the launcher (every case here has n > _SMALL_BLOCK_N).
             mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS = vectors, warps
-            mod._target_programs = lambda device, wide, k=per_sm: k * sms
+            mod._move_programs = lambda device, wide, k=per_sm: k * sms
             try:
                 us = graph_us(lambda p=pool, t=tgt, s=src: mod.move_kv_cache(p, t, s), rep_ms=30)
             except Exception as exc:  # a tile the compiler refuses (out of registers)
@@ -48,7 +48,7 @@ def tune_any(copy_bw: float, sms: int) -> None:
                 continue
             pct = 100 * moved / (us * 1e-6) / 1e9 / copy_bw
             results.append((us, pct, vectors, warps, per_sm))
-        mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._target_programs = orig
+        mod._WIDE_VECTORS_PER_THREAD, mod._WIDE_WARPS, mod._move_programs = orig
         results.sort()
         print(f"{layers}x{row_bytes}B n={n}: best " + "; ".join(
             f"{us:.1f} us {pct:.1f} % v{v} w{w} p{p}" for us, pct, v, w, p in results[:4]),
@@ -58,7 +58,7 @@ def tune_any(copy_bw: float, sms: int) -> None:
 
 def tune_ordered(copy_bw: float, sms: int) -> None:
     orig = (mod._ORDERED_VECTORS_PER_THREAD, mod._ORDERED_WARPS, mod._ORDERED_MIN_SLICE_BYTES,
-            mod._target_programs)  # fmt: skip
+            mod._move_programs)  # fmt: skip
     table = {}  # knobs -> [% per case]
     for case in ORDERED_CASES:
         pool, tgt, src, moved = _pool(*case)
@@ -66,7 +66,7 @@ def tune_ordered(copy_bw: float, sms: int) -> None:
             vectors, warps, per_sm, slice_bytes = knobs
             mod._ORDERED_VECTORS_PER_THREAD, mod._ORDERED_WARPS = vectors, warps
             mod._ORDERED_MIN_SLICE_BYTES = slice_bytes
-            mod._target_programs = lambda device, wide, k=per_sm: k * sms
+            mod._move_programs = lambda device, wide, k=per_sm: k * sms
             try:
                 us = graph_us(lambda p=pool, t=tgt, s=src: mod.move_kv_cache(p, t, s, ordered=True),
                               rep_ms=20)  # fmt: skip
@@ -76,7 +76,7 @@ def tune_ordered(copy_bw: float, sms: int) -> None:
                 pct = 0.0
             table.setdefault(knobs, []).append(pct)
         mod._ORDERED_VECTORS_PER_THREAD, mod._ORDERED_WARPS = orig[:2]
-        mod._ORDERED_MIN_SLICE_BYTES, mod._target_programs = orig[2:]
+        mod._ORDERED_MIN_SLICE_BYTES, mod._move_programs = orig[2:]
         default = table[(orig[0], orig[1], 4, orig[2])][-1]
         print(f"{case}: default {default:.1f} %, best {max(v[-1] for v in table.values()):.1f} %",
               flush=True)  # fmt: skip

@@ -36,7 +36,13 @@ from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E
 from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
 from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
 from .runners import GraphRunner, RunResult  # noqa: E402
-from .status import SpecmetaStatusError, Status, check_status, new_status  # noqa: E402
+from .status import (  # noqa: E402
+    SpecmetaStatusError,
+    Status,
+    check_status,
+    default_status,
+    new_status,
+)
 
 __version__ = "0.1.0"
 
@@ -49,6 +55,7 @@ __all__ = [
     "SpecmetaStatusError",
     "check_status",
     "new_status",
+    "default_status",
     "assign_draft_cache_locs",
     "assign_draft_cache_locs_ref",
     "prefix_tail_copy_pairs",

@@ -2,9 +2,10 @@
 
 Every launcher takes an optional ``status`` tensor, ``int32 [1]`` on the launch device. A kernel
 that masked a gather or a store ORs one bit per cause into it; nothing is ever written outside a
-buffer. Reading the word is the only operation in specmeta that synchronises with the device,
-and the caller decides when: :func:`check_status` once per iteration, once per request, or only
-in debug builds.
+buffer. A launcher (or torch reference) called without ``status=`` reports into the device's
+:func:`default_status` word, so no masked fault goes unreported. Reading a word is the only
+operation in specmeta that synchronises with the device, and the caller decides when:
+:func:`check_status` once per iteration, once per request, or only in debug builds.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import enum
 
 import torch
 
-__all__ = ["Status", "SpecmetaStatusError", "new_status", "check_status", "decode_status"]
+__all__ = [
+    "Status",
+    "SpecmetaStatusError",
+    "new_status",
+    "default_status",
+    "check_status",
+    "decode_status",
+]
 
 
 class Status(enum.IntFlag):
@@ -63,23 +71,83 @@ def new_status(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+# The process-wide default words, one per device, created on first use.
+_DEFAULT_WORDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in (``cuda`` → ``cuda:<current>``, ``cpu:0`` → ``cpu``)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if d.type == "cpu":
+        return torch.device("cpu")
+    return d
+
+
+def default_status(device: torch.device | str) -> torch.Tensor:
+    """The process-wide default status word of ``device``, ``int32 [1]``, zeroed when created.
+
+    Every launcher of :mod:`specmeta.kernels` (and its torch reference) called without
+    ``status=`` ORs its bits into this word; :func:`check_status` with no word checks every
+    default word created so far. The word is created on first use; creating it allocates
+    device memory, which a CUDA graph capture forbids: call ``specmeta.default_status(device)``
+    once before capturing (a warm-up launch does it too), or pass ``status=``.
+
+    Raises
+    ------
+    ValueError
+        If the word does not exist yet and the current CUDA stream is capturing a graph.
+    """
+    key = _device_key(device)
+    word = _DEFAULT_WORDS.get(key)
+    if word is None:
+        if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"the default status word of {key} would be created during CUDA graph capture; "
+                f"call specmeta.default_status({str(key)!r}) before capture, or pass status="
+            )
+        word = torch.zeros(1, dtype=torch.int32, device=key)
+        _DEFAULT_WORDS[key] = word
+    return word
+
+
 def decode_status(value: int) -> Status:
     """The :class:`Status` flags of a status word's integer value."""
     return Status(int(value) & sum(int(f) for f in Status))
 
 
-def check_status(status: torch.Tensor, *, where: str | None = None, reset: bool = True) -> None:
+def check_status(
+    status: torch.Tensor | None = None, *, where: str | None = None, reset: bool = True
+) -> None:
     """Raise :class:`SpecmetaStatusError` if any bit is set. **Synchronises** with the device.
+
+    The rule for launchers: every launcher of :mod:`specmeta.kernels` and its ``_ref``
+    reports every masked fault into the ``status`` word it is given, or, when called without
+    ``status=``, into :func:`default_status` of its device. ``check_status()`` with no word
+    checks those default words.
 
     Parameters
     ----------
-    status : torch.Tensor
-        ``int32 [1]``, the word passed to the launchers.
+    status : torch.Tensor, optional
+        ``int32 [1]``, the word passed to the launchers. When omitted, every default word
+        created so far (one per device, :func:`default_status`) is read, and the bits of all of
+        them are reported together.
     where : str, optional
         A label for the message (the caller's step name).
     reset : bool
-        Zero the word after reading it (default), so the next check sees only new causes.
+        Zero the word(s) after reading (default), so the next check sees only new causes.
     """
+    if status is None:
+        value = 0
+        for word in list(_DEFAULT_WORDS.values()):
+            bits = int(word.item())  # one sync per device that has a default word
+            if reset and bits:
+                word.zero_()
+            value |= bits
+        if value:
+            raise SpecmetaStatusError(decode_status(value), where)
+        return
     if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 1:
         raise TypeError("status must be an int32 tensor with one element (see specmeta.new_status)")
     value = int(status.item())  # the one deliberate sync of the library

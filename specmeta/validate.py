@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .status import default_status
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -104,10 +106,12 @@ def positive(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
-def status(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The optional status word: ``int32 [1]`` on the launch device."""
+def status(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The status word a launch reports into: ``t`` (checked: ``int32 [1]`` on the launch
+    device), or the device's :func:`specmeta.status.default_status` word when ``t`` is None.
+    The one place of the rule "every launcher reports, with or without ``status=``"."""
     if t is None:
-        return None
+        return default_status(device)
     tensor("status", t, dtypes=(torch.int32,), ndim=1, device=device)
     length("status", t, 1)
     return t

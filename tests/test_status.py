@@ -31,3 +31,92 @@ def test_validate_treats_cuda_and_cuda_index_alike():
     assert not same_device("cpu", "meta")
     if torch.cuda.is_available():
         assert same_device("cuda", f"cuda:{torch.cuda.current_device()}")
+
+
+# --------------------------------------------------------------------------------------------
+# The default word: every launcher reports, with or without status=.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_default_words():
+    """Start and end with every default word zeroed (other tests may leave bits in them)."""
+    from specmeta.status import _DEFAULT_WORDS
+
+    for word in _DEFAULT_WORDS.values():
+        word.zero_()
+    yield
+    for word in _DEFAULT_WORDS.values():
+        word.zero_()
+
+
+def test_default_status_is_one_zeroed_word_per_device(device, clean_default_words):
+    from specmeta import default_status
+
+    word = default_status(device)
+    assert word.dtype == torch.int32 and word.shape == (1,) and int(word) == 0
+    assert default_status(device) is word
+    assert default_status(str(device)) is word
+    check_status()  # nothing set: passes
+
+
+def test_default_status_refuses_to_be_created_during_capture(monkeypatch):
+    from specmeta import status as status_module
+
+    monkeypatch.setattr(status_module, "_DEFAULT_WORDS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match=r"specmeta.default_status\('cuda:0'\) before capture"):
+        status_module.default_status("cuda:0")
+
+
+def _bad_row_batch(device):
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32, device=device).view(4, 16)
+    req_pool_indices = torch.tensor([1, 9], dtype=torch.int32, device=device)  # row 9 of 4
+    seq_lens = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    return req_pool_indices, req_to_token, seq_lens
+
+
+def _launch(name, device):
+    import specmeta.kernels as k
+
+    rpi, r2t, sl = _bad_row_batch(device)
+    if name.startswith("assign_draft_cache_locs"):
+        getattr(k, name)(rpi, r2t, sl, topk=2, num_steps=2)
+    elif name.startswith("verify_kv_indices"):
+        getattr(k, name)(rpi, r2t, sl, extra_tokens=2)
+    elif name.startswith("prefix_page_table"):
+        getattr(k, name)(rpi, r2t, sl, page_size=4)
+    elif name.startswith("accept_cache_locs"):
+        idx = torch.tensor([[0, 5]], dtype=torch.int32, device=device)  # 5 is outside [0, 4)
+        lens = torch.tensor([2], dtype=torch.int32, device=device)
+        loc = torch.arange(4, dtype=torch.int64, device=device)
+        getattr(k, name)(idx, lens, loc, num_draft_tokens=4)
+    elif name.startswith("move_kv_cache"):
+        buf = torch.zeros(4, 8, device=device)
+        tgt = torch.tensor([7], device=device)  # row 7 of 4
+        getattr(k, name)([buf], tgt, torch.tensor([1], device=device))
+
+
+@pytest.mark.parametrize(
+    "name, bit",
+    [
+        ("assign_draft_cache_locs", Status.ROW_OOB),
+        ("assign_draft_cache_locs_ref", Status.ROW_OOB),
+        ("verify_kv_indices", Status.ROW_OOB),
+        ("verify_kv_indices_ref", Status.ROW_OOB),
+        ("prefix_page_table", Status.ROW_OOB),
+        ("accept_cache_locs", Status.BAD_ACCEPT),
+        ("accept_cache_locs_ref", Status.BAD_ACCEPT),
+        ("move_kv_cache", Status.POOL_OOB),
+        ("move_kv_cache_ref", Status.POOL_OOB),
+    ],
+)
+def test_launch_without_status_reports_into_the_default_word(name, bit, device,
+                                                              clean_default_words):  # fmt: skip
+    from specmeta import default_status
+
+    _launch(name, device)
+    assert int(default_status(device)) == int(bit), "the fault's bit, alone, in the default word"
+    with pytest.raises(SpecmetaStatusError) as info:
+        check_status()
+    assert info.value.bits == bit
+    assert int(default_status(device)) == 0, "check_status() resets the default words"
+    check_status()

@@ -1,4 +1,9 @@
-"""Triton kernels: one op per module, each with its typed launcher and its pure-torch reference."""
+"""Triton kernels: one op per module, each with its typed launcher and its pure-torch reference.
+
+Every launcher and reference reports each masked fault into the ``status`` word it is given or,
+called without ``status=``, into :func:`specmeta.default_status` of its device (read both with
+:func:`specmeta.check_status`). What the ops share lives in :mod:`specmeta.kernels._common`.
+"""
 
 from .branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
 from .branch_page_table import branch_page_table, branch_page_table_ref

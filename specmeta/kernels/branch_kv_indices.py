@@ -22,15 +22,20 @@ import triton.language as tl
 from .. import validate
 from ..config import branch_kv_indices_need
 from ..status import Status
-from .branch_page_table import branch_page, branch_pages_ref
-from .draft_cache_locs import _check_batch, load_request
-from .verify_kv_indices import _chunk_programs
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    branch_page,
+    branch_pages_ref,
+    check_batch,
+    chunk_programs,
+    load_request,
+    row_offset,
+)
 
 __all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Page columns one program copies per iteration: page lists are ps times shorter than token
 # lists, so a smaller block than the kv_indices kernels' keeps lanes busy.
@@ -38,6 +43,9 @@ _BLOCK = 256
 # seq_lens entries summed per iteration of the per-step exclusive-prefix loop; the partial sums
 # are a [BLOCK_ROWS, BLOCK_B] tile, kept small enough to stay in registers.
 _BLOCK_B = 256
+# Page columns per chunk when the grid is sized: programs per request are counted in chunks of
+# 1024 columns, four of the kernel's blocks, so a program always has a few blocks to copy.
+_CHUNK_COLUMNS = 1024
 
 
 @triton.jit(
@@ -94,11 +102,22 @@ def _branch_kv_indices_kernel(
         heads += tl.sum(tl.where(before[None, :], pages, 0), axis=1)
     heads = heads * TOPK
 
-    stride_idx64 = stride_idx.to(tl.int64)  # step·row_width passes 2**31 at long contexts
     n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(pid_c, tl.cdiv(n_last, BLOCK), chunk_programs):
+    # Columns past W_idx can hold nothing (every entry lands at or after its column), so the
+    # loop stops there: a garbage length costs no more than a full buffer. The last used
+    # column of the last branch holds the largest position, which decides POS_OOB whatever
+    # the loop covered.
+    lpl = L % page_size
+    full = (L - lpl) // page_size
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+    c_last = n_last - 1
+    pos_last = tl.where(
+        c_last < full, c_last * page_size, L - lpl + ((TOPK - 1) * nnp + c_last - full) * page_size
+    )
+    pos_bad |= ((n_last > 0) & (pos_last >= W_row)).to(tl.int32)
+    for chunk in range(pid_c, tl.cdiv(tl.minimum(n_last, W_idx), BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK
         for t in tl.static_range(TOPK):
             page, used, bad = branch_page(
@@ -109,7 +128,9 @@ def _branch_kv_indices_kernel(
                 n_s = (L + s + page_size) // page_size
                 dst = tl.sum(tl.where(r == s, heads, 0), axis=0) + t * n_s + col
                 tl.store(
-                    kv_indices_ptr + s * stride_idx64 + dst, page, mask=(col < n_s) & (dst < W_idx)
+                    kv_indices_ptr + row_offset(s, stride_idx) + dst,
+                    page,
+                    mask=(col < n_s) & (dst < W_idx),
                 )
 
     if pid_c == 0:
@@ -120,15 +141,15 @@ def _branch_kv_indices_kernel(
             n_s = tl.where(valid, (L + s + page_size) // page_size, 0)
             head = tl.sum(tl.where(r == s, heads, 0), axis=0)
             z = b * TOPK + tt
-            tl.store(kv_indptr_ptr + s * stride_ptr + z, head + tt * n_s, mask=live_t)
+            tl.store(kv_indptr_ptr + row_offset(s, stride_ptr) + z, head + tt * n_s, mask=live_t)
             tl.store(
-                kv_last_page_len_ptr + s * stride_lpl + z,
+                kv_last_page_len_ptr + row_offset(s, stride_lpl) + z,
                 tl.zeros_like(tt) + (L + s) % page_size + 1,
                 mask=live_t,
             )
             # The closing entry [s, B·K], from the last program (entry 0 when B == 0).
             tl.store(
-                kv_indptr_ptr + s * stride_ptr + B * TOPK + tt,
+                kv_indptr_ptr + row_offset(s, stride_ptr) + B * TOPK + tt,
                 head + TOPK * n_s + tt * 0,
                 mask=tl.where(last, tt == 0, False),
             )
@@ -136,10 +157,10 @@ def _branch_kv_indices_kernel(
             over = valid & (
                 tl.sum(tl.where(r == num_rows - 1, heads, 0), axis=0) + TOPK * n_last > W_idx
             )
-            flags = tl.where(~L_ok, _POS_OOB, 0) | tl.where(over, _OUT_OF_CAPACITY, 0)
+            flags = tl.where(~L_ok, POS_OOB, 0) | tl.where(over, OUT_OF_CAPACITY, 0)
             tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
     if HAS_STATUS:
-        flags = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        flags = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
         tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
 
 
@@ -153,7 +174,7 @@ def _prepare(
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -177,8 +198,8 @@ def _prepare(
         need = branch_kv_indices_need(seq_lens_sum, B, topk, rows, page_size)
         validate.at_least("kv_indices", kv_indices.shape[1], need,
                           "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len)
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len), status
 
 
 def branch_kv_indices(
@@ -236,7 +257,7 @@ def branch_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, page_size, rows, B, out = _prepare(
+    topk, num_steps, page_size, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
     )  # fmt: skip
@@ -245,7 +266,7 @@ def branch_kv_indices(
     kv_indices, kv_indptr, kv_last_page_len = out
     device = req_to_token.device
     pages = triton.cdiv(req_to_token.shape[1], page_size)
-    grid = (max(B, 1), _chunk_programs(device, B, pages))
+    grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
     _branch_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -253,7 +274,7 @@ def branch_kv_indices(
         kv_indices,
         kv_indptr,
         kv_last_page_len,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -273,7 +294,7 @@ def branch_kv_indices(
         BLOCK_B=_BLOCK_B,
         BLOCK_ROWS=triton.next_power_of_2(num_steps),
         BLOCK_K=triton.next_power_of_2(topk),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return out
@@ -295,7 +316,7 @@ def branch_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, page_size, rows, B, out = _prepare(
+    topk, num_steps, page_size, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
     )  # fmt: skip
@@ -328,6 +349,6 @@ def branch_kv_indices_ref(
         kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)
         if B and K * int(n.sum()) > W_idx:
             bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return out

@@ -26,37 +26,24 @@ import triton.language as tl
 from .. import validate
 from ..config import draft_pages_per_branch
 from ..status import Status
-from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
-from .draft_decode_kv_indices import _target_programs
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    branch_page,
+    branch_pages_ref,
+    check_batch,
+    chunk_programs,
+    load_request,
+    row_offset,
+)
 
 __all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_pages_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Columns one program writes per iteration for all K rows of its request (page tables are ps
 # times narrower than token lists).
 _BLOCK = 256
-
-
-@triton.jit
-def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
-                NUM_STEPS: tl.constexpr):  # fmt: skip
-    """Page of column ``c`` (any shape) of branch ``t``'s row: ``(page, used, pos_bad)``;
-    ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where unused or out of the row."""
-    lpl = L % page_size
-    base = L - lpl
-    full = base // page_size
-    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
-    in_prefix = c < full
-    used = c < full + nnp
-    pos = tl.where(in_prefix, c * page_size, base + (t * nnp + (c - full)) * page_size)
-    in_row = pos < W_row
-    slot = tl.load(
-        req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
-    )
-    return slot // page_size, used, used & ~in_row
 
 
 @triton.jit(
@@ -98,7 +85,6 @@ def _branch_page_table_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     valid = b < B
-    stride_pt64 = stride_pt.to(tl.int64)  # row·stride passes 2**31 for large tables
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
     c0 = tl.arange(0, BLOCK).to(tl.int64)
     for chunk in range(pid_c, tl.cdiv(W, BLOCK), chunk_programs):
@@ -109,7 +95,7 @@ def _branch_page_table_kernel(
                 req_to_token_ptr, row_base, row_ok, L, t, col, W_row, page_size, NUM_STEPS
             )
             val = tl.where(used, page, fill_value)
-            row = page_table_ptr + (b * TOPK + t) * stride_pt64
+            row = page_table_ptr + row_offset(b * TOPK + t, stride_pt)
             tl.store(row + col, val, mask=in_w)
             pos_bad |= tl.max((bad & in_w).to(tl.int32), axis=0)
 
@@ -118,15 +104,17 @@ def _branch_page_table_kernel(
         s = f // TOPK
         z = b * TOPK + f % TOPK
         tl.store(
-            seq_lens_k_ptr + s * stride_sl + z, L + s + 1, mask=tl.where(valid, s < num_rows, False)
+            seq_lens_k_ptr + row_offset(s, stride_sl) + z,
+            L + s + 1,
+            mask=tl.where(valid, s < num_rows, False),
         )
     if HAS_STATUS:
         nnp = (L % page_size + NUM_STEPS + page_size - 1) // page_size
         over = tl.where(valid, L // page_size + nnp > W, False) & (pid_c == 0)
         bits = (
-            tl.where(row_ok, 0, _ROW_OOB)
-            | tl.where((pos_bad != 0) | ~L_ok, _POS_OOB, 0)
-            | tl.where(over, _OUT_OF_CAPACITY, 0)
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where((pos_bad != 0) | ~L_ok, POS_OOB, 0)
+            | tl.where(over, OUT_OF_CAPACITY, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -139,7 +127,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if page_table is None:
         width = triton.cdiv(req_to_token.shape[1], page_size)
         page_table = torch.empty((B * topk, width), dtype=torch.int32, device=device)
@@ -156,8 +144,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
         # L // ps + nnp(L) == ceil((L + S) / ps), monotone in L.
         need = max_seq_len // page_size + draft_pages_per_branch(max_seq_len, num_steps, page_size)
         validate.at_least("page_table", page_table.shape[1], need, "columns (ceil((L+S)/ps))")
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, page_table, seq_lens_k
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status
 
 
 def branch_page_table(
@@ -217,7 +205,7 @@ def branch_page_table(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths, widths and strides are
     runtime arguments.
     """
-    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         page_table, seq_lens_k, max_seq_len, status,
     )  # fmt: skip
@@ -225,15 +213,14 @@ def branch_page_table(
         return page_table, seq_lens_k
     device = req_to_token.device
     W = page_table.shape[1]
-    per_request = triton.cdiv(_target_programs(device), B)
-    grid = (B, max(1, min(per_request, triton.cdiv(W, _BLOCK))))
+    grid = (B, chunk_programs(device, B, W, _BLOCK))
     _branch_page_table_kernel[grid](
         req_pool_indices,
         req_to_token,
         seq_lens,
         page_table,
         seq_lens_k,
-        status if status is not None else seq_lens_k,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -251,39 +238,10 @@ def branch_page_table(
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
         BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return page_table, seq_lens_k
-
-
-def branch_pages_ref(
-    req_pool_indices: torch.Tensor,
-    req_to_token: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: int,
-    num_steps: int,
-    page_size: int,
-    width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``[B, K, width]`` pages of every branch row (0 where unused), the ``[B, K, width]``
-    "used" mask, the mask of used columns whose position fell past ``W_row``, and the
-    ``ROW_OOB`` bit; vectorised. Shared with ``branch_kv_indices``."""
-    device = req_to_token.device
-    ps = page_size
-    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
-    lpl = L % ps
-    base = L - lpl
-    full = base // ps
-    nnp = (lpl + num_steps + ps - 1) // ps
-    t = torch.arange(topk, device=device).view(1, -1, 1)
-    c = torch.arange(width, device=device).view(1, 1, -1)
-    used = (c < full + nnp).expand(L.shape[0], topk, width)
-    pos = torch.where(c < full, c * ps, base + (t * nnp + (c - full)) * ps)
-    pos = torch.where(used, pos, 0)
-    slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
-    pages = torch.where(used, slots // ps, 0)
-    return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
 
 
 def branch_page_table_ref(
@@ -302,7 +260,7 @@ def branch_page_table_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_page_table` (vectorised; syncs)."""
-    topk, num_steps, page_size, rows, B, page_table, seq_lens_k = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         page_table, seq_lens_k, max_seq_len, status,
     )  # fmt: skip
@@ -324,6 +282,6 @@ def branch_page_table_ref(
     L = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
     s = torch.arange(rows, device=seq_lens.device).view(-1, 1)
     seq_lens_k[:rows, : B * topk] = (L.view(1, -1) + s + 1).to(seq_lens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, seq_lens_k

@@ -73,6 +73,7 @@ import triton.language as tl
 from .. import validate
 from ..config import kv_pool_table_shape
 from ..status import Status
+from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
 __all__ = [
     "accept_cache_locs",
@@ -84,8 +85,6 @@ __all__ = [
     "DISJOINT_BLOCK_N",
 ]
 
-_BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 # accept_cache_locs: requests per iteration of the single program's scan (a [128, next_pow2(S+1)]
 # tile, 2048 entries at S + 1 = 16, is 16 per thread at 4 warps), and tail entries zeroed per
@@ -182,7 +181,7 @@ def _accept_cache_locs_kernel(
         tl.store(src_ptr + e, zero, mask=e < n_out)
 
     if HAS_STATUS:
-        bits = tl.where(bad != 0, _BAD_ACCEPT, 0)
+        bits = tl.where(bad != 0, BAD_ACCEPT, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -204,8 +203,8 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
     for name, buf in (("tgt", tgt), ("src", src)):
         validate.tensor(name, buf, ndim=1, device=device)
         validate.at_least(name, buf.shape[0], n, "pairs (accept_index.numel())")
-    validate.status(status, device)
-    return n_draft, B, C, tgt, src
+    status = validate.status(status, device)
+    return n_draft, B, C, tgt, src, status
 
 
 def accept_cache_locs(
@@ -262,7 +261,7 @@ def accept_cache_locs(
     One program: a ``tl.cumsum`` per block of 128 requests and a carried total, then the tail.
     No host sync; ``B`` is a runtime argument.
     """
-    n_draft, B, C, tgt, src = _prepare_accept(
+    n_draft, B, C, tgt, src, status = _prepare_accept(
         accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
     )
     n = B * C
@@ -274,7 +273,7 @@ def accept_cache_locs(
         out_cache_loc,
         tgt,
         src,
-        status if status is not None else tgt,
+        status,
         # sizes
         B,
         n_draft,
@@ -285,7 +284,7 @@ def accept_cache_locs(
         BLOCK_B=_ACCEPT_BLOCK_B,
         BLOCK_C=triton.next_power_of_2(C),
         BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return tgt[:n], src[:n]
@@ -302,7 +301,7 @@ def accept_cache_locs_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`accept_cache_locs` (vectorised over the batch; syncs)."""
-    N, B, C, tgt, src = _prepare_accept(
+    N, B, C, tgt, src, status = _prepare_accept(
         accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
     )
     n = B * C
@@ -327,7 +326,7 @@ def accept_cache_locs_ref(
     out_s[dst[want]] = src_v[want]
     tgt[:n] = out_t.to(tgt.dtype)
     src[:n] = out_s.to(src.dtype)
-    if status is not None and (bool(wrong.any()) or bool((acc != acc_in).any())):
+    if bool(wrong.any()) or bool((acc != acc_in).any()):
         status |= int(Status.BAD_ACCEPT)
     return tgt[:n], src[:n]
 
@@ -441,7 +440,7 @@ def _move_kv_cache_kernel(
 
     if HAS_STATUS:
         # Every slice sees the same pairs; slice 0 reports for its buffers.
-        bits = tl.where((bad != 0) & (c == 0), _POOL_OOB, 0)
+        bits = tl.where((bad != 0) & (c == 0), POOL_OOB, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -555,15 +554,11 @@ class KVPool:
                 f"addressing={self.addressing!r})")  # fmt: skip
 
 
-@functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device, wide: bool) -> int:
+def _move_programs(device: torch.device, wide: bool) -> int:
     """Programs that keep the device busy: 4 per multiprocessor for 32 KiB tiles (one to three
     are resident per SM, so two waves or more), _WIDE_PROGRAMS_PER_SM for 128 KiB tiles; a
     couple under the CPU interpreter, where each program costs host time."""
-    if device.type == "cuda":
-        per_sm = _WIDE_PROGRAMS_PER_SM if wide else 4
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
+    return target_programs(device, _WIDE_PROGRAMS_PER_SM if wide else 4, cpu=2)
 
 
 def _ordered_cols(pool: KVPool, row: int, tile: int, vec: int, target: int) -> int:
@@ -585,7 +580,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
     if ordered and not disjoint:  # blocks of pairs, one program walks them in list order
         warps = _ORDERED_WARPS
         tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
-        target = _target_programs(pool.device, False)
+        target = _move_programs(pool.device, False)
         cols = _ordered_cols(pool, row, tile, vec16, target)
         block_n = max(16, min(tile // cols, triton.next_power_of_2(n)))
         pair_programs, blocks_per_program = 1, triton.cdiv(n, block_n)
@@ -594,7 +589,7 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
         wide = block_n > _SMALL_BLOCK_N
         warps = _WIDE_WARPS if wide else 8
         tile = warps * 32 * (_WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD) * vec16
-        target = _target_programs(pool.device, wide)
+        target = _move_programs(pool.device, wide)
         cols = max(1, min(tile // block_n, row))
         pair_programs, blocks_per_program = triton.cdiv(n, block_n), 1
     vec = vec16 if cols >= vec16 else 1  # narrower slices are not 16-byte aligned
@@ -602,14 +597,14 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
                 pair_programs=pair_programs, blocks_per_program=blocks_per_program)  # fmt: skip
 
 
-def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status) -> int:
+def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status):
     validate.tensor("tgt", tgt, ndim=1, device=device)
     validate.tensor("src", src, ndim=1, device=device)
     validate.length("src", src, tgt.shape[0])
     for name, flag in (("disjoint", disjoint), ("ordered", ordered)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    validate.status(status, device)
+    status = validate.status(status, device)
     n = tgt.shape[0]
     if not (disjoint or ordered) and n > MAX_OVERLAPPING_PAIRS:
         raise ValueError(
@@ -618,7 +613,7 @@ def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status) -> i
             "writes (accept_cache_locs pairs), disjoint=True if no target is another pair's "
             "source (prefix-tail pairs), or split the list"
         )
-    return n
+    return n, status
 
 
 def move_kv_cache(
@@ -671,7 +666,7 @@ def move_kv_cache(
     sync; ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
-    n = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
+    n, status = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     if n == 0:
         return
     shape = _launch_shape(n, pool, disjoint, ordered)
@@ -679,7 +674,7 @@ def move_kv_cache(
     common = dict(
         tgt_ptr=tgt,
         src_ptr=src,
-        status_ptr=status if status is not None else tgt,
+        status_ptr=status,
         n=n,
         blocks_per_program=shape["blocks_per_program"],
         min_rows=pool.min_rows,
@@ -687,7 +682,7 @@ def move_kv_cache(
         COLS=cols,
         WORD_BYTES=pool.word_bytes,
         VEC=shape["VEC"],
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=shape["num_warps"],
     )
     if pool.addressing == "table":
@@ -736,7 +731,7 @@ def move_kv_cache_ref(
         bufs, device = buffers.buffers, buffers.device
     else:
         bufs, (device, *_) = _describe(buffers)
-    _check_pairs(device, tgt, src, disjoint, ordered, status)
+    _, status = _check_pairs(device, tgt, src, disjoint, ordered, status)
     t, s = tgt.to(torch.int64), src.to(torch.int64)
     bad = False
     for buf in bufs:
@@ -745,5 +740,5 @@ def move_kv_cache_ref(
         bad = bad or not bool(in_pool.all())
         keep = in_pool & (t != s)
         rows[t[keep]] = rows[s[keep]]  # the right side is gathered (a copy) before the scatter
-    if status is not None and bad:
+    if bad:
         status |= int(Status.POOL_OOB)

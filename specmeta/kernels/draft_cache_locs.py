@@ -8,7 +8,8 @@ Branch ``t`` of request ``b`` writes its step-``j`` token at row position ``p(b,
   must hold a copy of the prefix tail.
 
 ``out_cache_loc[(b·K + t)·S + j] = row_b[p(b, t, j)]``. The position rule lives in one
-``@triton.jit`` helper, :func:`draft_slot_position`, shared with the kv_indices kernel.
+``@triton.jit`` helper, :func:`draft_slot_position` in :mod:`specmeta.kernels._common`, shared
+with every kernel that reads draft slots.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ import triton.language as tl
 from .. import validate
 from ..config import uses_layout_b
 from ..status import Status
+from ._common import (
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
+    draft_positions_ref,
+    draft_slot_position,
+    gather_rows_ref,
+    load_request,
+    or_status,
+)
 
 __all__ = [
     "assign_draft_cache_locs",
@@ -28,39 +39,6 @@ __all__ = [
     "prefix_tail_copy_pairs_ref",
     "draft_positions_ref",
 ]
-
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-
-
-# --------------------------------------------------------------------------------------------
-# Device helpers shared by the kernels that read draft slots.
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def draft_slot_position(L, t, j, page_size, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr):
-    """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (SPEC §1)."""
-    if LAYOUT_B:
-        lpl = L % page_size
-        nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
-        return L - lpl + t * nnp * page_size + lpl + j
-    else:
-        return L + t * NUM_STEPS + j
-
-
-@triton.jit
-def load_request(req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row):
-    """``(row_base, L, row_ok, L_ok)`` of request ``b``: the int64 offset of its req_to_token
-    row, its prefix length clamped to ≥ 0, and whether each was in range. ``b ≥ B`` gives an
-    empty request (L = 0) that is reported as fine."""
-    valid = b < B
-    rp = tl.load(req_pool_indices_ptr + b, mask=valid, other=0).to(tl.int64)
-    L = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
-    row_ok = (rp >= 0) & (rp < R)
-    L_ok = L >= 0
-    L = tl.maximum(L, 0)
-    # row * stride: R·W_row can pass 2**31, so the product is taken in 64 bits.
-    row_base = tl.where(row_ok, rp, 0) * stride_row
-    return row_base, L, row_ok | (b >= B), L_ok
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,17 +89,8 @@ def _assign_draft_cache_locs_kernel(
 
     if HAS_STATUS:
         pos_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
-        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        bits = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
-
-
-def _check_batch(req_pool_indices, req_to_token, seq_lens):
-    validate.tensor("req_to_token", req_to_token, ndim=2)
-    device = req_to_token.device
-    validate.tensor("req_pool_indices", req_pool_indices, ndim=1, device=device)
-    validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
-    validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
-    return req_pool_indices.shape[0], device
 
 
 def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
@@ -179,14 +148,14 @@ def assign_draft_cache_locs(
     topk = validate.positive("topk", topk)
     num_steps = validate.positive("num_steps", num_steps)
     page_size = validate.positive("page_size", page_size)
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=device)
     _check_out("out_cache_loc", out_cache_loc, n, device)
     if positions is not None:
         _check_out("positions", positions, B * topk, device)
-    validate.status(status, device)
+    status = validate.status(status, device)
     if B == 0:
         return out_cache_loc
     _assign_draft_cache_locs_kernel[(B,)](
@@ -195,7 +164,7 @@ def assign_draft_cache_locs(
         seq_lens,
         out_cache_loc,
         positions if positions is not None else out_cache_loc,
-        status if status is not None else out_cache_loc,
+        status,
         B,
         req_to_token.shape[0],
         req_to_token.shape[1],
@@ -206,7 +175,7 @@ def assign_draft_cache_locs(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=triton.next_power_of_2(topk * num_steps),
         WRITE_POSITIONS=positions is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
     )
     return out_cache_loc
 
@@ -241,11 +210,14 @@ def _prefix_tail_copy_pairs_kernel(
     base = L - lpl
     nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
 
+    # Outside layout B (K == 1 or ps == 1) the list is empty and the program only checks the
+    # request's row and length, so a bad one is reported as every other op reports it.
     width = (TOPK - 1) * (page_size - 1)
+    per_branch = tl.maximum(page_size - 1, 1)  # pairs per branch; 1 keeps // and % defined
     e = tl.arange(0, BLOCK)
     live = e < width
-    t = 1 + e // (page_size - 1)
-    u = e % (page_size - 1)
+    t = 1 + e // per_branch
+    u = e % per_branch
     used = live & (u < lpl)
     src_pos = base + u
     tgt_pos = base + t * nnp * page_size + u
@@ -257,7 +229,7 @@ def _prefix_tail_copy_pairs_kernel(
 
     if HAS_STATUS:
         pos_bad = tl.max((used & (tgt_pos >= W_row)).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
-        bits = tl.where(row_ok, 0, _ROW_OOB) | tl.where(pos_bad != 0, _POS_OOB, 0)
+        bits = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -278,7 +250,8 @@ def prefix_tail_copy_pairs(
     Pair ``q = (b·(K−1) + t−1)·(ps−1) + u`` is ``src = row_b[base_b + u]``,
     ``tgt = row_b[base_b + t·nnp_b·ps + u]`` for ``u < lpl_b``, and ``(0, 0)`` (a self-move of
     the sink) otherwise. The list has a fixed length ``B·(K−1)·(ps−1)``, so it needs no host
-    sync; feed it to ``move_kv_cache``. Outside layout B it is empty.
+    sync; feed it to ``move_kv_cache``. Outside layout B it is empty, and the launch only
+    checks every request's row and length (a bad one is reported all the same).
 
     Parameters
     ----------
@@ -303,7 +276,7 @@ def prefix_tail_copy_pairs(
     topk = validate.positive("topk", topk)
     num_steps = validate.positive("num_steps", num_steps)
     page_size = validate.positive("page_size", page_size)
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
     n = B * width
     if tgt is None:
@@ -312,8 +285,8 @@ def prefix_tail_copy_pairs(
         src = torch.empty(n, dtype=torch.int64, device=device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
-    validate.status(status, device)
-    if n == 0:
+    status = validate.status(status, device)
+    if B == 0:
         return tgt, src
     _prefix_tail_copy_pairs_kernel[(B,)](
         req_pool_indices,
@@ -321,7 +294,7 @@ def prefix_tail_copy_pairs(
         seq_lens,
         tgt,
         src,
-        status if status is not None else tgt,
+        status,
         B,
         req_to_token.shape[0],
         req_to_token.shape[1],
@@ -329,8 +302,8 @@ def prefix_tail_copy_pairs(
         page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
-        BLOCK=triton.next_power_of_2(width),
-        HAS_STATUS=status is not None,
+        BLOCK=triton.next_power_of_2(max(width, 1)),
+        HAS_STATUS=True,
     )
     return tgt, src
 
@@ -338,44 +311,6 @@ def prefix_tail_copy_pairs(
 # --------------------------------------------------------------------------------------------
 # References (plain torch; they may sync)
 # --------------------------------------------------------------------------------------------
-def draft_positions_ref(
-    seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int
-) -> torch.Tensor:
-    """``[B, K, S]`` int64 row positions ``p(b, t, j)`` of SPEC §1 (negative lengths read as 0)."""
-    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
-    t = torch.arange(topk, device=seq_lens.device).view(1, -1, 1)
-    j = torch.arange(num_steps, device=seq_lens.device).view(1, 1, -1)
-    if not uses_layout_b(topk, page_size):
-        return L + t * num_steps + j
-    lpl = L % page_size
-    nnp = (lpl + num_steps + page_size - 1) // page_size
-    return L - lpl + t * nnp * page_size + lpl + j
-
-
-def gather_rows_ref(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """``row_b[positions[b, ...]]`` with the kernels' masking: 0 where the row or the position is
-    out of range. Returns the values and the status bits the kernels would set."""
-    R, W = req_to_token.shape
-    rows = req_pool_indices.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
-    row_ok = (rows >= 0) & (rows < R)
-    pos_ok = (positions >= 0) & (positions < W)
-    ok = row_ok & pos_ok
-    safe_rows = torch.where(ok, rows, 0).expand_as(positions)
-    safe_pos = torch.where(ok, positions, 0)
-    vals = torch.where(ok, req_to_token[safe_rows, safe_pos], 0)
-    bits = 0
-    if not bool(row_ok.all()):
-        bits |= int(Status.ROW_OOB)
-    if not bool(pos_ok.all()):
-        bits |= int(Status.POS_OOB)
-    return vals, bits
-
-
-def _or_status(status: torch.Tensor | None, bits: int) -> None:
-    if status is not None and bits:
-        status |= bits
 
 
 def assign_draft_cache_locs_ref(
@@ -391,6 +326,7 @@ def assign_draft_cache_locs_ref(
     status: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`assign_draft_cache_locs`."""
+    status = validate.status(status, req_to_token.device)
     B = req_pool_indices.shape[0]
     n = B * topk * num_steps
     if out_cache_loc is None:
@@ -402,7 +338,7 @@ def assign_draft_cache_locs_ref(
     out_cache_loc[:n] = vals.reshape(-1).to(out_cache_loc.dtype)
     if positions is not None:
         positions[: B * topk] = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)
-    _or_status(status, bits)
+    or_status(status, bits)
     return out_cache_loc
 
 
@@ -420,6 +356,7 @@ def prefix_tail_copy_pairs_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_tail_copy_pairs`."""
     device = req_to_token.device
+    status = validate.status(status, device)
     B = req_pool_indices.shape[0]
     width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
     n = B * width
@@ -428,6 +365,14 @@ def prefix_tail_copy_pairs_ref(
     if src is None:
         src = torch.empty(n, dtype=torch.int64, device=device)
     if n == 0:
+        # Outside layout B nothing is gathered; a bad row or length is reported all the same.
+        rows = req_pool_indices.to(torch.int64)
+        bits = (
+            0 if bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()) else int(Status.ROW_OOB)
+        )
+        if bool((seq_lens < 0).any()):
+            bits |= int(Status.POS_OOB)
+        or_status(status, bits)
         return tgt, src
     L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
     lpl = L % page_size
@@ -452,5 +397,5 @@ def prefix_tail_copy_pairs_ref(
         bits |= int(Status.POS_OOB)
     src[:n] = torch.where(keep, src_vals, 0).reshape(-1).to(src.dtype)
     tgt[:n] = torch.where(keep, tgt_vals, 0).reshape(-1).to(tgt.dtype)
-    _or_status(status, bits)
+    or_status(status, bits)
     return tgt, src

@@ -13,8 +13,6 @@ row past ``K·ΣL + B·K·it`` are left untouched.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -22,19 +20,20 @@ import triton.language as tl
 from .. import validate
 from ..config import draft_decode_kv_indices_need, uses_layout_b
 from ..status import Status
-from .draft_cache_locs import (
-    _check_batch,
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
     load_request,
+    target_programs,
 )
 
 __all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Prefix entries a program loads per iteration and stores into each of its lists. 1024 int32
 # entries keep 8 elements a thread in flight at 4 warps.
@@ -241,9 +240,9 @@ def _draft_decode_kv_indices_kernel(
         over = tl.where(live_b, L + s_d + 1 > room, False)
         pos_bad = tl.where(live_b, last_p >= W_row, False) | (L > W_row) | ~L_ok
         bits = (
-            tl.where(row_ok, 0, _ROW_OOB)
-            | tl.where(pos_bad, _POS_OOB, 0)
-            | tl.where(over, _OUT_OF_CAPACITY, 0)
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where(pos_bad, POS_OOB, 0)
+            | tl.where(over, OUT_OF_CAPACITY, 0)
         )
         bits = tl.where(live_d, bits, 0)
         tl.atomic_or(status_ptr + 0 * d, bits, mask=bits != 0, sem="relaxed")
@@ -265,15 +264,6 @@ def _list_extent(d, b, L, head, W_idx, stride_idx, TOPK: tl.constexpr, VEC: tl.c
     return list_off, start, lim, head_n
 
 
-@functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device, per_sm: int = 8) -> int:
-    """Programs that keep the device busy: ``per_sm`` per multiprocessor on CUDA; a handful
-    under the CPU interpreter, where each program costs host time."""
-    if device.type == "cuda":
-        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _grid(
     device: torch.device, batch: int, lists: int, row_width: int
 ) -> tuple[int, int, int, int]:
@@ -284,7 +274,7 @@ def _grid(
     number, with at most ``_MAX_CHUNKS`` (one for long rows) a program. Only host-known sizes
     enter: ``B``, the list count and the row width, never a device value.
     """
-    target = _target_programs(device, _PROGRAMS_PER_SM)
+    target = target_programs(device, _PROGRAMS_PER_SM)
     requests = max(batch, 1)
     groups = triton.cdiv(lists, max(1, min(lists, _LISTS_PER_PROGRAM)))
     per_program = triton.cdiv(lists, groups)  # balance the groups
@@ -305,7 +295,7 @@ def _prepare(
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -323,8 +313,8 @@ def _prepare(
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
         validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
-    validate.status(status, device)
-    return topk, num_steps, rows, B, kv_indices, kv_indptr
+    status = validate.status(status, device)
+    return topk, num_steps, rows, B, kv_indices, kv_indptr, status
 
 
 def draft_decode_kv_indices(
@@ -384,7 +374,7 @@ def draft_decode_kv_indices(
     of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
     )  # fmt: skip
@@ -405,7 +395,7 @@ def draft_decode_kv_indices(
         seq_lens,
         kv_indices,
         kv_indptr,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -428,7 +418,7 @@ def draft_decode_kv_indices(
         BLOCK_LISTS=triton.next_power_of_2(_LISTS_PER_PROGRAM),
         BLOCK_EDGE=triton.next_power_of_2(2 * vec + num_steps),
         VEC=vec,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=_NUM_WARPS,
     )
     return kv_indices, kv_indptr
@@ -449,7 +439,7 @@ def draft_decode_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, kv_indices, kv_indptr = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
     )  # fmt: skip
@@ -491,6 +481,6 @@ def draft_decode_kv_indices_ref(
         kv_indices[s][dst[keep]] = vals[keep].to(kv_indices.dtype)
     if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
         bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return kv_indices, kv_indptr

@@ -27,17 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .expand_page_table import _expand_page_table_program, expand_page_table_ref
-from .expand_page_table import _prepare as _prepare_expand
-from .prefix_page_table import (
-    _BLOCK,
-    _BLOCK_B,
-    _chunk_programs,
-    _prefix_page_table_program,
-    _vectors,
-    prefix_page_table_ref,
+from ._common import chunk_programs, vector_widths
+from .expand_page_table import (
+    expand_page_table_program,
+    expand_page_table_ref,
+    prepare_expand_page_table,
 )
-from .prefix_page_table import _prepare as _prepare_prefix
+from .prefix_page_table import (
+    prefix_page_table_program,
+    prefix_page_table_ref,
+    prepare_prefix_page_table,
+)
 
 __all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
 
@@ -48,6 +48,10 @@ __all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
 # (ps = 64); see scripts/tune_fa3_build.py.
 _NUM_WARPS = 4
 _MIN_BLOCK = 256
+# The widest normal-pass block, and the column chunk the grid is sized by: the standalone
+# prefix_page_table's block. seq_lens entries per iteration of the prefix sums, as there.
+_BLOCK = 1024
+_BLOCK_B = 1024
 
 
 @triton.jit(
@@ -107,7 +111,7 @@ def _draft_decode_page_tables_kernel(
         # The normal pass has one row, no extra tokens and fill 0: literal sizes that Triton
         # folds (a runtime 0 keeps the argument types of the standalone kernel).
         zero = B * 0
-        _prefix_page_table_program(
+        prefix_page_table_program(
             b,
             c,
             req_pool_indices_ptr,
@@ -140,7 +144,7 @@ def _draft_decode_page_tables_kernel(
             HAS_STATUS=HAS_STATUS,
         )
     elif b < tl.maximum(B, 1):
-        _expand_page_table_program(
+        expand_page_table_program(
             b,
             out_cache_loc_ptr,
             seq_lens_ptr,
@@ -175,16 +179,18 @@ def _prepare(
 ):  # fmt: skip
     """Validate both passes (each with its own op's checks) and allocate what is missing, before
     anything is written; shared by the launcher and the reference."""
-    page_size, _, _, B, page_table, cache_seqlens = _prepare_prefix(
+    page_size, _, _, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
         page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
-    topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens = _prepare_expand(
+    topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens, status = (
+        prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, expand_page_table,
-        expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
+            expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
+        )
     )  # fmt: skip
     return (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-            expand_cache_seqlens)  # fmt: skip
+            expand_cache_seqlens, status)  # fmt: skip
 
 
 def draft_decode_page_tables(
@@ -272,17 +278,17 @@ def draft_decode_page_tables(
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens) = _prepare(
+     expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
     )  # fmt: skip
     W = page_table.shape[1]
     W_expand = expand_page_table.shape[2]
-    chunk_programs = _chunk_programs(req_to_token.device, B, W)
+    normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
     # One more column of programs for the expand pass, none when it has no row to build; one
     # more row for the normal pass's cu_seqlens_k.
-    grid = (B + 1, chunk_programs + (1 if rows > 0 else 0))
+    grid = (B + 1, normal_programs + (1 if rows > 0 else 0))
     _draft_decode_page_tables_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -294,7 +300,7 @@ def draft_decode_page_tables(
         expand_page_table,
         expand_cache_seqlens,
         expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes: both passes
         B,
         # normal pass
@@ -303,7 +309,7 @@ def draft_decode_page_tables(
         req_to_token.stride(0),
         W,
         page_table.stride(0),
-        chunk_programs,
+        normal_programs,
         # expand pass
         rows,
         W_expand,
@@ -323,10 +329,10 @@ def draft_decode_page_tables(
         BLOCK_S=triton.next_power_of_2(num_steps),
         # The data tile covers the usual W_e = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
-        **_vectors(req_to_token, page_table, page_size),
+        **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         # The normal pass's 256-1024-column blocks want 4 warps; the expand pass's [K, S] and
         # [K, S, W] tiles run with 2 in the standalone kernel. (On Triton 3.6 one warp built
         # wrong expand tables; see scripts/tune_fa3_build.py.)
@@ -356,7 +362,7 @@ def draft_decode_page_tables_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
     (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens) = _prepare(
+     expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,

@@ -26,12 +26,10 @@ import triton.language as tl
 from .. import validate
 from ..config import expand_page_table_width
 from ..status import Status
+from ._common import BAD_PAGE, POOL_OOB, POS_OOB
 
 __all__ = ["expand_page_table", "expand_page_table_ref"]
 
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
-_BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))  # kernels read only constexpr globals
 
 # seq_lens entries summed per iteration of the exclusive Σ lpl loop (one load up to B = 1024).
 _BLOCK_B = 1024
@@ -48,7 +46,7 @@ def _chain_slot(out_cache_loc_ptr, first, t, j, live, NUM_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _expand_page_table_program(
+def expand_page_table_program(
     b,  # request
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     seq_lens_ptr,  # [B] int32|int64
@@ -92,8 +90,11 @@ def _expand_page_table_program(
     j = tl.arange(0, BLOCK_S)[None, :, None]  # chain index j; also step s of the tiles
     c = tl.arange(0, BLOCK_S)[None, None, :]  # column c: data columns are < rows ≤ S
     in_rows = tl.where(live, (t < TOPK) & (j < num_rows), False)  # [K, S, 1]
+    # Every step's slot is loaded, built or not, so that a negative one is always reported;
+    # the steps past num_rows feed nothing else.
+    in_steps = tl.where(live, (t < TOPK) & (j < NUM_STEPS), False)  # [K, S, 1]
     if PAGED:
-        slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_rows, NUM_STEPS)
+        slot, neg = _chain_slot(out_cache_loc_ptr, first, t, j, in_steps, NUM_STEPS)
         # The previous slot gathered again rather than shifted out of `slot`: the two loads
         # are in flight together, a shift would wait for the first one.
         prev, _neg_prev = _chain_slot(out_cache_loc_ptr, first, t, j - 1, in_rows & (j >= 1),
@@ -101,7 +102,9 @@ def _expand_page_table_program(
     else:
         # Every slot is its own page (duplicates are not collapsed): column c of every step is
         # chain slot c, gathered straight into the column axis.
-        in_cols = tl.where(live, (t < TOPK) & (c < num_rows), False)  # [K, 1, S]
+        # Every step's slot, built or not (a negative one is reported); columns past num_rows
+        # are never stored.
+        in_cols = tl.where(live, (t < TOPK) & (c < NUM_STEPS), False)  # [K, 1, S]
         run_page, neg = _chain_slot(out_cache_loc_ptr, first, t, c, in_cols, NUM_STEPS)
     lpl_before = b * 0  # Σ_{b'<b} lpl_b' (0 when ps == 1), int64
     if WRITE_CU and PAGED:
@@ -170,9 +173,9 @@ def _expand_page_table_program(
         pos_bad = live & ~L_ok
         neg_any = tl.max(neg.to(tl.int32)) != 0
         bits = (
-            tl.where(pos_bad, _POS_OOB, 0)
-            | tl.where(neg_any, _POOL_OOB, 0)
-            | tl.where(bad_page, _BAD_PAGE, 0)
+            tl.where(pos_bad, POS_OOB, 0)
+            | tl.where(neg_any, POOL_OOB, 0)
+            | tl.where(bad_page, BAD_PAGE, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -208,8 +211,8 @@ def _expand_page_table_kernel(
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1),)``: program ``b`` runs :func:`_expand_page_table_program`."""
-    _expand_page_table_program(
+    """Grid ``(max(B, 1),)``: program ``b`` runs :func:`expand_page_table_program`."""
+    expand_page_table_program(
         tl.program_id(0),
         out_cache_loc_ptr,
         seq_lens_ptr,
@@ -237,7 +240,7 @@ def _expand_page_table_kernel(
     )
 
 
-def _prepare(
+def prepare_expand_page_table(
     out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
     cu_seqlens_k, status, prefix="",
 ):  # fmt: skip
@@ -274,8 +277,8 @@ def _prepare(
         validate.tensor(name, buf, ndim=2, device=device)
         validate.at_least(name, buf.shape[0], rows, "step rows")
         validate.at_least(name, buf.shape[1], cols, "entries per row")
-    validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status
 
 
 def expand_page_table(
@@ -315,7 +318,7 @@ def expand_page_table(
         ``int32 [1]``: ``BAD_PAGE`` when a branch's slots do not follow the slot layout (a slot
         at the wrong page offset, or more or fewer distinct pages than ``u``: extra pages are
         dropped, missing ones read the sink), ``POOL_OOB`` for a negative slot (its page reads
-        0), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
+        0; every step's slots are checked, built or not), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
         holds, SPEC §4) are exempt from the layout check.
     cu_seqlens_k : torch.Tensor, optional
         ``[≥ rows, ≥ B·K + 1]``; when given ``cu_seqlens_k[s, r] = Σ_{r'<r} cache_seqlens[s, r']``
@@ -336,7 +339,7 @@ def expand_page_table(
     Grid ``(max(B, 1),)``, one program per request writing all steps of its ``K`` branches.
     No host sync; ``B``, ``W`` and strides are runtime arguments, ``K`` and ``S`` constexpr.
     """
-    topk, num_steps, page_size, rows, B, page_table, cache_seqlens = _prepare(
+    topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -349,7 +352,7 @@ def expand_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         rows,
@@ -369,7 +372,7 @@ def expand_page_table(
         BLOCK_W=min(triton.next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=2,
     )
     return page_table, cache_seqlens
@@ -389,7 +392,7 @@ def expand_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`expand_page_table` (vectorised; syncs)."""
-    topk, num_steps, ps, rows, B, page_table, cache_seqlens = _prepare(
+    topk, num_steps, ps, rows, B, page_table, cache_seqlens, status = prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -400,8 +403,9 @@ def expand_page_table_ref(
     L = seq_lens.to(torch.int64)
     bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     lpl = (L.clamp_min(0) % ps).repeat_interleave(topk).view(-1, 1)  # [BK, 1]
-    slots = out_cache_loc[: BK * num_steps].view(BK, num_steps)[:, :rows].to(torch.int64)
-    if bool((slots < 0).any()):
+    every = out_cache_loc[: BK * num_steps].view(BK, num_steps)  # every step, built or not
+    slots = every[:, :rows].to(torch.int64)
+    if bool((every < 0).any()):
         bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
     j = torch.arange(rows, device=device).view(1, -1)
@@ -430,6 +434,6 @@ def expand_page_table_ref(
     if cu_seqlens_k is not None:
         cu_seqlens_k[:rows, 0] = 0
         cu_seqlens_k[:rows, 1 : BK + 1] = torch.cumsum(seqlen.t(), dim=1).to(cu_seqlens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

@@ -18,8 +18,6 @@ and draft extend (``extra_tokens=N``), and TRT-LLM MLA's ``block_kv_indices``
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -27,14 +25,20 @@ import triton.language as tl
 from .. import validate
 from ..config import page_table_width
 from ..status import Status
-from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
+from ._common import (
+    OUT_OF_CAPACITY,
+    POOL_OOB,
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
+    chunk_programs,
+    gather_rows_ref,
+    load_request,
+    vector_widths,
+)
 
 __all__ = ["prefix_page_table", "prefix_page_table_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 # Page-table columns one program writes per iteration: 1024 entries keep 8 elements a thread in
 # flight at 4 warps (as in the kv_indices kernels).
@@ -98,7 +102,7 @@ def _prefix_cu_seqlens_program(
 
 
 @triton.jit
-def _prefix_page_table_program(
+def prefix_page_table_program(
     b,  # request
     c,  # first column chunk
     req_pool_indices_ptr,  # [B] int32|int64
@@ -188,7 +192,7 @@ def _prefix_page_table_program(
                 # 4 MiB gather) 0.8 µs of 5.1 on an H200.
                 neg = ((slot < 0) & (col < readable)).to(tl.int32)
                 neg = tl.max(tl.reshape(neg, (BLOCK // VEC_IN, VEC_IN)), axis=1)
-                tl.atomic_or(status_ptr + 0 * neg, _POOL_OOB, mask=neg != 0, sem="relaxed")
+                tl.atomic_or(status_ptr + 0 * neg, POOL_OOB, mask=neg != 0, sem="relaxed")
 
         if c == 0:
             stride_cs64 = stride_cs.to(tl.int64)
@@ -199,9 +203,9 @@ def _prefix_page_table_program(
                 last_pos = (pages - 1) * PAGE_SIZE
                 pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
                 bits = (
-                    tl.where(row_ok, 0, _ROW_OOB)
-                    | tl.where(pos_bad, _POS_OOB, 0)
-                    | tl.where(pages_wanted > W, _OUT_OF_CAPACITY, 0)
+                    tl.where(row_ok, 0, ROW_OOB)
+                    | tl.where(pos_bad, POS_OOB, 0)
+                    | tl.where(pages_wanted > W, OUT_OF_CAPACITY, 0)
                 )
                 tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
     elif c == 0:
@@ -248,8 +252,8 @@ def _prefix_page_table_kernel(
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` runs
-    :func:`_prefix_page_table_program`."""
-    _prefix_page_table_program(
+    :func:`prefix_page_table_program`."""
+    prefix_page_table_program(
         tl.program_id(0),
         tl.program_id(1),
         req_pool_indices_ptr,
@@ -283,42 +287,7 @@ def _prefix_page_table_kernel(
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device: 8 per multiprocessor on CUDA, a handful under the CPU
-    interpreter (where each program costs host time). Cached: it sits on the build path."""
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
-    """Programs per request: enough for the grid to fill the device, never more than the table
-    has column chunks."""
-    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
-    return max(1, min(per_request, triton.cdiv(width, _BLOCK)))
-
-
-def _entries_per_vector(table: torch.Tensor, width: int) -> int:
-    """Entries of ``table`` per 16-byte vector when every row of it starts 16-byte aligned and
-    the ``width`` entries a kernel reaches in a row are whole vectors; else 1 (scalar access).
-    Host arithmetic on the tensor's address and strides: no sync."""
-    size = table.element_size()
-    per = 16 // size
-    aligned = table.data_ptr() % 16 == 0 and table.stride(0) * size % 16 == 0
-    return per if aligned and width % per == 0 else 1
-
-
-def _vectors(req_to_token: torch.Tensor, page_table: torch.Tensor, page_size: int) -> dict:
-    """``VEC_IN`` and ``VEC_OUT`` of a launch: a row gather at page size 1 loads whole
-    vectors, a table's rows are stored in whole vectors (a strided gather, ps > 1, cannot be
-    vector loads). Rows of ``SpecConfig.req_to_token_width`` and the planned page tables
-    qualify: the width is a whole number of 16 positions."""
-    vec_in = _entries_per_vector(req_to_token, req_to_token.shape[1]) if page_size == 1 else 1
-    return dict(VEC_IN=vec_in, VEC_OUT=_entries_per_vector(page_table, page_table.shape[1]))
-
-
-def _prepare(
+def prepare_prefix_page_table(
     req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
     fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
 ):  # fmt: skip
@@ -332,7 +301,7 @@ def _prepare(
     if isinstance(fill_value, bool) or not isinstance(fill_value, int):
         raise TypeError(f"fill_value must be an int, got {type(fill_value).__name__}")
     rows = 1 if num_rows is None else validate.positive("num_rows", num_rows)
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if page_table is None:
         width = page_table_width(req_to_token.shape[1], page_size)
         page_table = torch.empty((B, width), dtype=torch.int32, device=device)
@@ -356,8 +325,8 @@ def _prepare(
         )
         if seq_ndim == 2:
             validate.at_least(name, buf.shape[0], rows, "rows (num_rows)")
-    validate.status(status, device)
-    return page_size, extra_tokens, rows, B, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status
 
 
 def prefix_page_table(
@@ -432,13 +401,13 @@ def prefix_page_table(
     ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
     and strides are runtime arguments.
     """
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens = _prepare(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
     W = page_table.shape[1]
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
-    grid = (B + 1, _chunk_programs(req_to_token.device, B, W))
+    grid = (B + 1, chunk_programs(req_to_token.device, B, W, _BLOCK))
     two_d = cache_seqlens.dim() == 2
     _prefix_page_table_kernel[grid](
         req_pool_indices,
@@ -447,7 +416,7 @@ def prefix_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -467,9 +436,9 @@ def prefix_page_table(
         PAGE_SIZE=page_size,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        **_vectors(req_to_token, page_table, page_size),
+        **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return page_table, cache_seqlens
@@ -491,7 +460,7 @@ def prefix_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens = _prepare(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
     )  # fmt: skip
@@ -526,6 +495,6 @@ def prefix_page_table_ref(
         cu = cu_seqlens_k if cu_seqlens_k.dim() == 2 else cu_seqlens_k.view(1, -1)
         cu[:rows, 0] = 0
         cu[:rows, 1 : B + 1] = torch.cumsum(lens, dim=1).to(cu.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

@@ -29,25 +29,24 @@ import triton.language as tl
 from .. import validate
 from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
 from ..status import Status
-from .draft_cache_locs import (
-    _check_batch,
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
+    chunk_programs,
+    copy_row_prefix,
     draft_positions_ref,
     draft_slot_position,
+    exclusive_length_sum,
     gather_rows_ref,
     load_request,
-)
-from .verify_kv_indices import (
-    _chunk_programs,
-    copy_row_prefix,
-    exclusive_length_sum,
     ragged_prefix_ref,
+    row_offset,
 )
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Prefix entries one program copies per iteration (as in draft_decode_kv_indices).
 _BLOCK = 1024
@@ -124,7 +123,7 @@ def _shared_prefix_kv_indices_kernel(
         )
         dst = (b * TOPK + t) * (s + 1) + j  # int64 (b is): B·K·S stays small, but cheap
         tl.store(
-            chain_kv_indices_ptr + s.to(tl.int64) * stride_chain + dst,
+            chain_kv_indices_ptr + row_offset(s, stride_chain) + dst,
             v,
             mask=live & (dst < W_chain),
         )
@@ -134,7 +133,7 @@ def _shared_prefix_kv_indices_kernel(
         s = f // TOPK
         z = b * TOPK + f % TOPK
         tl.store(
-            chain_kv_indptr_ptr + s * stride_chain_ptr + z,
+            chain_kv_indptr_ptr + row_offset(s, stride_chain_ptr) + z,
             z * (s + 1),
             mask=tl.where(b < B, s < num_rows, False),
         )
@@ -142,7 +141,7 @@ def _shared_prefix_kv_indices_kernel(
         last = b == tl.maximum(B, 1) - 1
         r = tl.arange(0, BLOCK_ROWS)
         tl.store(
-            chain_kv_indptr_ptr + r * stride_chain_ptr + B * TOPK,
+            chain_kv_indptr_ptr + row_offset(r, stride_chain_ptr) + B * TOPK,
             (r + 1).to(tl.int64) * (B * TOPK),
             mask=tl.where(last, r < num_rows, False),
         )
@@ -151,9 +150,9 @@ def _shared_prefix_kv_indices_kernel(
             chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
             over = (start + n > W_prefix) | ((b + 1) * TOPK * num_rows > W_chain)
             bits = (
-                tl.where(row_ok, 0, _ROW_OOB)
-                | tl.where(chain_bad | (n > W_row) | ~L_ok, _POS_OOB, 0)
-                | tl.where(over & (b < B), _OUT_OF_CAPACITY, 0)
+                tl.where(row_ok, 0, ROW_OOB)
+                | tl.where(chain_bad | (n > W_row) | ~L_ok, POS_OOB, 0)
+                | tl.where(over & (b < B), OUT_OF_CAPACITY, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -168,7 +167,7 @@ def _prepare(
     rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
     if rows > num_steps:
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if prefix_kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -204,9 +203,9 @@ def _prepare(
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
                           "entries (ΣL)")  # fmt: skip
-    validate.status(status, device)
+    status = validate.status(status, device)
     out = (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
-    return topk, num_steps, rows, B, out
+    return topk, num_steps, rows, B, out, status
 
 
 def shared_prefix_kv_indices(
@@ -268,14 +267,14 @@ def shared_prefix_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
     ``B``, lengths and strides are runtime arguments.
     """
-    topk, num_steps, rows, B, out = _prepare(
+    topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
         status,
     )  # fmt: skip
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
-    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
     _shared_prefix_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
@@ -284,7 +283,7 @@ def shared_prefix_kv_indices(
         prefix_kv_indptr,
         chain_kv_indices,
         chain_kv_indptr,
-        status if status is not None else prefix_kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -306,7 +305,7 @@ def shared_prefix_kv_indices(
         BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
         BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
         BLOCK_ROWS=triton.next_power_of_2(num_steps),
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return out
@@ -329,7 +328,7 @@ def shared_prefix_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`shared_prefix_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, out = _prepare(
+    topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
         status,
@@ -356,6 +355,6 @@ def shared_prefix_kv_indices_ref(
         it = s + 1
         chain_kv_indptr[s, : B * K + 1] = (z * it).to(chain_kv_indptr.dtype)
         chain_kv_indices[s, : B * K * it] = chain[:, :it].reshape(-1).to(chain_kv_indices.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return out

@@ -28,12 +28,10 @@ import triton.language as tl
 from .. import validate
 from ..config import tree_custom_mask_need
 from ..status import Status
-from .draft_decode_kv_indices import _target_programs
+from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
 
 __all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Output elements per program iteration: 1024 bools, or 256 bytes of eight bits (a [256, 8]
 # tile of mask elements).
@@ -102,8 +100,11 @@ def _tree_custom_mask_kernel(
     start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
     tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
 
+    # The loop covers only what the buffer can hold: a garbage length (2**40) costs no more than
+    # a full buffer, and is reported (OUT_OF_CAPACITY, below).
+    n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_mask - start, 0), W_mask))
     e0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(c, tl.cdiv(n, BLOCK), chunk_programs):
+    for chunk in range(c, tl.cdiv(n_fit, BLOCK), chunk_programs):
         e = e0 + chunk * BLOCK
         if PACKED:
             k = tl.arange(0, 8)
@@ -114,13 +115,13 @@ def _tree_custom_mask_kernel(
         else:
             v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj)
         dst = start + e
-        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n) & (dst < W_mask))
+        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n_fit) & (dst < W_mask))
 
     if c == 0:
         tl.store(mask_indptr_ptr + b + 1, start + n_bits, mask=valid)
         tl.store(mask_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
-            flags = tl.where(L_ok, 0, _POS_OOB) | tl.where(start + n > W_mask, _OUT_OF_CAPACITY, 0)
+            flags = tl.where(L_ok, 0, POS_OOB) | tl.where(start + n > W_mask, OUT_OF_CAPACITY, 0)
             # A branch rather than a masked atomic: Triton 3.6 dropped the masked form here
             # when seq_lens is int64 (seen on an H200; the interpreter was right).
             if flags != 0:
@@ -156,8 +157,8 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
         need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
         what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
         validate.at_least("custom_mask", custom_mask.shape[0], need, what)
-    validate.status(status, device)
-    return B, N, custom_mask, mask_indptr
+    status = validate.status(status, device)
+    return B, N, custom_mask, mask_indptr, status
 
 
 def tree_custom_mask(
@@ -207,17 +208,17 @@ def tree_custom_mask(
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
-    B, N, custom_mask, mask_indptr = _prepare(
+    B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
-    grid = (max(B, 1), max(1, triton.cdiv(_target_programs(device), max(B, 1))))
+    grid = (max(B, 1), max(1, triton.cdiv(target_programs(device), max(B, 1))))
     _tree_custom_mask_kernel[grid](
         seq_lens,
         tree_mask.view(torch.uint8),
         custom_mask.view(torch.uint8),
         mask_indptr,
-        status if status is not None else mask_indptr,
+        status,
         # sizes
         B,
         N,
@@ -229,7 +230,7 @@ def tree_custom_mask(
         PACKED=packed,
         BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return custom_mask, mask_indptr
@@ -246,7 +247,7 @@ def tree_custom_mask_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`tree_custom_mask` (vectorised over every element; syncs)."""
-    B, N, custom_mask, mask_indptr = _prepare(
+    B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
@@ -259,10 +260,14 @@ def tree_custom_mask_ref(
     bits = 0
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
-    total = int(n.sum()) if B else 0
+    # Only what the buffer holds is built, as in the kernel: a garbage length costs no more.
+    fit = torch.minimum(n, (custom_mask.shape[0] - start).clamp(0, custom_mask.shape[0]))
+    if B and bool((fit < n).any()):
+        bits |= int(Status.OUT_OF_CAPACITY)
+    total = int(fit.sum()) if B else 0
     if total:
-        req = torch.repeat_interleave(torch.arange(B, device=device), n)
-        e = torch.arange(total, device=device) - (torch.cumsum(n, 0) - n)[req]
+        req = torch.repeat_interleave(torch.arange(B, device=device), fit)
+        e = torch.arange(total, device=device) - (torch.cumsum(fit, 0) - fit)[req]
         if packed:
             bit = e.view(-1, 1) * 8 + torch.arange(8, device=device).view(1, 8)
             req_b = req.view(-1, 1).expand_as(bit)
@@ -276,11 +281,7 @@ def tree_custom_mask_ref(
         val = live & ((col < prefix_len) | tree)
         if packed:
             val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
-        dst = start[req] + e
-        keep = dst < custom_mask.shape[0]
-        custom_mask[dst[keep]] = val[keep].to(custom_mask.dtype)
-        if not bool(keep.all()):
-            bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+        custom_mask[start[req] + e] = val.to(custom_mask.dtype)
+    if bits:
         status |= bits
     return custom_mask, mask_indptr

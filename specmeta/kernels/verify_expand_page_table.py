@@ -21,13 +21,9 @@ import triton.language as tl
 
 from .. import validate
 from ..status import Status
-from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
+from ._common import POOL_OOB, POS_OOB, ROW_OOB, check_batch, gather_rows_ref, load_request
 
 __all__ = ["verify_expand_page_table", "verify_expand_page_table_ref"]
-
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_POOL_OOB = tl.constexpr(int(Status.POOL_OOB))  # kernels read only constexpr globals
 
 
 @triton.jit(
@@ -98,9 +94,9 @@ def _verify_expand_page_table_kernel(
     if HAS_STATUS:
         pos_bad = tl.max((want & (p >= W_row)).to(tl.int32), axis=0) != 0
         bits = (
-            tl.where(row_ok, 0, _ROW_OOB)
-            | tl.where(pos_bad | ~L_ok, _POS_OOB, 0)
-            | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, _POOL_OOB, 0)
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where(pos_bad | ~L_ok, POS_OOB, 0)
+            | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, POOL_OOB, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -108,7 +104,7 @@ def _verify_expand_page_table_kernel(
 def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
              cu_seqlens_k, status):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference."""
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
                     device=device)  # fmt: skip
     N = tree_mask.shape[1]
@@ -130,8 +126,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, ca
     if cu_seqlens_k is not None:
         validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
         validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], BN + 1)
-    validate.status(status, device)
-    return B, N, page_table, cache_seqlens
+    status = validate.status(status, device)
+    return B, N, page_table, cache_seqlens, status
 
 
 def verify_expand_page_table(
@@ -180,7 +176,7 @@ def verify_expand_page_table(
 
     Grid ``(max(B, 1),)``, one program per request. No host sync.
     """
-    B, N, page_table, cache_seqlens = _prepare(
+    B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -194,7 +190,7 @@ def verify_expand_page_table(
         page_table,
         cache_seqlens,
         cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status if status is not None else cache_seqlens,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -209,7 +205,7 @@ def verify_expand_page_table(
         BLOCK_N=triton.next_power_of_2(N),
         BLOCK_T=min(triton.next_power_of_2(max(W - N, 1)), 64),
         WRITE_CU0=cu_seqlens_k is not None,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
     )
     if cu_seqlens_k is not None and B:
         BN = B * N
@@ -229,7 +225,7 @@ def verify_expand_page_table_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
-    B, N, page_table, cache_seqlens = _prepare(
+    B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
@@ -256,6 +252,6 @@ def verify_expand_page_table_ref(
     if cu_seqlens_k is not None:
         cu_seqlens_k[0] = 0
         cu_seqlens_k[1 : BN + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.dtype)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return page_table, cache_seqlens

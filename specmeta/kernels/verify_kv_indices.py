@@ -20,58 +20,26 @@ import triton.language as tl
 from .. import validate
 from ..config import verify_kv_indices_need
 from ..status import Status
-from .draft_cache_locs import _check_batch, gather_rows_ref, load_request
-from .draft_decode_kv_indices import _target_programs
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    ROW_OOB,
+    check_batch,
+    chunk_programs,
+    copy_row_prefix,
+    exclusive_length_sum,
+    load_request,
+    ragged_prefix_ref,
+)
 
 __all__ = ["verify_kv_indices", "verify_kv_indices_ref", "exclusive_length_sum"]
 
-_ROW_OOB = tl.constexpr(int(Status.ROW_OOB))  # kernels read only constexpr globals
-_POS_OOB = tl.constexpr(int(Status.POS_OOB))  # kernels read only constexpr globals
-_OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))  # kernels read only constexpr globals
 
 # Entries one program copies per iteration: 1024 int32 keep 8 elements a thread in flight at
 # 4 warps, enough to saturate the store path (as in draft_decode_kv_indices).
 _BLOCK = 1024
 # seq_lens entries summed per iteration of the exclusive-prefix loop (one load up to B = 1024).
 _BLOCK_B = 1024
-
-
-def _chunk_programs(device: torch.device, batch: int, width: int) -> int:
-    """Programs per request: enough for the grid to fill the device even when a few long
-    requests carry all the work, never more than a ``width``-entry list has chunks."""
-    per_request = triton.cdiv(_target_programs(device), max(batch, 1))
-    return max(1, min(per_request, triton.cdiv(width, _BLOCK)))
-
-
-@triton.jit
-def exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B: tl.constexpr):
-    """``Σ_{b'<b} (max(L_b', 0) + extra)`` in int64, from whole-vector loads of ``seq_lens``."""
-    cum = b * 0
-    for start in range(0, b, BLOCK_B):
-        offs = start + tl.arange(0, BLOCK_B)
-        before = offs < b
-        prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
-        cum += tl.sum(tl.where(before, tl.maximum(prev, 0) + extra, 0), axis=0)
-    return cum
-
-
-@triton.jit
-def copy_row_prefix(
-    req_to_token_ptr, row_base, row_ok, n, W_row, dst_ptr, dst_start, W_dst, first_chunk,
-    chunk_step, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Copy ``row[0:n]`` to ``dst[dst_start : dst_start + n]``, chunks ``first_chunk,
-    first_chunk + chunk_step, …``; gathers past ``W_row`` read 0, stores past ``W_dst`` drop."""
-    k0 = tl.arange(0, BLOCK).to(tl.int64)
-    for chunk in range(first_chunk, tl.cdiv(n, BLOCK), chunk_step):
-        k = k0 + chunk * BLOCK
-        m = k < n
-        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
-        v = tl.load(
-            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
-        )
-        dst = dst_start + k
-        tl.store(dst_ptr + dst, v, mask=m & (dst < W_dst))
 
 
 @triton.jit(
@@ -114,9 +82,9 @@ def _verify_kv_indices_kernel(
         tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
         if HAS_STATUS:
             bits = (
-                tl.where(row_ok, 0, _ROW_OOB)
-                | tl.where((n > W_row) | ~L_ok, _POS_OOB, 0)
-                | tl.where(start + n > W_idx, _OUT_OF_CAPACITY, 0)
+                tl.where(row_ok, 0, ROW_OOB)
+                | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
+                | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -124,7 +92,7 @@ def _verify_kv_indices_kernel(
 def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
              seq_lens_sum, status):  # fmt: skip
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
-    B, device = _check_batch(req_pool_indices, req_to_token, seq_lens)
+    B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
         # Without a host total, size for full rows: no device read, no sync.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
@@ -140,8 +108,8 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
             raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
         need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
         validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
-    validate.status(status, device)
-    return extra_tokens, B, kv_indices, kv_indptr
+    status = validate.status(status, device)
+    return extra_tokens, B, kv_indices, kv_indptr, status
 
 
 def verify_kv_indices(
@@ -192,19 +160,19 @@ def verify_kv_indices(
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    extra_tokens, B, kv_indices, kv_indptr = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
     device = req_to_token.device
-    grid = (max(B, 1), _chunk_programs(device, B, req_to_token.shape[1]))
+    grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
     _verify_kv_indices_kernel[grid](
         req_pool_indices,
         req_to_token,
         seq_lens,
         kv_indices,
         kv_indptr,
-        status if status is not None else kv_indptr,
+        status,
         # sizes
         B,
         req_to_token.shape[0],
@@ -216,41 +184,10 @@ def verify_kv_indices(
         # code shape
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        HAS_STATUS=status is not None,
+        HAS_STATUS=True,
         num_warps=4,
     )
     return kv_indices, kv_indptr
-
-
-def ragged_prefix_ref(
-    req_pool_indices: torch.Tensor,
-    req_to_token: torch.Tensor,
-    lengths: torch.Tensor,
-    out: torch.Tensor,
-    start: torch.Tensor,
-) -> int:
-    """``out[start[b] + k] = row_b[k]`` for ``k < lengths[b]`` (stores past ``out`` dropped),
-    vectorised; returns the gather status bits (``ROW_OOB``/``POS_OOB``). Shared by the
-    references of this module and of the shared-prefix kernel."""
-    B = lengths.shape[0]
-    if B == 0:
-        return 0
-    max_len = int(lengths.max())
-    k = torch.arange(max_len, device=lengths.device)
-    live = k.view(1, -1) < lengths.view(-1, 1)
-    vals, _ = gather_rows_ref(req_to_token, req_pool_indices, torch.where(live, k, 0))
-    dst = start.view(-1, 1) + k.view(1, -1)
-    keep = live & (dst < out.shape[0])
-    out[dst[keep]] = vals[keep].to(out.dtype)
-    # Only positions inside a list count as gathers (the masked-out tail reads nothing), and a
-    # bad row counts even for an empty list, as in the kernel.
-    bits = 0
-    if bool((live & (k.view(1, -1) >= req_to_token.shape[1])).any()):
-        bits |= int(Status.POS_OOB)
-    rows = req_pool_indices.to(torch.int64)
-    if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):
-        bits |= int(Status.ROW_OOB)
-    return bits
 
 
 def verify_kv_indices_ref(
@@ -265,7 +202,7 @@ def verify_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_kv_indices` (vectorised over the batch; syncs)."""
-    extra_tokens, B, kv_indices, kv_indptr = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
@@ -278,6 +215,6 @@ def verify_kv_indices_ref(
         bits |= int(Status.POS_OOB)
     if B and int(end[-1]) > kv_indices.shape[0]:
         bits |= int(Status.OUT_OF_CAPACITY)
-    if status is not None and bits:
+    if bits:
         status |= bits
     return kv_indices, kv_indptr

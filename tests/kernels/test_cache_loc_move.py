@@ -423,7 +423,7 @@ def test_move_ordered_blocks_in_list_order(device, gen, addressing, programs, mo
     different blocks moves as the reference says. "many" asks for more programs than the rows
     have 128-byte lines, so slices narrow to one line and blocks grow."""
     if programs == "many":
-        monkeypatch.setattr(cache_loc_move, "_target_programs", lambda device, wide: 10_000)
+        monkeypatch.setattr(cache_loc_move, "_move_programs", lambda device, wide: 10_000)
     P = 200
     pools = [GuardedPool(P, (576,), torch.bfloat16, device, gen),
              GuardedPool(P - 8, (3,), torch.float16, device, gen, pad=1),

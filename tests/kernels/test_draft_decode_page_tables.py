@@ -10,13 +10,14 @@ import torch
 
 from specmeta import SpecConfig, Status, allocate_buffers, new_status
 from specmeta.config import ROW_ALIGN, uses_layout_b
+from specmeta.kernels._common import vector_widths as _vectors
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.kernels.draft_decode_page_tables import (
     draft_decode_page_tables,
     draft_decode_page_tables_ref,
 )
 from specmeta.kernels.expand_page_table import expand_page_table
-from specmeta.kernels.prefix_page_table import _vectors, prefix_page_table
+from specmeta.kernels.prefix_page_table import prefix_page_table
 from specmeta.workloads import SHAPES, make_batch
 from tests.guard_bands import POISON, Guarded, assert_equal
 from tests.kernels.test_expand_page_table import _check_against_spec as _check_expand

@@ -1,90 +1,145 @@
-"""The FA3 page-table kernels compile for a real GPU (sm_90), checked on any machine.
+"""Every kernel of ``specmeta.kernels`` compiles for a real GPU (sm_90), checked on any machine.
 
 The CPU tier runs kernels under Triton's interpreter, which accepts things the compiler
-rejects (plain Python globals, loop-carried type changes). ``triton.compile`` needs no GPU to
-lower a kernel to PTX, so each kernel is compiled in a subprocess with the interpreter off.
+rejects (plain Python globals, loop-carried type changes, mixed 32/64-bit values).
+``triton.compile`` needs no GPU to lower a kernel to PTX, so each kernel is compiled in a
+subprocess with the interpreter off. One list, :data:`KERNELS`, drives the check; a test makes
+sure it names every ``@triton.jit`` kernel of the package.
+
+Each entry compiles with 32-bit scalar arguments (what a launch with small sizes passes) and, as
+a second variant, with every scalar 64-bit (what Triton passes for a stride or size at or above
+2**31): both must lower.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
+import pathlib
 import subprocess
 import sys
 import textwrap
 
+import specmeta.kernels as kernels_pkg
+
+# (module, kernel, {constexpr: value}, {pointer argument: element type other than i32})
+_PAGED = dict(PAGED=True, PAGE_SIZE=16)
+_FLAT = dict(PAGED=False, PAGE_SIZE=1)
+KERNELS = [
+    ("draft_cache_locs", "_assign_draft_cache_locs_kernel",
+     dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=True, BLOCK=16, WRITE_POSITIONS=True, HAS_STATUS=True),
+     dict(out_cache_loc_ptr="i64")),
+    ("draft_cache_locs", "_prefix_tail_copy_pairs_kernel",
+     dict(TOPK=4, NUM_STEPS=3, BLOCK=64, HAS_STATUS=True), {}),
+    ("draft_decode_kv_indices", "_draft_decode_kv_indices_kernel",
+     dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=False, BLOCK=1024, BLOCK_B=1024, BLOCK_LISTS=8,
+          BLOCK_EDGE=16, VEC=4, HAS_STATUS=True), {}),
+    ("verify_kv_indices", "_verify_kv_indices_kernel",
+     dict(BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True), {}),
+    ("shared_prefix_kv_indices", "_shared_prefix_kv_indices_kernel",
+     dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=True, BLOCK=1024, BLOCK_B=1024, BLOCK_CHAIN=64,
+          BLOCK_PTR=16, BLOCK_ROWS=4, HAS_STATUS=True), {}),
+    ("branch_page_table", "_branch_page_table_kernel",
+     dict(TOPK=4, NUM_STEPS=3, BLOCK=256, BLOCK_PTR=16, HAS_STATUS=True), {}),
+    ("branch_kv_indices", "_branch_kv_indices_kernel",
+     dict(TOPK=4, NUM_STEPS=3, BLOCK=256, BLOCK_B=256, BLOCK_ROWS=4, BLOCK_K=4, HAS_STATUS=True),
+     {}),
+    ("tree_custom_mask", "_tree_custom_mask_kernel",
+     dict(PACKED=True, BLOCK=256, BLOCK_B=1024, HAS_STATUS=True),
+     dict(tree_mask_ptr="u8", custom_mask_ptr="u8", seq_lens_ptr="i64")),
+    ("tree_custom_mask", "_tree_custom_mask_kernel",
+     dict(PACKED=False, BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True),
+     dict(tree_mask_ptr="u8", custom_mask_ptr="u8")),
+    ("prefix_page_table", "_prefix_page_table_kernel",
+     dict(EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1, VEC_OUT=4,
+          WRITE_CU=True, HAS_STATUS=True), {}),
+    ("prefix_page_table", "_prefix_page_table_kernel",
+     dict(EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, VEC_IN=4, VEC_OUT=4,
+          WRITE_CU=True, HAS_STATUS=True), {}),
+    ("expand_page_table", "_expand_page_table_kernel",
+     dict(TOPK=4, NUM_STEPS=5, **_PAGED, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8, BLOCK_B=1024,
+          WRITE_CU=True, HAS_STATUS=True), {}),
+    ("expand_page_table", "_expand_page_table_kernel",
+     dict(TOPK=4, NUM_STEPS=5, **_FLAT, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8, BLOCK_B=1024,
+          WRITE_CU=True, HAS_STATUS=True), {}),
+    ("draft_decode_page_tables", "_draft_decode_page_tables_kernel",
+     dict(EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, TOPK=8, NUM_STEPS=5,
+          BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=1, VEC_OUT=4, WRITE_CU=True,
+          WRITE_EXPAND_CU=True, HAS_STATUS=True), {}),
+    ("draft_decode_page_tables", "_draft_decode_page_tables_kernel",
+     dict(EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, TOPK=8, NUM_STEPS=5,
+          BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=4, VEC_OUT=4, WRITE_CU=True,
+          WRITE_EXPAND_CU=True, HAS_STATUS=True), {}),
+    ("verify_expand_page_table", "_verify_expand_page_table_kernel",
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True), dict(tree_mask_ptr="u8")),
+    ("cache_loc_move", "_accept_cache_locs_kernel",
+     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, HAS_STATUS=True), {}),
+    ("cache_loc_move", "_move_kv_cache_kernel",
+     dict(BLOCK_N=64, COLS=64, TABLE=True, WORD_BYTES=8, VEC=2, HAS_STATUS=True),
+     dict(table_ptr="i64", buf_ptr="i64", tgt_ptr="i64", src_ptr="i64")),
+    ("cache_loc_move", "_move_kv_cache_kernel",
+     dict(BLOCK_N=64, COLS=64, TABLE=False, WORD_BYTES=4, VEC=4, HAS_STATUS=True),
+     dict(table_ptr="i32", buf_ptr="i32")),
+    ("merge_state", "_merge_state_kernel",
+     dict(BLOCK_H=4, BLOCK_D=128, HAS_LSE_OUT=True),
+     dict(o1_ptr="fp16", o2_ptr="fp16", out_ptr="fp16", lse1_ptr="fp32", lse2_ptr="fp32",
+          out_lse_ptr="fp32")),
+]  # fmt: skip
+
 _SCRIPT = textwrap.dedent(
     """
-    import os, sys
+    import json, os, sys
     os.environ["TRITON_INTERPRET"] = "0"
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from importlib import import_module  # the package re-exports functions of the same names
-    prefix_page_table = import_module("specmeta.kernels.prefix_page_table")
-    expand_page_table = import_module("specmeta.kernels.expand_page_table")
-    verify_expand_page_table = import_module("specmeta.kernels.verify_expand_page_table")
-    draft_decode_page_tables = import_module("specmeta.kernels.draft_decode_page_tables")
-
-    def compile_one(which, variant):
-        sizes = dict(
-            prefix=["B", "R", "W_row", "stride_row", "extra_tokens", "fill_value",
-                    "num_rows", "W", "stride_pt", "stride_cs", "stride_cu", "chunk_programs"],
-            expand=["B", "num_rows", "W", "stride_pt_s", "stride_pt_r", "stride_cs",
-                    "stride_cu"],
-            verify=["B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj"],
-            fused=["B", "R", "W_row", "stride_row", "W", "stride_pt", "chunk_programs", "num_rows",
-                   "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu"],
-        )[which]
-        fn, ptrs, consts = dict(
-            prefix=(prefix_page_table._prefix_page_table_kernel,
-                    ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "page_table_ptr",
-                     "cache_seqlens_ptr", "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
-                         PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024,
-                         BLOCK_B=1024, VEC_IN=1 if variant == "paged" else 4, VEC_OUT=4,
-                         WRITE_CU=True, HAS_STATUS=True)),
-            expand=(expand_page_table._expand_page_table_kernel,
-                    ["out_cache_loc_ptr", "seq_lens_ptr", "page_table_ptr", "cache_seqlens_ptr",
-                     "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(TOPK=4, NUM_STEPS=5, PAGED=variant == "paged",
-                         PAGE_SIZE=16 if variant == "paged" else 1, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
-                         BLOCK_B=1024, WRITE_CU=True, HAS_STATUS=True)),
-            verify=(verify_expand_page_table._verify_expand_page_table_kernel,
-                    ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "tree_mask_ptr",
-                     "page_table_ptr", "cache_seqlens_ptr", "cu_seqlens_k_ptr", "status_ptr"],
-                    dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True)),
-            fused=(draft_decode_page_tables._draft_decode_page_tables_kernel,
-                   ["req_pool_indices_ptr", "req_to_token_ptr", "seq_lens_ptr", "out_cache_loc_ptr",
-                    "page_table_ptr", "cache_seqlens_ptr", "cu_seqlens_k_ptr",
-                    "expand_page_table_ptr", "expand_cache_seqlens_ptr", "expand_cu_seqlens_k_ptr",
-                    "status_ptr"],
-                   dict(EXCLUDE_LAST_PARTIAL=True, PAGED=variant == "paged",
-                        PAGE_SIZE=16 if variant == "paged" else 1, BLOCK=1024, BLOCK_B=1024,
-                        TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8,
-                        VEC_IN=1 if variant == "paged" else 4, VEC_OUT=4, WRITE_CU=True,
-                        WRITE_EXPAND_CU=True, HAS_STATUS=True)),
-        )[which]
-        sig = {p: ("*u8" if p == "tree_mask_ptr" else "*i32") for p in ptrs}
-        sig.update({n: "i32" for n in sizes})
-        sig.update({c: "constexpr" for c in consts})
-        names = list(sig)
-        constexprs = {(names.index(c),): v for c, v in consts.items()}
-        kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                                target=GPUTarget("cuda", 90, 32))
-        assert "ptx" in kernel.asm
 
     failures = []
-    for which, variant in [("prefix", "paged"), ("prefix", "flat"), ("expand", "paged"),
-                           ("expand", "flat"), ("verify", "-"), ("fused", "paged"),
-                           ("fused", "flat")]:
-        try:
-            compile_one(which, variant)
-        except Exception as exc:  # report every kernel that fails, not only the first
-            failures.append(f"{which}/{variant}: {exc}")
+    for module, name, consts, ptr_types in json.loads(sys.argv[1]):
+        fn = getattr(import_module("specmeta.kernels." + module), name)
+        for scalar in ("i32", "i64"):
+            sig = {}
+            for p in fn.params:
+                if p.is_constexpr:
+                    sig[p.name] = "constexpr"
+                elif p.name.endswith("_ptr") and not p.name.startswith("stride"):
+                    sig[p.name] = "*" + ptr_types.get(p.name, "i32")
+                else:
+                    sig[p.name] = scalar
+            names = list(sig)
+            constexprs = {(names.index(c),): v for c, v in consts.items()}
+            try:
+                kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                        target=GPUTarget("cuda", 90, 32))
+                assert "ptx" in kernel.asm
+            except Exception as exc:  # report every kernel that fails, not only the first
+                failures.append(f"{module}.{name} {consts} ({scalar} scalars): {exc}")
     assert not failures, " | ".join(failures)
     """
 )
 
 
+def _jit_kernels() -> set[tuple[str, str]]:
+    """``(module, name)`` of every ``*_kernel`` JIT function defined in specmeta/kernels/."""
+    found = set()
+    for path in pathlib.Path(kernels_pkg.__file__).parent.glob("*.py"):
+        module = importlib.import_module(f"specmeta.kernels.{path.stem}")
+        for name, value in vars(module).items():
+            fn = getattr(value, "fn", None)  # a JITFunction, or an InterpretedFunction on CPU
+            if name.endswith("_kernel") and getattr(fn, "__module__", None) == module.__name__:
+                found.add((path.stem, name))
+    return found
+
+
+def test_the_list_names_every_kernel():
+    listed = {(module, name) for module, name, _c, _p in KERNELS}
+    found = _jit_kernels()
+    assert listed == found, f"missing {found - listed}, stale {listed - found}"
+
+
 def test_kernels_compile_for_sm90(device):
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(KERNELS)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]

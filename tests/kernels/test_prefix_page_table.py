@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from specmeta import Status, new_status
 from specmeta.config import ROW_ALIGN
-from specmeta.kernels.prefix_page_table import _vectors, prefix_page_table, prefix_page_table_ref
+from specmeta.kernels._common import vector_widths as _vectors
+from specmeta.kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
 from tests.guard_bands import Guarded, assert_equal
 

@@ -1,0 +1,287 @@
+"""What the kernels share: status bits, batch checks, grid sizing, device and torch helpers.
+
+Each op module (``kernels/<op>.py``) holds one op's kernel, launcher and reference. What more
+than one op needs lives here, once, and op modules import it from here, never from each other's
+private names (``tests/kernels/test_structure.py`` checks the imports).
+
+* **Status bits** as ``tl.constexpr`` globals (kernels read only constexpr globals), equal to
+  :class:`specmeta.status.Status` by construction.
+* **Host checks and grid sizing**: :func:`check_batch`, :func:`target_programs`,
+  :func:`chunk_programs`, :func:`vector_widths`.
+* **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
+  (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
+  :func:`copy_row_prefix`, :func:`branch_page`).
+* **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
+  :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import uses_layout_b
+from ..status import Status
+
+# --------------------------------------------------------------------------------------------
+# Status bits (SPEC §2.5), as the kernels read them.
+# --------------------------------------------------------------------------------------------
+ROW_OOB = tl.constexpr(int(Status.ROW_OOB))
+POS_OOB = tl.constexpr(int(Status.POS_OOB))
+OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))
+POOL_OOB = tl.constexpr(int(Status.POOL_OOB))
+BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))
+BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: argument checks and grid sizing (host-known sizes only, never a device value).
+# --------------------------------------------------------------------------------------------
+def check_batch(
+    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[int, torch.device]:
+    """Check the batch triple every row-reading op takes; returns ``(B, device)``."""
+    validate.tensor("req_to_token", req_to_token, ndim=2)
+    device = req_to_token.device
+    validate.tensor("req_pool_indices", req_pool_indices, ndim=1, device=device)
+    validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
+    validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
+    return req_pool_indices.shape[0], device
+
+
+@functools.lru_cache(maxsize=32)
+def target_programs(device: torch.device, per_sm: int = 8, cpu: int = 4) -> int:
+    """Programs that keep the device busy: ``per_sm`` per multiprocessor on CUDA; ``cpu`` under
+    the CPU interpreter, where each program costs host time. Cached: it sits on build paths."""
+    if device.type == "cuda":
+        return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return cpu
+
+
+def chunk_programs(device: torch.device, batch: int, width: int, block: int) -> int:
+    """Programs per request: enough for the grid to fill the device even when a few long
+    requests carry all the work, never more than a ``width``-entry row has ``block`` chunks."""
+    per_request = triton.cdiv(target_programs(device), max(batch, 1))
+    return max(1, min(per_request, triton.cdiv(width, block)))
+
+
+def entries_per_vector(table: torch.Tensor, width: int) -> int:
+    """Entries of ``table`` per 16-byte vector when every row of it starts 16-byte aligned and
+    the ``width`` entries a kernel reaches in a row are whole vectors; else 1 (scalar access).
+    Host arithmetic on the tensor's address and strides: no sync."""
+    size = table.element_size()
+    per = 16 // size
+    aligned = table.data_ptr() % 16 == 0 and table.stride(0) * size % 16 == 0
+    return per if aligned and width % per == 0 else 1
+
+
+def vector_widths(req_to_token: torch.Tensor, page_table: torch.Tensor, page_size: int) -> dict:
+    """``VEC_IN`` and ``VEC_OUT`` of a page-table launch: a row gather at page size 1 loads
+    whole vectors, a table's rows are stored in whole vectors (a strided gather, ps > 1, cannot
+    be vector loads). Rows of ``SpecConfig.req_to_token_width`` and the planned page tables
+    qualify: the width is a whole number of 16 positions."""
+    vec_in = entries_per_vector(req_to_token, req_to_token.shape[1]) if page_size == 1 else 1
+    return dict(VEC_IN=vec_in, VEC_OUT=entries_per_vector(page_table, page_table.shape[1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def row_offset(row, stride):
+    """``row · stride`` in 64 bits: the element offset of row ``row`` of a strided tensor.
+
+    The one rule for row offsets (SPEC §2.5, STYLE.md §3): a caller's view may have any row
+    stride (a row of a larger buffer, a stride past 2**30), so ``(rows − 1) · stride`` can pass
+    2**31 whatever the sizes of the batch, and the product is always taken in 64 bits. A stride
+    of 2**31 or more already arrives as an int64 argument; below that, Triton passes an int32
+    and an int32 row index times it would wrap."""
+    return tl.cast(row, tl.int64) * stride  # tl.cast: row may be a plain loop counter
+
+
+@triton.jit
+def draft_slot_position(L, t, j, page_size, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr):
+    """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (SPEC §1)."""
+    if LAYOUT_B:
+        lpl = L % page_size
+        nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+        return L - lpl + t * nnp * page_size + lpl + j
+    else:
+        return L + t * NUM_STEPS + j
+
+
+@triton.jit
+def load_request(req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row):
+    """``(row_base, L, row_ok, L_ok)`` of request ``b``: the int64 offset of its req_to_token
+    row, its prefix length clamped to ≥ 0, and whether each was in range. ``b ≥ B`` gives an
+    empty request (L = 0) that is reported as fine."""
+    valid = b < B
+    rp = tl.load(req_pool_indices_ptr + b, mask=valid, other=0).to(tl.int64)
+    L = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
+    row_ok = (rp >= 0) & (rp < R)
+    L_ok = L >= 0
+    L = tl.maximum(L, 0)
+    # row * stride: R·W_row can pass 2**31, so the product is taken in 64 bits.
+    row_base = tl.where(row_ok, rp, 0) * stride_row
+    return row_base, L, row_ok | (b >= B), L_ok
+
+
+@triton.jit
+def exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B: tl.constexpr):
+    """``Σ_{b'<b} (max(L_b', 0) + extra)`` in int64, from whole-vector loads of ``seq_lens``."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        prev = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+        cum += tl.sum(tl.where(before, tl.maximum(prev, 0) + extra, 0), axis=0)
+    return cum
+
+
+@triton.jit
+def copy_row_prefix(
+    req_to_token_ptr, row_base, row_ok, n, W_row, dst_ptr, dst_start, W_dst, first_chunk,
+    chunk_step, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Copy ``row[0:n]`` to ``dst[dst_start : dst_start + n]``, chunks ``first_chunk,
+    first_chunk + chunk_step, …``; gathers past ``W_row`` read 0, stores past ``W_dst`` drop.
+    The loop covers only what ``dst`` can hold: a garbage ``n`` costs no more than a full
+    buffer (the caller reports it)."""
+    n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_dst - dst_start, 0), W_dst))
+    k0 = tl.arange(0, BLOCK).to(tl.int64)
+    for chunk in range(first_chunk, tl.cdiv(n_fit, BLOCK), chunk_step):
+        k = k0 + chunk * BLOCK
+        m = k < n
+        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
+        v = tl.load(
+            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
+        )
+        dst = dst_start + k
+        tl.store(dst_ptr + dst, v, mask=m & (dst < W_dst))
+
+
+@triton.jit
+def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
+                NUM_STEPS: tl.constexpr):  # fmt: skip
+    """Page of column ``c`` (any shape) of branch ``t``'s page row (SPEC §1 over pages):
+    ``(page, used, pos_bad)``; ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where
+    unused or out of the row."""
+    lpl = L % page_size
+    base = L - lpl
+    full = base // page_size
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+    in_prefix = c < full
+    used = c < full + nnp
+    pos = tl.where(in_prefix, c * page_size, base + (t * nnp + (c - full)) * page_size)
+    in_row = pos < W_row
+    slot = tl.load(
+        req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
+    )
+    return slot // page_size, used, used & ~in_row
+
+
+# --------------------------------------------------------------------------------------------
+# Torch helpers of the references (plain torch; they may sync).
+# --------------------------------------------------------------------------------------------
+def or_status(status: torch.Tensor | None, bits: int) -> None:
+    """OR host-computed ``bits`` into the status word (a reference's report)."""
+    if status is not None and bits:
+        status |= bits
+
+
+def draft_positions_ref(
+    seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int
+) -> torch.Tensor:
+    """``[B, K, S]`` int64 row positions ``p(b, t, j)`` of SPEC §1 (negative lengths read as 0)."""
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    t = torch.arange(topk, device=seq_lens.device).view(1, -1, 1)
+    j = torch.arange(num_steps, device=seq_lens.device).view(1, 1, -1)
+    if not uses_layout_b(topk, page_size):
+        return L + t * num_steps + j
+    lpl = L % page_size
+    nnp = (lpl + num_steps + page_size - 1) // page_size
+    return L - lpl + t * nnp * page_size + lpl + j
+
+
+def gather_rows_ref(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """``row_b[positions[b, ...]]`` with the kernels' masking: 0 where the row or the position is
+    out of range. Returns the values and the status bits the kernels would set."""
+    R, W = req_to_token.shape
+    rows = req_pool_indices.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
+    row_ok = (rows >= 0) & (rows < R)
+    pos_ok = (positions >= 0) & (positions < W)
+    ok = row_ok & pos_ok
+    safe_rows = torch.where(ok, rows, 0).expand_as(positions)
+    safe_pos = torch.where(ok, positions, 0)
+    vals = torch.where(ok, req_to_token[safe_rows, safe_pos], 0)
+    bits = 0
+    if not bool(row_ok.all()):
+        bits |= int(Status.ROW_OOB)
+    if not bool(pos_ok.all()):
+        bits |= int(Status.POS_OOB)
+    return vals, bits
+
+
+def ragged_prefix_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    start: torch.Tensor,
+) -> int:
+    """``out[start[b] + k] = row_b[k]`` for ``k < lengths[b]`` (stores past ``out`` dropped),
+    vectorised; returns the gather status bits (``ROW_OOB``/``POS_OOB``)."""
+    B = lengths.shape[0]
+    if B == 0:
+        return 0
+    max_len = int(lengths.max())
+    k = torch.arange(max_len, device=lengths.device)
+    live = k.view(1, -1) < lengths.view(-1, 1)
+    vals, _ = gather_rows_ref(req_to_token, req_pool_indices, torch.where(live, k, 0))
+    dst = start.view(-1, 1) + k.view(1, -1)
+    keep = live & (dst < out.shape[0])
+    out[dst[keep]] = vals[keep].to(out.dtype)
+    # Only positions inside a list count as gathers (the masked-out tail reads nothing), and a
+    # bad row counts even for an empty list, as in the kernel.
+    bits = 0
+    if bool((live & (k.view(1, -1) >= req_to_token.shape[1])).any()):
+        bits |= int(Status.POS_OOB)
+    rows = req_pool_indices.to(torch.int64)
+    if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):
+        bits |= int(Status.ROW_OOB)
+    return bits
+
+
+def branch_pages_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``[B, K, width]`` pages of every branch row (0 where unused), the ``[B, K, width]``
+    "used" mask, the mask of used columns whose position fell past ``W_row``, and the
+    ``ROW_OOB`` bit; vectorised. The torch side of :func:`branch_page`."""
+    device = req_to_token.device
+    ps = page_size
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    lpl = L % ps
+    base = L - lpl
+    full = base // ps
+    nnp = (lpl + num_steps + ps - 1) // ps
+    t = torch.arange(topk, device=device).view(1, -1, 1)
+    c = torch.arange(width, device=device).view(1, 1, -1)
+    used = (c < full + nnp).expand(L.shape[0], topk, width)
+    pos = torch.where(c < full, c * ps, base + (t * nnp + (c - full)) * ps)
+    pos = torch.where(used, pos, 0)
+    slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    pages = torch.where(used, slots // ps, 0)
+    return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
