@@ -28,7 +28,7 @@ from ..config import uses_layout_b
 from ..status import Status
 
 # --------------------------------------------------------------------------------------------
-# Status bits (SPEC §2.5), as the kernels read them.
+# Status bits (design §2.5), as the kernels read them.
 # --------------------------------------------------------------------------------------------
 ROW_OOB = tl.constexpr(int(Status.ROW_OOB))
 POS_OOB = tl.constexpr(int(Status.POS_OOB))
@@ -95,7 +95,7 @@ def vector_widths(req_to_token: torch.Tensor, page_table: torch.Tensor, page_siz
 def row_offset(row, stride):
     """``row · stride`` in 64 bits: the element offset of row ``row`` of a strided tensor.
 
-    The one rule for row offsets (SPEC §2.5, STYLE.md §3): a caller's view may have any row
+    The one rule for row offsets (design §2.5, style §3): a caller's view may have any row
     stride (a row of a larger buffer, a stride past 2**30), so ``(rows − 1) · stride`` can pass
     2**31 whatever the sizes of the batch, and the product is always taken in 64 bits. A stride
     of 2**31 or more already arrives as an int64 argument; below that, Triton passes an int32
@@ -105,7 +105,7 @@ def row_offset(row, stride):
 
 @triton.jit
 def draft_slot_position(L, t, j, page_size, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr):
-    """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (SPEC §1)."""
+    """Row position of step ``j`` of branch ``t`` for a request with prefix ``L`` (design §1)."""
     if LAYOUT_B:
         lpl = L % page_size
         nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
@@ -167,7 +167,7 @@ def copy_row_prefix(
 @triton.jit
 def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
                 NUM_STEPS: tl.constexpr):  # fmt: skip
-    """Page of column ``c`` (any shape) of branch ``t``'s page row (SPEC §1 over pages):
+    """Page of column ``c`` (any shape) of branch ``t``'s page row (design §1 over pages):
     ``(page, used, pos_bad)``; ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where
     unused or out of the row."""
     lpl = L % page_size
@@ -196,7 +196,7 @@ def or_status(status: torch.Tensor | None, bits: int) -> None:
 def draft_positions_ref(
     seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int
 ) -> torch.Tensor:
-    """``[B, K, S]`` int64 row positions ``p(b, t, j)`` of SPEC §1 (negative lengths read as 0)."""
+    """``[B, K, S]`` int64 row positions ``p(b, t, j)`` of design §1 (negative lengths read as 0)."""
     L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
     t = torch.arange(topk, device=seq_lens.device).view(1, -1, 1)
     j = torch.arange(num_steps, device=seq_lens.device).view(1, 1, -1)

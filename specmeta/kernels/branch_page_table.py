@@ -1,7 +1,7 @@
 """Per-branch page tables: tree drafts for single-pass paged consumers (TRT-LLM MLA, FlashMLA).
 
 Consumers that take one page list per query row and have no cascade can still serve ``K > 1``
-draft decode if every branch gets a row of its own. Over slot layout B (SPEC §1), branch row
+draft decode if every branch gets a row of its own. Over slot layout B (design §1), branch row
 ``r = b·K + t`` lists the request's full prefix pages, then the pages of the branch's own
 region, whose first ``lpl_b`` slots hold the prefix tail (the real last partial page for
 ``t = 0``, a copy made by ``prefix_tail_copy_pairs`` + ``move_kv_cache`` for ``t ≥ 1``)::

@@ -1,4 +1,4 @@
-"""KV relocation after verify: accept compaction and the all-layer KV move (SPEC §2.4).
+"""KV relocation after verify: accept compaction and the all-layer KV move (design §2.4).
 
 After the target model verifies the draft tree, the KV of the accepted nodes moves to the front
 of each request's verify window. Two ops do it without a host sync:
@@ -7,7 +7,7 @@ of each request's verify window. Two ops do it without a host sync:
   slot pairs, accepted pairs compacted to the front in request order, the tail ``(0, 0)``;
 * :func:`move_kv_cache` copies row ``src[q]`` to row ``tgt[q]`` in every K/V buffer of every
   layer in **one launch**, with the result of "read every source row, then write every target".
-  It also moves the layout-B prefix-tail pairs of :func:`prefix_tail_copy_pairs` (SPEC §2.1).
+  It also moves the layout-B prefix-tail pairs of :func:`prefix_tail_copy_pairs` (design §2.1).
 
 Design of ``move_kv_cache``
 ---------------------------
@@ -217,7 +217,7 @@ def accept_cache_locs(
     src: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compact the accepted verify slots into ``(tgt, src)`` move pairs (SPEC §2.4).
+    """Compact the accepted verify slots into ``(tgt, src)`` move pairs (design §2.4).
 
     For request ``i`` with ``acc_i = accept_lens[i]`` and ``k < acc_i``::
 
@@ -626,7 +626,7 @@ def move_kv_cache(
     status: torch.Tensor | None = None,
 ) -> None:
     """Copy row ``src[q]`` to row ``tgt[q]`` in every buffer, as if every source row were read
-    before any target is written (SPEC §2.4). In place; one launch on the GPU.
+    before any target is written (design §2.4). In place; one launch on the GPU.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""Draft KV slots and layout-B prefix-tail copy pairs (SPEC §1, §2.1).
+"""Draft KV slots and layout-B prefix-tail copy pairs (design §1, §2.1).
 
 Branch ``t`` of request ``b`` writes its step-``j`` token at row position ``p(b, t, j)``:
 
@@ -122,7 +122,7 @@ def assign_draft_cache_locs(
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, committed prefix length ``L_b``.
     topk, num_steps, page_size : int
-        ``K``, ``S`` and ``ps``; the slot layout follows from ``K`` and ``ps`` (SPEC §1).
+        ``K``, ``S`` and ``ps``; the slot layout follows from ``K`` and ``ps`` (design §1).
     out_cache_loc : torch.Tensor, optional
         ``[≥ B·K·S]`` int32 or int64; ``[:B·K·S]`` is written, laid out ``[B, K, S]``.
         Allocated as int64 when omitted.

@@ -1,5 +1,5 @@
 """Draft-decode CSR kv_indices / kv_indptr for page-size-1 consumers, all steps in one launch
-(SPEC §2.2).
+(design §2.2).
 
 For step row ``s`` (``it = s + 1``) and branch ``z = b·K + t``::
 
@@ -342,7 +342,7 @@ def draft_decode_kv_indices(
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
     topk, num_steps, page_size : int
-        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, SPEC §1).
+        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, design §1).
     num_rows : int, optional
         Step rows to build, ``0 ≤ rows ≤ S`` (default ``S``; draft decode runs ``S − 1``
         forwards).

@@ -1,4 +1,4 @@
-"""Both page-table passes of FA3 draft decode with ``K > 1`` in one launch (SPEC §2.3, §3.2).
+"""Both page-table passes of FA3 draft decode with ``K > 1`` in one launch (design §2.3, §3.2).
 
 FA3 serves ``K > 1`` draft decode as a cascade of a normal pass over each request's shared
 prefix and an expand pass over each branch's own tokens. Neither pass reads what the other
@@ -226,7 +226,7 @@ def draft_decode_page_tables(
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
     out_cache_loc : torch.Tensor
-        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (SPEC §1).
+        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (design §1).
     topk, num_steps, page_size : int
         ``K``, ``S``, ``ps`` (all ≥ 1).
     exclude_last_partial : bool

@@ -1,4 +1,4 @@
-"""The FA3 expand pass of every draft step in one launch (SPEC §2.3).
+"""The FA3 expand pass of every draft step in one launch (design §2.3).
 
 FA3 serves ``K > 1`` draft decode as a cascade: a normal pass over the shared prefix
 (:mod:`specmeta.kernels.prefix_page_table`) and an expand pass over each branch's own tokens,
@@ -7,7 +7,7 @@ merged by log-sum-exp. For step ``s`` (``dl = s + 1``) and branch row ``r = b·K
 * ``ps > 1``: the pages ``P_j = out_cache_loc[r·S + j] // ps``, ``j < dl``, collapsed where
   consecutive slots share a page — never assumed contiguous — fill
   ``page_table[s, r, 0 … u−1]``, ``u = ceil((lpl_b + dl) / ps)``;
-  ``cache_seqlens[s, r] = lpl_b + dl`` (the branch region starts with the prefix tail, SPEC §1);
+  ``cache_seqlens[s, r] = lpl_b + dl`` (the branch region starts with the prefix tail, design §1);
 * ``ps == 1``: ``page_table[s, r, j] = out_cache_loc[r·S + j]`` for ``j < dl``;
   ``cache_seqlens[s, r] = dl``;
 * columns ``[u, W)`` hold 0, the sink page: nothing stale is left behind.
@@ -128,7 +128,7 @@ def expand_page_table_program(
         new = in_rows & ((j == 0) | (prev // PAGE_SIZE != page))
         runs = tl.cumsum(new.to(tl.int32), axis=1)  # distinct pages among j' ≤ j
         u = (lpl + j + PAGE_SIZE) // PAGE_SIZE  # ceil((lpl + s + 1) / ps) for step s = j
-        # The layout check skips sink slots (0): a padded request's chain is all sink (SPEC §4)
+        # The layout check skips sink slots (0): a padded request's chain is all sink (design §4)
         # and is consistent as it is; a real draft slot never lies on page 0.
         real = in_rows & (slot != 0)
         bad = real & ((slot % PAGE_SIZE != (lpl + j) % PAGE_SIZE) | (runs != u))
@@ -299,7 +299,7 @@ def expand_page_table(
     Parameters
     ----------
     out_cache_loc : torch.Tensor
-        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (SPEC §1, from
+        ``[≥ B·K·S]`` int32 or int64, the draft slots laid out ``[B, K, S]`` (design §1, from
         :func:`specmeta.assign_draft_cache_locs`).
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, prefix lengths ``L_b``; only ``lpl_b = L_b mod ps`` is read.
@@ -319,7 +319,7 @@ def expand_page_table(
         at the wrong page offset, or more or fewer distinct pages than ``u``: extra pages are
         dropped, missing ones read the sink), ``POOL_OOB`` for a negative slot (its page reads
         0; every step's slots are checked, built or not), ``POS_OOB`` for a negative ``seq_lens``. Sink slots (0, what a padded request
-        holds, SPEC §4) are exempt from the layout check.
+        holds, design §4) are exempt from the layout check.
     cu_seqlens_k : torch.Tensor, optional
         ``[≥ rows, ≥ B·K + 1]``; when given ``cu_seqlens_k[s, r] = Σ_{r'<r} cache_seqlens[s, r']``
         for ``r ∈ [0, B·K]``.

@@ -1,4 +1,4 @@
-"""Per-request page tables over a request's own row (SPEC §2.3 normal pass, §3.2, §3.4).
+"""Per-request page tables over a request's own row (design §2.3 normal pass, §3.2, §3.4).
 
 Request ``b`` covers ``len_b`` tokens of its ``req_to_token`` row::
 

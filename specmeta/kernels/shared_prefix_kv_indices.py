@@ -235,7 +235,7 @@ def shared_prefix_kv_indices(
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
     topk, num_steps, page_size : int
-        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, SPEC §1).
+        ``K``, ``S``, ``ps`` (``ps`` places the draft slots, design §1).
     num_rows : int, optional
         Chain rows (steps) to build, ``0 ≤ rows ≤ S`` (default ``S``). The prefix level is
         built whatever ``rows`` is.

@@ -1,4 +1,4 @@
-"""FlashInfer's flat target-verify mask from a draft-tree mask (SPEC §3.3).
+"""FlashInfer's flat target-verify mask from a draft-tree mask (design §3.3).
 
 Request ``i`` owns an ``N × (L_i + N)`` row-major block: query row ``j`` (tree node ``j``) sees
 every prefix column and the tree columns of its ancestors and itself::

@@ -1,4 +1,4 @@
-"""The FA3 expand pass of target verify with a draft tree (``K > 1``, SPEC §3.2).
+"""The FA3 expand pass of target verify with a draft tree (``K > 1``, design §3.2).
 
 Node ``j`` of request ``i`` is query row ``r = i·N + j``; its keys beyond the shared prefix are
 its tree ancestors and itself, ``m[i, j, c] = 1``. The row lists the verify slots

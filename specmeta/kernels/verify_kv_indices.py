@@ -1,4 +1,4 @@
-"""Ragged page-size-1 KV lists of target verify and draft extend (SPEC §3.3).
+"""Ragged page-size-1 KV lists of target verify and draft extend (design §3.3).
 
 Request ``b`` reads its prefix and the ``extra_tokens`` (``N``) slots that follow it::
 

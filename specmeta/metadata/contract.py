@@ -1,7 +1,7 @@
 """The contract every metadata builder follows (design §3).
 
 A builder is created once per (config, device) and serves the **modes** named at construction,
-allocating only their share of the capacity plan (§5). Every mode method takes the same inputs
+allocating only their share of the capacity plan (design §5). Every mode method takes the same inputs
 and keywords:
 
 =================  ===========================================================================

@@ -1,4 +1,4 @@
-"""Work bounded by capacity: a garbage length costs no more than a full buffer (SPEC §2.5).
+"""Work bounded by capacity: a garbage length costs no more than a full buffer (design §2.5).
 
 A kernel whose loop ran over a request's whole ``seq_lens`` would hold the stream for as long as
 a garbage value says (2**40 entries). Every loop is bounded by what its output can hold, so

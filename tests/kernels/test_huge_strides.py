@@ -1,4 +1,4 @@
-"""Outputs with huge row strides: every row offset is 64-bit (SPEC §2.5, STYLE.md §3).
+"""Outputs with huge row strides: every row offset is 64-bit (design §2.5, style §3).
 
 A caller may hand any launcher an output that is a view into a larger buffer, whose row stride
 is above 2**30 (so that ``(rows − 1) · stride`` passes 2**31 or 2**32 elements). Each output is

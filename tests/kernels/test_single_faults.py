@@ -1,4 +1,4 @@
-"""One planted fault, one status bit (SPEC §2.5).
+"""One planted fault, one status bit (design §2.5).
 
 For every status bit a launcher can set, a batch that is clean but for exactly ONE fault must
 set that bit and no other, in the kernel and in its torch reference alike. A batch carrying two
