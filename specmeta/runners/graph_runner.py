@@ -186,6 +186,7 @@ class GraphRunner:
         self._host = host
         self._inputs: dict[str, StaticInput] = {}
         self._outputs: dict[str, StaticOutput] = {}
+        self._guards: dict[str, Callable[[], torch.Tensor]] = {}
         self._layout: tuple | None = None
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -286,9 +287,49 @@ class GraphRunner:
         validate.positive(f"{name}: dim", dim, minimum=0)
         self._outputs[name] = StaticOutput(name, per_request, extra, dim)
 
+    def add_guard(self, name: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
+        """Guard a tensor the graphs read or write beyond the runner's inputs (``req_to_token``,
+        a KV pool, a builder's buffers): a run after it was reallocated or reshaped raises
+        instead of replaying on memory the graphs no longer own.
+
+        Parameters
+        ----------
+        name : str
+            For the message.
+        tensor : torch.Tensor or callable
+            The tensor itself (catches an in-place ``resize_`` or ``set_``), or a function
+            returning the engine's current one (``lambda: engine.req_to_token``; also catches a
+            reallocation). Its storage address, shape, strides, dtype and device are recorded at
+            :meth:`capture` and compared, on the host, at every :meth:`run`.
+        """
+        self._open(f"add_guard({name!r})")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if name in self._guards:
+            raise ValueError(f"guard {name!r} is already registered")
+        if isinstance(tensor, torch.Tensor):
+            fixed = tensor
+            current = lambda: fixed  # noqa: E731
+        elif callable(tensor):
+            current = tensor
+        else:
+            raise TypeError(
+                f"{name}: pass the tensor or a function returning it, got {type(tensor).__name__}"
+            )
+        if not isinstance(current(), torch.Tensor):
+            raise TypeError(f"{name}: the guard function must return a torch.Tensor")
+        self._guards[name] = current
+
+    def _guard_signature(self) -> tuple:
+        out = []
+        for name, current in self._guards.items():
+            t = current()
+            out.append((name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device))
+        return tuple(out)
+
     def _signature(self) -> tuple:
         return (self.batch_sizes, tuple(s.signature() for s in self._inputs.values()),
-                tuple(self._outputs.values()))  # fmt: skip
+                tuple(self._outputs.values()), self._guard_signature())  # fmt: skip
 
     # ----------------------------------------------------------------------------------------
     # Capture
@@ -381,8 +422,10 @@ class GraphRunner:
         bp = self.bucket(batch_size)
         B = batch_size
         if self._signature() != self._layout:
-            raise ValueError("a static buffer changed shape, dtype or storage since capture(); "
-                             "the captured graphs no longer match it: build a new runner")  # fmt: skip
+            changed = [name for name, (now, then) in self._changed_guards()]
+            what = f"guarded tensor {', '.join(changed)}" if changed else "a static buffer"
+            raise ValueError(f"{what} changed shape, dtype or storage since capture(); the "
+                             "captured graphs no longer match it: build a new runner")  # fmt: skip
         raw = self._check_inputs("inputs", B, inputs, self.device, mirrors=False)
         host_raw = self._check_inputs("host_inputs", B, host_inputs or {}, torch.device("cpu"),
                                       mirrors=True)  # fmt: skip
@@ -403,6 +446,10 @@ class GraphRunner:
             t = out[name] if n is None else out[name].narrow(spec.dim, 0, n)
             sliced[name] = t.clone() if copy else t
         return RunResult(B, bp, sliced, host, copy)
+
+    def _changed_guards(self) -> list[tuple[str, tuple[tuple, tuple]]]:
+        then = {g[0]: g for g in self._layout[-1]}
+        return [(g[0], (g, then[g[0]])) for g in self._guard_signature() if g != then[g[0]]]
 
     # ----------------------------------------------------------------------------------------
     # Steps

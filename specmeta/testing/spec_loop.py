@@ -530,6 +530,12 @@ class MetadataStages:
                 runner.add_input("tree_mask", b["runner.tree_mask"], pad=padding.TREE_MASK)
             for name, per_request in outs.items():
                 runner.add_output(name, per_request=per_request)
+            # What the graphs read and write beyond the runner's inputs: a replay after one of
+            # them was reallocated or reshaped raises instead of touching stale memory.
+            runner.add_guard("req_to_token", lambda: self.req_to_token)
+            for which, cache in (("draft", self.draft_cache), ("target", self.target_cache)):
+                for i, layer in enumerate((*cache.k, *cache.v)):
+                    runner.add_guard(f"{which} KV buffer {i}", layer)
             runner.capture()
             self.runners[stage] = runner
 

@@ -273,6 +273,36 @@ def test_mismatched_layout_cannot_be_replayed(device, gen):
         runner.run(3, good, host_inputs=host, copy=False)
 
 
+def test_guarded_tensors_beyond_the_inputs_stop_a_stale_replay(device, gen):
+    """``req_to_token`` and a KV pool are read by the graphs but are not inputs: reallocated or
+    reshaped after capture, a run raises before anything is written."""
+    cfg = _config(2, 2, 4)
+    batch = _draw("random", 3, cfg, gen, device)
+    engine = {"req_to_token": batch.req_to_token.clone()}
+    pool = torch.zeros(64, 2, device=device)
+    runner, meta = _runner(cfg, device, engine["req_to_token"], 3)
+    runner.add_guard("req_to_token", lambda: engine["req_to_token"])
+    runner.add_guard("kv_pool", pool)
+    with pytest.raises(TypeError, match="a function returning it"):
+        runner.add_guard("x", 3)
+    with pytest.raises(ValueError, match="already registered"):
+        runner.add_guard("kv_pool", pool)
+    runner.capture()
+    good = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+    host = {"seq_lens": batch.seq_lens_cpu}
+    runner.run(3, good, host_inputs=host, copy=False)  # unchanged: runs
+    with pytest.raises(ValueError, match="captured"):
+        runner.add_guard("late", pool)
+    engine["req_to_token"] = engine["req_to_token"].clone()  # the engine reallocated it
+    meta.bufs["runner.seq_lens"].fill_(-9)
+    with pytest.raises(ValueError, match="guarded tensor req_to_token changed"):
+        runner.run(3, good, host_inputs=host, copy=False)
+    assert (meta.bufs["runner.seq_lens"] == -9).all(), "nothing ran before the check"
+    pool.resize_(32, 2)  # reshaped in place
+    with pytest.raises(ValueError, match="guarded tensor req_to_token, kv_pool changed"):
+        runner.run(3, good, host_inputs=host, copy=False)
+
+
 def test_host_function_refuses_an_undersized_buffer_before_launch(device, gen):
     cfg = _config(2, 2, 4)
     batch = _draw("max", 32, cfg, gen, device)
