@@ -286,7 +286,7 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
     return res
 
 
-# FlashInfer / TRT-LLM MLA kernels and builders (issue 5). Verify-window width of these checks:
+# FlashInfer / TRT-LLM MLA kernels and builders. Verify-window width of these checks:
 # a tree of up to 8 nodes, never more than the config allows.
 def _tree_width(k: int, s: int) -> int:
     return min(1 + k + (s - 1) * k * k, 8)
@@ -508,7 +508,7 @@ def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> Check
     return res
 
 
-# FlashAttention-3 kernels and builder (issue 3).
+# FlashAttention-3 kernels and builder.
 @register("prefix_page_table")
 def _check_prefix_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
     from .kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref

@@ -2,8 +2,8 @@
 
 Every persistent buffer of every kernel, backend and mode is sized here, from one
 :class:`SpecConfig`, and both the eager path and the CUDA-graph path allocate from
-:func:`plan_buffers`. The reference engine once sized the draft ``kv_indices`` without the
-``topk`` factor in its graph path only; with one plan there is no second formula to get wrong.
+:func:`plan_buffers`: with one plan there is no second formula to get wrong (a draft
+``kv_indices`` sized without the ``topk`` factor in a graph path only, say).
 
 The ``*_need`` functions give what one batch needs of a buffer, for the launchers' capacity
 checks before launch; they use the same formulas as the plan.
@@ -355,7 +355,7 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     add("draft.prefix_tail_tgt", (tail_pairs,), torch.int64, "layout-B prefix-tail copy targets")
     add("draft.prefix_tail_src", (tail_pairs,), torch.int64, "layout-B prefix-tail copy sources")
     # Draft-decode CSR lists for page-size-1 consumers (design §2.2): every step row holds K copies
-    # of every prefix (the topk factor the reference engine's graph path forgot) plus the chains.
+    # of every prefix (the topk factor) plus the chains.
     add(
         "draft_decode.kv_indices",
         (s, draft_decode_kv_indices_need(bs * ctx, bs, k, s)),

@@ -173,7 +173,7 @@ def _accept_cache_locs_kernel(
         tl.store(tgt_ptr + dst, tgt, mask=want)
         tl.store(src_ptr + dst, src, mask=want)
 
-    # The tail [Σacc, B·C) is (0, 0): self-moves of the sink, never stale memory (seed 003).
+    # The tail [Σacc, B·C) is (0, 0): self-moves of the sink, never stale memory.
     for start in range(carry, n_out.to(tl.int64), BLOCK_TAIL):
         e = start + tl.arange(0, BLOCK_TAIL)
         zero = tl.zeros((BLOCK_TAIL,), dtype=tl.int32)

@@ -13,8 +13,8 @@ merged by log-sum-exp. For step ``s`` (``dl = s + 1``) and branch row ``r = b·K
 * columns ``[u, W)`` hold 0, the sink page: nothing stale is left behind.
 
 Data columns stay below ``u ≤ dl ≤ rows ≤ W`` (``W ≥ rows`` is checked before launch), and every
-store is masked by the buffer's extent whatever ``out_cache_loc`` holds: the reference engine's
-scatter once ran past its rows (seed 001), and its torch path failed on an empty batch.
+store is masked by the buffer's extent whatever ``out_cache_loc`` holds, so no scatter runs
+past its rows; an empty batch (``B = 0``) is a valid call.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ pass, 1 for the expand pass, ``N`` for target verify and draft extend)::
 
     cu_seqlens_q = Q · arange(Bp + 1),   max_seqlen_q = Q,   sum_seqlens_q = Bp · Q
 
-identical at capture and at replay, padded rows keeping their full width. The reference engine
-built a variable-stride layout from ``accept_length`` at replay but a uniform one at capture
-(seed ``004``) and produced NaN. Here the values are written once, for the largest batch, into
+identical at capture and at replay, padded rows keeping their full width: a variable-stride
+layout built at replay would disagree with the uniform one a graph captured, and the kernel
+would read rows that are not there. The values are written once, for the largest batch, into
 a planned buffer; a batch of ``B`` rows takes the view ``[:B + 1]``, which holds exactly the
 same numbers a capture at ``B`` would. There is no per-iteration work at all.
 """

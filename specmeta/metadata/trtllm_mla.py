@@ -6,14 +6,14 @@ page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and it
 (``seq_lens_k``); it has no cascade and no custom mask. So:
 
 * draft decode with ``K == 1``: the request's own pages, ``seq_lens_k = L_b + s + 1`` at step
-  ``s`` (the reference engine leaves out ``+ s + 1``);
+  ``s`` (each forward attends to the chain tokens drafted so far);
 * draft decode with ``K > 1``: **per-branch page tables** over slot layout B, one row per branch
   ``r = b·K + t``: the request's full prefix pages, then the pages of the branch's own region,
   whose first ``lpl_b`` slots hold the copied prefix tail (run ``prefix_tail_copy_pairs``
   through ``move_kv_cache`` first). Both cases are one kernel, :func:`branch_page_table`;
 * target verify and draft extend (chains): ``seq_lens_k = L_b + N``, ``cu_seqlens_q = N·arange``,
   ``max_seq_len_q = N``, ``sum_seq_lens_q = Bp·N``: the same values at capture and at replay
-  (seed ``004``: the reference engine built them from ``accept_length`` at replay and got NaN).
+  (a layout built from ``accept_length`` at replay would not match the captured one).
 
 A :class:`TrtllmMlaBuilder` allocates every buffer from :func:`~specmeta.plan_buffers` (keys
 ``trtllm_mla.<mode>.<field>``) once; its methods write into them without allocating or
