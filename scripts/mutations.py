@@ -1,0 +1,475 @@
+#!/usr/bin/env python3
+"""Mutation check: plant known bugs one at a time and see that the tests catch each (issue 17).
+
+Every entry of :data:`MUTATIONS` is a bug of the kind this library exists to prevent, planted
+by an exact text replacement (its ``old`` snippet must occur exactly once in its file, so a
+mutation cannot go stale silently), with the small test selection that must catch it. For each
+mutation the script copies the repository's tracked files into a fresh temporary directory,
+applies the mutation there and runs ``python3 -m pytest -q -x -p no:cacheprovider <selection>``
+from that directory with ``PYTHONPATH`` pointing at the copy (so the mutated package is the one
+imported). Pytest's exit code decides: 1 is *caught*, 0 is *missed*, anything else (or a stale
+snippet) is an *error*.
+
+    python3 scripts/mutations.py              # every CPU mutation, two at a time
+    python3 scripts/mutations.py --list       # the mutations, without running them
+    python3 scripts/mutations.py --only ID... # some of them
+    python3 scripts/mutations.py --gpu        # also the gpu=True ones (on a CUDA machine)
+
+Exit status 1 when a CPU mutation is missed or errors (a stale snippet included).
+
+A race (the move kernel without its barrier) cannot show under Triton's interpreter, which
+runs a program's lanes in lock step: such mutations are marked ``gpu=True`` and run only with
+``--gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The layers a mutation can sit in; tests/test_mutations.py checks each has one at least.
+LAYERS = {
+    "kernel": "a @triton.jit kernel (or device helper) alone",
+    "reference": "a pure-torch reference <op>_ref alone",
+    "shared": "one rule planted in a kernel helper and its torch twin at once",
+    "host_mirror": "a FlashInfer host mirror computed on the CPU (metadata/flashinfer.py)",
+    "host_check": "a builder's host check (metadata/inputs.py)",
+    "validate": "a launcher's host argument check (validate.py)",
+    "config": "the capacity plan (config.py)",
+    "runner": "the CUDA-graph runner's padding (runners/)",
+    "e2e": "caught end to end by the lossless speculative-decoding loop",
+}
+
+LOSSLESS = "tests/testing/test_lossless.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One planted bug: replace ``old`` (exactly once in ``file``) by ``new``; ``also`` holds
+    further ``(file, old, new)`` edits applied with it (a rule planted in two places)."""
+
+    id: str
+    layer: str
+    description: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    gpu: bool = False
+    also: tuple[tuple[str, str, str], ...] = ()
+
+    def edits(self) -> list[tuple[str, str, str]]:
+        return [(self.file, self.old, self.new), *self.also]
+
+
+def _m(id, layer, description, file, old, new, tests, **kw) -> Mutation:  # noqa: A002
+    return Mutation(id, layer, description, file, old, new, tuple(tests), **kw)
+
+
+K = "specmeta/kernels/"
+# fmt: off
+MUTATIONS: list[Mutation] = [
+    # ---------------------------------------------------------------- device kernels
+    _m("k-verify-kv-length", "kernel", "verify KV list one entry short (L + n - 1)",
+       K + "verify_kv_indices.py",
+       "n = tl.where(b < B, L + extra_tokens, 0)",
+       "n = tl.where(b < B, L + extra_tokens - 1, 0)",
+       ["tests/kernels/test_verify_kv_indices.py", "-k", "spec_example"]),
+    _m("k-verify-kv-row-bit", "kernel", "verify_kv_indices drops the ROW_OOB status bit",
+       K + "verify_kv_indices.py",
+       "tl.where(row_ok, 0, ROW_OOB)",
+       "tl.where(row_ok, 0, 0)",
+       ["tests/kernels/test_single_faults.py", "-k", "verify_kv_indices"]),
+    _m("k-tree-mask-capacity-bit", "kernel", "tree_custom_mask drops OUT_OF_CAPACITY",
+       K + "tree_custom_mask.py",
+       "tl.where(start + n > W_mask, OUT_OF_CAPACITY, 0)",
+       "tl.where(start + n > W_mask, 0, 0)",
+       ["tests/kernels/test_tree_custom_mask.py", "-k", "too_small"]),
+    _m("k-copy-prefix-capacity-mask", "kernel",
+       "copy_row_prefix stores without the dst < W_dst mask (last chunk runs past the buffer)",
+       K + "_common.py",
+       "tl.store(dst_ptr + dst, v, mask=m & (dst < W_dst))",
+       "tl.store(dst_ptr + dst, v, mask=m)",
+       ["tests/kernels/test_verify_kv_indices.py", "-k", "too_small"]),
+    _m("k-branch-kv-page-count", "kernel",
+       "branch_kv_indices: ceil((L + rows) / ps) computed as floor + 1 (one page too many)",
+       K + "branch_kv_indices.py",
+       "n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)",
+       "n_last = tl.where(valid, (L + num_rows + page_size) // page_size, 0)",
+       ["tests/kernels/test_branch_kv_indices.py", "-k", "matches_reference"]),
+    _m("k-branch-kv-step-pages", "kernel",
+       "branch_kv_indices: a step's pages per branch one short at page boundaries",
+       K + "branch_kv_indices.py",
+       "n_s = (L + s + page_size) // page_size",
+       "n_s = (L + s + page_size - 1) // page_size",
+       ["tests/kernels/test_branch_kv_indices.py", "-k", "matches_reference"]),
+    _m("k-branch-page-capacity-bit", "kernel", "branch_page_table drops OUT_OF_CAPACITY",
+       K + "branch_page_table.py",
+       "| tl.where(over, OUT_OF_CAPACITY, 0)",
+       "| tl.where(over, 0, 0)",
+       ["tests/kernels/test_branch_page_table.py", "-k", "narrow_table"]),
+    _m("k-merge-state-weight", "kernel", "merge_state weights pass 2 by pass 1's LSE",
+       K + "merge_state.py",
+       'w2 = tl.where(lse2 == float("-inf"), 0.0, tl.exp(lse2 - safe))',
+       'w2 = tl.where(lse2 == float("-inf"), 0.0, tl.exp(lse1 - safe))',
+       ["tests/kernels/test_merge_state.py", "-k", "union"]),
+    _m("k-draft-positions", "kernel", "draft_cache_locs: positions L + 1 instead of L",
+       K + "draft_cache_locs.py",
+       "tl.zeros_like(k).to(tl.int64) + L, mask=k < TOPK)",
+       "tl.zeros_like(k).to(tl.int64) + L + 1, mask=k < TOPK)",
+       ["tests/kernels/test_draft_cache_locs.py", "-k", "matches_reference"]),
+    _m("k-verify-expand-rank", "kernel", "verify_expand_page_table: ancestor rank off by one",
+       K + "verify_expand_page_table.py",
+       "pos = tl.where(m, incl - 1, cnt[:, None] + cc - incl)",
+       "pos = tl.where(m, incl, cnt[:, None] + cc - incl)",
+       ["tests/kernels/test_verify_expand_page_table.py", "-k", "spec_example"]),
+    _m("k-shared-chain-dst", "kernel", "shared_prefix_kv_indices: chain stride s instead of s + 1",
+       K + "shared_prefix_kv_indices.py",
+       "dst = (b * TOPK + t) * (s + 1) + j",
+       "dst = (b * TOPK + t) * s + j",
+       ["tests/kernels/test_shared_prefix_kv_indices.py", "-k", "spec_example"]),
+    _m("k-prefix-page-seqlens", "kernel", "prefix_page_table: cu_seqlens counts one token more",
+       K + "prefix_page_table.py",
+       "own = tl.where(offs < B, tl.minimum(len_head + r, cap), 0)",
+       "own = tl.where(offs < B, tl.minimum(len_head + r + 1, cap), 0)",
+       ["tests/kernels/test_prefix_page_table.py::test_matches_reference_over_workloads"]),
+    _m("k-expand-slot", "kernel", "expand_page_table reads the next step's draft slot",
+       K + "expand_page_table.py",
+       "(first + t) * NUM_STEPS + j, mask=live, other=0)",
+       "(first + t) * NUM_STEPS + j + 1, mask=live, other=0)",
+       ["tests/kernels/test_expand_page_table.py", "-k", "spec_example"]),
+    _m("k-draft-kv-indptr-end", "kernel",
+       "draft_decode_kv_indices: closing kv_indptr entry without step s's own slot",
+       K + "draft_decode_kv_indices.py",
+       "end = TOPK * (cum + L) + B * TOPK * (s_d + 1)",
+       "end = TOPK * (cum + L) + B * TOPK * s_d",
+       ["tests/kernels/test_draft_decode_kv_indices.py", "-k", "spec_example"]),
+    _m("k-draft-kv-chain-capacity-mask", "kernel",
+       "draft_decode_kv_indices: chain stores lose their capacity mask",
+       K + "draft_decode_kv_indices.py",
+       "(j <= s_d[:, None]) & (L + j < room[:, None])",
+       "(j <= s_d[:, None])",
+       ["tests/kernels/test_draft_decode_kv_indices.py", "-k", "too_small"]),
+    _m("k-move-no-barrier", "kernel",
+       "move_kv_cache: no barrier between a block's loads and its stores (a race)",
+       K + "cache_loc_move.py",
+       "                tl.debug_barrier()\n",
+       "",
+       ["tests/kernels/test_cache_loc_move.py", "-k", "gpu or overlapping or ordered"],
+       gpu=True),
+    # ---------------------------------------------------------------- torch references
+    _m("r-accept-window", "reference",
+       "accept_cache_locs_ref accepts a node past the request's own window",
+       K + "cache_loc_move.py",
+       "ok = want & (idx >= lo) & (idx < lo + N) & (k < N)",
+       "ok = want & (idx >= lo) & (k < N)",
+       ["tests/kernels/test_cache_loc_move.py", "-k", "accept_matches or accept_property"]),
+    _m("r-move-src-range", "reference", "move_kv_cache_ref forgets the source's upper bound",
+       K + "cache_loc_move.py",
+       "in_pool = (t >= 0) & (t < rows.shape[0]) & (s >= 0) & (s < rows.shape[0])",
+       "in_pool = (t >= 0) & (t < rows.shape[0]) & (s >= 0)",
+       ["tests/kernels/test_cache_loc_move.py", "-k", "move_out_of_range"]),
+    _m("r-draft-kv-start", "reference", "draft_decode_kv_indices_ref: list starts miss one slot",
+       K + "draft_decode_kv_indices.py",
+       "start = K * cum[bz] + tz * L[bz] + z * it",
+       "start = K * cum[bz] + tz * L[bz] + z * s",
+       ["tests/kernels/test_draft_decode_kv_indices.py", "-k", "matches_reference"]),
+    _m("r-tree-mask-prefix", "reference", "tree_custom_mask_ref: first tree column seen as prefix",
+       K + "tree_custom_mask.py",
+       "val = live & ((col < prefix_len) | tree)",
+       "val = live & ((col <= prefix_len) | tree)",
+       ["tests/kernels/test_tree_custom_mask.py", "-k", "matches_reference"]),
+    _m("r-verify-kv-length", "reference", "verify_kv_indices_ref: lists one entry short",
+       K + "verify_kv_indices.py",
+       "n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens",
+       "n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens - 1",
+       ["tests/kernels/test_verify_kv_indices.py", "-k", "matches_reference"]),
+    _m("r-merge-state-lse", "reference", "merge_state_ref: log(total + 1) in the merged LSE",
+       K + "merge_state.py",
+       "safe + torch.log(total)",
+       "safe + torch.log(total + 1)",
+       ["tests/kernels/test_merge_state.py", "-k", "union"]),
+    # ---------------------------------------------------------------- one rule, both sides
+    _m("s-draft-slot-position", "shared",
+       "draft slot position (layout A) strides branches by S + 1, in the kernel helper and "
+       "its torch twin alike",
+       K + "_common.py",
+       "return L + t * NUM_STEPS + j",
+       "return L + t * (NUM_STEPS + 1) + j",
+       ["tests/kernels/test_draft_cache_locs.py", "-k", "spec_example"],
+       also=((K + "_common.py", "return L + t * num_steps + j",
+              "return L + t * (num_steps + 1) + j"),)),
+    # ---------------------------------------------------------------- FlashInfer host mirrors
+    _m("h-decode-indptr", "host_mirror", "draft_decode kv_indptr_host misses step s's own slot",
+       "specmeta/metadata/flashinfer.py",
+       "start = head[bz] + (z % K) * lens[bz] + z * (s + 1)",
+       "start = head[bz] + (z % K) * lens[bz] + z * s",
+       ["tests/metadata/test_flashinfer.py", "-k", "draft_decode_token_lists"]),
+    _m("h-paged-last-page-len", "host_mirror",
+       "draft_decode_paged kv_last_page_len_host off by one (0 on a full page)",
+       "specmeta/metadata/flashinfer.py",
+       "((lens + s) % ps + 1).repeat_interleave(K)",
+       "((lens + s) % ps).repeat_interleave(K)",
+       ["tests/metadata/test_flashinfer.py", "-k", "draft_decode_paged"]),
+    _m("h-paged-pages", "host_mirror",
+       "draft_decode_paged kv_indptr_host: ceil((L + s + 1) / ps) one page short",
+       "specmeta/metadata/flashinfer.py",
+       "pages = (lens + s + ps) // ps",
+       "pages = (lens + s + ps - 1) // ps",
+       ["tests/metadata/test_flashinfer.py", "-k", "draft_decode_paged"]),
+    _m("h-prefill-indptr", "host_mirror", "verify/extend kv_indptr_host without the N new tokens",
+       "specmeta/metadata/flashinfer.py",
+       "host[1:] = torch.cumsum(lens + n, 0).to(torch.int32)",
+       "host[1:] = torch.cumsum(lens, 0).to(torch.int32)",
+       ["tests/metadata/test_flashinfer.py", "-k", "target_verify_tree or draft_extend"]),
+    _m("h-shared-prefix-indptr", "host_mirror", "cascade prefix_kv_indptr_host counts L + 1",
+       "specmeta/metadata/flashinfer.py",
+       "prefix_host[1:] = torch.cumsum(lens, 0).to(torch.int32)",
+       "prefix_host[1:] = torch.cumsum(lens + 1, 0).to(torch.int32)",
+       ["tests/metadata/test_flashinfer.py", "-k", "shared_prefix_cascade"]),
+    # ---------------------------------------------------------------- builders' host checks
+    _m("i-max-bs", "host_check", "builders accept a batch one over max_bs",
+       "specmeta/metadata/inputs.py",
+       "if B > cfg.max_bs:",
+       "if B > cfg.max_bs + 1:",
+       ["tests/metadata/test_builder_messages.py", "-k", "max_bs"]),
+    _m("i-row-width", "host_check", "builders accept req_to_token one column narrow",
+       "specmeta/metadata/inputs.py",
+       "if table.shape[1] < need:",
+       "if table.shape[1] < need - 1:",
+       ["tests/metadata/test_builder_messages.py", "-k", "narrow_req_to_token"]),
+    _m("i-out-cache-loc", "host_check", "out_cache_loc checked without the topk factor",
+       "specmeta/metadata/inputs.py",
+       "need_slots = B * cfg.topk * cfg.num_steps",
+       "need_slots = B * cfg.num_steps",
+       ["tests/metadata/test_builder_messages.py", "-k", "fa3_draft_slots"]),
+    _m("i-negative-len", "host_check", "builders accept seq_lens_cpu of -1",
+       "specmeta/metadata/inputs.py",
+       "if low < 0:",
+       "if low < -1:",
+       ["tests/metadata/test_builder_messages.py", "-k", "negative_seq_lens_cpu"]),
+    _m("i-max-context", "host_check", "builders accept a length one past max_context_len",
+       "specmeta/metadata/inputs.py",
+       "if high > cfg.max_context_len:",
+       "if high > cfg.max_context_len + 1:",
+       ["tests/metadata/test_builder_messages.py", "-k", "seq_lens_over_the_plan"]),
+    # ---------------------------------------------------------------- launchers' host checks
+    _m("v-at-least", "validate", "capacity check lets a buffer one element short through",
+       "specmeta/validate.py",
+       "if need > have:",
+       "if need > have + 1:",
+       ["tests/kernels/test_verify_kv_indices.py", "tests/kernels/test_tree_custom_mask.py",
+        "-k", "bad_input"]),
+    _m("v-positive", "validate", "positive() accepts minimum - 1",
+       "specmeta/validate.py",
+       "if value < minimum:",
+       "if value < minimum - 1:",
+       ["tests/runners/test_graph_runner.py", "tests/kernels/test_cache_loc_move.py",
+        "-k", "seq_lens_fill or accept_bad_input"]),
+    _m("v-length", "validate", "length() accepts a longer tensor",
+       "specmeta/validate.py",
+       "if t.shape[0] != expected:",
+       "if t.shape[0] < expected:",
+       ["tests/kernels/test_verify_kv_indices.py", "tests/kernels/test_cache_loc_move.py",
+        "-k", "bad_input"]),
+    _m("v-status-length", "validate", "a status word of any length is accepted",
+       "specmeta/validate.py",
+       '    length("status", t, 1)\n',
+       "",
+       ["tests/kernels/test_verify_kv_indices.py", "tests/kernels/test_cache_loc_move.py",
+        "tests/kernels/test_tree_custom_mask.py", "-k", "bad_input"]),
+    # ---------------------------------------------------------------- the capacity plan
+    _m("c-kv-indices-topk", "config", "draft-decode kv_indices sized without the topk factor",
+       "specmeta/config.py",
+       "return topk * seq_lens_sum + batch * topk * num_rows",
+       "return seq_lens_sum + batch * topk * num_rows",
+       ["tests/test_config.py", "-k", "topk_factor"]),
+    _m("c-row-need-topk", "config", "req_to_token row need without the topk factor",
+       "specmeta/config.py",
+       "return prefix_len + topk * num_steps",
+       "return prefix_len + num_steps",
+       ["tests/test_config.py", "tests/metadata/test_builder_messages.py",
+        "-k", "row_width or narrow_req_to_token"]),
+    _m("c-tail-pairs-topk", "config", "prefix-tail pair buffers sized without the topk factor",
+       "specmeta/config.py",
+       "tail_pairs = bs * (k - 1) * (ps - 1) if cfg.layout_b else 0",
+       "tail_pairs = bs * (ps - 1) if cfg.layout_b else 0",
+       ["tests/test_config.py", "-k", "prefix_tail"]),
+    # ---------------------------------------------------------------- the runner's padding
+    _m("p-copy-pad-value", "runner", "copy_pad kernel pads with 0 whatever the pad value",
+       "specmeta/runners/padding.py",
+       "v = tl.where(from_src, v, pad)",
+       "v = tl.where(from_src, v, 0)",
+       ["tests/runners/test_graph_runner.py", "-k", "copy_pad_matches"]),
+    _m("p-seq-lens-fill", "runner", "seq_lens pad covers only the first query width",
+       "specmeta/runners/padding.py",
+       "return max(1, *query_widths)",
+       "return max(1, query_widths[0])",
+       ["tests/runners/test_graph_runner.py", "-k", "seq_lens_fill"]),
+    _m("p-host-pad-dropped", "runner", "runner leaves the host mirrors' [B:Bp] tail stale",
+       "specmeta/runners/graph_runner.py",
+       "spec.mirror[n:npad].fill_(spec.pad)",
+       "spec.mirror[n:n].fill_(spec.pad)",
+       ["tests/runners/test_graph_runner.py", "-k", "poisoned_tails"]),
+    _m("p-device-pad-dropped", "runner", "runner copies [:B] but leaves the [B:Bp] tail stale",
+       "specmeta/runners/graph_runner.py",
+       "copy_pad(src, self._views[bp][name], spec.pad)",
+       "self._views[bp][name][: src.shape[0]].copy_(src)",
+       ["tests/runners/test_graph_runner.py", "-k", "poisoned_tails"]),
+    # ---------------------------------------------------------------- end to end (lossless)
+    _m("e-verify-mask-transposed", "e2e", "verify mask reads the tree columns transposed",
+       K + "tree_custom_mask.py",
+       "m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)",
+       "m = tl.load(tree_ptr + (col - L) * stride_mj + j, mask=live & in_tree, other=0)",
+       [LOSSLESS, "-k", "test_lossless_cpu and flashinfer and perturbed"]),
+    _m("e-accept-not-compacted", "e2e",
+       "accept pairs of request i stored at i·C, not compacted (the zeroed tail eats them)",
+       K + "cache_loc_move.py",
+       "dst = first[:, None] + k[None, :]  # < Σacc ≤ B·C ≤ n_out",
+       "dst = i[:, None] * C + k[None, :]",
+       [LOSSLESS, "-k", "test_lossless_cpu and flashinfer and perturbed"]),
+    _m("e-move-only-k", "e2e",
+       "move_kv_cache moves the first half of the pool's buffers only (K, not V)",
+       K + "cache_loc_move.py",
+       "            for b in range(first, last):\n",
+       "            for b in range(first, tl.minimum(last, (num_buffers + 1) // 2)):\n",
+       [LOSSLESS, "-k", "test_lossless_cpu and fa3 and self"]),
+    _m("e-draft-list-shifted", "e2e", "draft decode lists read each chain one step ahead",
+       K + "draft_decode_kv_indices.py",
+       "chain_pos = draft_slot_position(L, t_d[:, None], j, page_size, NUM_STEPS, LAYOUT_B)",
+       "chain_pos = draft_slot_position(L, t_d[:, None], j + 1, page_size, NUM_STEPS, LAYOUT_B)",
+       [LOSSLESS, "-k", "test_lossless_cpu and flashinfer and perturbed"]),
+]
+# fmt: on
+
+
+# --------------------------------------------------------------------------------------------
+def stale(m: Mutation, root: Path = ROOT) -> str | None:
+    """Why ``m`` cannot be applied to the tree at ``root`` (None when every snippet occurs
+    exactly once)."""
+    for file, old, _ in m.edits():
+        path = root / file
+        if not path.is_file():
+            return f"{file}: no such file"
+        count = path.read_text().count(old)
+        if count != 1:
+            return f"{file}: snippet occurs {count} times, not once: {old.strip()[:60]!r}"
+    return None
+
+
+def _copy_tracked(root: Path, dst: Path) -> None:
+    files = (
+        subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True, capture_output=True)
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, files):
+        src = root / name
+        if not src.is_file():  # a tracked file deleted in the work tree
+            continue
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst / name)
+
+
+@dataclasses.dataclass
+class Result:
+    mutation: Mutation
+    outcome: str  # caught | missed | error | skipped
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def run_one(m: Mutation, root: Path = ROOT, timeout: float = 900) -> Result:
+    """Copy the tracked tree, plant ``m``, run its tests there; pytest exit 1 is a catch."""
+    start = time.monotonic()
+    why = stale(m, root)
+    if why:
+        return Result(m, "error", 0.0, f"stale: {why}")
+    with tempfile.TemporaryDirectory(prefix=f"specmeta-mut-{m.id}-") as tmp:
+        copy = Path(tmp)
+        _copy_tracked(root, copy)
+        for file, old, new in m.edits():
+            path = copy / file
+            path.write_text(path.read_text().replace(old, new, 1))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                                  timeout=timeout)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return Result(m, "error", time.monotonic() - start, f"timed out after {timeout} s")
+    seconds = time.monotonic() - start
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    outcome = {1: "caught", 0: "missed"}.get(proc.returncode, "error")
+    detail = tail[0] if outcome != "error" else f"pytest exit {proc.returncode}: {tail[0]}"
+    return Result(m, outcome, seconds, detail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run only these mutations")
+    parser.add_argument("--jobs", type=int, default=2, help="pytest processes at a time (2)")
+    parser.add_argument("--gpu", action="store_true", help="also run the gpu=True mutations")
+    args = parser.parse_args(argv)
+
+    chosen = MUTATIONS
+    if args.only:
+        known = {m.id for m in MUTATIONS}
+        unknown = [i for i in args.only if i not in known]
+        if unknown:
+            parser.error(f"unknown mutation id(s): {', '.join(unknown)}")
+        chosen = [m for m in MUTATIONS if m.id in args.only]
+
+    if args.list:
+        for m in chosen:
+            flag = " [gpu]" if m.gpu else ""
+            print(f"{m.id:32} {m.layer:12} {m.description}{flag}")
+            print(f"{'':32} {m.file}  ::  {' '.join(m.tests)}")
+        print(f"{len(chosen)} mutations ({sum(not m.gpu for m in chosen)} CPU)")
+        return 0
+
+    to_run = [m for m in chosen if args.gpu or not m.gpu]
+    skipped = [Result(m, "skipped", detail="gpu=True: run with --gpu on a CUDA machine")
+               for m in chosen if m.gpu and not args.gpu]  # fmt: skip
+    t0 = time.monotonic()
+    results: dict[str, Result] = {r.mutation.id: r for r in skipped}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_one, m): m for m in to_run}
+        for fut in concurrent.futures.as_completed(futures):
+            r = fut.result()
+            results[r.mutation.id] = r
+            print(f"  {r.outcome:7} {r.mutation.id} ({r.seconds:.0f} s)", flush=True)
+    total = time.monotonic() - t0
+
+    print(f"\n{'id':32} {'layer':12} {'result':8} {'seconds':>7}")
+    for m in chosen:
+        r = results[m.id]
+        print(f"{m.id:32} {m.layer:12} {r.outcome:8} {r.seconds:7.1f}")
+        if r.outcome in ("missed", "error", "skipped"):
+            print(f"{'':32} -> {r.detail}")
+    counts = {k: sum(r.outcome == k for r in results.values())
+              for k in ("caught", "missed", "error", "skipped")}  # fmt: skip
+    print(
+        f"\n{counts['caught']} caught, {counts['missed']} missed, {counts['error']} errors, "
+        f"{counts['skipped']} skipped (gpu) of {len(chosen)} mutations in {total:.0f} s"
+    )
+    bad = [r for r in results.values()
+           if r.outcome in ("missed", "error") and not r.mutation.gpu]  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
