@@ -38,6 +38,20 @@ def test_row_width_covers_every_prefix(k, s, n, ps):
         assert length + n <= cfg.req_to_token_width
 
 
+def test_draft_row_need_by_hand():
+    """The row positions of design §1, worked out by hand: layout A needs ``L + K·S``;
+    layout B ``base + K·nnp·ps`` with ``nnp = ceil((lpl + S) / ps)``."""
+    assert draft_row_need(10, 4, 3, 1) == 10 + 4 * 3  # layout A (ps = 1)
+    assert draft_row_need(10, 1, 3, 16) == 10 + 3  # layout A (K = 1)
+    # L = 30, ps = 16: base 16, lpl 14, nnp = ceil(17 / 16) = 2 pages a branch, 4 branches.
+    assert draft_row_need(30, 4, 3, 16) == 16 + 4 * 2 * 16
+    # L = 32, ps = 16: base 32, lpl 0, nnp = 1.
+    assert draft_row_need(32, 4, 3, 16) == 32 + 4 * 1 * 16
+    cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=4, max_bs=4,
+                     max_context_len=32)  # fmt: skip
+    assert cfg.row_width_need == 44  # L = 30: base 28 + 2 branches · 2 pages · 4
+
+
 def test_draft_kv_indices_carry_the_topk_factor():
     """Seed 002: the graph path sized the draft kv_indices without K."""
     cfg = SpecConfig(topk=8, num_steps=5, num_draft_tokens=16, max_bs=256, max_context_len=32768)

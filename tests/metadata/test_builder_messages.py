@@ -299,3 +299,35 @@ def test_free_launchers_say_the_argument_the_value_and_the_fix(device):
             "its shape",
             accept_cache_locs, index[0], torch.ones(1, dtype=torch.int32, device=device),
             torch.zeros(6, dtype=torch.int64, device=device), num_draft_tokens=6)  # fmt: skip
+
+
+def test_the_host_checks_hold_at_their_exact_limits(device):
+    """One past each limit raises, the limit itself does not: a check off by one fails here.
+    By hand for CFG: the row need is 44, ``max_context_len`` 32, lengths start at 0."""
+    for _, builder, mode, extra in _all(device):
+        _call(builder, mode, _inputs(device, width=44), **extra)  # exactly the need: fine
+        with pytest.raises(ValueError, match="req_to_token is 43 positions wide"):
+            _call(builder, mode, _inputs(device, width=43), **extra)
+        top = torch.tensor([0, 32, 30])  # 0 and max_context_len themselves are valid
+        _call(builder, mode, _inputs(device), seq_lens_cpu=top, **extra)
+        with pytest.raises(ValueError, match="seq_lens_cpu holds 33, over"):
+            _call(builder, mode, _inputs(device), seq_lens_cpu=torch.tensor([5, 33, 30]),
+                  **extra)  # fmt: skip
+        with pytest.raises(ValueError, match="seq_lens_cpu holds -1; lengths must be >= 0"):
+            _call(builder, mode, _inputs(device), seq_lens_cpu=torch.tensor([5, -1, 30]),
+                  **extra)  # fmt: skip
+
+
+def test_a_free_launcher_rejects_a_status_word_of_the_wrong_shape(device):
+    from specmeta import assign_draft_cache_locs
+
+    rpi = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    table = torch.zeros(3, 48, dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    kw = dict(topk=2, num_steps=3, page_size=4)
+    for bad in (torch.zeros(2, dtype=torch.int32, device=device),
+                torch.zeros(0, dtype=torch.int32, device=device)):  # fmt: skip
+        with pytest.raises(ValueError, match="status must have 1 elements"):
+            assign_draft_cache_locs(rpi, table, lens, status=bad, **kw)
+    with pytest.raises(TypeError, match="status must be int32"):
+        assign_draft_cache_locs(rpi, table, lens, status=torch.zeros(1, device=device), **kw)
