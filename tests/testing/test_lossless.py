@@ -114,6 +114,8 @@ class Served:
     requests: list[Request]
     history: list[Iteration]
     reference_history: list[Iteration]
+    pools: tuple[list[torch.Tensor], list[torch.Tensor]] = ((), ())
+    """Every K and V buffer of both models' pools after the run: (kernels', references')."""
 
 
 def _draw(gen: torch.Generator) -> int:
@@ -150,7 +152,13 @@ def _serve(case: Case, draft_kind: str, gen, device, *, model_cfg: TinyConfig, d
     # same (padded) batches and only the metadata's origin differs.
     reference = SpeculativeLoop(cfg, target, draft, mode=case.mode, buckets=buckets,
                                 reference=True, **common)  # fmt: skip
-    return Served(case, target, requests, history, reference.run(twins))
+    reference_history = reference.run(twins)
+
+    def pools(run: SpeculativeLoop) -> list[torch.Tensor]:
+        return [t for c in (run.target_cache, run.draft_cache) for t in (*c.k, *c.v)]
+
+    return Served(case, target, requests, history, reference_history,
+                  (pools(loop), pools(reference)))  # fmt: skip
 
 
 def _accepted_on_greedy(tree_tokens, tree_parents, continuation) -> int:
@@ -239,6 +247,11 @@ def _check_cpu(s: Served, draft_kind: str, new_tokens: int) -> None:
         )
         greedy[r.rid] = want
     _check_acceptance(s, draft_kind, greedy)
+    # Same slots, same metadata, float64 on both sides: every K and V buffer of both pools ends
+    # bit-identical. A KV move that skips V, say, changes no argmax here but changes the pools.
+    for i, (mine, ref) in enumerate(zip(*s.pools, strict=True)):
+        assert torch.equal(mine, ref), f"{case.id} {draft_kind}: KV buffer {i} differs from the " \
+            "same loop on the references"
     # The workload covered what it was drawn for: the batch grew, drained to an idle iteration
     # and refilled; target (L) and draft (L + 1) prefixes sat on page boundaries and one short.
     sizes = [it.batch_size for it in s.history]
