@@ -29,7 +29,8 @@ def _row_width(k, s, ps, prefix=40):
     return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
-def _run(batch, device, *, rows=None, width=None, idx_dtype=torch.int32, with_sum=True, spare=7):
+def _run(batch, device, *, rows=None, width=None, idx_dtype=torch.int32, with_sum=True, spare=7,
+         margin=64):  # fmt: skip
     B, K, S = batch.batch_size, batch.topk, batch.num_steps
     rows = S if rows is None else rows
     need = draft_decode_kv_indices_need(batch.seq_lens_sum, B, K, rows)
@@ -38,7 +39,7 @@ def _run(batch, device, *, rows=None, width=None, idx_dtype=torch.int32, with_su
     if with_sum:
         kw["seq_lens_sum"] = batch.seq_lens_sum
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
-    idx = Guarded((rows, width), idx_dtype, device)
+    idx = Guarded((rows, width), idx_dtype, device, margin=margin)
     ptr = Guarded((rows, B * K + 1), torch.int32, device)
     status = new_status(device)
     draft_decode_kv_indices(*args, kv_indices=idx.view, kv_indptr=ptr.view, status=status, **kw)
@@ -158,7 +159,8 @@ def test_too_small_buffer_without_host_total_is_masked(device, gen):
     batch = make_batch("max", batch_size=3, topk=4, num_steps=3, page_size=4,
                        row_width=_row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
     need = draft_decode_kv_indices_need(batch.seq_lens_sum, 3, 4, 3)
-    _, _, status = _run(batch, device, width=need // 2, with_sum=False)
+    # Guard bands as wide as the whole need: an unmasked store lands in them, not past them.
+    _, _, status = _run(batch, device, width=need // 2, with_sum=False, margin=3 * need)
     assert int(status) == int(Status.OUT_OF_CAPACITY)
 
 
