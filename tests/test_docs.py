@@ -106,12 +106,10 @@ def test_no_pointer_outside_the_repository():
         for lineno, line in enumerate(text.splitlines(), 1)
         if any(s in line for s in STALE)
     ]
-    if bad:
-        pytest.fail(
-            "files cite documents outside the repository; cite docs/design.md as 'design §N' "
-            "and docs/style.md as 'style §N' instead:\n" + "\n".join(bad),
-            pytrace=False,
-        )
+    assert not bad, (
+        "files cite documents outside the repository; cite docs/design.md as 'design §N' "
+        "and docs/style.md as 'style §N' instead:\n" + "\n".join(bad)
+    )
 
 
 def test_every_citation_names_an_existing_section():
@@ -123,8 +121,7 @@ def test_every_citation_names_an_existing_section():
                 bad.append(f"{name}:{lineno}: §{section} names no document (write 'design §')")
             elif section not in known[doc]:
                 bad.append(f"{name}:{lineno}: {doc} §{section} does not exist")
-    if bad:
-        pytest.fail("citations of missing sections:\n" + "\n".join(bad), pytrace=False)
+    assert not bad, "citations of missing sections:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize(

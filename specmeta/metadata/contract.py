@@ -190,6 +190,15 @@ class MetadataBuilder:
         del name
         return True
 
+    def allocate_planned(self, fill: int = 0) -> dict[str, torch.Tensor]:
+        """The served modes' planned buffers on the builder's device, filled with ``fill`` and
+        keyed ``"<mode>.<field>"`` (for builders with no host mirrors)."""
+        plan = plan_buffers(self.cfg)
+        return {
+            key[len(self.plan_prefix) :]: plan[key].allocate(self.device, fill=fill)
+            for key in self.plan_keys(self.cfg, self.modes)
+        }
+
     # -- per call -----------------------------------------------------------------------------
     def require(self, mode: str) -> str:
         """``"<Builder>.<mode>"``, after checking that the builder serves ``mode``."""

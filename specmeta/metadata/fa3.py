@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..config import SpecConfig, plan_buffers
+from ..config import SpecConfig
 from ..kernels.draft_decode_page_tables import (
     draft_decode_page_tables,
     draft_decode_page_tables_ref,
@@ -205,11 +205,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         reference: bool = False,
     ):
         super().__init__(cfg, device, modes=modes, reference=reference)
-        plan = plan_buffers(cfg)
-        self.buffers = {
-            key[len(_PREFIX) :]: plan[key].allocate(self.device)
-            for key in self.plan_keys(cfg, self.modes)
-        }
+        self.buffers = self.allocate_planned()
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
         self._draft_tables = draft_decode_page_tables_ref if reference else draft_decode_page_tables
         self._verify_expand = (

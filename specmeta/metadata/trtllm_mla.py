@@ -122,11 +122,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
         reference: bool = False,
     ):
         super().__init__(cfg, device, modes=modes, reference=reference)
-        plan = plan_buffers(cfg)
-        self.buffers = {
-            key[len(_PREFIX) :]: plan[key].allocate(self.device, fill=_UNUSED_BLOCK)
-            for key in self.plan_keys(cfg, self.modes)
-        }
+        self.buffers = self.allocate_planned(fill=_UNUSED_BLOCK)
         self._branch = branch_page_table_ref if reference else branch_page_table
         self._prefix = prefix_page_table_ref if reference else prefix_page_table
         n, bs = cfg.num_draft_tokens, cfg.max_bs
