@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_pages_per_branch
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -117,6 +118,9 @@ def _branch_page_table_kernel(
             | tl.where(over, OUT_OF_CAPACITY, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+
+
+_branch_page_table_launch = Launcher(_branch_page_table_kernel)
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
@@ -214,26 +218,25 @@ def branch_page_table(
     device = req_to_token.device
     W = page_table.shape[1]
     grid = (B, chunk_programs(device, B, W, _BLOCK))
-    _branch_page_table_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        page_table,
-        seq_lens_k,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
-        rows,
-        W,
-        page_table.stride(0),
-        seq_lens_k.stride(0),
-        fill_value,
-        grid[1],
-        # code shape
+    _branch_page_table_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        page_table_ptr=page_table,
+        seq_lens_k_ptr=seq_lens_k,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
+        num_rows=rows,
+        W=W,
+        stride_pt=page_table.stride(0),
+        stride_sl=seq_lens_k.stride(0),
+        fill_value=fill_value,
+        chunk_programs=grid[1],
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,

@@ -72,6 +72,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import kv_pool_table_shape
+from ..launch import Launcher
 from ..status import Status
 from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
@@ -185,6 +186,9 @@ def _accept_cache_locs_kernel(
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
+_accept_cache_locs_launch = Launcher(_accept_cache_locs_kernel)
+
+
 def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status):
     """Validate and allocate; shared by the launcher and the reference."""
     n_draft = validate.positive("num_draft_tokens", num_draft_tokens)
@@ -267,20 +271,19 @@ def accept_cache_locs(
     n = B * C
     if n == 0:
         return tgt[:0], src[:0]
-    _accept_cache_locs_kernel[(1,)](
-        accept_index,
-        accept_lens,
-        out_cache_loc,
-        tgt,
-        src,
-        status,
-        # sizes
-        B,
-        n_draft,
-        C,
-        accept_index.stride(0),
-        n,
-        # code shape
+    _accept_cache_locs_launch(
+        (1,),
+        accept_index_ptr=accept_index,
+        accept_lens_ptr=accept_lens,
+        out_cache_loc_ptr=out_cache_loc,
+        tgt_ptr=tgt,
+        src_ptr=src,
+        status_ptr=status,
+        B=B,
+        N=n_draft,
+        C=C,
+        stride_acc=accept_index.stride(0),
+        n_out=n,
         BLOCK_B=_ACCEPT_BLOCK_B,
         BLOCK_C=triton.next_power_of_2(C),
         BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
@@ -442,6 +445,9 @@ def _move_kv_cache_kernel(
         # Every slice sees the same pairs; slice 0 reports for its buffers.
         bits = tl.where((bad != 0) & (c == 0), POOL_OOB, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+
+
+_move_kv_cache_launch = Launcher(_move_kv_cache_kernel)
 
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -689,7 +695,8 @@ def move_kv_cache(
         slices = triton.cdiv(pool.max_row_words, cols)
         per_program = max(1, slices * pair_programs * len(pool) // shape["target"])
         groups = triton.cdiv(len(pool), per_program)
-        _move_kv_cache_kernel[(pair_programs, slices, groups)](
+        _move_kv_cache_launch(
+            (pair_programs, slices, groups),
             table_ptr=pool.table,
             buf_ptr=pool.table,
             num_buffers=len(pool),
@@ -703,7 +710,8 @@ def move_kv_cache(
         return
     for words in pool.words:
         slices = triton.cdiv(words.shape[1], cols)
-        _move_kv_cache_kernel[(pair_programs, slices, 1)](
+        _move_kv_cache_launch(
+            (pair_programs, slices, 1),
             table_ptr=words,
             buf_ptr=words,
             num_buffers=1,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     POS_OOB,
@@ -93,6 +94,9 @@ def _assign_draft_cache_locs_kernel(
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
+_assign_draft_cache_locs_launch = Launcher(_assign_draft_cache_locs_kernel)
+
+
 def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
     validate.tensor(name, buf, dtypes=dtypes, ndim=1, device=device)
     validate.at_least(name, buf.shape[0], need)
@@ -158,18 +162,19 @@ def assign_draft_cache_locs(
     status = validate.status(status, device)
     if B == 0:
         return out_cache_loc
-    _assign_draft_cache_locs_kernel[(B,)](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        out_cache_loc,
-        positions if positions is not None else out_cache_loc,
-        status,
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
+    _assign_draft_cache_locs_launch(
+        (B,),
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        out_cache_loc_ptr=out_cache_loc,
+        positions_ptr=positions if positions is not None else out_cache_loc,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
@@ -233,6 +238,9 @@ def _prefix_tail_copy_pairs_kernel(
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
+_prefix_tail_copy_pairs_launch = Launcher(_prefix_tail_copy_pairs_kernel)
+
+
 def prefix_tail_copy_pairs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -288,18 +296,19 @@ def prefix_tail_copy_pairs(
     status = validate.status(status, device)
     if B == 0:
         return tgt, src
-    _prefix_tail_copy_pairs_kernel[(B,)](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        tgt,
-        src,
-        status,
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
+    _prefix_tail_copy_pairs_launch(
+        (B,),
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        tgt_ptr=tgt,
+        src_ptr=src,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=triton.next_power_of_2(max(width, 1)),

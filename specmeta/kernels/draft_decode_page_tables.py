@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..launch import Launcher
 from ._common import chunk_programs, vector_widths
 from .expand_page_table import (
     expand_page_table_program,
@@ -172,6 +173,9 @@ def _draft_decode_page_tables_kernel(
         )
 
 
+_draft_decode_page_tables_launch = Launcher(_draft_decode_page_tables_kernel)
+
+
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
     exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k, expand_page_table,
@@ -289,35 +293,32 @@ def draft_decode_page_tables(
     # One more column of programs for the expand pass, none when it has no row to build; one
     # more row for the normal pass's cu_seqlens_k.
     grid = (B + 1, normal_programs + (1 if rows > 0 else 0))
-    _draft_decode_page_tables_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        out_cache_loc,
-        page_table,
-        cache_seqlens,
-        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        expand_page_table,
-        expand_cache_seqlens,
-        expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
-        status,
-        # sizes: both passes
-        B,
-        # normal pass
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        W,
-        page_table.stride(0),
-        normal_programs,
-        # expand pass
-        rows,
-        W_expand,
-        expand_page_table.stride(0),
-        expand_page_table.stride(1),
-        expand_cache_seqlens.stride(0),
-        expand_cu_seqlens_k.stride(0) if expand_cu_seqlens_k is not None else 0,
-        # code shape
+    _draft_decode_page_tables_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        out_cache_loc_ptr=out_cache_loc,
+        page_table_ptr=page_table,
+        cache_seqlens_ptr=cache_seqlens,
+        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        expand_page_table_ptr=expand_page_table,
+        expand_cache_seqlens_ptr=expand_cache_seqlens,
+        expand_cu_seqlens_k_ptr=expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        W=W,
+        stride_pt=page_table.stride(0),
+        chunk_programs=normal_programs,
+        num_rows=rows,
+        W_expand=W_expand,
+        stride_ept_s=expand_page_table.stride(0),
+        stride_ept_r=expand_page_table.stride(1),
+        stride_ecs=expand_cache_seqlens.stride(0),
+        stride_ecu=expand_cu_seqlens_k.stride(0) if expand_cu_seqlens_k is not None else 0,
         EXCLUDE_LAST_PARTIAL=exclude_last_partial,
         PAGED=page_size > 1,
         PAGE_SIZE=page_size,
@@ -327,15 +328,11 @@ def draft_decode_page_tables(
         NUM_STEPS=num_steps,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
-        # The data tile covers the usual W_e = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
         HAS_STATUS=True,
-        # The normal pass's 256-1024-column blocks want 4 warps; the expand pass's [K, S] and
-        # [K, S, W] tiles run with 2 in the standalone kernel. (On Triton 3.6 one warp built
-        # wrong expand tables; see scripts/tune_fa3_build.py.)
         num_warps=_NUM_WARPS,
     )
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import expand_page_table_width
+from ..launch import Launcher
 from ..status import Status
 from ._common import BAD_PAGE, POOL_OOB, POS_OOB
 
@@ -240,6 +241,9 @@ def _expand_page_table_kernel(
     )
 
 
+_expand_page_table_launch = Launcher(_expand_page_table_kernel)
+
+
 def prepare_expand_page_table(
     out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, page_table, cache_seqlens,
     cu_seqlens_k, status, prefix="",
@@ -346,29 +350,27 @@ def expand_page_table(
     if rows == 0:
         return page_table, cache_seqlens
     W = page_table.shape[2]
-    _expand_page_table_kernel[(max(B, 1),)](
-        out_cache_loc,
-        seq_lens,
-        page_table,
-        cache_seqlens,
-        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status,
-        # sizes
-        B,
-        rows,
-        W,
-        page_table.stride(0),
-        page_table.stride(1),
-        cache_seqlens.stride(0),
-        cu_seqlens_k.stride(0) if cu_seqlens_k is not None else 0,
-        # code shape
+    _expand_page_table_launch(
+        (max(B, 1),),
+        out_cache_loc_ptr=out_cache_loc,
+        seq_lens_ptr=seq_lens,
+        page_table_ptr=page_table,
+        cache_seqlens_ptr=cache_seqlens,
+        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status_ptr=status,
+        B=B,
+        num_rows=rows,
+        W=W,
+        stride_pt_s=page_table.stride(0),
+        stride_pt_r=page_table.stride(1),
+        stride_cs=cache_seqlens.stride(0),
+        stride_cu=cu_seqlens_k.stride(0) if cu_seqlens_k is not None else 0,
         TOPK=topk,
         NUM_STEPS=num_steps,
         PAGED=page_size > 1,
         PAGE_SIZE=page_size,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_S=triton.next_power_of_2(num_steps),
-        # The data tile covers the usual W = S; wider tables get 16-column tiles of zeros.
         BLOCK_W=min(triton.next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,

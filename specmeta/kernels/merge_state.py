@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
+from ..launch import Launcher
 
 __all__ = ["merge_state", "merge_state_ref"]
 
@@ -80,6 +81,9 @@ def _merge_state_kernel(
     )
     if HAS_LSE_OUT:
         tl.store(out_lse_ptr + t * s_lo_t + h * s_lo_h, lse, mask=h_ok)
+
+
+_merge_state_launch = Launcher(_merge_state_kernel)
 
 
 def _check(o1, lse1, o2, lse2):
@@ -148,14 +152,32 @@ def merge_state(
     block_h = min(triton.next_power_of_2(H), max(1, _TILE // block_d))
     lse_out = out_lse if out_lse is not None else lse1
     grid = (T, triton.cdiv(H, block_h))
-    _merge_state_kernel[grid](
-        o1_ptr=o1, lse1_ptr=lse1, o2_ptr=o2, lse2_ptr=lse2, out_ptr=out, out_lse_ptr=lse_out,
-        T=T, H=H, D=D,
-        s_o1_t=o1.stride(0), s_o1_h=o1.stride(1), s_o2_t=o2.stride(0), s_o2_h=o2.stride(1),
-        s_out_t=out.stride(0), s_out_h=out.stride(1),
-        s_l1_t=lse1.stride(0), s_l1_h=lse1.stride(1), s_l2_t=lse2.stride(0), s_l2_h=lse2.stride(1),
-        s_lo_t=lse_out.stride(0), s_lo_h=lse_out.stride(1),
-        BLOCK_H=block_h, BLOCK_D=block_d, HAS_LSE_OUT=out_lse is not None,
+    _merge_state_launch(
+        grid,
+        o1_ptr=o1,
+        lse1_ptr=lse1,
+        o2_ptr=o2,
+        lse2_ptr=lse2,
+        out_ptr=out,
+        out_lse_ptr=lse_out,
+        T=T,
+        H=H,
+        D=D,
+        s_o1_t=o1.stride(0),
+        s_o1_h=o1.stride(1),
+        s_o2_t=o2.stride(0),
+        s_o2_h=o2.stride(1),
+        s_out_t=out.stride(0),
+        s_out_h=out.stride(1),
+        s_l1_t=lse1.stride(0),
+        s_l1_h=lse1.stride(1),
+        s_l2_t=lse2.stride(0),
+        s_l2_h=lse2.stride(1),
+        s_lo_t=lse_out.stride(0),
+        s_lo_h=lse_out.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        HAS_LSE_OUT=out_lse is not None,
         num_warps=4,
     )  # fmt: skip
     return out, out_lse

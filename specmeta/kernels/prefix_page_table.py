@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import page_table_width
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -287,6 +288,9 @@ def _prefix_page_table_kernel(
     )
 
 
+_prefix_page_table_launch = Launcher(_prefix_page_table_kernel)
+
+
 def prepare_prefix_page_table(
     req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
     fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
@@ -409,28 +413,27 @@ def prefix_page_table(
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
     grid = (B + 1, chunk_programs(req_to_token.device, B, W, _BLOCK))
     two_d = cache_seqlens.dim() == 2
-    _prefix_page_table_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        page_table,
-        cache_seqlens,
-        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        extra_tokens,
-        fill_value,
-        rows,
-        W,
-        page_table.stride(0),
-        cache_seqlens.stride(0) if two_d else 0,
-        cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
-        grid[1],
-        # code shape
+    _prefix_page_table_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        page_table_ptr=page_table,
+        cache_seqlens_ptr=cache_seqlens,
+        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        extra_tokens=extra_tokens,
+        fill_value=fill_value,
+        num_rows=rows,
+        W=W,
+        stride_pt=page_table.stride(0),
+        stride_cs=cache_seqlens.stride(0) if two_d else 0,
+        stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
+        chunk_programs=grid[1],
         EXCLUDE_LAST_PARTIAL=exclude_last_partial,
         PAGED=page_size > 1,
         PAGE_SIZE=page_size,

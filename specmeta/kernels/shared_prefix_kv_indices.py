@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -157,6 +158,9 @@ def _shared_prefix_kv_indices_kernel(
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
+_shared_prefix_kv_indices_launch = Launcher(_shared_prefix_kv_indices_kernel)
+
+
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
@@ -275,28 +279,27 @@ def shared_prefix_kv_indices(
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    _shared_prefix_kv_indices_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        prefix_kv_indices,
-        prefix_kv_indptr,
-        chain_kv_indices,
-        chain_kv_indptr,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
-        rows,
-        prefix_kv_indices.shape[0],
-        chain_kv_indices.shape[1],
-        chain_kv_indices.stride(0),
-        chain_kv_indptr.stride(0),
-        grid[1],
-        # code shape
+    _shared_prefix_kv_indices_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        prefix_kv_indices_ptr=prefix_kv_indices,
+        prefix_kv_indptr_ptr=prefix_kv_indptr,
+        chain_kv_indices_ptr=chain_kv_indices,
+        chain_kv_indptr_ptr=chain_kv_indptr,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
+        num_rows=rows,
+        W_prefix=prefix_kv_indices.shape[0],
+        W_chain=chain_kv_indices.shape[1],
+        stride_chain=chain_kv_indices.stride(0),
+        stride_chain_ptr=chain_kv_indptr.stride(0),
+        chunk_programs=grid[1],
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),

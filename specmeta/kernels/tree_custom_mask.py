@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import tree_custom_mask_need
+from ..launch import Launcher
 from ..status import Status
 from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
 
@@ -128,6 +129,9 @@ def _tree_custom_mask_kernel(
                 tl.atomic_or(status_ptr, flags, sem="relaxed")
 
 
+_tree_custom_mask_launch = Launcher(_tree_custom_mask_kernel)
+
+
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
     validate.tensor("seq_lens", seq_lens, ndim=1)
     device = seq_lens.device
@@ -213,20 +217,19 @@ def tree_custom_mask(
     )
     device = seq_lens.device
     grid = (max(B, 1), max(1, triton.cdiv(target_programs(device), max(B, 1))))
-    _tree_custom_mask_kernel[grid](
-        seq_lens,
-        tree_mask.view(torch.uint8),
-        custom_mask.view(torch.uint8),
-        mask_indptr,
-        status,
-        # sizes
-        B,
-        N,
-        tree_mask.stride(0),
-        tree_mask.stride(1),
-        custom_mask.shape[0],
-        grid[1],
-        # code shape
+    _tree_custom_mask_launch(
+        grid,
+        seq_lens_ptr=seq_lens,
+        tree_mask_ptr=tree_mask.view(torch.uint8),
+        custom_mask_ptr=custom_mask.view(torch.uint8),
+        mask_indptr_ptr=mask_indptr,
+        status_ptr=status,
+        B=B,
+        N=N,
+        stride_mb=tree_mask.stride(0),
+        stride_mj=tree_mask.stride(1),
+        W_mask=custom_mask.shape[0],
+        chunk_programs=grid[1],
         PACKED=packed,
         BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,

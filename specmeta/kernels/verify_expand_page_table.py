@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
+from ..launch import Launcher
 from ..status import Status
 from ._common import POOL_OOB, POS_OOB, ROW_OOB, check_batch, gather_rows_ref, load_request
 
@@ -99,6 +100,9 @@ def _verify_expand_page_table_kernel(
             | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, POOL_OOB, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+
+
+_verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
@@ -182,26 +186,25 @@ def verify_expand_page_table(
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
-    _verify_expand_page_table_kernel[(max(B, 1),)](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        mask,
-        page_table,
-        cache_seqlens,
-        cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        N,
-        W,
-        page_table.stride(0),
-        mask.stride(0),
-        mask.stride(1),
-        # code shape
+    _verify_expand_page_table_launch(
+        (max(B, 1),),
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        tree_mask_ptr=mask,
+        page_table_ptr=page_table,
+        cache_seqlens_ptr=cache_seqlens,
+        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        N=N,
+        W=W,
+        stride_pt=page_table.stride(0),
+        stride_mb=mask.stride(0),
+        stride_mj=mask.stride(1),
         BLOCK_N=triton.next_power_of_2(N),
         BLOCK_T=min(triton.next_power_of_2(max(W - N, 1)), 64),
         WRITE_CU0=cu_seqlens_k is not None,

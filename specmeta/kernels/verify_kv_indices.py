@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import verify_kv_indices_need
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -87,6 +88,9 @@ def _verify_kv_indices_kernel(
                 | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+
+
+_verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
@@ -166,22 +170,21 @@ def verify_kv_indices(
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    _verify_kv_indices_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        kv_indices,
-        kv_indptr,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        extra_tokens,
-        kv_indices.shape[0],
-        grid[1],
-        # code shape
+    _verify_kv_indices_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        kv_indices_ptr=kv_indices,
+        kv_indptr_ptr=kv_indptr,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        extra_tokens=extra_tokens,
+        W_idx=kv_indices.shape[0],
+        chunk_programs=grid[1],
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
         HAS_STATUS=True,

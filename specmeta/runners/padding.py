@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
+from ..launch import Launcher
 
 __all__ = [
     "SINK_ROW",
@@ -123,6 +124,9 @@ def _copy_pad_kernel(
     tl.store(dst_ptr + i, v.to(dst_ptr.dtype.element_ty), mask=i < n_dst)
 
 
+_copy_pad_launch = Launcher(_copy_pad_kernel)
+
+
 _ANY = (
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
@@ -172,12 +176,13 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
     n_dst = dst.numel()
     if n_dst == 0:
         return dst
-    _copy_pad_kernel[(triton.cdiv(n_dst, _BLOCK),)](
-        src if n_src else dst,
-        dst,
-        n_src,
-        n_dst,
-        value,
+    _copy_pad_launch(
+        (triton.cdiv(n_dst, _BLOCK),),
+        src_ptr=src if n_src else dst,
+        dst_ptr=dst,
+        n_src=n_src,
+        n_dst=n_dst,
+        pad=value,
         BLOCK=_BLOCK,
     )
     return dst

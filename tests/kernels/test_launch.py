@@ -1,0 +1,139 @@
+"""The launch path of every kernel (``specmeta.launch.Launcher``, design §8).
+
+On CUDA a launcher reuses a compiled handle per specialization; these tests hold it to the rule
+that makes that safe: two calls share a handle only if Triton would compile the same kernel for
+both. The key is checked against Triton's rules as stated in the module docstring (pointer
+dtype and 16-byte alignment, integer width, value 1 and divisibility by 16 unless
+``do_not_specialize``, constexpr values), and on the GPU the launches themselves are compared
+with Triton's ordinary launch on views and integers that flip each specialization.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from specmeta.launch import Launcher
+
+
+@triton.jit(do_not_specialize=["plain"])
+def _affine_kernel(x_ptr, out_ptr, n, plain, scale, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0)
+    y = x * scale + plain
+    if ADD:
+        y = y + 1
+    tl.store(out_ptr + offs, y, mask=m)
+
+
+_affine = Launcher(_affine_kernel)
+
+
+def _expected(x, n, plain, scale, add):
+    y = x[:n] * scale + plain + (1 if add else 0)
+    return y
+
+
+def test_launcher_by_keyword_matches_torch(device, gen):
+    n = int(torch.randint(1, 100, (1,), generator=gen))
+    x = torch.randint(-50, 50, (n,), generator=gen, dtype=torch.int64).to(device)
+    out = torch.zeros_like(x)
+    _affine(
+        (triton.cdiv(n, 32),), x_ptr=x, out_ptr=out, n=n, plain=3, scale=2, BLOCK=32, ADD=True
+    )
+    assert torch.equal(out, _expected(x, n, 3, 2, True)), f"n={n}"
+
+
+def _fake(*params):
+    """A stand-in JIT function with the given (name, constexpr, do_not_specialize, no-align)."""
+    return types.SimpleNamespace(
+        params=[
+            types.SimpleNamespace(
+                name=n, is_constexpr=c, do_not_specialize=d, do_not_specialize_on_alignment=a
+            )
+            for n, c, d, a in params
+        ]
+    )
+
+
+def _key(launcher, **args):
+    return launcher._key([args[n] for n in launcher.names], ())
+
+
+def test_key_separates_every_triton_specialization():
+    base = torch.zeros(64, dtype=torch.int32)
+    lau = Launcher(_fake(("p", False, False, False), ("i", False, False, False),
+                         ("c", True, False, False)))  # fmt: skip
+    ref = _key(lau, p=base, i=32, c=4)
+    # Each of these flips one thing Triton specializes on.
+    flips = {
+        "misaligned pointer": dict(p=base[1:], i=32, c=4),
+        "pointer dtype": dict(p=base.to(torch.int64), i=32, c=4),
+        "int equal to 1": dict(p=base, i=1, c=4),
+        "int not divisible by 16": dict(p=base, i=33, c=4),
+        "int past 32 bits": dict(p=base, i=2**31 + 32, c=4),
+        "int past 63 bits": dict(p=base, i=2**63 + 32, c=4),
+        "constexpr": dict(p=base, i=32, c=5),
+    }
+    for what, args in flips.items():
+        assert _key(lau, **args) != ref, what
+    # Same specialization: another aligned view, another multiple of 16 that is not 1.
+    assert _key(lau, p=base[4:], i=48, c=4) == ref
+
+
+def test_key_follows_do_not_specialize():
+    base = torch.zeros(64, dtype=torch.int32)
+    lau = Launcher(_fake(("p", False, False, True), ("i", False, True, False)))
+    ref = _key(lau, p=base, i=32)
+    # Neither alignment nor value is specialized: one handle serves them all...
+    assert _key(lau, p=base[1:], i=1) == ref
+    assert _key(lau, p=base, i=33) == ref
+    # ...but the integer's width and the pointer's dtype are still part of the signature.
+    assert _key(lau, p=base, i=2**31) != ref
+    assert _key(lau, p=base.to(torch.int64), i=32) != ref
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_equal_triton_launches(gen):
+    """Views and integers that flip each specialization, in an order that reuses handles: every
+    result equals torch's and Triton's own launch, and each specialization gets its handle."""
+    x = torch.randint(-50, 50, (4096,), generator=gen, dtype=torch.int64).cuda()
+    launcher = Launcher(_affine_kernel)
+    cases = []
+    for offset in (0, 1, 2, 0, 1):  # misaligned views, then back to aligned
+        for n in (1, 16, 17, 32, 1, 17):  # 1 and multiples of 16 are specialized
+            for plain in (1, 5, 2**31 + 7):  # do_not_specialize, but the last is 64-bit
+                for add in (False, True):
+                    cases.append((offset, n, plain, add))
+    for offset, n, plain, add in cases:
+        src = x[offset:]
+        out = torch.zeros(n + 3, dtype=torch.int64, device="cuda")[: n + offset][offset:]
+        kw = dict(x_ptr=src, out_ptr=out, n=n, plain=plain, scale=3, BLOCK=64, ADD=add)
+        launcher((triton.cdiv(n, 64),), **kw)
+        want = torch.zeros_like(out)
+        _affine_kernel[(triton.cdiv(n, 64),)](**{**kw, "out_ptr": want})
+        assert torch.equal(out, want), (offset, n, plain, add)
+        assert torch.equal(out[:n], _expected(src, n, plain, 3, add)), (offset, n, plain, add)
+    assert len(launcher._handles) >= 2 * 2 * 3 * 2, "each specialization has its own handle"
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_under_a_graph_replays():
+    x = torch.arange(100, dtype=torch.int64, device="cuda")
+    out = torch.zeros_like(x)
+    kw = dict(x_ptr=x, out_ptr=out, n=100, plain=0, scale=2, BLOCK=128, ADD=False)
+    _affine((1,), **kw)  # compiles
+    _affine((1,), **kw)  # takes the handle
+    graph = torch.cuda.CUDAGraph()
+    out.zero_()
+    with torch.cuda.graph(graph):
+        _affine((1,), **kw)
+    assert int(out.sum()) == 0, "capture runs nothing"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, 2 * x)
