@@ -12,6 +12,7 @@ checks before launch; they use the same formulas as the plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -223,9 +224,10 @@ class SpecConfig:
         """Whether draft slots use page-aligned branch regions (design §1, layout B)."""
         return uses_layout_b(self.topk, self.page_size)
 
-    @property
+    @functools.cached_property
     def row_width_need(self) -> int:
-        """Row positions a request of ``max_context_len`` needs, worst case over its last page."""
+        """Row positions a request of ``max_context_len`` needs, worst case over its last page
+        (computed once: builders check it on every call)."""
         ps, top = self.page_size, self.max_context_len
         draft = max(
             draft_row_need(length, self.topk, self.num_steps, ps)

@@ -193,6 +193,21 @@ def or_status(status: torch.Tensor | None, bits: int) -> None:
         status |= bits
 
 
+def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """CSR offsets of per-branch lists: ``[rows, B·K + 1]``, where list ``z = b·K + t`` of row
+    ``s`` holds ``lengths[s, b]`` entries (every branch of a request as long as the others),
+    so ``offsets[s, z] = K·Σ_{b'<b} lengths[s, b'] + t·lengths[s, b]`` and the last column
+    closes the lists. Written into ``out[:rows, :B·K + 1]`` when given (any integer dtype);
+    plain torch on the lengths' device."""
+    rows, B = lengths.shape
+    offsets = torch.zeros(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.repeat_interleave(topk, dim=1), 1, out=offsets[:, 1:])
+    if out is None:
+        return offsets
+    out[:rows, : B * topk + 1] = offsets
+    return out
+
+
 def draft_positions_ref(
     seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int
 ) -> torch.Tensor:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import branch_kv_indices_need
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -30,11 +31,12 @@ from ._common import (
     branch_pages_ref,
     check_batch,
     chunk_programs,
+    list_offsets,
     load_request,
     row_offset,
 )
 
-__all__ = ["branch_kv_indices", "branch_kv_indices_ref"]
+__all__ = ["branch_kv_indices", "branch_kv_indices_ref", "branch_kv_indptr"]
 
 
 # Page columns one program copies per iteration: page lists are ps times shorter than token
@@ -164,6 +166,9 @@ def _branch_kv_indices_kernel(
         tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
 
 
+_branch_kv_indices_launch = Launcher(_branch_kv_indices_kernel)
+
+
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows, kv_indices,
     kv_indptr, kv_last_page_len, seq_lens_sum, status,
@@ -267,27 +272,26 @@ def branch_kv_indices(
     device = req_to_token.device
     pages = triton.cdiv(req_to_token.shape[1], page_size)
     grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
-    _branch_kv_indices_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        kv_indices,
-        kv_indptr,
-        kv_last_page_len,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
-        rows,
-        kv_indices.shape[1],
-        kv_indices.stride(0),
-        kv_indptr.stride(0),
-        kv_last_page_len.stride(0),
-        grid[1],
-        # code shape
+    _branch_kv_indices_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        kv_indices_ptr=kv_indices,
+        kv_indptr_ptr=kv_indptr,
+        kv_last_page_len_ptr=kv_last_page_len,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
+        num_rows=rows,
+        W_idx=kv_indices.shape[1],
+        stride_idx=kv_indices.stride(0),
+        stride_ptr=kv_indptr.stride(0),
+        stride_lpl=kv_last_page_len.stride(0),
+        chunk_programs=grid[1],
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
@@ -298,6 +302,26 @@ def branch_kv_indices(
         num_warps=4,
     )
     return out
+
+
+def branch_kv_indptr(
+    seq_lens: torch.Tensor,
+    topk: int,
+    rows: int,
+    page_size: int,
+    kv_indptr: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+) -> None:
+    """``kv_indptr`` and ``kv_last_page_len`` of :func:`branch_kv_indices` in torch, written
+    into the given buffers: branch ``b·K + t`` of step ``s`` holds ``ceil((L_b + s + 1) / ps)``
+    pages, its last one ``(L_b + s) mod ps + 1`` tokens (negative lengths read as 0). The
+    host mirrors call it on ``seq_lens_cpu``."""
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    steps = torch.arange(rows, device=L.device).view(-1, 1)
+    list_offsets((L.view(1, -1) + steps + page_size) // page_size, topk, kv_indptr)
+    B = L.shape[0]
+    last = (L.view(1, -1) + steps) % page_size + 1
+    kv_last_page_len[:rows, : B * topk] = last.repeat_interleave(topk, dim=1)
 
 
 def branch_kv_indices_ref(
@@ -335,15 +359,11 @@ def branch_kv_indices_ref(
         bits |= int(Status.POS_OOB)
     W_idx = kv_indices.shape[1]
     zb = torch.arange(B * K, device=L.device) // K
-    zt = torch.arange(B * K, device=L.device) % K
     pages = pages.reshape(B * K, width)
+    branch_kv_indptr(seq_lens, K, rows, ps, kv_indptr, kv_last_page_len)
     for s in range(rows):
         n = (L + s + ps) // ps  # [B]
-        head = K * (torch.cumsum(n, 0) - n)
-        start = head[zb] + zt * n[zb]
-        kv_indptr[s, : B * K] = start.to(kv_indptr.dtype)
-        kv_indptr[s, B * K] = K * int(n.sum()) if B else 0
-        kv_last_page_len[s, : B * K] = ((L[zb] + s) % ps + 1).to(kv_last_page_len.dtype)
+        start = kv_indptr[s, : B * K].to(torch.int64)
         dst = start.view(-1, 1) + c.view(1, -1)
         keep = (c.view(1, -1) < n[zb].view(-1, 1)) & (dst < W_idx)
         kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_decode_kv_indices_need, uses_layout_b
+from ..launch import Launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -28,11 +29,12 @@ from ._common import (
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
+    list_offsets,
     load_request,
     target_programs,
 )
 
-__all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref"]
+__all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref", "draft_decode_kv_indptr"]
 
 
 # Prefix entries a program loads per iteration and stores into each of its lists. 1024 int32
@@ -248,6 +250,9 @@ def _draft_decode_kv_indices_kernel(
         tl.atomic_or(status_ptr + 0 * d, bits, mask=bits != 0, sem="relaxed")
 
 
+_draft_decode_kv_indices_launch = Launcher(_draft_decode_kv_indices_kernel)
+
+
 @triton.jit
 def _list_extent(d, b, L, head, W_idx, stride_idx, TOPK: tl.constexpr, VEC: tl.constexpr):
     """``(list_off, start, lim, head_n)`` of list ``d = s·K + t`` of request ``b`` (``d`` a
@@ -389,27 +394,26 @@ def draft_decode_kv_indices(
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
     vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
-    _draft_decode_kv_indices_kernel[grid](
-        req_pool_indices,
-        req_to_token,
-        seq_lens,
-        kv_indices,
-        kv_indptr,
-        status,
-        # sizes
-        B,
-        req_to_token.shape[0],
-        req_to_token.shape[1],
-        req_to_token.stride(0),
-        page_size,
-        rows,
-        kv_indices.shape[1],
-        kv_indices.stride(0),
-        kv_indptr.stride(0),
-        chunk_programs,
-        lists_per_program,
-        int(vector),
-        # code shape
+    _draft_decode_kv_indices_launch(
+        grid,
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        kv_indices_ptr=kv_indices,
+        kv_indptr_ptr=kv_indptr,
+        status_ptr=status,
+        B=B,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        page_size=page_size,
+        num_rows=rows,
+        W_idx=kv_indices.shape[1],
+        stride_idx=kv_indices.stride(0),
+        stride_ptr=kv_indptr.stride(0),
+        chunk_programs=chunk_programs,
+        lists_per_program=lists_per_program,
+        vector_stores=int(vector),
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
@@ -422,6 +426,17 @@ def draft_decode_kv_indices(
         num_warps=_NUM_WARPS,
     )
     return kv_indices, kv_indptr
+
+
+def draft_decode_kv_indptr(
+    seq_lens: torch.Tensor, topk: int, rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``kv_indptr`` of :func:`draft_decode_kv_indices` in torch: ``[rows, B·K + 1]``, list
+    ``b·K + t`` of step ``s`` holding ``L_b + s + 1`` entries (negative lengths read as 0).
+    The host mirrors call it on ``seq_lens_cpu``, into their own buffer (``out``)."""
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    steps = torch.arange(1, rows + 1, device=L.device).view(-1, 1)
+    return list_offsets(L.view(1, -1) + steps, topk, out)
 
 
 def draft_decode_kv_indices_ref(
@@ -448,7 +463,6 @@ def draft_decode_kv_indices_ref(
     device = req_to_token.device
     K = topk
     L = seq_lens.to(torch.int64).clamp_min(0)
-    cum = torch.cumsum(L, 0) - L
     total = int(L.sum())
     max_len = int(L.max()) if B else 0
     W_idx = kv_indices.shape[1]
@@ -462,13 +476,12 @@ def draft_decode_kv_indices_ref(
     if bool((L > req_to_token.shape[1]).any()) or bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
 
-    z = torch.arange(B * K, device=device)
-    bz, tz = z // K, z % K
+    bz = torch.arange(B * K, device=device) // K
+    offsets = draft_decode_kv_indptr(seq_lens, K, rows)
+    kv_indptr[:rows, : B * K + 1] = offsets.to(kv_indptr.dtype)
     for s in range(rows):
         it = s + 1
-        start = K * cum[bz] + tz * L[bz] + z * it  # [B*K]
-        kv_indptr[s, : B * K] = start.to(kv_indptr.dtype)
-        kv_indptr[s, B * K] = K * total + B * K * it
+        start = offsets[s, : B * K]
         # prefix of every branch
         dst = start.view(-1, 1) + k.view(1, -1)
         keep = in_prefix[bz] & (dst < W_idx)

@@ -29,7 +29,7 @@ not at the first call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -143,6 +143,7 @@ class MetadataBuilder:
         self.reference = bool(reference)
         self.modes = self.check_modes(cfg, modes)
         self.status = plan_buffers(cfg)["status"].allocate(self.device)
+        self._results: dict = {}
 
     # -- what the builder allocates -----------------------------------------------------------
     @classmethod
@@ -218,6 +219,17 @@ class MetadataBuilder:
         """``num_rows`` of a draft-decode mode; default ``S − 1``, the draft forwards."""
         s = self.cfg.num_steps
         return check_num_rows(self.require(mode), num_rows, s, default=s - 1)
+
+    def result(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The result object of a call, made once per ``key``: a result is a frozen view of
+        the builder's own buffers, so two calls with the same batch size, rows and host
+        scalars return equal objects, and the second costs a dictionary lookup."""
+        found = self._results.get(key)
+        if found is None:
+            if len(self._results) >= 4096:  # bounded: a key holds B and host maxima
+                self._results.clear()
+            found = self._results[key] = make()
+        return found
 
     def status_word(self, status: torch.Tensor | None) -> torch.Tensor:
         """The word a call reports into: ``status``, or the builder's own."""

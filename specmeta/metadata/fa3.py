@@ -226,13 +226,11 @@ class FA3MetadataBuilder(MetadataBuilder):
                 )  # fmt: skip
 
     def _max_len(self, inputs: BuildInputs, whole_pages: bool = False) -> int:
-        """``max L`` (or ``max L − lpl``) from the CPU mirror, else the planned bound."""
-        lens_cpu = inputs.seq_lens_cpu
-        if lens_cpu is None:
+        """``max L`` (or ``max L − lpl``) from the CPU mirror, else the planned bound. Rounding
+        down to whole pages keeps the order of lengths, so it rounds the maximum."""
+        if inputs.high is None:
             return self.cfg.max_context_len
-        if whole_pages:
-            lens_cpu = lens_cpu - lens_cpu % self.cfg.page_size
-        return int(lens_cpu.max()) if lens_cpu.numel() else 0
+        return inputs.high - inputs.high % self.cfg.page_size if whole_pages else inputs.high
 
     def _max_lpl(self, inputs: BuildInputs) -> int:
         """``max(L mod ps)`` from the CPU mirror, else ``ps − 1`` (0 when ``ps == 1``)."""
@@ -306,15 +304,48 @@ class FA3MetadataBuilder(MetadataBuilder):
         if rows == 0:
             return FA3DraftDecode(())
         args = (req_pool_indices, req_to_token, seq_lens)
+        if K == 1:
+            # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
+            views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
+            if launch:
+                self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows, **views,
+                             status=status)  # fmt: skip
+            top = self._max_len(inputs)
+            return self.result(("draft_decode", B, rows, top),
+                               lambda: self._draft_result(B, rows, top, 0))  # fmt: skip
+        # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
+        # B (the last partial page is the start of every branch's region, read by the expand
+        # pass). Expand pass: every step's own chain of every branch.
+        views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
+        if launch:
+            self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
+                               exclude_last_partial=cfg.layout_b, num_rows=rows, **views,
+                               status=status)  # fmt: skip
+        top = self._max_len(inputs, whole_pages=cfg.layout_b)
+        lpl_max = self._max_lpl(inputs)
+        return self.result(("draft_decode", B, rows, top, lpl_max),
+                           lambda: self._draft_result(B, rows, top, lpl_max))  # fmt: skip
+
+    def _draft_views(self, B: int, rows: int) -> dict[str, torch.Tensor]:
+        """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows`` steps."""
+        K = self.cfg.topk
+        pt, cs, cu = self._tables("draft_decode")
+        if K == 1:
+            return dict(page_table=pt[:B], cache_seqlens=cs[:rows, :B],
+                        cu_seqlens_k=cu[:rows, : B + 1])  # fmt: skip
+        BK = B * K
+        ept, ecs, ecu = self._tables("draft_decode", "expand_")
+        return dict(page_table=pt[:B], cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1],
+                    expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
+                    expand_cu_seqlens_k=ecu[:rows, : BK + 1])  # fmt: skip
+
+    def _draft_result(self, B: int, rows: int, top: int, lpl_max: int) -> FA3DraftDecode:
+        """The :class:`FA3DraftDecode` of ``B`` requests, ``rows`` steps, ``max L`` (whole pages
+        in layout B) ``top`` and ``max(L mod ps)`` ``lpl_max``."""
+        K, ps = self.cfg.topk, self.cfg.page_size
         pt, cs, cu = self._tables("draft_decode")
         cu_q = self._q["draft_decode"].cu_seqlens_q(B)
         if K == 1:
-            # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
-            if launch:
-                self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows,
-                             page_table=pt[:B], cache_seqlens=cs[:rows, :B],
-                             cu_seqlens_k=cu[:rows, : B + 1], status=status)  # fmt: skip
-            top = self._max_len(inputs)
             return FA3DraftDecode(tuple(
                 FA3Cascade(
                     normal=FA3Metadata(
@@ -331,20 +362,9 @@ class FA3MetadataBuilder(MetadataBuilder):
                     expand=None,
                 )
                 for s in range(rows)
-            ))
-        # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
-        # B (the last partial page is the start of every branch's region, read by the expand
-        # pass). Expand pass: every step's own chain of every branch.
+            ))  # fmt: skip
         BK = B * K
         ept, ecs, ecu = self._tables("draft_decode", "expand_")
-        if launch:
-            self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
-                               exclude_last_partial=cfg.layout_b, num_rows=rows,
-                               page_table=pt[:B], cache_seqlens=cs[0, :B],
-                               cu_seqlens_k=cu[0, : B + 1], expand_page_table=ept[:rows, :BK],
-                               expand_cache_seqlens=ecs[:rows, :BK],
-                               expand_cu_seqlens_k=ecu[:rows, : BK + 1],
-                               status=status)  # fmt: skip
         normal = FA3Metadata(
             cache_seqlens=cs[0, :B],
             page_table=pt[:B],
@@ -354,10 +374,9 @@ class FA3MetadataBuilder(MetadataBuilder):
             causal=False,
             return_softmax_lse=True,
             page_size=ps,
-            max_seqlen_k=self._max_len(inputs, whole_pages=cfg.layout_b),
+            max_seqlen_k=top,
         )
         cu_e = self._q["draft_decode.expand"].cu_seqlens_q(BK)
-        lpl_max = self._max_lpl(inputs)
         return FA3DraftDecode(tuple(
             FA3Cascade(
                 normal=normal,
@@ -374,7 +393,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                 ),
             )
             for s in range(rows)
-        ))
+        ))  # fmt: skip
 
     def target_verify(
         self,
@@ -426,6 +445,18 @@ class FA3MetadataBuilder(MetadataBuilder):
             self._prefix(*args, page_size=ps, extra_tokens=extra, page_table=pt[:B],
                          cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
                          status=status)  # fmt: skip
+        if K > 1 and launch:
+            BN = B * N
+            ept, ecs, ecu = self._tables("target_verify", "expand_")
+            self._verify_expand(*args, tree_mask, page_table=ept[:BN], cache_seqlens=ecs[:BN],
+                                cu_seqlens_k=ecu[: BN + 1], status=status)  # fmt: skip
+        top = self._max_len(inputs) + extra
+        return self.result(("target_verify", B, top), lambda: self._verify_result(B, top))
+
+    def _verify_result(self, B: int, top: int) -> FA3Cascade:
+        """The :class:`FA3Cascade` of target verify for ``B`` requests, ``max_seqlen_k = top``."""
+        K, N, ps = self.cfg.topk, self.cfg.num_draft_tokens, self.cfg.page_size
+        pt, cs, cu = self._tables("target_verify")
         normal = FA3Metadata(
             cache_seqlens=cs[:B],
             page_table=pt[:B],
@@ -435,15 +466,12 @@ class FA3MetadataBuilder(MetadataBuilder):
             causal=K == 1,
             return_softmax_lse=K > 1,
             page_size=ps,
-            max_seqlen_k=self._max_len(inputs) + extra,
+            max_seqlen_k=top,
         )
         if K == 1:
             return FA3Cascade(normal=normal, expand=None)
         BN = B * N
         ept, ecs, ecu = self._tables("target_verify", "expand_")
-        if launch:
-            self._verify_expand(*args, tree_mask, page_table=ept[:BN], cache_seqlens=ecs[:BN],
-                                cu_seqlens_k=ecu[: BN + 1], status=status)  # fmt: skip
         expand = FA3Metadata(
             cache_seqlens=ecs[:BN],
             page_table=ept[:BN],
@@ -481,7 +509,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
                          page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
                          status=status)  # fmt: skip
-        return FA3Metadata(
+        top = self._max_len(inputs) + N
+        return self.result(("draft_extend", B, top), lambda: FA3Metadata(
             cache_seqlens=cs[:B],
             page_table=pt[:B],
             cu_seqlens_q=self._q["draft_extend"].cu_seqlens_q(B),
@@ -490,5 +519,5 @@ class FA3MetadataBuilder(MetadataBuilder):
             causal=True,
             return_softmax_lse=False,
             page_size=ps,
-            max_seqlen_k=self._max_len(inputs) + N,
-        )
+            max_seqlen_k=top,
+        ))  # fmt: skip

@@ -31,8 +31,12 @@ from collections.abc import Iterable
 import torch
 
 from ..config import SpecConfig, plan_buffers
-from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
-from ..kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref, branch_kv_indptr
+from ..kernels.draft_decode_kv_indices import (
+    draft_decode_kv_indices,
+    draft_decode_kv_indices_ref,
+    draft_decode_kv_indptr,
+)
 from ..kernels.shared_prefix_kv_indices import (
     shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
@@ -355,22 +359,20 @@ class FlashInferBuilder(MetadataBuilder):
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
                 kv_indptr=buf["draft_decode.kv_indptr"],
-                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             )  # fmt: skip
-        host = None
+        host = slot = None
         if lens is not None:
-            host = self._mirrors["draft_decode"].next()["kv_indptr_host"]
-            z = torch.arange(B * K + 1)
-            bz = (z // K).clamp_max(max(B - 1, 0))
-            head = K * (torch.cumsum(lens, 0) - lens)
-            for s in range(rows):
-                if B:
-                    start = head[bz] + (z % K) * lens[bz] + z * (s + 1)
-                    start[B * K] = K * int(lens.sum()) + B * K * (s + 1)
-                    host[s, : B * K + 1] = start.to(torch.int32)
-                else:
-                    host[s, 0] = 0
+            ring = self._mirrors["draft_decode"]
+            host = ring.next()["kv_indptr_host"]
+            slot = ring.slot
+            draft_decode_kv_indptr(lens, K, rows, out=host)
+        return self.result(("draft_decode", B, rows, slot),
+                           lambda: self._draft_decode_result(B, rows, host))  # fmt: skip
+
+    def _draft_decode_result(self, B: int, rows: int, host: torch.Tensor | None):
+        buf, K = self.buffers, self.cfg.topk
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
         ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
         steps = tuple(
@@ -416,14 +418,21 @@ class FlashInferBuilder(MetadataBuilder):
                 prefix_kv_indptr=buf[f"{mode}.prefix_kv_indptr"],
                 chain_kv_indices=buf[f"{mode}.chain_kv_indices"],
                 chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
-                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             )  # fmt: skip
-        prefix_host = None
+        prefix_host = slot = None
         if lens is not None:
-            prefix_host = self._mirrors[mode].next()["prefix_kv_indptr_host"][: B + 1]
+            ring = self._mirrors[mode]
+            prefix_host = ring.next()["prefix_kv_indptr_host"][: B + 1]
+            slot = ring.slot
             prefix_host[0] = 0
-            prefix_host[1:] = torch.cumsum(lens, 0).to(torch.int32)
+            torch.cumsum(lens, 0, dtype=torch.int32, out=prefix_host[1:])
+        return self.result(("draft_decode_shared_prefix", B, rows, slot),
+                           lambda: self._shared_result(B, rows, prefix_host))  # fmt: skip
+
+    def _shared_result(self, B, rows, prefix_host) -> FlashInferCascadeDecode:
+        buf, K, mode = self.buffers, self.cfg.topk, "draft_decode_shared"
         ones = buf[f"{mode}.kv_last_page_len"]
         qo = (self._layouts["prefix"].cu_seqlens_q(B), self._layouts["chain"].cu_seqlens_q(B * K))
         qo_host = (
@@ -484,19 +493,21 @@ class FlashInferBuilder(MetadataBuilder):
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=ps, num_rows=rows, kv_indices=buf[f"{mode}.kv_indices"],
                 kv_indptr=buf[f"{mode}.kv_indptr"], kv_last_page_len=buf[f"{mode}.kv_last_page_len"],
-                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             )  # fmt: skip
-        ptr_host = lpl_host = None
+        ptr_host = lpl_host = slot = None
         if lens is not None:
-            mirrors = self._mirrors[mode].next()
+            ring = self._mirrors[mode]
+            mirrors = ring.next()
+            slot = ring.slot
             ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
-            for s in range(rows):
-                pages = (lens + s + ps) // ps  # ceil((L + s + 1) / ps)
-                per_branch = pages.repeat_interleave(K)
-                ptr_host[s, 0] = 0
-                ptr_host[s, 1 : B * K + 1] = torch.cumsum(per_branch, 0).to(torch.int32)
-                lpl_host[s, : B * K] = ((lens + s) % ps + 1).repeat_interleave(K).to(torch.int32)
+            branch_kv_indptr(lens, K, rows, ps, ptr_host, lpl_host)
+        return self.result(("draft_decode_paged", B, rows, slot),
+                           lambda: self._paged_result(B, rows, ptr_host, lpl_host))  # fmt: skip
+
+    def _paged_result(self, B, rows, ptr_host, lpl_host) -> FlashInferDraftDecode:
+        buf, K, ps, mode = self.buffers, self.cfg.topk, self.cfg.page_size, "draft_decode_paged"
         steps = tuple(
             FlashInferDecodeStep(
                 kv_indptr=buf[f"{mode}.kv_indptr"][s, : B * K + 1],
@@ -510,23 +521,26 @@ class FlashInferBuilder(MetadataBuilder):
         )
         return FlashInferDraftDecode(steps)
 
-    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch):
-        buf, n = self.buffers, self.cfg.num_draft_tokens
+    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, inputs, status,
+                       launch):  # fmt: skip
+        buf, n, lens = self.buffers, self.cfg.num_draft_tokens, inputs.seq_lens_cpu
         B = req_pool_indices.shape[0]
         if launch:
             self._verify_kv(
                 req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
                 kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
-                seq_lens_sum=int(lens.sum()) if lens is not None else None,
+                seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             )  # fmt: skip
-        mirrors = None
+        mirrors = slot = None
         if lens is not None:
-            mirrors = self._mirrors[mode].next()
+            ring = self._mirrors[mode]
+            mirrors = ring.next()
+            slot = ring.slot
             host = mirrors["kv_indptr_host"][: B + 1]
             host[0] = 0
-            host[1:] = torch.cumsum(lens + n, 0).to(torch.int32)
-        return mirrors
+            torch.cumsum(lens + n, 0, dtype=torch.int32, out=host[1:])
+        return mirrors, slot
 
     def target_verify(
         self,
@@ -571,8 +585,8 @@ class FlashInferBuilder(MetadataBuilder):
                              seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
                              status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
-        mirrors = self._prefill_lists(
-            mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
+        mirrors, slot = self._prefill_lists(
+            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch
         )
         form = "packed_" if packed else ""
         mask = buf[f"{mode}.{form}custom_mask"]
@@ -580,16 +594,15 @@ class FlashInferBuilder(MetadataBuilder):
         if launch:
             self._tree_mask(
                 seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
-                seq_lens_sum=int(lens.sum()) if lens is not None else None,
-                status=self.status_word(status),
+                seq_lens_sum=inputs.seq_lens_sum, status=self.status_word(status),
             )  # fmt: skip
         mask_host = None
         if mirrors is not None:
             # Element offsets in both forms (the packed segments start there, read as bytes).
             mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1]
             mask_host[0] = 0
-            mask_host[1:] = torch.cumsum(n * (lens + n), 0).to(torch.int32)
-        return FlashInferPrefill(
+            torch.cumsum(n * (lens + n), 0, dtype=torch.int32, out=mask_host[1:])
+        return self.result(("target_verify", B, packed, slot), lambda: FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
             kv_indices=buf[f"{mode}.kv_indices"],
@@ -603,7 +616,7 @@ class FlashInferBuilder(MetadataBuilder):
             kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=mask_host,
             max_q_len=n,
-        )
+        ))  # fmt: skip
 
     def draft_extend(
         self,
@@ -621,11 +634,11 @@ class FlashInferBuilder(MetadataBuilder):
         buf, mode = self.buffers, "draft_extend"
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.seq_lens_cpu
-        mirrors = self._prefill_lists(
-            mode, req_pool_indices, req_to_token, seq_lens, lens, status, launch
+        B = inputs.batch
+        mirrors, slot = self._prefill_lists(
+            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch
         )
-        return FlashInferPrefill(
+        return self.result(("draft_extend", B, slot), lambda: FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
             kv_indices=buf[f"{mode}.kv_indices"],
@@ -639,4 +652,4 @@ class FlashInferBuilder(MetadataBuilder):
             kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=None,
             max_q_len=self.cfg.num_draft_tokens,
-        )
+        ))  # fmt: skip

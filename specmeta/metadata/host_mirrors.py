@@ -48,20 +48,27 @@ class HostMirrorRing:
             }
             for _ in range(depth)
         ]
-        self._released: list[torch.cuda.Event | None] = [None] * depth
+        # One event per set, recorded when the set is released and waited on before reuse.
+        self._events = [torch.cuda.Event() for _ in range(depth)] if self._cuda else []
+        self._pending = [False] * depth
         self._current: int | None = None
+
+    @property
+    def slot(self) -> int | None:
+        """Index of the set handed out last (``None`` before the first build)."""
+        return self._current
 
     def next(self) -> dict[str, torch.Tensor]:
         """The set for this build. The set handed out last is released behind the work queued
         on the current stream since (its ``plan()`` copies)."""
-        if self._current is not None and self._cuda:
-            released = torch.cuda.Event()
-            released.record()
-            self._released[self._current] = released
-        slot = 0 if self._current is None else (self._current + 1) % len(self._sets)
-        released = self._released[slot]
-        if released is not None:
-            released.synchronize()  # returns at once unless the host is a whole ring ahead
-            self._released[slot] = None
+        current = self._current
+        if current is not None and self._cuda:
+            self._events[current].record()
+            self._pending[current] = True
+        slot = 0 if current is None else (current + 1) % len(self._sets)
+        if self._pending[slot]:
+            # Returns at once unless the host is a whole ring ahead of the device.
+            self._events[slot].synchronize()
+            self._pending[slot] = False
         self._current = slot
         return self._sets[slot]

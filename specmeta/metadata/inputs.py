@@ -16,8 +16,6 @@ Every message names the builder call, the argument, the value it got and the fix
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .. import validate
@@ -26,7 +24,6 @@ from ..config import SpecConfig
 __all__ = ["BuildInputs", "check_build_inputs", "check_num_rows"]
 
 
-@dataclasses.dataclass(frozen=True)
 class BuildInputs:
     """What a build needs of its checked inputs on the host.
 
@@ -36,21 +33,30 @@ class BuildInputs:
         ``B``, requests in the (possibly padded) batch.
     seq_lens_cpu : torch.Tensor or None
         ``[B]`` int64 copy of the engine's CPU mirror, or ``None`` when it was not given.
+    high : int or None
+        ``max L`` of the CPU mirror (0 for an empty batch), or ``None`` without it.
     """
 
-    batch: int
-    seq_lens_cpu: torch.Tensor | None
+    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum")
+
+    def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None):
+        self.batch = batch
+        self.seq_lens_cpu = seq_lens_cpu
+        self.high = high
+        self._sum: int | None = None
 
     @property
     def seq_lens_sum(self) -> int | None:
         """``ΣL`` from the CPU mirror, for the launchers' capacity checks; ``None`` without it."""
-        return None if self.seq_lens_cpu is None else int(self.seq_lens_cpu.sum())
+        if self.seq_lens_cpu is None:
+            return None
+        if self._sum is None:
+            self._sum = int(self.seq_lens_cpu.sum())
+        return self._sum
 
     def max_len(self, default: int) -> int:
         """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
-        if self.seq_lens_cpu is None:
-            return default
-        return int(self.seq_lens_cpu.max()) if self.batch else 0
+        return default if self.high is None else self.high
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +85,7 @@ def _tensor(
             f"{where}: {name} has shape {list(t.shape)}; it must have {ndim} dimension"
             f"{'s' if ndim != 1 else ''}"
         )
-    if not validate.same_device(t.device, device):
+    if t.device != device and not validate.same_device(t.device, device):
         raise ValueError(
             f"{where}: {name} is on {t.device}, but this builder lives on {device}; "
             f"pass {name} on {device} (or construct the builder on {t.device})"
@@ -197,9 +203,11 @@ def check_build_inputs(
             f"{where}: seq_lens_cpu has {cpu.shape[0]} entries but the batch has {B}; pass "
             "the CPU copy of this batch's seq_lens"
         )
-    cpu = cpu.to(torch.int64)
+    if cpu.dtype != torch.int64:
+        cpu = cpu.to(torch.int64)
+    high = 0
     if B:
-        low, high = int(cpu.min()), int(cpu.max())
+        low, high = (int(v) for v in torch.aminmax(cpu))
         if low < 0:
             raise ValueError(
                 f"{where}: seq_lens_cpu holds {low}; lengths must be >= 0 (pass the committed "
@@ -211,4 +219,4 @@ def check_build_inputs(
                 f"max_context_len={cfg.max_context_len}; build the SpecConfig with "
                 f"max_context_len >= {high}"
             )
-    return BuildInputs(B, cpu)
+    return BuildInputs(B, cpu, high)
