@@ -99,6 +99,9 @@ def default_status(device: torch.device | str) -> torch.Tensor:
     ValueError
         If the word does not exist yet and the current CUDA stream is capturing a graph.
     """
+    word = _DEFAULT_WORDS.get(device)  # a launch's own device: found without normalising
+    if word is not None:
+        return word
     key = _device_key(device)
     word = _DEFAULT_WORDS.get(key)
     if word is None:

@@ -43,7 +43,7 @@ def tensor(
             f"{name} must have rank {ndim}, got shape {tuple(t.shape)}; see the launcher's "
             "docstring for its shape"
         )
-    if device is not None and not same_device(t.device, device):
+    if device is not None and t.device != device and not same_device(t.device, device):
         raise ValueError(
             f"{name} must be on {device}, got {t.device}; pass every tensor of this call on "
             "one device"

@@ -191,6 +191,7 @@ class GraphRunner:
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._cuts: dict[int, dict[str, torch.Tensor]] = {}  # B -> outputs cut to B (graphs)
         self.pool = None  # the memory pool every bucket's graph shares (CUDA graphs only)
 
     # ----------------------------------------------------------------------------------------
@@ -440,12 +441,25 @@ class GraphRunner:
             out = self._graph_outputs[bp]
         else:
             out = self._checked_build(bp)
+        if copy:
+            sliced = {name: t.clone() for name, t in self._cut(out, B).items()}
+        elif self.graphs:
+            # The graph's outputs never move: their views for B are made once.
+            sliced = self._cuts.get(B)
+            if sliced is None:
+                sliced = self._cuts[B] = self._cut(out, B)
+            sliced = dict(sliced)
+        else:
+            sliced = self._cut(out, B)
+        return RunResult(B, bp, sliced, host, copy)
+
+    def _cut(self, out: Mapping[str, torch.Tensor], B: int) -> dict[str, torch.Tensor]:
+        """Each output cut to ``B`` (views)."""
         sliced = {}
         for name, spec in self._outputs.items():
             n = spec.length(B)
-            t = out[name] if n is None else out[name].narrow(spec.dim, 0, n)
-            sliced[name] = t.clone() if copy else t
-        return RunResult(B, bp, sliced, host, copy)
+            sliced[name] = out[name] if n is None else out[name].narrow(spec.dim, 0, n)
+        return sliced
 
     def _changed_guards(self) -> list[tuple[str, tuple[tuple, tuple]]]:
         then = {g[0]: g for g in self._layout[-1]}
