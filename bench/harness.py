@@ -83,6 +83,7 @@ def record(benchmark, *, device_us: float, bytes_moved: int = 0, **extra) -> Non
     info.update(device_info())
     info["device_us"] = round(device_us, 3)
     info["launch_floor_us"] = round(launch_floor_us(), 3)
+    info.update(host_floors())
     if bytes_moved:
         gbs = bytes_moved / (device_us * 1e-6) / 1e9
         bw = copy_bandwidth_gbs()
@@ -92,3 +93,83 @@ def record(benchmark, *, device_us: float, bytes_moved: int = 0, **extra) -> Non
         info["pct_copy_bw"] = round(100 * gbs / bw, 1)
         info["write_GB/s"] = round(write_bandwidth_gbs(), 1)
     info.update(extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Host floors (design §8): what one launch of an empty kernel costs the host, three ways.
+# --------------------------------------------------------------------------------------------
+def _empty_kernel_with(pointers: int, ints: int):
+    """An empty ``@triton.jit`` kernel with ``pointers`` pointer and ``ints`` integer arguments
+    (written to a file: Triton reads a kernel's source)."""
+    import importlib.util
+    import pathlib
+    import tempfile
+
+    names = [f"p{i}" for i in range(pointers)] + [f"n{i}" for i in range(ints)]
+    src = (
+        "import triton\nimport triton.language as tl\n\n\n"
+        f"@triton.jit(do_not_specialize={[f'n{i}' for i in range(ints)]!r})\n"
+        f"def empty({', '.join(names)}):\n"
+        "    tl.store(p0 + tl.program_id(0) * 0, 1)\n"
+    )
+    path = pathlib.Path(tempfile.mkdtemp()) / f"_empty_{pointers}_{ints}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.empty
+
+
+def host_us(fn, *, calls: int = 2000, repeats: int = 5) -> float:
+    """Median host µs per call of ``fn()`` called back to back (the device keeps up: each call's
+    device work is far shorter than its host time)."""
+    import statistics
+    import time
+
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append(1e6 * (time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def host_floors(pointers: int = 8, ints: int = 12) -> dict:
+    """``floor_jit``, ``floor_run`` and ``floor_graph`` (host µs) of an empty kernel with this
+    many pointer and integer arguments, measured now:
+
+    * ``floor_jit``: ``kernel[grid](*args)``, Triton's usual launch;
+    * ``floor_run``: the compiled handle, ``CompiledKernel.run`` with its metadata packed once
+      and the raw stream fetched by one C call;
+    * ``floor_graph``: a bare CUDA graph replay of one such launch.
+    """
+    kernel = _empty_kernel_with(pointers, ints)
+    buf = torch.zeros(16, dtype=torch.int32, device="cuda")
+    args = [buf] * pointers + [7] * ints
+    compiled = kernel[(1,)](*args)
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    device = torch.cuda.current_device()
+
+    def direct():
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        run(1, 1, 1, stream, function, metadata, None, None, None, *args)
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        kernel[(1,)](*args)
+        with torch.cuda.graph(graph, stream=stream):
+            kernel[(1,)](*args)
+    torch.cuda.synchronize()
+    return {
+        "floor_jit": round(host_us(lambda: kernel[(1,)](*args)), 2),
+        "floor_run": round(host_us(direct), 2),
+        "floor_graph": round(host_us(graph.replay), 2),
+        "floor_args": f"{pointers}p+{ints}i",
+    }

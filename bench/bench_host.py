@@ -1,0 +1,168 @@
+"""Host cost of the calls an engine makes on every draft step, beside the floors of the same run.
+
+Production case (B = 64, K = 8, S = 5, page size 16, L = 4096, ``seq_lens_cpu`` given) and the
+small batch where the host bounds the loop (B = 1). Each row records:
+
+* ``host_us``: pytest-benchmark's median over rounds of 200 back-to-back calls;
+* ``device_us``: the same call's device time from graph replay;
+* ``launches``: Triton launches per call (counted through Triton's launch hook);
+* the floors of the same run (``bench.harness.host_floors``): for a launcher, of an empty
+  kernel with the launcher kernel's own pointer and integer argument counts; for a builder,
+  of the default 8-pointer, 12-integer kernel;
+* ``target_us`` and ``met``: launchers ``floor_run + 3``; builders
+  ``launches × floor_run + 10`` (design §8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from bench.harness import graph_us, host_floors, record
+from specmeta import SpecConfig, new_status
+from specmeta.kernels import draft_cache_locs, draft_decode_kv_indices
+from specmeta.metadata.fa3 import FA3MetadataBuilder
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.workloads import make_batch, random_tree_mask
+
+S, N, CTX = 5, 16, 4096
+CASES = [(64, 8, 16), (1, 4, 16)]  # (B, K, ps)
+
+
+def _ids(v):
+    return str(v)
+
+
+def _batch(bs, k, ps):
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=N, page_size=ps, max_bs=bs,
+                     max_context_len=CTX)  # fmt: skip
+    g = torch.Generator().manual_seed(bs * 100 + k * 10 + ps)
+    batch = make_batch("random", batch_size=bs, topk=k, num_steps=S, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=g, device="cuda",
+                       extra_tokens=N, max_len=CTX)  # fmt: skip
+    tree = random_tree_mask(bs, k, S, N, g).cuda()
+    return cfg, batch, tree
+
+
+def count_launches(fn) -> int:
+    """Triton launches made by one ``fn()`` call."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    count = [0]
+
+    def hook(*_):
+        count[0] += 1
+
+    if runtime is not None:
+        old, runtime.launch_enter_hook = runtime.launch_enter_hook, hook
+    else:
+        from triton.compiler import CompiledKernel
+
+        old, CompiledKernel.launch_enter_hook = CompiledKernel.launch_enter_hook, hook
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        if runtime is not None:
+            runtime.launch_enter_hook = old
+        else:
+            CompiledKernel.launch_enter_hook = old
+    return count[0]
+
+
+def _floors_of(kernel) -> dict:
+    """Floors of an empty kernel with ``kernel``'s runtime argument counts."""
+    params = [p for p in kernel.params if not p.is_constexpr]
+    pointers = sum(p.name.endswith("_ptr") for p in params)
+    return host_floors(max(pointers, 1), len(params) - pointers)
+
+
+def _measure(benchmark, fn, *, floors: dict, budget: float, **extra) -> None:
+    launches = count_launches(fn)
+    device_us = graph_us(fn)
+    benchmark.pedantic(fn, rounds=30, iterations=200, warmup_rounds=2)
+    host = 1e6 * benchmark.stats.stats.median
+    target = launches * floors["floor_run"] + budget
+    record(benchmark, device_us=device_us, launches=launches, target_us=round(target, 1),
+           met=host <= target, **floors, **extra)  # fmt: skip
+
+
+LAUNCHERS = ["assign_draft_cache_locs", "prefix_tail_copy_pairs", "draft_decode_kv_indices"]
+
+
+@pytest.mark.parametrize("op", LAUNCHERS)
+@pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
+def bench_host_launcher(benchmark, op, bs, k, ps):
+    cfg, batch, _ = _batch(bs, k, ps)
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    kw = dict(topk=k, num_steps=S, page_size=ps)
+    status = new_status("cuda")
+    if op == "assign_draft_cache_locs":
+        out = torch.empty(bs * k * S, dtype=torch.int64, device="cuda")
+        kernel = draft_cache_locs._assign_draft_cache_locs_kernel
+
+        def fn():
+            draft_cache_locs.assign_draft_cache_locs(*a, out_cache_loc=out, status=status, **kw)
+    elif op == "prefix_tail_copy_pairs":
+        kernel = draft_cache_locs._prefix_tail_copy_pairs_kernel
+
+        def fn():
+            draft_cache_locs.prefix_tail_copy_pairs(*a, status=status, **kw)
+    else:
+        from specmeta import plan_buffers
+
+        plan = plan_buffers(cfg)
+        idx = plan["draft_decode.kv_indices"].allocate("cuda")
+        ptr = plan["draft_decode.kv_indptr"].allocate("cuda")
+        kernel = draft_decode_kv_indices._draft_decode_kv_indices_kernel
+
+        def fn():
+            draft_decode_kv_indices.draft_decode_kv_indices(*a, kv_indices=idx, kv_indptr=ptr,
+                                                            status=status, **kw)  # fmt: skip
+
+    _measure(benchmark, fn, floors=_floors_of(kernel), budget=3.0, op=op, bs=bs, topk=k,
+             page_size=ps)  # fmt: skip
+    assert int(status) == 0
+
+
+BUILDS = [
+    ("fa3", "draft_decode"),
+    ("fa3", "target_verify"),
+    ("flashinfer", "draft_decode"),
+    ("flashinfer", "draft_decode_shared_prefix"),
+    ("flashinfer", "target_verify"),
+]
+
+
+@pytest.mark.parametrize("backend,mode", BUILDS, ids=_ids)
+@pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
+def bench_host_builder(benchmark, backend, mode, bs, k, ps):
+    cfg, batch, tree = _batch(bs, k, ps)
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    lens = batch.seq_lens_cpu
+    if backend == "fa3":
+        b = FA3MetadataBuilder(cfg, "cuda", modes=(mode,))
+        slots = draft_cache_locs.assign_draft_cache_locs(*a, topk=k, num_steps=S, page_size=ps)
+        if mode == "draft_decode":
+
+            def fn():
+                return b.draft_decode(*a, slots, seq_lens_cpu=lens)
+        else:
+
+            def fn():
+                return b.target_verify(*a, tree, seq_lens_cpu=lens)
+    else:
+        b = FlashInferBuilder(cfg, "cuda", modes=(mode,))
+        if mode == "target_verify":
+
+            def fn():
+                return b.target_verify(*a, tree, seq_lens_cpu=lens)
+        else:
+            method = getattr(b, mode)
+
+            def fn():
+                return method(*a, seq_lens_cpu=lens)
+
+    _measure(benchmark, fn, floors=host_floors(), budget=10.0, op=f"{backend}.{mode}", bs=bs,
+             topk=k, page_size=ps)  # fmt: skip
+    assert int(b.status) == 0
