@@ -29,9 +29,20 @@ from __future__ import annotations
 import torch
 import triton
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "cdiv", "next_power_of_2"]
 
 _I32_LOW, _I32_HIGH, _U64_LOW = -(2**31), 2**31, 2**63
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host grid sizes (``triton.cdiv`` is a constexpr function in recent
+    Triton, and costs µs per call on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ``>= n`` (``n >= 1``; 0 for 0, as ``triton.next_power_of_2``)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def _hooks_installed() -> bool:

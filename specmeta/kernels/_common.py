@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
+from ..launch import cdiv
 from ..status import Status
 
 # --------------------------------------------------------------------------------------------
@@ -65,8 +66,8 @@ def target_programs(device: torch.device, per_sm: int = 8, cpu: int = 4) -> int:
 def chunk_programs(device: torch.device, batch: int, width: int, block: int) -> int:
     """Programs per request: enough for the grid to fill the device even when a few long
     requests carry all the work, never more than a ``width``-entry row has ``block`` chunks."""
-    per_request = triton.cdiv(target_programs(device), max(batch, 1))
-    return max(1, min(per_request, triton.cdiv(width, block)))
+    per_request = cdiv(target_programs(device), max(batch, 1))
+    return max(1, min(per_request, cdiv(width, block)))
 
 
 def entries_per_vector(table: torch.Tensor, width: int) -> int:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import branch_kv_indices_need
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, next_power_of_2
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -270,7 +270,7 @@ def branch_kv_indices(
         return out
     kv_indices, kv_indptr, kv_last_page_len = out
     device = req_to_token.device
-    pages = triton.cdiv(req_to_token.shape[1], page_size)
+    pages = cdiv(req_to_token.shape[1], page_size)
     grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
     _branch_kv_indices_launch(
         grid,
@@ -296,8 +296,8 @@ def branch_kv_indices(
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_ROWS=triton.next_power_of_2(num_steps),
-        BLOCK_K=triton.next_power_of_2(topk),
+        BLOCK_ROWS=next_power_of_2(num_steps),
+        BLOCK_K=next_power_of_2(topk),
         HAS_STATUS=True,
         num_warps=4,
     )

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_pages_per_branch
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, next_power_of_2
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -133,7 +133,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
         raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if page_table is None:
-        width = triton.cdiv(req_to_token.shape[1], page_size)
+        width = cdiv(req_to_token.shape[1], page_size)
         page_table = torch.empty((B * topk, width), dtype=torch.int32, device=device)
     if seq_lens_k is None:
         seq_lens_k = torch.empty((rows, B * topk), dtype=torch.int32, device=device)
@@ -240,7 +240,7 @@ def branch_page_table(
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
-        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
+        BLOCK_PTR=next_power_of_2(num_steps * topk),
         HAS_STATUS=True,
         num_warps=4,
     )

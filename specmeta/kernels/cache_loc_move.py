@@ -72,7 +72,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import kv_pool_table_shape
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, next_power_of_2
 from ..status import Status
 from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
@@ -285,7 +285,7 @@ def accept_cache_locs(
         stride_acc=accept_index.stride(0),
         n_out=n,
         BLOCK_B=_ACCEPT_BLOCK_B,
-        BLOCK_C=triton.next_power_of_2(C),
+        BLOCK_C=next_power_of_2(C),
         BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
         HAS_STATUS=True,
         num_warps=4,
@@ -573,7 +573,7 @@ def _ordered_cols(pool: KVPool, row: int, tile: int, vec: int, target: int) -> i
     128-byte line; the tile holds 16 pairs at least."""
     cols = min(row, tile // 16)
     line = max(vec, _ORDERED_MIN_SLICE_BYTES // pool.word_bytes)
-    while cols > line and len(pool) * triton.cdiv(pool.max_row_words, cols) < target:
+    while cols > line and len(pool) * cdiv(pool.max_row_words, cols) < target:
         cols //= 2
     return cols
 
@@ -582,22 +582,22 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
     """The launch for ``n`` pairs over the rows of ``pool``: ``BLOCK_N``, ``COLS``, ``VEC``,
     ``num_warps``, the programs along the pairs and the blocks each moves in list order."""
     vec16 = 16 // pool.word_bytes if pool.aligned16 else 1
-    row = triton.next_power_of_2(pool.max_row_words)
+    row = next_power_of_2(pool.max_row_words)
     if ordered and not disjoint:  # blocks of pairs, one program walks them in list order
         warps = _ORDERED_WARPS
         tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
         target = _move_programs(pool.device, False)
         cols = _ordered_cols(pool, row, tile, vec16, target)
-        block_n = max(16, min(tile // cols, triton.next_power_of_2(n)))
-        pair_programs, blocks_per_program = 1, triton.cdiv(n, block_n)
+        block_n = max(16, min(tile // cols, next_power_of_2(n)))
+        pair_programs, blocks_per_program = 1, cdiv(n, block_n)
     else:  # independent blocks of pairs (disjoint), or one block holding every pair
-        block_n = DISJOINT_BLOCK_N if disjoint else max(16, triton.next_power_of_2(n))
+        block_n = DISJOINT_BLOCK_N if disjoint else max(16, next_power_of_2(n))
         wide = block_n > _SMALL_BLOCK_N
         warps = _WIDE_WARPS if wide else 8
         tile = warps * 32 * (_WIDE_VECTORS_PER_THREAD if wide else _VECTORS_PER_THREAD) * vec16
         target = _move_programs(pool.device, wide)
         cols = max(1, min(tile // block_n, row))
-        pair_programs, blocks_per_program = triton.cdiv(n, block_n), 1
+        pair_programs, blocks_per_program = cdiv(n, block_n), 1
     vec = vec16 if cols >= vec16 else 1  # narrower slices are not 16-byte aligned
     return dict(BLOCK_N=block_n, COLS=cols, VEC=vec, num_warps=warps, target=target,
                 pair_programs=pair_programs, blocks_per_program=blocks_per_program)  # fmt: skip
@@ -692,9 +692,9 @@ def move_kv_cache(
         num_warps=shape["num_warps"],
     )
     if pool.addressing == "table":
-        slices = triton.cdiv(pool.max_row_words, cols)
+        slices = cdiv(pool.max_row_words, cols)
         per_program = max(1, slices * pair_programs * len(pool) // shape["target"])
-        groups = triton.cdiv(len(pool), per_program)
+        groups = cdiv(len(pool), per_program)
         _move_kv_cache_launch(
             (pair_programs, slices, groups),
             table_ptr=pool.table,
@@ -709,7 +709,7 @@ def move_kv_cache(
         )
         return
     for words in pool.words:
-        slices = triton.cdiv(words.shape[1], cols)
+        slices = cdiv(words.shape[1], cols)
         _move_kv_cache_launch(
             (pair_programs, slices, 1),
             table_ptr=words,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
-from ..launch import Launcher
+from ..launch import Launcher, next_power_of_2
 from ..status import Status
 from ._common import (
     POS_OOB,
@@ -178,7 +178,7 @@ def assign_draft_cache_locs(
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
-        BLOCK=triton.next_power_of_2(topk * num_steps),
+        BLOCK=next_power_of_2(topk * num_steps),
         WRITE_POSITIONS=positions is not None,
         HAS_STATUS=True,
     )
@@ -311,7 +311,7 @@ def prefix_tail_copy_pairs(
         page_size=page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
-        BLOCK=triton.next_power_of_2(max(width, 1)),
+        BLOCK=next_power_of_2(max(width, 1)),
         HAS_STATUS=True,
     )
     return tgt, src

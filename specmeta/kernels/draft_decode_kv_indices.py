@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_decode_kv_indices_need, uses_layout_b
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, next_power_of_2
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -281,11 +281,11 @@ def _grid(
     """
     target = target_programs(device, _PROGRAMS_PER_SM)
     requests = max(batch, 1)
-    groups = triton.cdiv(lists, max(1, min(lists, _LISTS_PER_PROGRAM)))
-    per_program = triton.cdiv(lists, groups)  # balance the groups
-    row_chunks = triton.cdiv(row_width, _BLOCK)
+    groups = cdiv(lists, max(1, min(lists, _LISTS_PER_PROGRAM)))
+    per_program = cdiv(lists, groups)  # balance the groups
+    row_chunks = cdiv(row_width, _BLOCK)
     most = 1 if row_chunks > _LONG_ROW_CHUNKS else _MAX_CHUNKS
-    chunk_programs = max(triton.cdiv(target, requests * groups), triton.cdiv(row_chunks, most))
+    chunk_programs = max(cdiv(target, requests * groups), cdiv(row_chunks, most))
     return max(1, min(chunk_programs, row_chunks)), groups, requests, per_program
 
 
@@ -419,8 +419,8 @@ def draft_decode_kv_indices(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_LISTS=triton.next_power_of_2(_LISTS_PER_PROGRAM),
-        BLOCK_EDGE=triton.next_power_of_2(2 * vec + num_steps),
+        BLOCK_LISTS=next_power_of_2(_LISTS_PER_PROGRAM),
+        BLOCK_EDGE=next_power_of_2(2 * vec + num_steps),
         VEC=vec,
         HAS_STATUS=True,
         num_warps=_NUM_WARPS,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import Launcher
+from ..launch import Launcher, next_power_of_2
 from ._common import chunk_programs, vector_widths
 from .expand_page_table import (
     expand_page_table_program,
@@ -322,13 +322,13 @@ def draft_decode_page_tables(
         EXCLUDE_LAST_PARTIAL=exclude_last_partial,
         PAGED=page_size > 1,
         PAGE_SIZE=page_size,
-        BLOCK=min(max(triton.next_power_of_2(W), _MIN_BLOCK), _BLOCK),
+        BLOCK=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
         BLOCK_B=_BLOCK_B,
         TOPK=topk,
         NUM_STEPS=num_steps,
-        BLOCK_K=triton.next_power_of_2(topk),
-        BLOCK_S=triton.next_power_of_2(num_steps),
-        BLOCK_W=min(triton.next_power_of_2(max(W_expand, 1)), 16),
+        BLOCK_K=next_power_of_2(topk),
+        BLOCK_S=next_power_of_2(num_steps),
+        BLOCK_W=min(next_power_of_2(max(W_expand, 1)), 16),
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import expand_page_table_width
-from ..launch import Launcher
+from ..launch import Launcher, next_power_of_2
 from ..status import Status
 from ._common import BAD_PAGE, POOL_OOB, POS_OOB
 
@@ -369,9 +369,9 @@ def expand_page_table(
         NUM_STEPS=num_steps,
         PAGED=page_size > 1,
         PAGE_SIZE=page_size,
-        BLOCK_K=triton.next_power_of_2(topk),
-        BLOCK_S=triton.next_power_of_2(num_steps),
-        BLOCK_W=min(triton.next_power_of_2(W), 16),
+        BLOCK_K=next_power_of_2(topk),
+        BLOCK_S=next_power_of_2(num_steps),
+        BLOCK_W=min(next_power_of_2(W), 16),
         BLOCK_B=_BLOCK_B,
         WRITE_CU=cu_seqlens_k is not None,
         HAS_STATUS=True,

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..launch import Launcher
+from ..launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["merge_state", "merge_state_ref"]
 
@@ -148,10 +148,10 @@ def merge_state(
             raise ValueError(f"out_lse must be [T, H] = {(T, H)}, got {tuple(out_lse.shape)}")
     if T == 0 or H == 0 or D == 0:
         return out, out_lse
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(H), max(1, _TILE // block_d))
+    block_d = next_power_of_2(D)
+    block_h = min(next_power_of_2(H), max(1, _TILE // block_d))
     lse_out = out_lse if out_lse is not None else lse1
-    grid = (T, triton.cdiv(H, block_h))
+    grid = (T, cdiv(H, block_h))
     _merge_state_launch(
         grid,
         o1_ptr=o1,

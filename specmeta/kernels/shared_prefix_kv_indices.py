@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
-from ..launch import Launcher
+from ..launch import Launcher, next_power_of_2
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -305,9 +305,9 @@ def shared_prefix_kv_indices(
         LAYOUT_B=uses_layout_b(topk, page_size),
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
-        BLOCK_CHAIN=triton.next_power_of_2(num_steps * topk * num_steps),
-        BLOCK_PTR=triton.next_power_of_2(num_steps * topk),
-        BLOCK_ROWS=triton.next_power_of_2(num_steps),
+        BLOCK_CHAIN=next_power_of_2(num_steps * topk * num_steps),
+        BLOCK_PTR=next_power_of_2(num_steps * topk),
+        BLOCK_ROWS=next_power_of_2(num_steps),
         HAS_STATUS=True,
         num_warps=4,
     )

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import tree_custom_mask_need
-from ..launch import Launcher
+from ..launch import Launcher, cdiv
 from ..status import Status
 from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
 
@@ -216,7 +216,7 @@ def tree_custom_mask(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
-    grid = (max(B, 1), max(1, triton.cdiv(target_programs(device), max(B, 1))))
+    grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
     _tree_custom_mask_launch(
         grid,
         seq_lens_ptr=seq_lens,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..launch import Launcher
+from ..launch import Launcher, next_power_of_2
 from ..status import Status
 from ._common import POOL_OOB, POS_OOB, ROW_OOB, check_batch, gather_rows_ref, load_request
 
@@ -205,8 +205,8 @@ def verify_expand_page_table(
         stride_pt=page_table.stride(0),
         stride_mb=mask.stride(0),
         stride_mj=mask.stride(1),
-        BLOCK_N=triton.next_power_of_2(N),
-        BLOCK_T=min(triton.next_power_of_2(max(W - N, 1)), 64),
+        BLOCK_N=next_power_of_2(N),
+        BLOCK_T=min(next_power_of_2(max(W - N, 1)), 64),
         WRITE_CU0=cu_seqlens_k is not None,
         HAS_STATUS=True,
     )

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..launch import Launcher
+from ..launch import Launcher, cdiv
 
 __all__ = [
     "SINK_ROW",
@@ -177,7 +177,7 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
     if n_dst == 0:
         return dst
     _copy_pad_launch(
-        (triton.cdiv(n_dst, _BLOCK),),
+        (cdiv(n_dst, _BLOCK),),
         src_ptr=src if n_src else dst,
         dst_ptr=dst,
         n_src=n_src,
