@@ -139,7 +139,7 @@ def host_us(fn, *, calls: int = 2000, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_floors(pointers: int = 8, ints: int = 12) -> dict:
     """``floor_jit``, ``floor_run`` and ``floor_graph`` (host µs) of an empty kernel with this
     many pointer and integer arguments, measured now:

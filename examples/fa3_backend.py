@@ -4,8 +4,9 @@ An FA3 backend creates one :class:`FA3MetadataBuilder` per (config, device); eve
 its planned buffers and returns :class:`FA3Cascade` objects whose passes' ``kwargs()`` are
 ``flash_attn_with_kvcache``'s keywords. With ``topk > 1`` each attention is a cascade: a
 *normal* pass over the shared prefix and an *expand* pass over each branch's own tokens (or each
-tree node's ancestors) on the same query rows, merged by log-sum-exp. A :class:`GraphRunner`
-runs the same build in one CUDA graph per bucket (on CPU: the same path without capture).
+tree node's ancestors) on the same query rows, merged by log-sum-exp. A typed
+:class:`GraphRunner` runs the same build in one CUDA graph per bucket (on CPU: the same path
+without capture) and returns the builder's own result for the batch.
 
 Run: ``python examples/fa3_backend.py [--device cuda] [--seed N]`` (exit status 0 on success).
 """
@@ -23,7 +24,7 @@ from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.kernels.merge_state import merge_state
 from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
-from specmeta.runners import GraphRunner, padding
+from specmeta.runners import GraphRunner, StageBatch, padding
 from specmeta.workloads import Batch, make_batch, random_tree_mask
 
 # A tree draft: 4 branches, 3 steps, an 8-node verify tree, pages of 4 tokens (slot layout B).
@@ -113,33 +114,33 @@ def main(argv: list[str] | None = None) -> Result:
     print("target verify: one query row per tree node (expand pass: token slots, page size 1)")
     attend(torch.zeros(B * N, H, D, device=device), verify)
 
-    # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
-    g_fa3 = FA3MetadataBuilder(cfg, device)
+    # (b) Graphed: the runner owns its inputs (each with its pad); the stage's build is the
+    # eager draft with the builder's own launch switch, so the runner hands back the builder's
+    # typed result for B — nothing named by string, nothing to cut.
+    g_fa3 = FA3MetadataBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
-    # The runner's outputs and their rows per request: cut to B after every run.
-    fields = {"page_table": 1, "cache_seqlens": 1, "expand_page_table": K,
-              "expand_cache_seqlens": K}  # fmt: skip
 
-    def build(inp):  # run once per bucket at capture, on the static views [:Bp]
-        draft(g_fa3, g_bufs, inp["req_pool_indices"], inp["seq_lens"])
-        return {f: g_fa3.buffers[f"draft_decode.{f}"] for f in fields}
+    def stage(batch: StageBatch) -> tuple[FA3Cascade, ...]:
+        rpi_, lens_ = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+        if batch.launch:  # captured once per bucket on the static views [:Bp]
+            return draft(g_fa3, g_bufs, rpi_, lens_)
+        slots = g_bufs[DRAFT[0]][: rpi_.shape[0] * K * S]  # after a replay: describe [:B]
+        return g_fa3.draft_decode(rpi_, r2t, lens_, slots, num_rows=S - 1, launch=False)
 
-    runner = GraphRunner(build, batch_sizes=[4, 8], device=device)
+    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
     runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N))
-    for f, per_request in fields.items():  # page_table [Bp, W]; the others [rows, Bp*per(, W)]
-        runner.add_output(f, per_request=per_request, dim=0 if f == "page_table" else 1)
+    runner.add_guard("req_to_token", r2t)
     runner.capture()
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = draft(fa3, bufs, rpi[:b], lens[:b])
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]}, copy=False)
-        out = res.outputs
-        for s, step in enumerate(want):
-            pairs = ((out["page_table"], step.normal.page_table),
-                     (out["cache_seqlens"][0], step.normal.cache_seqlens),
-                     (out["expand_page_table"][s], step.expand.page_table),
-                     (out["expand_cache_seqlens"][s], step.expand.cache_seqlens))  # fmt: skip
-            if not all(torch.equal(got, mine) for got, mine in pairs):
+        for s, (got, mine) in enumerate(zip(res.results, want, strict=True)):
+            pairs = ((got.normal.page_table, mine.normal.page_table),
+                     (got.normal.cache_seqlens, mine.normal.cache_seqlens),
+                     (got.expand.page_table, mine.expand.page_table),
+                     (got.expand.cache_seqlens, mine.expand.cache_seqlens))  # fmt: skip
+            if not all(torch.equal(g, m) for g, m in pairs):
                 raise AssertionError(f"B={b}, forward {s}: the runner's metadata != the eager one")
         print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
     specmeta.check_status(status, where="fa3 example")  # the one sync, once per iteration

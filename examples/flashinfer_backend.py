@@ -23,7 +23,7 @@ import torch
 import specmeta
 from specmeta import SpecConfig
 from specmeta.metadata.flashinfer import FlashInferBuilder, FlashInferDraftDecode, FlashInferPrefill
-from specmeta.runners import GraphRunner, padding
+from specmeta.runners import GraphRunner, StageBatch, padding
 from specmeta.workloads import Batch, make_batch, random_tree_mask
 
 # A tree draft: 3 branches, 3 steps, a 6-node verify tree, pages of 16 tokens in the pool.
@@ -106,37 +106,33 @@ def main(argv: list[str] | None = None) -> Result:
                  num_qo_heads=H, num_kv_heads=H_KV, head_dim_qk=D, page_size=verify.page_size,
                  custom_mask=verify.custom_mask, causal=verify.causal)  # fmt: skip
 
-    # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
-    g_fi = FlashInferBuilder(cfg, device)
+    # (b) Graphed: the runner owns its inputs (each with its pad); the stage is one builder
+    # mode with the builder's launch switch, so after each replay the runner hands back the
+    # builder's own result for B, host mirrors for plan() included.
+    g_fi = FlashInferBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, RUNNER)
 
-    def build(inp):  # run once per bucket at capture, on the static views [:Bp]
-        g_fi.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"], status=status)
-        return {name: g_fi.buffers[f"draft_decode.{name}"] for name in ("kv_indptr", "kv_indices")}
+    def stage(batch: StageBatch):
+        inp = batch.inputs
+        return g_fi.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"],
+                                 seq_lens_cpu=batch.host.get("seq_lens"), status=status,
+                                 launch=batch.launch)  # fmt: skip
 
-    def host(mirrors):  # before each replay, on the padded CPU seq_lens: plan()'s host mirrors
-        bp = mirrors["seq_lens"].shape[0]
-        static = (g_bufs["runner.req_pool_indices"][:bp], r2t, g_bufs["runner.seq_lens"][:bp])
-        return {"plan": g_fi.draft_decode(*static, seq_lens_cpu=mirrors["seq_lens"], launch=False)}
-
-    runner = GraphRunner(build, batch_sizes=[4, 8], device=device, host=host)
+    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
     runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
                      host_mirror=True)  # fmt: skip
-    runner.add_output("kv_indptr", per_request=K, extra=1, dim=1)
-    runner.add_output("kv_indices", per_request=None)  # read up to kv_indptr[-1]
+    runner.add_guard("req_to_token", r2t)
     runner.capture()
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = fi.draft_decode(rpi[:b], r2t, lens[:b], seq_lens_cpu=lens_cpu[:b], status=status)
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
                          host_inputs={"seq_lens": lens_cpu[:b]}, copy=False)  # fmt: skip
-        out, planned = res.outputs, res.host["plan"]  # planned: the padded batch, for plan()
-        for s, mine in enumerate(want.steps):
+        for s, (got, mine) in enumerate(zip(res.results.steps, want.steps, strict=True)):
             used = int(mine.kv_indptr_host[-1])  # a host value: no sync
-            if not (torch.equal(out["kv_indptr"][s], mine.kv_indptr)
-                    and torch.equal(out["kv_indices"][s, :used], mine.kv_indices[:used])
-                    and torch.equal(planned.steps[s].kv_indptr_host[: b * K + 1],
-                                    mine.kv_indptr_host)):  # fmt: skip
+            if not (torch.equal(got.kv_indptr, mine.kv_indptr)
+                    and torch.equal(got.kv_indices[:used], mine.kv_indices[:used])
+                    and torch.equal(got.kv_indptr_host, mine.kv_indptr_host)):  # fmt: skip
                 raise AssertionError(f"B={b}, step {s}: the runner's lists != the eager ones")
         print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
     specmeta.check_status(status, where="flashinfer example")  # the one sync, once per iteration

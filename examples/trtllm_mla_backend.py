@@ -25,7 +25,7 @@ from specmeta import SpecConfig
 from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder, TrtllmMlaDraftDecode, TrtllmMlaPrefill
-from specmeta.runners import GraphRunner, padding
+from specmeta.runners import GraphRunner, StageBatch, padding
 from specmeta.workloads import Batch, make_batch
 
 # A tree draft: 2 branches, 3 steps, a 6-node verify tree, pages of 16 tokens (slot layout B).
@@ -109,27 +109,33 @@ def main(argv: list[str] | None = None) -> Result:
             block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k,
             max_seq_len=m.max_seq_len_k)  # fmt: skip
 
-    # (b) Graphed: the runner owns its inputs (each with its pad) and its own builder's buffers.
-    g_mla = TrtllmMlaBuilder(cfg, device)
+    # (b) Graphed: the runner owns its inputs (each with its pad); the stage's build is the
+    # eager draft with the builder's own launch switch, so the runner hands back the builder's
+    # typed result for B — nothing named by string, nothing to cut.
+    g_mla = TrtllmMlaBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
 
-    def build(inp):  # run once per bucket at capture, on the static views [:Bp]
-        draft(g_mla, g_bufs, inp["req_pool_indices"], inp["seq_lens"])
-        return {n: g_mla.buffers[f"draft_decode.{n}"] for n in ("block_kv_indices", "seq_lens_k")}
+    def stage(batch: StageBatch) -> TrtllmMlaDraftDecode:
+        rpi_, lens_ = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+        if batch.launch:  # captured once per bucket on the static views [:Bp]
+            return draft(g_mla, g_bufs, rpi_, lens_)
+        return g_mla.draft_decode(rpi_, r2t, lens_, seq_lens_cpu=batch.host.get("seq_lens"),
+                                  launch=False)  # fmt: skip
 
-    runner = GraphRunner(build, batch_sizes=[4, 8], device=device)
+    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
-    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N))
-    runner.add_output("block_kv_indices", per_request=K)
-    runner.add_output("seq_lens_k", per_request=K, dim=1)
+    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
+                     host_mirror=True)  # fmt: skip
+    runner.add_guard("req_to_token", r2t)
     runner.capture()
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
-        want = draft(mla, bufs, rpi[:b], lens[:b]).steps
-        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]}, copy=False)
-        out = res.outputs
-        for s, mine in enumerate(want):
-            if not (torch.equal(out["block_kv_indices"], mine.block_kv_indices)
-                    and torch.equal(out["seq_lens_k"][s], mine.seq_lens_k)):  # fmt: skip
+        want = draft(mla, bufs, rpi[:b], lens[:b], seq_lens_cpu=batch.seq_lens_cpu[:b]).steps
+        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
+                         host_inputs={"seq_lens": batch.seq_lens_cpu[:b]}, copy=False)  # fmt: skip
+        for s, (got, mine) in enumerate(zip(res.results.steps, want, strict=True)):
+            if not (torch.equal(got.block_kv_indices, mine.block_kv_indices)
+                    and torch.equal(got.seq_lens_k, mine.seq_lens_k)
+                    and got.max_seq_len_k == mine.max_seq_len_k):  # fmt: skip
                 raise AssertionError(f"B={b}, step {s}: the runner's tables != the eager ones")
         print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
     specmeta.check_status(status, where="trtllm_mla example")  # the one sync, once per iteration

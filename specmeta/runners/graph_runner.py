@@ -51,7 +51,7 @@ import torch
 from .. import probes, validate
 from .padding import check_pad, copy_pad
 
-__all__ = ["GraphRunner", "StaticInput", "StaticOutput", "RunResult"]
+__all__ = ["GraphRunner", "StageBatch", "StaticInput", "StaticOutput", "RunResult"]
 
 BuildFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 HostFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, object]]
@@ -111,6 +111,38 @@ class StaticOutput:
         return None if self.per_request is None else batch * self.per_request + self.extra
 
 
+class StageBatch:
+    """What a typed build (``GraphRunner(..., typed=True)``) is called with.
+
+    Attributes
+    ----------
+    inputs : mapping of str to torch.Tensor
+        Every registered input's static view: ``[:Bp·per_request]`` when the build launches
+        (capture, or every call without graphs), ``[:B·per_request]`` when it only describes.
+    host : mapping of str to torch.Tensor
+        The CPU values of the inputs registered with ``host_mirror=True``, cut like ``inputs``
+        (empty while capturing: nothing is known of a batch then).
+    launch : bool
+        Pass it on as every builder mode's ``launch=``, and launch free kernels only when it is
+        True: the runner calls the build once more after each replay with ``launch=False`` to
+        get the builders' results for ``B`` (and their host mirrors) without launching.
+    """
+
+    __slots__ = ("inputs", "host", "launch")
+
+    def __init__(self, inputs: Mapping[str, torch.Tensor], host: Mapping[str, torch.Tensor],
+                 launch: bool):  # fmt: skip
+        self.inputs = inputs
+        self.host = host
+        self.launch = launch
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in this call's views."""
+        spec = next(iter(self.inputs.values()))
+        return spec.shape[0]
+
+
 @dataclasses.dataclass
 class RunResult:
     """What one :meth:`GraphRunner.run` returns.
@@ -128,6 +160,9 @@ class RunResult:
         What the host function returned for the padded batch (e.g. ``seq_lens_sum``).
     copied : bool
         Whether ``outputs`` are private copies.
+    results : object
+        A typed runner's build result for ``B`` (the builders' own result objects, cut to
+        ``B`` by the builders); ``None`` for a runner of named outputs.
     """
 
     batch_size: int
@@ -135,6 +170,7 @@ class RunResult:
     outputs: dict[str, torch.Tensor]
     host: dict[str, object]
     copied: bool
+    results: object = None
 
 
 class GraphRunner:
@@ -157,6 +193,12 @@ class GraphRunner:
     graphs : bool, optional
         Capture CUDA graphs (default: when ``device`` is CUDA). ``False`` runs the same path with
         ``build`` called on every run — that is the CPU path.
+    typed : bool
+        ``build(batch: StageBatch) -> result`` returns the builders' own typed results and
+        declares no outputs: it passes ``batch.launch`` to every builder mode, and the runner,
+        after each replay, calls it once more with ``launch=False`` on the inputs cut to ``B``,
+        so :attr:`RunResult.results` holds each builder's result for ``B`` — no output named
+        by string, no cut to declare (design §4).
     """
 
     def __init__(
@@ -167,6 +209,7 @@ class GraphRunner:
         device: torch.device | str,
         host: HostFn | None = None,
         graphs: bool | None = None,
+        typed: bool = False,
     ) -> None:
         if not callable(build):
             raise TypeError(f"build must be callable, got {type(build).__name__}")
@@ -184,6 +227,8 @@ class GraphRunner:
         self.batch_sizes: tuple[int, ...] = tuple(sizes)
         self._build = build
         self._host = host
+        self.typed = bool(typed)
+        self._cut_views: dict[int, dict[str, torch.Tensor]] = {}  # B -> input views [:B]
         self._inputs: dict[str, StaticInput] = {}
         self._outputs: dict[str, StaticOutput] = {}
         self._guards: dict[str, Callable[[], torch.Tensor]] = {}
@@ -346,8 +391,10 @@ class GraphRunner:
             raise ValueError("capture() was already called")
         if not self._inputs:
             raise ValueError("register at least one input (add_input) before capture()")
-        if not self._outputs:
+        if not self._outputs and not self.typed:
             raise ValueError("declare at least one output (add_output) before capture()")
+        if self._outputs and self.typed:
+            raise ValueError("a typed runner returns its build's results; declare no outputs")
         for bp in self.batch_sizes:
             self._views[bp] = {n: s.buffer[: bp * s.per_request] for n, s in self._inputs.items()}
         self._layout = self._signature()
@@ -360,11 +407,11 @@ class GraphRunner:
             self._pad_device(0, bp, {})
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._checked_build(bp)  # warm-up: compiles outside the capture
+                self._checked_build(bp, with_host=False)  # warm-up: compiles outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self._checked_build(bp)
+                out = self._checked_build(bp, with_host=False)
             self._graphs[bp] = graph
             self._graph_outputs[bp] = out
         torch.cuda.synchronize(self.device)  # set-up, not a build path
@@ -435,12 +482,27 @@ class GraphRunner:
                 if spec.probe is not None:
                     spec.probe(raw[name], label=f"runner input {name!r}")
         host = self._pad_host(B, bp, host_raw)
+        results = None
+        if self.typed:
+            if copy:
+                raise ValueError("copy=True: a typed runner returns the builders' results, "
+                                 "views of their buffers; pass copy=False")  # fmt: skip
+            views = self._cut_views.get(B)
+            if views is None:
+                views = self._cut_views[B] = {
+                    n: s.buffer[: B * s.per_request] for n, s in self._inputs.items()
+                }
+            # Before any launch: the builders check the batch on the host, refresh their host
+            # mirrors and describe their buffers for B (no device value is read).
+            results = self._build(StageBatch(views, host_raw, False))
         self._pad_device(B, bp, raw)
         if self.graphs:
             self._graphs[bp].replay()
             out = self._graph_outputs[bp]
         else:
             out = self._checked_build(bp)
+        if self.typed:
+            return RunResult(B, bp, {}, host, False, results)
         if copy:
             sliced = {name: t.clone() for name, t in self._cut(out, B).items()}
         elif self.graphs:
@@ -511,7 +573,13 @@ class GraphRunner:
                 src = spec.buffer[:0]
             copy_pad(src, self._views[bp][name], spec.pad)
 
-    def _checked_build(self, bp: int) -> dict[str, torch.Tensor]:
+    def _checked_build(self, bp: int, *, with_host: bool = True) -> dict[str, torch.Tensor]:
+        if self.typed:
+            # Captured builds see no host values: what a graph holds cannot depend on them.
+            host = {n: s.mirror[: bp * s.per_request] for n, s in self._inputs.items()
+                    if with_host and s.mirror is not None}  # fmt: skip
+            self._build(StageBatch(types.MappingProxyType(self._views[bp]), host, True))
+            return {}
         out = self._build(types.MappingProxyType(self._views[bp]))
         if not isinstance(out, Mapping):
             raise TypeError(
