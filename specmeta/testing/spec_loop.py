@@ -26,11 +26,12 @@ One iteration of a batch of ``B`` requests (:meth:`SpeculativeLoop.step`):
    over the accepted draft tokens and the bonus token (``N`` query rows a request, padded),
    which writes their draft KV and yields the draft's log-probabilities after the new root.
 
-Steps 2–5 run specmeta's builds either eagerly on the batch or through a
-:class:`~specmeta.runners.GraphRunner` per stage, on the batch padded to its bucket (the same
-builders on the same planned buffers; CUDA graphs on the GPU, the same path without capture on
-the CPU). With ``mode="auto"`` a batch that fits a bucket takes the runner, a larger one runs
-eagerly, as engines do.
+Steps 2–5 run specmeta's builds either eagerly on the batch or through a typed
+:class:`~specmeta.runners.GraphRunner` per stage, which builds on the batch padded to its bucket
+(the same builders on the same planned buffers; CUDA graphs on the GPU, the same path without
+capture on the CPU) and hands back each builder's own result for the batch. The forwards read
+those results for the ``B`` requests only. With ``mode="auto"`` a batch that fits a bucket takes
+the runner, a larger one runs eagerly, as engines do.
 
 Two choices that differ from SGLang's EAGLE worker, and why:
 
@@ -78,7 +79,7 @@ from ..kernels.draft_cache_locs import (
 from ..metadata.fa3 import FA3MetadataBuilder
 from ..metadata.flashinfer import FlashInferBuilder
 from ..metadata.trtllm_mla import TrtllmMlaBuilder
-from ..runners import GraphRunner, padding
+from ..runners import GraphRunner, StageBatch, padding
 from ..status import SpecmetaStatusError, decode_status, new_status
 from .attention import TorchAttention
 from .tiny_model import KVCache, PagedAttention, TinyModel
@@ -392,42 +393,41 @@ class MetadataStages:
             "runner.req_pool_indices", "runner.seq_lens", "runner.tree_mask",
             "runner.accept_index", "runner.accept_lens", "runner.verify_out_cache_loc",
         ])  # fmt: skip
-        # The metadata each build returned, per batch size it was built for: a runner's graph
-        # builds every bucket's once, at capture, and replays rewrite the same buffers.
-        self.meta: dict[str, dict[int, object]] = {"draft": {}, "verify": {}, "extend": {}}
         self.runners: dict[str, GraphRunner] = {}
 
     # --------------------------------------------------------------------------------------------
     # The builds (run eagerly, or by a runner on its static views)
     # --------------------------------------------------------------------------------------------
-    def draft(self, inp, seq_lens_cpu: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Draft slots, prefix-tail copies (layout B) and draft-decode metadata."""
+    def draft(self, batch: StageBatch):
+        """Draft slots, prefix-tail copies (layout B) and the draft-decode metadata per step."""
         c, b, r2t, st = self.cfg, self.bufs, self.req_to_token, self.status
-        rpi, lens = inp["req_pool_indices"], inp["seq_lens"]
-        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
-        slots = self._assign(rpi, r2t, lens, out_cache_loc=b["draft.out_cache_loc"],
-                             positions=b["draft.positions"], **kw)  # fmt: skip
-        if c.layout_b:
-            # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
-            # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
-            # sources before it, so the pairs are disjoint.
-            tgt, src = self._tail_pairs(rpi, r2t, lens, tgt=b["draft.prefix_tail_tgt"],
-                                        src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
-            n = rpi.shape[0] * (c.topk - 1) * (c.page_size - 1)
-            self._move(self.draft_cache.pool, tgt[:n], src[:n], disjoint=True, status=st)
-        self.meta["draft"][rpi.shape[0]] = self._draft_decode(rpi, lens, slots, seq_lens_cpu)
-        return {"out_cache_loc": b["draft.out_cache_loc"], "positions": b["draft.positions"]}
+        rpi, lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+        slots = b["draft.out_cache_loc"][: rpi.shape[0] * c.topk * c.num_steps]
+        if batch.launch:
+            kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
+            self._assign(rpi, r2t, lens, out_cache_loc=b["draft.out_cache_loc"],
+                         positions=b["draft.positions"], **kw)  # fmt: skip
+            if c.layout_b:
+                # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
+                # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
+                # sources before it, so the pairs are disjoint.
+                tgt, src = self._tail_pairs(rpi, r2t, lens, tgt=b["draft.prefix_tail_tgt"],
+                                            src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
+                n = rpi.shape[0] * (c.topk - 1) * (c.page_size - 1)
+                self._move(self.draft_cache.pool, tgt[:n], src[:n], disjoint=True, status=st)
+        return self._draft_decode(rpi, lens, slots, batch.host.get("seq_lens"), batch.launch)
 
-    def verify(self, inp, seq_lens_cpu: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def verify(self, batch: StageBatch):
         """Target-verify metadata of the tree over the window ``L … L + N − 1``."""
-        rpi, lens = inp["req_pool_indices"], inp["seq_lens"]
-        self.meta["verify"][rpi.shape[0]] = self._target_verify(rpi, lens, inp["tree_mask"],
-                                                                seq_lens_cpu)  # fmt: skip
-        return {"status": self.status}
+        inp = batch.inputs
+        return self._target_verify(inp["req_pool_indices"], inp["seq_lens"], inp["tree_mask"],
+                                   batch.host.get("seq_lens"), batch.launch)  # fmt: skip
 
-    def accept(self, inp) -> dict[str, torch.Tensor]:
+    def accept(self, batch: StageBatch) -> None:
         """Move pairs of the accepted nodes and their move, all layers of the target pool."""
-        b = self.bufs
+        if not batch.launch:
+            return None  # free launchers only: nothing for a builder to describe
+        b, inp = self.bufs, batch.inputs
         tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
                                 inp["verify_out_cache_loc"],
                                 num_draft_tokens=self.cfg.num_draft_tokens,
@@ -436,13 +436,13 @@ class MetadataStages:
         # Accepted paths list node ids in increasing order: no pair reads a slot that an
         # earlier pair writes.
         self._move(self.target_cache.pool, tgt, src, ordered=True, status=self.status)
-        return {"tgt": tgt, "src": src}
+        return None
 
-    def extend(self, inp, seq_lens_cpu: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def extend(self, batch: StageBatch):
         """Draft-extend metadata: ``N`` query rows a request after the draft's prefix."""
-        rpi, lens = inp["req_pool_indices"], inp["seq_lens"]
-        self.meta["extend"][rpi.shape[0]] = self._draft_extend(rpi, lens, seq_lens_cpu)
-        return {"status": self.status}
+        inp = batch.inputs
+        return self._draft_extend(inp["req_pool_indices"], inp["seq_lens"],
+                                  batch.host.get("seq_lens"), batch.launch)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
     # Per backend
@@ -476,28 +476,6 @@ class MetadataStages:
     # --------------------------------------------------------------------------------------------
     # The runners
     # --------------------------------------------------------------------------------------------
-    def _host(self, stage: str):
-        """FlashInfer's ``plan()`` needs host mirrors of the padded batch: computed on the CPU
-        before each replay (``launch=False``), never copied back from the device."""
-        if self.backend != "flashinfer":
-            return None
-        b = self.bufs
-
-        def host(mirrors):
-            lens_cpu = mirrors["seq_lens"]
-            bp = lens_cpu.shape[0]
-            rpi, lens = b["runner.req_pool_indices"][:bp], b["runner.seq_lens"][:bp]
-            if stage == "draft":
-                meta = self._draft_decode(rpi, lens, None, lens_cpu, launch=False)
-            elif stage == "verify":
-                meta = self._target_verify(rpi, lens, b["runner.tree_mask"][:bp], lens_cpu,
-                                           launch=False)  # fmt: skip
-            else:
-                meta = self._draft_extend(rpi, lens, lens_cpu, launch=False)
-            return {"meta": meta}
-
-        return host
-
     def build_runners(self, buckets: Sequence[int], device: torch.device,
                       graphs: bool | None = None) -> None:  # fmt: skip
         """One captured :class:`GraphRunner` per stage; every static input with its design §4 pad
@@ -506,16 +484,10 @@ class MetadataStages:
         graphs = False if self.reference else graphs
         c, b = self.cfg, self.bufs
         fill = padding.seq_lens_fill(c.topk, c.num_draft_tokens)
-        outputs = {
-            "draft": {"out_cache_loc": c.topk * c.num_steps, "positions": c.topk},
-            "verify": {"status": None},
-            "accept": {"tgt": c.num_steps + 1, "src": c.num_steps + 1},
-            "extend": {"status": None},
-        }
-        for stage, outs in outputs.items():
+        for stage in ("draft", "verify", "accept", "extend"):
+            # Typed: each stage returns its builder's own result, cut to B by the builder.
             runner = GraphRunner(getattr(self, stage), batch_sizes=buckets, device=device,
-                                 host=self._host(stage) if stage != "accept" else None,
-                                 graphs=graphs)  # fmt: skip
+                                 graphs=graphs, typed=True)  # fmt: skip
             if stage == "accept":
                 runner.add_input("accept_index", b["runner.accept_index"], pad=padding.NO_ACCEPT)
                 runner.add_input("accept_lens", b["runner.accept_lens"],
@@ -528,8 +500,6 @@ class MetadataStages:
                 runner.add_input("seq_lens", b["runner.seq_lens"], pad=fill, host_mirror=True)
             if stage == "verify":
                 runner.add_input("tree_mask", b["runner.tree_mask"], pad=padding.TREE_MASK)
-            for name, per_request in outs.items():
-                runner.add_output(name, per_request=per_request)
             # What the graphs read and write beyond the runner's inputs: a replay after one of
             # them was reallocated or reshaped raises instead of touching stale memory.
             runner.add_guard("req_to_token", lambda: self.req_to_token)
@@ -540,18 +510,15 @@ class MetadataStages:
             self.runners[stage] = runner
 
     def run(self, stage: str, batch_size: int, inputs: dict[str, torch.Tensor],
-            seq_lens_cpu: torch.Tensor | None, graph: bool) -> tuple[dict, object, int]:  # fmt: skip
-        """Build ``stage`` for the batch: ``(outputs, metadata, rows)``, ``rows`` being the
-        batch the metadata covers (``Bp`` through a runner, else ``B``)."""
+            seq_lens_cpu: torch.Tensor | None, graph: bool) -> object:  # fmt: skip
+        """Build ``stage`` for the batch, through its runner or eagerly on the raw inputs: the
+        stage's metadata for the ``batch_size`` requests (``None`` for accept)."""
+        host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else {}
         if graph:
-            host = {"seq_lens": seq_lens_cpu} if stage != "accept" else None
-            res = self.runners[stage].run(batch_size, inputs, host_inputs=host, copy=False)
-            bp = res.padded_batch_size
-            meta = res.host.get("meta", self.meta.get(stage, {}).get(bp))
-            return res.outputs, meta, bp
-        fn = getattr(self, stage)
-        out = fn(inputs) if stage == "accept" else fn(inputs, seq_lens_cpu)
-        return out, self.meta.get(stage, {}).get(batch_size), batch_size
+            res = self.runners[stage].run(batch_size, inputs, host_inputs=host or None,
+                                          copy=False)  # fmt: skip
+            return res.results
+        return getattr(self, stage)(StageBatch(inputs, host, True))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -688,7 +655,8 @@ class SpeculativeLoop:
             # 2. Draft decode: the tree.
             tree = self._draft(batch, rpi, draft_lens, draft_lens_cpu, graph)
             # 3. Target verify and greedy acceptance.
-            window, logits, bp = self._verify(rpi, seq_lens, seq_lens_cpu, tree, graph)
+            window, logits = self._verify(rpi, seq_lens, seq_lens_cpu, tree, graph)
+            bp = self.stages.runners["verify"].bucket(B) if graph else B
             path, accept_lens, bonus = greedy_accept(tree.tokens, tree.parents, logits,
                                                      c.num_steps)  # fmt: skip
             # 4. Move the accepted nodes' target KV to the front of the window.
@@ -749,11 +717,9 @@ class SpeculativeLoop:
         c, dev = self.cfg, self.device
         B, K, S, N = len(batch), c.topk, c.num_steps, c.num_draft_tokens
         inputs = {"req_pool_indices": rpi, "seq_lens": draft_lens}
-        _, steps, rows = self._specmeta("draft", B, inputs, draft_lens_cpu, graph)
-        # The forwards run over the batch the metadata covers (padded rows: slots and
-        # positions of the sink), as a captured forward would.
-        slots = self.stages.bufs["draft.out_cache_loc"][: rows * K * S].view(rows, K, S)
-        positions = self.stages.bufs["draft.positions"][: rows * K]
+        steps = self._specmeta("draft", B, inputs, draft_lens_cpu, graph)
+        slots = self.stages.bufs["draft.out_cache_loc"][: B * K * S].view(B, K, S)
+        positions = self.stages.bufs["draft.positions"][: B * K]
         if B:
             root = torch.stack([r.root_logprobs for r in batch]).to(dev)
         else:
@@ -763,26 +729,25 @@ class SpeculativeLoop:
         for s in range(S - 1):
             # Forward s: every branch's step-s token at position L + 1 + s, attending to its
             # prefix and its own chain 0 … s.
-            tokens = _pad_rows(selection.branch_tokens.reshape(-1), rows * K)
+            tokens = selection.branch_tokens.reshape(-1)
             logits = self._forward(self.draft, self.draft_cache, steps[s], tokens,
                                    positions + s, slots[:, :, s].reshape(-1))  # fmt: skip
             vocab = logits.shape[-1]
-            selection.expand(torch.log_softmax(logits[: B * K], -1).view(B, K, vocab))
+            selection.expand(torch.log_softmax(logits, -1).view(B, K, vocab))
         return selection.tree(N)
 
     def _verify(self, rpi, seq_lens, seq_lens_cpu, tree: DraftTree, graph):
-        """Target verify of the tree; returns the window's slots, the logits and ``Bp``."""
+        """Target verify of the tree; returns the window's slots and the logits."""
         c, dev = self.cfg, self.device
         B, N = rpi.shape[0], c.num_draft_tokens
         pos = seq_lens.view(-1, 1) + torch.arange(N, device=dev)
         window = self.slots.req_to_token[rpi.view(-1, 1), pos].long()  # [B, N], node j at L + j
         inputs = {"req_pool_indices": rpi, "seq_lens": seq_lens, "tree_mask": tree.mask}
-        _, meta, rows = self._specmeta("verify", B, inputs, seq_lens_cpu, graph)
-        logits = self._forward(self.target, self.target_cache, meta,
-                               _pad_rows(tree.tokens.reshape(-1), rows * N),
-                               _pad_rows((seq_lens.view(-1, 1) + tree.depth).reshape(-1), rows * N),
-                               _pad_rows(window.reshape(-1), rows * N))  # fmt: skip
-        return window, logits[: B * N].view(B, N, logits.shape[-1]), rows
+        meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph)
+        logits = self._forward(self.target, self.target_cache, meta, tree.tokens.reshape(-1),
+                               (seq_lens.view(-1, 1) + tree.depth).reshape(-1),
+                               window.reshape(-1))  # fmt: skip
+        return window, logits.view(B, N, logits.shape[-1])
 
     def _extend(self, rpi, draft_lens, draft_lens_cpu, tokens, accept_lens, graph):
         """Draft extend: ``N`` rows a request at positions ``L + 1 …``; returns the draft's
@@ -792,13 +757,11 @@ class SpeculativeLoop:
         pos = draft_lens.view(-1, 1) + torch.arange(N, device=dev)
         slots = self.slots.req_to_token[rpi.view(-1, 1), pos].long()
         inputs = {"req_pool_indices": rpi, "seq_lens": draft_lens}
-        _, meta, rows = self._specmeta("extend", B, inputs, draft_lens_cpu, graph)
-        logits = self._forward(self.draft, self.draft_cache, meta,
-                               _pad_rows(tokens.reshape(-1), rows * N),
-                               _pad_rows(pos.reshape(-1), rows * N),
-                               _pad_rows(slots.reshape(-1), rows * N))  # fmt: skip
+        meta = self._specmeta("extend", B, inputs, draft_lens_cpu, graph)
+        logits = self._forward(self.draft, self.draft_cache, meta, tokens.reshape(-1),
+                               pos.reshape(-1), slots.reshape(-1))  # fmt: skip
         last = (accept_lens - 1).view(-1, 1, 1).expand(B, 1, logits.shape[-1])
-        picked = logits[: B * N].view(B, N, logits.shape[-1]).gather(1, last)[:, 0]
+        picked = logits.view(B, N, logits.shape[-1]).gather(1, last)[:, 0]
         return torch.log_softmax(picked, -1)
 
     # --------------------------------------------------------------------------------------------
@@ -1016,14 +979,6 @@ def _extend_tokens(tree_tokens, path, accept_lens, bonus, num_draft_tokens):
     k = torch.arange(N, device=dev).view(1, -1)
     out = torch.where(k < (accept_lens - 1).view(-1, 1), out, 0)
     return out.scatter(1, (accept_lens - 1).view(-1, 1), bonus.view(-1, 1))
-
-
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` followed by zeros up to ``rows`` entries (a padded row's token, position and slot:
-    the sink)."""
-    if x.shape[0] == rows:
-        return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
 # ------------------------------------------------------------------------------------------------

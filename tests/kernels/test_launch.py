@@ -82,8 +82,11 @@ def test_key_separates_every_triton_specialization():
     }
     for what, args in flips.items():
         assert _key(lau, **args) != ref, what
+    # 1 is its own specialization (a constant), apart from any other value that is not /16.
+    assert _key(lau, p=base, i=1, c=4) != _key(lau, p=base, i=3, c=4)
     # Same specialization: another aligned view, another multiple of 16 that is not 1.
     assert _key(lau, p=base[4:], i=48, c=4) == ref
+    assert _key(lau, p=base, i=5, c=4) == _key(lau, p=base, i=7, c=4)
 
 
 def test_key_follows_do_not_specialize():
