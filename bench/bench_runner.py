@@ -5,10 +5,11 @@ the eager builds, at B ∈ {1, 8, 64, 256}.
 
 Per (config, stage, B) and mode:
 
-* ``eager``: the stage's build called directly on the raw inputs (what an engine without graphs
-  runs); host µs is the fixture's timing of that call.
-* ``replay``: :meth:`GraphRunner.run` — host checks, one copy-pad launch per static input, one
-  graph replay; host µs is the fixture's timing of ``run``.
+* ``eager``: the stage called directly on the raw inputs with ``launch=True`` (what an engine
+  without graphs runs, host mirrors included); host µs is the fixture's timing of that call.
+* ``replay``: :meth:`GraphRunner.run` of a typed runner — host checks, the builders' describing
+  call for ``B`` (host mirrors), one copy-pad launch per static input, one graph replay; host
+  µs is the fixture's timing of ``run``.
 
 Both record ``device_us``, the device time of the stage's kernels (graph replay of the eager
 build, ``bench.harness.graph_us``), and ``latency_us``, CUDA events from before the call to the
@@ -26,6 +27,7 @@ import torch
 from bench.harness import graph_us, record
 from examples.draft_loop import Metadata, build_runners
 from specmeta import SpecConfig
+from specmeta.runners import StageBatch
 from specmeta.workloads import make_batch, random_tree_mask
 
 BUCKETS = (1, 8, 64, 256)
@@ -99,26 +101,25 @@ def bench_runner(benchmark, k, s, n, ps, stage, B, mode):
     raw, host = st.inputs(stage, B)
     runner = st.runners[stage]
     build = getattr(st.eager, stage)
-    build_host = getattr(st.eager, f"{stage}_host", None)
 
     def eager():
-        # What an engine without graphs runs: the build, and the host mirrors for plan().
-        build(raw)
-        if build_host is not None:
-            build_host(host)
+        # What an engine without graphs runs: the stage's launches and the host mirrors.
+        return build(StageBatch(raw, host or {}, True))
 
     def replay():
-        runner.run(B, raw, host_inputs=host, copy=False)
+        return runner.run(B, raw, host_inputs=host, copy=False).results
 
-    # Correctness first: the replay's outputs equal the eager build's (list buffers are
-    # compared through their offsets in the tests).
-    eager()
-    res = runner.run(B, raw, host_inputs=host, copy=True)
-    for name, (key, per, extra, dim) in Metadata.outputs(stage, st.cfg).items():
-        if per is None:
-            continue
-        want = st.eager.bufs[key].narrow(dim, 0, B * per + extra)
-        assert torch.equal(res.outputs[name], want), name
+    # Correctness first: the replay's per-request results equal the eager stage's (list
+    # buffers are compared through their offsets in the tests).
+    want, got = eager(), replay()
+    names = {"draft": ("out_cache_loc", "positions"), "accept": ("tgt", "src")}.get(stage, ())
+    for name in names:
+        assert torch.equal(got[name], want[name]), name
+    if stage != "accept":
+        g = got["fa3"][0] if stage == "draft" else got["fa3"]
+        w = want["fa3"][0] if stage == "draft" else want["fa3"]
+        assert torch.equal(g.normal.page_table, w.normal.page_table)
+        assert torch.equal(g.normal.cache_seqlens, w.normal.cache_seqlens)
     assert int(st.meta.status) == 0 and int(st.eager.status) == 0
 
     fn = eager if mode == "eager" else replay

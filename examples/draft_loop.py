@@ -23,9 +23,11 @@ The "model" is a table: the KV of token ``x`` at position ``p`` in layer ``l`` i
 ``emb[l, x] + pos[l, p]``, so a test can rebuild every request's logical KV sequence and compare
 attention over the metadata with dense attention over that sequence.
 
-Another backend (TRT-LLM MLA) slots in the same way: a builder in :class:`Metadata`, its
-buffers in :meth:`Metadata.outputs`, its results under a consumer name in
-``Metadata.results``.
+Each stage is one function of a :class:`~specmeta.runners.StageBatch` that returns what the
+consumers read, for the batch it is given; the same function runs eagerly and as a typed
+runner's build, so the runners return the builders' own results cut to ``B``. Another backend
+(TRT-LLM MLA) slots in the same way: a builder in :class:`Metadata` and its result under a
+consumer name in the stage's return value.
 
 Run it: ``python examples/draft_loop.py [--device cuda] [--seed N]``.
 """
@@ -55,7 +57,7 @@ from specmeta.kernels.draft_cache_locs import (
 )
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
-from specmeta.runners import GraphRunner, padding
+from specmeta.runners import GraphRunner, StageBatch, padding
 from specmeta.workloads import make_batch, random_tree_mask
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
 ]
 
 SEQUENCE = (32, 12, 3, 1, 0, 32)
+_DRAFT_CONSUMERS = ("flashinfer", "flashinfer_cascade", "flashinfer_paged", "fa3")
 """The issue's batch sizes: shrink to an idle rank (0), then a full batch of new requests."""
 
 
@@ -113,73 +116,18 @@ class Model:
 
 
 class Metadata:
-    """Every planned buffer of one iteration and the builds that fill them: the same functions
-    run eagerly and inside the runners' graphs.
+    """Every planned buffer of one iteration and the stages that fill them: the same functions
+    run eagerly and as typed runners' builds (design §4).
 
-    With a ``kv_pool`` the builds also move KV (the layout-B prefix tails, the accepted nodes)
-    inside the same launch sequence, so a graph holds the whole stage and the move's pair count
-    is the bucket's, fixed at capture. Without one (the eager comparison) they only build.
-    ``reference=True`` builds with the pure-torch references of specmeta's ops and of the FA3
-    builder (they may sync): the eager baseline the runner's kernels are compared with. The
-    FlashInfer builder has no reference mode; it runs its kernels in both.
+    Each stage takes a :class:`~specmeta.runners.StageBatch`: it launches when ``batch.launch``
+    and returns, for the batch it was given, what each consumer reads — the builders' own
+    results, and the free launchers' outputs cut to the batch. With a ``kv_pool`` the stages
+    also move KV (the layout-B prefix tails, the accepted nodes) inside the same launch
+    sequence, so a graph holds the whole stage. ``reference=True`` builds with the pure-torch
+    references of specmeta's ops and of the FA3 builder (they may sync): the eager baseline the
+    runners' kernels are compared with. The FlashInfer builder has no reference mode; it runs
+    its kernels in both.
     """
-
-    @staticmethod
-    def outputs(stage: str, cfg: SpecConfig) -> dict[str, tuple[str, int | None, int, int]]:
-        """``name: (planned buffer, per_request, extra, dim)`` of each output of ``stage``; the
-        last three are :meth:`GraphRunner.add_output`'s cut to ``B`` (``None``: whole; a list
-        buffer, read up to its ``*indptr``)."""
-        K, S, N = cfg.topk, cfg.num_steps, cfg.num_draft_tokens
-        pairs = (K - 1) * (cfg.page_size - 1) if cfg.layout_b else 0
-        fi, fi_dd, fi_sh = (
-            "flashinfer.",
-            "flashinfer.draft_decode",
-            "flashinfer.draft_decode_shared",
-        )
-        fi_pg, fi_tv = "flashinfer.draft_decode_paged", "flashinfer.target_verify"
-        if stage == "draft":
-            out = {
-                "out_cache_loc": ("draft.out_cache_loc", K * S, 0, 0),
-                "positions": ("draft.positions", K, 0, 0),
-                "prefix_tail_tgt": ("draft.prefix_tail_tgt", pairs, 0, 0),
-                "prefix_tail_src": ("draft.prefix_tail_src", pairs, 0, 0),
-                fi + "kv_indptr": (fi_dd + ".kv_indptr", K, 1, 1),
-                fi + "kv_indices": (fi_dd + ".kv_indices", None, 0, 0),
-                fi + "shared.prefix_kv_indptr": (fi_sh + ".prefix_kv_indptr", 1, 1, 0),
-                fi + "shared.prefix_kv_indices": (fi_sh + ".prefix_kv_indices", None, 0, 0),
-                fi + "shared.chain_kv_indptr": (fi_sh + ".chain_kv_indptr", K, 1, 1),
-                fi + "shared.chain_kv_indices": (fi_sh + ".chain_kv_indices", None, 0, 0),
-                fi + "paged.kv_indptr": (fi_pg + ".kv_indptr", K, 1, 1),
-                fi + "paged.kv_indices": (fi_pg + ".kv_indices", None, 0, 0),
-                fi + "paged.kv_last_page_len": (fi_pg + ".kv_last_page_len", K, 0, 1),
-                "fa3.page_table": ("fa3.draft_decode.page_table", 1, 0, 0),
-                "fa3.cache_seqlens": ("fa3.draft_decode.cache_seqlens", 1, 0, 1),
-                "fa3.cu_seqlens_k": ("fa3.draft_decode.cu_seqlens_k", 1, 1, 1),
-            }
-            if K > 1:
-                for f, extra in (("page_table", 0), ("cache_seqlens", 0), ("cu_seqlens_k", 1)):
-                    out[f"fa3.expand_{f}"] = (f"fa3.draft_decode.expand_{f}", K, extra, 1)
-            return out
-        if stage == "verify":
-            out = {
-                fi + "kv_indptr": (fi_tv + ".kv_indptr", 1, 1, 0),
-                fi + "kv_indices": (fi_tv + ".kv_indices", None, 0, 0),
-                fi + "mask_indptr": (fi_tv + ".mask_indptr", 1, 1, 0),
-                fi + "custom_mask": (fi_tv + ".custom_mask", None, 0, 0),
-                "fa3.page_table": ("fa3.target_verify.page_table", 1, 0, 0),
-                "fa3.cache_seqlens": ("fa3.target_verify.cache_seqlens", 1, 0, 0),
-                "fa3.cu_seqlens_k": ("fa3.target_verify.cu_seqlens_k", 1, 1, 0),
-            }
-            if K > 1:
-                for f, extra in (("page_table", 0), ("cache_seqlens", 0), ("cu_seqlens_k", 1)):
-                    out[f"fa3.expand_{f}"] = (f"fa3.target_verify.expand_{f}", N, extra, 0)
-            return out
-        if stage == "accept":
-            return {
-                "tgt": ("verify.tgt_cache_loc", S + 1, 0, 0),
-                "src": ("verify.src_cache_loc", S + 1, 0, 0),
-            }
-        raise ValueError(f"unknown stage {stage!r}")
 
     def __init__(self, cfg: SpecConfig, device, req_to_token: torch.Tensor,
                  kv_pool: KVPool | None = None, reference: bool = False):  # fmt: skip
@@ -201,108 +149,78 @@ class Metadata:
         }
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
-        # The builders' result objects per padded batch size (a graph built them at capture):
-        # stage -> Bp -> {consumer name: per-step metadata (draft) or metadata (verify)}.
-        self.results: dict[str, dict[int, dict]] = {"draft": {}, "verify": {}}
-
-    def _outputs(self, stage: str) -> dict[str, torch.Tensor]:
-        return {name: self.bufs[key] for name, (key, *_) in self.outputs(stage, self.cfg).items()}
 
     @property
     def status(self) -> torch.Tensor:
         return self.bufs["status"]
 
-    def _static(self, bp: int, *names: str) -> list[torch.Tensor]:
-        """The runner's static inputs of a ``Bp`` batch (for the host mirrors' shapes)."""
-        return [self.bufs[f"runner.{n}"][:bp] for n in names]
-
-    def draft(self, inp) -> dict[str, torch.Tensor]:
-        """Draft-decode metadata of every step from ``req_pool_indices`` and ``seq_lens``."""
+    def draft(self, batch: StageBatch) -> dict:
+        """Draft slots, prefix-tail copies and every backend's draft-decode metadata."""
         c, b = self.cfg, self.bufs
-        rpi, seq_lens = inp["req_pool_indices"], inp["seq_lens"]
+        rpi, seq_lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+        B, K, S = rpi.shape[0], c.topk, c.num_steps
+        pairs = (K - 1) * (c.page_size - 1) if c.layout_b else 0
         args = (rpi, self.req_to_token, seq_lens)
         st = dict(status=b["status"])
-        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, **st)
-        self._assign(*args, out_cache_loc=b["draft.out_cache_loc"],
-                     positions=b["draft.positions"], **kw)  # fmt: skip
-        tgt, src = self._tail_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
-                                    src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
-        if self.kv_pool is not None and c.layout_b:
-            # Each prefix tail into branches 1 … K−1, before any page-granular reader (the FA3
-            # expand pass, FlashInfer's per-branch pages); unused pairs are (0, 0) self-moves of
-            # the sink. Targets sit past L, sources before it: disjoint.
-            n = self.outputs("draft", c)["prefix_tail_tgt"][1] * seq_lens.shape[0]
-            move_kv_cache(self.kv_pool, tgt[:n], src[:n], disjoint=True, **st)
+        if batch.launch:
+            kw = dict(topk=K, num_steps=S, page_size=c.page_size, **st)
+            self._assign(*args, out_cache_loc=b["draft.out_cache_loc"],
+                         positions=b["draft.positions"], **kw)  # fmt: skip
+            tgt, src = self._tail_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
+                                        src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
+            if self.kv_pool is not None and c.layout_b:
+                # Each prefix tail into branches 1 … K−1, before any page-granular reader (the
+                # FA3 expand pass, FlashInfer's per-branch pages); unused pairs are (0, 0)
+                # self-moves of the sink. Targets sit past L, sources before it: disjoint.
+                n = pairs * B
+                move_kv_cache(self.kv_pool, tgt[:n], src[:n], disjoint=True, **st)
+        slots = b["draft.out_cache_loc"][: B * K * S]
         # Every step row is built (the engine reads S − 1 of them), as in the plan.
-        rows = dict(num_rows=c.num_steps, **st)
-        self.results["draft"][seq_lens.shape[0]] = {
+        rows = dict(num_rows=S, seq_lens_cpu=batch.host.get("seq_lens"), launch=batch.launch,
+                    **st)  # fmt: skip
+        return {
+            "out_cache_loc": slots,
+            "positions": b["draft.positions"][: B * K],
+            "prefix_tail_tgt": b["draft.prefix_tail_tgt"][: B * pairs],
+            "prefix_tail_src": b["draft.prefix_tail_src"][: B * pairs],
             "flashinfer": self.fi.draft_decode(*args, **rows).steps,
             "flashinfer_cascade": self.fi.draft_decode_shared_prefix(*args, **rows).steps,
             "flashinfer_paged": self.fi.draft_decode_paged(*args, **rows).steps,
-            "fa3": self.fa3.draft_decode(*args, b["draft.out_cache_loc"], **rows),
+            "fa3": self.fa3.draft_decode(*args, slots, **rows),
         }
-        return self._outputs("draft")
 
-    def draft_host(self, mirrors) -> dict[str, object]:
-        """Host side of a draft run, on the padded CPU mirror: the capacity check before any
-        launch, ``seq_lens_sum`` and FlashInfer's ``plan()`` mirrors of the padded batch."""
-        c, lens = self.cfg, mirrors["seq_lens"]
-        total, bp = int(lens.sum()), lens.shape[0]
-        need = specmeta.config.draft_decode_kv_indices_need(total, bp, c.topk, c.num_steps)
-        have = self.bufs["flashinfer.draft_decode.kv_indices"].shape[1]
-        if need > have:
-            raise ValueError(f"flashinfer.draft_decode.kv_indices is too small: need {need}, "
-                             f"have {have}")  # fmt: skip
-        args = (*self._static(bp, "req_pool_indices"), self.req_to_token,
-                *self._static(bp, "seq_lens"))  # fmt: skip
-        kw = dict(seq_lens_cpu=lens, num_rows=c.num_steps, launch=False)
-        plan = {
-            "draft_decode": self.fi.draft_decode(*args, **kw),
-            "draft_decode_shared": self.fi.draft_decode_shared_prefix(*args, **kw),
-            "draft_decode_paged": self.fi.draft_decode_paged(*args, **kw),
-        }
-        return {"seq_lens_sum": total, "plan": plan}
-
-    def verify(self, inp) -> dict[str, torch.Tensor]:
+    def verify(self, batch: StageBatch) -> dict:
         """Target-verify metadata over each request's ``N``-token window."""
-        rpi, seq_lens, mask = inp["req_pool_indices"], inp["seq_lens"], inp["tree_mask"]
-        args, st = (rpi, self.req_to_token, seq_lens), dict(status=self.bufs["status"])
-        self.results["verify"][seq_lens.shape[0]] = {
-            "flashinfer": self.fi.target_verify(*args, mask, **st),
-            "fa3": self.fa3.target_verify(*args, mask, **st),
-        }
-        return self._outputs("verify")
+        inp = batch.inputs
+        args = (inp["req_pool_indices"], self.req_to_token, inp["seq_lens"], inp["tree_mask"])
+        kw = dict(seq_lens_cpu=batch.host.get("seq_lens"), launch=batch.launch,
+                  status=self.bufs["status"])  # fmt: skip
+        return {"flashinfer": self.fi.target_verify(*args, **kw),
+                "fa3": self.fa3.target_verify(*args, **kw)}  # fmt: skip
 
-    def verify_host(self, mirrors) -> dict[str, object]:
-        """FlashInfer's ``plan()`` mirrors of the padded verify batch, and ``seq_lens_sum``."""
-        lens = mirrors["seq_lens"]
-        bp = lens.shape[0]
-        rpi, seq_lens, mask = self._static(bp, "req_pool_indices", "seq_lens", "tree_mask")
-        plan = self.fi.target_verify(rpi, self.req_to_token, seq_lens, mask, seq_lens_cpu=lens,
-                                     launch=False)  # fmt: skip
-        return {"seq_lens_sum": int(lens.sum()), "plan": {"target_verify": plan}}
-
-    def accept(self, inp) -> dict[str, torch.Tensor]:
-        """Move pairs of the accepted nodes (design §2.4)."""
-        b = self.bufs
-        tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
-                                inp["verify_out_cache_loc"],
-                                num_draft_tokens=self.cfg.num_draft_tokens,
-                                tgt=b["verify.tgt_cache_loc"], src=b["verify.src_cache_loc"],
-                                status=b["status"])  # fmt: skip
-        if self.kv_pool is not None:
-            # The accepted KV to the front of each verify window (pairs may chain: the move
-            # reads every source before it writes a target).
-            move_kv_cache(self.kv_pool, tgt, src, status=b["status"])
-        return self._outputs("accept")
+    def accept(self, batch: StageBatch) -> dict:
+        """Move pairs of the accepted nodes (design §2.4) and, with a pool, their move."""
+        b, inp = self.bufs, batch.inputs
+        n = inp["accept_lens"].shape[0] * (self.cfg.num_steps + 1)
+        if batch.launch:
+            tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
+                                    inp["verify_out_cache_loc"],
+                                    num_draft_tokens=self.cfg.num_draft_tokens,
+                                    tgt=b["verify.tgt_cache_loc"], src=b["verify.src_cache_loc"],
+                                    status=b["status"])  # fmt: skip
+            if self.kv_pool is not None:
+                # The accepted KV to the front of each verify window (pairs may chain: the move
+                # reads every source before it writes a target).
+                move_kv_cache(self.kv_pool, tgt, src, status=b["status"])
+        return {"tgt": b["verify.tgt_cache_loc"][:n], "src": b["verify.src_cache_loc"][:n]}
 
 
 def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[str, GraphRunner]:
-    """The three runners of an iteration over ``meta``'s builds and planned buffers, captured.
+    """The three typed runners of an iteration over ``meta``'s stages, captured.
 
     Every static input is registered with its design §4 pad and a probe of its range (run when
-    :mod:`specmeta.probes` are enabled); ``seq_lens`` keeps a CPU mirror for the host scalars
-    and FlashInfer's ``plan()`` mirrors of the padded batch.
+    :mod:`specmeta.probes` are enabled); ``seq_lens`` keeps a CPU mirror for the builders' host
+    checks and FlashInfer's ``plan()`` mirrors. Each run returns its stage's results for ``B``.
     """
     c, b = meta.cfg, meta.bufs
     rows = meta.req_to_token.shape[0]
@@ -310,11 +228,8 @@ def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[st
     rows_probe = functools.partial(probes.detect_oob, lo=1, hi=rows)  # row 0 is reserved
     lens_probe = functools.partial(probes.detect_oob, lo=0, hi=c.max_context_len + 1)
     runners = {
-        "draft": GraphRunner(meta.draft, batch_sizes=buckets, device=device, host=meta.draft_host),
-        "verify": GraphRunner(
-            meta.verify, batch_sizes=buckets, device=device, host=meta.verify_host
-        ),  # fmt: skip
-        "accept": GraphRunner(meta.accept, batch_sizes=buckets, device=device),
+        stage: GraphRunner(getattr(meta, stage), batch_sizes=buckets, device=device, typed=True)
+        for stage in ("draft", "verify", "accept")
     }
     for stage in ("draft", "verify"):
         r = runners[stage]
@@ -332,9 +247,11 @@ def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[st
     accept.add_input("verify_out_cache_loc", b["runner.verify_out_cache_loc"],
                      pad=padding.SINK_SLOT, per_request=c.num_draft_tokens,
                      probe=functools.partial(probes.detect_oob, lo=0, hi=pool_size))  # fmt: skip
-    for stage, r in runners.items():
-        for name, (_, per, extra, dim) in Metadata.outputs(stage, c).items():
-            r.add_output(name, per_request=per, extra=extra, dim=dim)
+    for r in runners.values():
+        r.add_guard("req_to_token", meta.req_to_token)
+        if meta.kv_pool is not None:
+            for i, buf in enumerate(meta.kv_pool.buffers):
+                r.add_guard(f"KV buffer {i}", buf)
         r.capture()
     return runners
 
@@ -357,13 +274,11 @@ class DraftResult:
     seq_lens: list[int]  # L_b at draft time (the committed prefix the branches attend to)
     out_cache_loc: torch.Tensor  # [B, K, S]
     tokens: torch.Tensor  # [B, K, S] chosen draft tokens
-    padded_batch_size: int  # Bp: the consumers attend for the whole padded batch
-    queries: list[torch.Tensor]  # per forward step s < S-1: [Bp*K, H, D]
-    attention: dict[str, list[torch.Tensor]]  # per consumer, per forward step: [Bp*K, H, D]
-    metadata: dict[str, tuple]  # per consumer, per step: what it read (the padded build)
-    host: dict[str, object]  # the runner's host values (seq_lens_sum of the padded batch)
-    eager: dict[str, torch.Tensor]  # the eager build's outputs (whole buffers)
-    runner: dict[str, torch.Tensor]  # the runner's outputs, cut to B
+    padded_batch_size: int  # Bp: the bucket the runner replayed
+    queries: list[torch.Tensor]  # per forward step s < S-1: [B*K, H, D]
+    attention: dict[str, list[torch.Tensor]]  # per consumer, per forward step: [B*K, H, D]
+    eager: dict[str, object]  # the eager stage's results on the raw batch
+    runner: dict[str, object]  # the runner's results for B (what the consumers read)
 
 
 @dataclasses.dataclass
@@ -374,12 +289,10 @@ class VerifyResult:
     window: torch.Tensor  # [B*N] verify-window slots
     depth: torch.Tensor  # [B, N]
     padded_batch_size: int
-    queries: torch.Tensor  # [Bp*N, H, D], one row per tree node
-    attention: dict[str, torch.Tensor]  # per consumer: [Bp*N, H, D]
-    metadata: dict[str, object]  # per consumer: what it read (the padded build)
-    host: dict[str, object]
-    eager: dict[str, torch.Tensor]
-    runner: dict[str, torch.Tensor]
+    queries: torch.Tensor  # [B*N, H, D], one row per tree node
+    attention: dict[str, torch.Tensor]  # per consumer: [B*N, H, D]
+    eager: dict[str, object]
+    runner: dict[str, object]
 
 
 @dataclasses.dataclass
@@ -388,7 +301,7 @@ class AcceptResult:
     accept_lens: torch.Tensor  # [B]
     paths: list[list[int]]
     eager: dict[str, torch.Tensor]
-    runner: dict[str, torch.Tensor]
+    runner: dict[str, torch.Tensor]  # move pairs, cut to B·(S + 1)
 
 
 class DraftLoop:
@@ -468,7 +381,7 @@ class DraftLoop:
         if self.poison is not None:
             self.poison(name, runner, self.meta, B, runner.bucket(B))
         res = runner.run(B, inputs, host_inputs=host_inputs, copy=False)
-        eager = getattr(self.eager, name)(inputs)
+        eager = getattr(self.eager, name)(StageBatch(inputs, host_inputs or {}, True))
         return res, eager
 
     def _attend(self, stage: str, q, metas: dict) -> dict[str, torch.Tensor]:
@@ -497,8 +410,7 @@ class DraftLoop:
         rpi, seq_lens = self._batch_inputs(reqs)
         inputs = {"req_pool_indices": rpi.to(dev), "seq_lens": seq_lens.to(dev)}
         res, eager = self._run("draft", B, inputs, {"seq_lens": seq_lens})
-        out, bp = res.outputs, res.padded_batch_size
-        metadata = self.meta.results["draft"][bp]
+        out, bp = res.results, res.padded_batch_size
         slots = out["out_cache_loc"].view(B, K, S)
         first_pos = out["positions"].view(B, K)
         # Selection: top-K of the root, then top-K of the K² children of the K branches.
@@ -514,9 +426,9 @@ class DraftLoop:
             if j == S - 1:
                 break
             # The forward of step j: every branch attends to its prefix and chain 0 … j.
-            q = self._queries(bp * K)
+            q = self._queries(B * K)
             queries.append(q)
-            step = {name: m[j] for name, m in metadata.items()}
+            step = {name: out[name][j] for name in _DRAFT_CONSUMERS}
             for name, o in self._attend("draft", q, step).items():
                 attention.setdefault(name, []).append(o)
             child = torch.softmax(torch.randn(B, K, V, generator=g), -1).to(dev)
@@ -525,8 +437,7 @@ class DraftLoop:
             cand = (score.unsqueeze(-1) * p).view(B, K * K)
             score, pick = cand.topk(K, dim=-1)
             tok = t.view(B, K * K).gather(1, pick)
-        return DraftResult(seq_lens.tolist(), slots, tokens, bp, queries, attention, metadata,
-                           res.host, eager, out)  # fmt: skip
+        return DraftResult(seq_lens.tolist(), slots, tokens, bp, queries, attention, eager, out)
 
     def verify(self, reqs: list[Request]) -> VerifyResult:
         c, dev = self.cfg, self.device
@@ -541,12 +452,10 @@ class DraftLoop:
         self.model.write(window, tokens, lengths.view(-1, 1) + depth)
         inputs = {"req_pool_indices": rows, "seq_lens": lengths, "tree_mask": mask}
         res, eager = self._run("verify", B, inputs, {"seq_lens": seq_lens})
-        bp = res.padded_batch_size
-        metadata = self.meta.results["verify"][bp]
-        q = self._queries(bp * N)  # one row per tree node
-        attention = self._attend("verify", q, metadata)
-        return VerifyResult(seq_lens.tolist(), mask, tokens, window, depth, bp, q, attention,
-                            metadata, res.host, eager, res.outputs)  # fmt: skip
+        q = self._queries(B * N)  # one row per tree node
+        attention = self._attend("verify", q, res.results)
+        return VerifyResult(seq_lens.tolist(), mask, tokens, window, depth,
+                            res.padded_batch_size, q, attention, eager, res.results)  # fmt: skip
 
     def accept(self, reqs: list[Request], ver: VerifyResult) -> AcceptResult:
         c, dev = self.cfg, self.device
@@ -578,7 +487,7 @@ class DraftLoop:
             kv = self.model.kv(ver.tokens[i, node], r.length + depth[i, path].to(dev))
             r.keys = [torch.cat([k0, k]) for k0, (k, _) in zip(r.keys, kv, strict=True)]
             r.values = [torch.cat([v0, v]) for v0, (_, v) in zip(r.values, kv, strict=True)]
-        return AcceptResult(index, lens, paths, eager, res.outputs)
+        return AcceptResult(index, lens, paths, eager, res.results)
 
 
 def next_requests(loop: DraftLoop, reqs: list[Request], B: int) -> list[Request]:
