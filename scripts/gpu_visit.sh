@@ -2,7 +2,7 @@
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
 # Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
-#                             [bench=<pytest -k expr>] ...
+#                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
 # `kernels` installs the real attention kernels staged by scripts/gpu_kernels.sh (or finds them
 # installed) and puts them on PYTHONPATH for the stages after it; once it has, a skipped
 # real-kernel test fails the visit. Full logs go under $OUT (or ./.device-out); a short table is
@@ -83,6 +83,18 @@ PY
       rc=$?
       tail -n 15 "$OUT/sanitize.log"
       summary+=("compute-sanitizer memcheck: rc=$rc; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -n 1) $(grep -E 'passed|failed' "$OUT/sanitize.log" | tail -n 1)")
+      ;;
+    bench-before=*)
+      # The same benchmarks on the package of another commit, unpacked into .before/ (carried):
+      # before/after figures from one run on one machine.
+      sel=${stage#bench-before=}
+      name=$(echo "$sel" | tr -c 'A-Za-z0-9_' '_' | cut -c1-40)
+      (cd .before && PYTHONPATH=$PWD timeout 540 python3 -m pytest -q bench/ -k "$sel" \
+        --benchmark-json="$OUT/before_$name.json" --benchmark-columns=median \
+        --benchmark-sort=name 2>&1 | tail -n 5 > "$OUT/before_$name.log")
+      python3 -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); [b['stats'].pop('data', None) for b in d['benchmarks']]; json.dump(d, open(p, 'w'))" "$OUT/before_$name.json" 2>/dev/null
+      cat "$OUT/before_$name.log"
+      summary+=("bench (before) $sel: $(tail -n 1 "$OUT/before_$name.log")")
       ;;
     bench=*)
       sel=${stage#bench=}
