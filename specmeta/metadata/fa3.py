@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .. import validate
 from ..config import SpecConfig
 from ..kernels.draft_decode_page_tables import (
     draft_decode_page_tables,
@@ -206,10 +207,18 @@ class FA3MetadataBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference)
         self.buffers = self.allocate_planned()
-        self._prefix = prefix_page_table_ref if reference else prefix_page_table
-        self._draft_tables = draft_decode_page_tables_ref if reference else draft_decode_page_tables
+        # The builder checks every input before launching (inputs.py), so its launchers skip
+        # their own second pass over the same tensors (validate.trusting).
+        self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
+        self._draft_tables = (
+            draft_decode_page_tables_ref
+            if reference
+            else validate.trusting(draft_decode_page_tables)
+        )
         self._verify_expand = (
-            verify_expand_page_table_ref if reference else verify_expand_page_table
+            verify_expand_page_table_ref
+            if reference
+            else validate.trusting(verify_expand_page_table)
         )
         k, n, bs = cfg.topk, cfg.num_draft_tokens, cfg.max_bs
         self._q: dict[str, UniformQueryLayout] = {}

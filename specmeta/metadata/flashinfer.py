@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref, branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import (
@@ -285,7 +286,13 @@ class FlashInferBuilder(MetadataBuilder):
             for group, fields in mirrors.items()
             if group in groups
         }
-        pick = (lambda kernel, ref: ref) if reference else (lambda kernel, ref: kernel)
+        # The builder checks every input before launching (inputs.py), so its launchers skip
+        # their own second pass over the same tensors (validate.trusting).
+        pick = (
+            (lambda kernel, ref: ref)
+            if reference
+            else (lambda kernel, ref: validate.trusting(kernel))
+        )
         self._draft_kv = pick(draft_decode_kv_indices, draft_decode_kv_indices_ref)
         self._shared_kv = pick(shared_prefix_kv_indices, shared_prefix_kv_indices_ref)
         self._branch_kv = pick(branch_kv_indices, branch_kv_indices_ref)

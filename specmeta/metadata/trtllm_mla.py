@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_page_table import branch_page_table, branch_page_table_ref
 from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
@@ -123,8 +124,10 @@ class TrtllmMlaBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference)
         self.buffers = self.allocate_planned(fill=_UNUSED_BLOCK)
-        self._branch = branch_page_table_ref if reference else branch_page_table
-        self._prefix = prefix_page_table_ref if reference else prefix_page_table
+        # The builder checks every input before launching, so its launchers skip their own
+        # second pass over the same tensors (validate.trusting).
+        self._branch = branch_page_table_ref if reference else validate.trusting(branch_page_table)
+        self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
         n, bs = cfg.num_draft_tokens, cfg.max_bs
         self._layouts = {
             mode: UniformQueryLayout.create(
