@@ -14,13 +14,10 @@ from specmeta.kernels.branch_kv_indices import branch_kv_indices, branch_kv_indi
 from specmeta.kernels.branch_page_table import branch_page_table_ref
 from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indices_ref
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 CONFIGS = [(1, 3, 4), (4, 3, 1), (2, 4, 4), (3, 5, 16), (8, 2, 2)]  # (K, S, ps)
-
-
-def _row_width(k, s, ps, prefix=40):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
 def _run(batch, device, *, rows=None, width=None, with_sum=True):
@@ -76,7 +73,7 @@ def _check_against_spec(batch, out, rows):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps),
                        generator=gen, device=device)  # fmt: skip
     out, status = _run(batch, device)
     assert int(status) == 0
@@ -86,7 +83,7 @@ def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
 @pytest.mark.parametrize("k", [1, 4])
 def test_page_size_one_equals_the_per_branch_token_lists(device, gen, k):
     batch = make_batch("random", batch_size=5, topk=k, num_steps=3, page_size=1,
-                       row_width=_row_width(k, 3, 1), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(k, 3, 1), generator=gen, device=device)  # fmt: skip
     out, _ = _run(batch, device)
     idx, ptr = draft_decode_kv_indices_ref(batch.req_pool_indices, batch.req_to_token,
                                            batch.seq_lens, topk=k, num_steps=3)  # fmt: skip
@@ -109,7 +106,7 @@ def test_page_size_one_equals_the_per_branch_token_lists(device, gen, k):
 )
 def test_property(device, b, k, s, ps, shape, seed, rows_short):
     batch = make_batch(shape, batch_size=b, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix=2 * ps + 8),
+                       row_width=row_width(k, s, ps, prefix=2 * ps + 8),
                        generator=torch.Generator().manual_seed(seed), device=device)  # fmt: skip
     rows = max(s - rows_short, 0)
     out, status = _run(batch, device, rows=rows)
@@ -126,7 +123,7 @@ def test_empty_batch_writes_entry_zero(device, gen):
 
 def test_too_small_buffer_without_host_total_is_masked(device, gen):
     batch = make_batch("max", batch_size=3, topk=4, num_steps=3, page_size=4,
-                       row_width=_row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
     need = branch_kv_indices_need(batch.seq_lens_sum, 3, 4, 3, 4)
     _, status = _run(batch, device, width=need // 2, with_sum=False)
     assert int(status) == int(Status.OUT_OF_CAPACITY)
@@ -134,7 +131,7 @@ def test_too_small_buffer_without_host_total_is_masked(device, gen):
 
 def test_out_of_range_inputs_are_masked(device, gen):
     batch = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=16,
-                       row_width=_row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
     R, W = batch.req_to_token.shape
     batch.req_pool_indices[0] = R
     batch.seq_lens[2] = W - 2  # the branch regions run past the row
@@ -168,7 +165,7 @@ def test_bad_input_raises_before_launch(device, gen):
 def test_gpu_new_batch_size_compiles_nothing(gen):
     """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
     from specmeta.kernels.branch_kv_indices import _branch_kv_indices_kernel
-    from tests.kernels.test_draft_kernels_gpu import compiled_variants
+    from tests._support import compiled_variants
 
     status = new_status("cuda")
     counts = []

@@ -12,13 +12,10 @@ from specmeta import Status, new_status
 from specmeta.kernels.branch_page_table import branch_page_table, branch_page_table_ref
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 CONFIGS = [(1, 3, 1), (1, 3, 4), (4, 3, 1), (2, 4, 4), (3, 5, 16), (8, 2, 2)]  # (K, S, ps)
-
-
-def _row_width(k, s, ps, prefix=40):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
 def _run(batch, device, *, width=None, fill=-1, rows=None, with_max=True):
@@ -90,7 +87,7 @@ def _check_against_spec(batch, pt, sl, fill):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps),
                        generator=gen, device=device)  # fmt: skip
     pt, sl, status = _run(batch, device)
     assert int(status) == 0
@@ -109,7 +106,7 @@ def test_spec_example(device):
 def test_k1_rows_equal_the_requests_own_pages(device, gen):
     """With one branch the row is the request's page row over L + S tokens."""
     batch = make_batch("random", batch_size=6, topk=1, num_steps=4, page_size=4,
-                       row_width=_row_width(1, 4, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(1, 4, 4), generator=gen, device=device)  # fmt: skip
     pt, _, _ = _run(batch, device, fill=0)
     r2t = batch.req_to_token.cpu()
     for b in range(6):
@@ -131,7 +128,7 @@ def test_k1_rows_equal_the_requests_own_pages(device, gen):
 )
 def test_property(device, b, k, s, ps, shape, seed, fill):
     batch = make_batch(shape, batch_size=b, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix=2 * ps + 8),
+                       row_width=row_width(k, s, ps, prefix=2 * ps + 8),
                        generator=torch.Generator().manual_seed(seed), device=device)  # fmt: skip
     pt, sl, status = _run(batch, device, fill=fill)
     assert int(status) == 0
@@ -147,14 +144,14 @@ def test_empty_batch(device, gen):
 
 def test_narrow_table_without_host_max_is_masked(device, gen):
     batch = make_batch("max", batch_size=3, topk=2, num_steps=3, page_size=4,
-                       row_width=_row_width(2, 3, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 4), generator=gen, device=device)  # fmt: skip
     _, _, status = _run(batch, device, width=3, with_max=False)
     assert int(status) == int(Status.OUT_OF_CAPACITY)
 
 
 def test_out_of_range_inputs_are_masked(device, gen):
     batch = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=16,
-                       row_width=_row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
     R, W = batch.req_to_token.shape
     batch.req_pool_indices[0] = R
     batch.seq_lens[2] = W - 2  # the branch regions run past the row
@@ -191,7 +188,7 @@ def test_bad_input_raises_before_launch(device, gen):
 def test_gpu_new_batch_size_compiles_nothing(gen):
     """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
     from specmeta.kernels.branch_page_table import _branch_page_table_kernel
-    from tests.kernels.test_draft_kernels_gpu import compiled_variants
+    from tests._support import compiled_variants
 
     status = new_status("cuda")
     counts = []

@@ -31,6 +31,7 @@ from specmeta.kernels.cache_loc_move import (
     move_kv_cache_ref,
 )
 from specmeta.workloads import random_accept, random_tree_mask
+from tests._support import compiled_variants
 from tests.guard_bands import Guarded, assert_equal
 
 # (K, S, N): chains, wide trees, deep trees, a window narrower than S + 1.
@@ -600,14 +601,6 @@ def test_kernels_compile_for_the_gpu(tmp_path):
 # --------------------------------------------------------------------------------------------
 # GPU tier
 # --------------------------------------------------------------------------------------------
-def compiled_variants(fn) -> int:
-    """Compiled specialisations of a Triton kernel (Triton 3.x keeps them per device)."""
-    caches = getattr(fn, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(c) for c in fn.cache.values())
-
-
 def _gpu_pools(layers, P, row_shape, dtype, gen):
     """K and V of ``layers`` layers, random bytes drawn on the device from a seed of ``gen``."""
     gc = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,), generator=gen)))

@@ -16,13 +16,10 @@ from specmeta.kernels.draft_cache_locs import (
     prefix_tail_copy_pairs_ref,
 )
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 CONFIGS = [(1, 3, 1), (2, 2, 4), (4, 3, 1), (3, 5, 16), (8, 2, 2), (2, 6, 64)]  # (K, S, ps)
-
-
-def _row_width(k, s, ps, prefix=48):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
 def _run_assign(batch, device):
@@ -69,7 +66,7 @@ def _run_pairs(batch, device):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps, prefix=48),
                        generator=gen, device=device)  # fmt: skip
     out, status = _run_assign(batch, device)
     assert int(status) == 0
@@ -123,7 +120,7 @@ def test_spec_example(device):
 )
 def test_property(device, b, k, s, ps, shape, seed, idx32):
     batch = make_batch(shape, batch_size=b, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix=2 * ps + 8),
+                       row_width=row_width(k, s, ps, prefix=2 * ps + 8),
                        generator=torch.Generator().manual_seed(seed), device=device,
                        index_dtype=torch.int32 if idx32 else torch.int64)  # fmt: skip
     out, _ = _run_assign(batch, device)
@@ -133,7 +130,7 @@ def test_property(device, b, k, s, ps, shape, seed, idx32):
 
 def test_out_of_range_rows_and_positions_are_masked(device, gen):
     batch = make_batch("random", batch_size=6, topk=4, num_steps=3, page_size=4,
-                       row_width=_row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(4, 3, 4, prefix=48), generator=gen, device=device)  # fmt: skip
     R, W = batch.req_to_token.shape
     batch.req_pool_indices[1] = R + 5  # past the table
     batch.req_pool_indices[2] = -1

@@ -17,16 +17,13 @@ from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices_ref,
 )
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 # The package re-exports the launcher under the module's name; fetch the module itself.
 kv_module = importlib.import_module("specmeta.kernels.draft_decode_kv_indices")
 
 CONFIGS = [(1, 3, 1), (2, 2, 4), (4, 3, 1), (3, 5, 16), (8, 2, 2), (2, 6, 64)]  # (K, S, ps)
-
-
-def _row_width(k, s, ps, prefix=40):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
 def _run(batch, device, *, rows=None, width=None, idx_dtype=torch.int32, with_sum=True, spare=7,
@@ -84,7 +81,7 @@ def _check_against_spec(batch, idx, ptr, rows):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps),
                        generator=gen, device=device)  # fmt: skip
     idx, ptr, status = _run(batch, device)
     assert int(status) == 0
@@ -106,7 +103,7 @@ def test_tiles_match_reference(device, gen, monkeypatch, shape, aligned, block, 
     monkeypatch.setattr(kv_module, "_LISTS_PER_PROGRAM", lists)
     for k, s, ps in [(2, 3, 1), (4, 2, 4), (1, 4, 16)]:
         batch = make_batch(shape, topk=k, num_steps=s, page_size=ps,
-                           row_width=_row_width(k, s, ps, prefix=97), generator=gen,
+                           row_width=row_width(k, s, ps, prefix=97), generator=gen,
                            device=device)  # fmt: skip
         for idx_dtype in (torch.int32, torch.int64):
             _, _, status = _run(batch, device, idx_dtype=idx_dtype)
@@ -137,7 +134,7 @@ def test_spec_example(device):
 )
 def test_property(device, b, k, s, ps, shape, seed, rows_short, idx64):
     batch = make_batch(shape, batch_size=b, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix=2 * ps + 8),
+                       row_width=row_width(k, s, ps, prefix=2 * ps + 8),
                        generator=torch.Generator().manual_seed(seed), device=device)  # fmt: skip
     rows = max(s - rows_short, 0)
     idx, ptr, status = _run(
@@ -157,7 +154,7 @@ def test_empty_batch_writes_entry_zero(device, gen):
 
 def test_too_small_buffer_without_host_total_is_masked(device, gen):
     batch = make_batch("max", batch_size=3, topk=4, num_steps=3, page_size=4,
-                       row_width=_row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(4, 3, 4), generator=gen, device=device)  # fmt: skip
     need = draft_decode_kv_indices_need(batch.seq_lens_sum, 3, 4, 3)
     # Guard bands as wide as the whole need: an unmasked store lands in them, not past them.
     _, _, status = _run(batch, device, width=need // 2, with_sum=False, margin=3 * need)
@@ -166,7 +163,7 @@ def test_too_small_buffer_without_host_total_is_masked(device, gen):
 
 def test_out_of_range_inputs_are_masked(device, gen):
     batch = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=16,
-                       row_width=_row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 16), generator=gen, device=device)  # fmt: skip
     R, W = batch.req_to_token.shape
     batch.req_pool_indices[0] = R
     batch.seq_lens[2] = W + 3  # the prefix itself runs past the row

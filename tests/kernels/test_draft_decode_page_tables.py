@@ -19,6 +19,7 @@ from specmeta.kernels.draft_decode_page_tables import (
 from specmeta.kernels.expand_page_table import expand_page_table
 from specmeta.kernels.prefix_page_table import prefix_page_table
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import POISON, Guarded, assert_equal
 from tests.kernels.test_expand_page_table import _check_against_spec as _check_expand
 from tests.kernels.test_prefix_page_table import _check_against_spec as _check_normal
@@ -35,13 +36,9 @@ NAMES = ("page_table", "cache_seqlens", "cu_seqlens_k", "expand_page_table",
          "expand_cache_seqlens", "expand_cu_seqlens_k")  # fmt: skip
 
 
-def _row_width(k, s, ps, prefix=40):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
-
-
 def _draw(shape, gen, device, k, s, ps, batch_size=None, prefix=40):
     batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(k, s, ps, prefix=prefix), generator=gen, device=device)  # fmt: skip
     slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
                                     topk=k, num_steps=s, page_size=ps)  # fmt: skip
     return batch, slots
@@ -120,7 +117,7 @@ def test_vector_gather_uses_only_the_slots_it_covers(device, gen, k, s):
     pass loads whole 16-byte vectors, up to 3 slots past a request's prefix. Those slots (the
     draft region, here overwritten with junk once the draft slots are assigned) are neither
     written nor reported, by the fused kernel as by the standalone op."""
-    width = -(-_row_width(k, s, 1) // ROW_ALIGN) * ROW_ALIGN
+    width = -(-row_width(k, s, 1) // ROW_ALIGN) * ROW_ALIGN
     batch = make_batch("random", batch_size=7, topk=k, num_steps=s, page_size=1,
                        row_width=width, generator=gen, device=device)  # fmt: skip
     slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=s, page_size=1)

@@ -15,17 +15,10 @@ from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices_ref,
 )
 from specmeta.workloads import make_batch
+from tests._support import compiled_variants
 from tests.guard_bands import assert_equal
 
 pytestmark = pytest.mark.gpu
-
-
-def compiled_variants(fn) -> int:
-    """Compiled specialisations of a Triton kernel (Triton 3.x keeps them per device)."""
-    caches = getattr(fn, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(c) for c in fn.cache.values())
 
 
 def _compare_kv(batch, rows, idx, ptr, ref_idx, ref_ptr):

@@ -13,18 +13,15 @@ from specmeta.config import draft_pages_per_branch, uses_layout_b
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.kernels.expand_page_table import expand_page_table, expand_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import POISON, Guarded, assert_equal
 
 CONFIGS = [(1, 3, 1), (2, 2, 4), (4, 3, 1), (3, 5, 16), (8, 2, 2), (2, 6, 64), (1, 4, 4)]
 
 
-def _row_width(k, s, ps, prefix=40):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
-
-
 def _draw(shape, gen, device, k, s, ps, batch_size=None, prefix=40):
     batch = make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
-                       row_width=_row_width(k, s, ps, prefix), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(k, s, ps, prefix=prefix), generator=gen, device=device)  # fmt: skip
     slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
                                     topk=k, num_steps=s, page_size=ps)  # fmt: skip
     return batch, slots

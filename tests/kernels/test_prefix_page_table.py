@@ -14,6 +14,7 @@ from specmeta.config import ROW_ALIGN
 from specmeta.kernels._common import vector_widths as _vectors
 from specmeta.kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 # (K, S, ps, extra_tokens, exclude_last_partial, num_rows, fill_value): the FA3 normal pass
@@ -29,13 +30,9 @@ CASES = [
 ]
 
 
-def _row_width(k, s, ps, extra=0, prefix=40):
-    return -(-(prefix + k * (s + ps) + extra + 2 * ps) // ps) * ps
-
-
 def _draw(shape, gen, device, k, s, ps, extra, batch_size=None, prefix=40):
     return make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
-                      row_width=_row_width(k, s, ps, extra, prefix), generator=gen, device=device,
+                      row_width=row_width(k, s, ps, extra=extra, prefix=prefix), generator=gen, device=device,
                       extra_tokens=extra + s)  # fmt: skip
 
 
@@ -134,7 +131,7 @@ def test_spec_example(device):
 def test_property(device, b, ps, extra, exclude, rows, fill, shape, seed, out64, idx32):
     g = torch.Generator().manual_seed(seed)
     batch = make_batch(shape, batch_size=b, topk=2, num_steps=3, page_size=ps,
-                       row_width=_row_width(2, 3, ps, extra + 3, prefix=2 * ps + 8), generator=g,
+                       row_width=row_width(2, 3, ps, extra=extra + 3, prefix=2 * ps + 8), generator=g,
                        device=device, extra_tokens=extra + 3,
                        index_dtype=torch.int32 if idx32 else torch.int64)  # fmt: skip
     kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
@@ -160,7 +157,7 @@ def test_vector_gather_uses_only_the_slots_it_covers(device, gen, slot64, rows, 
     """Page size 1 with rows of whole 16-position lines (SpecConfig's default width): the gather
     loads whole 16-byte vectors, up to 3 slots past a request's last page. Those slots, here
     negative or a page of another request, are neither written nor reported."""
-    width = -(-_row_width(2, 3, 1, 3) // ROW_ALIGN) * ROW_ALIGN
+    width = -(-row_width(2, 3, 1, extra=3) // ROW_ALIGN) * ROW_ALIGN
     batch = make_batch("random", batch_size=7, topk=2, num_steps=3, page_size=1, row_width=width,
                        generator=gen, device=device, extra_tokens=3)  # fmt: skip
     if slot64:

@@ -12,14 +12,11 @@ from specmeta.config import draft_pages_per_branch
 from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache_ref
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import assert_equal
 from tests.kernels.test_cache_loc_move import GuardedPool
 
 CONFIGS = [(2, 2, 4), (3, 5, 16), (8, 2, 2), (4, 3, 64)]  # (K, S, ps), all layout B
-
-
-def _row_width(k, s, ps, prefix=48):
-    return -(-(prefix + k * (s + ps) + 2 * ps) // ps) * ps
 
 
 def _spec_tail_copy(batch, rows_before):
@@ -66,14 +63,14 @@ def _check_tail_move(batch, device, gen, *, disjoint, addressing="auto"):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_prefix_tail_lands_in_every_branch(device, gen, shape, k, s, ps, disjoint):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps, prefix=48),
                        generator=gen, device=device)  # fmt: skip
     _check_tail_move(batch, device, gen, disjoint=disjoint)
 
 
 def test_prefix_tail_over_the_pointer_table(device, gen):
     batch = make_batch("modm1", batch_size=6, topk=4, num_steps=3, page_size=16,
-                       row_width=_row_width(4, 3, 16), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(4, 3, 16, prefix=48), generator=gen, device=device)  # fmt: skip
     _check_tail_move(batch, device, gen, disjoint=False, addressing="table")
     _check_tail_move(batch, device, gen, disjoint=True, addressing="table")
 
@@ -83,7 +80,7 @@ def test_every_branch_sees_the_tail_after_the_move(device, gen):
     equal the prefix's last partial page, for every branch."""
     K, S, ps = 3, 2, 8
     batch = make_batch("modm1", batch_size=4, topk=K, num_steps=S, page_size=ps,
-                       row_width=_row_width(K, S, ps), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(K, S, ps, prefix=48), generator=gen, device=device)  # fmt: skip
     P = batch.pool_size
     kv = torch.randn(P, 4, generator=gen).to(device)
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)

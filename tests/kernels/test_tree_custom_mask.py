@@ -162,7 +162,7 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
     """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
     from specmeta.kernels.tree_custom_mask import _tree_custom_mask_kernel
     from specmeta.workloads import make_batch
-    from tests.kernels.test_draft_kernels_gpu import compiled_variants
+    from tests._support import compiled_variants
 
     status = new_status("cuda")
     counts = []

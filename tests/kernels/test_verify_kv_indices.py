@@ -11,13 +11,10 @@ from specmeta import Status, new_status
 from specmeta.config import verify_kv_indices_need
 from specmeta.kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import row_width
 from tests.guard_bands import Guarded, assert_equal
 
 CONFIGS = [(1, 3, 1, 4), (4, 3, 1, 8), (2, 4, 4, 6), (3, 5, 16, 12)]  # (K, S, ps, N)
-
-
-def _row_width(k, s, ps, n, prefix=40):
-    return -(-(prefix + k * (s + ps) + n + 2 * ps) // ps) * ps
 
 
 def _run(batch, device, extra, *, width=None, idx_dtype=torch.int32, with_sum=True):
@@ -56,7 +53,7 @@ def _check_against_spec(batch, idx, ptr, extra):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps,n", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, n):
-    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=_row_width(k, s, ps, n),
+    batch = make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width(k, s, ps, extra=n),
                        generator=gen, device=device, extra_tokens=n)  # fmt: skip
     idx, ptr, status = _run(batch, device, n)
     assert int(status) == 0
@@ -84,7 +81,7 @@ def test_spec_example(device):
 )
 def test_property(device, b, n, ps, shape, seed, idx64):
     batch = make_batch(shape, batch_size=b, topk=2, num_steps=2, page_size=ps,
-                       row_width=_row_width(2, 2, ps, n, prefix=2 * ps + 8), extra_tokens=n,
+                       row_width=row_width(2, 2, ps, extra=n, prefix=2 * ps + 8), extra_tokens=n,
                        generator=torch.Generator().manual_seed(seed), device=device)  # fmt: skip
     idx, ptr, status = _run(batch, device, n, idx_dtype=torch.int64 if idx64 else torch.int32)
     assert int(status) == 0
@@ -100,7 +97,7 @@ def test_empty_batch_writes_entry_zero(device, gen):
 
 def test_too_small_buffer_without_host_total_is_masked(device, gen):
     batch = make_batch("max", batch_size=3, topk=2, num_steps=3, page_size=4, extra_tokens=5,
-                       row_width=_row_width(2, 3, 4, 5), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 4, extra=5), generator=gen, device=device)  # fmt: skip
     need = verify_kv_indices_need(batch.seq_lens_sum, 3, 5)
     _, _, status = _run(batch, device, 5, width=need // 2, with_sum=False)
     assert int(status) == int(Status.OUT_OF_CAPACITY)
@@ -108,7 +105,7 @@ def test_too_small_buffer_without_host_total_is_masked(device, gen):
 
 def test_out_of_range_inputs_are_masked(device, gen):
     batch = make_batch("random", batch_size=5, topk=2, num_steps=3, page_size=16, extra_tokens=4,
-                       row_width=_row_width(2, 3, 16, 4), generator=gen, device=device)  # fmt: skip
+                       row_width=row_width(2, 3, 16, extra=4), generator=gen, device=device)  # fmt: skip
     R, W = batch.req_to_token.shape
     batch.req_pool_indices[0] = R
     batch.seq_lens[2] = W - 2  # the verify window runs past the row
@@ -147,7 +144,7 @@ def test_bad_input_raises_before_launch(device, gen):
 def test_gpu_new_batch_size_compiles_nothing(gen):
     """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
     from specmeta.kernels.verify_kv_indices import _verify_kv_indices_kernel
-    from tests.kernels.test_draft_kernels_gpu import compiled_variants
+    from tests._support import compiled_variants
 
     status = new_status("cuda")
     counts = []

@@ -13,6 +13,7 @@ from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
+from tests._support import compiled_variants
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -416,13 +417,6 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
     assert int(status) == 0
 
 
-def _compiled_variants(fn) -> int:
-    caches = getattr(fn, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(c) for c in fn.cache.values())
-
-
 @pytest.mark.gpu
 def test_gpu_new_batch_size_compiles_nothing(gen):
     from specmeta.kernels.draft_decode_page_tables import _draft_decode_page_tables_kernel
@@ -443,6 +437,6 @@ def test_gpu_new_batch_size_compiles_nothing(gen):
         slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=ps)
         _all_passes(fa3, batch, slots, random_tree_mask(B, K, S, n, gen).cuda())
         torch.cuda.synchronize()
-        counts.append(tuple(_compiled_variants(kern) for kern in kernels))
+        counts.append(tuple(compiled_variants(kern) for kern in kernels))
     assert all(c >= 1 for c in counts[0])
     assert counts == [counts[0]] * len(counts), f"recompiled for a new batch size: {counts}"

@@ -17,6 +17,7 @@ from specmeta import SpecConfig, probes
 from specmeta.testing.consumers import flashinfer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
+from tests._support import all_compiled_variants
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16, 32)
@@ -296,26 +297,6 @@ def test_runner_probes_catch_a_request_on_the_reserved_row(device, gen):
 # --------------------------------------------------------------------------------------------
 # GPU tier
 # --------------------------------------------------------------------------------------------
-def _compiled_variants() -> int:
-    """Compiled specialisations of every specmeta Triton kernel."""
-    import sys
-
-    import triton
-
-    total = 0
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("specmeta."):
-            continue
-        for obj in vars(module).values():
-            if isinstance(obj, triton.runtime.JITFunction):
-                caches = getattr(obj, "device_caches", None)
-                if caches is not None:
-                    total += sum(len(entry[0]) for entry in caches.values())
-                else:
-                    total += sum(len(c) for c in obj.cache.values())
-    return total
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,s,n,ps", CONFIGS + [(8, 4, 16, 16)])
 def test_draft_loop_replays_without_sync_or_compilation(gen, k, s, n, ps):
@@ -337,7 +318,7 @@ def test_draft_loop_replays_without_sync_or_compilation(gen, k, s, n, ps):
 
     def after_iteration():
         torch.cuda.synchronize()
-        compiled.append(_compiled_variants())
+        compiled.append(all_compiled_variants())
 
     assert _drive(loop, after_iteration) == list(SEQUENCE)
     # The first iteration warms up the eager twin; after it, nothing compiles.

@@ -17,6 +17,7 @@ from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner
 from specmeta.runners.padding import copy_pad, copy_pad_ref
 from specmeta.workloads import make_batch
+from tests._support import compiled_variants
 from tests.guard_bands import POISON, assert_equal
 
 BUCKETS = (1, 4, 16, 32)
@@ -405,13 +406,6 @@ def test_seq_lens_fill_covers_every_query_width(device):
 # --------------------------------------------------------------------------------------------
 # GPU tier
 # --------------------------------------------------------------------------------------------
-def _compiled_variants(fn) -> int:
-    caches = getattr(fn, "device_caches", None)
-    if caches is not None:
-        return sum(len(entry[0]) for entry in caches.values())
-    return sum(len(c) for c in fn.cache.values())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,s,ps", [(4, 5, 16), (8, 3, 1)])
 def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
@@ -429,7 +423,7 @@ def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
     kernels = (_assign_draft_cache_locs_kernel, _draft_decode_kv_indices_kernel, _copy_pad_kernel)
     batches = [_draw(sh, b, cfg, gen, "cuda", rows) for sh, b in
                (("random", 200), ("long_short", 33), ("modm1", 7), ("one", 1), ("empty", 0))]  # fmt: skip
-    compiled = [_compiled_variants(f) for f in kernels]
+    compiled = [compiled_variants(f) for f in kernels]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -441,4 +435,4 @@ def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert [_compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
+    assert [compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
