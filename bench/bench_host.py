@@ -77,9 +77,11 @@ def _floors_of(kernel) -> dict:
     return host_floors(max(pointers, 1), len(params) - pointers)
 
 
-def _measure(benchmark, fn, *, floors: dict, budget: float, **extra) -> None:
+def _measure(benchmark, fn, *, floors: dict, budget: float, device_fn=None, **extra) -> None:
+    """``device_fn``: the same launches without host mirrors, for the graph-replay timing (a
+    mirror ring waits on events, which a capture cannot)."""
     launches = count_launches(fn)
-    device_us = graph_us(fn)
+    device_us = graph_us(device_fn or fn)
     benchmark.pedantic(fn, rounds=30, iterations=200, warmup_rounds=2)
     host = 1e6 * benchmark.stats.stats.median
     target = launches * floors["floor_run"] + budget
@@ -139,30 +141,69 @@ BUILDS = [
 def bench_host_builder(benchmark, backend, mode, bs, k, ps):
     cfg, batch, tree = _batch(bs, k, ps)
     a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
-    lens = batch.seq_lens_cpu
     if backend == "fa3":
         b = FA3MetadataBuilder(cfg, "cuda", modes=(mode,))
         slots = draft_cache_locs.assign_draft_cache_locs(*a, topk=k, num_steps=S, page_size=ps)
         if mode == "draft_decode":
 
-            def fn():
+            def call(lens):
                 return b.draft_decode(*a, slots, seq_lens_cpu=lens)
         else:
 
-            def fn():
+            def call(lens):
                 return b.target_verify(*a, tree, seq_lens_cpu=lens)
     else:
         b = FlashInferBuilder(cfg, "cuda", modes=(mode,))
         if mode == "target_verify":
 
-            def fn():
+            def call(lens):
                 return b.target_verify(*a, tree, seq_lens_cpu=lens)
         else:
             method = getattr(b, mode)
 
-            def fn():
+            def call(lens):
                 return method(*a, seq_lens_cpu=lens)
 
-    _measure(benchmark, fn, floors=host_floors(), budget=10.0, op=f"{backend}.{mode}", bs=bs,
-             topk=k, page_size=ps)  # fmt: skip
+    def fn():
+        return call(batch.seq_lens_cpu)
+
+    _measure(benchmark, fn, floors=host_floors(), budget=10.0, device_fn=lambda: call(None),
+             op=f"{backend}.{mode}", bs=bs, topk=k, page_size=ps)  # fmt: skip
     assert int(b.status) == 0
+
+
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer"])
+@pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
+def bench_host_draft_iteration(benchmark, backend, bs, k, ps):
+    """A whole eager draft iteration's metadata: draft slots, prefix-tail pairs, their KV move
+    (one layer's K and V), and the backend's draft decode."""
+    from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
+
+    cfg, batch, _ = _batch(bs, k, ps)
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    kw = dict(topk=k, num_steps=S, page_size=ps)
+    status = new_status("cuda")
+    slots = torch.empty(bs * k * S, dtype=torch.int64, device="cuda")
+    pairs = (k - 1) * (ps - 1) * bs
+    tgt = torch.empty(max(pairs, 1), dtype=torch.int64, device="cuda")
+    src = torch.empty_like(tgt)
+    pool = KVPool([torch.zeros(batch.pool_size, 8, 128, dtype=torch.bfloat16, device="cuda")
+                   for _ in "kv"])  # fmt: skip
+    if backend == "fa3":
+        b = FA3MetadataBuilder(cfg, "cuda", modes=("draft_decode",))
+    else:
+        b = FlashInferBuilder(cfg, "cuda", modes=("draft_decode",))
+
+    def iteration(lens):
+        draft_cache_locs.assign_draft_cache_locs(*a, out_cache_loc=slots, status=status, **kw)
+        if pairs:
+            draft_cache_locs.prefix_tail_copy_pairs(*a, tgt=tgt, src=src, status=status, **kw)
+            move_kv_cache(pool, tgt[:pairs], src[:pairs], disjoint=True, status=status)
+        if backend == "fa3":
+            return b.draft_decode(*a, slots, seq_lens_cpu=lens)
+        return b.draft_decode(*a, seq_lens_cpu=lens)
+
+    _measure(benchmark, lambda: iteration(batch.seq_lens_cpu), floors=host_floors(),
+             budget=15.0, device_fn=lambda: iteration(None), op=f"iteration.{backend}", bs=bs,
+             topk=k, page_size=ps)  # fmt: skip
+    assert int(status) == 0 and int(b.status) == 0
