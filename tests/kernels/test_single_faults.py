@@ -54,7 +54,9 @@ NEG_LEN64 = Batch(lens=(5, -(2**40), 3), dtype=torch.int64)
 
 
 def _status(fn, *args, **kw):
-    status = new_status(args[0].device if isinstance(args[0], torch.Tensor) else "cpu")
+    """The status word of one call, on the device of the call's first tensor argument."""
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    status = new_status(first.device)
     fn(*args, status=status, **kw)
     return Status(int(status))
 
