@@ -53,6 +53,15 @@ def count_launches(fn) -> int:
     def hook(*_):
         count[0] += 1
 
+    chain = getattr(runtime, "launch_enter_hook", None)
+    if hasattr(chain, "add"):  # Triton 3.6+: a HookChain
+        chain.add(hook)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            chain.remove(hook)
+        return count[0]
     if runtime is not None:
         old, runtime.launch_enter_hook = runtime.launch_enter_hook, hook
     else:

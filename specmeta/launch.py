@@ -45,13 +45,20 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+def _active(hook) -> bool:
+    """Whether a Triton launch hook would call anything (Triton 3.6 keeps an empty
+    ``HookChain`` installed by default)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
 def _hooks_installed() -> bool:
     """A launch hook (a profiler's) needs Triton's own launch path, which calls it."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    return (
-        getattr(runtime, "launch_enter_hook", None) is not None
-        or getattr(runtime, "launch_exit_hook", None) is not None
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return _active(getattr(runtime, "launch_enter_hook", None)) or _active(
+        getattr(runtime, "launch_exit_hook", None)
     )
 
 

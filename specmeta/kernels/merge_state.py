@@ -68,11 +68,14 @@ def _merge_state_kernel(
     w1 = tl.where(empty, 0.0, w1 / tl.where(empty, 1.0, total))
     w2 = tl.where(empty, 0.0, w2 / tl.where(empty, 1.0, total))
     m = h_ok[:, None] & (d < D)[None, :]
-    o1 = tl.load(o1_ptr + t * s_o1_t + h[:, None] * s_o1_h + d[None, :], mask=m, other=0.0)
-    o2 = tl.load(o2_ptr + t * s_o2_t + h[:, None] * s_o2_h + d[None, :], mask=m, other=0.0)
-    # A pass of weight 0 contributes 0 even where its output is NaN (a kernel's empty pass).
-    part1 = tl.where(w1[:, None] > 0.0, w1[:, None] * o1.to(tl.float32), 0.0)
-    part2 = tl.where(w2[:, None] > 0.0, w2[:, None] * o2.to(tl.float32), 0.0)
+    # A pass of weight 0 (an empty pass, LSE -inf) is not read at all: an attention kernel may
+    # leave its output rows unwritten or NaN, and it contributes 0 either way.
+    m1 = m & (w1 > 0.0)[:, None]
+    m2 = m & (w2 > 0.0)[:, None]
+    o1 = tl.load(o1_ptr + t * s_o1_t + h[:, None] * s_o1_h + d[None, :], mask=m1, other=0.0)
+    o2 = tl.load(o2_ptr + t * s_o2_t + h[:, None] * s_o2_h + d[None, :], mask=m2, other=0.0)
+    part1 = tl.where(m1, w1[:, None] * o1.to(tl.float32), 0.0)
+    part2 = tl.where(m2, w2[:, None] * o2.to(tl.float32), 0.0)
     o = part1 + part2
     tl.store(
         out_ptr + t * s_out_t + h[:, None] * s_out_h + d[None, :],
