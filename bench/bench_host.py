@@ -15,16 +15,21 @@ small batch where the host bounds the loop (B = 1). Each row records:
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import triton
 
 from bench.harness import graph_us, host_floors, record
 from specmeta import SpecConfig, new_status
-from specmeta.kernels import draft_cache_locs, draft_decode_kv_indices
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.workloads import make_batch, random_tree_mask
+
+# The op modules (specmeta.kernels re-exports each launcher under its module's name).
+draft_cache_locs = importlib.import_module("specmeta.kernels.draft_cache_locs")
+draft_decode_kv_indices = importlib.import_module("specmeta.kernels.draft_decode_kv_indices")
 
 S, N, CTX = 5, 16, 4096
 CASES = [(64, 8, 16), (1, 4, 16)]  # (B, K, ps)
