@@ -7,6 +7,7 @@ capacity) naming the argument, with what was expected and what was given.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -15,8 +16,11 @@ from .status import default_status
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
-# True while a caller that already checked the arguments runs a launcher (see :func:`trusting`).
-_trusted = False
+# ``_state.trusted`` is True while a caller that already checked the arguments runs a launcher
+# on this thread (see :func:`trusting`); per thread, so one thread's builder never skips
+# another thread's checks.
+_state = threading.local()
+_state.trusted = False
 
 
 def trusting(fn):
@@ -29,12 +33,11 @@ def trusting(fn):
     """
 
     def call(*args, **kwargs):
-        global _trusted
-        _trusted = True
+        _state.trusted = True
         try:
             return fn(*args, **kwargs)
         finally:
-            _trusted = False
+            _state.trusted = False
 
     call.__wrapped__ = fn
     return call
@@ -54,7 +57,7 @@ def tensor(
     contiguous_last: bool = True,
 ) -> torch.Tensor:
     """Check that ``t`` is a tensor of one of ``dtypes``, rank ``ndim``, on ``device``."""
-    if _trusted:
+    if getattr(_state, "trusted", False):
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -107,7 +110,7 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
 
 def length(name: str, t: torch.Tensor, expected: int) -> None:
     """Check that a rank-1 ``t`` has exactly ``expected`` elements."""
-    if _trusted:
+    if getattr(_state, "trusted", False):
         return
     if t.shape[0] != expected:
         raise ValueError(
@@ -118,7 +121,7 @@ def length(name: str, t: torch.Tensor, expected: int) -> None:
 
 def at_least(name: str, have: int, need: int, what: str = "elements") -> None:
     """Capacity check before launch: ``need`` must not exceed ``have``."""
-    if _trusted:
+    if getattr(_state, "trusted", False):
         return
     if need > have:
         raise ValueError(

@@ -331,3 +331,26 @@ def test_a_free_launcher_rejects_a_status_word_of_the_wrong_shape(device):
             assign_draft_cache_locs(rpi, table, lens, status=bad, **kw)
     with pytest.raises(TypeError, match="status must be int32"):
         assign_draft_cache_locs(rpi, table, lens, status=torch.zeros(1, device=device), **kw)
+
+
+def test_launchers_check_again_after_a_builder_ran_them(device):
+    """A builder runs its launchers without their second pass over the tensors it checked
+    (validate.trusting); the launcher called directly afterwards, even after a failed call,
+    checks its arguments again."""
+    import specmeta.validate as validate
+    from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+
+    def boom():
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        validate.trusting(boom)()
+    rpi = torch.ones(2, dtype=torch.int64, device=device)
+    table = torch.zeros(4, 64, dtype=torch.int64, device=device)
+    lens = torch.ones(2, dtype=torch.float32, device=device)  # wrong dtype
+    with pytest.raises(TypeError, match="seq_lens must be int32 or int64"):
+        assign_draft_cache_locs(rpi, table, lens, topk=2, num_steps=2)
+    # Inside trusting, the same call skips the tensor checks (it would go on to the launch).
+    calls = []
+    validate.trusting(lambda: calls.append(validate.tensor("x", "not a tensor")))()
+    assert calls == ["not a tensor"]
