@@ -3,7 +3,7 @@
 ``kernel[grid](**args)`` costs Triton tens of µs of host time per call: it binds the arguments,
 builds a specialization key as strings, looks the kernel up, fetches the stream and packs the
 launch metadata, every time. A specmeta launcher runs on every draft step, for a few µs of
-device work, so that cost is the whole cost (design §8).
+device work, so that cost is the whole cost (design §2.7).
 
 :class:`Launcher` keeps Triton's own launch for the first call of each specialization (which
 compiles, or loads from Triton's cache, exactly as ``kernel[grid]`` does) and launches every
