@@ -8,7 +8,7 @@ Per (config, stage, B) and mode:
 * ``eager``: the stage called directly on the raw inputs with ``launch=True`` (what an engine
   without graphs runs, host mirrors included); host µs is the fixture's timing of that call.
 * ``replay``: :meth:`GraphRunner.run` of a typed runner — host checks, the builders' describing
-  call for ``B`` (host mirrors), one copy-pad launch per static input, one graph replay; host
+  call for ``B`` (host mirrors), one copy-pad launch for up to four static inputs, one graph replay; host
   µs is the fixture's timing of ``run``.
 
 Both record ``device_us``, the device time of the stage's kernels (graph replay of the eager

@@ -14,8 +14,8 @@ captures one CUDA graph per bucket ``Bp`` (all sharing one memory pool) and, for
 4. pads the CPU mirrors (``[:B]`` copied, ``[B:Bp]`` = pad) and calls the host function on
    them, so derived host scalars (``seq_lens_sum``) are those of the padded batch and capacity
    is checked before anything is launched;
-5. writes every static buffer with one copy-pad launch: raw input into ``[:B]``, pad value into
-   ``[B:Bp]`` — **every** buffer, every call;
+5. writes every static buffer with one copy-pad launch (up to four buffers a launch): raw input
+   into ``[:B]``, pad value into ``[B:Bp]`` — **every** buffer, every call;
 6. replays the graph of ``Bp`` (or, without graphs, calls the build function on the same padded
    buffers — the CPU/CI path is this one, step for step);
 7. returns every output sliced to ``[:B]``, as views into the runner's buffers (overwritten by
@@ -49,7 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from .. import probes, validate
-from .padding import check_pad, copy_pad
+from .padding import check_pad, copy_pad_many
+
+_copy_pad_checked = validate.trusting(copy_pad_many)
 
 __all__ = ["GraphRunner", "StageBatch", "StaticInput", "StaticOutput", "RunResult"]
 
@@ -567,11 +569,16 @@ class GraphRunner:
         return dict(self._host(mirrors)) if self._host is not None else {}
 
     def _pad_device(self, B: int, bp: int, raw: Mapping[str, torch.Tensor]) -> None:
+        """Every static input: ``[:B]`` from the raw input, ``[B:Bp]`` its pad, in one launch
+        for up to four inputs. The inputs were checked against the layout (_check_inputs), so
+        the copy skips its own second pass over them."""
+        pairs = []
         for name, spec in self._inputs.items():
             src = raw.get(name)
             if src is None:  # capture: every row is padding
                 src = spec.buffer[:0]
-            copy_pad(src, self._views[bp][name], spec.pad)
+            pairs.append((src, self._views[bp][name], spec.pad))
+        _copy_pad_checked(pairs)
 
     def _checked_build(self, bp: int, *, with_host: bool = True) -> dict[str, torch.Tensor]:
         if self.typed:

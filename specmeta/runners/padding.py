@@ -25,6 +25,8 @@ tree mask (bool)            :data:`TREE_MASK` (True: a padded node sees its whol
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -44,6 +46,7 @@ __all__ = [
     "seq_lens_fill",
     "check_pad",
     "copy_pad",
+    "copy_pad_many",
     "copy_pad_ref",
 ]
 
@@ -106,6 +109,17 @@ def check_pad(name: str, pad: object, dtype: torch.dtype) -> int | float:
 _BLOCK = 1024
 
 
+@triton.jit
+def _copy_pad_block(src_ptr, dst_ptr, n_src, n_dst, pad, block, BLOCK: tl.constexpr):
+    """Block ``block`` of ``dst[:n_src] = src``, ``dst[n_src:n_dst] = pad`` (masked)."""
+    # block·BLOCK in 64 bits: a [Bp·K, vocab] probability buffer passes 2**31 elements.
+    i = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    from_src = i < n_src
+    v = tl.load(src_ptr + i, mask=from_src, other=0)
+    v = tl.where(from_src, v, pad)
+    tl.store(dst_ptr + i, v.to(dst_ptr.dtype.element_ty), mask=i < n_dst)
+
+
 @triton.jit(do_not_specialize=["n_src", "n_dst", "pad"])
 def _copy_pad_kernel(
     src_ptr,  # [n_src] any dtype (the flattened raw input)
@@ -116,12 +130,42 @@ def _copy_pad_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program per ``BLOCK`` elements of ``dst``; the last block is masked."""
-    # pid·BLOCK in 64 bits: a [Bp·K, vocab] probability buffer passes 2**31 elements.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    from_src = i < n_src
-    v = tl.load(src_ptr + i, mask=from_src, other=0)
-    v = tl.where(from_src, v, pad)
-    tl.store(dst_ptr + i, v.to(dst_ptr.dtype.element_ty), mask=i < n_dst)
+    _copy_pad_block(src_ptr, dst_ptr, n_src, n_dst, pad, tl.program_id(0), BLOCK)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "n_src0", "n_dst0", "pad0", "n_src1", "n_dst1", "pad1",
+        "n_src2", "n_dst2", "pad2", "n_src3", "n_dst3", "pad3",
+    ]
+)  # fmt: skip
+def _copy_pad_many_kernel(
+    src0, dst0, n_src0, n_dst0, pad0,
+    src1, dst1, n_src1, n_dst1, pad1,
+    src2, dst2, n_src2, n_dst2, pad2,
+    src3, dst3, n_src3, n_dst3, pad3,
+    NBUF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Up to four buffers in one launch: program ``(block, i)`` does block ``block`` of
+    buffer ``i`` (blocks past a buffer's end store nothing)."""
+    block, i = tl.program_id(0), tl.program_id(1)
+    if i == 0:
+        _copy_pad_block(src0, dst0, n_src0, n_dst0, pad0, block, BLOCK)
+    if NBUF > 1:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if i == 1:
+            _copy_pad_block(src1, dst1, n_src1, n_dst1, pad1, block, BLOCK)
+    if NBUF > 2:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if i == 2:
+            _copy_pad_block(src2, dst2, n_src2, n_dst2, pad2, block, BLOCK)
+    if NBUF > 3:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if i == 3:
+            _copy_pad_block(src3, dst3, n_src3, n_dst3, pad3, block, BLOCK)
+
+
+_copy_pad_many_launch = Launcher(_copy_pad_many_kernel)
+# Buffers one launch of copy_pad_many covers.
+MANY = 4
 
 
 _copy_pad_launch = Launcher(_copy_pad_kernel)
@@ -186,6 +230,30 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
         BLOCK=_BLOCK,
     )
     return dst
+
+
+def copy_pad_many(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor, int | float | bool]],
+) -> None:
+    """:func:`copy_pad` of several buffers, ``MANY`` (4) to a launch: ``(src, dst, pad)`` each,
+    checked as :func:`copy_pad` checks its arguments, all on one device. The graph runner pads
+    every static input of a call with one launch."""
+    prepared = []
+    for src, dst, pad in pairs:
+        value, n_src = _prepare(src, dst, pad)
+        prepared.append((src if n_src else dst, dst, n_src, dst.numel(), value))
+    for start in range(0, len(prepared), MANY):
+        group = prepared[start : start + MANY]
+        blocks = max(cdiv(n_dst, _BLOCK) for _, _, _, n_dst, _ in group)
+        if blocks == 0:
+            continue
+        first = group[0]
+        args = {}
+        for i in range(MANY):
+            src, dst, n_src, n_dst, value = group[i] if i < len(group) else (*first[:2], 0, 0, 0)
+            args.update({f"src{i}": src, f"dst{i}": dst, f"n_src{i}": n_src,
+                         f"n_dst{i}": n_dst, f"pad{i}": value})  # fmt: skip
+        _copy_pad_many_launch((blocks, len(group)), **args, NBUF=len(group), BLOCK=_BLOCK)
 
 
 def copy_pad_ref(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> torch.Tensor:

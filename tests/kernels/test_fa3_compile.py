@@ -84,6 +84,10 @@ KERNELS = [
      dict(BLOCK_H=4, BLOCK_D=128, HAS_LSE_OUT=True),
      dict(o1_ptr="fp16", o2_ptr="fp16", out_ptr="fp16", lse1_ptr="fp32", lse2_ptr="fp32",
           out_lse_ptr="fp32")),
+    ("runners.padding", "_copy_pad_kernel", dict(BLOCK=1024), dict(src_ptr="i64", dst_ptr="i64")),
+    ("runners.padding", "_copy_pad_many_kernel", dict(NBUF=3, BLOCK=1024),
+     dict(src0="i64", dst0="i64", src1="i32", dst1="i32", src2="u8", dst2="u8", src3="i64",
+          dst3="i64")),
 ]  # fmt: skip
 
 _SCRIPT = textwrap.dedent(
@@ -97,13 +101,13 @@ _SCRIPT = textwrap.dedent(
 
     failures = []
     for module, name, consts, ptr_types in json.loads(sys.argv[1]):
-        fn = getattr(import_module("specmeta.kernels." + module), name)
+        fn = getattr(import_module("specmeta." + (module if "." in module else "kernels." + module)), name)
         for scalar in ("i32", "i64"):
             sig = {}
             for p in fn.params:
                 if p.is_constexpr:
                     sig[p.name] = "constexpr"
-                elif p.name.endswith("_ptr") and not p.name.startswith("stride"):
+                elif p.name in ptr_types or (p.name.endswith("_ptr") and not p.name.startswith("stride")):
                     sig[p.name] = "*" + ptr_types.get(p.name, "i32")
                 else:
                     sig[p.name] = scalar
@@ -121,14 +125,17 @@ _SCRIPT = textwrap.dedent(
 
 
 def _jit_kernels() -> set[tuple[str, str]]:
-    """``(module, name)`` of every ``*_kernel`` JIT function defined in specmeta/kernels/."""
+    """``(module, name)`` of every ``*_kernel`` JIT function defined in specmeta/kernels/ (as
+    ``"<op>"``) and specmeta/runners/ (as ``"runners.<module>"``)."""
     found = set()
-    for path in pathlib.Path(kernels_pkg.__file__).parent.glob("*.py"):
-        module = importlib.import_module(f"specmeta.kernels.{path.stem}")
-        for name, value in vars(module).items():
-            fn = getattr(value, "fn", None)  # a JITFunction, or an InterpretedFunction on CPU
-            if name.endswith("_kernel") and getattr(fn, "__module__", None) == module.__name__:
-                found.add((path.stem, name))
+    root = pathlib.Path(kernels_pkg.__file__).parent.parent
+    for package, prefix in (("kernels", ""), ("runners", "runners.")):
+        for path in (root / package).glob("*.py"):
+            module = importlib.import_module(f"specmeta.{package}.{path.stem}")
+            for name, value in vars(module).items():
+                fn = getattr(value, "fn", None)  # a JITFunction, or the interpreter's stand-in
+                if name.endswith("_kernel") and getattr(fn, "__module__", None) == module.__name__:
+                    found.add((prefix + path.stem, name))
     return found
 
 

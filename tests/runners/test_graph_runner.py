@@ -15,7 +15,7 @@ from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_ta
 from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indices
 from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner
-from specmeta.runners.padding import copy_pad, copy_pad_ref
+from specmeta.runners.padding import copy_pad, copy_pad_many, copy_pad_ref
 from specmeta.workloads import make_batch
 from tests._support import compiled_variants
 from tests.guard_bands import POISON, assert_equal
@@ -380,6 +380,33 @@ def test_copy_pad_matches_reference_and_spares_the_tail(device, gen, dtype, pad,
     assert torch.equal(storage[m : m + n], src)
     assert storage[m + n : m + npad].eq(torch.tensor(pad).to(dtype)).all()
     assert storage[:m].eq(guard).all() and storage[m + npad :].eq(guard).all()
+
+
+_MANY_DTYPES = [(torch.int64, 0), (torch.int32, -1), (torch.bool, True), (torch.float32, 1.5),
+                (torch.bfloat16, 0), (torch.uint8, 7)]  # fmt: skip
+
+
+@pytest.mark.parametrize("count", [1, 3, 4, 6])
+def test_copy_pad_many_matches_copy_pad_ref_per_buffer(device, gen, count):
+    """Buffers of mixed dtypes, sizes and row shapes (some empty, some past one block), four to
+    a launch: each equals copy_pad_ref of its own triple, guard bands untouched."""
+    pairs, stores, wants = [], [], []
+    for i in range(count):
+        dtype, pad = _MANY_DTYPES[i % len(_MANY_DTYPES)]
+        row = () if i % 2 else (3,)
+        npad = int(torch.randint(0, 1500, (1,), generator=gen))
+        n = int(torch.randint(0, npad + 1, (1,), generator=gen))
+        guard = (not pad) if dtype == torch.bool else 99
+        src = torch.randint(0, 2, (n, *row), generator=gen).to(dtype).to(device)
+        storage = torch.full((2 + npad + 2, *row), guard, dtype=dtype, device=device)
+        want = storage.clone()
+        copy_pad_ref(src, want[2 : 2 + npad], pad)
+        pairs.append((src, storage[2 : 2 + npad], pad))
+        stores.append(storage)
+        wants.append(want)
+    copy_pad_many(pairs)
+    for i, (got, want) in enumerate(zip(stores, wants, strict=True)):
+        assert_equal(got, want, f"buffer {i} of {count}")
 
 
 def test_copy_pad_rejects_bad_arguments(device):
