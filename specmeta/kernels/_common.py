@@ -256,7 +256,9 @@ def ragged_prefix_ref(
     B = lengths.shape[0]
     if B == 0:
         return 0
-    max_len = int(lengths.max())
+    # Entry k of a list lands at start + k >= k: none past the output's end is kept, so the
+    # work stops there whatever a garbage length says (design §2.5).
+    max_len = min(int(lengths.max()), out.shape[0])
     k = torch.arange(max_len, device=lengths.device)
     live = k.view(1, -1) < lengths.view(-1, 1)
     vals, _ = gather_rows_ref(req_to_token, req_pool_indices, torch.where(live, k, 0))
@@ -266,7 +268,7 @@ def ragged_prefix_ref(
     # Only positions inside a list count as gathers (the masked-out tail reads nothing), and a
     # bad row counts even for an empty list, as in the kernel.
     bits = 0
-    if bool((live & (k.view(1, -1) >= req_to_token.shape[1])).any()):
+    if bool((lengths > req_to_token.shape[1]).any()):  # a list reads past its row
         bits |= int(Status.POS_OOB)
     rows = req_pool_indices.to(torch.int64)
     if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):

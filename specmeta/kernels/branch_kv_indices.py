@@ -311,17 +311,20 @@ def branch_kv_indptr(
     page_size: int,
     kv_indptr: torch.Tensor,
     kv_last_page_len: torch.Tensor,
-) -> None:
+) -> torch.Tensor:
     """``kv_indptr`` and ``kv_last_page_len`` of :func:`branch_kv_indices` in torch, written
     into the given buffers: branch ``b·K + t`` of step ``s`` holds ``ceil((L_b + s + 1) / ps)``
     pages, its last one ``(L_b + s) mod ps + 1`` tokens (negative lengths read as 0). The
-    host mirrors call it on ``seq_lens_cpu``."""
+    host mirrors call it on ``seq_lens_cpu``. Returns the offsets in int64 (an int32
+    ``kv_indptr`` wraps past 2**31, as the kernel's does; the reference places lists by these)."""
     L = seq_lens.to(torch.int64).clamp_min(0)
     steps = torch.arange(rows, device=L.device).view(-1, 1)
-    list_offsets((L.view(1, -1) + steps + page_size) // page_size, topk, kv_indptr)
+    offsets = list_offsets((L.view(1, -1) + steps + page_size) // page_size, topk)
     B = L.shape[0]
+    kv_indptr[:rows, : B * topk + 1] = offsets
     last = (L.view(1, -1) + steps) % page_size + 1
     kv_last_page_len[:rows, : B * topk] = last.repeat_interleave(topk, dim=1)
+    return offsets
 
 
 def branch_kv_indices_ref(
@@ -350,7 +353,9 @@ def branch_kv_indices_ref(
     K, ps = topk, page_size
     L = seq_lens.to(torch.int64).clamp_min(0)
     n_last = (L + rows - 1 + ps) // ps
-    width = int(n_last.max()) if B else 0
+    # Page c of a list lands at start + c >= c: none past the output's width is kept, so the
+    # work stops there whatever a garbage length says (design §2.5).
+    width = min(int(n_last.max()), kv_indices.shape[1]) if B else 0
     pages, _, bad, bits = branch_pages_ref(
         req_pool_indices, req_to_token, seq_lens, K, num_steps, ps, width
     )
@@ -360,10 +365,10 @@ def branch_kv_indices_ref(
     W_idx = kv_indices.shape[1]
     zb = torch.arange(B * K, device=L.device) // K
     pages = pages.reshape(B * K, width)
-    branch_kv_indptr(seq_lens, K, rows, ps, kv_indptr, kv_last_page_len)
+    offsets = branch_kv_indptr(seq_lens, K, rows, ps, kv_indptr, kv_last_page_len)
     for s in range(rows):
         n = (L + s + ps) // ps  # [B]
-        start = kv_indptr[s, : B * K].to(torch.int64)
+        start = offsets[s, : B * K]
         dst = start.view(-1, 1) + c.view(1, -1)
         keep = (c.view(1, -1) < n[zb].view(-1, 1)) & (dst < W_idx)
         kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)

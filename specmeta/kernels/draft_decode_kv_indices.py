@@ -464,7 +464,9 @@ def draft_decode_kv_indices_ref(
     K = topk
     L = seq_lens.to(torch.int64).clamp_min(0)
     total = int(L.sum())
-    max_len = int(L.max()) if B else 0
+    # Prefix entry k lands at start + k >= k: none past the output's width is kept, so the
+    # work stops there whatever a garbage length says (design §2.5).
+    max_len = min(int(L.max()), kv_indices.shape[1]) if B else 0
     W_idx = kv_indices.shape[1]
 
     k = torch.arange(max_len, device=device)

@@ -40,39 +40,38 @@ def test_tree_custom_mask(dtype, garbage, packed, device):
     assert torch.equal(results["tree_custom_mask"], results["tree_custom_mask_ref"])
 
 
+_ROW_COPIES = {
+    # op: (call(fn, rpi, table, lens, out, status), output shape)
+    "verify_kv_indices": (lambda fn, *a, out, status: fn(
+        *a, extra_tokens=2, kv_indices=out, status=status), (64,)),
+    "shared_prefix_kv_indices": (lambda fn, *a, out, status: fn(
+        *a, topk=2, num_steps=2, prefix_kv_indices=out, status=status), (64,)),
+    "branch_kv_indices": (lambda fn, *a, out, status: fn(
+        *a, topk=2, num_steps=2, page_size=4, kv_indices=out, status=status), (2, 64)),
+    "draft_decode_kv_indices": (lambda fn, *a, out, status: fn(
+        *a, topk=2, num_steps=2, kv_indices=out, status=status), (2, 64)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(_ROW_COPIES))
 @pytest.mark.parametrize("dtype, garbage", GARBAGE)
-def test_row_copies(dtype, garbage, device):
-    """verify_kv_indices, shared_prefix_kv_indices and branch_kv_indices copy a request's row
-    in chunks: the chunks stop at the end of the output."""
+def test_row_copies(op, dtype, garbage, device):
+    """verify_kv_indices, shared_prefix_kv_indices, branch_kv_indices and
+    draft_decode_kv_indices copy a request's row in chunks: the chunks stop at the end of the
+    output, in the kernel and in its torch reference (which would otherwise build index tensors
+    as long as the garbage length); both report the same bits and write the same entries."""
     req_to_token = torch.arange(6 * 64, dtype=torch.int32, device=device).view(6, 64)
     rpi = torch.tensor([2, 5, 1], dtype=torch.int32, device=device)
     seq_lens = torch.tensor([5, garbage, 3], dtype=dtype, device=device)
     want = int(Status.POS_OOB | Status.OUT_OF_CAPACITY)
-
-    out = Guarded((64,), torch.int32, device)
-    status = new_status(device)
-    k.verify_kv_indices(rpi, req_to_token, seq_lens, extra_tokens=2, kv_indices=out.view,
-                        status=status)  # fmt: skip
-    out.assert_intact("kv_indices")
-    assert int(status) == want, Status(int(status))
-
-    out = Guarded((64,), torch.int32, device)
-    status = new_status(device)
-    k.shared_prefix_kv_indices(rpi, req_to_token, seq_lens, topk=2, num_steps=2,
-                               prefix_kv_indices=out.view, status=status)  # fmt: skip
-    out.assert_intact("prefix_kv_indices")
-    assert int(status) == want, Status(int(status))
-
-    out = Guarded((2, 64), torch.int32, device)
-    status = new_status(device)
-    k.branch_kv_indices(rpi, req_to_token, seq_lens, topk=2, num_steps=2, page_size=4,
-                        kv_indices=out.view, status=status)  # fmt: skip
-    out.assert_intact("kv_indices")
-    assert int(status) == want, Status(int(status))
-
-    out = Guarded((2, 64), torch.int32, device)
-    status = new_status(device)
-    k.draft_decode_kv_indices(rpi, req_to_token, seq_lens, topk=2, num_steps=2,
-                              kv_indices=out.view, status=status)  # fmt: skip
-    out.assert_intact("kv_indices")
-    assert int(status) == want, Status(int(status))
+    call, shape = _ROW_COPIES[op]
+    written = {}
+    for fn in (getattr(k, op), getattr(k, f"{op}_ref")):
+        out = Guarded(shape, torch.int32, device)
+        status = new_status(device)
+        call(fn, rpi, req_to_token, seq_lens, out=out.view, status=status)
+        out.assert_intact(f"{fn.__name__} output")
+        assert int(status) == want, (fn.__name__, Status(int(status)))
+        written[fn.__name__] = out.view.clone()
+    kernel, ref = written.values()
+    assert torch.equal(kernel, ref), f"{op}: kernel and reference wrote different entries"
