@@ -1,9 +1,15 @@
-"""What several test modules share: row widths of test batches and compile counts.
+"""What several test modules share: row widths of test batches, compile counts, and the
+direct readings of design §1 and §2.3 that more than one op's tests apply.
 
 One definition each, imported where needed (tests import from here, never from each other).
 """
 
 from __future__ import annotations
+
+import torch
+
+from specmeta.config import draft_pages_per_branch, uses_layout_b
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 
 
 def row_width(k: int, s: int, ps: int, *, extra: int = 0, prefix: int = 40) -> int:
@@ -34,3 +40,77 @@ def all_compiled_variants() -> int:
                 if isinstance(obj, triton.runtime.JITFunction):
                     total += compiled_variants(obj)
     return total
+
+
+# ------------------------------------------------------------------------------------------
+# design §1 and §2.3 read directly, for the ops that build these tables (and the fused build)
+# ------------------------------------------------------------------------------------------
+def check_prefix_page_table_spec(batch, pt, cs, cu, *, extra, exclude, rows, fill):
+    """design §2.3: page_table[b, c] = row_b[c·ps] // ps for the pages covering the longest row's
+    tokens, ``fill`` beyond; cache_seqlens = len + s; cu_seqlens_k its exclusive prefix sum."""
+    ps = batch.page_size
+    pt, r2t = pt.cpu().long(), batch.req_to_token.cpu().long()
+    cs = cs.cpu().long().view(rows or 1, batch.batch_size)
+    cu = cu.cpu().long().view(cs.shape[0], batch.batch_size + 1)
+    for b in range(batch.batch_size):
+        row = r2t[int(batch.req_pool_indices[b])]
+        L = int(batch.seq_lens_cpu[b])
+        length = (L - L % ps if exclude else L) + extra
+        longest = length + (rows or 1) - 1
+        n = -(-longest // ps)
+        want = torch.full((pt.shape[1],), fill, dtype=torch.long)
+        want[:n] = row[torch.arange(n) * ps] // ps
+        assert torch.equal(pt[b], want), f"request {b}: {pt[b].tolist()} != {want.tolist()}"
+        for s in range(cs.shape[0]):
+            assert int(cs[s, b]) == length + s
+    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
+
+
+def check_expand_page_table_spec(batch, slots, pt, cs, cu, rows):
+    """Read design §1 and §2.3 directly: token ``k`` of the expand sequence of branch ``t`` at
+    step ``s`` lives at slot ``page_table[s, r, k // ps]·ps + k % ps``; the tokens before
+    ``lpl`` are the start of the branch's region (layout B) — for ``t = 0`` the prefix's own
+    last partial page — and token ``lpl + j`` is draft slot ``j``."""
+    B, K, S, ps = batch.batch_size, batch.topk, batch.num_steps, batch.page_size
+    pt, cs, cu = pt.cpu().long(), cs.cpu().long(), cu.cpu().long()
+    r2t, slots = batch.req_to_token.cpu().long(), slots.cpu().long().view(B * K, S)
+    for b in range(B):
+        row = r2t[int(batch.req_pool_indices[b])]
+        L = int(batch.seq_lens_cpu[b])
+        lpl = L % ps if ps > 1 else 0
+        nnp = draft_pages_per_branch(L, S, ps)
+        for t in range(K):
+            r = b * K + t
+            region = L - lpl + (t * nnp * ps if uses_layout_b(K, ps) else 0)
+            for s in range(rows):
+                n = lpl + s + 1
+                assert int(cs[s, r]) == n, f"cache_seqlens[{s}, {r}]"
+                u = -(-n // ps)
+                read = pt[s, r, torch.arange(n) // ps] * ps + torch.arange(n) % ps
+                want = torch.cat([row[region : region + lpl], slots[r, : s + 1]])
+                assert torch.equal(read, want), f"step {s} branch {r}: {read} != {want}"
+                assert not pt[s, r, u:].any(), f"stale columns after {u} in [{s}, {r}]"
+    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
+
+
+def branch_sequences(batch, rows):
+    """``[s][b·K + t]``: the slots of branch (b, t)'s logical sequence at step s: its prefix
+    ``row_b[0:L_b]``, then its own first ``s + 1`` draft slots (design §1)."""
+    B, K, S = batch.batch_size, batch.topk, batch.num_steps
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    slots = assign_draft_cache_locs(*args, topk=K, num_steps=S, page_size=batch.page_size)
+    slots = slots.cpu().view(B, K, S)
+    r2t = batch.req_to_token.cpu().long()
+    return [
+        [
+            torch.cat(
+                [
+                    r2t[int(batch.req_pool_indices[b])][: int(batch.seq_lens_cpu[b])],
+                    slots[b, t, : s + 1],
+                ]
+            )  # fmt: skip
+            for b in range(B)
+            for t in range(K)
+        ]
+        for s in range(rows)
+    ]

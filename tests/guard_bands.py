@@ -7,6 +7,8 @@ element shows).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 CANARY = -0x5A5A5A5  # no valid slot, page, offset or length
@@ -53,3 +55,34 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tens
     first = [tuple(x) for x in diff[:5].tolist()]
     shown = ", ".join(f"{c}: got {a[c].item()} want {e[c].item()}" for c in first)
     raise AssertionError(f"{name}: {diff.shape[0]} mismatches; first {shown}")
+
+
+class GuardedPool:
+    """A ``[P, *row_shape]`` buffer carved from a byte storage of random bytes: ``margin`` rows
+    before and after and ``pad`` elements after every row are canaries that must survive."""
+
+    def __init__(self, P, row_shape, dtype, device, gen, *, margin=2, pad=0):
+        elsize = torch.empty((), dtype=dtype).element_size()
+        row = math.prod(row_shape)
+        stride = row + pad
+        total = (P + 2 * margin) * stride
+        self.bytes = torch.randint(0, 256, (total * elsize,), generator=gen, dtype=torch.uint8)
+        self.bytes = self.bytes.to(device)
+        self.before = self.bytes.clone()
+        inner = [math.prod(row_shape[i + 1 :]) for i in range(len(row_shape))]
+        self.view = self.bytes.view(dtype).as_strided((P, *row_shape), (stride, *inner),
+                                                      margin * stride)  # fmt: skip
+        keep = torch.ones((P + 2 * margin, stride * elsize), dtype=torch.bool)
+        keep[margin : margin + P, : row * elsize] = False  # the rows themselves may change
+        self.canary = keep.flatten().to(device)
+
+    def assert_intact(self, name):
+        bad = (self.bytes != self.before) & self.canary
+        assert not bool(bad.any()), (
+            f"{name}: guard bytes overwritten at {bad.nonzero()[:8].flatten().tolist()}"
+        )
+
+    def rows(self):
+        """``[P, row bytes]`` uint8 view of the rows."""
+        t = self.view
+        return t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1)).view(torch.uint8)

@@ -32,7 +32,7 @@ from specmeta.kernels.cache_loc_move import (
 )
 from specmeta.workloads import random_accept, random_tree_mask
 from tests._support import compiled_variants
-from tests.guard_bands import Guarded, assert_equal
+from tests.guard_bands import Guarded, GuardedPool, assert_equal
 
 # (K, S, N): chains, wide trees, deep trees, a window narrower than S + 1.
 TREES = [(1, 3, 4), (4, 3, 8), (2, 5, 12), (8, 2, 16), (3, 6, 5)]
@@ -249,38 +249,6 @@ def test_plan_holds_the_pair_buffers():
 
 # --------------------------------------------------------------------------------------------
 # move_kv_cache
-# --------------------------------------------------------------------------------------------
-class GuardedPool:
-    """A ``[P, *row_shape]`` buffer carved from a byte storage of random bytes: ``margin`` rows
-    before and after and ``pad`` elements after every row are canaries that must survive."""
-
-    def __init__(self, P, row_shape, dtype, device, gen, *, margin=2, pad=0):
-        elsize = torch.empty((), dtype=dtype).element_size()
-        row = math.prod(row_shape)
-        stride = row + pad
-        total = (P + 2 * margin) * stride
-        self.bytes = torch.randint(0, 256, (total * elsize,), generator=gen, dtype=torch.uint8)
-        self.bytes = self.bytes.to(device)
-        self.before = self.bytes.clone()
-        inner = [math.prod(row_shape[i + 1 :]) for i in range(len(row_shape))]
-        self.view = self.bytes.view(dtype).as_strided((P, *row_shape), (stride, *inner),
-                                                      margin * stride)  # fmt: skip
-        keep = torch.ones((P + 2 * margin, stride * elsize), dtype=torch.bool)
-        keep[margin : margin + P, : row * elsize] = False  # the rows themselves may change
-        self.canary = keep.flatten().to(device)
-
-    def assert_intact(self, name):
-        bad = (self.bytes != self.before) & self.canary
-        assert not bool(bad.any()), (
-            f"{name}: guard bytes overwritten at {bad.nonzero()[:8].flatten().tolist()}"
-        )
-
-    def rows(self):
-        """``[P, row bytes]`` uint8 view of the rows."""
-        t = self.view
-        return t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1)).view(torch.uint8)
-
-
 # Row widths the issue names: 576·2 B (MLA bf16), 1152 B (fp8 as uint8), 2048 B, 4 B.
 POOLS = {
     "mixed_8b_words": [((576,), torch.bfloat16, 0), ((1152,), torch.uint8, 0),
@@ -293,6 +261,7 @@ if hasattr(torch, "float8_e4m3fn"):
     POOLS["mixed_8b_words"].append(((1152,), torch.float8_e4m3fn, 0))
 
 
+# --------------------------------------------------------------------------------------------
 def _make_pools(kind, P, device, gen):
     return [GuardedPool(P - 8 * i, shape, dtype, device, gen, pad=pad)
             for i, (shape, dtype, pad) in enumerate(POOLS[kind])]  # fmt: skip

@@ -19,10 +19,10 @@ from specmeta.kernels.draft_decode_page_tables import (
 from specmeta.kernels.expand_page_table import expand_page_table
 from specmeta.kernels.prefix_page_table import prefix_page_table
 from specmeta.workloads import SHAPES, make_batch
+from tests._support import check_expand_page_table_spec as _check_expand
+from tests._support import check_prefix_page_table_spec as _check_normal
 from tests._support import row_width
 from tests.guard_bands import POISON, Guarded, assert_equal
-from tests.kernels.test_expand_page_table import _check_against_spec as _check_expand
-from tests.kernels.test_prefix_page_table import _check_against_spec as _check_normal
 
 # (K, S, ps, exclude_last_partial): trees of 2 and 4 branches, page sizes 1, 4 and 16, the
 # normal pass over whole pages (slot layout B) or over the whole prefix.

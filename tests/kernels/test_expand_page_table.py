@@ -9,11 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specmeta import Status, new_status
-from specmeta.config import draft_pages_per_branch, uses_layout_b
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.kernels.expand_page_table import expand_page_table, expand_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
-from tests._support import row_width
+from tests._support import check_expand_page_table_spec, row_width
 from tests.guard_bands import POISON, Guarded, assert_equal
 
 CONFIGS = [(1, 3, 1), (2, 2, 4), (4, 3, 1), (3, 5, 16), (8, 2, 2), (2, 6, 64), (1, 4, 4)]
@@ -58,40 +57,13 @@ def _run(slots, seq_lens, device, *, k, s, ps, rows=None, width=None, spare_rows
     return pt.view[:, :BK], cs.view[:, :BK], cu.view[:, : BK + 1], status
 
 
-def _check_against_spec(batch, slots, pt, cs, cu, rows):
-    """Read design §1 and §2.3 directly: token ``k`` of the expand sequence of branch ``t`` at
-    step ``s`` lives at slot ``page_table[s, r, k // ps]·ps + k % ps``; the tokens before
-    ``lpl`` are the start of the branch's region (layout B) — for ``t = 0`` the prefix's own
-    last partial page — and token ``lpl + j`` is draft slot ``j``."""
-    B, K, S, ps = batch.batch_size, batch.topk, batch.num_steps, batch.page_size
-    pt, cs, cu = pt.cpu().long(), cs.cpu().long(), cu.cpu().long()
-    r2t, slots = batch.req_to_token.cpu().long(), slots.cpu().long().view(B * K, S)
-    for b in range(B):
-        row = r2t[int(batch.req_pool_indices[b])]
-        L = int(batch.seq_lens_cpu[b])
-        lpl = L % ps if ps > 1 else 0
-        nnp = draft_pages_per_branch(L, S, ps)
-        for t in range(K):
-            r = b * K + t
-            region = L - lpl + (t * nnp * ps if uses_layout_b(K, ps) else 0)
-            for s in range(rows):
-                n = lpl + s + 1
-                assert int(cs[s, r]) == n, f"cache_seqlens[{s}, {r}]"
-                u = -(-n // ps)
-                read = pt[s, r, torch.arange(n) // ps] * ps + torch.arange(n) % ps
-                want = torch.cat([row[region : region + lpl], slots[r, : s + 1]])
-                assert torch.equal(read, want), f"step {s} branch {r}: {read} != {want}"
-                assert not pt[s, r, u:].any(), f"stale columns after {u} in [{s}, {r}]"
-    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps", CONFIGS)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps):
     batch, slots = _draw(shape, gen, device, k, s, ps)
     pt, cs, cu, status = _run(slots, batch.seq_lens, device, k=k, s=s, ps=ps, spare_rows=k)
     assert int(status) == 0
-    _check_against_spec(batch, slots, pt, cs, cu, s)
+    check_expand_page_table_spec(batch, slots, pt, cs, cu, s)
 
 
 def test_spec_example(device):
@@ -126,7 +98,7 @@ def test_property(device, b, k, s, ps, shape, seed, rows_short, wide, out64):
                               width=rows + wide, spare_rows=3,
                               dtype=torch.int64 if out64 else torch.int32)  # fmt: skip
     assert int(status) == 0
-    _check_against_spec(batch, slots, pt, cs, cu, rows)
+    check_expand_page_table_spec(batch, slots, pt, cs, cu, rows)
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])

@@ -14,7 +14,7 @@ from specmeta.config import ROW_ALIGN
 from specmeta.kernels._common import vector_widths as _vectors
 from specmeta.kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
 from specmeta.workloads import SHAPES, make_batch
-from tests._support import row_width
+from tests._support import check_prefix_page_table_spec, row_width
 from tests.guard_bands import Guarded, assert_equal
 
 # (K, S, ps, extra_tokens, exclude_last_partial, num_rows, fill_value): the FA3 normal pass
@@ -67,27 +67,6 @@ def _run(batch, device, *, extra, exclude, rows, fill, width=None, dtype=torch.i
     return pt.view, cs.view, cu.view, status
 
 
-def _check_against_spec(batch, pt, cs, cu, *, extra, exclude, rows, fill):
-    """design §2.3: page_table[b, c] = row_b[c·ps] // ps for the pages covering the longest row's
-    tokens, ``fill`` beyond; cache_seqlens = len + s; cu_seqlens_k its exclusive prefix sum."""
-    ps = batch.page_size
-    pt, r2t = pt.cpu().long(), batch.req_to_token.cpu().long()
-    cs = cs.cpu().long().view(rows or 1, batch.batch_size)
-    cu = cu.cpu().long().view(cs.shape[0], batch.batch_size + 1)
-    for b in range(batch.batch_size):
-        row = r2t[int(batch.req_pool_indices[b])]
-        L = int(batch.seq_lens_cpu[b])
-        length = (L - L % ps if exclude else L) + extra
-        longest = length + (rows or 1) - 1
-        n = -(-longest // ps)
-        want = torch.full((pt.shape[1],), fill, dtype=torch.long)
-        want[:n] = row[torch.arange(n) * ps] // ps
-        assert torch.equal(pt[b], want), f"request {b}: {pt[b].tolist()} != {want.tolist()}"
-        for s in range(cs.shape[0]):
-            assert int(cs[s, b]) == length + s
-    assert torch.equal(cu[:, 1:], cs.cumsum(1)) and not cu[:, 0].any()
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("k,s,ps,extra,exclude,rows,fill", CASES)
 def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, extra, exclude, rows, fill):
@@ -95,7 +74,7 @@ def test_matches_reference_over_workloads(device, gen, shape, k, s, ps, extra, e
     kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
     pt, cs, cu, status = _run(batch, device, **kw)
     assert int(status) == 0
-    _check_against_spec(batch, pt, cs, cu, **kw)
+    check_prefix_page_table_spec(batch, pt, cs, cu, **kw)
 
 
 def test_spec_example(device):
@@ -137,7 +116,7 @@ def test_property(device, b, ps, extra, exclude, rows, fill, shape, seed, out64,
     kw = dict(extra=extra, exclude=exclude, rows=rows, fill=fill)
     pt, cs, cu, status = _run(batch, device, dtype=torch.int64 if out64 else torch.int32, **kw)
     assert int(status) == 0
-    _check_against_spec(batch, pt, cs, cu, **kw)
+    check_prefix_page_table_spec(batch, pt, cs, cu, **kw)
 
 
 def test_vector_access_needs_aligned_rows_of_whole_vectors():
@@ -173,7 +152,7 @@ def test_vector_gather_uses_only_the_slots_it_covers(device, gen, slot64, rows, 
     kw = dict(extra=extra, exclude=False, rows=rows, fill=fill)
     pt, cs, cu, status = _run(batch, device, width=width, **kw)
     assert int(status) == 0
-    _check_against_spec(batch, pt, cs, cu, **kw)
+    check_prefix_page_table_spec(batch, pt, cs, cu, **kw)
 
 
 @pytest.mark.parametrize("B", [12, 13])
@@ -188,7 +167,7 @@ def test_cu_seqlens_scan_past_one_block(device, gen, monkeypatch, B):
     kw = dict(extra=1, exclude=False, rows=3, fill=0)
     pt, cs, cu, status = _run(batch, device, **kw)
     assert int(status) == 0
-    _check_against_spec(batch, pt, cs, cu, **kw)
+    check_prefix_page_table_spec(batch, pt, cs, cu, **kw)
 
 
 def test_empty_batch_writes_only_entry_zero(device, gen):

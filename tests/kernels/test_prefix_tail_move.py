@@ -13,8 +13,7 @@ from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.workloads import SHAPES, make_batch
 from tests._support import row_width
-from tests.guard_bands import assert_equal
-from tests.kernels.test_cache_loc_move import GuardedPool
+from tests.guard_bands import GuardedPool, assert_equal
 
 CONFIGS = [(2, 2, 4), (3, 5, 16), (8, 2, 2), (4, 3, 64)]  # (K, S, ps), all layout B
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from specmeta import SpecConfig, Status, plan_buffers
-from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
+from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.masks import written_part
 from specmeta.workloads import make_batch, random_tree_mask
+from tests._support import branch_sequences
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8  # query heads, KV heads (grouped-query), head dim
@@ -35,28 +36,6 @@ def _setup(gen, device, k, s, ps, shape, *, n=None, batch_size=None, ctx=40):
 
 def _args(batch):
     return batch.req_pool_indices, batch.req_to_token, batch.seq_lens
-
-
-def branch_sequences(batch, rows):
-    """``[s][b·K + t]``: the slots of branch (b, t)'s logical sequence at step s: its prefix
-    ``row_b[0:L_b]``, then its own first ``s + 1`` draft slots (design §1)."""
-    B, K, S = batch.batch_size, batch.topk, batch.num_steps
-    slots = assign_draft_cache_locs(*_args(batch), topk=K, num_steps=S, page_size=batch.page_size)
-    slots = slots.cpu().view(B, K, S)
-    r2t = batch.req_to_token.cpu().long()
-    return [
-        [
-            torch.cat(
-                [
-                    r2t[int(batch.req_pool_indices[b])][: int(batch.seq_lens_cpu[b])],
-                    slots[b, t, : s + 1],
-                ]
-            )  # fmt: skip
-            for b in range(B)
-            for t in range(K)
-        ]
-        for s in range(rows)
-    ]
 
 
 def _close(got, want, what):

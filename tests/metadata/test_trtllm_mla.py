@@ -14,7 +14,7 @@ from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.testing.consumers import trtllm_mla as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch
-from tests.metadata.test_flashinfer import branch_sequences
+from tests._support import branch_sequences
 
 H, H_KV, D = 4, 1, 8  # MLA: every query head reads the one latent KV head
 ATOL = 1e-9
