@@ -78,3 +78,18 @@ def test_shared_helpers_are_defined_once():
         for shared in ("check_batch", "target_programs", "chunk_programs", "load_request",
                        "draft_slot_position", "gather_rows_ref"):  # fmt: skip
             assert shared not in names and f"_{shared}" not in names, f"{path.name}: {shared}"
+
+
+def test_tests_import_shared_support_only():
+    """Test modules share helpers through tests/_support.py and tests/guard_bands.py, never by
+    importing another test module."""
+    tests_root = pathlib.Path(__file__).parent.parent
+    allowed = {"tests._support", "tests.guard_bands"}
+    offending = []
+    for path in sorted(tests_root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                if node.module not in allowed:
+                    offending.append(f"{path.relative_to(tests_root)}: from {node.module}")
+    assert not offending, offending
