@@ -115,9 +115,42 @@ def _draft_decode_kv_indices_kernel(
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
+    cum = _lengths_before(seq_lens_ptr, b, BLOCK_B)
+    head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
+    d_first = g * lists_per_program
+    d_end = tl.minimum(d_first + lists_per_program, num_rows * TOPK)
+    src = req_to_token_ptr + row_base
+    vector = vector_stores != 0
 
-    # Exclusive prefix Σ_{b'<b} L_b': the first block is one vector load issued beside the
-    # request's own loads; batches past BLOCK_B requests loop over further blocks.
+    # Loads of the edge-and-chain tile go out before the bodies' loads, its stores after the
+    # bodies' stores, so a short list costs one memory round trip, not two.
+    d, live_d, list_off, start, s_d, t_d, room, pos, j, keep, edge = _edge_tile(
+        src, c, b, B, L, head, row_ok, d_first, d_end, W_row, W_idx, stride_idx, page_size,
+        vector, TOPK, NUM_STEPS, LAYOUT_B, BLOCK_LISTS, BLOCK_EDGE, VEC,
+    )  # fmt: skip
+    # No list stores past W_idx, which bounds the loop whatever L is.
+    src_lim = tl.where(row_ok, tl.minimum(L, W_row), 0)  # loads past the row give 0
+    n_chunks = tl.cdiv(tl.minimum(L, W_idx), BLOCK)
+    # Each path takes its own lane offsets, so the compiler gives each its own register layout
+    # (four entries a thread for vectors, one for coalesced scalar stores).
+    if vector:
+        _vector_bodies(src, src_lim, n_chunks, c, chunk_programs, d_first, d_end, b, L, head,
+                       W_idx, stride_idx, kv_indices_ptr, TOPK, BLOCK, VEC)  # fmt: skip
+    else:
+        _scalar_bodies(src, src_lim, n_chunks, c, chunk_programs, d_first, d_end, b, L, head,
+                       W_idx, stride_idx, kv_indices_ptr, TOPK, BLOCK)  # fmt: skip
+    dst = tl.where(j < 0, pos, L + j)  # entry within the list
+    tl.store(kv_indices_ptr + list_off[:, None] + dst, edge, mask=keep)
+    _write_indptr_and_status(
+        kv_indptr_ptr, status_ptr, b, B, L, L_ok, row_ok, cum, start, d, live_d, s_d, t_d,
+        room, W_row, stride_ptr, page_size, TOPK, NUM_STEPS, LAYOUT_B, HAS_STATUS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _lengths_before(seq_lens_ptr, b, BLOCK_B: tl.constexpr):
+    """``Σ_{b'<b} max(L_b', 0)``: the first block is one vector load issued beside the
+    request's own loads; batches past ``BLOCK_B`` requests loop over further blocks."""
     offs = tl.arange(0, BLOCK_B)
     prev = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
     cum = tl.sum(tl.maximum(prev, 0), axis=0)
@@ -125,22 +158,23 @@ def _draft_decode_kv_indices_kernel(
         more = first + tl.arange(0, BLOCK_B)
         lens = tl.load(seq_lens_ptr + more, mask=more < b, other=0).to(tl.int64)
         cum += tl.sum(tl.maximum(lens, 0), axis=0)
-    head = TOPK * cum  # K·Σ_{b'<b} L_b', 64-bit: K·ΣL passes 2**31 at long contexts
+    return cum
 
-    num_lists = num_rows * TOPK
-    d_first = g * lists_per_program
-    d_end = tl.minimum(d_first + lists_per_program, num_lists)
-    src = req_to_token_ptr + row_base
 
-    # Programs with c == 0 also write every owned list's edges and chain: one row of this tile
-    # per list. Lanes [0, VEC) are the entries before the list's 16-byte-aligned body,
-    # [VEC, 2·VEC) those after it, [2·VEC, 2·VEC + S) its own chain (j ≤ s) after its prefix.
-    # The tile's loads go out before the bodies' loads and its stores after the bodies'
-    # stores, so a short list costs one memory round trip, not two. (Other programs compute
-    # the tile with every lane masked off: no memory traffic, no branch.)
+@triton.jit
+def _edge_tile(
+    src, c, b, B, L, head, row_ok, d_first, d_end, W_row, W_idx, stride_idx, page_size, vector,
+    TOPK: tl.constexpr, NUM_STEPS: tl.constexpr, LAYOUT_B: tl.constexpr,
+    BLOCK_LISTS: tl.constexpr, BLOCK_EDGE: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """Load what programs with ``c == 0`` write besides the bodies, one tile row per owned
+    list ``d``: lanes ``[0, VEC)`` are the entries before the list's 16-byte-aligned body,
+    ``[VEC, 2·VEC)`` those after it, ``[2·VEC, 2·VEC + S)`` its own chain (``j ≤ s``) after
+    its prefix. Other programs compute the tile with every lane masked off (no memory traffic,
+    no branch). Returns the lists' ``(d, live_d, list_off, start, s_d, t_d, room)`` and the
+    tile's ``(pos, j, keep, edge)``."""
     d = d_first + tl.arange(0, BLOCK_LISTS).to(tl.int64)
     live_d = tl.where(c == 0, d < d_end, False)
-    vector = vector_stores != 0
     list_off, start, lim, head_n = _list_extent(d, b, L, head, W_idx, stride_idx, TOPK, VEC)
     # Scalar stores leave no edge before or after the body: the body is the whole prefix.
     head_n = tl.where(vector, head_n, 0)
@@ -166,75 +200,87 @@ def _draft_decode_kv_indices_kernel(
     )
     keep = keep & live_d[:, None]
     edge = tl.load(src + pos, mask=tl.where(row_ok, keep & (pos < W_row), False), other=0)
+    return d, live_d, list_off, start, s_d, t_d, room, pos, j, keep, edge
 
-    # The prefix bodies. A list starts anywhere in its row, so its 16-byte-aligned body begins
-    # h = 0 … VEC−1 entries into the prefix: the chunk is loaded at every shift h (the extra
-    # loads hit L1) and each list stores the one that lines up with its vectors, with a mask
-    # that is uniform over each vector so the compiler emits 16-byte stores. One load of a
-    # chunk feeds every owned list.
-    # Per-lane offsets are int32 within a chunk; the chunk's base, like every offset into a
-    # row, is int64. No list stores past W_idx, which bounds the loop whatever L is.
-    src_lim = tl.where(row_ok, tl.minimum(L, W_row), 0)  # loads past the row give 0
-    n_chunks = tl.cdiv(tl.minimum(L, W_idx), BLOCK)
-    # Each path takes its own lane offsets, so the compiler gives each its own register layout
-    # (four entries a thread for vectors, one for coalesced scalar stores).
-    if vector:
-        k0 = tl.arange(0, BLOCK)
-        for chunk in range(c, n_chunks, chunk_programs):
-            base = tl.cast(chunk, tl.int64) * BLOCK
-            row_chunk = src + base
-            # The shifted loads reach VEC − 1 entries into the next chunk.
-            n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK + VEC).to(tl.int32)
-            v0 = tl.load(row_chunk + k0, mask=k0 < n_load, other=0)
-            v1 = v0
-            v2 = v0
-            v3 = v0
-            if VEC > 1:
-                v1 = tl.load(row_chunk + k0 + 1, mask=k0 + 1 < n_load, other=0)
-            if VEC > 2:
-                v2 = tl.load(row_chunk + k0 + 2, mask=k0 + 2 < n_load, other=0)
-                v3 = tl.load(row_chunk + k0 + 3, mask=k0 + 3 < n_load, other=0)
-            for dd in range(d_first, d_end):
-                dd_off, _, dd_lim, dd_head = _list_extent(
-                    dd, b, L, head, W_idx, stride_idx, TOPK, VEC
-                )  # fmt: skip
-                # Entries of this chunk in the list's body: a multiple of VEC, as is the
-                # body's start, so the mask is uniform over each vector.
-                body_n = (dd_lim - dd_head) // VEC * VEC
-                n_store = tl.multiple_of(
-                    tl.minimum(tl.maximum(body_n - base, 0), BLOCK).to(tl.int32), VEC
-                )
-                body_ptr = kv_indices_ptr + tl.multiple_of(dd_off + dd_head, VEC) + base
-                v = tl.where(
-                    dd_head == 0, v0, tl.where(dd_head == 1, v1, tl.where(dd_head == 2, v2, v3))
-                )
-                # Streaming stores (.cs, evict first): lists this large (16 MB and more) are
-                # not kept in L2 for the consumer anyway, and on an H200 the hint lifts the
-                # 40-80 MB launches from 73-75 % to 77-87 % of copy bandwidth.
-                tl.store(body_ptr + k0, v, mask=k0 < n_store, cache_modifier=".cs")
-    else:
-        # Scalar stores: the whole prefix is the body.
-        lane = tl.arange(0, BLOCK)
-        for chunk in range(c, n_chunks, chunk_programs):
-            base = tl.cast(chunk, tl.int64) * BLOCK
-            n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK).to(tl.int32)
-            v = tl.load(src + base + lane, mask=lane < n_load, other=0)
-            for dd in range(d_first, d_end):
-                dd_off, _, dd_lim, _ = _list_extent(dd, b, L, head, W_idx, stride_idx, TOPK, 1)
-                n_store = tl.minimum(tl.maximum(dd_lim - base, 0), BLOCK).to(tl.int32)
-                tl.store(kv_indices_ptr + dd_off + base + lane, v, mask=lane < n_store)
 
-    dst = tl.where(j < 0, pos, L + j)  # entry within the list
-    tl.store(kv_indices_ptr + list_off[:, None] + dst, edge, mask=keep)
+@triton.jit
+def _vector_bodies(
+    src, src_lim, n_chunks, c, chunk_programs, d_first, d_end, b, L, head, W_idx, stride_idx,
+    kv_indices_ptr, TOPK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """The prefix bodies in 16-byte vectors. A list starts anywhere in its row, so its aligned
+    body begins ``h = 0 … VEC−1`` entries into the prefix: each chunk is loaded at every shift
+    ``h`` (the extra loads hit L1) and each list stores the one that lines up with its vectors,
+    with a mask uniform over each vector so the compiler emits 16-byte stores. One load of a
+    chunk feeds every owned list. Lane offsets are int32 within a chunk, the chunk's base
+    int64."""
+    tl.static_assert(VEC <= 4, "four shifted loads cover vectors of at most 4 entries")
+    k0 = tl.arange(0, BLOCK)
+    for chunk in range(c, n_chunks, chunk_programs):
+        base = tl.cast(chunk, tl.int64) * BLOCK
+        row_chunk = src + base
+        # The shifted loads reach VEC − 1 entries into the next chunk.
+        n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK + VEC).to(tl.int32)
+        v0 = tl.load(row_chunk + k0, mask=k0 < n_load, other=0)
+        v1 = v0
+        v2 = v0
+        v3 = v0
+        if VEC > 1:
+            v1 = tl.load(row_chunk + k0 + 1, mask=k0 + 1 < n_load, other=0)
+        if VEC > 2:
+            v2 = tl.load(row_chunk + k0 + 2, mask=k0 + 2 < n_load, other=0)
+            v3 = tl.load(row_chunk + k0 + 3, mask=k0 + 3 < n_load, other=0)
+        for dd in range(d_first, d_end):
+            dd_off, _, dd_lim, dd_head = _list_extent(dd, b, L, head, W_idx, stride_idx, TOPK,
+                                                      VEC)  # fmt: skip
+            # Entries of this chunk in the list's body: a multiple of VEC, as is the body's
+            # start, so the mask is uniform over each vector.
+            body_n = (dd_lim - dd_head) // VEC * VEC
+            n_store = tl.multiple_of(
+                tl.minimum(tl.maximum(body_n - base, 0), BLOCK).to(tl.int32), VEC
+            )
+            body_ptr = kv_indices_ptr + tl.multiple_of(dd_off + dd_head, VEC) + base
+            v = tl.where(
+                dd_head == 0, v0, tl.where(dd_head == 1, v1, tl.where(dd_head == 2, v2, v3))
+            )
+            # Streaming stores (.cs, evict first): lists this large (16 MB and more) are not
+            # kept in L2 for the consumer anyway, and on an H200 the hint lifts the 40-80 MB
+            # launches from 73-75 % to 77-87 % of copy bandwidth.
+            tl.store(body_ptr + k0, v, mask=k0 < n_store, cache_modifier=".cs")
 
-    # kv_indptr[s, b·K + t] = the list's start; the closing entry kv_indptr[s, B·K] =
-    # K·ΣL + B·K·(s+1) comes from the last request's branch 0 (entry 0 = 0 when B == 0).
+
+@triton.jit
+def _scalar_bodies(
+    src, src_lim, n_chunks, c, chunk_programs, d_first, d_end, b, L, head, W_idx, stride_idx,
+    kv_indices_ptr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The prefix bodies in coalesced scalar stores: the whole prefix is the body."""
+    lane = tl.arange(0, BLOCK)
+    for chunk in range(c, n_chunks, chunk_programs):
+        base = tl.cast(chunk, tl.int64) * BLOCK
+        n_load = tl.minimum(tl.maximum(src_lim - base, 0), BLOCK).to(tl.int32)
+        v = tl.load(src + base + lane, mask=lane < n_load, other=0)
+        for dd in range(d_first, d_end):
+            dd_off, _, dd_lim, _ = _list_extent(dd, b, L, head, W_idx, stride_idx, TOPK, 1)
+            n_store = tl.minimum(tl.maximum(dd_lim - base, 0), BLOCK).to(tl.int32)
+            tl.store(kv_indices_ptr + dd_off + base + lane, v, mask=lane < n_store)
+
+
+@triton.jit
+def _write_indptr_and_status(
+    kv_indptr_ptr, status_ptr, b, B, L, L_ok, row_ok, cum, start, d, live_d, s_d, t_d, room,
+    W_row, stride_ptr, page_size, TOPK: tl.constexpr, NUM_STEPS: tl.constexpr,
+    LAYOUT_B: tl.constexpr, HAS_STATUS: tl.constexpr,
+):  # fmt: skip
+    """``kv_indptr[s, b·K + t]`` = the list's start; the closing entry ``kv_indptr[s, B·K] =
+    K·ΣL + B·K·(s+1)`` comes from the last request's branch 0 (entry 0 = 0 when ``B == 0``);
+    then the lists' status bits."""
+    live_b = b < B
     ptr_row = kv_indptr_ptr + s_d * stride_ptr
     tl.store(ptr_row + b * TOPK + t_d, start, mask=tl.where(live_b, live_d, False))
     last = tl.where(b == tl.maximum(B, 1) - 1, (t_d == 0) & live_d, False)
     end = TOPK * (cum + L) + B * TOPK * (s_d + 1)
     tl.store(ptr_row + B * TOPK, end, mask=last)
-
     if HAS_STATUS:
         # Positions grow with j: the chain's last one (j = s) decides whether any is past the
         # row. The atomic is masked per list, so nothing is issued when all is well.
