@@ -1,0 +1,116 @@
+"""Compare the sm_90 PTX of every kernel between a git revision and the work tree, on a CPU.
+
+A refactor that should not change what runs on the device (splitting a kernel into device
+functions, renaming, moving helpers) can be checked without a GPU: compile each kernel of the
+compile check (``tests/kernels/test_fa3_compile.py``, both integer widths) at ``REV`` and in the
+work tree, and compare the instructions, opcode and operand shape, count for count. Register
+names, labels, debug lines and instruction order are ignored: ``ptxas`` schedules anyway.
+
+    python3 scripts/ptx_compare.py [REV]        # default REV: HEAD
+
+Prints ``same`` or the differing instruction counts per (kernel, configuration); exits 1 when
+any kernel differs. A difference is not a bug, but it needs a GPU measurement before landing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_COMPILE = r"""
+import json, os, re, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+import triton
+from importlib import import_module
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+out = {}
+for module, name, consts, ptr_types in json.loads(sys.argv[2]):
+    path = "specmeta." + (module if "." in module else "kernels." + module)
+    fn = getattr(import_module(path), name, None)
+    for scalar in ("i32", "i64"):
+        key = f"{module}.{name} {json.dumps(consts, sort_keys=True)} {scalar}"
+        if fn is None:
+            out[key] = "MISSING"
+            continue
+        sig = {}
+        for p in fn.params:
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+            elif p.name in ptr_types or (p.name.endswith("_ptr") and not p.name.startswith("stride")):
+                sig[p.name] = "*" + ptr_types.get(p.name, "i32")
+            else:
+                sig[p.name] = scalar
+        names = list(sig)
+        constexprs = {(names.index(c),): v for c, v in consts.items()}
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                    target=GPUTarget("cuda", 90, 32))
+            out[key] = kernel.asm["ptx"]
+        except Exception as exc:
+            out[key] = f"COMPILE ERROR {exc}"
+print(json.dumps(out))
+"""
+
+
+def _instructions(ptx: str) -> collections.Counter:
+    """Instructions with registers and labels named generically."""
+    ops = collections.Counter()
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.endswith(":") or line.startswith((".", "{", "}", "(", ")", "//")):
+            continue
+        line = re.sub(r"%\w+?\d+", "R", line)
+        line = re.sub(r"\$L__\w+", "L", line)
+        ops[line] += 1
+    return ops
+
+
+def _ptx(package_root: Path, kernels: list) -> dict[str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(package_root), json.dumps(kernels)],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", nargs="?", default="HEAD")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from tests.kernels.test_fa3_compile import KERNELS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.rev, "specmeta"],
+                                 capture_output=True, check=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        before = _ptx(Path(tmp), KERNELS)
+    after = _ptx(ROOT, KERNELS)
+    differ = 0
+    for key in sorted(set(before) | set(after)):
+        a, b = _instructions(before.get(key, "")), _instructions(after.get(key, ""))
+        if "MISSING" in (before.get(key), after.get(key)):
+            print(f"new      {key}" if before.get(key) == "MISSING" else f"gone     {key}")
+        elif a == b:
+            print(f"same     {key}")
+        else:
+            differ += 1
+            print(f"DIFFERS  {key}: {sum((a - b).values())} only at {args.rev}, "
+                  f"{sum((b - a).values())} only in the work tree")  # fmt: skip
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
