@@ -89,7 +89,7 @@ def test_tests_import_shared_support_only():
     for path in sorted(tests_root.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
-                if node.module not in allowed:
-                    offending.append(f"{path.relative_to(tests_root)}: from {node.module}")
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            if (module or "").startswith("tests.") and module not in allowed:
+                offending.append(f"{path.relative_to(tests_root)}: from {module}")
     assert not offending, offending
