@@ -252,8 +252,8 @@ def _prefix_page_table_kernel(
     WRITE_CU: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` runs
-    :func:`prefix_page_table_program`."""
+    """Grid ``(B + 1, chunk_programs)``: program ``(b, c)`` runs
+    :func:`prefix_page_table_program` (row ``B`` writes ``cu_seqlens_k``)."""
     prefix_page_table_program(
         tl.program_id(0),
         tl.program_id(1),
