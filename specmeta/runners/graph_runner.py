@@ -399,6 +399,17 @@ class GraphRunner:
             raise ValueError("a typed runner returns its build's results; declare no outputs")
         for bp in self.batch_sizes:
             self._views[bp] = {n: s.buffer[: bp * s.per_request] for n, s in self._inputs.items()}
+        # Host mirrors are copied on the CPU and may come in any dtype; device inputs must match
+        # the captured buffer exactly.
+        self._expected = {
+            mirrors: [
+                (n, f"{what}[{n!r}]", _DTYPES if mirrors else (s.buffer.dtype,), s.per_request,
+                 s.buffer.shape[1:])
+                for n, s in self._inputs.items()
+                if not mirrors or s.mirror is not None
+            ]
+            for mirrors, what in ((False, "inputs"), (True, "host_inputs"))
+        }  # fmt: skip
         self._layout = self._signature()
         if not self.graphs:
             return
@@ -533,26 +544,24 @@ class GraphRunner:
     # Steps
     # ----------------------------------------------------------------------------------------
     def _check_inputs(self, what, B, given, device, *, mirrors):
-        expected = [n for n, s in self._inputs.items() if not mirrors or s.mirror is not None]
+        # (name, label, dtypes, per_request, row shape) of each expected input, made at capture.
+        expected = self._expected[mirrors]
         if not isinstance(given, Mapping):
             raise TypeError(f"{what} must be a mapping of name to tensor")
-        missing = [n for n in expected if n not in given]
-        unknown = [n for n in given if n not in expected]
-        if missing or unknown:
+        if len(given) != len(expected) or any(e[0] not in given for e in expected):
+            names = [e[0] for e in expected]
+            missing = [n for n in names if n not in given]
+            unknown = [n for n in given if n not in names]
             raise ValueError(f"{what}: missing {missing}, unexpected {unknown}; expected exactly "
-                             f"{expected}")  # fmt: skip
+                             f"{names}")  # fmt: skip
         out = {}
-        for name in expected:
-            spec, t = self._inputs[name], given[name]
-            label = f"{what}[{name!r}]"
-            # Host mirrors are copied on the CPU and may come in any dtype; device inputs must
-            # match the captured buffer exactly.
-            dtypes = _DTYPES if mirrors else (spec.buffer.dtype,)
+        for name, label, dtypes, per_request, row_shape in expected:
+            t = given[name]
             validate.tensor(label, t, dtypes=dtypes, device=device, contiguous_last=False)
-            shape = (B * spec.per_request, *spec.row_shape)
-            if tuple(t.shape) != shape:
+            if t.shape[0] != B * per_request or t.shape[1:] != row_shape:
+                shape = (B * per_request, *row_shape)
                 raise ValueError(f"{label} must have shape {shape} (batch_size={B} x per_request="
-                                 f"{spec.per_request}), got {tuple(t.shape)}")  # fmt: skip
+                                 f"{per_request}), got {tuple(t.shape)}")  # fmt: skip
             out[name] = t if t.is_contiguous() else t.contiguous()
         return out
 
