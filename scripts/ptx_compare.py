@@ -26,42 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_COMPILE = r"""
-import json, os, re, sys
-os.environ["TRITON_INTERPRET"] = "0"
-sys.path.insert(0, sys.argv[1])
-import triton
-from importlib import import_module
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-out = {}
-for module, name, consts, ptr_types in json.loads(sys.argv[2]):
-    path = "specmeta." + (module if "." in module else "kernels." + module)
-    fn = getattr(import_module(path), name, None)
-    for scalar in ("i32", "i64"):
-        key = f"{module}.{name} {json.dumps(consts, sort_keys=True)} {scalar}"
-        if fn is None:
-            out[key] = "MISSING"
-            continue
-        sig = {}
-        for p in fn.params:
-            if p.is_constexpr:
-                sig[p.name] = "constexpr"
-            elif p.name in ptr_types or (p.name.endswith("_ptr") and not p.name.startswith("stride")):
-                sig[p.name] = "*" + ptr_types.get(p.name, "i32")
-            else:
-                sig[p.name] = scalar
-        names = list(sig)
-        constexprs = {(names.index(c),): v for c, v in consts.items()}
-        try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                                    target=GPUTarget("cuda", 90, 32))
-            out[key] = kernel.asm["ptx"]
-        except Exception as exc:
-            out[key] = f"COMPILE ERROR {exc}"
-print(json.dumps(out))
-"""
 
 
 def _instructions(ptx: str) -> collections.Counter:
@@ -78,8 +42,10 @@ def _instructions(ptx: str) -> collections.Counter:
 
 
 def _ptx(package_root: Path, kernels: list) -> dict[str, str]:
+    from tests.kernels.test_fa3_compile import COMPILE_SCRIPT
+
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(package_root), json.dumps(kernels)],
+        [sys.executable, "-c", COMPILE_SCRIPT, json.dumps(kernels), str(package_root)],
         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )  # fmt: skip
     return json.loads(proc.stdout.strip().splitlines()[-1])

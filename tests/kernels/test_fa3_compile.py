@@ -90,19 +90,29 @@ KERNELS = [
           dst3="i64")),
 ]  # fmt: skip
 
-_SCRIPT = textwrap.dedent(
+#: Compiles every kernel of ``KERNELS`` (argv[1], JSON) for sm_90, from the package under
+#: argv[2] (default: the installed one), and prints ``{"<kernel> <consts> <scalars>": PTX or
+#: "COMPILE ERROR ..."}`` as JSON. ``scripts/ptx_compare.py`` runs it too.
+COMPILE_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "0"
+    if len(sys.argv) > 2:
+        sys.path.insert(0, sys.argv[2])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from importlib import import_module  # the package re-exports functions of the same names
 
-    failures = []
+    out = {}
     for module, name, consts, ptr_types in json.loads(sys.argv[1]):
-        fn = getattr(import_module("specmeta." + (module if "." in module else "kernels." + module)), name)
+        path = "specmeta." + (module if "." in module else "kernels." + module)
+        fn = getattr(import_module(path), name, None)
         for scalar in ("i32", "i64"):
+            key = f"{module}.{name} {json.dumps(consts, sort_keys=True)} {scalar}"
+            if fn is None:
+                out[key] = "MISSING"
+                continue
             sig = {}
             for p in fn.params:
                 if p.is_constexpr:
@@ -113,13 +123,13 @@ _SCRIPT = textwrap.dedent(
                     sig[p.name] = scalar
             names = list(sig)
             constexprs = {(names.index(c),): v for c, v in consts.items()}
-            try:
+            try:  # report every kernel that fails, not only the first
                 kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                                         target=GPUTarget("cuda", 90, 32))
-                assert "ptx" in kernel.asm
-            except Exception as exc:  # report every kernel that fails, not only the first
-                failures.append(f"{module}.{name} {consts} ({scalar} scalars): {exc}")
-    assert not failures, " | ".join(failures)
+                out[key] = kernel.asm.get("ptx") or "COMPILE ERROR: no PTX"
+            except Exception as exc:
+                out[key] = f"COMPILE ERROR: {exc}"
+    print(json.dumps(out))
     """
 )
 
@@ -147,6 +157,10 @@ def test_the_list_names_every_kernel():
 
 def test_kernels_compile_for_sm90(device):
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, json.dumps(KERNELS)], capture_output=True, text=True
+        [sys.executable, "-c", COMPILE_SCRIPT, json.dumps(KERNELS)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(ptx) == 2 * len(KERNELS)
+    failures = [f"{key}: {text[:300]}" for key, text in ptx.items() if not text.startswith("//")]
+    assert not failures, " | ".join(failures)
