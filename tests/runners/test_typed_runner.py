@@ -99,7 +99,10 @@ def _compare(got: dict, want: dict, cfg, B, total):
         assert_equal(gf.kv_indices[:used], wf.kv_indices[:used], f"fi kv_indices[{s}] (B={B})")
 
 
-def _run_sequence(runner, stage, eager, cfg, gen, device):
+def _run_sequence(runner, stage, eager, cfg, gen, device) -> set[int]:
+    """Run the batch sequence, each run compared with the eager stage; returns the buckets
+    the runs replayed."""
+    buckets = set()
     for B in SEQUENCE:
         batch = make_batch("random", batch_size=B, topk=cfg.topk, num_steps=cfg.num_steps,
                            page_size=cfg.page_size, row_width=cfg.req_to_token_width,
@@ -112,10 +115,12 @@ def _run_sequence(runner, stage, eager, cfg, gen, device):
                              "seq_lens": batch.seq_lens},
                          host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=False)  # fmt: skip
         assert res.batch_size == B and res.padded_batch_size == runner.bucket(B)
+        buckets.add(res.padded_batch_size)
         host = {"seq_lens": batch.seq_lens_cpu}
         inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
         want = eager.build(StageBatch(inputs, host, True))
         _compare(res.results, want, cfg, B, batch.seq_lens_sum)
+    return buckets
 
 
 @pytest.mark.parametrize("k,ps", [(2, 4), (1, 1), (4, 16)])
@@ -124,7 +129,7 @@ def test_typed_runner_results_equal_eager_builders(device, gen, k, ps):
     table = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int64, device=device)
     runner, stage = _typed_runner(cfg, device, table)
     eager = Stage(cfg, device, table)
-    _run_sequence(runner, stage, eager, cfg, gen, device)
+    assert _run_sequence(runner, stage, eager, cfg, gen, device) == set(BUCKETS)
 
 
 def test_typed_runner_declares_no_outputs_and_copies_nothing(device):
@@ -167,7 +172,7 @@ def test_gpu_typed_runner_replays_equal_eager_and_do_not_sync(gen, k, ps):
     table = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int64, device="cuda")
     runner, stage = _typed_runner(cfg, "cuda", table, graphs=True)
     eager = Stage(cfg, "cuda", table)
-    _run_sequence(runner, stage, eager, cfg, gen, "cuda")
+    assert _run_sequence(runner, stage, eager, cfg, gen, "cuda") == set(BUCKETS)
     rpi = torch.ones(3, dtype=torch.int64, device="cuda")
     lens = torch.full((3,), 3, dtype=torch.int64, device="cuda")
     lens_cpu = lens.cpu()
@@ -175,7 +180,8 @@ def test_gpu_typed_runner_replays_equal_eager_and_do_not_sync(gen, k, ps):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            runner.run(3, {"req_pool_indices": rpi, "seq_lens": lens},
-                       host_inputs={"seq_lens": lens_cpu}, copy=False)  # fmt: skip
+            res = runner.run(3, {"req_pool_indices": rpi, "seq_lens": lens},
+                             host_inputs={"seq_lens": lens_cpu}, copy=False)  # fmt: skip
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert res.results["fa3"][0].normal.cache_seqlens.shape[0] == 3
