@@ -77,7 +77,8 @@ class Launcher:
         # no compiled handle: every call takes kernel[grid].
         params = getattr(kernel, "params", None)
         self._direct = params is not None
-        self.names = tuple(p.name for p in params or ())
+        names = [p.name for p in params] if params is not None else kernel.arg_names
+        self.names = tuple(names)
         # (constexpr, specialized on value, specialized on alignment) of each parameter
         kinds = [
             (
@@ -89,6 +90,17 @@ class Launcher:
         ]
         self._kinds = tuple(kinds)
         self._handles: dict = {}
+
+    def _bad_arguments(self, args: dict) -> None:
+        """Raise for arguments that are not exactly the kernel's (a launch path that only reads
+        the names it knows would ignore a misspelt one)."""
+        name = getattr(self.kernel, "__name__", "kernel")
+        missing = [n for n in self.names if n not in args]
+        unknown = [n for n in args if n not in self.names]
+        raise TypeError(
+            f"{name}: missing arguments {missing}, unexpected {unknown}; pass every parameter of "
+            f"the kernel by keyword: {', '.join(self.names)}"
+        )
 
     def _key(self, values: list, options: tuple) -> tuple:
         """Triton's specialization of ``values`` (see the module docstring), as a tuple."""
@@ -115,6 +127,8 @@ class Launcher:
             options["num_warps"] = num_warps
         if num_stages is not None:
             options["num_stages"] = num_stages
+        if len(args) != len(self.names) or not all(n in args for n in self.names):
+            self._bad_arguments(args)
         if not self._direct or _hooks_installed():
             self.kernel[grid](**args, **options)
             return

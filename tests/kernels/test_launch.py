@@ -49,6 +49,17 @@ def test_launcher_by_keyword_matches_torch(device, gen):
     assert torch.equal(out, _expected(x, n, 3, 2, True)), f"n={n}"
 
 
+def test_launcher_rejects_missing_and_misspelt_arguments(device):
+    x = torch.arange(8, dtype=torch.int64, device=device)
+    out = torch.zeros_like(x)
+    kw = dict(x_ptr=x, out_ptr=out, n=8, plain=0, scale=2, BLOCK=8, ADD=False)
+    with pytest.raises(TypeError, match=r"missing arguments \['scale'\], unexpected \['scal'\]"):
+        _affine((1,), **{**{k: v for k, v in kw.items() if k != "scale"}, "scal": 2})
+    with pytest.raises(TypeError, match=r"missing arguments \['ADD'\], unexpected \[\]"):
+        _affine((1,), **{k: v for k, v in kw.items() if k != "ADD"})
+    assert not out.any(), "nothing was launched"
+
+
 def _fake(*params):
     """A stand-in JIT function with the given (name, constexpr, do_not_specialize, no-align)."""
     return types.SimpleNamespace(
