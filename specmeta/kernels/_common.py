@@ -198,15 +198,20 @@ def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = No
     """CSR offsets of per-branch lists: ``[rows, B·K + 1]``, where list ``z = b·K + t`` of row
     ``s`` holds ``lengths[s, b]`` entries (every branch of a request as long as the others),
     so ``offsets[s, z] = K·Σ_{b'<b} lengths[s, b'] + t·lengths[s, b]`` and the last column
-    closes the lists. Written into ``out[:rows, :B·K + 1]`` when given (any integer dtype);
-    plain torch on the lengths' device."""
+    closes the lists. Returned in int64, and also written into ``out[:rows, :B·K + 1]`` when
+    given (any integer dtype; a narrower one wraps as the kernels' stores do); plain torch on
+    the lengths' device."""
     rows, B = lengths.shape
+    validate.positive("topk", topk)
+    if out is not None:  # checked before anything is written
+        validate.tensor("out", out, ndim=2, contiguous_last=False)
+        validate.at_least("out", out.shape[0], rows, "rows")
+        validate.at_least("out", out.shape[1], B * topk + 1, "columns (B*topk + 1)")
     offsets = torch.zeros(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.repeat_interleave(topk, dim=1), 1, out=offsets[:, 1:])
-    if out is None:
-        return offsets
-    out[:rows, : B * topk + 1] = offsets
-    return out
+    if out is not None:
+        out[:rows, : B * topk + 1] = offsets
+    return offsets
 
 
 def draft_positions_ref(

@@ -318,10 +318,12 @@ def branch_kv_indptr(
     host mirrors call it on ``seq_lens_cpu``. Returns the offsets in int64 (an int32
     ``kv_indptr`` wraps past 2**31, as the kernel's does; the reference places lists by these)."""
     L = seq_lens.to(torch.int64).clamp_min(0)
-    steps = torch.arange(rows, device=L.device).view(-1, 1)
-    offsets = list_offsets((L.view(1, -1) + steps + page_size) // page_size, topk)
     B = L.shape[0]
-    kv_indptr[:rows, : B * topk + 1] = offsets
+    validate.tensor("kv_last_page_len", kv_last_page_len, ndim=2, contiguous_last=False)
+    validate.at_least("kv_last_page_len", kv_last_page_len.shape[0], rows, "rows")
+    validate.at_least("kv_last_page_len", kv_last_page_len.shape[1], B * topk, "columns")
+    steps = torch.arange(rows, device=L.device).view(-1, 1)
+    offsets = list_offsets((L.view(1, -1) + steps + page_size) // page_size, topk, kv_indptr)
     last = (L.view(1, -1) + steps) % page_size + 1
     kv_last_page_len[:rows, : B * topk] = last.repeat_interleave(topk, dim=1)
     return offsets

@@ -239,8 +239,16 @@ def copy_pad_many(
     checked as :func:`copy_pad` checks its arguments, all on one device. The graph runner pads
     every static input of a call with one launch."""
     prepared = []
-    for src, dst, pad in pairs:
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple) or len(pair) != 3:
+            raise TypeError(f"pairs[{i}] must be a (src, dst, pad) tuple, got {pair!r:.80}")
+        src, dst, pad = pair
         value, n_src = _prepare(src, dst, pad)
+        if prepared and dst.device != prepared[0][1].device:
+            raise ValueError(
+                f"pairs[{i}]: dst is on {dst.device}, pairs[0]'s on {prepared[0][1].device}; "
+                "one launch pads buffers of one device: call copy_pad_many once per device"
+            )
         prepared.append((src if n_src else dst, dst, n_src, dst.numel(), value))
     for start in range(0, len(prepared), MANY):
         group = prepared[start : start + MANY]

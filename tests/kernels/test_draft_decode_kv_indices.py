@@ -194,3 +194,22 @@ def test_capacity_checked_before_launch(device, gen):
                                 kv_indices=torch.zeros(3, 4096, dtype=torch.float32, device=device))  # fmt: skip
     with pytest.raises(TypeError, match="seq_lens_sum"):
         draft_decode_kv_indices(*args, topk=2, num_steps=3, seq_lens_sum=torch.tensor(5))
+
+
+def test_host_indptr_helpers_reject_a_small_buffer_before_writing(device):
+    """The torch helpers the FlashInfer mirrors call write into buffers they are given: a
+    buffer too small is refused, naming it, before anything is written."""
+    from specmeta.kernels.branch_kv_indices import branch_kv_indptr
+    from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indptr
+
+    lens = torch.tensor([3, 5], dtype=torch.int64)
+    small = torch.full((2, 4), -1, dtype=torch.int32)  # B·K + 1 = 5 columns needed
+    with pytest.raises(ValueError, match=r"out is too small: need 5 columns"):
+        draft_decode_kv_indptr(lens, 2, 2, out=small)
+    ptr = torch.full((2, 5), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_last_page_len is too small: need 4 columns"):
+        branch_kv_indptr(lens, 2, 2, 4, ptr, torch.full((2, 3), -1, dtype=torch.int32))
+    assert small.eq(-1).all() and ptr.eq(-1).all(), "nothing was written"
+    # And the values themselves: list b·K + t of step s holds L_b + s + 1 entries.
+    got = draft_decode_kv_indptr(lens, 2, 2)
+    assert got.tolist() == [[0, 4, 8, 14, 20], [0, 5, 10, 17, 24]]

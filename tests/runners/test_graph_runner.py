@@ -409,6 +409,18 @@ def test_copy_pad_many_matches_copy_pad_ref_per_buffer(device, gen, count):
         assert_equal(got, want, f"buffer {i} of {count}")
 
 
+def test_copy_pad_many_rejects_bad_arguments(device):
+    dst = torch.zeros(4, dtype=torch.int64, device=device)
+    src = torch.ones(2, dtype=torch.int64, device=device)
+    with pytest.raises(TypeError, match=r"pairs\[1\] must be a \(src, dst, pad\) tuple"):
+        copy_pad_many([(src, dst, 0), (src, dst)])
+    with pytest.raises(TypeError, match="src must be int64"):
+        copy_pad_many([(src, dst, 0), (src.int(), dst.clone(), 0)])
+    with pytest.raises(ValueError, match="dst is too small"):
+        copy_pad_many([(torch.ones(5, dtype=torch.int64, device=device), dst, 0)])
+    assert not dst.any(), "nothing was written"
+
+
 def test_copy_pad_rejects_bad_arguments(device):
     dst = torch.zeros(4, 3, dtype=torch.int64, device=device)
     with pytest.raises(TypeError, match="src must be int64"):
