@@ -494,7 +494,10 @@ class GraphRunner:
             for name, spec in self._inputs.items():
                 if spec.probe is not None:
                     spec.probe(raw[name], label=f"runner input {name!r}")
-        host = self._pad_host(B, bp, host_raw)
+        # A typed runner's replays read no padded mirror (its builders describe B from the raw
+        # host values), so only a host function or the uncaptured path needs them.
+        needs_mirrors = not (self.typed and self.graphs) or self._host is not None
+        host = self._pad_host(B, bp, host_raw) if needs_mirrors else {}
         results = None
         if self.typed:
             if copy:
