@@ -6,7 +6,8 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 
 * **Status bits** as ``tl.constexpr`` globals (kernels read only constexpr globals), equal to
   :class:`specmeta.status.Status` by construction.
-* **Host checks and grid sizing**: :func:`check_batch`, :func:`target_programs`,
+* **Host checks, launch keywords and grid sizing**: :func:`check_batch`,
+  :func:`batch_arguments`, :func:`target_programs`,
   :func:`chunk_programs`, :func:`vector_widths`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
@@ -52,6 +53,23 @@ def check_batch(
     validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
     validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
     return req_pool_indices.shape[0], device
+
+
+def batch_arguments(
+    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, seq_lens: torch.Tensor
+) -> dict:
+    """The launch keywords of the batch triple (checked by :func:`check_batch`) that every
+    row-reading kernel takes under the same names: its three pointers, ``B``, ``R``, ``W_row``
+    and ``stride_row``."""
+    return dict(
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        seq_lens_ptr=seq_lens,
+        B=req_pool_indices.shape[0],
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+    )
 
 
 @functools.lru_cache(maxsize=32)

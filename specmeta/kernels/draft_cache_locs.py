@@ -25,6 +25,7 @@ from ..status import Status
 from ._common import (
     POS_OOB,
     ROW_OOB,
+    batch_arguments,
     check_batch,
     draft_positions_ref,
     draft_slot_position,
@@ -164,16 +165,10 @@ def assign_draft_cache_locs(
         return out_cache_loc
     _assign_draft_cache_locs_launch(
         (B,),
-        req_pool_indices_ptr=req_pool_indices,
-        req_to_token_ptr=req_to_token,
-        seq_lens_ptr=seq_lens,
+        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         out_cache_loc_ptr=out_cache_loc,
         positions_ptr=positions if positions is not None else out_cache_loc,
         status_ptr=status,
-        B=B,
-        R=req_to_token.shape[0],
-        W_row=req_to_token.shape[1],
-        stride_row=req_to_token.stride(0),
         page_size=page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,
@@ -298,16 +293,10 @@ def prefix_tail_copy_pairs(
         return tgt, src
     _prefix_tail_copy_pairs_launch(
         (B,),
-        req_pool_indices_ptr=req_pool_indices,
-        req_to_token_ptr=req_to_token,
-        seq_lens_ptr=seq_lens,
+        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tgt_ptr=tgt,
         src_ptr=src,
         status_ptr=status,
-        B=B,
-        R=req_to_token.shape[0],
-        W_row=req_to_token.shape[1],
-        stride_row=req_to_token.stride(0),
         page_size=page_size,
         TOPK=topk,
         NUM_STEPS=num_steps,

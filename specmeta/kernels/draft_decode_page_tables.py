@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..launch import Launcher, next_power_of_2
-from ._common import chunk_programs, vector_widths
+from ._common import batch_arguments, chunk_programs, vector_widths
 from .expand_page_table import (
     expand_page_table_program,
     expand_page_table_ref,
@@ -295,9 +295,7 @@ def draft_decode_page_tables(
     grid = (B + 1, normal_programs + (1 if rows > 0 else 0))
     _draft_decode_page_tables_launch(
         grid,
-        req_pool_indices_ptr=req_pool_indices,
-        req_to_token_ptr=req_to_token,
-        seq_lens_ptr=seq_lens,
+        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         out_cache_loc_ptr=out_cache_loc,
         page_table_ptr=page_table,
         cache_seqlens_ptr=cache_seqlens,
@@ -306,10 +304,6 @@ def draft_decode_page_tables(
         expand_cache_seqlens_ptr=expand_cache_seqlens,
         expand_cu_seqlens_k_ptr=expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
         status_ptr=status,
-        B=B,
-        R=req_to_token.shape[0],
-        W_row=req_to_token.shape[1],
-        stride_row=req_to_token.stride(0),
         W=W,
         stride_pt=page_table.stride(0),
         chunk_programs=normal_programs,

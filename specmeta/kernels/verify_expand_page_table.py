@@ -22,7 +22,15 @@ import triton.language as tl
 from .. import validate
 from ..launch import Launcher, next_power_of_2
 from ..status import Status
-from ._common import POOL_OOB, POS_OOB, ROW_OOB, check_batch, gather_rows_ref, load_request
+from ._common import (
+    POOL_OOB,
+    POS_OOB,
+    ROW_OOB,
+    batch_arguments,
+    check_batch,
+    gather_rows_ref,
+    load_request,
+)
 
 __all__ = ["verify_expand_page_table", "verify_expand_page_table_ref"]
 
@@ -188,18 +196,12 @@ def verify_expand_page_table(
     W = page_table.shape[1]
     _verify_expand_page_table_launch(
         (max(B, 1),),
-        req_pool_indices_ptr=req_pool_indices,
-        req_to_token_ptr=req_to_token,
-        seq_lens_ptr=seq_lens,
+        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tree_mask_ptr=mask,
         page_table_ptr=page_table,
         cache_seqlens_ptr=cache_seqlens,
         cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
         status_ptr=status,
-        B=B,
-        R=req_to_token.shape[0],
-        W_row=req_to_token.shape[1],
-        stride_row=req_to_token.stride(0),
         N=N,
         W=W,
         stride_pt=page_table.stride(0),
