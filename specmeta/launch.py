@@ -127,12 +127,17 @@ class Launcher:
             options["num_warps"] = num_warps
         if num_stages is not None:
             options["num_stages"] = num_stages
-        if len(args) != len(self.names) or not all(n in args for n in self.names):
+        if len(args) != len(self.names):
             self._bad_arguments(args)
         if not self._direct or _hooks_installed():
+            if not all(n in args for n in self.names):
+                self._bad_arguments(args)
             self.kernel[grid](**args, **options)
             return
-        values = [args[n] for n in self.names]
+        try:  # as many arguments as names: a missing name means a misspelt one
+            values = [args[n] for n in self.names]
+        except KeyError:
+            self._bad_arguments(args)
         device = torch._C._cuda_getDevice()
         key = self._key(values, (device, num_warps, num_stages))
         handle = self._handles.get(key)
