@@ -2,7 +2,7 @@
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
 # Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
-#                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
+#                             [lossless[=<pytest -k expr>]] [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
 # `kernels` installs the real attention kernels staged by scripts/gpu_kernels.sh (or finds them
 # installed) and puts them on PYTHONPATH for the stages after it; once it has, a skipped
 # real-kernel test fails the visit. Full logs go under $OUT (or ./.device-out); a short table is
@@ -75,6 +75,23 @@ PY
       verdict=""
       [ "$kernels" = 1 ] && [ "$n_real" != 0 ] && verdict=" FAILED: real-kernel tests skipped"
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")$verdict")
+      ;;
+    lossless|lossless=*)
+      # test_lossless_gpu, sharded over LOSSLESS_WORKERS processes on the one GPU (the tiny
+      # model leaves it mostly idle); each shard writes its own log and junit file.
+      sel=${stage#lossless}; sel=${sel#=}
+      ids=$(python3 -m pytest -q --collect-only tests/testing/test_lossless.py \
+        -k "test_lossless_gpu${sel:+ and ($sel)}" 2>/dev/null | grep '::')
+      n=${LOSSLESS_WORKERS:-4}
+      for w in $(seq 0 $((n - 1))); do
+        shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
+        [ -n "$shard" ] || continue
+        timeout 560 python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
+          > "$OUT/lossless_$w.log" 2>&1 &
+      done
+      wait
+      tail -q -n 1 "$OUT"/lossless_*.log
+      summary+=("lossless gpu: $(tail -q -n 1 "$OUT"/lossless_*.log | tr '\n' ' ')")
       ;;
     sanitize|sanitize=*)
       paths=${stage#sanitize}; paths=${paths#=}; paths=${paths//,/ }
