@@ -62,6 +62,66 @@ def _hooks_installed() -> bool:
     )
 
 
+def _options(num_warps: int | None, num_stages: int | None) -> dict:
+    """The launch options given (Triton's defaults for the rest)."""
+    options = {}
+    if num_warps is not None:
+        options["num_warps"] = num_warps
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    return options
+
+
+class _OtherTypes(Exception):
+    """A call's argument types differ from those the fast key was written for."""
+
+
+def _wide(v: int) -> str:
+    return "u64" if v >= _U64_LOW else "i64"
+
+
+def _key_function(kinds: tuple, values: list):
+    """A function ``key(options, *values)`` returning the specialization key of ``values`` as
+    one flat tuple, written out for the types of ``values`` (the first call's): per tensor its
+    dtype and (unless ``do_not_specialize_on_alignment``) 16-byte alignment; per int its width
+    and (unless ``do_not_specialize``) whether it is 1 and whether 16 divides it; per
+    constexpr its value. Any other slot (None, bool, float) keeps its generic entry. It raises
+    :class:`_OtherTypes` when a later call passes a tensor or an int where the first passed
+    another type, so the caller falls back to the generic key."""
+    args = [f"a{i}" for i in range(len(values))]
+    guards, parts = [], ["'fast'", "options"]
+    for a, v, (const, spec, align) in zip(args, values, kinds, strict=True):
+        if const:
+            parts.append(a)
+        elif isinstance(v, torch.Tensor):
+            guards.append(f"not isinstance({a}, _Tensor)")
+            parts.append(f"{a}.dtype")
+            if align:
+                parts.append(f"{a}.data_ptr() & 15 == 0")
+        elif v.__class__ is int:
+            guards.append(f"{a}.__class__ is not int")
+            parts.append(f"-2147483648 <= {a} < 2147483648 or _wide({a})")
+            if spec:
+                parts.extend((f"{a} == 1", f"{a} & 15 == 0"))
+        else:
+            parts.append(f"_other({a}, {spec}, {align})")
+    body = f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else ""
+    src = f"def key(options, {', '.join(args)}):\n{body}    return ({', '.join(parts)},)\n"
+    scope = {"_Tensor": torch.Tensor, "_wide": _wide, "_other": _other, "_OtherTypes": _OtherTypes}
+    exec(src, scope)  # noqa: S102 - code written above from the kernel's parameter kinds
+    return scope["key"]
+
+
+def _other(v, spec: bool, align: bool):
+    """The generic key entry of one value whose slot is neither a tensor nor an int."""
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, align and v.data_ptr() & 15 == 0)
+    if v.__class__ is int:
+        wide = 0 if _I32_LOW <= v < _I32_HIGH else (2 if v >= _U64_LOW else 1)
+        return (wide, v == 1, v & 15 == 0) if spec else wide
+    return v if v is None or v.__class__ is bool else v.__class__
+
+
 class Launcher:
     """Launch one ``@triton.jit`` kernel, by keyword: ``launcher(grid, name=value, ...)``.
 
@@ -90,6 +150,7 @@ class Launcher:
         ]
         self._kinds = tuple(kinds)
         self._handles: dict = {}
+        self._fast_key = None
 
     def _bad_arguments(self, args: dict) -> None:
         """Raise for arguments that are not exactly the kernel's (a launch path that only reads
@@ -102,9 +163,9 @@ class Launcher:
             f"the kernel by keyword: {', '.join(self.names)}"
         )
 
-    def _key(self, values: list, options: tuple) -> tuple:
-        """Triton's specialization of ``values`` (see the module docstring), as a tuple."""
-        key = [options]
+    def _generic_key(self, values: list, options: tuple) -> tuple:
+        """Triton's specialization of ``values`` (see the module docstring), for any values."""
+        key = ["generic", options]
         for v, (const, spec, align) in zip(values, self._kinds, strict=True):
             if const:
                 key.append(v)
@@ -119,20 +180,26 @@ class Launcher:
                 key.append(v if v is None or v.__class__ is bool else v.__class__)
         return tuple(key)
 
+    def _key(self, values: list, options: tuple) -> tuple:
+        """The same specialization as :meth:`_generic_key`, computed by straight-line code
+        written for the argument types of this launcher's first call (a tensor or an int in
+        each slot; a call that passes another type falls back to the generic key)."""
+        if self._fast_key is None:
+            self._fast_key = _key_function(self._kinds, values)
+        try:
+            return self._fast_key(options, *values)
+        except _OtherTypes:
+            return self._generic_key(values, options)
+
     def __call__(self, grid, /, *, num_warps: int | None = None, num_stages: int | None = None,
                  **args) -> None:  # fmt: skip
         """Launch on ``grid`` (a tuple of 1–3 ints) with every kernel argument by keyword."""
-        options = {}
-        if num_warps is not None:
-            options["num_warps"] = num_warps
-        if num_stages is not None:
-            options["num_stages"] = num_stages
         if len(args) != len(self.names):
             self._bad_arguments(args)
         if not self._direct or _hooks_installed():
             if not all(n in args for n in self.names):
                 self._bad_arguments(args)
-            self.kernel[grid](**args, **options)
+            self.kernel[grid](**args, **_options(num_warps, num_stages))
             return
         try:  # as many arguments as names: a missing name means a misspelt one
             values = [args[n] for n in self.names]
@@ -143,7 +210,7 @@ class Launcher:
         handle = self._handles.get(key)
         if handle is None:
             # Triton's own launch compiles (or loads) this specialization and launches it.
-            compiled = self.kernel[grid](**args, **options)
+            compiled = self.kernel[grid](**args, **_options(num_warps, num_stages))
             self._handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         run, function, metadata = handle
