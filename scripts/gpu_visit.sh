@@ -2,7 +2,8 @@
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
 # Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
-#                             [lossless[=<pytest -k expr>]] [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
+#                             [lossless[=<pytest -k expr>]] [mutations-gpu]
+#                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
 # `kernels` installs the real attention kernels staged by scripts/gpu_kernels.sh (or finds them
 # installed) and puts them on PYTHONPATH for the stages after it; once it has, a skipped
 # real-kernel test fails the visit. Full logs go under $OUT (or ./.device-out); a short table is
@@ -92,6 +93,17 @@ PY
       wait
       tail -q -n 1 "$OUT"/lossless_*.log
       summary+=("lossless gpu: $(tail -q -n 1 "$OUT"/lossless_*.log | tr '\n' ' ')")
+      ;;
+    mutations-gpu)
+      # The gpu=True mutations of scripts/mutations.py, races the interpreter cannot show (the
+      # move kernel without its barrier): each is planted in a copy of the tree and its GPU
+      # tests run there. Every mutation "caught" (exit 0) is a pass; "missed" means the GPU
+      # tier would not notice that bug. No racecheck stage: compute-sanitizer's racecheck sees
+      # shared-memory hazards only, and the move's hazard is between global loads and stores.
+      timeout 540 python3 scripts/mutations.py --gpu-only > "$OUT/mutations_gpu.log" 2>&1
+      rc=$?
+      tail -n 6 "$OUT/mutations_gpu.log"
+      summary+=("mutations (gpu): rc=$rc; $(tail -n 1 "$OUT/mutations_gpu.log")")
       ;;
     sanitize|sanitize=*)
       paths=${stage#sanitize}; paths=${paths#=}; paths=${paths//,/ }

@@ -626,6 +626,99 @@ def _check_gpu_move(bufs, tgt, src, *, ordered):
         assert int(status) == int(ref_status) == int(Status.POOL_OOB)
 
 
+# The race the barrier prevents (issue 17): without it, a warp that has loaded its sources may
+# store its targets before another warp of the same program has loaded a source that is one of
+# those targets. The CPU interpreter runs a program's lanes in lock step and cannot show it.
+# Here every target is another pair's source, the pairs sit in one program's tile (so reader
+# and writer are almost always different warps), rows are 4 KiB over 64 buffers (many vector
+# loads per thread, so a warp's loads stay in flight long after the first warps store), and
+# the "one_group" cases make each program walk every buffer: with no barrier in the loop, warps
+# drift apart by whole iterations and a fast warp's stores land before a slow warp's loads.
+_RACE_BUFFERS = 64  # K and V of 32 layers
+_RACE_ROW_BYTES = 4096  # 8-byte words, 16-byte vectors: 16 loads a thread in the wide tile
+_RACE_DRAWS = 4  # pair lists, each with its own reference
+_RACE_LAUNCHES = 25  # launches per pair list, each on a fresh copy of the pool
+_RACE_MAX_SHIFT = 64  # ordered pairs: pair i reads the slot pair i + d writes, d in [1, 64]
+
+
+def _racy_pairs(P, n, gen, *, ordered):
+    """``n`` pairs over slots ``[1, P)`` where every target but a few is another pair's source.
+
+    Unordered: ``src`` is a random permutation of ``tgt`` (chains and cycles of every length;
+    a fixed point is a self-move). Ordered: pair ``i`` reads the slot that pair ``i + d_i``
+    writes, ``d_i`` in ``[1, _RACE_MAX_SHIFT]`` (past the end: an untouched slot), so the list
+    is ordered (no pair reads a slot an earlier pair writes) and its hazards lie within a block
+    and across neighbouring blocks."""
+    slots = torch.randperm(P - 1, generator=gen) + 1
+    tgt = slots[:n]
+    if ordered:
+        shift = torch.randint(1, _RACE_MAX_SHIFT + 1, (n,), generator=gen)
+        src = slots[torch.arange(n) + shift]
+    else:
+        src = tgt[torch.randperm(n, generator=gen)]
+    return tgt.clone(), src.clone()
+
+
+def _race_check(device, gen, *, n, ordered, addressing, buffers=_RACE_BUFFERS,
+                row_bytes=_RACE_ROW_BYTES, draws=_RACE_DRAWS, launches=_RACE_LAUNCHES):  # fmt: skip
+    """Move ``draws`` racy pair lists ``launches`` times each over a fresh copy of the pool and
+    compare every result exactly with the reference; the failure counts the launches that moved
+    a stale row and names the first stale row."""
+    P = n + _RACE_MAX_SHIFT + 64
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    # One allocation holds every buffer: one copy restores the pool, one compare checks it.
+    original = torch.randint(0, 256, (buffers, P, row_bytes), generator=dgen, dtype=torch.uint8,
+                             device=device)  # fmt: skip
+    work = torch.empty_like(original)
+    pool = KVPool(list(work), addressing=addressing)
+    status = new_status(device)
+    stale, first = 0, None
+    for _ in range(draws):
+        tgt, src = (t.to(device) for t in _racy_pairs(P, n, gen, ordered=ordered))
+        want = original.clone()
+        move_kv_cache_ref(list(want), tgt, src, ordered=ordered)
+        for _ in range(launches):
+            work.copy_(original)
+            move_kv_cache(pool, tgt, src, ordered=ordered, status=status)
+            if torch.equal(work, want):
+                continue
+            stale += 1
+            if first is None:
+                b, row = (work != want).any(dim=-1).nonzero()[0].tolist()
+                q = (tgt == row).nonzero().flatten().tolist()
+                pair = f" (pair {q[0]}: row {row} <- slot {int(src[q[0]])})" if q else ""
+                first = f"buffer {b} row {row}{pair}"
+    total = draws * launches
+    assert stale == 0, (
+        f"{stale} of {total} launches left a target row that is not its source's old value "
+        f"(a source read after another warp overwrote it?); first: {first}"
+    )
+    assert int(status) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "n,ordered,addressing,programs",
+    [(1024, False, "table", "default"),  # one block of 1024 pairs: the 16-warp, 128 KiB tile
+     (1024, False, "table", "one_group"),  # ... and every program walks all 64 buffers
+     (256, False, "table", "one_group"),  # the 8-warp, 32 KiB tile
+     (1024, False, "direct", "default"),  # one launch per buffer
+     (4096, True, "table", "default"),  # ordered: blocks walked in list order
+     (4096, True, "table", "one_group")],
+)  # fmt: skip
+def test_gpu_overlapping_moves_read_every_source_before_any_write(
+    gen, monkeypatch, n, ordered, addressing, programs
+):
+    """Stress for the read-before-write barrier: thousands of launches of pair lists whose
+    targets are other pairs' sources, each result exactly equal to the reference. With the
+    barrier deleted (``scripts/mutations.py --gpu-only``, mutation ``k-move-no-barrier``) reads
+    see already-overwritten rows and this test fails."""
+    if programs == "one_group":
+        monkeypatch.setattr(cache_loc_move, "_move_programs", lambda device, wide: 1)
+    _race_check(torch.device("cuda"), gen, n=n, ordered=ordered, addressing=addressing)
+
+
 @pytest.mark.gpu
 def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen):
     B, K, S, N = 64, 4, 3, 8
