@@ -2,27 +2,25 @@
 
 Each check draws inputs from the workload vocabulary (:mod:`specmeta.workloads`), runs the
 kernel and its pure-torch reference on the same device, and compares integers exactly. A check
-is a function ``(device, generator) -> CheckResult`` registered with :func:`register`.
+is a function ``(device, generator) -> CheckResult`` registered with :func:`register`: one per
+op of :data:`specmeta.registry.OPS` (the op's own workloads, the same table the tests use),
+then the CUDA-graph runner, the three metadata builders and the lossless loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from .config import draft_decode_kv_indices_need, uses_layout_b
-from .kernels.draft_cache_locs import (
-    assign_draft_cache_locs,
-    assign_draft_cache_locs_ref,
-    prefix_tail_copy_pairs,
-    prefix_tail_copy_pairs_ref,
-)
+from .config import draft_decode_kv_indices_need
+from .kernels.draft_cache_locs import assign_draft_cache_locs, assign_draft_cache_locs_ref
 from .kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .registry import OPS, Op, batches, tree_width
 from .status import new_status
-from .workloads import SHAPES, Batch, make_batch
+from .workloads import SHAPES, Batch
 
 __all__ = ["CheckResult", "CHECKS", "register", "run_checks"]
 
@@ -61,152 +59,31 @@ def register(name: str):
     return wrap
 
 
-# (K, S, ps) configurations every check sweeps: chains, trees, and both slot layouts.
-CONFIGS = ((1, 3, 1), (4, 3, 1), (2, 4, 4), (8, 2, 16), (3, 5, 64))
-
-
-def batches(device: torch.device, g: torch.Generator, extra_tokens: int = 0) -> Iterator[Batch]:
-    """One batch per (config, workload shape); rows sized for the prefix plus the drafts."""
-    for k, s, ps in CONFIGS:
-        row_width = -(-(40 + k * (s + ps) + extra_tokens + 2 * ps) // ps) * ps
-        for shape in SHAPES:
-            yield make_batch(shape, topk=k, num_steps=s, page_size=ps, row_width=row_width,
-                             generator=g, device=device, extra_tokens=extra_tokens)  # fmt: skip
-
-
 def _args(b: Batch):
     return (b.req_pool_indices, b.req_to_token, b.seq_lens)
 
 
-@register("assign_draft_cache_locs")
-def _check_assign(device: torch.device, g: torch.Generator) -> CheckResult:
-    res = CheckResult("assign_draft_cache_locs")
-    status = new_status(device)
-    for b in batches(device, g):
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-        n = b.batch_size * b.topk
-        pos, ref_pos = (torch.full((n,), -1, dtype=torch.int64, device=device) for _ in range(2))
-        got = assign_draft_cache_locs(*_args(b), positions=pos, status=status, **kw)
-        want = assign_draft_cache_locs_ref(*_args(b), positions=ref_pos, **kw)
-        res.compare("out_cache_loc", got, want, b.describe())
-        res.compare("positions", pos, ref_pos, b.describe())
-    res.status_bits |= int(status.item())
-    return res
+def _op_check(op: Op) -> Callable[[torch.device, torch.Generator], CheckResult]:
+    """The check of one registered op: its launcher against its reference on every case of the
+    sweep, every written output compared exactly."""
+
+    def check(device: torch.device, g: torch.Generator) -> CheckResult:
+        res = CheckResult(op.name)
+        status, ref_status = new_status(device), new_status(device)
+        for case in op.workloads(device, g):
+            got = op.run(op.launcher, case, status)
+            want = op.run(op.reference, case, ref_status)
+            for name, value in want.items():
+                res.compare(name, got[name], value, case.describe)
+        res.status_bits |= int(status.item())
+        return res
+
+    check.__doc__ = f"{op.name}: launcher against reference over the registry's workloads."
+    return check
 
 
-@register("prefix_tail_copy_pairs")
-def _check_pairs(device: torch.device, g: torch.Generator) -> CheckResult:
-    res = CheckResult("prefix_tail_copy_pairs")
-    status = new_status(device)
-    for b in batches(device, g):
-        if not uses_layout_b(b.topk, b.page_size):
-            continue
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-        got = prefix_tail_copy_pairs(*_args(b), status=status, **kw)
-        want = prefix_tail_copy_pairs_ref(*_args(b), **kw)
-        res.compare("tgt", got[0], want[0], b.describe())
-        res.compare("src", got[1], want[1], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("draft_decode_kv_indices")
-def _check_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
-    res = CheckResult("draft_decode_kv_indices")
-    status = new_status(device)
-    for b in batches(device, g):
-        rows = b.num_steps
-        need = draft_decode_kv_indices_need(b.seq_lens_sum, b.batch_size, b.topk, rows)
-        kw = dict(
-            topk=b.topk, num_steps=b.num_steps, page_size=b.page_size, seq_lens_sum=b.seq_lens_sum
-        )
-        idx = torch.full((rows, need), -1, dtype=torch.int32, device=device)
-        ref_idx = idx.clone()
-        _, ptr = draft_decode_kv_indices(*_args(b), kv_indices=idx, status=status, **kw)
-        _, ref_ptr = draft_decode_kv_indices_ref(*_args(b), kv_indices=ref_idx, **kw)
-        res.compare("kv_indptr", ptr, ref_ptr, b.describe())
-        for s in range(rows):
-            used = draft_decode_kv_indices_need(b.seq_lens_sum, b.batch_size, b.topk, s + 1)
-            res.compare(f"kv_indices[{s}]", idx[s, :used], ref_idx[s, :used], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-def _verify_window(b: Batch, n: int) -> torch.Tensor:
-    """``[B·N]`` verify-window slots ``row_b[L_b + j]`` of a batch drawn with ``extra_tokens=N``."""
-    pos = b.seq_lens.to(torch.int64).view(-1, 1) + torch.arange(n, device=b.seq_lens.device)
-    rows = b.req_pool_indices.to(torch.int64).view(-1, 1)
-    return b.req_to_token[rows, pos].reshape(-1).to(torch.int64)
-
-
-def _accept_batches(device: torch.device, g: torch.Generator):
-    """Per batch of :func:`batches`: random trees of ``N = min(1 + K·S, 16)`` nodes, random
-    accepted paths and the verify window."""
-    from .workloads import random_accept, random_tree_mask
-
-    for k, s, _ in CONFIGS:
-        n = min(1 + k * s, 16)
-        for b in batches(device, g, extra_tokens=n):
-            if (b.topk, b.num_steps) != (k, s):
-                continue
-            mask = random_tree_mask(b.batch_size, k, s, n, g)
-            accept_index, accept_lens = random_accept(mask, s, g)
-            yield b, n, accept_index.to(device), accept_lens.to(device), _verify_window(b, n)
-
-
-@register("accept_cache_locs")
-def _check_accept(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.cache_loc_move import accept_cache_locs, accept_cache_locs_ref
-
-    res = CheckResult("accept_cache_locs")
-    status = new_status(device)
-    for b, n, accept_index, accept_lens, window in _accept_batches(device, g):
-        args = (accept_index, accept_lens, window)
-        size = accept_index.numel()
-        tgt, src = (torch.full((size,), -1, dtype=torch.int64, device=device) for _ in range(2))
-        accept_cache_locs(*args, num_draft_tokens=n, tgt=tgt, src=src, status=status)
-        want_t, want_s = accept_cache_locs_ref(*args, num_draft_tokens=n)
-        res.compare("tgt", tgt, want_t, f"N={n} {b.describe()}")
-        res.compare("src", src, want_s, f"N={n} {b.describe()}")
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("move_kv_cache")
-def _check_move(device: torch.device, g: torch.Generator) -> CheckResult:
-    """Accept pairs (overlapping chains, ordered) and layout-B prefix-tail pairs (disjoint)
-    moved over a bf16 pool and a byte pool with padded rows, both addressing paths, against the
-    reference."""
-    from .kernels.cache_loc_move import KVPool, accept_cache_locs, move_kv_cache, move_kv_cache_ref
-
-    res = CheckResult("move_kv_cache")
-    status = new_status(device)
-    for case, (b, n, accept_index, accept_lens, window) in enumerate(_accept_batches(device, g)):
-        P = b.pool_size
-        raw = torch.randint(0, 256, (P * (128 + 12),), generator=g, dtype=torch.uint8).to(device)
-        pools = [raw[: P * 128].view(torch.bfloat16).view(P, 64),
-                 raw[P * 128 :].view(P, 12)[:, :9]]  # fmt: skip
-        ref = [p.clone() for p in pools]
-        # Accepted paths list node ids in increasing order: their pairs are ordered. Every
-        # other batch moves them through the general (read everything first) path instead.
-        accept = accept_cache_locs(accept_index, accept_lens, window, num_draft_tokens=n)
-        pairs = [(accept, dict(ordered=case % 2 == 1))]
-        if uses_layout_b(b.topk, b.page_size) and case % 2 == 0:  # every other batch: time
-            kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-            pairs.append((prefix_tail_copy_pairs(*_args(b), **kw), dict(disjoint=True)))
-        # A cycle through random slots, pairs shuffled: correct only if all reads come first.
-        cycle = (torch.randperm(P - 1, generator=g)[:48] + 1).to(device)
-        order = torch.randperm(cycle.numel(), generator=g).to(device)
-        pairs.append(((cycle[order], cycle.roll(-1)[order]), {}))
-        pool = KVPool(pools, addressing="direct" if case % 4 == 0 else "table")
-        for (tgt, src), promise in pairs:
-            move_kv_cache(pool, tgt, src, status=status, **promise)
-            move_kv_cache_ref(ref, tgt, src, **promise)
-        for i, (got, want) in enumerate(zip(pools, ref, strict=True)):  # bytes: NaN-safe
-            where = f"{pool.addressing} {b.describe()}"
-            res.compare(f"buffers[{i}]", got.view(torch.uint8), want.view(torch.uint8), where)
-    res.status_bits |= int(status.item())
-    return res
+for _op in OPS:
+    register(_op.name)(_op_check(_op))
 
 
 @register("graph_runner")
@@ -286,115 +163,6 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
     return res
 
 
-# FlashInfer / TRT-LLM MLA kernels and builders. Verify-window width of these checks:
-# a tree of up to 8 nodes, never more than the config allows.
-def _tree_width(k: int, s: int) -> int:
-    return min(1 + k + (s - 1) * k * k, 8)
-
-
-@register("verify_kv_indices")
-def _check_verify_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
-
-    res = CheckResult("verify_kv_indices")
-    status = new_status(device)
-    for b in batches(device, g, extra_tokens=8):
-        n = _tree_width(b.topk, b.num_steps)
-        kw = dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum)
-        got = verify_kv_indices(*_args(b), status=status, **kw)
-        want = verify_kv_indices_ref(*_args(b), **kw)
-        used = b.seq_lens_sum + b.batch_size * n
-        res.compare("kv_indptr", got[1], want[1], b.describe())
-        res.compare("kv_indices", got[0][:used], want[0][:used], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("tree_custom_mask")
-def _check_tree_custom_mask(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
-    from .testing.masks import written_part
-    from .workloads import random_tree_mask
-
-    res = CheckResult("tree_custom_mask")
-    status = new_status(device)
-    for b in batches(device, g, extra_tokens=8):
-        n = _tree_width(b.topk, b.num_steps)
-        tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(device)
-        for packed in (False, True):
-            kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum)
-            got = tree_custom_mask(b.seq_lens, tree, status=status, **kw)
-            want = tree_custom_mask_ref(b.seq_lens, tree, **kw)
-            res.compare(f"mask_indptr packed={packed}", got[1], want[1], b.describe())
-            res.compare(f"custom_mask packed={packed}", written_part(*got, packed),
-                        written_part(*want, packed), b.describe())  # fmt: skip
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("shared_prefix_kv_indices")
-def _check_shared_prefix(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.shared_prefix_kv_indices import (
-        shared_prefix_kv_indices,
-        shared_prefix_kv_indices_ref,
-    )
-
-    res = CheckResult("shared_prefix_kv_indices")
-    status = new_status(device)
-    for b in batches(device, g):
-        B, K, S = b.batch_size, b.topk, b.num_steps
-        kw = dict(topk=K, num_steps=S, page_size=b.page_size, seq_lens_sum=b.seq_lens_sum)
-        got = shared_prefix_kv_indices(*_args(b), status=status, **kw)
-        want = shared_prefix_kv_indices_ref(*_args(b), **kw)
-        res.compare("prefix_kv_indptr", got[1], want[1], b.describe())
-        res.compare("prefix_kv_indices", got[0][: b.seq_lens_sum], want[0][: b.seq_lens_sum],
-                    b.describe())  # fmt: skip
-        res.compare("chain_kv_indptr", got[3], want[3], b.describe())
-        for s in range(S):
-            n = B * K * (s + 1)
-            res.compare(f"chain_kv_indices[{s}]", got[2][s, :n], want[2][s, :n], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("branch_page_table")
-def _check_branch_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.branch_page_table import branch_page_table, branch_page_table_ref
-
-    res = CheckResult("branch_page_table")
-    status = new_status(device)
-    for b in batches(device, g):
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size, fill_value=-1)
-        got = branch_page_table(*_args(b), status=status, **kw)
-        want = branch_page_table_ref(*_args(b), **kw)
-        res.compare("page_table", got[0], want[0], b.describe())
-        res.compare("seq_lens_k", got[1], want[1], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("branch_kv_indices")
-def _check_branch_kv_indices(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
-
-    res = CheckResult("branch_kv_indices")
-    status = new_status(device)
-    for b in batches(device, g):
-        if b.page_size == 1:
-            continue  # page lists serve ps > 1 (ps == 1 equals draft_decode_kv_indices, tested)
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size,
-                  seq_lens_sum=b.seq_lens_sum)  # fmt: skip
-        got = branch_kv_indices(*_args(b), status=status, **kw)
-        want = branch_kv_indices_ref(*_args(b), **kw)
-        res.compare("kv_indptr", got[1], want[1], b.describe())
-        res.compare("kv_last_page_len", got[2], want[2], b.describe())
-        for s in range(b.num_steps):
-            used = int(want[1][s, -1])
-            res.compare(f"kv_indices[{s}]", got[0][s, :used], want[0][s, :used], b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
 def _builder_config(b: Batch, n: int):
     from .config import SpecConfig
     from .workloads import max_prefix_len
@@ -424,7 +192,7 @@ def _check_flashinfer_builder(device: torch.device, g: torch.Generator) -> Check
     for b in batches(device, g, extra_tokens=8):
         if b.shape not in ("empty", "odd", "modm1", "near_row_end"):
             continue  # the kernels' own checks sweep every shape; this one checks the wiring
-        K, S, n, d = b.topk, b.num_steps, _tree_width(b.topk, b.num_steps), b.describe()
+        K, S, n, d = b.topk, b.num_steps, tree_width(b.topk, b.num_steps), b.describe()
         key = (K, S, b.page_size, b.req_to_token.shape[1])
         if key not in builders:
             builders[key] = FlashInferBuilder(_builder_config(b, n), device)
@@ -480,7 +248,7 @@ def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> Check
     builders: dict[tuple, TrtllmMlaBuilder] = {}
     for b in batches(device, g, extra_tokens=8):
         K, S, ps, d = b.topk, b.num_steps, b.page_size, b.describe()
-        n = S + 1 if K == 1 else _tree_width(K, S)
+        n = S + 1 if K == 1 else tree_width(K, S)
         key = (K, S, ps, b.req_to_token.shape[1])
         if key not in builders:
             builders[key] = TrtllmMlaBuilder(_builder_config(b, n), device)
@@ -508,110 +276,6 @@ def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> Check
     return res
 
 
-# FlashAttention-3 kernels and builder.
-@register("prefix_page_table")
-def _check_prefix_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
-
-    res = CheckResult("prefix_page_table")
-    status = new_status(device)
-    for i, b in enumerate(batches(device, g, extra_tokens=8)):
-        B, S = b.batch_size, b.num_steps
-        variants = (  # FA3 normal pass, K == 1 draft decode, verify/extend with TRT-LLM's fill
-            dict(exclude_last_partial=uses_layout_b(b.topk, b.page_size)),
-            dict(extra_tokens=1, num_rows=S),
-            dict(extra_tokens=8, fill_value=-1),
-        )
-        for kw in (variants * 2)[i % 3 : i % 3 + 2]:  # two of the three per batch, rotating
-            rows = kw.get("num_rows")
-            shape = (B + 1,) if rows is None else (rows, B + 1)
-            cu, ref_cu = (torch.full(shape, -7, dtype=torch.int32, device=device) for _ in "ab")
-            got = prefix_page_table(*_args(b), page_size=b.page_size, cu_seqlens_k=cu,
-                                    status=status, **kw)  # fmt: skip
-            want = prefix_page_table_ref(*_args(b), page_size=b.page_size, cu_seqlens_k=ref_cu,
-                                         **kw)  # fmt: skip
-            res.compare(f"page_table {kw}", got[0], want[0], b.describe())
-            res.compare(f"cache_seqlens {kw}", got[1], want[1], b.describe())
-            res.compare(f"cu_seqlens_k {kw}", cu, ref_cu, b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("expand_page_table")
-def _check_expand_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.expand_page_table import expand_page_table, expand_page_table_ref
-
-    res = CheckResult("expand_page_table")
-    status = new_status(device)
-    for b in batches(device, g):
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-        slots = assign_draft_cache_locs(*_args(b), **kw)
-        shape = (b.num_steps, b.batch_size * b.topk + 1)
-        cu, ref_cu = (torch.full(shape, -7, dtype=torch.int32, device=device) for _ in "ab")
-        got = expand_page_table(slots, b.seq_lens, cu_seqlens_k=cu, status=status, **kw)
-        want = expand_page_table_ref(slots, b.seq_lens, cu_seqlens_k=ref_cu, **kw)
-        res.compare("page_table", got[0], want[0], b.describe())
-        res.compare("cache_seqlens", got[1], want[1], b.describe())
-        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("draft_decode_page_tables")
-def _check_draft_decode_page_tables(device: torch.device, g: torch.Generator) -> CheckResult:
-    """Both FA3 draft-decode passes in one launch against the two passes' references."""
-    from .kernels.draft_decode_page_tables import (
-        draft_decode_page_tables,
-        draft_decode_page_tables_ref,
-    )
-
-    res = CheckResult("draft_decode_page_tables")
-    status = new_status(device)
-    for b in batches(device, g):
-        kw = dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
-        slots = assign_draft_cache_locs(*_args(b), **kw)
-        kw["exclude_last_partial"] = uses_layout_b(b.topk, b.page_size)
-        B, BK = b.batch_size, b.batch_size * b.topk
-        cu, ref_cu = (torch.full((B + 1,), -7, dtype=torch.int32, device=device) for _ in "ab")
-        ecu, ref_ecu = (torch.full((b.num_steps, BK + 1), -7, dtype=torch.int32, device=device)
-                        for _ in "ab")  # fmt: skip
-        got = draft_decode_page_tables(*_args(b), slots, cu_seqlens_k=cu,
-                                       expand_cu_seqlens_k=ecu, status=status, **kw)  # fmt: skip
-        want = draft_decode_page_tables_ref(*_args(b), slots, cu_seqlens_k=ref_cu,
-                                            expand_cu_seqlens_k=ref_ecu, **kw)  # fmt: skip
-        names = ("page_table", "cache_seqlens", "expand_page_table", "expand_cache_seqlens")
-        for name, x, y in zip(names, got, want, strict=True):
-            res.compare(name, x, y, b.describe())
-        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
-        res.compare("expand_cu_seqlens_k", ecu, ref_ecu, b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
-@register("verify_expand_page_table")
-def _check_verify_expand_page_table(device: torch.device, g: torch.Generator) -> CheckResult:
-    from .kernels.verify_expand_page_table import (
-        verify_expand_page_table,
-        verify_expand_page_table_ref,
-    )
-    from .workloads import random_tree_mask
-
-    res = CheckResult("verify_expand_page_table")
-    status = new_status(device)
-    for b in batches(device, g, extra_tokens=8):
-        n = _tree_width(b.topk, b.num_steps)
-        tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(device)
-        cu, ref_cu = (torch.full((b.batch_size * n + 1,), -7, dtype=torch.int32, device=device)
-                      for _ in "ab")  # fmt: skip
-        got = verify_expand_page_table(*_args(b), tree, cu_seqlens_k=cu, status=status)
-        want = verify_expand_page_table_ref(*_args(b), tree, cu_seqlens_k=ref_cu)
-        res.compare("page_table", got[0], want[0], b.describe())
-        res.compare("cache_seqlens", got[1], want[1], b.describe())
-        res.compare("cu_seqlens_k", cu, ref_cu, b.describe())
-    res.status_bits |= int(status.item())
-    return res
-
-
 @register("fa3_builder")
 def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
     """Every FA3 mode's metadata against the same builder running the torch references."""
@@ -625,7 +289,7 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
         if b.shape not in ("empty", "odd", "modm1", "near_row_end"):
             continue  # the kernels' own checks sweep every shape; this one checks the wiring
         K, S, ps, d = b.topk, b.num_steps, b.page_size, b.describe()
-        n = S + 1 if K == 1 else _tree_width(K, S)
+        n = S + 1 if K == 1 else tree_width(K, S)
         key = (K, S, ps, b.req_to_token.shape[1])
         if key not in builders:
             cfg = _builder_config(b, n)

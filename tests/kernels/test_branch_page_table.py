@@ -182,29 +182,3 @@ def test_bad_input_raises_before_launch(device, gen):
         branch_page_table(*args, topk=2, num_steps=3, page_size=0)
     with pytest.raises(TypeError, match="max_seq_len"):
         branch_page_table(*args, **kw, max_seq_len=torch.tensor(20))
-
-
-@pytest.mark.gpu
-def test_gpu_new_batch_size_compiles_nothing(gen):
-    """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
-    from specmeta.kernels.branch_page_table import _branch_page_table_kernel
-    from tests._support import compiled_variants
-
-    status = new_status("cuda")
-    counts = []
-    for B in (7, 13, 1, 64, 200):
-        b = make_batch("random", batch_size=B, topk=4, num_steps=5, page_size=16, row_width=4096,
-                       generator=gen, device="cuda", extra_tokens=8)  # fmt: skip
-        branch_page_table(
-            b.req_pool_indices,
-            b.req_to_token,
-            b.seq_lens,
-            topk=4,
-            num_steps=5,
-            page_size=16,
-            status=status,
-        )
-        torch.cuda.synchronize()
-        counts.append(compiled_variants(_branch_page_table_kernel))
-    assert counts[0] >= 1 and counts == [counts[0]] * len(counts), f"recompiled: {counts}"
-    assert int(status) == 0

@@ -23,15 +23,12 @@ from specmeta.kernels.cache_loc_move import (
     DISJOINT_BLOCK_N,
     MAX_OVERLAPPING_PAIRS,
     KVPool,
-    _accept_cache_locs_kernel,
-    _move_kv_cache_kernel,
     accept_cache_locs,
     accept_cache_locs_ref,
     move_kv_cache,
     move_kv_cache_ref,
 )
 from specmeta.workloads import random_accept, random_tree_mask
-from tests._support import compiled_variants
 from tests.guard_bands import Guarded, GuardedPool, assert_equal
 
 # (K, S, N): chains, wide trees, deep trees, a window narrower than S + 1.
@@ -760,49 +757,6 @@ def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen):
         for i, (a, b) in enumerate(zip(bufs, ref, strict=True)):
             assert_equal(_bytes(a), _bytes(b), f"buffers[{i}]")
         assert int(status) == 0
-
-
-@pytest.mark.gpu
-def test_gpu_no_host_sync(gen):
-    B, K, S, N = 32, 4, 3, 8
-    ai, al, slots = _accept_inputs(B, K, S, N, gen, "cuda")
-    bufs = _gpu_pools(4, 4 * B * N + 16, (1152,), torch.uint8, gen)
-    pool = KVPool(bufs)
-    status = new_status("cuda")
-    tgt, src = accept_cache_locs(ai, al, slots, num_draft_tokens=N, status=status)
-    move_kv_cache(bufs, tgt, src, status=status)  # warms the table cache for the plain list
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            tgt, src = accept_cache_locs(ai, al, slots, num_draft_tokens=N, tgt=tgt, src=src,
-                                         status=status)  # fmt: skip
-            move_kv_cache(pool, tgt, src, status=status)
-            move_kv_cache(bufs, tgt, src, disjoint=False, status=status)
-            move_kv_cache(pool, tgt, src, ordered=True, status=status)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert int(status) == 0
-
-
-@pytest.mark.gpu
-def test_gpu_new_batch_size_compiles_nothing(gen):
-    K, S, N = 4, 3, 8
-    status = new_status("cuda")
-    bufs = _gpu_pools(2, 4096, (64,), torch.bfloat16, gen)
-    counts = []
-    for B in (17, 20, 25, 32):  # n = B·(S+1) in (64, 128]: one power-of-two bucket of pairs
-        ai, al, slots = _accept_inputs(B, K, S, N, gen, "cuda")
-        tgt, src = accept_cache_locs(ai, al, slots, num_draft_tokens=N, status=status)
-        move_kv_cache(bufs, tgt, src, status=status)
-        move_kv_cache(bufs, tgt, src, ordered=True, status=status)
-        torch.cuda.synchronize()
-        counts.append(
-            (compiled_variants(_accept_cache_locs_kernel), compiled_variants(_move_kv_cache_kernel))
-        )
-    assert counts[0][0] >= 1 and counts[0][1] >= 1
-    assert counts == [counts[0]] * len(counts), f"recompiled for a new batch size: {counts}"
 
 
 _SANITIZED = """

@@ -1,21 +1,20 @@
 """GPU tier of the draft-slot and draft-decode kv_indices kernels: production shapes, CUDA-graph
-capture and replay, no host sync, no recompilation for a new batch size."""
+capture and replay. No host sync and no recompilation for a new batch size are checked for
+every op at once in tests/kernels/test_registry.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specmeta import SpecConfig, allocate_buffers, new_status
+from specmeta import SpecConfig, allocate_buffers
 from specmeta.config import draft_decode_kv_indices_need
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, assign_draft_cache_locs_ref
 from specmeta.kernels.draft_decode_kv_indices import (
-    _draft_decode_kv_indices_kernel,
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
 from specmeta.workloads import make_batch
-from tests._support import compiled_variants
 from tests.guard_bands import assert_equal
 
 pytestmark = pytest.mark.gpu
@@ -123,52 +122,3 @@ def test_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
         want = assign_draft_cache_locs_ref(*args, topk=k, num_steps=S, page_size=ps)
         assert_equal(bufs["draft.out_cache_loc"], want, f"out_cache_loc [{batch.shape}]")
         assert int(bufs["status"]) == 0
-
-
-def test_no_host_sync_on_the_build_path(gen):
-    B, K, S, ps = 16, 4, 3, 16
-    cfg = SpecConfig(
-        topk=K, num_steps=S, num_draft_tokens=8, page_size=ps, max_bs=B, max_context_len=1024
-    )
-    bufs = allocate_buffers(cfg, "cuda")
-    batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
-                       row_width=cfg.req_to_token_width, generator=gen, device="cuda", max_len=cfg.max_context_len)  # fmt: skip
-    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
-
-    def build():
-        assign_draft_cache_locs(*args, topk=K, num_steps=S, page_size=ps,
-                                out_cache_loc=bufs["draft.out_cache_loc"], status=bufs["status"])  # fmt: skip
-        from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
-
-        prefix_tail_copy_pairs(*args, topk=K, num_steps=S, page_size=ps, tgt=bufs["draft.prefix_tail_tgt"],
-                               src=bufs["draft.prefix_tail_src"], status=bufs["status"])  # fmt: skip
-        draft_decode_kv_indices(*args, topk=K, num_steps=S, page_size=ps, num_rows=S - 1,
-                                kv_indices=bufs["draft_decode.kv_indices"],
-                                kv_indptr=bufs["draft_decode.kv_indptr"],
-                                seq_lens_sum=batch.seq_lens_sum, status=bufs["status"])  # fmt: skip
-
-    build()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            build()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    assert int(bufs["status"]) == 0
-
-
-def test_new_batch_size_compiles_nothing(gen):
-    K, S, ps = 4, 5, 16
-    status = new_status("cuda")
-    counts = []
-    for B in (7, 13, 1, 64, 200):
-        batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps, row_width=4096,
-                           generator=gen, device="cuda")  # fmt: skip
-        draft_decode_kv_indices(batch.req_pool_indices, batch.req_to_token, batch.seq_lens, topk=K,
-                                num_steps=S, page_size=ps, status=status)  # fmt: skip
-        torch.cuda.synchronize()
-        counts.append(compiled_variants(_draft_decode_kv_indices_kernel))
-    assert counts[0] >= 1
-    assert counts == [counts[0]] * len(counts), f"recompiled for a new batch size: {counts}"

@@ -155,28 +155,3 @@ def test_bad_input_raises_before_launch(device, gen):
                          mask_indptr=torch.zeros(2, dtype=torch.int32, device=device))  # fmt: skip
     with pytest.raises(ValueError, match="seq_lens_sum"):
         tree_custom_mask(sl, tree)
-
-
-@pytest.mark.gpu
-def test_gpu_new_batch_size_compiles_nothing(gen):
-    """Batch size, lengths and widths are runtime arguments: one compiled variant serves all."""
-    from specmeta.kernels.tree_custom_mask import _tree_custom_mask_kernel
-    from specmeta.workloads import make_batch
-    from tests._support import compiled_variants
-
-    status = new_status("cuda")
-    counts = []
-    for B in (7, 13, 1, 64, 200):
-        b = make_batch("random", batch_size=B, topk=4, num_steps=5, page_size=16, row_width=4096,
-                       generator=gen, device="cuda", extra_tokens=8)  # fmt: skip
-        tree_custom_mask(
-            b.seq_lens,
-            random_tree_mask(B, 4, 5, 8, gen).cuda(),
-            packed=True,
-            seq_lens_sum=b.seq_lens_sum,
-            status=status,
-        )
-        torch.cuda.synchronize()
-        counts.append(compiled_variants(_tree_custom_mask_kernel))
-    assert counts[0] >= 1 and counts == [counts[0]] * len(counts), f"recompiled: {counts}"
-    assert int(status) == 0

@@ -1,0 +1,427 @@
+"""Every kernel op in one table: its launcher, its reference, its kernels and its workloads.
+
+One :class:`Op` per op of :mod:`specmeta.kernels`. ``specmeta check`` runs each op's launcher
+and reference on the op's cases and compares what they write; the cross-op CPU test does the
+same at small shapes; the GPU tier counts the op's compiled kernels over several batch sizes
+and runs it under ``torch.cuda.set_sync_debug_mode("error")``. Adding an op here puts it under
+all of them.
+
+A case is drawn from a :class:`~specmeta.workloads.Batch` (the workload vocabulary, style §12):
+an op's ``cases`` function turns one batch into the arguments of one or more calls, with every
+``out=`` buffer poisoned so an unwritten element shows. Each run gets fresh copies of those
+buffers, so the launcher and the reference never share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .config import draft_decode_kv_indices_need, uses_layout_b
+from .kernels.branch_kv_indices import (
+    _branch_kv_indices_kernel,
+    branch_kv_indices,
+    branch_kv_indices_ref,
+)
+from .kernels.branch_page_table import (
+    _branch_page_table_kernel,
+    branch_page_table,
+    branch_page_table_ref,
+)
+from .kernels.cache_loc_move import (
+    KVPool,
+    _accept_cache_locs_kernel,
+    _move_kv_cache_kernel,
+    accept_cache_locs,
+    accept_cache_locs_ref,
+    move_kv_cache,
+    move_kv_cache_ref,
+)
+from .kernels.draft_cache_locs import (
+    _assign_draft_cache_locs_kernel,
+    _prefix_tail_copy_pairs_kernel,
+    assign_draft_cache_locs,
+    assign_draft_cache_locs_ref,
+    prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs_ref,
+)
+from .kernels.draft_decode_kv_indices import (
+    _draft_decode_kv_indices_kernel,
+    draft_decode_kv_indices,
+    draft_decode_kv_indices_ref,
+)
+from .kernels.draft_decode_page_tables import (
+    _draft_decode_page_tables_kernel,
+    draft_decode_page_tables,
+    draft_decode_page_tables_ref,
+)
+from .kernels.expand_page_table import (
+    _expand_page_table_kernel,
+    expand_page_table,
+    expand_page_table_ref,
+)
+from .kernels.prefix_page_table import (
+    _prefix_page_table_kernel,
+    prefix_page_table,
+    prefix_page_table_ref,
+)
+from .kernels.shared_prefix_kv_indices import (
+    _shared_prefix_kv_indices_kernel,
+    shared_prefix_kv_indices,
+    shared_prefix_kv_indices_ref,
+)
+from .kernels.tree_custom_mask import (
+    _tree_custom_mask_kernel,
+    tree_custom_mask,
+    tree_custom_mask_ref,
+)
+from .kernels.verify_expand_page_table import (
+    _verify_expand_page_table_kernel,
+    verify_expand_page_table,
+    verify_expand_page_table_ref,
+)
+from .kernels.verify_kv_indices import (
+    _verify_kv_indices_kernel,
+    verify_kv_indices,
+    verify_kv_indices_ref,
+)
+from .testing.masks import written_part
+from .workloads import SHAPES, Batch, make_batch, random_accept, random_tree_mask
+
+__all__ = ["CONFIGS", "GPU_CONFIG", "OPS", "Case", "Op", "batches", "tree_width"]
+
+# (K, S, ps) configurations ``specmeta check`` sweeps: chains, trees, and both slot layouts.
+CONFIGS = ((1, 3, 1), (4, 3, 1), (2, 4, 4), (8, 2, 16), (3, 5, 64))
+# (K, S, ps) of the GPU tier's compile and no-sync tests: a tree in slot layout B, the
+# production page size, rows of 4096 positions (prefixes up to ~4000 tokens).
+GPU_CONFIG = (4, 5, 16)
+GPU_ROW_WIDTH = 4096
+
+
+def batches(device: torch.device | str, g: torch.Generator, extra_tokens: int = 0, *,
+            configs=CONFIGS, shapes=SHAPES, batch_size: int | None = None,
+            row_width: int | None = None) -> Iterator[Batch]:  # fmt: skip
+    """One batch per (config, workload shape); rows sized for a 40-token prefix plus the drafts,
+    ``extra_tokens`` verify tokens and two spare pages unless ``row_width`` is given."""
+    for k, s, ps in configs:
+        width = row_width or -(-(40 + k * (s + ps) + extra_tokens + 2 * ps) // ps) * ps
+        for shape in shapes:
+            yield make_batch(shape, batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                             row_width=width, generator=g, device=device,
+                             extra_tokens=extra_tokens)  # fmt: skip
+
+
+def tree_width(k: int, s: int) -> int:
+    """Verify-window width of the checks' trees: up to 8 nodes, never more than K and S allow."""
+    return min(1 + k + (s - 1) * k * k, 8)
+
+
+@dataclasses.dataclass
+class Case:
+    """One call of an op: positional inputs, keywords, and the ``out=`` buffers (poisoned)."""
+
+    describe: str
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def fresh_outputs(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.outputs.items()}
+
+
+def _call(fn: Callable, case: Case, outputs: dict, status: torch.Tensor | None):
+    return fn(*case.args, **case.kwargs, **outputs, status=status)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One kernel op.
+
+    ``cases(batch, generator)`` yields the op's :class:`Case` objects for a batch drawn with
+    ``extra_tokens`` verify tokens (none when the batch's config does not apply to the op);
+    ``call(fn, case, outputs, status)`` launches ``fn`` (the launcher or the reference) on a
+    case without reading anything back; ``written(case, result, outputs)`` cuts what the call
+    wrote, by name (it may sync). ``compile_batch_sizes``: batch sizes that must share one set
+    of compiled kernels at :data:`GPU_CONFIG`.
+    """
+
+    name: str
+    launcher: Callable
+    reference: Callable
+    kernels: tuple
+    cases: Callable[[Batch, torch.Generator], Iterator[Case]]
+    written: Callable[[Case, object, dict], dict[str, torch.Tensor]]
+    extra_tokens: int = 0
+    call: Callable = _call
+    compile_batch_sizes: tuple[int, ...] = (7, 13, 1, 64, 200)
+
+    def workloads(self, device: torch.device | str, g: torch.Generator, **sweep) -> Iterator[Case]:
+        """The op's cases over :func:`batches` (``sweep``: its keyword arguments)."""
+        for b in batches(device, g, self.extra_tokens, **sweep):
+            yield from self.cases(b, g)
+
+    def gpu_workloads(self, device: torch.device | str, g: torch.Generator,
+                      batch_size: int) -> list[Case]:  # fmt: skip
+        """The cases of one random batch of ``batch_size`` requests at :data:`GPU_CONFIG`."""
+        sweep = dict(configs=(GPU_CONFIG,), shapes=("random",), batch_size=batch_size,
+                     row_width=GPU_ROW_WIDTH)  # fmt: skip
+        return list(self.workloads(device, g, **sweep))
+
+    def run(self, fn: Callable, case: Case, status: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """``fn`` on ``case`` with fresh output buffers; what it wrote, by name."""
+        outputs = case.fresh_outputs()
+        return self.written(case, self.call(fn, case, outputs, status), outputs)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _args(b: Batch) -> tuple:
+    return (b.req_pool_indices, b.req_to_token, b.seq_lens)
+
+
+def _draft(b: Batch) -> dict:
+    return dict(topk=b.topk, num_steps=b.num_steps, page_size=b.page_size)
+
+
+def _poison(*shape: int, device, value: int = -7, dtype=torch.int32) -> torch.Tensor:
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def _named(*names: str) -> Callable:
+    """``written`` for an op whose result is a tuple of whole tensors, named in order."""
+
+    def written(case, result, outputs):
+        return {**dict(zip(names, result, strict=True)), **outputs}
+
+    return written
+
+
+def _verify_window(b: Batch, n: int) -> torch.Tensor:
+    """``[B·N]`` verify-window slots ``row_b[L_b + j]`` of a batch drawn with ``N`` extra tokens."""
+    pos = b.seq_lens.to(torch.int64).view(-1, 1) + torch.arange(n, device=b.seq_lens.device)
+    rows = b.req_pool_indices.to(torch.int64).view(-1, 1)
+    return b.req_to_token[rows, pos].reshape(-1).to(torch.int64)
+
+
+# Accepted paths run through trees of N = min(1 + K·S, 16) nodes; batches leave room for 16.
+_ACCEPT_WINDOW = 16
+
+
+def _accept_inputs(b: Batch, g: torch.Generator):
+    n = min(1 + b.topk * b.num_steps, _ACCEPT_WINDOW)
+    mask = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g)
+    accept_index, accept_lens = random_accept(mask, b.num_steps, g)
+    device = b.seq_lens.device
+    return n, (accept_index.to(device), accept_lens.to(device), _verify_window(b, n))
+
+
+# ---------------------------------------------------------------------------- the draft slots
+def _assign_cases(b, g):
+    n = b.batch_size * b.topk
+    yield Case(b.describe(), _args(b), _draft(b), {
+        "out_cache_loc": _poison(n * b.num_steps, device=b.seq_lens.device, dtype=torch.int64),
+        "positions": _poison(n, device=b.seq_lens.device, value=-1, dtype=torch.int64),
+    })  # fmt: skip
+
+
+def _pairs_cases(b, g):
+    if uses_layout_b(b.topk, b.page_size):
+        yield Case(b.describe(), _args(b), _draft(b))
+
+
+def _kv_indices_cases(b, g):
+    need = draft_decode_kv_indices_need(b.seq_lens_sum, b.batch_size, b.topk, b.num_steps)
+    kw = dict(_draft(b), seq_lens_sum=b.seq_lens_sum)
+    out = {"kv_indices": _poison(b.num_steps, need, device=b.seq_lens.device, value=-1)}
+    yield Case(b.describe(), _args(b), kw, out)
+
+
+def _kv_indices_written(case, result, outputs):
+    B, K, total = case.args[0].shape[0], case.kwargs["topk"], case.kwargs["seq_lens_sum"]
+    got = {"kv_indptr": result[1]}
+    for s in range(case.kwargs["num_steps"]):
+        used = draft_decode_kv_indices_need(total, B, K, s + 1)
+        got[f"kv_indices[{s}]"] = outputs["kv_indices"][s, :used]
+    return got
+
+
+# ------------------------------------------------------------------ accepting and moving slots
+def _accept_cases(b, g):
+    n, inputs = _accept_inputs(b, g)
+    size = inputs[0].numel()
+    out = {k: _poison(size, device=b.seq_lens.device, value=-1, dtype=torch.int64)
+           for k in ("tgt", "src")}  # fmt: skip
+    yield Case(f"N={n} {b.describe()}", inputs, dict(num_draft_tokens=n), out)
+
+
+def _move_cases(b, g):
+    """Accept pairs (overlapping chains; ordered, then through the general path), layout-B
+    prefix-tail pairs (disjoint) and a shuffled cycle through random slots (correct only if
+    every read comes first), moved over a bf16 pool and a byte pool with padded rows."""
+    device = b.seq_lens.device
+    n, inputs = _accept_inputs(b, g)
+    accept = accept_cache_locs_ref(*inputs, num_draft_tokens=n)
+    moves = [(accept, dict(ordered=True)), (accept, {})]
+    if uses_layout_b(b.topk, b.page_size):
+        moves.append((prefix_tail_copy_pairs_ref(*_args(b), **_draft(b)), dict(disjoint=True)))
+    P = b.pool_size
+    cycle = (torch.randperm(P - 1, generator=g)[:48] + 1).to(device)
+    order = torch.randperm(cycle.numel(), generator=g).to(device)
+    moves.append(((cycle[order], cycle.roll(-1)[order]), {}))
+    raw = torch.randint(0, 256, (P * (128 + 12),), generator=g, dtype=torch.uint8).to(device)
+    # Both addressing paths over the sweep, alternating with the workload shape.
+    addressing = ("table", "direct")[SHAPES.index(b.shape) % 2]
+    kw = dict(moves=moves, pool_size=P, addressing=addressing)
+    yield Case(f"{addressing} {b.describe()}", (), kw, {"pool_bytes": raw})
+
+
+def _move_call(fn, case, outputs, status):
+    raw, P = outputs["pool_bytes"], case.kwargs["pool_size"]
+    buffers = [raw[: P * 128].view(torch.bfloat16).view(P, 64), raw[P * 128 :].view(P, 12)[:, :9]]
+    pool = KVPool(buffers, addressing=case.kwargs["addressing"])
+    for (tgt, src), promise in case.kwargs["moves"]:
+        fn(pool, tgt, src, status=status, **promise)
+
+
+def _move_written(case, result, outputs):
+    return {"pool bytes": outputs["pool_bytes"]}  # bytes: NaN-safe, and the row padding too
+
+
+# ------------------------------------------------------------- FlashInfer and TRT-LLM MLA ops
+def _verify_kv_cases(b, g):
+    n = tree_width(b.topk, b.num_steps)
+    yield Case(b.describe(), _args(b), dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum))
+
+
+def _verify_kv_written(case, result, outputs):
+    B = case.args[0].shape[0]
+    used = case.kwargs["seq_lens_sum"] + B * case.kwargs["extra_tokens"]
+    return {"kv_indptr": result[1], "kv_indices": result[0][:used]}
+
+
+def _mask_cases(b, g):
+    n = tree_width(b.topk, b.num_steps)
+    tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(b.seq_lens.device)
+    for packed in (False, True):
+        kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum)
+        yield Case(f"packed={packed} {b.describe()}", (b.seq_lens, tree), kw)
+
+
+def _mask_written(case, result, outputs):
+    mask, indptr = result
+    return {"mask_indptr": indptr, "custom_mask": written_part(mask, indptr, case.kwargs["packed"])}
+
+
+def _shared_prefix_cases(b, g):
+    yield Case(b.describe(), _args(b), dict(_draft(b), seq_lens_sum=b.seq_lens_sum))
+
+
+def _shared_prefix_written(case, result, outputs):
+    B, K, total = case.args[0].shape[0], case.kwargs["topk"], case.kwargs["seq_lens_sum"]
+    got = {"prefix_kv_indptr": result[1], "prefix_kv_indices": result[0][:total],
+           "chain_kv_indptr": result[3]}  # fmt: skip
+    for s in range(case.kwargs["num_steps"]):
+        got[f"chain_kv_indices[{s}]"] = result[2][s, : B * K * (s + 1)]
+    return got
+
+
+def _branch_table_cases(b, g):
+    yield Case(b.describe(), _args(b), dict(_draft(b), fill_value=-1))
+
+
+def _branch_kv_cases(b, g):
+    if b.page_size > 1:  # page lists serve ps > 1 (ps == 1 is draft_decode_kv_indices)
+        yield Case(b.describe(), _args(b), dict(_draft(b), seq_lens_sum=b.seq_lens_sum))
+
+
+def _branch_kv_written(case, result, outputs):
+    indices, indptr, last = result
+    got = {"kv_indptr": indptr, "kv_last_page_len": last}
+    for s in range(case.kwargs["num_steps"]):
+        got[f"kv_indices[{s}]"] = indices[s, : int(indptr[s, -1])]
+    return got
+
+
+# -------------------------------------------------------------------------- FlashAttention-3
+def _prefix_table_cases(b, g):
+    """Two of three variants per batch, rotating with the shape: the FA3 normal pass, the
+    K == 1 draft decode, and verify/extend with TRT-LLM's fill."""
+    variants = (
+        dict(exclude_last_partial=uses_layout_b(b.topk, b.page_size)),
+        dict(extra_tokens=1, num_rows=b.num_steps),
+        dict(extra_tokens=8, fill_value=-1),
+    )
+    i = SHAPES.index(b.shape) % 3
+    for kw in (variants * 2)[i : i + 2]:
+        rows = kw.get("num_rows")
+        shape = (b.batch_size + 1,) if rows is None else (rows, b.batch_size + 1)
+        out = {"cu_seqlens_k": _poison(*shape, device=b.seq_lens.device)}
+        yield Case(f"{kw} {b.describe()}", _args(b), dict(kw, page_size=b.page_size), out)
+
+
+def _expand_cases(b, g):
+    slots = assign_draft_cache_locs_ref(*_args(b), **_draft(b))
+    out = {"cu_seqlens_k": _poison(b.num_steps, b.batch_size * b.topk + 1,
+                                   device=b.seq_lens.device)}  # fmt: skip
+    yield Case(b.describe(), (slots, b.seq_lens), _draft(b), out)
+
+
+def _fused_cases(b, g):
+    """Both FA3 draft-decode passes in one launch."""
+    slots = assign_draft_cache_locs_ref(*_args(b), **_draft(b))
+    kw = dict(_draft(b), exclude_last_partial=uses_layout_b(b.topk, b.page_size))
+    device, BK = b.seq_lens.device, b.batch_size * b.topk
+    out = {"cu_seqlens_k": _poison(b.batch_size + 1, device=device),
+           "expand_cu_seqlens_k": _poison(b.num_steps, BK + 1, device=device)}  # fmt: skip
+    yield Case(b.describe(), (*_args(b), slots), kw, out)
+
+
+def _verify_expand_cases(b, g):
+    n = tree_width(b.topk, b.num_steps)
+    tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(b.seq_lens.device)
+    out = {"cu_seqlens_k": _poison(b.batch_size * n + 1, device=b.seq_lens.device)}
+    yield Case(b.describe(), (*_args(b), tree), {}, out)
+
+
+_TABLES = ("page_table", "cache_seqlens")
+
+#: Every kernel op, in the order ``specmeta check`` runs them.
+OPS: tuple[Op, ...] = (
+    Op("assign_draft_cache_locs", assign_draft_cache_locs, assign_draft_cache_locs_ref,
+       (_assign_draft_cache_locs_kernel,), _assign_cases,
+       lambda case, result, outputs: outputs),
+    Op("prefix_tail_copy_pairs", prefix_tail_copy_pairs, prefix_tail_copy_pairs_ref,
+       (_prefix_tail_copy_pairs_kernel,), _pairs_cases, _named("tgt", "src")),
+    Op("draft_decode_kv_indices", draft_decode_kv_indices, draft_decode_kv_indices_ref,
+       (_draft_decode_kv_indices_kernel,), _kv_indices_cases, _kv_indices_written),
+    Op("accept_cache_locs", accept_cache_locs, accept_cache_locs_ref,
+       (_accept_cache_locs_kernel,), _accept_cases, lambda case, result, outputs: outputs,
+       extra_tokens=_ACCEPT_WINDOW),
+    # n = B·(S + 1) accept pairs in (64, 128] at GPU_CONFIG: move_kv_cache buckets n to a
+    # power of two on its overlapping paths, so these batch sizes share one bucket.
+    Op("move_kv_cache", move_kv_cache, move_kv_cache_ref,
+       (_move_kv_cache_kernel,), _move_cases, _move_written,
+       extra_tokens=_ACCEPT_WINDOW, call=_move_call, compile_batch_sizes=(11, 13, 16, 21)),
+    Op("verify_kv_indices", verify_kv_indices, verify_kv_indices_ref,
+       (_verify_kv_indices_kernel,), _verify_kv_cases, _verify_kv_written, extra_tokens=8),
+    Op("tree_custom_mask", tree_custom_mask, tree_custom_mask_ref,
+       (_tree_custom_mask_kernel,), _mask_cases, _mask_written, extra_tokens=8),
+    Op("shared_prefix_kv_indices", shared_prefix_kv_indices,
+       shared_prefix_kv_indices_ref, (_shared_prefix_kv_indices_kernel,),
+       _shared_prefix_cases, _shared_prefix_written),
+    Op("branch_page_table", branch_page_table, branch_page_table_ref,
+       (_branch_page_table_kernel,), _branch_table_cases, _named("page_table", "seq_lens_k")),
+    Op("branch_kv_indices", branch_kv_indices, branch_kv_indices_ref,
+       (_branch_kv_indices_kernel,), _branch_kv_cases, _branch_kv_written),
+    Op("prefix_page_table", prefix_page_table, prefix_page_table_ref,
+       (_prefix_page_table_kernel,), _prefix_table_cases, _named(*_TABLES), extra_tokens=8),
+    Op("expand_page_table", expand_page_table, expand_page_table_ref,
+       (_expand_page_table_kernel,), _expand_cases, _named(*_TABLES)),
+    Op("draft_decode_page_tables", draft_decode_page_tables,
+       draft_decode_page_tables_ref, (_draft_decode_page_tables_kernel,), _fused_cases,
+       _named(*_TABLES, "expand_page_table", "expand_cache_seqlens")),
+    Op("verify_expand_page_table", verify_expand_page_table,
+       verify_expand_page_table_ref, (_verify_expand_page_table_kernel,),
+       _verify_expand_cases, _named(*_TABLES), extra_tokens=8),
+)  # fmt: skip
