@@ -19,8 +19,11 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # ``_state.trusted`` is True while a caller that already checked the arguments runs a launcher
 # on this thread (see :func:`trusting`); per thread, so one thread's builder never skips
 # another thread's checks.
-_state = threading.local()
-_state.trusted = False
+class _State(threading.local):
+    trusted = False  # the class attribute is every new thread's starting value
+
+
+_state = _State()
 
 
 def trusting(fn):
@@ -57,8 +60,19 @@ def tensor(
     contiguous_last: bool = True,
 ) -> torch.Tensor:
     """Check that ``t`` is a tensor of one of ``dtypes``, rank ``ndim``, on ``device``."""
-    if getattr(_state, "trusted", False):
+    if _state.trusted:
         return t
+    try:  # the common case, every condition at once; any miss takes the checks below
+        if (
+            t.dtype in dtypes
+            and (ndim is None or t.dim() == ndim)
+            and (device is None or t.device == device)
+            and (not contiguous_last or t.stride(-1) == 1 or t.shape[-1] <= 1)
+            and isinstance(t, torch.Tensor)
+        ):
+            return t
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        pass
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -110,7 +124,7 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
 
 def length(name: str, t: torch.Tensor, expected: int) -> None:
     """Check that a rank-1 ``t`` has exactly ``expected`` elements."""
-    if getattr(_state, "trusted", False):
+    if _state.trusted:
         return
     if t.shape[0] != expected:
         raise ValueError(
@@ -121,7 +135,7 @@ def length(name: str, t: torch.Tensor, expected: int) -> None:
 
 def at_least(name: str, have: int, need: int, what: str = "elements") -> None:
     """Capacity check before launch: ``need`` must not exceed ``have``."""
-    if getattr(_state, "trusted", False):
+    if _state.trusted:
         return
     if need > have:
         raise ValueError(
