@@ -16,6 +16,7 @@ from .status import default_status
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+
 # ``_state.trusted`` is True while a caller that already checked the arguments runs a launcher
 # on this thread (see :func:`trusting`); per thread, so one thread's builder never skips
 # another thread's checks.

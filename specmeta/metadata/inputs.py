@@ -72,6 +72,17 @@ def _tensor(
     dtypes: tuple[torch.dtype, ...] = validate.INDEX_DTYPES,
     ndim: int,
 ) -> torch.Tensor:
+    try:  # the common case, every condition at once; any miss takes the checks below
+        if (
+            t.dtype in dtypes
+            and t.dim() == ndim
+            and t.device == device
+            and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+            and isinstance(t, torch.Tensor)
+        ):
+            return t
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        pass
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
