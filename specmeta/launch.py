@@ -26,12 +26,18 @@ Triton's ordinary path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
-__all__ = ["Launcher", "cdiv", "next_power_of_2"]
+from . import validate
+
+__all__ = ["Launch", "LaunchPlans", "Launcher", "cdiv", "next_power_of_2"]
 
 _I32_LOW, _I32_HIGH, _U64_LOW = -(2**31), 2**31, 2**63
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when the package is imported.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -192,15 +198,17 @@ class Launcher:
             return self._generic_key(values, options)
 
     def __call__(self, grid, /, *, num_warps: int | None = None, num_stages: int | None = None,
-                 **args) -> None:  # fmt: skip
-        """Launch on ``grid`` (a tuple of 1–3 ints) with every kernel argument by keyword."""
+                 **args) -> Launch | None:  # fmt: skip
+        """Launch on ``grid`` (a tuple of 1–3 ints) with every kernel argument by keyword.
+        Returns the :class:`Launch` made through a compiled handle (for :class:`LaunchPlans`),
+        or None where Triton's own path launched (the interpreter, a launch hook)."""
         if len(args) != len(self.names):
             self._bad_arguments(args)
         if not self._direct or _hooks_installed():
             if not all(n in args for n in self.names):
                 self._bad_arguments(args)
             self.kernel[grid](**args, **_options(num_warps, num_stages))
-            return
+            return None
         try:  # as many arguments as names: a missing name means a misspelt one
             values = [args[n] for n in self.names]
         except KeyError:
@@ -208,13 +216,86 @@ class Launcher:
         device = torch._C._cuda_getDevice()
         key = self._key(values, (device, num_warps, num_stages))
         handle = self._handles.get(key)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
         if handle is None:
             # Triton's own launch compiles (or loads) this specialization and launches it.
             compiled = self.kernel[grid](**args, **_options(num_warps, num_stages))
-            self._handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            handle = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._handles[key] = handle
+        else:
+            run, function, metadata = handle
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *values)
+        return Launch(handle, (grid[0], g1, g2), device, values)
+
+
+class Launch:
+    """One launch through a compiled handle: what :class:`LaunchPlans` replays."""
+
+    __slots__ = ("handle", "grid", "device", "values")
+
+    def __init__(self, handle: tuple, grid: tuple, device: int, values: list) -> None:
+        self.handle, self.grid, self.device, self.values = handle, grid, device, values
+
+
+class LaunchPlans:
+    """The launches an op made for a call, replayed for every later call whose host-visible
+    arguments are the same (design §2.7).
+
+    An op's checks and grid sizing read only what the host sees of its arguments: each
+    tensor's address, shape, strides, dtype and device, and each scalar. :meth:`signature`
+    is exactly that tuple (with the current CUDA device, and whether a builder vouches for the
+    tensors, see :func:`specmeta.validate.trusting`). Two calls with equal signatures pass the
+    same checks and make the same launches, so a plan stores those launches with each tensor
+    replaced by its address, and :meth:`replay` makes them again: no checks, no keywords, no
+    specialization key, no tensor kept alive by the plan. Device values (lengths, indices) are
+    read by the kernels on every launch, as they are without a plan.
+
+    An op uses a plan only where the call's launches are all it does: every output is a
+    buffer the caller passed (a call that allocates an output must not replay into the first
+    call's allocation), and no argument is a host value the op reads (``seq_lens_cpu``). Off
+    (None signatures) under the CPU interpreter; a launch hook (a profiler's) makes every call
+    take the ordinary path again.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self._plans: dict = {}
+        self._size = size
+
+    @staticmethod
+    def signature(*args) -> tuple | None:
+        """What the op's checks and launches depend on; None where plans are off."""
+        if _INTERPRETED or _hooks_installed():
+            return None
+        sig = [validate.is_trusted(), torch._C._cuda_getDevice()]
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device))
+            elif a is None or a.__class__ is int:
+                sig.append(a)
+            else:  # bool, float, str: apart from the equal int (True == 1)
+                sig.append((a.__class__, a))
+        return tuple(sig)
+
+    def replay(self, sig: tuple | None) -> bool:
+        """Make the launches stored for ``sig``; False (nothing done) when there are none."""
+        plan = self._plans.get(sig) if sig is not None else None
+        if plan is None:
+            return False
+        stream = torch._C._cuda_getCurrentRawStream(sig[1])
+        for (run, function, metadata), (g0, g1, g2), values in plan:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *values)
+        return True
+
+    def store(self, sig: tuple | None, *launches: Launch | None) -> None:
+        """Keep ``launches`` (the op's, in order) as the plan of ``sig``."""
+        if sig is None or any(x is None or x.device != sig[1] for x in launches):
             return
-        run, function, metadata = handle
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        run(grid[0], g1, g2, stream, function, metadata, None, None, None, *values)
+        if len(self._plans) >= self._size:
+            self._plans.clear()
+        self._plans[sig] = tuple(
+            (x.handle, x.grid, [v.data_ptr() if isinstance(v, torch.Tensor) else v
+                                for v in x.values])
+            for x in launches
+        )  # fmt: skip

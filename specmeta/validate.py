@@ -47,6 +47,11 @@ def trusting(fn):
     return call
 
 
+def is_trusted() -> bool:
+    """Whether a :func:`trusting` caller runs on this thread now."""
+    return _state.trusted
+
+
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
-from ..launch import Launcher, next_power_of_2
+from ..launch import Launcher, LaunchPlans, next_power_of_2
 from ..status import Status
 from ._common import (
     POS_OOB,
@@ -96,6 +96,7 @@ def _assign_draft_cache_locs_kernel(
 
 
 _assign_draft_cache_locs_launch = Launcher(_assign_draft_cache_locs_kernel)
+_assign_draft_cache_locs_plans = LaunchPlans()
 
 
 def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
@@ -150,6 +151,14 @@ def assign_draft_cache_locs(
 
     One program per request; no host sync; ``B`` and every length are runtime arguments.
     """
+    sig = None
+    if out_cache_loc is not None:  # a plan replays into buffers the caller passed, only
+        sig = _assign_draft_cache_locs_plans.signature(
+            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size,
+            out_cache_loc, positions, status,
+        )  # fmt: skip
+        if _assign_draft_cache_locs_plans.replay(sig):
+            return out_cache_loc
     topk = validate.positive("topk", topk)
     num_steps = validate.positive("num_steps", num_steps)
     page_size = validate.positive("page_size", page_size)
@@ -163,7 +172,7 @@ def assign_draft_cache_locs(
     status = validate.status(status, device)
     if B == 0:
         return out_cache_loc
-    _assign_draft_cache_locs_launch(
+    launch = _assign_draft_cache_locs_launch(
         (B,),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         out_cache_loc_ptr=out_cache_loc,
@@ -177,6 +186,7 @@ def assign_draft_cache_locs(
         WRITE_POSITIONS=positions is not None,
         HAS_STATUS=True,
     )
+    _assign_draft_cache_locs_plans.store(sig, launch)
     return out_cache_loc
 
 
@@ -234,6 +244,7 @@ def _prefix_tail_copy_pairs_kernel(
 
 
 _prefix_tail_copy_pairs_launch = Launcher(_prefix_tail_copy_pairs_kernel)
+_prefix_tail_copy_pairs_plans = LaunchPlans()
 
 
 def prefix_tail_copy_pairs(
@@ -276,6 +287,14 @@ def prefix_tail_copy_pairs(
     ``seq_lens=[5]``, ``K=2``, ``S=2``, ``ps=4`` → ``lpl=1``, ``nnp=1``: one used pair
     ``src=row[4]``, ``tgt=row[8]``, then two ``(0, 0)`` pairs.
     """
+    sig = None
+    if tgt is not None and src is not None:  # a plan replays into buffers the caller passed
+        sig = _prefix_tail_copy_pairs_plans.signature(
+            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, tgt, src,
+            status,
+        )  # fmt: skip
+        if _prefix_tail_copy_pairs_plans.replay(sig):
+            return tgt, src
     topk = validate.positive("topk", topk)
     num_steps = validate.positive("num_steps", num_steps)
     page_size = validate.positive("page_size", page_size)
@@ -291,7 +310,7 @@ def prefix_tail_copy_pairs(
     status = validate.status(status, device)
     if B == 0:
         return tgt, src
-    _prefix_tail_copy_pairs_launch(
+    launch = _prefix_tail_copy_pairs_launch(
         (B,),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tgt_ptr=tgt,
@@ -303,6 +322,7 @@ def prefix_tail_copy_pairs(
         BLOCK=next_power_of_2(max(width, 1)),
         HAS_STATUS=True,
     )
+    _prefix_tail_copy_pairs_plans.store(sig, launch)
     return tgt, src
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_decode_kv_indices_need, uses_layout_b
-from ..launch import Launcher, cdiv, next_power_of_2
+from ..launch import Launcher, LaunchPlans, cdiv, next_power_of_2
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -298,6 +298,7 @@ def _write_indptr_and_status(
 
 
 _draft_decode_kv_indices_launch = Launcher(_draft_decode_kv_indices_kernel)
+_draft_decode_kv_indices_plans = LaunchPlans()
 
 
 @triton.jit
@@ -426,6 +427,15 @@ def draft_decode_kv_indices(
     of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
+    sig = None
+    # A plan replays into buffers the caller passed, and never skips the check of a host total.
+    if kv_indices is not None and kv_indptr is not None and seq_lens_sum is None:
+        sig = _draft_decode_kv_indices_plans.signature(
+            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+            kv_indices, kv_indptr, status,
+        )  # fmt: skip
+        if _draft_decode_kv_indices_plans.replay(sig):
+            return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
@@ -441,7 +451,7 @@ def draft_decode_kv_indices(
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
     vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
-    _draft_decode_kv_indices_launch(
+    launch = _draft_decode_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         kv_indices_ptr=kv_indices,
@@ -466,6 +476,7 @@ def draft_decode_kv_indices(
         HAS_STATUS=True,
         num_warps=_NUM_WARPS,
     )
+    _draft_decode_kv_indices_plans.store(sig, launch)
     return kv_indices, kv_indptr
 
 
@@ -495,6 +506,15 @@ def draft_decode_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
+    sig = None
+    # A plan replays into buffers the caller passed, and never skips the check of a host total.
+    if kv_indices is not None and kv_indptr is not None and seq_lens_sum is None:
+        sig = _draft_decode_kv_indices_plans.signature(
+            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+            kv_indices, kv_indptr, status,
+        )  # fmt: skip
+        if _draft_decode_kv_indices_plans.replay(sig):
+            return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,

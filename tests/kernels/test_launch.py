@@ -151,3 +151,104 @@ def test_gpu_direct_launch_under_a_graph_replays():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, 2 * x)
+
+
+# ------------------------------------------------------------------------------------------------
+# LaunchPlans: a call's launches, replayed for a later call with the same host-visible arguments
+# ------------------------------------------------------------------------------------------------
+class _Recorder:
+    """A stand-in compiled handle whose ``run`` records what it was launched with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, g0, g1, g2, stream, function, metadata, *rest):
+        self.calls.append(((g0, g1, g2), stream, function, metadata, rest[3:]))
+
+
+@pytest.fixture
+def plans_on(monkeypatch):
+    """LaunchPlans as on CUDA (device 0, stream 7), on CPU tensors."""
+    import specmeta.launch as launch
+
+    monkeypatch.setattr(launch, "_INTERPRETED", False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+    return launch
+
+
+def test_plan_replays_the_stored_launch_with_addresses(plans_on):
+    rec = _Recorder()
+    plans = plans_on.LaunchPlans()
+    x, out = torch.arange(8), torch.zeros(8, dtype=torch.int64)
+    sig = plans.signature(x, out, 3, None)
+    assert not plans.replay(sig), "nothing stored yet"
+    launch = plans_on.Launch((rec.run, "fn", "meta"), (2, 1, 1), 0, [x, out, 3, None])
+    plans.store(sig, launch)
+    assert plans.replay(plans.signature(x, out, 3, None))
+    assert rec.calls == [((2, 1, 1), 7, "fn", "meta", (x.data_ptr(), out.data_ptr(), 3, None))]
+
+
+def test_plan_signature_separates_everything_the_checks_read(plans_on):
+    from specmeta import validate
+
+    plans = plans_on.LaunchPlans()
+    base = torch.zeros(16, 4, dtype=torch.int32)
+    ref = plans.signature(base, 4, 1)
+    differ = {
+        "address": (base[1:], 4, 1),
+        "shape": (base[:8], 4, 1),
+        "strides": (base.t(), 4, 1),
+        "dtype": (base.view(torch.float32), 4, 1),
+        "another storage, same shape": (base.clone(), 4, 1),
+        "an int": (base, 5, 1),
+        "a bool for an int": (base, 4, True),
+        "None for an int": (base, 4, None),
+    }
+    for what, args in differ.items():
+        assert plans.signature(*args) != ref, what
+    assert plans.signature(base, 4, 1) == ref
+    assert validate.trusting(plans.signature)(base, 4, 1) != ref, "a builder's call is apart"
+
+
+def test_plan_not_stored_without_a_handle_launch(plans_on):
+    rec = _Recorder()
+    plans = plans_on.LaunchPlans()
+    x = torch.arange(4)
+    sig = plans.signature(x)
+    plans.store(sig, plans_on.Launch((rec.run, "f", "m"), (1, 1, 1), 0, [x]), None)
+    assert not plans.replay(sig), "one launch of the op took Triton's path: no plan"
+    plans.store(sig, plans_on.Launch((rec.run, "f", "m"), (1, 1, 1), 1, [x]))
+    assert not plans.replay(sig), "a launch on another device than the call's: no plan"
+    assert rec.calls == []
+
+
+def test_plans_off_under_a_launch_hook(plans_on, monkeypatch):
+    monkeypatch.setattr(plans_on, "_hooks_installed", lambda: True)
+    assert plans_on.LaunchPlans().signature(torch.arange(3)) is None
+
+
+@pytest.mark.gpu
+def test_gpu_planned_launches_equal_the_reference(gen):
+    """Calls that replay a plan (same buffers, new device values), and calls that must not
+    (another view, another output, an allocated output), against the torch reference."""
+    from specmeta.kernels.draft_cache_locs import (
+        assign_draft_cache_locs,
+        assign_draft_cache_locs_ref,
+    )
+    from specmeta.workloads import make_batch
+
+    kw = dict(topk=2, num_steps=3, page_size=4)
+    batch = make_batch("random", batch_size=6, row_width=256, generator=gen, device="cuda",
+                       extra_tokens=8, max_len=200, **kw)  # fmt: skip
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    big = torch.full((2 * 6 * 2 * 3 + 4,), -7, dtype=torch.int64, device="cuda")
+    for round_ in range(4):
+        lens = torch.randint(0, 200, (6,), generator=gen).to(batch.seq_lens)
+        batch.seq_lens.copy_(lens)  # same tensor, new values: the plan's launch reads them
+        for out in (big[:36], big[36:72], big[4:40]):  # each view its own plan
+            assign_draft_cache_locs(*a, out_cache_loc=out, **kw)
+            want = assign_draft_cache_locs_ref(*a, out_cache_loc=torch.empty_like(out), **kw)
+            assert torch.equal(out, want), (round_, out.data_ptr() - big.data_ptr())
+        fresh = assign_draft_cache_locs(*a, **kw)  # allocated: never a plan's old buffer
+        assert torch.equal(fresh, assign_draft_cache_locs_ref(*a, **kw)), round_
