@@ -4,9 +4,10 @@ or both in one launch.
 :func:`~specmeta.kernels.prefix_page_table` launches it with ``NORMAL`` alone,
 :func:`~specmeta.kernels.expand_page_table` with ``EXPAND`` alone and
 :func:`~specmeta.kernels.draft_decode_page_tables` with both, so each pass's arguments are
-listed once, in :func:`page_tables_kernel`'s signature. A launch passes ``None`` for the
-arguments of a pass it does not run (:data:`NO_NORMAL`, :data:`NO_EXPAND`): Triton takes a
-``None`` as a constant and the disabled pass compiles to nothing.
+listed once, in :func:`page_tables_kernel`'s signature, and each pass's launch keywords once,
+in :func:`normal_pass` and :func:`expand_pass`. A launch passes ``None`` for the arguments of a
+pass it does not run: Triton takes a ``None`` as a constant and the disabled pass compiles to
+nothing.
 
 A shared module rather than one of the three op modules, which each hold a launcher and a
 reference and import the kernel from here.
@@ -14,13 +15,30 @@ reference and import the kernel from here.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ..launch import Launcher
-from ._common import BAD_PAGE, OUT_OF_CAPACITY, POOL_OOB, POS_OOB, ROW_OOB, load_request, row_offset
+from ..launch import Launcher, next_power_of_2
+from ._common import (
+    BAD_PAGE,
+    OUT_OF_CAPACITY,
+    POOL_OOB,
+    POS_OOB,
+    ROW_OOB,
+    load_request,
+    row_offset,
+    vector_widths,
+)
 
-__all__ = ["NO_EXPAND", "NO_NORMAL", "launch_page_tables", "page_tables_kernel"]
+__all__ = [
+    "NO_EXPAND",
+    "NO_NORMAL",
+    "expand_pass",
+    "launch_page_tables",
+    "normal_pass",
+    "page_tables_kernel",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,9 +411,10 @@ def page_tables_kernel(
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
-launch_page_tables = Launcher(page_tables_kernel)
+_launch = Launcher(page_tables_kernel)
 
-#: Launch keywords of a launch without the normal pass: its arguments, unread.
+#: Launch keywords of a launch without the normal pass, or without the expand pass: unread
+#: (the compile check builds its configurations from them too).
 NO_NORMAL = dict(
     req_pool_indices_ptr=None, req_to_token_ptr=None, page_table_ptr=None,
     cache_seqlens_ptr=None, cu_seqlens_k_ptr=None, R=None, W_row=None, stride_row=None,
@@ -403,10 +422,92 @@ NO_NORMAL = dict(
     stride_cu=None, chunk_programs=None, NORMAL=False, EXCLUDE_LAST_PARTIAL=None, BLOCK=None,
     VEC_IN=None, VEC_OUT=None, WRITE_CU=None,
 )  # fmt: skip
-#: Launch keywords of a launch without the expand pass: its arguments, unread.
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
     expand_cu_seqlens_k_ptr=None, expand_rows=None, W_expand=None, stride_ept_s=None,
     stride_ept_r=None, stride_ecs=None, stride_ecu=None, EXPAND=False, TOPK=None,
     NUM_STEPS=None, BLOCK_K=None, BLOCK_S=None, BLOCK_W=None, WRITE_EXPAND_CU=None,
 )  # fmt: skip
+
+
+def normal_pass(
+    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, *, page_size: int,
+    exclude_last_partial: bool, extra_tokens, fill_value, num_rows, stride_cs, stride_cu,
+    chunk_programs: int, block: int,
+) -> dict:  # fmt: skip
+    """The normal pass's launch keywords (the launcher checked the buffers). ``extra_tokens``,
+    ``fill_value``, ``num_rows``, ``stride_cs`` and ``stride_cu`` are ``None`` in the cascade,
+    whose normal pass has them as literals."""
+    return dict(
+        req_pool_indices_ptr=req_pool_indices,
+        req_to_token_ptr=req_to_token,
+        page_table_ptr=page_table,
+        cache_seqlens_ptr=cache_seqlens,
+        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        R=req_to_token.shape[0],
+        W_row=req_to_token.shape[1],
+        stride_row=req_to_token.stride(0),
+        extra_tokens=extra_tokens,
+        fill_value=fill_value,
+        num_rows=num_rows,
+        W=page_table.shape[1],
+        stride_pt=page_table.stride(0),
+        stride_cs=stride_cs,
+        stride_cu=stride_cu,
+        chunk_programs=chunk_programs,
+        NORMAL=True,
+        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
+        BLOCK=block,
+        **vector_widths(req_to_token, page_table, page_size),
+        WRITE_CU=cu_seqlens_k is not None,
+    )
+
+
+def expand_pass(
+    out_cache_loc: torch.Tensor, page_table: torch.Tensor, cache_seqlens: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None, *, topk: int, num_steps: int, rows: int,
+) -> dict:  # fmt: skip
+    """The expand pass's launch keywords (the launcher checked the buffers)."""
+    W = page_table.shape[2]
+    return dict(
+        out_cache_loc_ptr=out_cache_loc,
+        expand_page_table_ptr=page_table,
+        expand_cache_seqlens_ptr=cache_seqlens,
+        expand_cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+        expand_rows=rows,
+        W_expand=W,
+        stride_ept_s=page_table.stride(0),
+        stride_ept_r=page_table.stride(1),
+        stride_ecs=cache_seqlens.stride(0),
+        stride_ecu=cu_seqlens_k.stride(0) if cu_seqlens_k is not None else 0,
+        EXPAND=True,
+        TOPK=topk,
+        NUM_STEPS=num_steps,
+        BLOCK_K=next_power_of_2(topk),
+        BLOCK_S=next_power_of_2(num_steps),
+        # W ≥ rows ≥ 1 wherever the pass has work; a 1-wide tile where it has none.
+        BLOCK_W=min(next_power_of_2(max(W, 1)), 16),
+        WRITE_EXPAND_CU=cu_seqlens_k is not None,
+    )
+
+
+def launch_page_tables(
+    grid: tuple, seq_lens: torch.Tensor, status: torch.Tensor, *, page_size: int, block_b: int,
+    num_warps: int, normal: dict | None = None, expand: dict | None = None,
+) -> None:  # fmt: skip
+    """Launch :func:`page_tables_kernel` on ``grid`` with the keywords of :func:`normal_pass`
+    and/or :func:`expand_pass` (at least one)."""
+    _launch(
+        grid,
+        seq_lens_ptr=seq_lens,
+        status_ptr=status,
+        B=seq_lens.shape[0],
+        **(normal or NO_NORMAL),
+        **(expand or NO_EXPAND),
+        PAGED=page_size > 1,
+        PAGE_SIZE=page_size,
+        BLOCK_B=block_b,
+        HAS_STATUS=True,
+        num_warps=num_warps,
+    )

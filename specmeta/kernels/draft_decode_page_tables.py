@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..launch import next_power_of_2
-from ._common import batch_arguments, chunk_programs, vector_widths
-from ._page_tables import launch_page_tables
+from ._common import chunk_programs
+from ._page_tables import expand_pass, launch_page_tables, normal_pass
 from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
 from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
@@ -158,60 +158,25 @@ def draft_decode_page_tables(
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
     )  # fmt: skip
     W = page_table.shape[1]
-    W_expand = expand_page_table.shape[2]
     normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
     # One more column of programs for the expand pass, none when it has no row to build; one
     # more row for the normal pass's cu_seqlens_k.
     grid = (B + 1, normal_programs + (1 if rows > 0 else 0))
-    launch_page_tables(
-        grid,
-        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
-        status_ptr=status,
-        page_table_ptr=page_table,
-        cache_seqlens_ptr=cache_seqlens,
-        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        # The cascade's normal pass has one row, no extra tokens and fill 0: the kernel's literals.
-        extra_tokens=None,
-        fill_value=None,
-        num_rows=None,
-        W=W,
-        stride_pt=page_table.stride(0),
-        stride_cs=None,
-        stride_cu=None,
-        chunk_programs=normal_programs,
-        out_cache_loc_ptr=out_cache_loc,
-        expand_page_table_ptr=expand_page_table,
-        expand_cache_seqlens_ptr=expand_cache_seqlens,
-        expand_cu_seqlens_k_ptr=(
-            expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens
-        ),
-        expand_rows=rows,
-        W_expand=W_expand,
-        stride_ept_s=expand_page_table.stride(0),
-        stride_ept_r=expand_page_table.stride(1),
-        stride_ecs=expand_cache_seqlens.stride(0),
-        stride_ecu=expand_cu_seqlens_k.stride(0) if expand_cu_seqlens_k is not None else 0,
-        NORMAL=True,
-        EXPAND=True,
-        PAGED=page_size > 1,
-        PAGE_SIZE=page_size,
-        BLOCK_B=_BLOCK_B,
-        HAS_STATUS=True,
-        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
-        BLOCK=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
-        **vector_widths(req_to_token, page_table, page_size),
-        WRITE_CU=cu_seqlens_k is not None,
-        TOPK=topk,
-        NUM_STEPS=num_steps,
-        BLOCK_K=next_power_of_2(topk),
-        BLOCK_S=next_power_of_2(num_steps),
-        BLOCK_W=min(next_power_of_2(max(W_expand, 1)), 16),
-        WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
-        num_warps=_NUM_WARPS,
-    )
+    # The cascade's normal pass has one row, no extra tokens and fill 0: the kernel's literals.
+    normal = normal_pass(
+        req_pool_indices, req_to_token, page_table, cache_seqlens, cu_seqlens_k,
+        page_size=page_size, exclude_last_partial=exclude_last_partial, extra_tokens=None,
+        fill_value=None, num_rows=None, stride_cs=None, stride_cu=None,
+        chunk_programs=normal_programs, block=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
+    )  # fmt: skip
+    expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
+                         expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
+    launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                       num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
 
 
+# The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).
 def draft_decode_page_tables_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

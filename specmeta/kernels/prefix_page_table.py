@@ -23,8 +23,8 @@ import torch
 from .. import validate
 from ..config import page_table_width
 from ..status import Status
-from ._common import batch_arguments, check_batch, chunk_programs, gather_rows_ref, vector_widths
-from ._page_tables import NO_EXPAND, launch_page_tables
+from ._common import check_batch, chunk_programs, gather_rows_ref
+from ._page_tables import launch_page_tables, normal_pass
 
 __all__ = ["prefix_page_table", "prefix_page_table_ref"]
 
@@ -158,36 +158,20 @@ def prefix_page_table(
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
     grid = (B + 1, chunk_programs(req_to_token.device, B, W, _BLOCK))
     two_d = cache_seqlens.dim() == 2
-    launch_page_tables(
-        grid,
-        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
-        status_ptr=status,
-        page_table_ptr=page_table,
-        cache_seqlens_ptr=cache_seqlens,
-        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        extra_tokens=extra_tokens,
-        fill_value=fill_value,
-        num_rows=rows,
-        W=W,
-        stride_pt=page_table.stride(0),
+    normal = normal_pass(
+        req_pool_indices, req_to_token, page_table, cache_seqlens, cu_seqlens_k,
+        page_size=page_size, exclude_last_partial=exclude_last_partial, extra_tokens=extra_tokens,
+        fill_value=fill_value, num_rows=rows,
         stride_cs=cache_seqlens.stride(0) if two_d else 0,
         stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
-        chunk_programs=grid[1],
-        **NO_EXPAND,
-        NORMAL=True,
-        PAGED=page_size > 1,
-        PAGE_SIZE=page_size,
-        BLOCK_B=_BLOCK_B,
-        HAS_STATUS=True,
-        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
-        BLOCK=_BLOCK,
-        **vector_widths(req_to_token, page_table, page_size),
-        WRITE_CU=cu_seqlens_k is not None,
-        num_warps=4,
-    )
+        chunk_programs=grid[1], block=_BLOCK,
+    )  # fmt: skip
+    launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                       num_warps=4, normal=normal)  # fmt: skip
     return page_table, cache_seqlens
 
 
+# The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).
 def prefix_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
