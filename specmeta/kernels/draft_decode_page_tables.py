@@ -24,21 +24,12 @@ expand pass's.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from ..launch import Launcher, next_power_of_2
-from ._common import batch_arguments, chunk_programs, vector_widths
-from .expand_page_table import (
-    expand_page_table_program,
-    expand_page_table_ref,
-    prepare_expand_page_table,
-)
-from .prefix_page_table import (
-    prefix_page_table_program,
-    prefix_page_table_ref,
-    prepare_prefix_page_table,
-)
+from ..launch import next_power_of_2
+from ._common import chunk_programs
+from ._page_tables import expand_pass, launch_page_tables, normal_pass
+from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
+from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
 __all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
 
@@ -53,127 +44,6 @@ _MIN_BLOCK = 256
 # prefix_page_table's block. seq_lens entries per iteration of the prefix sums, as there.
 _BLOCK = 1024
 _BLOCK_B = 1024
-
-
-@triton.jit(
-    do_not_specialize=[
-        "B", "R", "W_row", "stride_row", "W", "stride_pt", "chunk_programs", "num_rows",
-        "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
-    ]
-)  # fmt: skip
-def _draft_decode_page_tables_kernel(
-    req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
-    seq_lens_ptr,  # [B] int32|int64
-    out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
-    page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
-    cache_seqlens_ptr,  # [≥B] int32|int64
-    cu_seqlens_k_ptr,  # [≥B+1] int32|int64 (unused unless WRITE_CU)
-    expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
-    expand_cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_ecs
-    expand_cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ecu
-    status_ptr,  # [1] int32 (unused unless HAS_STATUS)
-    B,
-    R,
-    W_row,
-    stride_row,
-    W,
-    stride_pt,
-    chunk_programs,
-    num_rows,
-    W_expand,
-    stride_ept_s,
-    stride_ept_r,
-    stride_ecs,
-    stride_ecu,
-    EXCLUDE_LAST_PARTIAL: tl.constexpr,
-    PAGED: tl.constexpr,  # PAGE_SIZE > 1
-    PAGE_SIZE: tl.constexpr,  # a config constant: // and % by it compile to shifts or multiplies
-    BLOCK: tl.constexpr,  # normal pass: page-table columns per iteration
-    BLOCK_B: tl.constexpr,  # seq_lens entries per iteration of the prefix sums
-    TOPK: tl.constexpr,
-    NUM_STEPS: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # next power of two ≥ K
-    BLOCK_S: tl.constexpr,  # next power of two ≥ S
-    BLOCK_W: tl.constexpr,  # expand pass: columns per tile of zeros past column BLOCK_S
-    VEC_IN: tl.constexpr,  # normal pass: req_to_token entries per vector load (1: scalar)
-    VEC_OUT: tl.constexpr,  # normal pass: page_table entries per vector store (1: scalar)
-    WRITE_CU: tl.constexpr,
-    WRITE_EXPAND_CU: tl.constexpr,
-    HAS_STATUS: tl.constexpr,
-):
-    """Grid ``(B + 1, chunk_programs + 1)`` (``+ 0`` when no expand row is built): program
-    ``(b, c)`` with ``c < chunk_programs`` is program ``(b, c)`` of the normal pass (row ``B``:
-    its ``cu_seqlens_k``), program ``(b, chunk_programs)`` with ``b < max(B, 1)`` is program
-    ``b`` of the expand pass."""
-    b = tl.program_id(0)
-    c = tl.program_id(1)
-    if c < chunk_programs:
-        # The normal pass has one row, no extra tokens and fill 0: literal sizes that Triton
-        # folds (a runtime 0 keeps the argument types of the standalone kernel).
-        zero = B * 0
-        prefix_page_table_program(
-            b,
-            c,
-            req_pool_indices_ptr,
-            req_to_token_ptr,
-            seq_lens_ptr,
-            page_table_ptr,
-            cache_seqlens_ptr,
-            cu_seqlens_k_ptr,
-            status_ptr,
-            B,
-            R,
-            W_row,
-            stride_row,
-            zero,  # extra_tokens
-            zero,  # fill_value
-            zero + 1,  # num_rows
-            W,
-            stride_pt,
-            zero,  # stride_cs: one row
-            zero,  # stride_cu: one row
-            chunk_programs,
-            EXCLUDE_LAST_PARTIAL=EXCLUDE_LAST_PARTIAL,
-            PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE,
-            BLOCK=BLOCK,
-            BLOCK_B=BLOCK_B,
-            VEC_IN=VEC_IN,
-            VEC_OUT=VEC_OUT,
-            WRITE_CU=WRITE_CU,
-            HAS_STATUS=HAS_STATUS,
-        )
-    elif b < tl.maximum(B, 1):
-        expand_page_table_program(
-            b,
-            out_cache_loc_ptr,
-            seq_lens_ptr,
-            expand_page_table_ptr,
-            expand_cache_seqlens_ptr,
-            expand_cu_seqlens_k_ptr,
-            status_ptr,
-            B,
-            num_rows,
-            W_expand,
-            stride_ept_s,
-            stride_ept_r,
-            stride_ecs,
-            stride_ecu,
-            TOPK=TOPK,
-            NUM_STEPS=NUM_STEPS,
-            PAGED=PAGED,
-            PAGE_SIZE=PAGE_SIZE,
-            BLOCK_K=BLOCK_K,
-            BLOCK_S=BLOCK_S,
-            BLOCK_W=BLOCK_W,
-            BLOCK_B=BLOCK_B,
-            WRITE_CU=WRITE_EXPAND_CU,
-            HAS_STATUS=HAS_STATUS,
-        )
-
-
-_draft_decode_page_tables_launch = Launcher(_draft_decode_page_tables_kernel)
 
 
 def _prepare(
@@ -288,50 +158,25 @@ def draft_decode_page_tables(
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
     )  # fmt: skip
     W = page_table.shape[1]
-    W_expand = expand_page_table.shape[2]
     normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
     # One more column of programs for the expand pass, none when it has no row to build; one
     # more row for the normal pass's cu_seqlens_k.
     grid = (B + 1, normal_programs + (1 if rows > 0 else 0))
-    _draft_decode_page_tables_launch(
-        grid,
-        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
-        out_cache_loc_ptr=out_cache_loc,
-        page_table_ptr=page_table,
-        cache_seqlens_ptr=cache_seqlens,
-        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        expand_page_table_ptr=expand_page_table,
-        expand_cache_seqlens_ptr=expand_cache_seqlens,
-        expand_cu_seqlens_k_ptr=expand_cu_seqlens_k if expand_cu_seqlens_k is not None else expand_cache_seqlens,
-        status_ptr=status,
-        W=W,
-        stride_pt=page_table.stride(0),
-        chunk_programs=normal_programs,
-        num_rows=rows,
-        W_expand=W_expand,
-        stride_ept_s=expand_page_table.stride(0),
-        stride_ept_r=expand_page_table.stride(1),
-        stride_ecs=expand_cache_seqlens.stride(0),
-        stride_ecu=expand_cu_seqlens_k.stride(0) if expand_cu_seqlens_k is not None else 0,
-        EXCLUDE_LAST_PARTIAL=exclude_last_partial,
-        PAGED=page_size > 1,
-        PAGE_SIZE=page_size,
-        BLOCK=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
-        BLOCK_B=_BLOCK_B,
-        TOPK=topk,
-        NUM_STEPS=num_steps,
-        BLOCK_K=next_power_of_2(topk),
-        BLOCK_S=next_power_of_2(num_steps),
-        BLOCK_W=min(next_power_of_2(max(W_expand, 1)), 16),
-        **vector_widths(req_to_token, page_table, page_size),
-        WRITE_CU=cu_seqlens_k is not None,
-        WRITE_EXPAND_CU=expand_cu_seqlens_k is not None,
-        HAS_STATUS=True,
-        num_warps=_NUM_WARPS,
-    )
+    # The cascade's normal pass has one row, no extra tokens and fill 0: the kernel's literals.
+    normal = normal_pass(
+        req_pool_indices, req_to_token, page_table, cache_seqlens, cu_seqlens_k,
+        page_size=page_size, exclude_last_partial=exclude_last_partial, extra_tokens=None,
+        fill_value=None, num_rows=None, stride_cs=None, stride_cu=None,
+        chunk_programs=normal_programs, block=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
+    )  # fmt: skip
+    expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
+                         expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
+    launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                       num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
 
 
+# The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).
 def draft_decode_page_tables_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

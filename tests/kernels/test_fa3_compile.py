@@ -21,10 +21,14 @@ import sys
 import textwrap
 
 import specmeta.kernels as kernels_pkg
+from specmeta.kernels._page_tables import NO_EXPAND, NO_NORMAL
 
-# (module, kernel, {constexpr: value}, {pointer argument: element type other than i32})
+# (module, kernel, {constexpr, or argument passed None: value}, {pointer argument: element type
+# other than i32})
 _PAGED = dict(PAGED=True, PAGE_SIZE=16)
 _FLAT = dict(PAGED=False, PAGE_SIZE=1)
+# The page-table kernel's arguments that draft_decode_page_tables passes None.
+_CASCADE = dict(extra_tokens=None, fill_value=None, num_rows=None, stride_cs=None, stride_cu=None)
 KERNELS = [
     ("draft_cache_locs", "_assign_draft_cache_locs_kernel",
      dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=True, BLOCK=16, WRITE_POSITIONS=True, HAS_STATUS=True),
@@ -50,26 +54,26 @@ KERNELS = [
     ("tree_custom_mask", "_tree_custom_mask_kernel",
      dict(PACKED=False, BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True),
      dict(tree_mask_ptr="u8", custom_mask_ptr="u8")),
-    ("prefix_page_table", "_prefix_page_table_kernel",
-     dict(EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1, VEC_OUT=4,
-          WRITE_CU=True, HAS_STATUS=True), {}),
-    ("prefix_page_table", "_prefix_page_table_kernel",
-     dict(EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, VEC_IN=4, VEC_OUT=4,
-          WRITE_CU=True, HAS_STATUS=True), {}),
-    ("expand_page_table", "_expand_page_table_kernel",
-     dict(TOPK=4, NUM_STEPS=5, **_PAGED, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8, BLOCK_B=1024,
-          WRITE_CU=True, HAS_STATUS=True), {}),
-    ("expand_page_table", "_expand_page_table_kernel",
-     dict(TOPK=4, NUM_STEPS=5, **_FLAT, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8, BLOCK_B=1024,
-          WRITE_CU=True, HAS_STATUS=True), {}),
-    ("draft_decode_page_tables", "_draft_decode_page_tables_kernel",
-     dict(EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, TOPK=8, NUM_STEPS=5,
-          BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=1, VEC_OUT=4, WRITE_CU=True,
-          WRITE_EXPAND_CU=True, HAS_STATUS=True), {}),
-    ("draft_decode_page_tables", "_draft_decode_page_tables_kernel",
-     dict(EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, TOPK=8, NUM_STEPS=5,
-          BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=4, VEC_OUT=4, WRITE_CU=True,
-          WRITE_EXPAND_CU=True, HAS_STATUS=True), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1,
+          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **NO_EXPAND), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, VEC_IN=4,
+          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **NO_EXPAND), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(EXPAND=True, TOPK=4, NUM_STEPS=5, **_PAGED, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
+          BLOCK_B=1024, WRITE_EXPAND_CU=True, HAS_STATUS=True, **NO_NORMAL), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(EXPAND=True, TOPK=4, NUM_STEPS=5, **_FLAT, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
+          BLOCK_B=1024, WRITE_EXPAND_CU=True, HAS_STATUS=True, **NO_NORMAL), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXPAND=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024,
+          BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=1,
+          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXPAND=True, EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024,
+          BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=4,
+          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE), {}),
     ("verify_expand_page_table", "_verify_expand_page_table_kernel",
      dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True), dict(tree_mask_ptr="u8")),
     ("cache_loc_move", "_accept_cache_locs_kernel",
@@ -115,7 +119,7 @@ COMPILE_SCRIPT = textwrap.dedent(
                 continue
             sig = {}
             for p in fn.params:
-                if p.is_constexpr:
+                if p.is_constexpr or p.name in consts:  # an argument passed None is one too
                     sig[p.name] = "constexpr"
                 elif p.name in ptr_types or (p.name.endswith("_ptr") and not p.name.startswith("stride")):
                     sig[p.name] = "*" + ptr_types.get(p.name, "i32")

@@ -419,16 +419,15 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
 
 @pytest.mark.gpu
 def test_gpu_new_batch_size_compiles_nothing(gen):
-    from specmeta.kernels.draft_decode_page_tables import _draft_decode_page_tables_kernel
-    from specmeta.kernels.prefix_page_table import _prefix_page_table_kernel
+    from specmeta.kernels._page_tables import page_tables_kernel
     from specmeta.kernels.verify_expand_page_table import _verify_expand_page_table_kernel
 
     K, S, ps, n = 4, 5, 16, 8
     cfg = SpecConfig(topk=K, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=200,
                      max_context_len=2048)  # fmt: skip
     fa3 = FA3MetadataBuilder(cfg, "cuda")
-    kernels = (_prefix_page_table_kernel, _draft_decode_page_tables_kernel,
-               _verify_expand_page_table_kernel)  # fmt: skip
+    # The page-table kernel serves both prefix_page_table and draft_decode_page_tables.
+    kernels = (page_tables_kernel, _verify_expand_page_table_kernel)
     counts = []
     for B in (7, 13, 1, 64, 200):
         batch = make_batch("random", batch_size=B, topk=K, num_steps=S, page_size=ps,
