@@ -86,16 +86,20 @@ def _wide(v: int) -> str:
     return "u64" if v >= _U64_LOW else "i64"
 
 
-def _key_function(kinds: tuple, values: list):
+_FAST_KEYS = 4  # argument-type patterns with a fast key, per launcher
+
+
+def _key_function(kinds: tuple, values: list, pattern: int):
     """A function ``key(options, *values)`` returning the specialization key of ``values`` as
     one flat tuple, written out for the types of ``values`` (the first call's): per tensor its
     dtype and (unless ``do_not_specialize_on_alignment``) 16-byte alignment; per int its width
     and (unless ``do_not_specialize``) whether it is 1 and whether 16 divides it; per
-    constexpr its value. Any other slot (None, bool, float) keeps its generic entry. It raises
-    :class:`_OtherTypes` when a later call passes a tensor or an int where the first passed
-    another type, so the caller falls back to the generic key."""
+    constexpr its value; a None slot has no entry (Triton compiles it as a constant); any other
+    slot (bool, float) keeps its generic entry. ``pattern`` heads the key, so keys of different
+    patterns never meet. It raises :class:`_OtherTypes` when a call passes another type in a
+    tensor, int or None slot."""
     args = [f"a{i}" for i in range(len(values))]
-    guards, parts = [], ["'fast'", "options"]
+    guards, parts = [], [f"'fast{pattern}'", "options"]
     for a, v, (const, spec, align) in zip(args, values, kinds, strict=True):
         if const:
             parts.append(a)
@@ -109,6 +113,8 @@ def _key_function(kinds: tuple, values: list):
             parts.append(f"-2147483648 <= {a} < 2147483648 or _wide({a})")
             if spec:
                 parts.extend((f"{a} == 1", f"{a} & 15 == 0"))
+        elif v is None:
+            guards.append(f"{a} is not None")
         else:
             parts.append(f"_other({a}, {spec}, {align})")
     body = f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else ""
@@ -156,7 +162,7 @@ class Launcher:
         ]
         self._kinds = tuple(kinds)
         self._handles: dict = {}
-        self._fast_key = None
+        self._fast_keys: list = []
 
     def _bad_arguments(self, args: dict) -> None:
         """Raise for arguments that are not exactly the kernel's (a launch path that only reads
@@ -188,14 +194,19 @@ class Launcher:
 
     def _key(self, values: list, options: tuple) -> tuple:
         """The same specialization as :meth:`_generic_key`, computed by straight-line code
-        written for the argument types of this launcher's first call (a tensor or an int in
-        each slot; a call that passes another type falls back to the generic key)."""
-        if self._fast_key is None:
-            self._fast_key = _key_function(self._kinds, values)
-        try:
-            return self._fast_key(options, *values)
-        except _OtherTypes:
-            return self._generic_key(values, options)
+        written for the argument types of a call (which slots hold a tensor, an int or None).
+        A launcher whose callers pass a few such patterns (a fused kernel's passes switched off
+        with None) keeps one function per pattern; past that, the generic key."""
+        for fn in self._fast_keys:
+            try:
+                return fn(options, *values)
+            except _OtherTypes:
+                continue
+        if len(self._fast_keys) < _FAST_KEYS:
+            fn = _key_function(self._kinds, values, len(self._fast_keys))
+            self._fast_keys.insert(0, fn)
+            return fn(options, *values)
+        return self._generic_key(values, options)
 
     def __call__(self, grid, /, *, num_warps: int | None = None, num_stages: int | None = None,
                  **args) -> Launch | None:  # fmt: skip
@@ -277,6 +288,9 @@ class LaunchPlans:
             else:  # bool, float, str: apart from the equal int (True == 1)
                 sig.append((a.__class__, a))
         return tuple(sig)
+
+    def __contains__(self, sig: tuple | None) -> bool:
+        return sig is not None and sig in self._plans
 
     def replay(self, sig: tuple | None) -> bool:
         """Make the launches stored for ``sig``; False (nothing done) when there are none."""

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch import Launcher, next_power_of_2
+from ..launch import Launch, Launcher, next_power_of_2
 from ._common import (
     BAD_PAGE,
     OUT_OF_CAPACITY,
@@ -495,10 +495,10 @@ def expand_pass(
 def launch_page_tables(
     grid: tuple, seq_lens: torch.Tensor, status: torch.Tensor, *, page_size: int, block_b: int,
     num_warps: int, normal: dict | None = None, expand: dict | None = None,
-) -> None:  # fmt: skip
+) -> Launch | None:  # fmt: skip
     """Launch :func:`page_tables_kernel` on ``grid`` with the keywords of :func:`normal_pass`
-    and/or :func:`expand_pass` (at least one)."""
-    _launch(
+    and/or :func:`expand_pass` (at least one); returns the launch (for the op's plans)."""
+    return _launch(
         grid,
         seq_lens_ptr=seq_lens,
         status_ptr=status,

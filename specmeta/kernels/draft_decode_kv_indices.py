@@ -362,12 +362,17 @@ def _prepare(
     validate.at_least("kv_indptr", kv_indptr.shape[0], rows, "rows")
     validate.at_least("kv_indptr", kv_indptr.shape[1], B * topk + 1, "columns (B*topk + 1)")
     if seq_lens_sum is not None:
-        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
-        need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
-        validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
+        _check_total(seq_lens_sum, kv_indices, B, topk, rows)
     status = validate.status(status, device)
     return topk, num_steps, rows, B, kv_indices, kv_indptr, status
+
+
+def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: int, rows: int):
+    """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
+    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
+    validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
 
 
 def draft_decode_kv_indices(
@@ -427,14 +432,17 @@ def draft_decode_kv_indices(
     of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    sig = None
-    # A plan replays into buffers the caller passed, and never skips the check of a host total.
-    if kv_indices is not None and kv_indptr is not None and seq_lens_sum is None:
-        sig = _draft_decode_kv_indices_plans.signature(
+    sig, plans = None, _draft_decode_kv_indices_plans
+    if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
+        sig = plans.signature(
             req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-            kv_indices, kv_indptr, status,
+            kv_indices, kv_indptr, seq_lens_sum is None, status,
         )  # fmt: skip
-        if _draft_decode_kv_indices_plans.replay(sig):
+        if sig in plans:
+            if seq_lens_sum is not None:  # a host value: checked on every call
+                rows = num_steps if num_rows is None else num_rows
+                _check_total(seq_lens_sum, kv_indices, seq_lens.shape[0], topk, rows)
+            plans.replay(sig)
             return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
@@ -476,7 +484,7 @@ def draft_decode_kv_indices(
         HAS_STATUS=True,
         num_warps=_NUM_WARPS,
     )
-    _draft_decode_kv_indices_plans.store(sig, launch)
+    plans.store(sig, launch)
     return kv_indices, kv_indptr
 
 
@@ -506,14 +514,17 @@ def draft_decode_kv_indices_ref(
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
-    sig = None
-    # A plan replays into buffers the caller passed, and never skips the check of a host total.
-    if kv_indices is not None and kv_indptr is not None and seq_lens_sum is None:
-        sig = _draft_decode_kv_indices_plans.signature(
+    sig, plans = None, _draft_decode_kv_indices_plans
+    if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
+        sig = plans.signature(
             req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-            kv_indices, kv_indptr, status,
+            kv_indices, kv_indptr, seq_lens_sum is None, status,
         )  # fmt: skip
-        if _draft_decode_kv_indices_plans.replay(sig):
+        if sig in plans:
+            if seq_lens_sum is not None:  # a host value: checked on every call
+                rows = num_steps if num_rows is None else num_rows
+                _check_total(seq_lens_sum, kv_indices, seq_lens.shape[0], topk, rows)
+            plans.replay(sig)
             return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,

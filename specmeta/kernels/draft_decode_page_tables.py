@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from ..launch import next_power_of_2
+from ..launch import LaunchPlans, next_power_of_2
 from ._common import chunk_programs
 from ._page_tables import expand_pass, launch_page_tables, normal_pass
 from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
 from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
 __all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
+
+_plans = LaunchPlans()
 
 # Warps per program, and the fewest page-table columns of a normal-pass block: the block is the
 # table's width rounded up to a power of two, between _MIN_BLOCK and _BLOCK, so a narrow table
@@ -151,6 +153,16 @@ def draft_decode_page_tables(
     ``b`` (all steps of its ``K`` branches). No host sync; ``B``, widths and strides are
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
+    sig = None
+    outputs = (page_table, cache_seqlens, expand_page_table, expand_cache_seqlens)
+    if all(t is not None for t in outputs):
+        sig = _plans.signature(  # plans replay into buffers the caller passed, only
+            req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
+            exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
+            expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+        )  # fmt: skip
+        if _plans.replay(sig):
+            return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
      expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
@@ -171,8 +183,9 @@ def draft_decode_page_tables(
     )  # fmt: skip
     expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
                          expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
-    launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
-                       num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
+    launch = launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                                num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
+    _plans.store(sig, launch)
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
 
 

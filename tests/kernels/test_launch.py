@@ -100,6 +100,26 @@ def test_key_separates_every_triton_specialization():
     assert _key(lau, p=base, i=5, c=4) == _key(lau, p=base, i=7, c=4)
 
 
+def test_key_keeps_argument_patterns_apart():
+    """A fused kernel's launchers switch a pass off with None: each pattern of None, tensor and
+    int slots has its own key, and a pointer's key still follows its dtype and alignment."""
+    base = torch.zeros(64, dtype=torch.int32)
+    lau = Launcher(_fake(("p", False, False, False), ("q", False, False, False),
+                         ("i", False, False, False)))  # fmt: skip
+    keys = {
+        "q None": _key(lau, p=base, q=None, i=32),
+        "p None": _key(lau, p=None, q=base, i=32),
+        "both": _key(lau, p=base, q=base, i=32),
+        "i None": _key(lau, p=base, q=base, i=None),
+        "q misaligned": _key(lau, p=base, q=base[1:], i=32),
+        "p None, q int64": _key(lau, p=None, q=base.to(torch.int64), i=32),
+    }
+    assert len(set(keys.values())) == len(keys), keys
+    # Past the fast patterns a launcher keeps, the generic key still tells them apart.
+    assert _key(lau, p=None, q=None, i=32) != _key(lau, p=None, q=None, i=1)
+    assert _key(lau, p=None, q=base, i=32) == keys["p None"]
+
+
 def test_key_follows_do_not_specialize():
     base = torch.zeros(64, dtype=torch.int32)
     lau = Launcher(_fake(("p", False, False, True), ("i", False, True, False)))
