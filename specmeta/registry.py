@@ -21,69 +21,55 @@ import torch
 
 from .config import draft_decode_kv_indices_need, uses_layout_b
 from .kernels.branch_kv_indices import (
-    _branch_kv_indices_kernel,
     branch_kv_indices,
     branch_kv_indices_ref,
 )
 from .kernels.branch_page_table import (
-    _branch_page_table_kernel,
     branch_page_table,
     branch_page_table_ref,
 )
 from .kernels.cache_loc_move import (
     KVPool,
-    _accept_cache_locs_kernel,
-    _move_kv_cache_kernel,
     accept_cache_locs,
     accept_cache_locs_ref,
     move_kv_cache,
     move_kv_cache_ref,
 )
 from .kernels.draft_cache_locs import (
-    _assign_draft_cache_locs_kernel,
-    _prefix_tail_copy_pairs_kernel,
     assign_draft_cache_locs,
     assign_draft_cache_locs_ref,
     prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
 from .kernels.draft_decode_kv_indices import (
-    _draft_decode_kv_indices_kernel,
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
 from .kernels.draft_decode_page_tables import (
-    _draft_decode_page_tables_kernel,
     draft_decode_page_tables,
     draft_decode_page_tables_ref,
 )
 from .kernels.expand_page_table import (
-    _expand_page_table_kernel,
     expand_page_table,
     expand_page_table_ref,
 )
 from .kernels.prefix_page_table import (
-    _prefix_page_table_kernel,
     prefix_page_table,
     prefix_page_table_ref,
 )
 from .kernels.shared_prefix_kv_indices import (
-    _shared_prefix_kv_indices_kernel,
     shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
 )
 from .kernels.tree_custom_mask import (
-    _tree_custom_mask_kernel,
     tree_custom_mask,
     tree_custom_mask_ref,
 )
 from .kernels.verify_expand_page_table import (
-    _verify_expand_page_table_kernel,
     verify_expand_page_table,
     verify_expand_page_table_ref,
 )
 from .kernels.verify_kv_indices import (
-    _verify_kv_indices_kernel,
     verify_kv_indices,
     verify_kv_indices_ref,
 )
@@ -389,39 +375,39 @@ _TABLES = ("page_table", "cache_seqlens")
 #: Every kernel op, in the order ``specmeta check`` runs them.
 OPS: tuple[Op, ...] = (
     Op("assign_draft_cache_locs", assign_draft_cache_locs, assign_draft_cache_locs_ref,
-       (_assign_draft_cache_locs_kernel,), _assign_cases,
+       assign_draft_cache_locs.kernels, _assign_cases,
        lambda case, result, outputs: outputs),
     Op("prefix_tail_copy_pairs", prefix_tail_copy_pairs, prefix_tail_copy_pairs_ref,
-       (_prefix_tail_copy_pairs_kernel,), _pairs_cases, _named("tgt", "src")),
+       prefix_tail_copy_pairs.kernels, _pairs_cases, _named("tgt", "src")),
     Op("draft_decode_kv_indices", draft_decode_kv_indices, draft_decode_kv_indices_ref,
-       (_draft_decode_kv_indices_kernel,), _kv_indices_cases, _kv_indices_written),
+       draft_decode_kv_indices.kernels, _kv_indices_cases, _kv_indices_written),
     Op("accept_cache_locs", accept_cache_locs, accept_cache_locs_ref,
-       (_accept_cache_locs_kernel,), _accept_cases, lambda case, result, outputs: outputs,
+       accept_cache_locs.kernels, _accept_cases, lambda case, result, outputs: outputs,
        extra_tokens=_ACCEPT_WINDOW),
     # n = B·(S + 1) accept pairs in (64, 128] at GPU_CONFIG: move_kv_cache buckets n to a
     # power of two on its overlapping paths, so these batch sizes share one bucket.
     Op("move_kv_cache", move_kv_cache, move_kv_cache_ref,
-       (_move_kv_cache_kernel,), _move_cases, _move_written,
+       move_kv_cache.kernels, _move_cases, _move_written,
        extra_tokens=_ACCEPT_WINDOW, call=_move_call, compile_batch_sizes=(11, 13, 16, 21)),
     Op("verify_kv_indices", verify_kv_indices, verify_kv_indices_ref,
-       (_verify_kv_indices_kernel,), _verify_kv_cases, _verify_kv_written, extra_tokens=8),
+       verify_kv_indices.kernels, _verify_kv_cases, _verify_kv_written, extra_tokens=8),
     Op("tree_custom_mask", tree_custom_mask, tree_custom_mask_ref,
-       (_tree_custom_mask_kernel,), _mask_cases, _mask_written, extra_tokens=8),
+       tree_custom_mask.kernels, _mask_cases, _mask_written, extra_tokens=8),
     Op("shared_prefix_kv_indices", shared_prefix_kv_indices,
-       shared_prefix_kv_indices_ref, (_shared_prefix_kv_indices_kernel,),
+       shared_prefix_kv_indices_ref, shared_prefix_kv_indices.kernels,
        _shared_prefix_cases, _shared_prefix_written),
     Op("branch_page_table", branch_page_table, branch_page_table_ref,
-       (_branch_page_table_kernel,), _branch_table_cases, _named("page_table", "seq_lens_k")),
+       branch_page_table.kernels, _branch_table_cases, _named("page_table", "seq_lens_k")),
     Op("branch_kv_indices", branch_kv_indices, branch_kv_indices_ref,
-       (_branch_kv_indices_kernel,), _branch_kv_cases, _branch_kv_written),
+       branch_kv_indices.kernels, _branch_kv_cases, _branch_kv_written),
     Op("prefix_page_table", prefix_page_table, prefix_page_table_ref,
-       (_prefix_page_table_kernel,), _prefix_table_cases, _named(*_TABLES), extra_tokens=8),
+       prefix_page_table.kernels, _prefix_table_cases, _named(*_TABLES), extra_tokens=8),
     Op("expand_page_table", expand_page_table, expand_page_table_ref,
-       (_expand_page_table_kernel,), _expand_cases, _named(*_TABLES)),
+       expand_page_table.kernels, _expand_cases, _named(*_TABLES)),
     Op("draft_decode_page_tables", draft_decode_page_tables,
-       draft_decode_page_tables_ref, (_draft_decode_page_tables_kernel,), _fused_cases,
+       draft_decode_page_tables_ref, draft_decode_page_tables.kernels, _fused_cases,
        _named(*_TABLES, "expand_page_table", "expand_cache_seqlens")),
     Op("verify_expand_page_table", verify_expand_page_table,
-       verify_expand_page_table_ref, (_verify_expand_page_table_kernel,),
+       verify_expand_page_table_ref, verify_expand_page_table.kernels,
        _verify_expand_cases, _named(*_TABLES), extra_tokens=8),
 )  # fmt: skip

@@ -299,6 +299,9 @@ def branch_kv_indices(
     return out
 
 
+branch_kv_indices.kernels = (_branch_kv_indices_kernel,)  # for specmeta.registry
+
+
 def branch_kv_indptr(
     seq_lens: torch.Tensor,
     topk: int,

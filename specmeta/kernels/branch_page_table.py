@@ -242,6 +242,9 @@ def branch_page_table(
     return page_table, seq_lens_k
 
 
+branch_page_table.kernels = (_branch_page_table_kernel,)  # for specmeta.registry
+
+
 def branch_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -293,6 +293,9 @@ def accept_cache_locs(
     return tgt[:n], src[:n]
 
 
+accept_cache_locs.kernels = (_accept_cache_locs_kernel,)  # for specmeta.registry
+
+
 def accept_cache_locs_ref(
     accept_index: torch.Tensor,
     accept_lens: torch.Tensor,
@@ -722,6 +725,9 @@ def move_kv_cache(
             TABLE=False,
             **common,
         )
+
+
+move_kv_cache.kernels = (_move_kv_cache_kernel,)  # for specmeta.registry
 
 
 def move_kv_cache_ref(

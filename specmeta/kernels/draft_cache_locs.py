@@ -190,6 +190,9 @@ def assign_draft_cache_locs(
     return out_cache_loc
 
 
+assign_draft_cache_locs.kernels = (_assign_draft_cache_locs_kernel,)  # for specmeta.registry
+
+
 # --------------------------------------------------------------------------------------------
 # prefix_tail_copy_pairs
 # --------------------------------------------------------------------------------------------
@@ -324,6 +327,9 @@ def prefix_tail_copy_pairs(
     )
     _prefix_tail_copy_pairs_plans.store(sig, launch)
     return tgt, src
+
+
+prefix_tail_copy_pairs.kernels = (_prefix_tail_copy_pairs_kernel,)  # for specmeta.registry
 
 
 # --------------------------------------------------------------------------------------------

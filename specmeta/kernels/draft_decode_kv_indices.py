@@ -488,6 +488,9 @@ def draft_decode_kv_indices(
     return kv_indices, kv_indptr
 
 
+draft_decode_kv_indices.kernels = (_draft_decode_kv_indices_kernel,)  # for specmeta.registry
+
+
 def draft_decode_kv_indptr(
     seq_lens: torch.Tensor, topk: int, rows: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:

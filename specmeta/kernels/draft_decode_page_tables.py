@@ -27,7 +27,7 @@ import torch
 
 from ..launch import LaunchPlans, next_power_of_2
 from ._common import chunk_programs
-from ._page_tables import expand_pass, launch_page_tables, normal_pass
+from ._page_tables import expand_pass, launch_page_tables, normal_pass, page_tables_kernel
 from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
 from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
@@ -187,6 +187,9 @@ def draft_decode_page_tables(
                                 num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
     _plans.store(sig, launch)
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
+
+
+draft_decode_page_tables.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
 # The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).

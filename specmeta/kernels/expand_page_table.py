@@ -24,7 +24,7 @@ import torch
 from .. import validate
 from ..config import expand_page_table_width
 from ..status import Status
-from ._page_tables import expand_pass, launch_page_tables
+from ._page_tables import expand_pass, launch_page_tables, page_tables_kernel
 
 __all__ = ["expand_page_table", "expand_page_table_ref"]
 
@@ -143,6 +143,9 @@ def expand_page_table(
     launch_page_tables((max(B, 1),), seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
                        num_warps=2, expand=expand)  # fmt: skip
     return page_table, cache_seqlens
+
+
+expand_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
 # The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).

@@ -25,7 +25,7 @@ from ..config import page_table_width
 from ..launch import LaunchPlans
 from ..status import Status
 from ._common import check_batch, chunk_programs, gather_rows_ref
-from ._page_tables import launch_page_tables, normal_pass
+from ._page_tables import launch_page_tables, normal_pass, page_tables_kernel
 
 __all__ = ["prefix_page_table", "prefix_page_table_ref"]
 
@@ -182,6 +182,9 @@ def prefix_page_table(
                                 num_warps=4, normal=normal)  # fmt: skip
     _plans.store(sig, launch)
     return page_table, cache_seqlens
+
+
+prefix_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
 # The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).

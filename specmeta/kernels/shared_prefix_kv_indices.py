@@ -327,6 +327,9 @@ def shared_prefix_kv_indices(
     return out
 
 
+shared_prefix_kv_indices.kernels = (_shared_prefix_kv_indices_kernel,)  # for specmeta.registry
+
+
 def shared_prefix_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

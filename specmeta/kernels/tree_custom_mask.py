@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import tree_custom_mask_need
-from ..launch import Launcher, cdiv
+from ..launch import Launcher, LaunchPlans, cdiv
 from ..status import Status
 from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
 
@@ -130,6 +130,7 @@ def _tree_custom_mask_kernel(
 
 
 _tree_custom_mask_launch = Launcher(_tree_custom_mask_kernel)
+_plans = LaunchPlans()
 
 
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
@@ -156,13 +157,18 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
     validate.tensor("mask_indptr", mask_indptr, ndim=1, device=device)
     validate.at_least("mask_indptr", mask_indptr.shape[0], B + 1, "entries (B + 1)")
     if seq_lens_sum is not None:
-        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
-        need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
-        what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
-        validate.at_least("custom_mask", custom_mask.shape[0], need, what)
+        _check_total(seq_lens_sum, custom_mask, B, N, packed)
     status = validate.status(status, device)
     return B, N, custom_mask, mask_indptr, status
+
+
+def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int, packed: bool):
+    """``custom_mask`` holds the whole mask ``seq_lens_sum`` (the host's ``ΣL``) makes."""
+    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
+    what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
+    validate.at_least("custom_mask", custom_mask.shape[0], need, what)
 
 
 def tree_custom_mask(
@@ -212,12 +218,22 @@ def tree_custom_mask(
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
+    sig = None
+    if custom_mask is not None and mask_indptr is not None:  # plans replay into passed buffers
+        sig = _plans.signature(seq_lens, tree_mask, packed, custom_mask, mask_indptr,
+                               seq_lens_sum is None, status)  # fmt: skip
+        if sig in _plans:
+            if seq_lens_sum is not None:  # a host value: checked on every call
+                B, N = seq_lens.shape[0], tree_mask.shape[1]
+                _check_total(seq_lens_sum, custom_mask, B, N, packed)
+            _plans.replay(sig)
+            return custom_mask, mask_indptr
     B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
-    _tree_custom_mask_launch(
+    launch = _tree_custom_mask_launch(
         grid,
         seq_lens_ptr=seq_lens,
         tree_mask_ptr=tree_mask.view(torch.uint8),
@@ -236,7 +252,11 @@ def tree_custom_mask(
         HAS_STATUS=True,
         num_warps=4,
     )
+    _plans.store(sig, launch)
     return custom_mask, mask_indptr
+
+
+tree_custom_mask.kernels = (_tree_custom_mask_kernel,)  # for specmeta.registry
 
 
 def tree_custom_mask_ref(

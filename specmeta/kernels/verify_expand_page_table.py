@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..launch import Launcher, next_power_of_2
+from ..launch import Launcher, LaunchPlans, next_power_of_2
 from ..status import Status
 from ._common import (
     POOL_OOB,
@@ -111,6 +111,7 @@ def _verify_expand_page_table_kernel(
 
 
 _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
+_plans = LaunchPlans()
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
@@ -188,13 +189,20 @@ def verify_expand_page_table(
 
     Grid ``(max(B, 1),)``, one program per request. No host sync.
     """
+    sig = None
+    if page_table is not None and cache_seqlens is not None:  # plans replay into passed buffers
+        sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
+                               cache_seqlens, cu_seqlens_k, status)  # fmt: skip
+        if _plans.replay(sig):
+            _cu_seqlens_k(cache_seqlens, cu_seqlens_k, seq_lens.shape[0] * tree_mask.shape[1])
+            return page_table, cache_seqlens
     B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
-    _verify_expand_page_table_launch(
+    launch = _verify_expand_page_table_launch(
         (max(B, 1),),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tree_mask_ptr=mask,
@@ -212,10 +220,19 @@ def verify_expand_page_table(
         WRITE_CU0=cu_seqlens_k is not None,
         HAS_STATUS=True,
     )
-    if cu_seqlens_k is not None and B:
-        BN = B * N
-        torch.cumsum(cache_seqlens[:BN], 0, dtype=cu_seqlens_k.dtype, out=cu_seqlens_k[1 : BN + 1])
+    _plans.store(sig, launch)
+    _cu_seqlens_k(cache_seqlens, cu_seqlens_k, B * N)
     return page_table, cache_seqlens
+
+
+verify_expand_page_table.kernels = (_verify_expand_page_table_kernel,)  # for specmeta.registry
+
+
+def _cu_seqlens_k(cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, BN: int):
+    """``cu_seqlens_k[1 : BN + 1]``, the inclusive sums of the nodes' key counts (entry 0 is
+    the kernel's)."""
+    if cu_seqlens_k is not None and BN:
+        torch.cumsum(cache_seqlens[:BN], 0, dtype=cu_seqlens_k.dtype, out=cu_seqlens_k[1 : BN + 1])
 
 
 def verify_expand_page_table_ref(

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import verify_kv_indices_need
-from ..launch import Launcher
+from ..launch import Launcher, LaunchPlans
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -92,6 +92,7 @@ def _verify_kv_indices_kernel(
 
 
 _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
+_plans = LaunchPlans()
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
@@ -109,12 +110,17 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
     validate.tensor("kv_indptr", kv_indptr, ndim=1, device=device)
     validate.at_least("kv_indptr", kv_indptr.shape[0], B + 1, "entries (B + 1)")
     if seq_lens_sum is not None:
-        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
-        need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
-        validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
+        _check_total(seq_lens_sum, kv_indices, B, extra_tokens)
     status = validate.status(status, device)
     return extra_tokens, B, kv_indices, kv_indptr, status
+
+
+def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_tokens: int):
+    """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
+    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
+        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
+    validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
 
 
 def verify_kv_indices(
@@ -165,13 +171,22 @@ def verify_kv_indices(
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
+    sig = None
+    if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
+        sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, extra_tokens,
+                               kv_indices, kv_indptr, seq_lens_sum is None, status)  # fmt: skip
+        if sig in _plans:
+            if seq_lens_sum is not None:  # a host value: checked on every call
+                _check_total(seq_lens_sum, kv_indices, seq_lens.shape[0], extra_tokens)
+            _plans.replay(sig)
+            return kv_indices, kv_indptr
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    _verify_kv_indices_launch(
+    launch = _verify_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         kv_indices_ptr=kv_indices,
@@ -185,7 +200,11 @@ def verify_kv_indices(
         HAS_STATUS=True,
         num_warps=4,
     )
+    _plans.store(sig, launch)
     return kv_indices, kv_indptr
+
+
+verify_kv_indices.kernels = (_verify_kv_indices_kernel,)  # for specmeta.registry
 
 
 def verify_kv_indices_ref(
