@@ -91,8 +91,11 @@ PY
           > "$OUT/lossless_$w.log" 2>&1 &
       done
       wait
-      tail -q -n 1 "$OUT"/lossless_*.log
-      summary+=("lossless gpu: $(tail -q -n 1 "$OUT"/lossless_*.log | tr '\n' ' ')")
+      tail -q -n 1 "$OUT"/lossless_[0-9]*.log
+      summary+=("lossless gpu: $(tail -q -n 1 "$OUT"/lossless_[0-9]*.log | tr '\n' ' ')")
+      # One log comes back, not one per shard (a visit brings back a limited number of files).
+      cat "$OUT"/lossless_[0-9]*.log > "$OUT/lossless.log"
+      rm -f "$OUT"/lossless_[0-9]*.log "$OUT"/lossless_[0-9]*.xml
       ;;
     mutations-gpu)
       # The gpu=True mutations of scripts/mutations.py, races the interpreter cannot show (the
