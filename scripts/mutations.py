@@ -24,8 +24,7 @@ runs a program's lanes in lock step: such mutations are marked ``gpu=True`` and 
 ``--gpu`` or ``--gpu-only``, which refuse to start without a CUDA device (their tests would be
 skipped and every mutation would read as missed).
 
-The copy is of git's tracked files; where there is no repository (the GPU machine receives a
-work tree without ``.git``) it is of the whole tree less what ``.gitignore`` names.
+The copy is of the work tree less what ``.gitignore`` names.
 """
 
 from __future__ import annotations
@@ -401,25 +400,15 @@ def stale(m: Mutation, root: Path = ROOT) -> str | None:
     return None
 
 
-# What ``.gitignore`` names, plus the repository itself: skipped when there is no git to ask.
+# What ``.gitignore`` names, plus the repository itself.
 _UNTRACKED = ("__pycache__", "*.egg-info", ".pytest_cache", ".benchmarks", ".hypothesis", "build",
               "dist", ".whl", ".device-out", ".before", ".git")  # fmt: skip
 
 
 def _copy_tracked(root: Path, dst: Path) -> None:
-    try:
-        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], check=True,
-                                capture_output=True).stdout  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):  # no git, or a tree without .git
-        shutil.copytree(root, dst, ignore=shutil.ignore_patterns(*_UNTRACKED), dirs_exist_ok=True)
-        return
-    files = listed.decode().split("\0")
-    for name in filter(None, files):
-        src = root / name
-        if not src.is_file():  # a tracked file deleted in the work tree
-            continue
-        (dst / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst / name)
+    """The work tree less what ``.gitignore`` names. Not ``git ls-files``: a machine's copy of
+    the tree may carry a ``.git`` whose index is not that of the files it holds."""
+    shutil.copytree(root, dst, ignore=shutil.ignore_patterns(*_UNTRACKED), dirs_exist_ok=True)
 
 
 @dataclasses.dataclass
