@@ -26,7 +26,9 @@ Triton's ordinary path.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -219,6 +221,8 @@ class Launcher:
             if not all(n in args for n in self.names):
                 self._bad_arguments(args)
             self.kernel[grid](**args, **_options(num_warps, num_stages))
+            if _recording.launches is not None:
+                _recording.launches.append(None)  # not replayable: no plan of this block
             return None
         try:  # as many arguments as names: a missing name means a misspelt one
             values = [args[n] for n in self.names]
@@ -238,7 +242,28 @@ class Launcher:
             run, function, metadata = handle
             stream = torch._C._cuda_getCurrentRawStream(device)
             run(grid[0], g1, g2, stream, function, metadata, None, None, None, *values)
-        return Launch(handle, (grid[0], g1, g2), device, values)
+        launch = Launch(handle, (grid[0], g1, g2), device, values)
+        if _recording.launches is not None:
+            _recording.launches.append(launch)
+        return launch
+
+
+class _Recording(threading.local):
+    launches: list | None = None  # the class attribute is every new thread's starting value
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the :class:`Launch` of every launch made in the block, on this thread (None for
+    one that took Triton's own path): what a builder stores as the plan of a mode."""
+    outer, _recording.launches = _recording.launches, []
+    try:
+        yield _recording.launches
+    finally:
+        _recording.launches = outer
 
 
 class Launch:
@@ -276,18 +301,22 @@ class LaunchPlans:
 
     @staticmethod
     def signature(*args) -> tuple | None:
-        """What the op's checks and launches depend on; None where plans are off."""
+        """The plan key of an op called with ``args``: the current CUDA device, whether a
+        builder vouches for the tensors (:func:`specmeta.validate.trusting`) and
+        :func:`specmeta.validate.signature` of ``args``. None where plans are off, and while a
+        builder records a plan of its own (:func:`recording`): that plan replays this call."""
+        if _INTERPRETED or _recording.launches is not None or _hooks_installed():
+            return None
+        return (torch._C._cuda_getDevice(), validate.is_trusted(), *validate.signature(*args))
+
+    @staticmethod
+    def key(*parts) -> tuple | None:
+        """The plan key of hashable ``parts`` that already say everything the launches depend
+        on (a builder's checked-input key and its mode's host integers); None where plans are
+        off."""
         if _INTERPRETED or _hooks_installed():
             return None
-        sig = [validate.is_trusted(), torch._C._cuda_getDevice()]
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device))
-            elif a is None or a.__class__ is int:
-                sig.append(a)
-            else:  # bool, float, str: apart from the equal int (True == 1)
-                sig.append((a.__class__, a))
-        return tuple(sig)
+        return (torch._C._cuda_getDevice(), *parts)
 
     def __contains__(self, sig: tuple | None) -> bool:
         return sig is not None and sig in self._plans
@@ -297,14 +326,14 @@ class LaunchPlans:
         plan = self._plans.get(sig) if sig is not None else None
         if plan is None:
             return False
-        stream = torch._C._cuda_getCurrentRawStream(sig[1])
+        stream = torch._C._cuda_getCurrentRawStream(sig[0])
         for (run, function, metadata), (g0, g1, g2), values in plan:
             run(g0, g1, g2, stream, function, metadata, None, None, None, *values)
         return True
 
     def store(self, sig: tuple | None, *launches: Launch | None) -> None:
         """Keep ``launches`` (the op's, in order) as the plan of ``sig``."""
-        if sig is None or any(x is None or x.device != sig[1] for x in launches):
+        if not launches or sig is None or any(x is None or x.device != sig[0] for x in launches):
             return
         if len(self._plans) >= self._size:
             self._plans.clear()

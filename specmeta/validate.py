@@ -52,6 +52,24 @@ def is_trusted() -> bool:
     return _state.trusted
 
 
+def signature(*args: object) -> tuple:
+    """Everything the host checks of a call can read of ``args``: each tensor's address, shape,
+    strides, dtype and device, and every other value as it is (a bool apart from the equal
+    int). Calls with equal signatures pass or fail the same shape, dtype, device and capacity
+    checks, so a caller may check once per signature (a builder's tensor checks, an op's
+    :class:`specmeta.launch.LaunchPlans`). Device values are not part of it: no check reads
+    them."""
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device))
+        elif a is None or a.__class__ is int or a.__class__ is str:
+            sig.append(a)
+        else:
+            sig.append((a.__class__, a))
+    return tuple(sig)
+
+
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 

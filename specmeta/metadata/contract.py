@@ -36,7 +36,8 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, plan_buffers
-from .inputs import BuildInputs, check_build_inputs, check_num_rows
+from ..launch import LaunchPlans, recording
+from .inputs import BuildInputs, check_build_tensors, check_num_rows, host_lengths
 
 __all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
 
@@ -144,6 +145,8 @@ class MetadataBuilder:
         self.modes = self.check_modes(cfg, modes)
         self.status = plan_buffers(cfg)["status"].allocate(self.device)
         self._results: dict = {}
+        self._checked: set = set()  # validate.signature keys whose tensor checks passed
+        self._launch_plans = LaunchPlans()
 
     # -- what the builder allocates -----------------------------------------------------------
     @classmethod
@@ -211,9 +214,56 @@ class MetadataBuilder:
             )
         return where
 
-    def check(self, mode: str, *args: Any, **kwargs: Any) -> BuildInputs:
-        """Every host check of one build, before its first launch (:mod:`.inputs`)."""
-        return check_build_inputs(self.require(mode), self.cfg, self.device, *args, **kwargs)
+    def check(
+        self,
+        mode: str,
+        req_pool_indices: Any,
+        req_to_token: Any,
+        seq_lens: Any,
+        *,
+        seq_lens_cpu: Any = None,
+        tree_mask: Any = None,
+        out_cache_loc: Any = None,
+        status: Any = None,
+    ) -> BuildInputs:
+        """Every host check of one build, before its first launch (:mod:`.inputs`).
+
+        The tensor checks read only what :func:`specmeta.validate.signature` holds, so they run
+        once per signature (per mode); the checks of ``seq_lens_cpu``'s values run on every
+        call. The signature is the result's ``key``."""
+        where = self.require(mode)
+        tensors = (req_pool_indices, req_to_token, seq_lens, tree_mask, out_cache_loc, status)
+        try:
+            key = (mode, *validate.signature(*tensors))
+            seen = key in self._checked
+        except TypeError:  # an unhashable argument: the checks below name it
+            key, seen = None, False
+        if not seen:
+            check_build_tensors(where, self.cfg, self.device, req_pool_indices, req_to_token,
+                                seq_lens, tree_mask=tree_mask, out_cache_loc=out_cache_loc,
+                                status=status)  # fmt: skip
+            if key is not None:
+                if len(self._checked) >= 4096:
+                    self._checked.clear()
+                self._checked.add(key)
+        inputs = host_lengths(where, self.cfg, req_pool_indices.shape[0], seq_lens_cpu)
+        inputs.key = key
+        return inputs
+
+    def launch_plan(self, inputs: BuildInputs, parts: tuple, run: Callable[[], Any]) -> None:
+        """``run()`` makes a mode's launches, or the launches it made before for the same
+        checked inputs and ``parts`` are made again (:class:`specmeta.launch.LaunchPlans`).
+
+        Only for a ``run`` whose every device write is a kernel launch (no torch op), with
+        launch arguments that follow from ``inputs.key`` (the tensors and the status word
+        passed), ``parts`` (the host integers it passes, e.g. the rows) and the builder's own
+        buffers; never from host values such as ``seq_lens_cpu``."""
+        key = LaunchPlans.key(inputs.key, *parts) if inputs.key is not None else None
+        if self._launch_plans.replay(key):
+            return
+        with recording() as launches:
+            run()
+        self._launch_plans.store(key, *launches)
 
     def draft_rows(self, mode: str, num_rows: int | None) -> int:
         """``num_rows`` of a draft-decode mode; default ``S − 1``, the draft forwards."""

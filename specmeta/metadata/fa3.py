@@ -317,8 +317,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
             views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
             if launch:
-                self._prefix(*args, page_size=ps, extra_tokens=1, num_rows=rows, **views,
-                             status=status)  # fmt: skip
+                self.launch_plan(inputs, (rows,), lambda: self._prefix(
+                    *args, page_size=ps, extra_tokens=1, num_rows=rows, **views, status=status))  # fmt: skip
             top = self._max_len(inputs)
             return self.result(("draft_decode", B, rows, top),
                                lambda: self._draft_result(B, rows, top, 0))  # fmt: skip
@@ -327,9 +327,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         # pass). Expand pass: every step's own chain of every branch.
         views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
         if launch:
-            self._draft_tables(*args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
-                               exclude_last_partial=cfg.layout_b, num_rows=rows, **views,
-                               status=status)  # fmt: skip
+            self.launch_plan(inputs, (rows,), lambda: self._draft_tables(
+                *args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
+                exclude_last_partial=cfg.layout_b, num_rows=rows, **views, status=status))  # fmt: skip
         top = self._max_len(inputs, whole_pages=cfg.layout_b)
         lpl_max = self._max_lpl(inputs)
         return self.result(("draft_decode", B, rows, top, lpl_max),

@@ -362,13 +362,13 @@ class FlashInferBuilder(MetadataBuilder):
         B, lens = inputs.batch, inputs.seq_lens_cpu
         K = cfg.topk
         if launch:
-            self._draft_kv(
+            self.launch_plan(inputs, (rows,), lambda: self._draft_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=cfg.page_size, num_rows=rows, kv_indices=buf["draft_decode.kv_indices"],
                 kv_indptr=buf["draft_decode.kv_indptr"],
                 seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
-            )  # fmt: skip
+            ))  # fmt: skip
         host = slot = None
         if lens is not None:
             ring = self._mirrors["draft_decode"]
@@ -418,7 +418,7 @@ class FlashInferBuilder(MetadataBuilder):
         B, lens = inputs.batch, inputs.seq_lens_cpu
         K, mode = cfg.topk, "draft_decode_shared"
         if launch:
-            self._shared_kv(
+            self.launch_plan(inputs, (rows,), lambda: self._shared_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
                 page_size=cfg.page_size, num_rows=rows,
                 prefix_kv_indices=buf[f"{mode}.prefix_kv_indices"],
@@ -427,7 +427,7 @@ class FlashInferBuilder(MetadataBuilder):
                 chain_kv_indptr=buf[f"{mode}.chain_kv_indptr"],
                 seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
-            )  # fmt: skip
+            ))  # fmt: skip
         prefix_host = slot = None
         if lens is not None:
             ring = self._mirrors[mode]

@@ -21,7 +21,8 @@ import torch
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["BuildInputs", "check_build_inputs", "check_num_rows"]
+__all__ = ["BuildInputs", "check_build_inputs", "check_build_tensors", "check_num_rows",
+           "host_lengths"]  # fmt: skip
 
 
 class BuildInputs:
@@ -35,15 +36,20 @@ class BuildInputs:
         ``[B]`` int64 copy of the engine's CPU mirror, or ``None`` when it was not given.
     high : int or None
         ``max L`` of the CPU mirror (0 for an empty batch), or ``None`` without it.
+    key : tuple or None
+        What the tensor checks read (:func:`specmeta.validate.signature` of the tensors and the
+        mode), set by the builder: a build whose launches depend on nothing else replays them
+        for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
     """
 
-    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum")
+    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "key")
 
     def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None):
         self.batch = batch
         self.seq_lens_cpu = seq_lens_cpu
         self.high = high
         self._sum: int | None = None
+        self.key: tuple | None = None
 
     @property
     def seq_lens_sum(self) -> int | None:
@@ -160,6 +166,26 @@ def check_build_inputs(
     -------
     BuildInputs
     """
+    B = check_build_tensors(where, cfg, device, req_pool_indices, req_to_token, seq_lens,
+                            tree_mask=tree_mask, out_cache_loc=out_cache_loc,
+                            status=status)  # fmt: skip
+    return host_lengths(where, cfg, B, seq_lens_cpu)
+
+
+def check_build_tensors(
+    where: str,
+    cfg: SpecConfig,
+    device: torch.device,
+    req_pool_indices: object,
+    req_to_token: object,
+    seq_lens: object,
+    *,
+    tree_mask: object = None,
+    out_cache_loc: object = None,
+    status: object = None,
+) -> int:
+    """The checks of :func:`check_build_inputs` that read only the tensors' shapes, dtypes,
+    strides and devices (equal for equal :func:`specmeta.validate.signature`); returns ``B``."""
     rpi = _tensor(where, "req_pool_indices", req_pool_indices, device, ndim=1)
     table = _tensor(where, "req_to_token", req_to_token, device, ndim=2)
     lens = _tensor(where, "seq_lens", seq_lens, device, ndim=1)
@@ -206,6 +232,12 @@ def check_build_inputs(
                 f"{where}: status has shape {list(word.shape)}; it must be int32 [1] "
                 "(specmeta.new_status(device))"
             )
+    return B
+
+
+def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> BuildInputs:
+    """The checks of :func:`check_build_inputs` on the host values (``seq_lens_cpu``), made on
+    every call, and the :class:`BuildInputs` of ``B`` requests."""
     if seq_lens_cpu is None:
         return BuildInputs(B, None)
     cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, torch.device("cpu"), ndim=1)

@@ -229,6 +229,8 @@ def test_plan_signature_separates_everything_the_checks_read(plans_on):
         assert plans.signature(*args) != ref, what
     assert plans.signature(base, 4, 1) == ref
     assert validate.trusting(plans.signature)(base, 4, 1) != ref, "a builder's call is apart"
+    with plans_on.recording():
+        assert plans.signature(base, 4, 1) is None, "a builder records: no plan of the op's own"
 
 
 def test_plan_not_stored_without_a_handle_launch(plans_on):
@@ -272,3 +274,75 @@ def test_gpu_planned_launches_equal_the_reference(gen):
             assert torch.equal(out, want), (round_, out.data_ptr() - big.data_ptr())
         fresh = assign_draft_cache_locs(*a, **kw)  # allocated: never a plan's old buffer
         assert torch.equal(fresh, assign_draft_cache_locs_ref(*a, **kw)), round_
+
+
+def test_builder_checks_again_a_tensor_changed_in_place(gen):
+    """A builder checks a call's tensors once per signature: a tensor resized in place after a
+    checked call has another signature, and is checked (and refused) again."""
+    from specmeta import SpecConfig
+    from specmeta.metadata.fa3 import FA3MetadataBuilder
+    from specmeta.workloads import make_batch
+
+    cfg = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, page_size=1, max_bs=4,
+                     max_context_len=64)  # fmt: skip
+    batch = make_batch("random", batch_size=4, topk=1, num_steps=3, page_size=1,
+                       row_width=cfg.req_to_token_width, generator=gen, max_len=64)  # fmt: skip
+    fa3 = FA3MetadataBuilder(cfg, "cpu", modes=("draft_decode",))
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    fa3.draft_decode(*a, launch=False)
+    fa3.draft_decode(*a, launch=False)  # the same signature: checked once
+    batch.seq_lens.resize_(5)
+    with pytest.raises(ValueError, match="seq_lens has 5 entries but req_pool_indices has 4"):
+        fa3.draft_decode(*a, launch=False)
+    batch.seq_lens.resize_(4)
+    narrow = batch.req_to_token[:, : cfg.row_width_need - 1]
+    with pytest.raises(ValueError, match="positions wide"):
+        fa3.draft_decode(a[0], narrow, a[2], launch=False)
+
+
+def _tensors(obj):
+    """Every tensor field of a builder's result (dataclasses and tuples of them)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+    elif isinstance(obj, tuple | list):
+        for x in obj:
+            yield from _tensors(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,mode", [("fa3", "draft_decode"), ("flashinfer", "draft_decode"),
+                                          ("flashinfer", "draft_decode_shared_prefix")])  # fmt: skip
+@pytest.mark.parametrize("k,ps", [(1, 1), (4, 16)])
+def test_gpu_builder_plans_follow_new_device_values(gen, backend, mode, k, ps):
+    """A builder's second and later calls on the same tensors replay its first call's launches
+    (new lengths in the same buffers); every result equals the reference builder's."""
+    from specmeta import SpecConfig
+    from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+    from specmeta.metadata.fa3 import FA3MetadataBuilder
+    from specmeta.metadata.flashinfer import FlashInferBuilder
+    from specmeta.workloads import make_batch
+
+    cfg = SpecConfig(topk=k, num_steps=4, num_draft_tokens=8, page_size=ps, max_bs=6,
+                     max_context_len=300)  # fmt: skip
+    batch = make_batch("random", batch_size=6, topk=k, num_steps=4, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device="cuda",
+                       extra_tokens=8, max_len=300)  # fmt: skip
+    cls = FA3MetadataBuilder if backend == "fa3" else FlashInferBuilder
+    real, ref = cls(cfg, "cuda", modes=(mode,)), cls(cfg, "cuda", modes=(mode,), reference=True)
+    a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    slots = torch.empty(6 * k * 4, dtype=torch.int64, device="cuda")
+    for round_ in range(4):
+        batch.seq_lens.copy_(torch.randint(1, 300, (6,), generator=gen))
+        assign_draft_cache_locs(*a, out_cache_loc=slots, topk=k, num_steps=4, page_size=ps)
+        extra = (slots,) if backend == "fa3" else ()
+        got = list(_tensors(getattr(real, mode)(*a, *extra)))
+        want = list(_tensors(getattr(ref, mode)(*a, *extra)))
+        assert len(got) == len(want) > 0
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), (round_, i)
+    assert int(real.status) == 0
