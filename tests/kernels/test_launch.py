@@ -327,7 +327,7 @@ def test_gpu_builder_plans_follow_new_device_values(gen, backend, mode, k, ps):
     from specmeta.metadata.flashinfer import FlashInferBuilder
     from specmeta.workloads import make_batch
 
-    cfg = SpecConfig(topk=k, num_steps=4, num_draft_tokens=8, page_size=ps, max_bs=6,
+    cfg = SpecConfig(topk=k, num_steps=4, num_draft_tokens=5, page_size=ps, max_bs=6,
                      max_context_len=300)  # fmt: skip
     batch = make_batch("random", batch_size=6, topk=k, num_steps=4, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device="cuda",
