@@ -116,7 +116,8 @@ def test_key_keeps_argument_patterns_apart():
     }
     assert len(set(keys.values())) == len(keys), keys
     # Past the fast patterns a launcher keeps, the generic key still tells them apart.
-    assert _key(lau, p=None, q=None, i=32) != _key(lau, p=None, q=None, i=1)
+    assert _key(lau, p=None, q=None, i=3) != _key(lau, p=None, q=None, i=1)
+    assert _key(lau, p=None, q=None, i=3) == _key(lau, p=None, q=None, i=5)
     assert _key(lau, p=None, q=base, i=32) == keys["p None"]
 
 
@@ -213,12 +214,13 @@ def test_plan_signature_separates_everything_the_checks_read(plans_on):
     from specmeta import validate
 
     plans = plans_on.LaunchPlans()
-    base = torch.zeros(16, 4, dtype=torch.int32)
+    storage = torch.zeros(9, 8, dtype=torch.int32)
+    base = storage[:8]
     ref = plans.signature(base, 4, 1)
     differ = {
-        "address": (base[1:], 4, 1),
-        "shape": (base[:8], 4, 1),
-        "strides": (base.t(), 4, 1),
+        "address (same shape and strides)": (storage[1:], 4, 1),
+        "shape": (base[:4], 4, 1),
+        "strides (same address and shape)": (base.t(), 4, 1),
         "dtype": (base.view(torch.float32), 4, 1),
         "another storage, same shape": (base.clone(), 4, 1),
         "an int": (base, 5, 1),
