@@ -656,11 +656,11 @@ def _racy_pairs(P, n, gen, *, ordered):
     return tgt.clone(), src.clone()
 
 
-def _race_check(device, gen, *, n, ordered, addressing, buffers=_RACE_BUFFERS,
+def _racy_moves(device, gen, *, n, ordered, addressing, buffers=_RACE_BUFFERS,
                 row_bytes=_RACE_ROW_BYTES, draws=_RACE_DRAWS, launches=_RACE_LAUNCHES):  # fmt: skip
     """Move ``draws`` racy pair lists ``launches`` times each over a fresh copy of the pool and
-    compare every result exactly with the reference; the failure counts the launches that moved
-    a stale row and names the first stale row."""
+    compare every result exactly with the reference. Returns ``(stale, total, first, status)``:
+    the launches that left a stale row, the launches made, the first stale row, the status."""
     P = n + _RACE_MAX_SHIFT + 64
     seed = int(torch.randint(2**31, (1,), generator=gen))
     dgen = torch.Generator(device=device).manual_seed(seed)
@@ -686,12 +686,7 @@ def _race_check(device, gen, *, n, ordered, addressing, buffers=_RACE_BUFFERS,
                 q = (tgt == row).nonzero().flatten().tolist()
                 pair = f" (pair {q[0]}: row {row} <- slot {int(src[q[0]])})" if q else ""
                 first = f"buffer {b} row {row}{pair}"
-    total = draws * launches
-    assert stale == 0, (
-        f"{stale} of {total} launches left a target row that is not its source's old value "
-        f"(a source read after another warp overwrote it?); first: {first}"
-    )
-    assert int(status) == 0
+    return stale, draws * launches, first, int(status)
 
 
 @pytest.mark.gpu
@@ -713,7 +708,13 @@ def test_gpu_overlapping_moves_read_every_source_before_any_write(
     see already-overwritten rows and this test fails."""
     if programs == "one_group":
         monkeypatch.setattr(cache_loc_move, "_move_programs", lambda device, wide: 1)
-    _race_check(torch.device("cuda"), gen, n=n, ordered=ordered, addressing=addressing)
+    stale, total, first, status = _racy_moves(torch.device("cuda"), gen, n=n, ordered=ordered,
+                                              addressing=addressing)  # fmt: skip
+    assert stale == 0, (
+        f"{stale} of {total} launches left a target row that is not its source's old value "
+        f"(a source read after another warp overwrote it?); first: {first}"
+    )
+    assert status == 0
 
 
 @pytest.mark.gpu
