@@ -39,7 +39,8 @@ def _ids(v):
     return str(v)
 
 
-def _batch(bs, k, ps):
+def production_batch(bs, k, ps):
+    """``(cfg, batch, tree_mask)`` of the host benchmarks' case (``S``, ``N``, ``CTX`` above)."""
     cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=N, page_size=ps, max_bs=bs,
                      max_context_len=CTX)  # fmt: skip
     g = torch.Generator().manual_seed(bs * 100 + k * 10 + ps)
@@ -109,7 +110,7 @@ LAUNCHERS = ["assign_draft_cache_locs", "prefix_tail_copy_pairs", "draft_decode_
 @pytest.mark.parametrize("op", LAUNCHERS)
 @pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
 def bench_host_launcher(benchmark, op, bs, k, ps):
-    cfg, batch, _ = _batch(bs, k, ps)
+    cfg, batch, _ = production_batch(bs, k, ps)
     a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     kw = dict(topk=k, num_steps=S, page_size=ps)
     status = new_status("cuda")
@@ -153,7 +154,7 @@ BUILDS = [
 @pytest.mark.parametrize("backend,mode", BUILDS, ids=_ids)
 @pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
 def bench_host_builder(benchmark, backend, mode, bs, k, ps):
-    cfg, batch, tree = _batch(bs, k, ps)
+    cfg, batch, tree = production_batch(bs, k, ps)
     a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     if backend == "fa3":
         b = FA3MetadataBuilder(cfg, "cuda", modes=(mode,))
@@ -193,7 +194,7 @@ def bench_host_draft_iteration(benchmark, backend, bs, k, ps):
     (one layer's K and V), and the backend's draft decode."""
     from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
 
-    cfg, batch, _ = _batch(bs, k, ps)
+    cfg, batch, _ = production_batch(bs, k, ps)
     a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     kw = dict(topk=k, num_steps=S, page_size=ps)
     status = new_status("cuda")

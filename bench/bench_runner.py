@@ -48,7 +48,7 @@ def _latency_us(fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-class _Setup:
+class StageSetup:
     """The three runners of :mod:`examples.draft_loop`, captured once per config, an eager
     twin on its own buffers, and a batch of ``max(BUCKETS)`` requests whose first ``B`` form
     the batch of ``B``."""
@@ -88,8 +88,8 @@ class _Setup:
 
 
 @functools.lru_cache(maxsize=1)
-def _setup(k, s, n, ps) -> _Setup:
-    return _Setup(k, s, n, ps)
+def _setup(k, s, n, ps) -> StageSetup:
+    return StageSetup(k, s, n, ps)
 
 
 @pytest.mark.parametrize("mode", ["eager", "replay"])

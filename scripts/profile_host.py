@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _runner_calls():
-    from bench.bench_runner import _Setup
+    from bench.bench_runner import StageSetup
 
-    st = _Setup(4, 5, 16, 16)
+    st = StageSetup(4, 5, 16, 16)
     calls = {}
     for stage in ("draft", "verify", "accept"):
         raw, host = st.inputs(stage, 8)
@@ -37,11 +37,11 @@ def _runner_calls():
 
 
 def _builder_calls():
-    from bench.bench_host import _batch, draft_cache_locs
+    from bench.bench_host import draft_cache_locs, production_batch
     from specmeta.metadata.fa3 import FA3MetadataBuilder
     from specmeta.metadata.flashinfer import FlashInferBuilder
 
-    cfg, batch, tree = _batch(64, 8, 16)
+    cfg, batch, tree = production_batch(64, 8, 16)
     a = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     lens = batch.seq_lens_cpu
     slots = draft_cache_locs.assign_draft_cache_locs(*a, topk=8, num_steps=5, page_size=16)

@@ -21,8 +21,7 @@ import torch
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["BuildInputs", "check_build_inputs", "check_build_tensors", "check_num_rows",
-           "host_lengths"]  # fmt: skip
+__all__ = ["BuildInputs", "check_build_tensors", "check_num_rows", "host_lengths"]
 
 
 class BuildInputs:
@@ -129,49 +128,6 @@ def check_num_rows(where: str, num_rows: object, num_steps: int, default: int) -
     return num_rows
 
 
-def check_build_inputs(
-    where: str,
-    cfg: SpecConfig,
-    device: torch.device,
-    req_pool_indices: object,
-    req_to_token: object,
-    seq_lens: object,
-    *,
-    seq_lens_cpu: object = None,
-    tree_mask: object = None,
-    out_cache_loc: object = None,
-    status: object = None,
-) -> BuildInputs:
-    """Check one build's inputs on the host; raise before anything is launched.
-
-    Parameters
-    ----------
-    where : str
-        ``"<Builder>.<mode>"``, the prefix of every message.
-    cfg, device
-        The builder's plan and device.
-    req_pool_indices, req_to_token, seq_lens : torch.Tensor
-        ``[B]``, ``[R, W_row]``, ``[B]`` int32 or int64 on ``device``; ``B ≤ max_bs`` and
-        ``W_row ≥ cfg.row_width_need``.
-    seq_lens_cpu : torch.Tensor, optional
-        ``[B]`` integer CPU mirror of ``seq_lens``: each value in ``[0, max_context_len]``.
-    tree_mask : torch.Tensor, optional
-        ``[B, N, N]`` bool on ``device`` (checked when given).
-    out_cache_loc : torch.Tensor, optional
-        ``[≥ B·K·S]`` integer draft slots on ``device`` (checked when given).
-    status : torch.Tensor, optional
-        ``int32 [1]`` on ``device`` (checked when given).
-
-    Returns
-    -------
-    BuildInputs
-    """
-    B = check_build_tensors(where, cfg, device, req_pool_indices, req_to_token, seq_lens,
-                            tree_mask=tree_mask, out_cache_loc=out_cache_loc,
-                            status=status)  # fmt: skip
-    return host_lengths(where, cfg, B, seq_lens_cpu)
-
-
 def check_build_tensors(
     where: str,
     cfg: SpecConfig,
@@ -184,8 +140,27 @@ def check_build_tensors(
     out_cache_loc: object = None,
     status: object = None,
 ) -> int:
-    """The checks of :func:`check_build_inputs` that read only the tensors' shapes, dtypes,
-    strides and devices (equal for equal :func:`specmeta.validate.signature`); returns ``B``."""
+    """Check one build's tensors on the host, before anything is launched; returns ``B``.
+
+    These checks read only the tensors' shapes, dtypes, strides and devices, so calls with
+    equal :func:`specmeta.validate.signature` pass or fail them alike.
+
+    Parameters
+    ----------
+    where : str
+        ``"<Builder>.<mode>"``, the prefix of every message.
+    cfg, device
+        The builder's plan and device.
+    req_pool_indices, req_to_token, seq_lens : torch.Tensor
+        ``[B]``, ``[R, W_row]``, ``[B]`` int32 or int64 on ``device``; ``B ≤ max_bs`` and
+        ``W_row ≥ cfg.row_width_need``.
+    tree_mask : torch.Tensor, optional
+        ``[B, N, N]`` bool on ``device`` (checked when given).
+    out_cache_loc : torch.Tensor, optional
+        ``[≥ B·K·S]`` integer draft slots on ``device`` (checked when given).
+    status : torch.Tensor, optional
+        ``int32 [1]`` on ``device`` (checked when given).
+    """
     rpi = _tensor(where, "req_pool_indices", req_pool_indices, device, ndim=1)
     table = _tensor(where, "req_to_token", req_to_token, device, ndim=2)
     lens = _tensor(where, "seq_lens", seq_lens, device, ndim=1)
@@ -236,8 +211,9 @@ def check_build_tensors(
 
 
 def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> BuildInputs:
-    """The checks of :func:`check_build_inputs` on the host values (``seq_lens_cpu``), made on
-    every call, and the :class:`BuildInputs` of ``B`` requests."""
+    """Check the host values of a build, on every call, and return the :class:`BuildInputs` of
+    ``B`` requests: ``seq_lens_cpu``, when given, is the ``[B]`` integer CPU mirror of
+    ``seq_lens``, each value in ``[0, max_context_len]``."""
     if seq_lens_cpu is None:
         return BuildInputs(B, None)
     cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, torch.device("cpu"), ndim=1)
