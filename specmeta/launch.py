@@ -62,11 +62,14 @@ def _active(hook) -> bool:
     return calls is None or len(calls) > 0
 
 
+# Where Triton keeps its launch hooks: ``triton.knobs.runtime`` (3.4+), read on every call.
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _hooks_installed() -> bool:
     """A launch hook (a profiler's) needs Triton's own launch path, which calls it."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return _active(getattr(runtime, "launch_enter_hook", None)) or _active(
-        getattr(runtime, "launch_exit_hook", None)
+    return _active(getattr(_RUNTIME, "launch_enter_hook", None)) or _active(
+        getattr(_RUNTIME, "launch_exit_hook", None)
     )
 
 
@@ -298,16 +301,17 @@ class LaunchPlans:
     def __init__(self, size: int = 256) -> None:
         self._plans: dict = {}
         self._size = size
+        self._sign = validate.Signer()
+        self._found: tuple = (None, None)  # (signature, plan) of the last membership test
 
-    @staticmethod
-    def signature(*args) -> tuple | None:
+    def signature(self, *args) -> tuple | None:
         """The plan key of an op called with ``args``: the current CUDA device, whether a
-        builder vouches for the tensors (:func:`specmeta.validate.trusting`) and
-        :func:`specmeta.validate.signature` of ``args``. None where plans are off, and while a
-        builder records a plan of its own (:func:`recording`): that plan replays this call."""
+        builder vouches for the tensors (:func:`specmeta.validate.trusting`) and a
+        :class:`specmeta.validate.Signer` key of ``args``. None where plans are off, and while
+        a builder records a plan of its own (:func:`recording`): that plan replays this call."""
         if _INTERPRETED or _recording.launches is not None or _hooks_installed():
             return None
-        return (torch._C._cuda_getDevice(), validate.is_trusted(), *validate.signature(*args))
+        return self._sign((torch._C._cuda_getDevice(), validate.is_trusted()), *args)
 
     @staticmethod
     def key(*parts) -> tuple | None:
@@ -319,26 +323,35 @@ class LaunchPlans:
         return (torch._C._cuda_getDevice(), *parts)
 
     def __contains__(self, sig: tuple | None) -> bool:
-        return sig is not None and sig in self._plans
+        plan = self._plans.get(sig) if sig is not None else None
+        self._found = (sig, plan)  # the replay that follows looks it up no second time
+        return plan is not None
 
     def replay(self, sig: tuple | None) -> bool:
         """Make the launches stored for ``sig``; False (nothing done) when there are none."""
-        plan = self._plans.get(sig) if sig is not None else None
+        found, plan = self._found
+        if found is not sig:
+            plan = self._plans.get(sig) if sig is not None else None
+        self._found = (None, None)
         if plan is None:
             return False
-        stream = torch._C._cuda_getCurrentRawStream(sig[0])
-        for (run, function, metadata), (g0, g1, g2), values in plan:
+        device, launches = plan
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for (run, function, metadata), (g0, g1, g2), values in launches:
             run(g0, g1, g2, stream, function, metadata, None, None, None, *values)
         return True
 
     def store(self, sig: tuple | None, *launches: Launch | None) -> None:
         """Keep ``launches`` (the op's, in order) as the plan of ``sig``."""
-        if not launches or sig is None or any(x is None or x.device != sig[0] for x in launches):
+        if not launches or sig is None:
+            return
+        device = torch._C._cuda_getDevice()  # the call's: every key holds it
+        if any(x is None or x.device != device for x in launches):
             return
         if len(self._plans) >= self._size:
             self._plans.clear()
-        self._plans[sig] = tuple(
+        self._plans[sig] = (device, tuple(
             (x.handle, x.grid, [v.data_ptr() if isinstance(v, torch.Tensor) else v
                                 for v in x.values])
             for x in launches
-        )  # fmt: skip
+        ))  # fmt: skip

@@ -58,7 +58,7 @@ def signature(*args: object) -> tuple:
     int). Calls with equal signatures pass or fail the same shape, dtype, device and capacity
     checks, so a caller may check once per signature (a builder's tensor checks, an op's
     :class:`specmeta.launch.LaunchPlans`). Device values are not part of it: no check reads
-    them."""
+    them. :class:`Signer` computes an equivalent key faster, for a call site's own calls."""
     sig = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -68,6 +68,69 @@ def signature(*args: object) -> tuple:
         else:
             sig.append((a.__class__, a))
     return tuple(sig)
+
+
+class _OtherTypes(Exception):
+    """A call's argument types differ from those a :class:`Signer` function was written for."""
+
+
+_PATTERNS = 4  # argument-type patterns a Signer writes code for; past that, the generic loop
+
+
+class Signer:
+    """A key of ``(head, *args)`` as selective as :func:`signature` of ``args``, made by
+    straight-line code written for the argument types of one call site's calls.
+
+    A call site (an op's launch plans, a builder's input checks) passes a few patterns of
+    argument types (which slots hold a tensor, an int, None): for each, up to four, this writes
+    one function that reads, per tensor, its address, shape, strides and dtype (and its device
+    when the address is 0: a non-zero address names one device, host and CUDA memory sharing
+    one address space), and per other slot its value, into one flat tuple headed by the pattern.
+    Keys of different patterns never meet; a pattern past the fourth takes :func:`signature`.
+    ``head`` (hashable) leads every key.
+    """
+
+    __slots__ = ("_fns",)
+
+    def __init__(self) -> None:
+        self._fns: list = []
+
+    def __call__(self, head: object, *args: object) -> tuple:
+        for fn in self._fns:
+            try:
+                return fn(head, *args)
+            except (_OtherTypes, TypeError):  # other types, or another number of arguments
+                continue
+        if len(self._fns) < _PATTERNS:
+            fn = _signer(args, len(self._fns))
+            self._fns.insert(0, fn)
+            return fn(head, *args)
+        return ("generic", head, *signature(*args))
+
+
+def _signer(args: tuple, pattern: int):
+    """The key function of :class:`Signer` for the types of ``args`` (see there)."""
+    names = [f"a{i}" for i in range(len(args))]
+    guards, parts = [], [repr(f"pattern{pattern}"), "head"]
+    for a, v in zip(names, args, strict=True):
+        if isinstance(v, torch.Tensor):
+            guards.append(f"not isinstance({a}, _Tensor)")
+            parts += [f"{a}.data_ptr() or {a}.device", f"{a}.shape", f"{a}.stride()", f"{a}.dtype"]
+        elif v is None:
+            guards.append(f"{a} is not None")
+        elif v.__class__ in (int, str):
+            guards.append(f"{a}.__class__ is not {v.__class__.__name__}")
+            parts.append(a)
+        else:
+            guards.append(f"({a}.__class__ is int or isinstance({a}, (_Tensor, str)) or {a} is None)")
+            parts += [f"{a}.__class__", a]
+    body = f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else ""
+    src = f"def key(head, {', '.join(names)}):\n{body}    return ({', '.join(parts)},)\n"
+    if not names:
+        src = f"def key(head):\n    return ({', '.join(parts)},)\n"
+    scope = {"_Tensor": torch.Tensor, "_OtherTypes": _OtherTypes}
+    exec(src, scope)  # noqa: S102 - code written above from the argument types
+    return scope["key"]
 
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:

@@ -145,7 +145,8 @@ class MetadataBuilder:
         self.modes = self.check_modes(cfg, modes)
         self.status = plan_buffers(cfg)["status"].allocate(self.device)
         self._results: dict = {}
-        self._checked: set = set()  # validate.signature keys whose tensor checks passed
+        self._checked: set = set()  # input keys (self._sign) whose tensor checks passed
+        self._sign = validate.Signer()
         self._launch_plans = LaunchPlans()
 
     # -- what the builder allocates -----------------------------------------------------------
@@ -234,7 +235,7 @@ class MetadataBuilder:
         where = self.require(mode)
         tensors = (req_pool_indices, req_to_token, seq_lens, tree_mask, out_cache_loc, status)
         try:
-            key = (mode, *validate.signature(*tensors))
+            key = self._sign(mode, *tensors)
             seen = key in self._checked
         except TypeError:  # an unhashable argument: the checks below name it
             key, seen = None, False

@@ -348,3 +348,29 @@ def test_gpu_builder_plans_follow_new_device_values(gen, backend, mode, k, ps):
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(g, w), (round_, i)
     assert int(real.status) == 0
+
+
+def test_signer_keys_separate_types_patterns_and_arity():
+    """A Signer's keys are as selective as validate.signature: per argument-type pattern (a
+    tensor, an int, None, a bool in a slot), past its fourth pattern too, and for another
+    number of arguments."""
+    from specmeta import validate
+
+    sign = validate.Signer()
+    x = torch.arange(6)
+    calls = [
+        (x, 3, None),
+        (x, True, None),  # a bool where an int was
+        (x, 3, x),  # a tensor where None was
+        (x, None, None),
+        (3, 3, None),  # an int where a tensor was: past the fourth pattern
+        (x, 3),
+        (x[:5], 3, None),
+        (x.view(2, 3), 3, None),
+        (x.view(2, 3).t(), 3, None),
+    ]
+    keys = [sign("head", *c) for c in calls]
+    assert len(set(keys)) == len(calls), keys
+    assert [sign("head", *c) for c in calls] == keys, "the same call, the same key"
+    assert sign("other", *calls[0]) != keys[0], "the head leads the key"
+    assert sign("head", x.clone(), 3, None) != keys[0], "another address"

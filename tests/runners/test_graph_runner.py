@@ -443,6 +443,70 @@ def test_seq_lens_fill_covers_every_query_width(device):
 
 
 # --------------------------------------------------------------------------------------------
+# A persistent batch: the engine writes the runner's own buffers, the runner replays
+# --------------------------------------------------------------------------------------------
+def _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t, sizes):
+    """Each batch written into ``static_inputs(B)`` (rows ``[:B]`` only, as the contract says),
+    then :meth:`GraphRunner.replay` (on CUDA with host syncs made errors); results against the
+    eager build, and every row past ``B`` of every static input holding its pad (a shrunk
+    batch's old rows included)."""
+    shapes = ("random", "long_short", "modm1", "one", "empty", "max", "random", "random")
+    for i, B in enumerate(sizes):
+        shape = shapes[i % len(shapes)]
+        batch = first if i == 0 else _draw(shape, B, cfg, gen, device)
+        r2t.copy_(batch.req_to_token)
+        views = runner.static_inputs(B)
+        views["req_pool_indices"].copy_(batch.req_pool_indices)
+        views["seq_lens"].copy_(batch.seq_lens)
+        for name in ("draft.out_cache_loc", "draft_decode.kv_indptr", "draft_decode.kv_indices"):
+            meta.bufs[name].fill_(POISON)
+        if device == "cuda" or getattr(device, "type", None) == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = runner.replay(B, host_inputs={"seq_lens": batch.seq_lens_cpu})
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode("default")
+        bp = runner.bucket(B)
+        assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, False)
+        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+        _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
+        assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
+        _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
+        assert meta.bufs["runner.req_pool_indices"][B:].eq(padding.SINK_ROW).all(), (i, B)
+        assert meta.bufs["runner.seq_lens"][B:].eq(fill).all(), (i, B)
+        assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
+
+
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 2, 1)])
+def test_persistent_batch_replays_pad_only_what_a_larger_batch_left(device, gen, k, s, ps):
+    cfg = _config(k, s, ps)
+    fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
+    first = _draw("random", 32, cfg, gen, device)
+    r2t = first.req_to_token.clone()
+    runner, meta = _runner(cfg, device, r2t, fill)
+    eager = DraftMetadata(cfg, device, r2t)
+    runner.capture()
+    # Shrinking (32 → 12 → 3 …) leaves rows that must go back to their pads; growing does not.
+    _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t,
+                         (32, 12, 3, 1, 0, 32, 5, 5))  # fmt: skip
+
+
+def test_persistent_batch_checks_its_host_inputs(device):
+    cfg = _config(2, 3, 4)
+    r2t = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int32, device=device)
+    runner, _ = _runner(cfg, device, r2t, 2)
+    runner.capture()
+    with pytest.raises(ValueError, match=r"host_inputs\['seq_lens'\] must have shape \(3,\)"):
+        runner.replay(3, host_inputs={"seq_lens": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="exceeds the largest captured bucket 32"):
+        runner.replay(33, host_inputs={"seq_lens": torch.zeros(33, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="missing"):
+        runner.replay(3)
+
+
+# --------------------------------------------------------------------------------------------
 # GPU tier
 # --------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -475,3 +539,43 @@ def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert [compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 2, 1)])
+def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
+    """Calls that repeat an earlier call's arguments (the same tensors, new device values)
+    take the runner's fast path: results equal the eager build every time, the padded rows
+    hold their pads, no host sync; a persistent batch the same."""
+    cfg = _config(k, s, ps)
+    fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
+    first = _draw("random", 32, cfg, gen, "cuda")
+    r2t = first.req_to_token.clone()
+    runner, meta = _runner(cfg, "cuda", r2t, fill)
+    eager = DraftMetadata(cfg, "cuda", r2t)
+    runner.capture()
+    rpi = torch.zeros(32, dtype=torch.int64, device="cuda")
+    lens = torch.zeros(32, dtype=torch.int64, device="cuda")
+    lens_cpu = torch.zeros(32, dtype=torch.int64)
+    for round_ in range(6):
+        B = (12, 12, 3, 12, 3, 3)[round_]
+        batch = _draw("random", B, cfg, gen, "cuda")
+        r2t.copy_(batch.req_to_token)
+        rpi[:B].copy_(batch.req_pool_indices)
+        lens[:B].copy_(batch.seq_lens)
+        lens_cpu[:B].copy_(batch.seq_lens_cpu)
+        bp = runner.bucket(B)
+        _poison_tails(runner, meta, B, bp)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = runner.run(B, {"req_pool_indices": rpi[:B], "seq_lens": lens[:B]},
+                             host_inputs={"seq_lens": lens_cpu[:B]}, copy=False)  # fmt: skip
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+        _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
+        _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
+        assert int(meta.bufs["status"]) == 0, round_
+    _persistent_sequence(runner, meta, eager, cfg, fill, gen, "cuda", first, r2t,
+                         (32, 32, 12, 12, 3, 3, 32, 1))  # fmt: skip
