@@ -132,3 +132,91 @@ def bench_runner(benchmark, k, s, n, ps, stage, B, mode):
     record(benchmark, device_us=device_us, latency_us=round(latency_us, 2), mode=mode,
            stage=stage, bs=B, topk=k, steps=s, draft_tokens=n, page_size=ps, ctx=CTX,
            seq_lens_sum=st.batch.seq_lens_sum)  # fmt: skip
+
+
+class OneBackendStage:
+    """The draft stage of an engine on one backend: draft slots and FA3's draft decode, as a
+    typed runner's build; ``host=True`` registers ``seq_lens``'s CPU mirror (exact
+    ``max_seqlen_k``, checked lengths), ``host=False`` runs on the planned bounds."""
+
+    def __init__(self, host: bool):
+        from specmeta import allocate_buffers
+        from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+        from specmeta.metadata.fa3 import FA3MetadataBuilder
+        from specmeta.runners import GraphRunner, padding
+
+        k, s, n, ps = 4, 5, 16, 16
+        self.cfg = cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps,
+                                    max_bs=max(BUCKETS), max_context_len=CTX)  # fmt: skip
+        g = torch.Generator().manual_seed(7)
+        self.batch = make_batch("random", batch_size=max(BUCKETS), topk=k, num_steps=s,
+                                page_size=ps, row_width=cfg.req_to_token_width, generator=g,
+                                device="cuda", max_len=CTX)  # fmt: skip
+        self.fa3 = FA3MetadataBuilder(cfg, "cuda", modes=("draft_decode",))
+        self.bufs = allocate_buffers(cfg, "cuda")
+        r2t, assign = self.batch.req_to_token, assign_draft_cache_locs
+
+        def build(batch):
+            rpi, lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+            slots = self.bufs["draft.out_cache_loc"][: rpi.shape[0] * k * s]
+            if batch.launch:
+                assign(rpi, r2t, lens, topk=k, num_steps=s, page_size=ps, out_cache_loc=slots,
+                       status=self.fa3.status)  # fmt: skip
+            return self.fa3.draft_decode(rpi, r2t, lens, slots, launch=batch.launch,
+                                         seq_lens_cpu=batch.host.get("seq_lens"))  # fmt: skip
+
+        self.build = build
+        self.runner = GraphRunner(build, batch_sizes=BUCKETS, device="cuda", typed=True)
+        self.runner.add_input("req_pool_indices", self.bufs["runner.req_pool_indices"],
+                              pad=padding.SINK_ROW)  # fmt: skip
+        self.runner.add_input("seq_lens", self.bufs["runner.seq_lens"],
+                              pad=padding.seq_lens_fill(k, n), host_mirror=host)  # fmt: skip
+        self.runner.add_guard("req_to_token", r2t)
+        self.runner.capture()
+        self.host = host
+
+
+@functools.lru_cache(maxsize=2)
+def _one_backend(host: bool) -> OneBackendStage:
+    return OneBackendStage(host)
+
+
+@pytest.mark.parametrize("mode", ["run", "persistent"])
+@pytest.mark.parametrize("B", BUCKETS)
+@pytest.mark.parametrize("host", [False, True], ids=["no_host_inputs", "seq_lens_cpu"])
+def bench_runner_one_backend(benchmark, host, B, mode):
+    """``GraphRunner.run`` with the engine's own tensors (one pad-and-copy launch, then the
+    replay) and :meth:`GraphRunner.replay` of a persistent batch (the engine wrote the static
+    buffers), against the targets ``floor_graph + floor_run + 5`` and ``floor_graph + 3``."""
+    from bench.harness import host_floors
+
+    st = _one_backend(host)
+    batch, runner = st.batch, st.runner
+    raw = {"req_pool_indices": batch.req_pool_indices[:B].contiguous(),
+           "seq_lens": batch.seq_lens[:B].contiguous()}  # fmt: skip
+    host_inputs = {"seq_lens": batch.seq_lens_cpu[:B].contiguous()} if host else None
+    if mode == "run":
+
+        def fn():
+            return runner.run(B, raw, host_inputs=host_inputs, copy=False)
+    else:
+        for name, view in runner.static_inputs(B).items():
+            view.copy_(raw[name])
+
+        def fn():
+            return runner.replay(B, host_inputs=host_inputs)
+
+    eager = st.build  # the stage itself, for the device time of its launches
+    want = eager(StageBatch(raw, host_inputs or {}, True))
+    got = fn().results
+    for s in range(len(want)):
+        assert torch.equal(got[s].normal.page_table, want[s].normal.page_table)
+        assert torch.equal(got[s].expand.cache_seqlens, want[s].expand.cache_seqlens)
+    device_us = graph_us(lambda: eager(StageBatch(raw, {}, True)))
+    floors = host_floors()
+    benchmark.pedantic(fn, rounds=30, iterations=200, warmup_rounds=2)
+    host_us = 1e6 * benchmark.stats.stats.median
+    budget = floors["floor_graph"] + (floors["floor_run"] + 5 if mode == "run" else 3)
+    record(benchmark, device_us=device_us, mode=mode, bs=B, host_inputs=host,
+           target_us=round(budget, 1), met=host_us <= budget, **floors)  # fmt: skip
+    assert int(st.fa3.status) == 0

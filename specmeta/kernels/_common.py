@@ -216,8 +216,9 @@ def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = No
     """CSR offsets of per-branch lists: ``[rows, B·K + 1]``, where list ``z = b·K + t`` of row
     ``s`` holds ``lengths[s, b]`` entries (every branch of a request as long as the others),
     so ``offsets[s, z] = K·Σ_{b'<b} lengths[s, b'] + t·lengths[s, b]`` and the last column
-    closes the lists. Returned in int64, and also written into ``out[:rows, :B·K + 1]`` when
-    given (any integer dtype; a narrower one wraps as the kernels' stores do); plain torch on
+    closes the lists. Written into ``out[:rows, :B·K + 1]`` and returned as that view when
+    ``out`` is given (any integer dtype; a narrower one wraps as the kernels' stores do; no
+    allocation but the repeated lengths), else returned in a new int64 tensor; plain torch on
     the lengths' device."""
     rows, B = lengths.shape
     validate.positive("topk", topk)
@@ -225,10 +226,11 @@ def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = No
         validate.tensor("out", out, ndim=2, contiguous_last=False)
         validate.at_least("out", out.shape[0], rows, "rows")
         validate.at_least("out", out.shape[1], B * topk + 1, "columns (B*topk + 1)")
-    offsets = torch.zeros(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.repeat_interleave(topk, dim=1), 1, out=offsets[:, 1:])
-    if out is not None:
-        out[:rows, : B * topk + 1] = offsets
+    else:
+        out = torch.empty(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
+    offsets = out[:rows, : B * topk + 1]
+    offsets[:, 0] = 0
+    torch.cumsum(lengths.repeat_interleave(topk, dim=1), 1, dtype=out.dtype, out=offsets[:, 1:])
     return offsets
 
 

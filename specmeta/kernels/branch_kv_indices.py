@@ -307,14 +307,15 @@ def branch_kv_indptr(
     topk: int,
     rows: int,
     page_size: int,
-    kv_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor | None,
     kv_last_page_len: torch.Tensor,
 ) -> torch.Tensor:
     """``kv_indptr`` and ``kv_last_page_len`` of :func:`branch_kv_indices` in torch, written
     into the given buffers: branch ``b·K + t`` of step ``s`` holds ``ceil((L_b + s + 1) / ps)``
     pages, its last one ``(L_b + s) mod ps + 1`` tokens (negative lengths read as 0). The
-    host mirrors call it on ``seq_lens_cpu``. Returns the offsets in int64 (an int32
-    ``kv_indptr`` wraps past 2**31, as the kernel's does; the reference places lists by these)."""
+    host mirrors call it on ``seq_lens_cpu``. Returns the offsets, a view of ``kv_indptr``, or
+    new int64 offsets when ``kv_indptr`` is None (the reference places lists by these, and an
+    int32 ``kv_indptr`` wraps past 2**31, as the kernel's does)."""
     L = seq_lens.to(torch.int64).clamp_min(0)
     B = L.shape[0]
     validate.tensor("kv_last_page_len", kv_last_page_len, ndim=2, contiguous_last=False)
@@ -365,7 +366,8 @@ def branch_kv_indices_ref(
     W_idx = kv_indices.shape[1]
     zb = torch.arange(B * K, device=L.device) // K
     pages = pages.reshape(B * K, width)
-    offsets = branch_kv_indptr(seq_lens, K, rows, ps, kv_indptr, kv_last_page_len)
+    offsets = branch_kv_indptr(seq_lens, K, rows, ps, None, kv_last_page_len)
+    kv_indptr[:rows, : B * K + 1] = offsets
     for s in range(rows):
         n = (L + s + ps) // ps  # [B]
         start = offsets[s, : B * K]

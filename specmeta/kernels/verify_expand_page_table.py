@@ -114,6 +114,24 @@ _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
 _plans = LaunchPlans()
 
 
+@triton.jit(do_not_specialize=["n"])
+def _inclusive_sums_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """``dst[1 + r] = Σ_{r' ≤ r} src[r']`` for ``r < n``: one program, ``BLOCK`` entries a
+    step, the running total carried in 64 bits. ``n`` is the host's ``B·N`` (the buffers'
+    size), never a device value, so the loop is bounded by capacity."""
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
+    for start in range(0, n, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        v = tl.load(src_ptr + r, mask=r < n, other=0).to(tl.int64)
+        tl.store(dst_ptr + 1 + r, (tl.cumsum(v, 0) + carry).to(dst_ptr.dtype.element_ty),
+                 mask=r < n)  # fmt: skip
+        carry += tl.sum(v, 0)
+
+
+_inclusive_sums_launch = Launcher(_inclusive_sums_kernel)
+_SUMS_BLOCK = 1024
+
+
 def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
              cu_seqlens_k, status):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference."""
@@ -171,8 +189,8 @@ def verify_expand_page_table(
         ``[≥ B·N]`` int32 or int64, keys per node. Allocated int32 when omitted.
     cu_seqlens_k : torch.Tensor, optional
         ``[≥ B·N + 1]``; when given, its exclusive prefix sum (entry 0 by the kernel, the rest
-        by one ``torch.cumsum`` launch: a per-node prefix over the masks of all earlier requests
-        would cost every program O(i·N²) reads).
+        by a second, one-program launch: a per-node prefix over the masks of all earlier
+        requests would cost every program O(i·N²) reads).
     status : torch.Tensor, optional
         ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N > W_row`` or negative ``seq_lens``;
         those slots read 0), ``POOL_OOB`` (a negative slot id reads 0).
@@ -187,14 +205,14 @@ def verify_expand_page_table(
     at positions 5, 6, 7 → rows ``[50, 51, 52]``, ``[50, 51, 52]``, ``[50, 52, 51]``;
     ``cache_seqlens=[1, 2, 2]``.
 
-    Grid ``(max(B, 1),)``, one program per request. No host sync.
+    Grid ``(max(B, 1),)``, one program per request, and ``(1,)`` for ``cu_seqlens_k``. No
+    host sync.
     """
     sig = None
     if page_table is not None and cache_seqlens is not None:  # plans replay into passed buffers
         sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
                                cache_seqlens, cu_seqlens_k, status)  # fmt: skip
         if _plans.replay(sig):
-            _cu_seqlens_k(cache_seqlens, cu_seqlens_k, seq_lens.shape[0] * tree_mask.shape[1])
             return page_table, cache_seqlens
     B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
@@ -220,19 +238,19 @@ def verify_expand_page_table(
         WRITE_CU0=cu_seqlens_k is not None,
         HAS_STATUS=True,
     )
-    _plans.store(sig, launch)
-    _cu_seqlens_k(cache_seqlens, cu_seqlens_k, B * N)
+    if cu_seqlens_k is not None and B * N:
+        # Entry 0 is the kernel's; the rest are the nodes' inclusive sums.
+        sums = _inclusive_sums_launch(
+            (1,), src_ptr=cache_seqlens, dst_ptr=cu_seqlens_k, n=B * N, BLOCK=_SUMS_BLOCK
+        )
+        _plans.store(sig, launch, sums)
+    else:
+        _plans.store(sig, launch)
     return page_table, cache_seqlens
 
 
-verify_expand_page_table.kernels = (_verify_expand_page_table_kernel,)  # for specmeta.registry
-
-
-def _cu_seqlens_k(cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, BN: int):
-    """``cu_seqlens_k[1 : BN + 1]``, the inclusive sums of the nodes' key counts (entry 0 is
-    the kernel's)."""
-    if cu_seqlens_k is not None and BN:
-        torch.cumsum(cache_seqlens[:BN], 0, dtype=cu_seqlens_k.dtype, out=cu_seqlens_k[1 : BN + 1])
+# for specmeta.registry
+verify_expand_page_table.kernels = (_verify_expand_page_table_kernel, _inclusive_sums_kernel)
 
 
 def verify_expand_page_table_ref(

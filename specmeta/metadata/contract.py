@@ -258,7 +258,10 @@ class MetadataBuilder:
         Only for a ``run`` whose every device write is a kernel launch (no torch op), with
         launch arguments that follow from ``inputs.key`` (the tensors and the status word
         passed), ``parts`` (the host integers it passes, e.g. the rows) and the builder's own
-        buffers; never from host values such as ``seq_lens_cpu``."""
+        buffers; never from host values such as ``seq_lens_cpu``. A host total that ``run``
+        passes only for a launcher's capacity check (``seq_lens_sum``) may be skipped on a
+        replay: the builder's buffers are planned for ``max_bs`` requests of
+        ``max_context_len`` tokens, which :func:`.inputs.host_lengths` checks on every call."""
         key = LaunchPlans.key(inputs.key, *parts) if inputs.key is not None else None
         if self._launch_plans.replay(key):
             return

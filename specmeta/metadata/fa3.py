@@ -243,10 +243,8 @@ class FA3MetadataBuilder(MetadataBuilder):
 
     def _max_lpl(self, inputs: BuildInputs) -> int:
         """``max(L mod ps)`` from the CPU mirror, else ``ps − 1`` (0 when ``ps == 1``)."""
-        ps, lens_cpu = self.cfg.page_size, inputs.seq_lens_cpu
-        if lens_cpu is None:
-            return ps - 1
-        return int((lens_cpu % ps).max()) if lens_cpu.numel() else 0
+        ps = self.cfg.page_size
+        return inputs.max_mod(ps, ps - 1)
 
     # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
@@ -448,17 +446,22 @@ class FA3MetadataBuilder(MetadataBuilder):
                             status=status)  # fmt: skip
         B, status = inputs.batch, self.status_word(status)
         args = (req_pool_indices, req_to_token, seq_lens)
-        pt, cs, cu = self._tables("target_verify")
         extra = N if K == 1 else 0
-        if launch:
+
+        def run():
+            pt, cs, cu = self._tables("target_verify")
             self._prefix(*args, page_size=ps, extra_tokens=extra, page_table=pt[:B],
                          cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
                          status=status)  # fmt: skip
-        if K > 1 and launch:
-            BN = B * N
-            ept, ecs, ecu = self._tables("target_verify", "expand_")
-            self._verify_expand(*args, tree_mask, page_table=ept[:BN], cache_seqlens=ecs[:BN],
-                                cu_seqlens_k=ecu[: BN + 1], status=status)  # fmt: skip
+            if K > 1:
+                BN = B * N
+                ept, ecs, ecu = self._tables("target_verify", "expand_")
+                self._verify_expand(*args, tree_mask, page_table=ept[:BN],
+                                    cache_seqlens=ecs[:BN], cu_seqlens_k=ecu[: BN + 1],
+                                    status=status)  # fmt: skip
+
+        if launch:
+            self.launch_plan(inputs, (), run)
         top = self._max_len(inputs) + extra
         return self.result(("target_verify", B, top), lambda: self._verify_result(B, top))
 

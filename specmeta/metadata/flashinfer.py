@@ -433,7 +433,7 @@ class FlashInferBuilder(MetadataBuilder):
             ring = self._mirrors[mode]
             prefix_host = ring.next()["prefix_kv_indptr_host"][: B + 1]
             slot = ring.slot
-            prefix_host[0] = 0
+            # Entry 0 stays the zero the ring's buffers were allocated with.
             torch.cumsum(lens, 0, dtype=torch.int32, out=prefix_host[1:])
         return self.result(("draft_decode_shared_prefix", B, rows, slot),
                            lambda: self._shared_result(B, rows, prefix_host))  # fmt: skip
@@ -529,7 +529,9 @@ class FlashInferBuilder(MetadataBuilder):
         return FlashInferDraftDecode(steps)
 
     def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, inputs, status,
-                       launch):  # fmt: skip
+                       launch, with_mirrors=True):  # fmt: skip
+        """The KV lists of a prefill mode (launched when ``launch``) and, when ``with_mirrors`` and
+        ``seq_lens_cpu`` is given, their host mirror in the ring's next set: ``(set, slot)``."""
         buf, n, lens = self.buffers, self.cfg.num_draft_tokens, inputs.seq_lens_cpu
         B = req_pool_indices.shape[0]
         if launch:
@@ -540,13 +542,12 @@ class FlashInferBuilder(MetadataBuilder):
                 status=self.status_word(status),
             )  # fmt: skip
         mirrors = slot = None
-        if lens is not None:
+        if with_mirrors and lens is not None:
             ring = self._mirrors[mode]
             mirrors = ring.next()
             slot = ring.slot
-            host = mirrors["kv_indptr_host"][: B + 1]
-            host[0] = 0
-            torch.cumsum(lens + n, 0, dtype=torch.int32, out=host[1:])
+            # Entry 0 stays the zero the ring's buffers were allocated with.
+            torch.cumsum(lens + n, 0, dtype=torch.int32, out=mirrors["kv_indptr_host"][1 : B + 1])
         return mirrors, slot
 
     def target_verify(
@@ -592,22 +593,28 @@ class FlashInferBuilder(MetadataBuilder):
                              seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
                              status=status)  # fmt: skip
         B, lens = inputs.batch, inputs.seq_lens_cpu
-        mirrors, slot = self._prefill_lists(
-            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch
-        )
         form = "packed_" if packed else ""
         mask = buf[f"{mode}.{form}custom_mask"]
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
-        if launch:
+
+        def run():
+            self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, inputs, status,
+                                launch=True, with_mirrors=False)  # fmt: skip
             self._tree_mask(
                 seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
                 seq_lens_sum=inputs.seq_lens_sum, status=self.status_word(status),
             )  # fmt: skip
+
+        if launch:  # both launches, replayed together (contract.launch_plan)
+            self.launch_plan(inputs, (packed,), run)
+        mirrors, slot = self._prefill_lists(
+            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch=False
+        )
         mask_host = None
         if mirrors is not None:
-            # Element offsets in both forms (the packed segments start there, read as bytes).
+            # Element offsets in both forms (the packed segments start there, read as bytes);
+            # entry 0 stays the zero the ring's buffers were allocated with.
             mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1]
-            mask_host[0] = 0
             torch.cumsum(n * (lens + n), 0, dtype=torch.int32, out=mask_host[1:])
         return self.result(("target_verify", B, packed, slot), lambda: FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),

@@ -52,6 +52,8 @@ class HostMirrorRing:
         self._events = [torch.cuda.Event() for _ in range(depth)] if self._cuda else []
         self._pending = [False] * depth
         self._current: int | None = None
+        self._device = device
+        self._stream: tuple = (None, None)  # (raw handle, torch.cuda.Stream) of the last record
 
     @property
     def slot(self) -> int | None:
@@ -63,7 +65,7 @@ class HostMirrorRing:
         on the current stream since (its ``plan()`` copies)."""
         current = self._current
         if current is not None and self._cuda:
-            self._events[current].record()
+            self._events[current].record(self._current_stream())
             self._pending[current] = True
         slot = 0 if current is None else (current + 1) % len(self._sets)
         if self._pending[slot]:
@@ -72,3 +74,14 @@ class HostMirrorRing:
             self._pending[slot] = False
         self._current = slot
         return self._sets[slot]
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The current stream, its Python object made again only when the raw handle changes
+        (``torch.cuda.current_stream()`` costs µs on every call)."""
+        index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        handle, stream = self._stream
+        if raw != handle:
+            stream = torch.cuda.current_stream(self._device)
+            self._stream = (raw, stream)
+        return stream

@@ -41,13 +41,15 @@ class BuildInputs:
         for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
     """
 
-    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "key")
+    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key")
 
-    def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None):
+    def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None,
+                 values: list[int] | None = None):  # fmt: skip
         self.batch = batch
         self.seq_lens_cpu = seq_lens_cpu
         self.high = high
         self._sum: int | None = None
+        self._values = values  # the lengths as Python ints, for a small batch
         self.key: tuple | None = None
 
     @property
@@ -56,12 +58,22 @@ class BuildInputs:
         if self.seq_lens_cpu is None:
             return None
         if self._sum is None:
-            self._sum = int(self.seq_lens_cpu.sum())
+            values = self._values
+            self._sum = sum(values) if values is not None else int(self.seq_lens_cpu.sum())
         return self._sum
 
     def max_len(self, default: int) -> int:
         """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
         return default if self.high is None else self.high
+
+    def max_mod(self, page_size: int, default: int) -> int:
+        """``max(L mod page_size)`` from the CPU mirror (0 for an empty batch), else
+        ``default``."""
+        if self.seq_lens_cpu is None:
+            return default
+        if self._values is not None:
+            return max((v % page_size for v in self._values), default=0)
+        return int((self.seq_lens_cpu % page_size).max()) if self.batch else 0
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -210,6 +222,11 @@ def check_build_tensors(
     return B
 
 
+# Up to this many lengths, the host reads seq_lens_cpu as Python ints (one tolist, then min, max
+# and sum in Python cost less than torch's reductions on a small CPU tensor).
+_AS_INTS = 64
+
+
 def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> BuildInputs:
     """Check the host values of a build, on every call, and return the :class:`BuildInputs` of
     ``B`` requests: ``seq_lens_cpu``, when given, is the ``[B]`` integer CPU mirror of
@@ -224,9 +241,13 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> B
         )
     if cpu.dtype != torch.int64:
         cpu = cpu.to(torch.int64)
-    high = 0
-    if B:
+    high, values = 0, None
+    if 0 < B <= _AS_INTS:
+        values = cpu.tolist()  # one call, then plain Python: cheaper than torch's reductions
+        low, high = min(values), max(values)
+    elif B:
         low, high = (int(v) for v in torch.aminmax(cpu))
+    if B:
         if low < 0:
             raise ValueError(
                 f"{where}: seq_lens_cpu holds {low}; lengths must be >= 0 (pass the committed "
@@ -238,4 +259,4 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> B
                 f"max_context_len={cfg.max_context_len}; build the SpecConfig with "
                 f"max_context_len >= {high}"
             )
-    return BuildInputs(B, cpu, high)
+    return BuildInputs(B, cpu, high, values)

@@ -519,7 +519,8 @@ class GraphRunner:
         try:
             key = self._sign(None, batch_size, copy, *[inputs[n] for n in self._names],
                              *[host_inputs[n] for n in self._mirror_names])  # fmt: skip
-            fast = key in self._seen and len(inputs) == len(self._names)
+            pad_key = LaunchPlans.key(key) if key in self._seen else None
+            fast = pad_key in self._pad_plans and len(inputs) == len(self._names)
         except (KeyError, TypeError):  # a missing input, an unhashable value: checked below
             key, fast = None, False
         if not fast:
@@ -531,7 +532,7 @@ class GraphRunner:
             self._probe(inputs)
         host = self._pad_host(B, bp, host_inputs) if self._needs_mirrors else {}
         results = self._describe(B, host_inputs) if self.typed else None
-        self._pad_plans.replay(key)
+        self._pad_plans.replay(pad_key)
         self._dirty = B if self._dirty <= bp else self._dirty
         return self._replay(B, bp, host, copy, results)
 
@@ -575,14 +576,17 @@ class GraphRunner:
         :meth:`replay`. Views made once per ``B``."""
         if self._layout is None:
             raise ValueError("call capture() before static_inputs()")
-        B = batch_size
-        self.bucket(B)
+        self.bucket(batch_size)
+        return dict(self._views_of(batch_size))
+
+    def _views_of(self, B: int) -> dict[str, torch.Tensor]:
+        """Every static buffer cut to ``B`` requests (made once per ``B``; not to be changed)."""
         views = self._cut_views.get(B)
         if views is None:
             views = self._cut_views[B] = {
                 n: s.buffer[: B * s.per_request] for n, s in self._inputs.items()
             }
-        return dict(views)
+        return views
 
     def replay(
         self, batch_size: int, *, host_inputs: Mapping[str, torch.Tensor] | None = None
@@ -619,7 +623,7 @@ class GraphRunner:
                                           mirrors=True)  # fmt: skip
         self._check_layout()
         if probes.enabled():
-            self._probe(self.static_inputs(B))
+            self._probe(self._views_of(B))
         host = self._pad_host(B, bp, host_raw) if self._needs_mirrors else {}
         results = self._describe(B, host_raw) if self.typed else None
         if self._dirty > B:
@@ -627,7 +631,7 @@ class GraphRunner:
             pad_key = LaunchPlans.key("pad", B, self._dirty)
             if not self._pad_plans.replay(pad_key):
                 with recording() as launches:
-                    self._pad_device(B, self._dirty, self.static_inputs(B))
+                    self._pad_device(B, self._dirty, self._views_of(B))
                 self._pad_plans.store(pad_key, *launches)
         self._dirty = B
         if not fast and key is not None and all(
@@ -645,12 +649,7 @@ class GraphRunner:
             found = self._described.get(B)
             if found is not None:
                 return found
-        views = self._cut_views.get(B)
-        if views is None:
-            views = self._cut_views[B] = {
-                n: s.buffer[: B * s.per_request] for n, s in self._inputs.items()
-            }
-        results = self._build(StageBatch(views, host_raw, False))
+        results = self._build(StageBatch(self._views_of(B), host_raw, False))
         if not self._mirror_names:
             self._described[B] = results
         return results

@@ -92,6 +92,7 @@ KERNELS = [
     ("runners.padding", "_copy_pad_many_kernel", dict(NBUF=3, BLOCK=1024),
      dict(src0="i64", dst0="i64", src1="i32", dst1="i32", src2="u8", dst2="u8", src3="i64",
           dst3="i64")),
+    ("verify_expand_page_table", "_inclusive_sums_kernel", dict(BLOCK=1024), {}),
 ]  # fmt: skip
 
 #: Compiles every kernel of ``KERNELS`` (argv[1], JSON) for sm_90, from the package under

@@ -138,3 +138,11 @@ def test_bad_arguments_raise_before_launch(device, gen):
         verify_expand_page_table(*args, mask[:, :5])
     with pytest.raises(TypeError, match="tree_mask must be bool or uint8"):
         verify_expand_page_table(*args, mask.float())
+
+
+def test_cu_seqlens_k_over_several_blocks(device, gen):
+    """More nodes than the sums kernel's block (1024): the running total crosses blocks."""
+    batch, mask = _draw("random", gen, device, 4, 3, 16, 4, batch_size=70)
+    pt, cs, cu, status = _run(batch, mask, device, spare_rows=3)
+    assert int(status) == 0 and cu.shape[0] == 70 * 16 + 1 > 1024
+    _check_against_spec(batch, mask, pt, cs, cu)

@@ -445,14 +445,12 @@ def test_seq_lens_fill_covers_every_query_width(device):
 # --------------------------------------------------------------------------------------------
 # A persistent batch: the engine writes the runner's own buffers, the runner replays
 # --------------------------------------------------------------------------------------------
-def _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t, sizes):
+def _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t, sizes, shapes):
     """Each batch written into ``static_inputs(B)`` (rows ``[:B]`` only, as the contract says),
     then :meth:`GraphRunner.replay` (on CUDA with host syncs made errors); results against the
     eager build, and every row past ``B`` of every static input holding its pad (a shrunk
     batch's old rows included)."""
-    shapes = ("random", "long_short", "modm1", "one", "empty", "max", "random", "random")
-    for i, B in enumerate(sizes):
-        shape = shapes[i % len(shapes)]
+    for i, (B, shape) in enumerate(zip(sizes, shapes, strict=True)):
         batch = first if i == 0 else _draw(shape, B, cfg, gen, device)
         r2t.copy_(batch.req_to_token)
         views = runner.static_inputs(B)
@@ -490,7 +488,9 @@ def test_persistent_batch_replays_pad_only_what_a_larger_batch_left(device, gen,
     runner.capture()
     # Shrinking (32 → 12 → 3 …) leaves rows that must go back to their pads; growing does not.
     _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t,
-                         (32, 12, 3, 1, 0, 32, 5, 5))  # fmt: skip
+                         (32, 12, 3, 1, 0, 32, 5, 5),
+                         ("random", "long_short", "modm1", "one", "empty", "max", "random",
+                          "random"))  # fmt: skip
 
 
 def test_persistent_batch_checks_its_host_inputs(device):
@@ -578,4 +578,4 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
         _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
         assert int(meta.bufs["status"]) == 0, round_
     _persistent_sequence(runner, meta, eager, cfg, fill, gen, "cuda", first, r2t,
-                         (32, 32, 12, 12, 3, 3, 32, 1))  # fmt: skip
+                         (32, 32, 12, 12, 3, 3, 32, 1), ("random",) * 7 + ("one",))  # fmt: skip
