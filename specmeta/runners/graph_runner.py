@@ -146,7 +146,7 @@ class StageBatch:
         return spec.shape[0]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RunResult:
     """What one :meth:`GraphRunner.run` returns.
 
@@ -390,10 +390,10 @@ class GraphRunner:
         return (self.batch_sizes, tuple(s.signature() for s in self._inputs.values()),
                 tuple(self._outputs.values()), self._guard_signature())  # fmt: skip
 
-    def _captured_tensors(self) -> list[torch.Tensor]:
+    def _captured_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the graphs hold an address of: the static buffers and the guarded
         tensors as they are now."""
-        return [s.buffer for s in self._inputs.values()] + [g() for g in self._guards.values()]
+        return (*self._buffers, *[g() for g in self._guard_fns])
 
     def _check_layout(self) -> None:
         """Raise when a static buffer or a guarded tensor changed since :meth:`capture`: the
@@ -438,10 +438,15 @@ class GraphRunner:
             for mirrors, what in ((False, "inputs"), (True, "host_inputs"))
         }  # fmt: skip
         self._layout = self._signature()
+        self._buffers = tuple(s.buffer for s in self._inputs.values())
+        self._guard_fns = tuple(self._guards.values())
         self._layout_key = self._sign_layout(None, *self._captured_tensors())
         self._names = tuple(self._inputs)
         self._mirror_names = tuple(n for n, s in self._inputs.items() if s.mirror is not None)
         self._steps = [self.bucket(b) for b in range(self.max_batch_size + 1)]
+        # A typed runner's replays read no padded mirror (its builders describe B from the raw
+        # host values), so only a host function or the uncaptured path needs them.
+        self._needs_mirrors = not (self.typed and self.graphs) or self._host is not None
         if not self.graphs:
             return
         self.pool = torch.cuda.graph_pool_handle()
@@ -606,13 +611,19 @@ class GraphRunner:
         """
         if self._layout is None:
             raise ValueError("call capture() before replay()")
-        host_inputs = host_inputs or {}
-        try:
-            key = self._sign("replay", batch_size,
-                             *[host_inputs[n] for n in self._mirror_names])  # fmt: skip
+        if host_inputs is None and not self._mirror_names:
+            # Nothing to key but B: an int B checked before is a key seen.
+            key = batch_size if batch_size.__class__ is int else None
             fast = key in self._seen
-        except (KeyError, TypeError):
-            key, fast = None, False
+            host_inputs = {}
+        else:
+            host_inputs = host_inputs or {}
+            try:
+                key = self._sign("replay", batch_size,
+                                 *[host_inputs[n] for n in self._mirror_names])  # fmt: skip
+                fast = key in self._seen
+            except (KeyError, TypeError):
+                key, fast = None, False
         B = batch_size
         if fast:
             bp = self._steps[B]
@@ -679,12 +690,6 @@ class GraphRunner:
         for name, spec in self._inputs.items():
             if spec.probe is not None:
                 spec.probe(raw[name], label=f"runner input {name!r}")
-
-    @property
-    def _needs_mirrors(self) -> bool:
-        # A typed runner's replays read no padded mirror (its builders describe B from the raw
-        # host values), so only a host function or the uncaptured path needs them.
-        return not (self.typed and self.graphs) or self._host is not None
 
     def _cut(self, out: Mapping[str, torch.Tensor], B: int) -> dict[str, torch.Tensor]:
         """Each output cut to ``B`` (views)."""
