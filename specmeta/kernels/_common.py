@@ -6,8 +6,8 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 
 * **Status bits** as ``tl.constexpr`` globals (kernels read only constexpr globals), equal to
   :class:`specmeta.status.Status` by construction.
-* **Host checks, launch keywords and grid sizing**: :func:`check_batch`,
-  :func:`batch_arguments`, :func:`target_programs`,
+* **Host checks, launch keywords and grid sizing**: :func:`check_batch`, :func:`check_steps`,
+  :func:`host_int`, :func:`sizing_total`, :func:`batch_arguments`, :func:`target_programs`,
   :func:`chunk_programs`, :func:`vector_widths`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
@@ -53,6 +53,34 @@ def check_batch(
     validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
     validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
     return req_pool_indices.shape[0], device
+
+
+def check_steps(
+    topk: object, num_steps: object, page_size: object, num_rows: object
+) -> tuple[int, int, int, int]:
+    """Check the draft shape every step-row op takes, ``K``, ``S``, ``ps`` ≥ 1 and ``num_rows``
+    in ``[0, S]`` (``None``: ``S``); returns ``(topk, num_steps, page_size, rows)``."""
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    return topk, num_steps, page_size, rows
+
+
+def host_int(name: str, value: object) -> int:
+    """``value``, a Python int the caller holds on the host (``seq_lens_sum``, ``max_seq_len``:
+    read before launch, never from the device); bools rejected."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a host int, got {type(value).__name__}")
+    return value
+
+
+def sizing_total(seq_lens_sum: int | None, batch: int, req_to_token: torch.Tensor) -> int:
+    """The ``ΣL`` an omitted output is sized for: the host's ``seq_lens_sum`` when given, else
+    full rows (``B·W_row``), so that sizing reads nothing from the device (no sync)."""
+    return seq_lens_sum if seq_lens_sum is not None else batch * req_to_token.shape[1]
 
 
 def batch_arguments(

@@ -35,7 +35,9 @@ from ._common import (
     branch_page,
     branch_pages_ref,
     check_batch,
+    check_steps,
     chunk_programs,
+    host_int,
     load_request,
     row_offset,
 )
@@ -126,12 +128,7 @@ _branch_page_table_launch = Launcher(_branch_page_table_kernel)
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
              page_table, seq_lens_k, max_seq_len, status):  # fmt: skip
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if page_table is None:
         width = cdiv(req_to_token.shape[1], page_size)
@@ -144,8 +141,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     validate.at_least("seq_lens_k", seq_lens_k.shape[0], rows, "rows")
     validate.at_least("seq_lens_k", seq_lens_k.shape[1], B * topk, "columns (B*topk)")
     if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-            raise TypeError(f"max_seq_len must be a host int, got {type(max_seq_len).__name__}")
+        host_int("max_seq_len", max_seq_len)
         # L // ps + nnp(L) == ceil((L + S) / ps), monotone in L.
         need = max_seq_len // page_size + draft_pages_per_branch(max_seq_len, num_steps, page_size)
         validate.at_least("page_table", page_table.shape[1], need, "columns (ceil((L+S)/ps))")

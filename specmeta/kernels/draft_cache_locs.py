@@ -27,6 +27,7 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
@@ -159,9 +160,7 @@ def assign_draft_cache_locs(
         )  # fmt: skip
         if _assign_draft_cache_locs_plans.replay(sig):
             return out_cache_loc
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
+    topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     n = B * topk * num_steps
     if out_cache_loc is None:
@@ -298,9 +297,7 @@ def prefix_tail_copy_pairs(
         )  # fmt: skip
         if _prefix_tail_copy_pairs_plans.replay(sig):
             return tgt, src
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
+    topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
     n = B * width

@@ -27,11 +27,14 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
+    host_int,
     list_offsets,
     load_request,
+    sizing_total,
     target_programs,
 )
 
@@ -342,16 +345,10 @@ def _prepare(
     kv_indices, kv_indptr, seq_lens_sum, status,
 ):  # fmt: skip
     """Validate and allocate; shared by the kernel launcher and the reference."""
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
         kv_indices = torch.empty((rows, width), dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
@@ -369,8 +366,7 @@ def _prepare(
 
 def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: int, rows: int):
     """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
     validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
 

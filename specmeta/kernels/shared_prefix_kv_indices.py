@@ -36,15 +36,18 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     chunk_programs,
     copy_row_prefix,
     draft_positions_ref,
     draft_slot_position,
     exclusive_length_sum,
     gather_rows_ref,
+    host_int,
     load_request,
     ragged_prefix_ref,
     row_offset,
+    sizing_total,
 )
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
@@ -167,16 +170,10 @@ def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
 ):  # fmt: skip
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if prefix_kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         prefix_kv_indices = torch.empty(
             max(1, verify_kv_indices_need(total, B, 0)), dtype=req_to_token.dtype, device=device
         )
@@ -213,8 +210,7 @@ def _prepare(
 
 def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
     """``prefix_kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
                       "entries (ΣL)")  # fmt: skip
 

@@ -29,7 +29,7 @@ from .. import validate
 from ..config import tree_custom_mask_need
 from ..launch import Launcher, LaunchPlans, cdiv
 from ..status import Status
-from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
+from ._common import OUT_OF_CAPACITY, POS_OOB, host_int, target_programs
 
 __all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 
@@ -164,8 +164,7 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
 
 def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int, packed: bool):
     """``custom_mask`` holds the whole mask ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
     what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
     validate.at_least("custom_mask", custom_mask.shape[0], need, what)

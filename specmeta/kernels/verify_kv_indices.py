@@ -30,8 +30,10 @@ from ._common import (
     chunk_programs,
     copy_row_prefix,
     exclusive_length_sum,
+    host_int,
     load_request,
     ragged_prefix_ref,
+    sizing_total,
 )
 
 __all__ = ["verify_kv_indices", "verify_kv_indices_ref", "exclusive_length_sum"]
@@ -100,8 +102,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, verify_kv_indices_need(total, B, extra_tokens))
         kv_indices = torch.empty(width, dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
@@ -117,8 +118,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
 
 def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_tokens: int):
     """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
     validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
 
