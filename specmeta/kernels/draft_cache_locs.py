@@ -249,6 +249,18 @@ _prefix_tail_copy_pairs_launch = Launcher(_prefix_tail_copy_pairs_kernel)
 _prefix_tail_copy_pairs_plans = LaunchPlans()
 
 
+def _pair_buffers(B, topk, page_size, tgt, src, device):
+    """``(width, n, tgt, src)``: pairs per request (``(K−1)·(ps−1)`` in layout B, else none),
+    ``n = B·width`` in all, and the pair lists, allocated int64 where omitted."""
+    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
+    n = B * width
+    if tgt is None:
+        tgt = torch.empty(n, dtype=torch.int64, device=device)
+    if src is None:
+        src = torch.empty(n, dtype=torch.int64, device=device)
+    return width, n, tgt, src
+
+
 def prefix_tail_copy_pairs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -299,12 +311,7 @@ def prefix_tail_copy_pairs(
             return tgt, src
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
-    n = B * width
-    if tgt is None:
-        tgt = torch.empty(n, dtype=torch.int64, device=device)
-    if src is None:
-        src = torch.empty(n, dtype=torch.int64, device=device)
+    width, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
     status = validate.status(status, device)
@@ -379,12 +386,7 @@ def prefix_tail_copy_pairs_ref(
     device = req_to_token.device
     status = validate.status(status, device)
     B = req_pool_indices.shape[0]
-    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
-    n = B * width
-    if tgt is None:
-        tgt = torch.empty(n, dtype=torch.int64, device=device)
-    if src is None:
-        src = torch.empty(n, dtype=torch.int64, device=device)
+    _, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     if n == 0:
         # Outside layout B nothing is gathered; a bad row or length is reported all the same.
         rows = req_pool_indices.to(torch.int64)
