@@ -38,10 +38,9 @@ from ._common import (
     check_batch,
     check_steps,
     chunk_programs,
-    copy_row_prefix,
+    copy_ragged_list,
     draft_positions_ref,
     draft_slot_position,
-    exclusive_length_sum,
     gather_rows_ref,
     host_int,
     load_request,
@@ -104,16 +103,12 @@ def _shared_prefix_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L, 0)
-    start = exclusive_length_sum(seq_lens_ptr, b, 0, BLOCK_B)  # int64: ΣL passes 2**31
-    copy_row_prefix(
-        req_to_token_ptr, row_base, row_ok, n, W_row, prefix_kv_indices_ptr, start, W_prefix, c,
-        chunk_programs, BLOCK,
+    start = copy_ragged_list(
+        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, 0, W_row,
+        prefix_kv_indices_ptr, prefix_kv_indptr_ptr, W_prefix, c, chunk_programs, BLOCK, BLOCK_B,
     )  # fmt: skip
 
     if c == 0:
-        tl.store(prefix_kv_indptr_ptr + b + 1, start + n, mask=b < B)
-        tl.store(prefix_kv_indptr_ptr + b, start * 0, mask=b == 0)
-
         # Own chains: entry (s, t, j) for j ≤ s < rows.
         e = tl.arange(0, BLOCK_CHAIN)
         s = e // (TOPK * NUM_STEPS)

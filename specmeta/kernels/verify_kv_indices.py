@@ -7,8 +7,8 @@ Request ``b`` reads its prefix and the ``extra_tokens`` (``N``) slots that follo
 
 For target verify the extra slots are the verify window (node ``j`` at ``row_b[L_b + j]``); for
 draft extend they are the extend tokens. With ``extra_tokens=0`` the same lists are the shared
-level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`, which
-reuses this module's device helpers).
+level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`); both
+kernels copy their lists with :func:`~specmeta.kernels._common.copy_ragged_list`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._common import (
     batch_arguments,
     check_batch,
     chunk_programs,
-    copy_row_prefix,
+    copy_ragged_list,
     exclusive_length_sum,
     host_int,
     load_request,
@@ -76,21 +76,17 @@ def _verify_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L + extra_tokens, 0)
-    start = exclusive_length_sum(seq_lens_ptr, b, extra_tokens, BLOCK_B)  # int64: ΣL passes 2**31
-    copy_row_prefix(
-        req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, c,
-        chunk_programs, BLOCK,
+    start = copy_ragged_list(
+        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra_tokens, W_row,
+        kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK, BLOCK_B,
     )  # fmt: skip
-    if c == 0:
-        tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
-        tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
-        if HAS_STATUS:
-            bits = (
-                tl.where(row_ok, 0, ROW_OOB)
-                | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
-                | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
-            )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+    if c == 0 and HAS_STATUS:
+        bits = (
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
+            | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
+        )
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
