@@ -6,12 +6,12 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 
 * **Status bits** as ``tl.constexpr`` globals (kernels read only constexpr globals), equal to
   :class:`specmeta.status.Status` by construction.
-* **Host checks, launch keywords and grid sizing**: :func:`check_batch`,
-  :func:`batch_arguments`, :func:`target_programs`,
+* **Host checks, launch keywords and grid sizing**: :func:`check_batch`, :func:`check_steps`,
+  :func:`host_int`, :func:`sizing_total`, :func:`batch_arguments`, :func:`target_programs`,
   :func:`chunk_programs`, :func:`vector_widths`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
-  :func:`copy_row_prefix`, :func:`branch_page`).
+  :func:`copy_row_prefix`, :func:`copy_ragged_list`, :func:`branch_page`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
   :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`).
 """
@@ -53,6 +53,34 @@ def check_batch(
     validate.tensor("seq_lens", seq_lens, ndim=1, device=device)
     validate.length("seq_lens", seq_lens, req_pool_indices.shape[0])
     return req_pool_indices.shape[0], device
+
+
+def check_steps(
+    topk: object, num_steps: object, page_size: object, num_rows: object
+) -> tuple[int, int, int, int]:
+    """Check the draft shape every step-row op takes, ``K``, ``S``, ``ps`` ≥ 1 and ``num_rows``
+    in ``[0, S]`` (``None``: ``S``); returns ``(topk, num_steps, page_size, rows)``."""
+    topk = validate.positive("topk", topk)
+    num_steps = validate.positive("num_steps", num_steps)
+    page_size = validate.positive("page_size", page_size)
+    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
+    if rows > num_steps:
+        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    return topk, num_steps, page_size, rows
+
+
+def host_int(name: str, value: object) -> int:
+    """``value``, a Python int the caller holds on the host (``seq_lens_sum``, ``max_seq_len``:
+    read before launch, never from the device); bools rejected."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a host int, got {type(value).__name__}")
+    return value
+
+
+def sizing_total(seq_lens_sum: int | None, batch: int, req_to_token: torch.Tensor) -> int:
+    """The ``ΣL`` an omitted output is sized for: the host's ``seq_lens_sum`` when given, else
+    full rows (``B·W_row``), so that sizing reads nothing from the device (no sync)."""
+    return seq_lens_sum if seq_lens_sum is not None else batch * req_to_token.shape[1]
 
 
 def batch_arguments(
@@ -184,6 +212,26 @@ def copy_row_prefix(
 
 
 @triton.jit
+def copy_ragged_list(
+    req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra, W_row, kv_indices_ptr,
+    kv_indptr_ptr, W_idx, first_chunk, chunk_step, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Request ``b``'s list ``row_b[0:n]`` of a ragged CSR whose lists are ``L_b' + extra``
+    entries long: chunks ``first_chunk, first_chunk + chunk_step, …`` of it, copied to its start
+    ``Σ_{b'<b} (L_b' + extra)``; with ``first_chunk == 0`` also ``kv_indptr[b + 1]`` (and entry
+    0 from ``b == 0``). Returns the start (int64: ΣL passes 2**31)."""
+    start = exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B)
+    copy_row_prefix(
+        req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, first_chunk,
+        chunk_step, BLOCK,
+    )  # fmt: skip
+    if first_chunk == 0:
+        tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
+        tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
+    return start
+
+
+@triton.jit
 def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
                 NUM_STEPS: tl.constexpr):  # fmt: skip
     """Page of column ``c`` (any shape) of branch ``t``'s page row (design §1 over pages):
@@ -301,6 +349,7 @@ def ragged_prefix_ref(
     return bits
 
 
+# same shape as branch_kv_indices.py:branch_kv_indices: the batch triple and draft shape, named as launchers do
 def branch_pages_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

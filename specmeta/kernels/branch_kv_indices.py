@@ -31,10 +31,13 @@ from ._common import (
     branch_page,
     branch_pages_ref,
     check_batch,
+    check_steps,
     chunk_programs,
+    host_int,
     list_offsets,
     load_request,
     row_offset,
+    sizing_total,
 )
 
 __all__ = ["branch_kv_indices", "branch_kv_indices_ref", "branch_kv_indptr"]
@@ -174,16 +177,10 @@ def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows, kv_indices,
     kv_indptr, kv_last_page_len, seq_lens_sum, status,
 ):  # fmt: skip
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, branch_kv_indices_need(total, B, topk, rows, page_size))
         kv_indices = torch.empty((rows, width), dtype=torch.int32, device=device)
     if kv_indptr is None:
@@ -199,9 +196,8 @@ def _prepare(
         validate.at_least(name, t.shape[0], rows, "rows")
         validate.at_least(name, t.shape[1], cols, "columns")
     if seq_lens_sum is not None:
-        if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-            raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
-        need = branch_kv_indices_need(seq_lens_sum, B, topk, rows, page_size)
+        total = host_int("seq_lens_sum", seq_lens_sum)
+        need = branch_kv_indices_need(total, B, topk, rows, page_size)
         validate.at_least("kv_indices", kv_indices.shape[1], need,
                           "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
     status = validate.status(status, device)
@@ -328,6 +324,7 @@ def branch_kv_indptr(
     return offsets
 
 
+# same shape as branch_kv_indices.py:branch_kv_indices: a reference takes its launcher's arguments (style §1)
 def branch_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -35,7 +35,9 @@ from ._common import (
     branch_page,
     branch_pages_ref,
     check_batch,
+    check_steps,
     chunk_programs,
+    host_int,
     load_request,
     row_offset,
 )
@@ -48,6 +50,8 @@ __all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_
 _BLOCK = 256
 
 
+# same shape as shared_prefix_kv_indices.py:_shared_prefix_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
+# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: branch ops: same inputs, named alike throughout
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W",
@@ -126,12 +130,7 @@ _branch_page_table_launch = Launcher(_branch_page_table_kernel)
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
              page_table, seq_lens_k, max_seq_len, status):  # fmt: skip
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if page_table is None:
         width = cdiv(req_to_token.shape[1], page_size)
@@ -144,8 +143,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     validate.at_least("seq_lens_k", seq_lens_k.shape[0], rows, "rows")
     validate.at_least("seq_lens_k", seq_lens_k.shape[1], B * topk, "columns (B*topk)")
     if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-            raise TypeError(f"max_seq_len must be a host int, got {type(max_seq_len).__name__}")
+        host_int("max_seq_len", max_seq_len)
         # L // ps + nnp(L) == ceil((L + S) / ps), monotone in L.
         need = max_seq_len // page_size + draft_pages_per_branch(max_seq_len, num_steps, page_size)
         validate.at_least("page_table", page_table.shape[1], need, "columns (ceil((L+S)/ps))")
@@ -153,6 +151,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     return topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status
 
 
+# same shape as _common.py:branch_pages_ref: the batch triple and draft shape, named alike (style §2)
 def branch_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -219,6 +218,7 @@ def branch_page_table(
     device = req_to_token.device
     W = page_table.shape[1]
     grid = (B, chunk_programs(device, B, W, _BLOCK))
+    # same shape as merge_state.py:merge_state: launch keywords name each kernel parameter (style §2)
     _branch_page_table_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -245,6 +245,7 @@ def branch_page_table(
 branch_page_table.kernels = (_branch_page_table_kernel,)  # for specmeta.registry
 
 
+# same shape as branch_page_table.py:branch_page_table: a reference takes its launcher's arguments (style §1)
 def branch_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -27,6 +27,7 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
@@ -105,6 +106,7 @@ def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
     return buf
 
 
+# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: the batch triple and draft shape, named alike (style §2)
 def assign_draft_cache_locs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -159,9 +161,7 @@ def assign_draft_cache_locs(
         )  # fmt: skip
         if _assign_draft_cache_locs_plans.replay(sig):
             return out_cache_loc
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
+    topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     n = B * topk * num_steps
     if out_cache_loc is None:
@@ -250,6 +250,19 @@ _prefix_tail_copy_pairs_launch = Launcher(_prefix_tail_copy_pairs_kernel)
 _prefix_tail_copy_pairs_plans = LaunchPlans()
 
 
+def _pair_buffers(B, topk, page_size, tgt, src, device):
+    """``(width, n, tgt, src)``: pairs per request (``(K−1)·(ps−1)`` in layout B, else none),
+    ``n = B·width`` in all, and the pair lists, allocated int64 where omitted."""
+    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
+    n = B * width
+    if tgt is None:
+        tgt = torch.empty(n, dtype=torch.int64, device=device)
+    if src is None:
+        src = torch.empty(n, dtype=torch.int64, device=device)
+    return width, n, tgt, src
+
+
+# same shape as _common.py:branch_pages_ref: the batch triple and draft shape, named alike (style §2)
 def prefix_tail_copy_pairs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -298,16 +311,9 @@ def prefix_tail_copy_pairs(
         )  # fmt: skip
         if _prefix_tail_copy_pairs_plans.replay(sig):
             return tgt, src
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
+    topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
-    n = B * width
-    if tgt is None:
-        tgt = torch.empty(n, dtype=torch.int64, device=device)
-    if src is None:
-        src = torch.empty(n, dtype=torch.int64, device=device)
+    width, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
     status = validate.status(status, device)
@@ -337,6 +343,8 @@ prefix_tail_copy_pairs.kernels = (_prefix_tail_copy_pairs_kernel,)  # for specme
 # --------------------------------------------------------------------------------------------
 
 
+# same shape as branch_page_table.py:branch_page_table_ref: the batch triple and draft shape, named alike (style §2)
+# same shape as draft_cache_locs.py:assign_draft_cache_locs: a reference takes its launcher's arguments (style §1)
 def assign_draft_cache_locs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -366,6 +374,8 @@ def assign_draft_cache_locs_ref(
     return out_cache_loc
 
 
+# same shape as branch_kv_indices.py:branch_kv_indices_ref: the batch triple and draft shape, named alike (style §2)
+# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a reference takes its launcher's arguments (style §1)
 def prefix_tail_copy_pairs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -382,12 +392,7 @@ def prefix_tail_copy_pairs_ref(
     device = req_to_token.device
     status = validate.status(status, device)
     B = req_pool_indices.shape[0]
-    width = (topk - 1) * (page_size - 1) if uses_layout_b(topk, page_size) else 0
-    n = B * width
-    if tgt is None:
-        tgt = torch.empty(n, dtype=torch.int64, device=device)
-    if src is None:
-        src = torch.empty(n, dtype=torch.int64, device=device)
+    _, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     if n == 0:
         # Outside layout B nothing is gathered; a bad row or length is reported all the same.
         rows = req_pool_indices.to(torch.int64)

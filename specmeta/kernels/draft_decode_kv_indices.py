@@ -27,11 +27,14 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
+    host_int,
     list_offsets,
     load_request,
+    sizing_total,
     target_programs,
 )
 
@@ -66,6 +69,7 @@ _LONG_ROW_CHUNKS = 8
 _VECTOR_STORES_MIN = 1 << 22
 
 
+# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows",
@@ -342,16 +346,10 @@ def _prepare(
     kv_indices, kv_indptr, seq_lens_sum, status,
 ):  # fmt: skip
     """Validate and allocate; shared by the kernel launcher and the reference."""
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
         kv_indices = torch.empty((rows, width), dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
@@ -369,12 +367,12 @@ def _prepare(
 
 def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: int, rows: int):
     """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
     validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
 
 
+# same shape as branch_page_table.py:branch_page_table: the batch triple and draft shape, named and documented alike
 def draft_decode_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -459,6 +457,7 @@ def draft_decode_kv_indices(
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
     vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
+    # same shape as cache_loc_move.py:accept_cache_locs: launch keywords name each kernel parameter (style §2)
     launch = _draft_decode_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -502,6 +501,7 @@ def draft_decode_kv_indptr(
     return list_offsets(L.view(1, -1) + steps, topk, out)
 
 
+# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: a reference takes its launcher's arguments (style §1)
 def draft_decode_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

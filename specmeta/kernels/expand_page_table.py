@@ -24,6 +24,7 @@ import torch
 from .. import validate
 from ..config import expand_page_table_width
 from ..status import Status
+from ._common import check_steps
 from ._page_tables import expand_pass, launch_page_tables, page_tables_kernel
 
 __all__ = ["expand_page_table", "expand_page_table_ref"]
@@ -39,12 +40,7 @@ def prepare_expand_page_table(
 ):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. ``prefix`` goes before
     the output buffers' names in messages (a fused op's ``expand_page_table``, …)."""
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    page_size = validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     validate.tensor("seq_lens", seq_lens, ndim=1)
     device = seq_lens.device
     B = seq_lens.shape[0]
@@ -74,6 +70,8 @@ def prepare_expand_page_table(
     return topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status
 
 
+# same shape as prefix_page_table.py:prefix_page_table: numpy docstrings state each parameter in full (style §6)
+# same shape as branch_kv_indices.py:branch_kv_indices: the batch triple and draft shape, named alike (style §2)
 def expand_page_table(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -148,7 +146,8 @@ def expand_page_table(
 expand_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# The launcher's signature again, by design: a reference takes exactly its op's arguments (style §1).
+# same shape as draft_decode_page_tables.py:draft_decode_page_tables_ref: the draft shape and expand outputs, named alike (style §2)
+# same shape as expand_page_table.py:expand_page_table: a reference takes its launcher's arguments (style §1)
 def expand_page_table_ref(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,

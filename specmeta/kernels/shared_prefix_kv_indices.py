@@ -36,15 +36,17 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_steps,
     chunk_programs,
-    copy_row_prefix,
+    copy_ragged_list,
     draft_positions_ref,
     draft_slot_position,
-    exclusive_length_sum,
     gather_rows_ref,
+    host_int,
     load_request,
     ragged_prefix_ref,
     row_offset,
+    sizing_total,
 )
 
 __all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
@@ -56,6 +58,7 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
+# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
@@ -101,16 +104,12 @@ def _shared_prefix_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L, 0)
-    start = exclusive_length_sum(seq_lens_ptr, b, 0, BLOCK_B)  # int64: ΣL passes 2**31
-    copy_row_prefix(
-        req_to_token_ptr, row_base, row_ok, n, W_row, prefix_kv_indices_ptr, start, W_prefix, c,
-        chunk_programs, BLOCK,
+    start = copy_ragged_list(
+        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, 0, W_row,
+        prefix_kv_indices_ptr, prefix_kv_indptr_ptr, W_prefix, c, chunk_programs, BLOCK, BLOCK_B,
     )  # fmt: skip
 
     if c == 0:
-        tl.store(prefix_kv_indptr_ptr + b + 1, start + n, mask=b < B)
-        tl.store(prefix_kv_indptr_ptr + b, start * 0, mask=b == 0)
-
         # Own chains: entry (s, t, j) for j ≤ s < rows.
         e = tl.arange(0, BLOCK_CHAIN)
         s = e // (TOPK * NUM_STEPS)
@@ -167,16 +166,10 @@ def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
 ):  # fmt: skip
-    topk = validate.positive("topk", topk)
-    num_steps = validate.positive("num_steps", num_steps)
-    validate.positive("page_size", page_size)
-    rows = num_steps if num_rows is None else validate.positive("num_rows", num_rows, minimum=0)
-    if rows > num_steps:
-        raise ValueError(f"num_rows must be <= num_steps={num_steps}, got {rows}")
+    topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if prefix_kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         prefix_kv_indices = torch.empty(
             max(1, verify_kv_indices_need(total, B, 0)), dtype=req_to_token.dtype, device=device
         )
@@ -213,12 +206,12 @@ def _prepare(
 
 def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
     """``prefix_kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
                       "entries (ΣL)")  # fmt: skip
 
 
+# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: draft-decode list ops: same inputs, named alike throughout
 def shared_prefix_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -330,6 +323,8 @@ def shared_prefix_kv_indices(
 shared_prefix_kv_indices.kernels = (_shared_prefix_kv_indices_kernel,)  # for specmeta.registry
 
 
+# same shape as draft_cache_locs.py:assign_draft_cache_locs_ref: the batch triple and draft shape, named alike (style §2)
+# same shape as shared_prefix_kv_indices.py:shared_prefix_kv_indices: a reference takes its launcher's arguments (style §1)
 def shared_prefix_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

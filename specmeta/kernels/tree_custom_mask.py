@@ -29,7 +29,7 @@ from .. import validate
 from ..config import tree_custom_mask_need
 from ..launch import Launcher, LaunchPlans, cdiv
 from ..status import Status
-from ._common import OUT_OF_CAPACITY, POS_OOB, target_programs
+from ._common import OUT_OF_CAPACITY, POS_OOB, host_int, target_programs
 
 __all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
 
@@ -164,13 +164,14 @@ def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum
 
 def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int, packed: bool):
     """``custom_mask`` holds the whole mask ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
     what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
     validate.at_least("custom_mask", custom_mask.shape[0], need, what)
 
 
+# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as branch_page_table.py:branch_page_table: inputs, then keyword outputs and status, named alike (style §2)
 def tree_custom_mask(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,
@@ -233,6 +234,7 @@ def tree_custom_mask(
     )
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
+    # same shape as merge_state.py:merge_state: launch keywords name each kernel parameter (style §2)
     launch = _tree_custom_mask_launch(
         grid,
         seq_lens_ptr=seq_lens,
@@ -259,6 +261,9 @@ def tree_custom_mask(
 tree_custom_mask.kernels = (_tree_custom_mask_kernel,)  # for specmeta.registry
 
 
+# same shape as prefix_page_table.py:prefix_page_table: a launcher's end, its kernels, its reference's start
+# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a launcher's end, its kernels, its reference's start
+# same shape as tree_custom_mask.py:tree_custom_mask: a reference takes its launcher's arguments (style §1)
 def tree_custom_mask_ref(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,

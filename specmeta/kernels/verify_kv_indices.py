@@ -7,8 +7,8 @@ Request ``b`` reads its prefix and the ``extra_tokens`` (``N``) slots that follo
 
 For target verify the extra slots are the verify window (node ``j`` at ``row_b[L_b + j]``); for
 draft extend they are the extend tokens. With ``extra_tokens=0`` the same lists are the shared
-level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`, which
-reuses this module's device helpers).
+level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`); both
+kernels copy their lists with :func:`~specmeta.kernels._common.copy_ragged_list`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from ._common import (
     batch_arguments,
     check_batch,
     chunk_programs,
-    copy_row_prefix,
+    copy_ragged_list,
     exclusive_length_sum,
+    host_int,
     load_request,
     ragged_prefix_ref,
+    sizing_total,
 )
 
 __all__ = ["verify_kv_indices", "verify_kv_indices_ref", "exclusive_length_sum"]
@@ -44,6 +46,7 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
+# same shape as tree_custom_mask.py:_tree_custom_mask_kernel: Triton kernels spell out each parameter (style §2)
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs"]
 )
@@ -74,21 +77,17 @@ def _verify_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L + extra_tokens, 0)
-    start = exclusive_length_sum(seq_lens_ptr, b, extra_tokens, BLOCK_B)  # int64: ΣL passes 2**31
-    copy_row_prefix(
-        req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, c,
-        chunk_programs, BLOCK,
+    start = copy_ragged_list(
+        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra_tokens, W_row,
+        kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK, BLOCK_B,
     )  # fmt: skip
-    if c == 0:
-        tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
-        tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
-        if HAS_STATUS:
-            bits = (
-                tl.where(row_ok, 0, ROW_OOB)
-                | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
-                | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
-            )
-            tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+    if c == 0 and HAS_STATUS:
+        bits = (
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
+            | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
+        )
+        tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
@@ -100,8 +99,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     if kv_indices is None:
-        # Without a host total, size for full rows: no device read, no sync.
-        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1]
+        total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, verify_kv_indices_need(total, B, extra_tokens))
         kv_indices = torch.empty(width, dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
@@ -117,12 +115,13 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
 
 def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_tokens: int):
     """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    if isinstance(seq_lens_sum, bool) or not isinstance(seq_lens_sum, int):
-        raise TypeError(f"seq_lens_sum must be a host int, got {type(seq_lens_sum).__name__}")
+    host_int("seq_lens_sum", seq_lens_sum)
     need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
     validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
 
 
+# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: the batch triple and draft shape, named and documented alike
+# same shape as branch_kv_indices.py:branch_kv_indices: numpy docstrings state each parameter in full (style §6)
 def verify_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -186,6 +185,7 @@ def verify_kv_indices(
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
+    # same shape as shared_prefix_kv_indices.py:shared_prefix_kv_indices: launch keywords name each kernel parameter (style §2)
     launch = _verify_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -207,6 +207,9 @@ def verify_kv_indices(
 verify_kv_indices.kernels = (_verify_kv_indices_kernel,)  # for specmeta.registry
 
 
+# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a launcher's end, its kernels, its reference's start
+# same shape as branch_page_table.py:branch_page_table_ref: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as verify_kv_indices.py:verify_kv_indices: a reference takes its launcher's arguments (style §1)
 def verify_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
