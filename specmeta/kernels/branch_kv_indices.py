@@ -324,7 +324,7 @@ def branch_kv_indptr(
     return offsets
 
 
-# same shape as branch_kv_indices.py:branch_kv_indices: a reference takes its launcher's arguments (style §1)
+# same shape as branch_kv_indices: a ref takes its launcher's args (style §1)
 def branch_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

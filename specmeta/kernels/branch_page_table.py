@@ -50,8 +50,8 @@ __all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_
 _BLOCK = 256
 
 
-# same shape as shared_prefix_kv_indices.py:_shared_prefix_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
-# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: branch ops: same inputs, named alike throughout
+# same shape as shared_prefix_kv_indices:_shared_prefix_kv_indices_kernel: each parameter
+# same shape as branch_kv_indices:_branch_kv_indices_kernel: branch ops' inputs
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W",
@@ -151,7 +151,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     return topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status
 
 
-# same shape as _common.py:branch_pages_ref: the batch triple and draft shape, named alike (style §2)
+# same shape as _common:branch_pages_ref: batch triple and draft shape (style §2)
 def branch_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -218,7 +218,7 @@ def branch_page_table(
     device = req_to_token.device
     W = page_table.shape[1]
     grid = (B, chunk_programs(device, B, W, _BLOCK))
-    # same shape as merge_state.py:merge_state: launch keywords name each kernel parameter (style §2)
+    # same shape as merge_state:merge_state: keywords name each parameter (style §2)
     _branch_page_table_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -245,7 +245,7 @@ def branch_page_table(
 branch_page_table.kernels = (_branch_page_table_kernel,)  # for specmeta.registry
 
 
-# same shape as branch_page_table.py:branch_page_table: a reference takes its launcher's arguments (style §1)
+# same shape as branch_page_table: a ref takes its launcher's args (style §1)
 def branch_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

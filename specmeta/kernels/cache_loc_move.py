@@ -211,7 +211,7 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
     return n_draft, B, C, tgt, src, status
 
 
-# same shape as verify_kv_indices.py:verify_kv_indices: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as verify_kv_indices:verify_kv_indices: inputs, outputs, status alike (style §2)
 def accept_cache_locs(
     accept_index: torch.Tensor,
     accept_lens: torch.Tensor,
@@ -272,7 +272,7 @@ def accept_cache_locs(
     n = B * C
     if n == 0:
         return tgt[:0], src[:0]
-    # same shape as branch_page_table.py:branch_page_table: launch keywords name each kernel parameter (style §2)
+    # same shape as branch_page_table:branch_page_table: keywords name each parameter (style §2)
     _accept_cache_locs_launch(
         (1,),
         accept_index_ptr=accept_index,
@@ -298,7 +298,7 @@ def accept_cache_locs(
 accept_cache_locs.kernels = (_accept_cache_locs_kernel,)  # for specmeta.registry
 
 
-# same shape as cache_loc_move.py:accept_cache_locs: a reference takes its launcher's arguments (style §1)
+# same shape as accept_cache_locs: a ref takes its launcher's args (style §1)
 def accept_cache_locs_ref(
     accept_index: torch.Tensor,
     accept_lens: torch.Tensor,
@@ -733,7 +733,7 @@ def move_kv_cache(
 move_kv_cache.kernels = (_move_kv_cache_kernel,)  # for specmeta.registry
 
 
-# same shape as cache_loc_move.py:move_kv_cache: a reference takes its launcher's arguments (style §1)
+# same shape as move_kv_cache: a ref takes its launcher's args (style §1)
 def move_kv_cache_ref(
     buffers: KVPool | Sequence[torch.Tensor],
     tgt: torch.Tensor,

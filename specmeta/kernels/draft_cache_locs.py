@@ -106,7 +106,7 @@ def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
     return buf
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: the batch triple and draft shape, named alike (style §2)
+# same shape as draft_decode_kv_indices:draft_decode_kv_indices: batch triple and draft shape
 def assign_draft_cache_locs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -262,7 +262,7 @@ def _pair_buffers(B, topk, page_size, tgt, src, device):
     return width, n, tgt, src
 
 
-# same shape as _common.py:branch_pages_ref: the batch triple and draft shape, named alike (style §2)
+# same shape as _common:branch_pages_ref: batch triple and draft shape (style §2)
 def prefix_tail_copy_pairs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -343,8 +343,8 @@ prefix_tail_copy_pairs.kernels = (_prefix_tail_copy_pairs_kernel,)  # for specme
 # --------------------------------------------------------------------------------------------
 
 
-# same shape as branch_page_table.py:branch_page_table_ref: the batch triple and draft shape, named alike (style §2)
-# same shape as draft_cache_locs.py:assign_draft_cache_locs: a reference takes its launcher's arguments (style §1)
+# same shape as branch_page_table:branch_page_table_ref: batch triple and draft shape (style §2)
+# same shape as assign_draft_cache_locs: a ref takes its launcher's args (style §1)
 def assign_draft_cache_locs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -374,8 +374,8 @@ def assign_draft_cache_locs_ref(
     return out_cache_loc
 
 
-# same shape as branch_kv_indices.py:branch_kv_indices_ref: the batch triple and draft shape, named alike (style §2)
-# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a reference takes its launcher's arguments (style §1)
+# same shape as branch_kv_indices:branch_kv_indices_ref: batch triple and draft shape (style §2)
+# same shape as prefix_tail_copy_pairs: a ref takes its launcher's args (style §1)
 def prefix_tail_copy_pairs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

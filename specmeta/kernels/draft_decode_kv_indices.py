@@ -69,7 +69,7 @@ _LONG_ROW_CHUNKS = 8
 _VECTOR_STORES_MIN = 1 << 22
 
 
-# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
+# same shape as branch_kv_indices:_branch_kv_indices_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows",
@@ -372,7 +372,7 @@ def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: i
     validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
 
 
-# same shape as branch_page_table.py:branch_page_table: the batch triple and draft shape, named and documented alike
+# same shape as branch_page_table:branch_page_table: batch triple and draft shape, documented
 def draft_decode_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -457,7 +457,7 @@ def draft_decode_kv_indices(
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
     vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
-    # same shape as cache_loc_move.py:accept_cache_locs: launch keywords name each kernel parameter (style §2)
+    # same shape as cache_loc_move:accept_cache_locs: keywords name each parameter (style §2)
     launch = _draft_decode_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -501,7 +501,7 @@ def draft_decode_kv_indptr(
     return list_offsets(L.view(1, -1) + steps, topk, out)
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: a reference takes its launcher's arguments (style §1)
+# same shape as draft_decode_kv_indices: a ref takes its launcher's args (style §1)
 def draft_decode_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

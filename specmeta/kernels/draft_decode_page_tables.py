@@ -69,8 +69,8 @@ def _prepare(
             expand_cache_seqlens, status)  # fmt: skip
 
 
-# same shape as prefix_page_table.py:prefix_page_table: numpy docstrings state each parameter in full (style §6)
-# same shape as branch_kv_indices.py:branch_kv_indices: the batch triple and draft shape, named alike (style §2)
+# same shape as prefix_page_table:prefix_page_table: docstrings state each parameter (style §6)
+# same shape as branch_kv_indices:branch_kv_indices: batch triple and draft shape (style §2)
 def draft_decode_page_tables(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -194,7 +194,7 @@ def draft_decode_page_tables(
 draft_decode_page_tables.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_decode_page_tables.py:draft_decode_page_tables: a reference takes its launcher's arguments (style §1)
+# same shape as draft_decode_page_tables: a ref takes its launcher's args (style §1)
 def draft_decode_page_tables_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

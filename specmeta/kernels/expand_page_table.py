@@ -70,8 +70,8 @@ def prepare_expand_page_table(
     return topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status
 
 
-# same shape as prefix_page_table.py:prefix_page_table: numpy docstrings state each parameter in full (style §6)
-# same shape as branch_kv_indices.py:branch_kv_indices: the batch triple and draft shape, named alike (style §2)
+# same shape as prefix_page_table:prefix_page_table: docstrings state each parameter (style §6)
+# same shape as branch_kv_indices:branch_kv_indices: batch triple and draft shape (style §2)
 def expand_page_table(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -146,8 +146,8 @@ def expand_page_table(
 expand_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_decode_page_tables.py:draft_decode_page_tables_ref: the draft shape and expand outputs, named alike (style §2)
-# same shape as expand_page_table.py:expand_page_table: a reference takes its launcher's arguments (style §1)
+# same shape as draft_decode_page_tables:draft_decode_page_tables_ref: draft shape, expand outputs
+# same shape as expand_page_table: a ref takes its launcher's args (style §1)
 def expand_page_table_ref(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -106,7 +106,7 @@ def _check(o1, lse1, o2, lse2):
     return T, H, D
 
 
-# same shape as verify_expand_page_table.py:verify_expand_page_table: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as verify_expand_page_table:verify_expand_page_table: inputs, outputs, status alike
 def merge_state(
     o1: torch.Tensor,
     lse1: torch.Tensor,
@@ -156,8 +156,8 @@ def merge_state(
     block_h = min(next_power_of_2(H), max(1, _TILE // block_d))
     lse_out = out_lse if out_lse is not None else lse1
     grid = (T, cdiv(H, block_h))
-    # same shape as cache_loc_move.py:accept_cache_locs: launch keywords name each kernel parameter (style §2)
-    # same shape as merge_state.py:_merge_state_kernel: each operand's (t, h) strides, as the kernel takes them
+    # same shape as cache_loc_move:accept_cache_locs: keywords name each parameter (style §2)
+    # same shape as _merge_state_kernel: each operand's (t, h) strides
     _merge_state_launch(
         grid,
         o1_ptr=o1,
@@ -189,7 +189,7 @@ def merge_state(
     return out, out_lse
 
 
-# same shape as merge_state.py:merge_state: a reference takes its launcher's arguments (style §1)
+# same shape as merge_state: a ref takes its launcher's args (style §1)
 def merge_state_ref(
     o1: torch.Tensor,
     lse1: torch.Tensor,

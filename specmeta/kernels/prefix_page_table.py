@@ -81,8 +81,8 @@ def prepare_prefix_page_table(
     return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: inputs, then keyword outputs and status, named alike (style §2)
-# same shape as branch_page_table.py:branch_page_table: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as draft_decode_kv_indices:draft_decode_kv_indices: inputs, outputs, status alike
+# same shape as branch_page_table:branch_page_table: inputs, outputs, status alike (style §2)
 def prefix_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -189,9 +189,9 @@ def prefix_page_table(
 prefix_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as verify_kv_indices.py:verify_kv_indices: inputs, then keyword outputs and status, named alike (style §2)
-# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a launcher's end, its kernels, its reference's start
-# same shape as prefix_page_table.py:prefix_page_table: a reference takes its launcher's arguments (style §1)
+# same shape as verify_kv_indices:verify_kv_indices: inputs, outputs, status alike (style §2)
+# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
+# same shape as prefix_page_table: a ref takes its launcher's args (style §1)
 def prefix_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -58,7 +58,7 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
-# same shape as branch_kv_indices.py:_branch_kv_indices_kernel: Triton kernels spell out each parameter (style §2)
+# same shape as branch_kv_indices:_branch_kv_indices_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
@@ -211,7 +211,7 @@ def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
                       "entries (ΣL)")  # fmt: skip
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: draft-decode list ops: same inputs, named alike throughout
+# same shape as draft_decode_kv_indices:draft_decode_kv_indices: draft-decode list ops' inputs
 def shared_prefix_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -323,8 +323,8 @@ def shared_prefix_kv_indices(
 shared_prefix_kv_indices.kernels = (_shared_prefix_kv_indices_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_cache_locs.py:assign_draft_cache_locs_ref: the batch triple and draft shape, named alike (style §2)
-# same shape as shared_prefix_kv_indices.py:shared_prefix_kv_indices: a reference takes its launcher's arguments (style §1)
+# same shape as draft_cache_locs:assign_draft_cache_locs_ref: batch triple and draft shape
+# same shape as shared_prefix_kv_indices: a ref takes its launcher's args (style §1)
 def shared_prefix_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -170,8 +170,8 @@ def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int
     validate.at_least("custom_mask", custom_mask.shape[0], need, what)
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: inputs, then keyword outputs and status, named alike (style §2)
-# same shape as branch_page_table.py:branch_page_table: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as draft_decode_kv_indices:draft_decode_kv_indices: inputs, outputs, status alike
+# same shape as branch_page_table:branch_page_table: inputs, outputs, status alike (style §2)
 def tree_custom_mask(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,
@@ -234,7 +234,7 @@ def tree_custom_mask(
     )
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
-    # same shape as merge_state.py:merge_state: launch keywords name each kernel parameter (style §2)
+    # same shape as merge_state:merge_state: keywords name each parameter (style §2)
     launch = _tree_custom_mask_launch(
         grid,
         seq_lens_ptr=seq_lens,
@@ -261,9 +261,9 @@ def tree_custom_mask(
 tree_custom_mask.kernels = (_tree_custom_mask_kernel,)  # for specmeta.registry
 
 
-# same shape as prefix_page_table.py:prefix_page_table: a launcher's end, its kernels, its reference's start
-# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a launcher's end, its kernels, its reference's start
-# same shape as tree_custom_mask.py:tree_custom_mask: a reference takes its launcher's arguments (style §1)
+# same shape as prefix_page_table:prefix_page_table: launcher end, kernels, ref start
+# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
+# same shape as tree_custom_mask: a ref takes its launcher's args (style §1)
 def tree_custom_mask_ref(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,

@@ -161,7 +161,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, ca
     return B, N, page_table, cache_seqlens, status
 
 
-# same shape as expand_page_table.py:expand_page_table: inputs, then keyword outputs and status, named alike (style §2)
+# same shape as expand_page_table:expand_page_table: inputs, outputs, status alike (style §2)
 def verify_expand_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -221,7 +221,7 @@ def verify_expand_page_table(
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
-    # same shape as _page_tables.py:expand_pass: launch keywords name each kernel parameter (style §2)
+    # same shape as _page_tables:expand_pass: keywords name each parameter (style §2)
     launch = _verify_expand_page_table_launch(
         (max(B, 1),),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -255,8 +255,8 @@ def verify_expand_page_table(
 verify_expand_page_table.kernels = (_verify_expand_page_table_kernel, _inclusive_sums_kernel)
 
 
-# same shape as verify_kv_indices.py:verify_kv_indices_ref: inputs, then keyword outputs and status, named alike (style §2)
-# same shape as verify_expand_page_table.py:verify_expand_page_table: a reference takes its launcher's arguments (style §1)
+# same shape as verify_kv_indices:verify_kv_indices_ref: inputs, outputs, status alike (style §2)
+# same shape as verify_expand_page_table: a ref takes its launcher's args (style §1)
 def verify_expand_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

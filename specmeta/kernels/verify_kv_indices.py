@@ -46,7 +46,7 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
-# same shape as tree_custom_mask.py:_tree_custom_mask_kernel: Triton kernels spell out each parameter (style §2)
+# same shape as tree_custom_mask:_tree_custom_mask_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs"]
 )
@@ -120,8 +120,8 @@ def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_t
     validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
 
 
-# same shape as draft_decode_kv_indices.py:draft_decode_kv_indices: the batch triple and draft shape, named and documented alike
-# same shape as branch_kv_indices.py:branch_kv_indices: numpy docstrings state each parameter in full (style §6)
+# same shape as draft_decode_kv_indices:draft_decode_kv_indices: batch triple, draft shape
+# same shape as branch_kv_indices:branch_kv_indices: docstrings state each parameter (style §6)
 def verify_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -185,7 +185,7 @@ def verify_kv_indices(
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    # same shape as shared_prefix_kv_indices.py:shared_prefix_kv_indices: launch keywords name each kernel parameter (style §2)
+    # same shape as shared_prefix_kv_indices:shared_prefix_kv_indices: keywords name each parameter
     launch = _verify_kv_indices_launch(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -207,9 +207,9 @@ def verify_kv_indices(
 verify_kv_indices.kernels = (_verify_kv_indices_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_cache_locs.py:prefix_tail_copy_pairs: a launcher's end, its kernels, its reference's start
-# same shape as branch_page_table.py:branch_page_table_ref: inputs, then keyword outputs and status, named alike (style §2)
-# same shape as verify_kv_indices.py:verify_kv_indices: a reference takes its launcher's arguments (style §1)
+# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
+# same shape as branch_page_table:branch_page_table_ref: inputs, outputs, status alike (style §2)
+# same shape as verify_kv_indices: a ref takes its launcher's args (style §1)
 def verify_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
