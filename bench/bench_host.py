@@ -104,7 +104,8 @@ def _measure(benchmark, fn, *, floors: dict, budget: float, device_fn=None, **ex
            met=host <= target, **floors, **extra)  # fmt: skip
 
 
-LAUNCHERS = ["assign_draft_cache_locs", "prefix_tail_copy_pairs", "draft_decode_kv_indices"]
+LAUNCHERS = ["assign_draft_cache_locs", "prefix_tail_copy_pairs", "draft_decode_kv_indices",
+             "move_kv_cache"]
 
 
 @pytest.mark.parametrize("op", LAUNCHERS)
@@ -122,9 +123,23 @@ def bench_host_launcher(benchmark, op, bs, k, ps):
             draft_cache_locs.assign_draft_cache_locs(*a, out_cache_loc=out, status=status, **kw)
     elif op == "prefix_tail_copy_pairs":
         kernel = draft_cache_locs._prefix_tail_copy_pairs_kernel
+        tgt = torch.empty(max((k - 1) * (ps - 1) * bs, 1), dtype=torch.int64, device="cuda")
+        src = torch.empty_like(tgt)
+
+        def fn():  # into the engine's own pair buffers, as a draft step calls it
+            draft_cache_locs.prefix_tail_copy_pairs(*a, tgt=tgt, src=src, status=status, **kw)
+    elif op == "move_kv_cache":
+        from specmeta.kernels.cache_loc_move import KVPool, _move_kv_cache_kernel, move_kv_cache
+
+        kernel = _move_kv_cache_kernel
+        n = max((k - 1) * (ps - 1) * bs, 1)
+        pool = KVPool([torch.zeros(batch.pool_size, 8, 128, dtype=torch.bfloat16, device="cuda")
+                       for _ in "kv"])  # fmt: skip
+        perm = torch.randperm(batch.pool_size - 1, device="cuda")[: 2 * n] + 1
+        tgt, src = perm[:n], perm[n:]  # disjoint pairs, one layer's K and V
 
         def fn():
-            draft_cache_locs.prefix_tail_copy_pairs(*a, status=status, **kw)
+            move_kv_cache(pool, tgt, src, disjoint=True, status=status)
     else:
         from specmeta import plan_buffers
 

@@ -72,7 +72,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import kv_pool_table_shape
-from ..launch import Launcher, cdiv, next_power_of_2
+from ..launch import Launcher, LaunchPlans, cdiv, next_power_of_2
 from ..status import Status
 from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
@@ -454,6 +454,7 @@ def _move_kv_cache_kernel(
 
 
 _move_kv_cache_launch = Launcher(_move_kv_cache_kernel)
+_move_plans = LaunchPlans()
 
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -677,6 +678,11 @@ def move_kv_cache(
     Grid ``(pair programs, column slices, buffer groups)`` (see the module notes); no host
     sync; ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
+    sig = None
+    if isinstance(buffers, KVPool):  # a pool is fixed at construction: a plan can name it
+        sig = _move_plans.signature(buffers, tgt, src, ordered, disjoint, status)
+        if _move_plans.replay(sig):
+            return
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
     n, status = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     if n == 0:
@@ -701,7 +707,7 @@ def move_kv_cache(
         slices = cdiv(pool.max_row_words, cols)
         per_program = max(1, slices * pair_programs * len(pool) // shape["target"])
         groups = cdiv(len(pool), per_program)
-        _move_kv_cache_launch(
+        launch = _move_kv_cache_launch(
             (pair_programs, slices, groups),
             table_ptr=pool.table,
             buf_ptr=pool.table,
@@ -713,10 +719,12 @@ def move_kv_cache(
             TABLE=True,
             **common,
         )
+        _move_plans.store(sig, launch)
         return
+    launches = []
     for words in pool.words:
         slices = cdiv(words.shape[1], cols)
-        _move_kv_cache_launch(
+        launches.append(_move_kv_cache_launch(
             (pair_programs, slices, 1),
             table_ptr=words,
             buf_ptr=words,
@@ -727,7 +735,8 @@ def move_kv_cache(
             buf_rows=words.shape[0],
             TABLE=False,
             **common,
-        )
+        ))
+    _move_plans.store(sig, *launches)
 
 
 move_kv_cache.kernels = (_move_kv_cache_kernel,)  # for specmeta.registry

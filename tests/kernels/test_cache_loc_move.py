@@ -614,7 +614,8 @@ def _check_gpu_move(bufs, tgt, src, *, ordered):
     for addressing in ("table", "direct"):
         got = [b.clone() for b in bufs]
         ref = [b.clone() for b in bufs]
-        status, ref_status = new_status("cuda"), new_status("cuda")
+        status.zero_()
+        ref_status = new_status("cuda")
         move_kv_cache(KVPool(got, addressing=addressing), tgt, src, ordered=ordered,
                       status=status)  # fmt: skip
         move_kv_cache_ref(ref, tgt, src, ordered=ordered, status=ref_status)
@@ -796,3 +797,31 @@ def test_gpu_compute_sanitizer_memcheck_clean(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in run.stdout + run.stderr
     assert f"status {int(Status.POOL_OOB | Status.BAD_ACCEPT)}" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("addressing", ["table", "direct"])
+def test_gpu_planned_moves_equal_the_reference(gen, addressing):
+    """Calls on one KVPool with the same pair tensors replay the first call's launches (launch
+    plans): new pair values each round, every round equal to the torch reference; pairs that
+    leave the pool still report POOL_OOB through the replay."""
+    P, n = 512, 40
+    bufs = [torch.randn(P, 4, 32, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
+    pool = KVPool(bufs, addressing=addressing)
+    tgt = torch.zeros(n, dtype=torch.int64, device="cuda")
+    src = torch.zeros_like(tgt)
+    status = new_status("cuda")  # one word: every round's call has the first call's key
+    for round_ in range(4):
+        perm = torch.randperm(P, generator=gen)[: 2 * n]
+        if round_ == 3:
+            perm[0] = P + 5  # a target past the pool: skipped and reported
+        tgt.copy_(perm[:n])
+        src.copy_(perm[n:])
+        want = [b.clone() for b in bufs]
+        status.zero_()
+        ref_status = new_status("cuda")
+        move_kv_cache_ref(want, tgt, src, disjoint=True, status=ref_status)
+        move_kv_cache(pool, tgt, src, disjoint=True, status=status)
+        for i, (got, w) in enumerate(zip(bufs, want, strict=True)):
+            assert torch.equal(got, w), (round_, i)
+        assert int(status) == int(ref_status) == (int(Status.POOL_OOB) if round_ == 3 else 0)
