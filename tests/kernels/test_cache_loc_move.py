@@ -614,8 +614,7 @@ def _check_gpu_move(bufs, tgt, src, *, ordered):
     for addressing in ("table", "direct"):
         got = [b.clone() for b in bufs]
         ref = [b.clone() for b in bufs]
-        status.zero_()
-        ref_status = new_status("cuda")
+        status, ref_status = new_status("cuda"), new_status("cuda")
         move_kv_cache(KVPool(got, addressing=addressing), tgt, src, ordered=ordered,
                       status=status)  # fmt: skip
         move_kv_cache_ref(ref, tgt, src, ordered=ordered, status=ref_status)
