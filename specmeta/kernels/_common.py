@@ -277,8 +277,9 @@ def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = No
     else:
         out = torch.empty(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
     offsets = out[:rows, : B * topk + 1]
-    offsets[:, 0] = 0
-    torch.cumsum(lengths.repeat_interleave(topk, dim=1), 1, dtype=out.dtype, out=offsets[:, 1:])
+    offsets.select(1, 0).zero_()
+    lists = lengths.repeat_interleave(topk, dim=1)
+    torch.cumsum(lists, 1, dtype=out.dtype, out=offsets.narrow(1, 1, B * topk))
     return offsets
 
 
