@@ -248,6 +248,9 @@ class GraphRunner:
         self._seen: set = set()
         self._pad_plans = LaunchPlans()
         self._described: dict[int, object] = {}  # B -> a typed result with no host inputs
+        # B -> (graph replay, Bp, result): a persistent replay with nothing to check but the
+        # captured tensors (typed, graphed, no host inputs, no host function).
+        self._lean: dict[int, tuple] = {}
         # Requests whose rows may hold something other than their pad: every row from here on
         # holds its pad (capture pads them all). A persistent batch pads only past this mark.
         self._dirty = 0
@@ -609,6 +612,19 @@ class GraphRunner:
         host_inputs : mapping of str to torch.Tensor, optional
             As in :meth:`run`.
         """
+        lean = self._lean.get(batch_size) if host_inputs is None else None
+        if (
+            lean is not None
+            and batch_size.__class__ is int
+            and self._dirty <= batch_size  # every row past B holds its pad
+            and self._sign_layout(None, *self._buffers, *[g() for g in self._guard_fns])
+            == self._layout_key
+            and not probes.enabled()
+        ):
+            # A typed stage with no host inputs, B replayed before: the graph and B's result.
+            self._dirty = batch_size
+            lean[0]()
+            return RunResult(batch_size, lean[1], {}, {}, False, lean[2])
         if self._layout is None:
             raise ValueError("call capture() before replay()")
         if host_inputs is None and not self._mirror_names:
@@ -649,6 +665,8 @@ class GraphRunner:
             host_raw[n] is host_inputs[n] for n in self._mirror_names
         ):
             self._seen.add(key)
+        if fast and self.typed and self.graphs and not self._mirror_names and self._host is None:
+            self._lean[B] = (self._graphs[bp].replay, bp, results)
         return self._replay(B, bp, host, False, results)
 
     def _describe(self, B: int, host_raw: Mapping[str, torch.Tensor]) -> object:
