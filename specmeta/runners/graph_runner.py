@@ -573,7 +573,7 @@ class GraphRunner:
             self._pad_device(B, bp, raw)
         self._pad_plans.store(pad_key, *launches)
         if pad_key is not None and pad_key in self._pad_plans:
-            self._seen.add(key)
+            self._remember(key)
         self._dirty = B if self._dirty <= bp else self._dirty
         return self._replay(B, bp, host, copy, results)
 
@@ -664,10 +664,17 @@ class GraphRunner:
         if not fast and key is not None and all(
             host_raw[n] is host_inputs[n] for n in self._mirror_names
         ):
-            self._seen.add(key)
+            self._remember(key)
         if fast and self.typed and self.graphs and not self._mirror_names and self._host is None:
             self._lean[B] = (self._graphs[bp].replay, bp, results)
         return self._replay(B, bp, host, False, results)
+
+    def _remember(self, key: object) -> None:
+        """Keep ``key`` as a checked call's; bounded (an engine that passes new tensors every
+        call makes a new key every call)."""
+        if len(self._seen) >= 4096:
+            self._seen.clear()
+        self._seen.add(key)
 
     def _describe(self, B: int, host_raw: Mapping[str, torch.Tensor]) -> object:
         """A typed build's result for ``B`` (``launch=False``): before any launch, the builders
