@@ -83,15 +83,8 @@ def _options(num_warps: int | None, num_stages: int | None) -> dict:
     return options
 
 
-class _OtherTypes(Exception):
-    """A call's argument types differ from those the fast key was written for."""
-
-
 def _wide(v: int) -> str:
     return "u64" if v >= _U64_LOW else "i64"
-
-
-_FAST_KEYS = 4  # argument-type patterns with a fast key, per launcher
 
 
 def _key_function(kinds: tuple, values: list, pattern: int):
@@ -101,8 +94,8 @@ def _key_function(kinds: tuple, values: list, pattern: int):
     and (unless ``do_not_specialize``) whether it is 1 and whether 16 divides it; per
     constexpr its value; a None slot has no entry (Triton compiles it as a constant); any other
     slot (bool, float) keeps its generic entry. ``pattern`` heads the key, so keys of different
-    patterns never meet. It raises :class:`_OtherTypes` when a call passes another type in a
-    tensor, int or None slot."""
+    patterns never meet. It raises :class:`specmeta.validate.OtherTypes` when a call passes
+    another type in a tensor, int or None slot."""
     args = [f"a{i}" for i in range(len(values))]
     guards, parts = [], [f"'fast{pattern}'", "options"]
     for a, v, (const, spec, align) in zip(args, values, kinds, strict=True):
@@ -124,7 +117,8 @@ def _key_function(kinds: tuple, values: list, pattern: int):
             parts.append(f"_other({a}, {spec}, {align})")
     body = f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else ""
     src = f"def key(options, {', '.join(args)}):\n{body}    return ({', '.join(parts)},)\n"
-    scope = {"_Tensor": torch.Tensor, "_wide": _wide, "_other": _other, "_OtherTypes": _OtherTypes}
+    scope = {"_Tensor": torch.Tensor, "_wide": _wide, "_other": _other,
+             "_OtherTypes": validate.OtherTypes}  # fmt: skip
     exec(src, scope)  # noqa: S102 - code written above from the kernel's parameter kinds
     return scope["key"]
 
@@ -167,7 +161,12 @@ class Launcher:
         ]
         self._kinds = tuple(kinds)
         self._handles: dict = {}
-        self._fast_keys: list = []
+        # The key of a call: straight-line code per pattern of argument types (a launcher's
+        # callers pass a few: a fused kernel's passes switched off with None), else generic.
+        self._keys = validate.TypePatterns(
+            lambda args, pattern: _key_function(self._kinds, args[1:], pattern),
+            lambda options, *values: self._generic_key(list(values), options),
+        )
 
     def _bad_arguments(self, args: dict) -> None:
         """Raise for arguments that are not exactly the kernel's (a launch path that only reads
@@ -199,19 +198,8 @@ class Launcher:
 
     def _key(self, values: list, options: tuple) -> tuple:
         """The same specialization as :meth:`_generic_key`, computed by straight-line code
-        written for the argument types of a call (which slots hold a tensor, an int or None).
-        A launcher whose callers pass a few such patterns (a fused kernel's passes switched off
-        with None) keeps one function per pattern; past that, the generic key."""
-        for fn in self._fast_keys:
-            try:
-                return fn(options, *values)
-            except _OtherTypes:
-                continue
-        if len(self._fast_keys) < _FAST_KEYS:
-            fn = _key_function(self._kinds, values, len(self._fast_keys))
-            self._fast_keys.insert(0, fn)
-            return fn(options, *values)
-        return self._generic_key(values, options)
+        written for the argument types of a call (which slots hold a tensor, an int or None)."""
+        return self._keys(options, *values)
 
     def __call__(self, grid, /, *, num_warps: int | None = None, num_stages: int | None = None,
                  **args) -> Launch | None:  # fmt: skip

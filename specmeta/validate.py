@@ -70,46 +70,68 @@ def signature(*args: object) -> tuple:
     return tuple(sig)
 
 
-class _OtherTypes(Exception):
-    """A call's argument types differ from those a :class:`Signer` function was written for."""
+class OtherTypes(Exception):
+    """Raised by a function a :class:`TypePatterns` wrote, for arguments of another pattern."""
 
 
-_PATTERNS = 4  # argument-type patterns a Signer writes code for; past that, the generic loop
+class TypePatterns:
+    """Straight-line functions of a call site's arguments, one per pattern of argument types.
+
+    ``write(args, index)`` returns a function written for the types of ``args`` (which slots
+    hold a tensor, an int, None, ...) that raises :class:`OtherTypes` for arguments of another
+    pattern. A call tries the functions written so far, the newest first, and writes one for a
+    new pattern, up to ``size`` of them; past that, ``generic(*args)`` answers. Used for the
+    launch key of a kernel (:class:`specmeta.launch.Launcher`) and for plan and check keys
+    (:class:`Signer`): a call site passes a few patterns, so a call costs one function call.
+    """
+
+    __slots__ = ("_fns", "_write", "_generic", "_size")
+
+    def __init__(self, write, generic, size: int = 4) -> None:
+        self._fns: list = []
+        self._write = write
+        self._generic = generic
+        self._size = size
+
+    def __call__(self, *args: object):
+        for fn in self._fns:
+            try:
+                return fn(*args)
+            except (OtherTypes, TypeError):  # other types, or another number of arguments
+                continue
+        if len(self._fns) < self._size:
+            fn = self._write(args, len(self._fns))
+            self._fns.insert(0, fn)
+            return fn(*args)
+        return self._generic(*args)
 
 
-class Signer:
+class Signer(TypePatterns):
     """A key of ``(head, *args)`` as selective as :func:`signature` of ``args``, made by
     straight-line code written for the argument types of one call site's calls.
 
-    A call site (an op's launch plans, a builder's input checks) passes a few patterns of
-    argument types (which slots hold a tensor, an int, None): for each, up to four, this writes
-    one function that reads, per tensor, its address, shape, strides and dtype (and its device
-    when the address is 0: a non-zero address names one device, host and CUDA memory sharing
-    one address space), and per other slot its value, into one flat tuple headed by the pattern.
-    Keys of different patterns never meet; a pattern past the fourth takes :func:`signature`.
-    ``head`` (hashable) leads every key.
+    For each pattern of argument types (up to four) it writes one function that reads, per
+    tensor, its address, shape, strides and dtype (and its device when the address is 0: a
+    non-zero address names one device, host and CUDA memory sharing one address space), and per
+    other slot its value, into one flat tuple headed by the pattern. Keys of different patterns
+    never meet; a pattern past the fourth takes :func:`signature`. ``head`` (hashable) leads
+    every key.
     """
 
-    __slots__ = ("_fns",)
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._fns: list = []
+        super().__init__(_signer, _generic_signature)
 
-    def __call__(self, head: object, *args: object) -> tuple:
-        for fn in self._fns:
-            try:
-                return fn(head, *args)
-            except (_OtherTypes, TypeError):  # other types, or another number of arguments
-                continue
-        if len(self._fns) < _PATTERNS:
-            fn = _signer(args, len(self._fns))
-            self._fns.insert(0, fn)
-            return fn(head, *args)
-        return ("generic", head, *signature(*args))
+
+def _generic_signature(head: object, *args: object) -> tuple:
+    return ("generic", head, *signature(*args))
 
 
 def _signer(args: tuple, pattern: int):
-    """The key function of :class:`Signer` for the types of ``args`` (see there)."""
+    """The key function of :class:`Signer` for the types of ``args`` (``head`` first; see
+    there)."""
+    args = args[1:]
     names = [f"a{i}" for i in range(len(args))]
     guards, parts = [], [repr(f"pattern{pattern}"), "head"]
     for a, v in zip(names, args, strict=True):
@@ -128,7 +150,7 @@ def _signer(args: tuple, pattern: int):
     src = f"def key(head, {', '.join(names)}):\n{body}    return ({', '.join(parts)},)\n"
     if not names:
         src = f"def key(head):\n    return ({', '.join(parts)},)\n"
-    scope = {"_Tensor": torch.Tensor, "_OtherTypes": _OtherTypes}
+    scope = {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes}
     exec(src, scope)  # noqa: S102 - code written above from the argument types
     return scope["key"]
 
