@@ -243,7 +243,9 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> B
         cpu = cpu.to(torch.int64)
     high, values = 0, None
     if 0 < B <= _AS_INTS:
-        values = cpu.tolist()  # one call, then plain Python: cheaper than torch's reductions
+        # seq_lens_cpu is a CPU tensor (checked above): reading it syncs nothing. One tolist,
+        # then plain Python, costs less than torch's reductions on a small tensor.
+        values = cpu.tolist()
         low, high = min(values), max(values)
     elif B:
         low, high = (int(v) for v in torch.aminmax(cpu))

@@ -445,11 +445,10 @@ def test_seq_lens_fill_covers_every_query_width(device):
 # --------------------------------------------------------------------------------------------
 # A persistent batch: the engine writes the runner's own buffers, the runner replays
 # --------------------------------------------------------------------------------------------
-def _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t, sizes, shapes):
+def _persistent_replays(runner, meta, cfg, gen, device, first, r2t, sizes, shapes):
     """Each batch written into ``static_inputs(B)`` (rows ``[:B]`` only, as the contract says),
-    then :meth:`GraphRunner.replay` (on CUDA with host syncs made errors); results against the
-    eager build, and every row past ``B`` of every static input holding its pad (a shrunk
-    batch's old rows included)."""
+    its outputs poisoned, then :meth:`GraphRunner.replay` (on CUDA with host syncs made
+    errors); yields ``(batch, result)``."""
     for i, (B, shape) in enumerate(zip(sizes, shapes, strict=True)):
         batch = first if i == 0 else _draw(shape, B, cfg, gen, device)
         r2t.copy_(batch.req_to_token)
@@ -466,15 +465,25 @@ def _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t
         finally:
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode("default")
-        bp = runner.bucket(B)
-        assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, False)
-        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-        _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
-        assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
-        _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
-        assert meta.bufs["runner.req_pool_indices"][B:].eq(padding.SINK_ROW).all(), (i, B)
-        assert meta.bufs["runner.seq_lens"][B:].eq(fill).all(), (i, B)
-        assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
+        yield batch, res
+
+
+def _check_replay(res, eager, meta, cfg, batch, bp, fill):
+    """A persistent replay's result against the eager build, and its padded requests."""
+    B = batch.batch_size
+    assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, False)
+    raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+    _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
+    assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
+    _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
+    assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
+
+
+def _rows_past_b_hold_pads(meta, B, fill) -> bool:
+    """Every row past ``B`` of both static inputs holds its pad (past the bucket too)."""
+    return bool(meta.bufs["runner.req_pool_indices"][B:].eq(padding.SINK_ROW).all()) and bool(
+        meta.bufs["runner.seq_lens"][B:].eq(fill).all()
+    )
 
 
 @pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 2, 1)])
@@ -487,10 +496,12 @@ def test_persistent_batch_replays_pad_only_what_a_larger_batch_left(device, gen,
     eager = DraftMetadata(cfg, device, r2t)
     runner.capture()
     # Shrinking (32 → 12 → 3 …) leaves rows that must go back to their pads; growing does not.
-    _persistent_sequence(runner, meta, eager, cfg, fill, gen, device, first, r2t,
-                         (32, 12, 3, 1, 0, 32, 5, 5),
-                         ("random", "long_short", "modm1", "one", "empty", "max", "random",
-                          "random"))  # fmt: skip
+    sizes = (32, 12, 3, 1, 0, 32, 5, 5)
+    shapes = ("random", "long_short", "modm1", "one", "empty", "max", "random", "random")
+    for batch, res in _persistent_replays(runner, meta, cfg, gen, device, first, r2t, sizes,
+                                          shapes):  # fmt: skip
+        _check_replay(res, eager, meta, cfg, batch, runner.bucket(batch.batch_size), fill)
+        assert _rows_past_b_hold_pads(meta, batch.batch_size, fill), batch.batch_size
 
 
 def test_persistent_batch_checks_its_host_inputs(device):
@@ -577,5 +588,8 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
         _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
         _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
         assert int(meta.bufs["status"]) == 0, round_
-    _persistent_sequence(runner, meta, eager, cfg, fill, gen, "cuda", first, r2t,
-                         (32, 32, 12, 12, 3, 3, 32, 1), ("random",) * 7 + ("one",))  # fmt: skip
+    sizes, shapes = (32, 32, 12, 12, 3, 3, 32, 1), ("random",) * 7 + ("one",)
+    for batch, res in _persistent_replays(runner, meta, cfg, gen, "cuda", first, r2t, sizes,
+                                          shapes):  # fmt: skip
+        _check_replay(res, eager, meta, cfg, batch, runner.bucket(batch.batch_size), fill)
+        assert _rows_past_b_hold_pads(meta, batch.batch_size, fill), batch.batch_size
