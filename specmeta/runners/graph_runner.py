@@ -398,10 +398,14 @@ class GraphRunner:
         tensors as they are now."""
         return (*self._buffers, *[g() for g in self._guard_fns])
 
+    def _layout_unchanged(self) -> bool:
+        """Whether the quick key of the static buffers and guarded tensors is capture's."""
+        return self._sign_layout(None, *self._captured_tensors()) == self._layout_key
+
     def _check_layout(self) -> None:
         """Raise when a static buffer or a guarded tensor changed since :meth:`capture`: the
         quick key of them all first, the full comparison (and its message) on a miss."""
-        if self._sign_layout(None, *self._captured_tensors()) == self._layout_key:
+        if self._layout_unchanged():
             return
         if self._signature() != self._layout:
             changed = [name for name, (now, then) in self._changed_guards()]
@@ -617,8 +621,7 @@ class GraphRunner:
             lean is not None
             and batch_size.__class__ is int
             and self._dirty <= batch_size  # every row past B holds its pad
-            and self._sign_layout(None, *self._buffers, *[g() for g in self._guard_fns])
-            == self._layout_key
+            and self._layout_unchanged()
             and not probes.enabled()
         ):
             # A typed stage with no host inputs, B replayed before: the graph and B's result.
