@@ -528,27 +528,28 @@ class FlashInferBuilder(MetadataBuilder):
         )
         return FlashInferDraftDecode(steps)
 
-    def _prefill_lists(self, mode, req_pool_indices, req_to_token, seq_lens, inputs, status,
-                       launch, with_mirrors=True):  # fmt: skip
-        """The KV lists of a prefill mode (launched when ``launch``) and, when ``with_mirrors`` and
-        ``seq_lens_cpu`` is given, their host mirror in the ring's next set: ``(set, slot)``."""
-        buf, n, lens = self.buffers, self.cfg.num_draft_tokens, inputs.seq_lens_cpu
-        B = req_pool_indices.shape[0]
-        if launch:
-            self._verify_kv(
-                req_pool_indices, req_to_token, seq_lens, extra_tokens=n,
-                kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
-                seq_lens_sum=inputs.seq_lens_sum,
-                status=self.status_word(status),
-            )  # fmt: skip
-        mirrors = slot = None
-        if with_mirrors and lens is not None:
-            ring = self._mirrors[mode]
-            mirrors = ring.next()
-            slot = ring.slot
-            # Entry 0 stays the zero the ring's buffers were allocated with.
-            torch.cumsum(lens + n, 0, dtype=torch.int32, out=mirrors["kv_indptr_host"][1 : B + 1])
-        return mirrors, slot
+    def _prefill_kv(self, mode, req_pool_indices, req_to_token, seq_lens, inputs, status):
+        """Launch the KV lists of a prefill mode (``kv_indptr = [0, cumsum(L + N)]``)."""
+        buf = self.buffers
+        self._verify_kv(
+            req_pool_indices, req_to_token, seq_lens, extra_tokens=self.cfg.num_draft_tokens,
+            kv_indices=buf[f"{mode}.kv_indices"], kv_indptr=buf[f"{mode}.kv_indptr"],
+            seq_lens_sum=inputs.seq_lens_sum,
+            status=self.status_word(status),
+        )  # fmt: skip
+
+    def _prefill_mirrors(self, mode, inputs):
+        """``(set, slot)``: the ring's next set of host mirrors of a prefill mode, its
+        ``kv_indptr_host`` written from ``seq_lens_cpu``; ``(None, None)`` without it."""
+        lens = inputs.seq_lens_cpu
+        if lens is None:
+            return None, None
+        ring = self._mirrors[mode]
+        mirrors = ring.next()
+        # Entry 0 stays the zero the ring's buffers were allocated with.
+        torch.cumsum(lens + self.cfg.num_draft_tokens, 0, dtype=torch.int32,
+                     out=mirrors["kv_indptr_host"][1 : inputs.batch + 1])  # fmt: skip
+        return mirrors, ring.slot
 
     def target_verify(
         self,
@@ -598,8 +599,7 @@ class FlashInferBuilder(MetadataBuilder):
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
 
         def run():
-            self._prefill_lists(mode, req_pool_indices, req_to_token, seq_lens, inputs, status,
-                                launch=True, with_mirrors=False)  # fmt: skip
+            self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
             self._tree_mask(
                 seq_lens, tree_mask, packed=packed, custom_mask=mask, mask_indptr=mask_indptr,
                 seq_lens_sum=inputs.seq_lens_sum, status=self.status_word(status),
@@ -607,9 +607,7 @@ class FlashInferBuilder(MetadataBuilder):
 
         if launch:  # both launches, replayed together (contract.launch_plan)
             self.launch_plan(inputs, (packed,), run)
-        mirrors, slot = self._prefill_lists(
-            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch=False
-        )
+        mirrors, slot = self._prefill_mirrors(mode, inputs)
         mask_host = None
         if mirrors is not None:
             # Element offsets in both forms (the packed segments start there, read as bytes);
@@ -649,9 +647,9 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B = inputs.batch
-        mirrors, slot = self._prefill_lists(
-            mode, req_pool_indices, req_to_token, seq_lens, inputs, status, launch
-        )
+        if launch:
+            self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
+        mirrors, slot = self._prefill_mirrors(mode, inputs)
         return self.result(("draft_extend", B, slot), lambda: FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
