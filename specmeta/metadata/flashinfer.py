@@ -593,7 +593,7 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
                              status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.seq_lens_cpu
+        B = inputs.batch
         form = "packed_" if packed else ""
         mask = buf[f"{mode}.{form}custom_mask"]
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
@@ -610,10 +610,11 @@ class FlashInferBuilder(MetadataBuilder):
         mirrors, slot = self._prefill_mirrors(mode, inputs)
         mask_host = None
         if mirrors is not None:
-            # Element offsets in both forms (the packed segments start there, read as bytes);
+            # Element offsets in both forms (the packed segments start there, read as bytes):
+            # request i's mask is N × (L_i + N) elements, so mask_indptr = N · kv_indptr;
             # entry 0 stays the zero the ring's buffers were allocated with.
             mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1]
-            torch.cumsum(n * (lens + n), 0, dtype=torch.int32, out=mask_host[1:])
+            torch.mul(mirrors["kv_indptr_host"][1 : B + 1], n, out=mask_host[1:])
         return self.result(("target_verify", B, packed, slot), lambda: FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],

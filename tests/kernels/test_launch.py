@@ -158,6 +158,27 @@ def test_gpu_direct_launches_equal_triton_launches(gen):
 
 
 @pytest.mark.gpu
+def test_gpu_handle_is_tritons_c_launcher_on_triton_3_6():
+    """On Triton 3.6 a handle launches through the C function that ``CompiledKernel.run``
+    wraps (``run.launch``), and its launches equal Triton's (the test above); on any other
+    Triton it is ``run`` itself."""
+    x = torch.arange(64, dtype=torch.int64, device="cuda")
+    out = torch.zeros_like(x)
+    kw = dict(x_ptr=x, out_ptr=out, n=64, plain=0, scale=2, BLOCK=64, ADD=False)
+    launcher = Launcher(_affine_kernel)
+    launcher((1,), **kw)
+    (fn, head), = launcher._handles.values()
+    compiled = _affine_kernel[(1,)](**kw)
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) == (3, 6):
+        assert fn is compiled.run.launch and head[0] == compiled.function
+    else:
+        assert fn is compiled.run
+    launcher((1,), **{**kw, "scale": 5})
+    torch.cuda.synchronize()
+    assert torch.equal(out, 5 * x), "a launch through the handle"
+
+
+@pytest.mark.gpu
 def test_gpu_direct_launch_under_a_graph_replays():
     x = torch.arange(100, dtype=torch.int64, device="cuda")
     out = torch.zeros_like(x)
@@ -178,13 +199,17 @@ def test_gpu_direct_launch_under_a_graph_replays():
 # LaunchPlans: a call's launches, replayed for a later call with the same host-visible arguments
 # ------------------------------------------------------------------------------------------------
 class _Recorder:
-    """A stand-in compiled handle whose ``run`` records what it was launched with."""
+    """A stand-in handle ``(run, head)`` whose ``run`` records what it was launched with."""
 
     def __init__(self):
         self.calls = []
 
     def run(self, g0, g1, g2, stream, function, metadata, *rest):
         self.calls.append(((g0, g1, g2), stream, function, metadata, rest[3:]))
+
+    def handle(self, function="fn", metadata="meta"):
+        """The handle of a kernel launched through ``CompiledKernel.run``."""
+        return self.run, (function, metadata, None, None, None)
 
 
 @pytest.fixture
@@ -204,7 +229,7 @@ def test_plan_replays_the_stored_launch_with_addresses(plans_on):
     x, out = torch.arange(8), torch.zeros(8, dtype=torch.int64)
     sig = plans.signature(x, out, 3, None)
     assert not plans.replay(sig), "nothing stored yet"
-    launch = plans_on.Launch((rec.run, "fn", "meta"), (2, 1, 1), 0, [x, out, 3, None])
+    launch = plans_on.Launch(rec.handle(), (2, 1, 1), 0, [x, out, 3, None])
     plans.store(sig, launch)
     assert plans.replay(plans.signature(x, out, 3, None))
     assert rec.calls == [((2, 1, 1), 7, "fn", "meta", (x.data_ptr(), out.data_ptr(), 3, None))]
@@ -240,9 +265,9 @@ def test_plan_not_stored_without_a_handle_launch(plans_on):
     plans = plans_on.LaunchPlans()
     x = torch.arange(4)
     sig = plans.signature(x)
-    plans.store(sig, plans_on.Launch((rec.run, "f", "m"), (1, 1, 1), 0, [x]), None)
+    plans.store(sig, plans_on.Launch(rec.handle("f", "m"), (1, 1, 1), 0, [x]), None)
     assert not plans.replay(sig), "one launch of the op took Triton's path: no plan"
-    plans.store(sig, plans_on.Launch((rec.run, "f", "m"), (1, 1, 1), 1, [x]))
+    plans.store(sig, plans_on.Launch(rec.handle("f", "m"), (1, 1, 1), 1, [x]))
     assert not plans.replay(sig), "a launch on another device than the call's: no plan"
     assert rec.calls == []
 
