@@ -3,7 +3,8 @@
 Device time is the median over CUDA-graph replays (``triton.testing.do_bench_cudagraph``), so
 launch gaps between Python calls do not count; the ceilings it is compared with — the device's
 copy bandwidth and the launch floor of an empty kernel in a graph — are measured in the same
-run, on the same GPU. Host time of a launcher is pytest-benchmark's own figure.
+run, on the same GPU. Host time of a launcher is pytest-benchmark's own figure; a host target
+is judged on :func:`paired_host_us`, the call and its floors timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -140,15 +141,9 @@ def host_us(fn, *, calls: int = 2000, repeats: int = 5) -> float:
 
 
 @functools.cache
-def host_floors(pointers: int = 8, ints: int = 12) -> dict:
-    """``floor_jit``, ``floor_run`` and ``floor_graph`` (host µs) of an empty kernel with this
-    many pointer and integer arguments, measured now:
-
-    * ``floor_jit``: ``kernel[grid](*args)``, Triton's usual launch;
-    * ``floor_run``: the compiled handle, ``CompiledKernel.run`` with its metadata packed once
-      and the raw stream fetched by one C call;
-    * ``floor_graph``: a bare CUDA graph replay of one such launch.
-    """
+def _floor_calls(pointers: int, ints: int) -> dict:
+    """The three floor launches of an empty kernel with this many pointer and integer
+    arguments, as callables (see :func:`host_floors`)."""
     kernel = _empty_kernel_with(pointers, ints)
     buf = torch.zeros(16, dtype=torch.int32, device="cuda")
     args = [buf] * pointers + [7] * ints
@@ -167,9 +162,48 @@ def host_floors(pointers: int = 8, ints: int = 12) -> dict:
         with torch.cuda.graph(graph, stream=stream):
             kernel[(1,)](*args)
     torch.cuda.synchronize()
-    return {
-        "floor_jit": round(host_us(lambda: kernel[(1,)](*args)), 2),
-        "floor_run": round(host_us(direct), 2),
-        "floor_graph": round(host_us(graph.replay), 2),
-        "floor_args": f"{pointers}p+{ints}i",
-    }
+    return {"floor_jit": lambda: kernel[(1,)](*args), "floor_run": direct,
+            "floor_graph": graph.replay}  # fmt: skip
+
+
+@functools.cache
+def host_floors(pointers: int = 8, ints: int = 12) -> dict:
+    """``floor_jit``, ``floor_run`` and ``floor_graph`` (host µs) of an empty kernel with this
+    many pointer and integer arguments, measured now:
+
+    * ``floor_jit``: ``kernel[grid](*args)``, Triton's usual launch;
+    * ``floor_run``: the compiled handle, ``CompiledKernel.run`` with its metadata packed once
+      and the raw stream fetched by one C call;
+    * ``floor_graph``: a bare CUDA graph replay of one such launch.
+    """
+    floors = {name: round(host_us(fn), 2) for name, fn in _floor_calls(pointers, ints).items()}
+    return {**floors, "floor_args": f"{pointers}p+{ints}i"}
+
+
+def paired_host_us(fn, pointers: int = 8, ints: int = 12, *, rounds: int = 15,
+                   calls: int = 200) -> dict:  # fmt: skip
+    """``host_paired_us`` of ``fn()`` and the ``floor_run`` and ``floor_graph`` of an empty kernel with
+    this many arguments, timed in alternating rounds of ``calls`` back-to-back calls (medians
+    over ``rounds``): a host whose speed drifts during a run moves a call and its floors
+    together, so their ratio holds. ``floor_jit`` comes from :func:`host_floors`."""
+    import statistics
+    import time
+
+    timed = {"host_paired_us": fn, **{k: v for k, v in _floor_calls(pointers, ints).items()
+                               if k != "floor_jit"}}  # fmt: skip
+    for f in timed.values():
+        for _ in range(50):
+            f()
+    torch.cuda.synchronize()
+    times: dict = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, f in timed.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[name].append(1e6 * (time.perf_counter() - start) / calls)
+            torch.cuda.synchronize()
+    out = {name: round(statistics.median(t), 2) for name, t in times.items()}
+    out["floor_jit"] = host_floors(pointers, ints)["floor_jit"]
+    out["floor_args"] = f"{pointers}p+{ints}i"
+    return out
