@@ -55,24 +55,28 @@ def next_power_of_2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+# Where Triton keeps its launch hooks: ``triton.knobs.runtime`` (3.4+), read on every call.
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+# Triton 3.6+ keeps an empty ``HookChain`` installed by default: no hook.
+_HOOK_CHAIN = getattr(getattr(triton, "knobs", None), "HookChain", None)
+
+
 def _active(hook) -> bool:
-    """Whether a Triton launch hook would call anything (Triton 3.6 keeps an empty
-    ``HookChain`` installed by default)."""
-    if hook is None:
+    """Whether a Triton launch hook would call anything."""
+    if hook is None or (hook.__class__ is _HOOK_CHAIN and not hook.calls):
         return False
     calls = getattr(hook, "calls", None)
     return calls is None or len(calls) > 0
 
 
-# Where Triton keeps its launch hooks: ``triton.knobs.runtime`` (3.4+), read on every call.
-_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
-
-
 def _hooks_installed() -> bool:
-    """A launch hook (a profiler's) needs Triton's own launch path, which calls it."""
-    return _active(getattr(_RUNTIME, "launch_enter_hook", None)) or _active(
-        getattr(_RUNTIME, "launch_exit_hook", None)
-    )
+    """A launch hook (a profiler's) needs Triton's own launch path, which calls it. (Read on
+    every launch: the usual case, two empty chains, is tested inline.)"""
+    enter = getattr(_RUNTIME, "launch_enter_hook", None)
+    leave = getattr(_RUNTIME, "launch_exit_hook", None)
+    if enter.__class__ is _HOOK_CHAIN and leave.__class__ is _HOOK_CHAIN:
+        return bool(enter.calls or leave.calls)
+    return _active(enter) or _active(leave)
 
 
 def _triton_version() -> tuple[int, ...]:

@@ -146,9 +146,10 @@ class StageBatch:
         return spec.shape[0]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunResult:
-    """What one :meth:`GraphRunner.run` returns.
+    """What one :meth:`GraphRunner.run` returns (frozen: a typed runner hands the same object
+    to every call of the same ``B`` and result).
 
     Attributes
     ----------
@@ -156,10 +157,10 @@ class RunResult:
         ``B``, the raw batch.
     padded_batch_size : int
         ``Bp``, the bucket that ran.
-    outputs : dict[str, torch.Tensor]
+    outputs : mapping of str to torch.Tensor
         Each declared output cut to ``B``: views into the runner's (graph's) buffers, **overwritten
-        by the next run**, unless ``copied``.
-    host : dict[str, object]
+        by the next run**, unless ``copied`` (empty, read-only, for a typed runner).
+    host : mapping of str to object
         What the host function returned for the padded batch (e.g. ``seq_lens_sum``).
     copied : bool
         Whether ``outputs`` are private copies.
@@ -170,10 +171,13 @@ class RunResult:
 
     batch_size: int
     padded_batch_size: int
-    outputs: dict[str, torch.Tensor]
-    host: dict[str, object]
+    outputs: Mapping[str, torch.Tensor]
+    host: Mapping[str, object]
     copied: bool
     results: object = None
+
+
+_NONE: Mapping = types.MappingProxyType({})  # a typed result's outputs (and host, without one)
 
 
 class GraphRunner:
@@ -248,9 +252,10 @@ class GraphRunner:
         self._seen: set = set()
         self._pad_plans = LaunchPlans()
         self._described: dict[int, object] = {}  # B -> a typed result with no host inputs
-        # B -> (graph replay, Bp, result): a persistent replay with nothing to check but the
+        # B -> (graph replay, RunResult): a persistent replay with nothing to check but the
         # captured tensors (typed, graphed, no host inputs, no host function).
         self._lean: dict[int, tuple] = {}
+        self._typed_runs: dict[int, RunResult] = {}  # B -> the last typed RunResult of B
         # Requests whose rows may hold something other than their pad: every row from here on
         # holds its pad (capture pads them all). A persistent batch pads only past this mark.
         self._dirty = 0
@@ -627,7 +632,7 @@ class GraphRunner:
             # A typed stage with no host inputs, B replayed before: the graph and B's result.
             self._dirty = batch_size
             lean[0]()
-            return RunResult(batch_size, lean[1], {}, {}, False, lean[2])
+            return lean[1]
         if self._layout is None:
             raise ValueError("call capture() before replay()")
         if host_inputs is None and not self._mirror_names:
@@ -668,9 +673,10 @@ class GraphRunner:
             host_raw[n] is host_inputs[n] for n in self._mirror_names
         ):
             self._remember(key)
+        run = self._replay(B, bp, host, False, results)
         if fast and self.typed and self.graphs and not self._mirror_names and self._host is None:
-            self._lean[B] = (self._graphs[bp].replay, bp, results)
-        return self._replay(B, bp, host, False, results)
+            self._lean[B] = (self._graphs[bp].replay, run)
+        return run
 
     def _remember(self, key: object) -> None:
         """Keep ``key`` as a checked call's; bounded (an engine that passes new tensors every
@@ -701,7 +707,12 @@ class GraphRunner:
         else:
             out = self._checked_build(bp)
         if self.typed:
-            return RunResult(B, bp, {}, host, False, results)
+            if host:  # the host function's values: this call's own
+                return RunResult(B, bp, _NONE, host, False, results)
+            run = self._typed_runs.get(B)
+            if run is None or run.results is not results or run.padded_batch_size != bp:
+                run = self._typed_runs[B] = RunResult(B, bp, _NONE, _NONE, False, results)
+            return run
         if copy:
             sliced = {name: t.clone() for name, t in self._cut(out, B).items()}
         elif self.graphs:
