@@ -241,11 +241,6 @@ class FA3MetadataBuilder(MetadataBuilder):
             return self.cfg.max_context_len
         return inputs.high - inputs.high % self.cfg.page_size if whole_pages else inputs.high
 
-    def _max_lpl(self, inputs: BuildInputs) -> int:
-        """``max(L mod ps)`` from the CPU mirror, else ``ps − 1`` (0 when ``ps == 1``)."""
-        ps = self.cfg.page_size
-        return inputs.max_mod(ps, ps - 1)
-
     # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
         """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
@@ -278,7 +273,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             layout B the prefix-tail copies (``prefix_tail_copy_pairs``) must have been moved
             before the expand pass is *read*.
         seq_lens_cpu : torch.Tensor, optional
-            ``[B]`` CPU mirror of ``seq_lens``: makes ``max_seqlen_k`` exact.
+            ``[B]`` CPU mirror of ``seq_lens``: makes the normal pass's ``max_seqlen_k``
+            exact (an expand pass's is its bound).
         num_rows : int, optional
             Steps to build, ``0 ≤ rows ≤ S``; default ``S − 1``, the draft forwards.
         status : torch.Tensor, optional
@@ -319,7 +315,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                     *args, page_size=ps, extra_tokens=1, num_rows=rows, **views, status=status))  # fmt: skip
             top = self._max_len(inputs)
             return self.result(("draft_decode", B, rows, top),
-                               lambda: self._draft_result(B, rows, top, 0))  # fmt: skip
+                               lambda: self._draft_result(B, rows, top))  # fmt: skip
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
@@ -329,9 +325,8 @@ class FA3MetadataBuilder(MetadataBuilder):
                 *args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
                 exclude_last_partial=cfg.layout_b, num_rows=rows, **views, status=status))  # fmt: skip
         top = self._max_len(inputs, whole_pages=cfg.layout_b)
-        lpl_max = self._max_lpl(inputs)
-        return self.result(("draft_decode", B, rows, top, lpl_max),
-                           lambda: self._draft_result(B, rows, top, lpl_max))  # fmt: skip
+        return self.result(("draft_decode", B, rows, top),
+                           lambda: self._draft_result(B, rows, top))  # fmt: skip
 
     def _draft_views(self, B: int, rows: int) -> dict[str, torch.Tensor]:
         """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows`` steps."""
@@ -346,9 +341,12 @@ class FA3MetadataBuilder(MetadataBuilder):
                     expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
                     expand_cu_seqlens_k=ecu[:rows, : BK + 1])  # fmt: skip
 
-    def _draft_result(self, B: int, rows: int, top: int, lpl_max: int) -> FA3DraftDecode:
-        """The :class:`FA3DraftDecode` of ``B`` requests, ``rows`` steps, ``max L`` (whole pages
-        in layout B) ``top`` and ``max(L mod ps)`` ``lpl_max``."""
+    def _draft_result(self, B: int, rows: int, top: int) -> FA3DraftDecode:
+        """The :class:`FA3DraftDecode` of ``B`` requests, ``rows`` steps and ``max L`` (whole
+        pages in layout B) ``top``. An expand pass's ``max_seqlen_k`` is its bound, ``ps − 1 +
+        s + 1`` (``s + 1`` when ``ps == 1``): it reads at most the last partial page and the
+        steps, so the exact ``max(L mod ps)`` would change no tile count, and computing it
+        costs the host a pass over ``seq_lens_cpu`` on every call."""
         K, ps = self.cfg.topk, self.cfg.page_size
         pt, cs, cu = self._tables("draft_decode")
         cu_q = self._q["draft_decode"].cu_seqlens_q(B)
@@ -396,7 +394,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                     causal=False,
                     return_softmax_lse=True,
                     page_size=ps,
-                    max_seqlen_k=lpl_max + s + 1,
+                    max_seqlen_k=ps - 1 + s + 1,
                 ),
             )
             for s in range(rows)

@@ -66,15 +66,6 @@ class BuildInputs:
         """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
         return default if self.high is None else self.high
 
-    def max_mod(self, page_size: int, default: int) -> int:
-        """``max(L mod page_size)`` from the CPU mirror (0 for an empty batch), else
-        ``default``."""
-        if self.seq_lens_cpu is None:
-            return default
-        if self._values is not None:
-            return max((v % page_size for v in self._values), default=0)
-        return int((self.seq_lens_cpu % page_size).max()) if self.batch else 0
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
