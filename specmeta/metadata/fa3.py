@@ -293,11 +293,10 @@ class FA3MetadataBuilder(MetadataBuilder):
         """
         cfg = self.cfg
         K, S, ps = cfg.topk, cfg.num_steps, cfg.page_size
-        where = self.require("draft_decode")
-        rows = self.draft_rows("draft_decode", num_rows)
+        rows = self.draft_rows("draft_decode", num_rows)  # also checks the mode is served
         if K > 1 and out_cache_loc is None:
             raise ValueError(
-                f"{where}: out_cache_loc is required with topk={K} > 1 (the expand pass reads "
+                f"{type(self).__name__}.draft_decode: out_cache_loc is required with topk={K} > 1 (the expand pass reads "
                 "each branch's draft slots); pass the out_cache_loc of assign_draft_cache_locs"
             )
         inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
@@ -309,21 +308,21 @@ class FA3MetadataBuilder(MetadataBuilder):
         args = (req_pool_indices, req_to_token, seq_lens)
         if K == 1:
             # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
-            views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
-            if launch:
+            if launch:  # the output views are looked up only when the launch is not replayed
                 self.launch_plan(inputs, (rows,), lambda: self._prefix(
-                    *args, page_size=ps, extra_tokens=1, num_rows=rows, **views, status=status))  # fmt: skip
+                    *args, page_size=ps, extra_tokens=1, num_rows=rows,
+                    **self._draft_views(B, rows), status=status))  # fmt: skip
             top = self._max_len(inputs)
             return self.result(("draft_decode", B, rows, top),
                                lambda: self._draft_result(B, rows, top))  # fmt: skip
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
-        views = self.result(("draft_decode.views", B, rows), lambda: self._draft_views(B, rows))
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._draft_tables(
                 *args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
-                exclude_last_partial=cfg.layout_b, num_rows=rows, **views, status=status))  # fmt: skip
+                exclude_last_partial=cfg.layout_b, num_rows=rows, **self._draft_views(B, rows),
+                status=status))  # fmt: skip
         top = self._max_len(inputs, whole_pages=cfg.layout_b)
         return self.result(("draft_decode", B, rows, top),
                            lambda: self._draft_result(B, rows, top))  # fmt: skip
