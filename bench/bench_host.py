@@ -229,11 +229,13 @@ def bench_host_draft_iteration(benchmark, backend, bs, k, ps):
     else:
         b = FlashInferBuilder(cfg, "cuda", modes=("draft_decode",))
 
+    move_tgt, move_src = tgt[:pairs], src[:pairs]  # the engine's views, made once
+
     def iteration(lens):
         draft_cache_locs.assign_draft_cache_locs(*a, out_cache_loc=slots, status=status, **kw)
         if pairs:
             draft_cache_locs.prefix_tail_copy_pairs(*a, tgt=tgt, src=src, status=status, **kw)
-            move_kv_cache(pool, tgt[:pairs], src[:pairs], disjoint=True, status=status)
+            move_kv_cache(pool, move_tgt, move_src, disjoint=True, status=status)
         if backend == "fa3":
             return b.draft_decode(*a, slots, seq_lens_cpu=lens)
         return b.draft_decode(*a, seq_lens_cpu=lens)
