@@ -91,6 +91,7 @@ def _compare(got: dict, want: dict, cfg, B, total):
                     assert_equal(got_v, value, f"fa3 step {s} {part}.{name} (B={B})")
                 else:
                     assert getattr(gm, name) == value, f"fa3 step {s} {part}.{name} (B={B})"
+            assert gm.max_seqlen_k == wm.max_seqlen_k, f"fa3 step {s} {part} max_seqlen_k (B={B})"
         gf, wf = got["fi"][s], want["fi"][s]
         assert_equal(gf.kv_indptr, wf.kv_indptr, f"fi kv_indptr[{s}] (B={B})")
         if wf.kv_indptr_host is None:  # a stage run without seq_lens_cpu has no mirrors
@@ -102,15 +103,17 @@ def _compare(got: dict, want: dict, cfg, B, total):
         assert_equal(gf.kv_indices[:used], wf.kv_indices[:used], f"fi kv_indices[{s}] (B={B})")
 
 
-def _run_sequence(runner, stage, eager, cfg, gen, device) -> set[int]:
+def _run_sequence(runner, stage, eager, cfg, gen, device, sequence=SEQUENCE,
+                  max_lens=None) -> set[int]:  # fmt: skip
     """Run the batch sequence, each run compared with the eager stage; returns the buckets
-    the runs replayed."""
+    the runs replayed. ``max_lens``: each batch's longest length (default the plan's)."""
     buckets = set()
-    for B in SEQUENCE:
+    lens = max_lens or [cfg.max_context_len] * len(sequence)
+    for B, max_len in zip(sequence, lens, strict=True):
         batch = make_batch("random", batch_size=B, topk=cfg.topk, num_steps=cfg.num_steps,
                            page_size=cfg.page_size, row_width=cfg.req_to_token_width,
                            generator=gen, device=device, num_rows=ROWS,
-                           max_len=cfg.max_context_len)  # fmt: skip
+                           max_len=max_len)  # fmt: skip
         stage.req_to_token.copy_(batch.req_to_token)
         for spec in runner.inputs.values():  # a missed pad reads plausible garbage
             spec.buffer.fill_(GARBAGE)
@@ -133,6 +136,17 @@ def test_typed_runner_results_equal_eager_builders(device, gen, k, ps):
     runner, stage = _typed_runner(cfg, device, table)
     eager = Stage(cfg, device, table)
     assert _run_sequence(runner, stage, eager, cfg, gen, device) == set(BUCKETS)
+
+
+def test_typed_runner_repeated_batch_size_gets_this_calls_results(device, gen):
+    """A typed runner hands one RunResult per B while the builders' result is the same object;
+    a new batch of the same B with shorter requests (a new max_seqlen_k) gets its own."""
+    cfg = _config(2, 4)
+    table = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int64, device=device)
+    runner, stage = _typed_runner(cfg, device, table)
+    eager = Stage(cfg, device, table)
+    _run_sequence(runner, stage, eager, cfg, gen, device, sequence=(5, 5, 5, 5, 16, 16),
+                  max_lens=(17, 17, 9, 17, 17, 12))  # fmt: skip
 
 
 def test_typed_runner_declares_no_outputs_and_copies_nothing(device):
