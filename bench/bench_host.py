@@ -12,7 +12,7 @@ small batch where the host bounds the loop (B = 1). Each row records:
 * the floors' kernel: for a launcher, an empty kernel with the launcher kernel's own pointer
   and integer argument counts; for a builder, the default 8-pointer, 12-integer kernel;
 * ``target_us`` and ``met``: launchers ``floor_run + 3``; builders
-  ``launches × floor_run + 10`` (design §8).
+  ``launches × floor_run + 10`` (design §2.8).
 """
 
 from __future__ import annotations

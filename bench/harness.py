@@ -97,7 +97,7 @@ def record(benchmark, *, device_us: float, bytes_moved: int = 0, **extra) -> Non
 
 
 # --------------------------------------------------------------------------------------------
-# Host floors (design §8): what one launch of an empty kernel costs the host, three ways.
+# Host floors (design §2.8): what one launch of an empty kernel costs the host, three ways.
 # --------------------------------------------------------------------------------------------
 def _empty_kernel_with(pointers: int, ints: int):
     """An empty ``@triton.jit`` kernel with ``pointers`` pointer and ``ints`` integer arguments

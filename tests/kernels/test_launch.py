@@ -1,4 +1,4 @@
-"""The launch path of every kernel (``specmeta.launch.Launcher``, design §8).
+"""The launch path of every kernel (``specmeta.launch.Launcher``, design §2.7).
 
 On CUDA a launcher reuses a compiled handle per specialization; these tests hold it to the rule
 that makes that safe: two calls share a handle only if Triton would compile the same kernel for
