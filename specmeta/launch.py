@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 import triton
@@ -355,14 +356,18 @@ class LaunchPlans:
         self._found = (sig, plan)  # the replay that follows looks it up no second time
         return plan is not None
 
-    def replay(self, sig: tuple | None) -> bool:
-        """Make the launches stored for ``sig``; False (nothing done) when there are none."""
+    def replay(self, sig: tuple | None, check: Callable[[], None] | None = None) -> bool:
+        """Make the launches stored for ``sig``; False (nothing done) when there are none.
+        ``check``: a host check of a value the signature leaves out (a launcher's
+        ``seq_lens_sum``), run before the launches when there are some; it raises to stop them."""
         found, plan = self._found
         if found is not sig:
             plan = self._plans.get(sig) if sig is not None else None
         self._found = (None, None)
         if plan is None:
             return False
+        if check is not None:
+            check()
         device, launches = plan
         stream = torch._C._cuda_getCurrentRawStream(device)
         for launch, g0, g1, g2, args in launches:

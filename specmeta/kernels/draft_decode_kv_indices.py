@@ -436,13 +436,10 @@ def draft_decode_kv_indices(
             req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
             kv_indices, kv_indptr, seq_lens_sum is None, status,
         )  # fmt: skip
-        if seq_lens_sum is None:
-            if plans.replay(sig):
-                return kv_indices, kv_indptr
-        elif sig in plans:  # seq_lens_sum, a host value, is checked on every call
-            rows = num_steps if num_rows is None else num_rows
-            _check_total(seq_lens_sum, kv_indices, seq_lens.shape[0], topk, rows)
-            plans.replay(sig)
+        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
+            seq_lens_sum, kv_indices, seq_lens.shape[0], topk,
+            num_steps if num_rows is None else num_rows)  # fmt: skip
+        if plans.replay(sig, check):
             return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,

@@ -277,12 +277,9 @@ def shared_prefix_kv_indices(
             req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
             *given, seq_lens_sum is None, status,
         )  # fmt: skip
-        if seq_lens_sum is None:
-            if _plans.replay(sig):
-                return given
-        elif sig in _plans:  # seq_lens_sum, a host value, is checked on every call
-            _check_total(seq_lens_sum, prefix_kv_indices)
-            _plans.replay(sig)
+        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
+            seq_lens_sum, prefix_kv_indices)
+        if _plans.replay(sig, check):
             return given
     topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,

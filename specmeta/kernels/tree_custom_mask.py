@@ -223,13 +223,9 @@ def tree_custom_mask(
     if custom_mask is not None and mask_indptr is not None:  # plans replay into passed buffers
         sig = _plans.signature(seq_lens, tree_mask, packed, custom_mask, mask_indptr,
                                seq_lens_sum is None, status)  # fmt: skip
-        if seq_lens_sum is None:
-            if _plans.replay(sig):
-                return custom_mask, mask_indptr
-        elif sig in _plans:  # seq_lens_sum, a host value, is checked on every call
-            B, N = seq_lens.shape[0], tree_mask.shape[1]
-            _check_total(seq_lens_sum, custom_mask, B, N, packed)
-            _plans.replay(sig)
+        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
+            seq_lens_sum, custom_mask, seq_lens.shape[0], tree_mask.shape[1], packed)
+        if _plans.replay(sig, check):
             return custom_mask, mask_indptr
     B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status

@@ -174,12 +174,9 @@ def verify_kv_indices(
     if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
         sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, extra_tokens,
                                kv_indices, kv_indptr, seq_lens_sum is None, status)  # fmt: skip
-        if seq_lens_sum is None:
-            if _plans.replay(sig):
-                return kv_indices, kv_indptr
-        elif sig in _plans:  # seq_lens_sum, a host value, is checked on every call
-            _check_total(seq_lens_sum, kv_indices, seq_lens.shape[0], extra_tokens)
-            _plans.replay(sig)
+        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
+            seq_lens_sum, kv_indices, seq_lens.shape[0], extra_tokens)
+        if _plans.replay(sig, check):
             return kv_indices, kv_indptr
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,

@@ -296,8 +296,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode", num_rows)  # also checks the mode is served
         if K > 1 and out_cache_loc is None:
             raise ValueError(
-                f"{type(self).__name__}.draft_decode: out_cache_loc is required with topk={K} > 1 (the expand pass reads "
-                "each branch's draft slots); pass the out_cache_loc of assign_draft_cache_locs"
+                f"{type(self).__name__}.draft_decode: out_cache_loc is required with "
+                f"topk={K} > 1 (the expand pass reads each branch's draft slots); pass the "
+                "out_cache_loc of assign_draft_cache_locs"
             )
         inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                             seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc,

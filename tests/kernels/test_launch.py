@@ -235,6 +235,29 @@ def test_plan_replays_the_stored_launch_with_addresses(plans_on):
     assert rec.calls == [((2, 1, 1), 7, "fn", "meta", (x.data_ptr(), out.data_ptr(), 3, None))]
 
 
+def test_plan_replay_runs_its_host_check_first(plans_on):
+    """A launcher's host total (``seq_lens_sum``) is checked on a replay too: the check runs
+    only when a plan exists, before its launches, and a failing check launches nothing."""
+    rec, calls = _Recorder(), []
+    plans = plans_on.LaunchPlans()
+    x = torch.arange(8)
+    sig = plans.signature(x, 3)
+
+    def check():
+        calls.append("check")
+
+    assert not plans.replay(sig, check) and calls == [], "no plan: no check, no launch"
+    plans.store(sig, plans_on.Launch(rec.handle(), (1, 1, 1), 0, [x, 3]))
+    assert plans.replay(sig, check) and calls == ["check"] and len(rec.calls) == 1
+
+    def too_small():
+        raise ValueError("kv_indices is too small")
+
+    with pytest.raises(ValueError, match="too small"):
+        plans.replay(sig, too_small)
+    assert len(rec.calls) == 1, "a failing check launches nothing"
+
+
 def test_plan_signature_separates_everything_the_checks_read(plans_on):
     from specmeta import validate
 

@@ -145,8 +145,9 @@ def test_typed_runner_repeated_batch_size_gets_this_calls_results(device, gen):
     table = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int64, device=device)
     runner, stage = _typed_runner(cfg, device, table)
     eager = Stage(cfg, device, table)
-    _run_sequence(runner, stage, eager, cfg, gen, device, sequence=(5, 5, 5, 5, 16, 16),
-                  max_lens=(17, 17, 9, 17, 17, 12))  # fmt: skip
+    buckets = _run_sequence(runner, stage, eager, cfg, gen, device,
+                            sequence=(5, 5, 5, 5, 16, 16), max_lens=(17, 17, 9, 17, 17, 12))
+    assert buckets == {16}, "every run of the sequence (compared inside) replayed bucket 16"
 
 
 def test_typed_runner_declares_no_outputs_and_copies_nothing(device):
