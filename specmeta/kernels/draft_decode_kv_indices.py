@@ -32,13 +32,17 @@ from ._common import (
     draft_slot_position,
     gather_rows_ref,
     host_int,
-    list_offsets,
     load_request,
     sizing_total,
     target_programs,
 )
 
-__all__ = ["draft_decode_kv_indices", "draft_decode_kv_indices_ref", "draft_decode_kv_indptr"]
+__all__ = [
+    "DraftDecodeIndptr",
+    "draft_decode_kv_indices",
+    "draft_decode_kv_indices_ref",
+    "draft_decode_kv_indptr",
+]
 
 
 # Prefix entries a program loads per iteration and stores into each of its lists. 1024 int32
@@ -489,15 +493,79 @@ def draft_decode_kv_indices(
 draft_decode_kv_indices.kernels = (_draft_decode_kv_indices_kernel,)  # for specmeta.registry
 
 
+class DraftDecodeIndptr:
+    """``kv_indptr`` of :func:`draft_decode_kv_indices` in torch, its constants made once.
+
+    ``kv_indptr[s, z] = base[z] + z·(s + 1)`` (module docstring), ``base`` the offsets of the
+    prefixes alone: ``K·Σ_{b'<b} L_b' + t·L_b``, the cumulative sum of every branch's prefix
+    length. The table ``z·(s + 1)`` and the branch-to-request index are made here, so a call
+    is three torch ops into buffers made before; the FlashInfer host mirrors make one on every
+    build.
+
+    Parameters
+    ----------
+    topk : int
+        ``K``.
+    max_rows, max_batch : int
+        The most step rows and requests a call writes.
+    dtype : torch.dtype
+        The integer dtype of the offsets written (a narrower one wraps as the kernel's stores do).
+    device : torch.device or str
+        Where the lengths, and the offsets written, live.
+    """
+
+    def __init__(self, topk: int, max_rows: int, max_batch: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):  # fmt: skip
+        validate.positive("topk", topk)
+        lists = max_batch * topk
+        z = torch.arange(lists + 1, dtype=dtype, device=device)
+        steps = torch.arange(1, max_rows + 1, dtype=dtype, device=device).view(-1, 1)
+        self._ramp = steps * z  # [max_rows, B·K + 1]: z·(s + 1)
+        self._branch_request = torch.arange(lists, device=device) // topk  # z → b
+        self._lists = torch.empty(lists, dtype=torch.int64, device=device)
+        self._base = torch.zeros(lists + 1, dtype=dtype, device=device)  # entry 0 stays 0
+        self._topk = topk
+        self._views: dict[tuple[int, int], tuple] = {}
+
+    def __call__(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write the offsets of ``seq_lens`` (``[B]`` int64, every value ≥ 0) into ``out``,
+        ``[rows, B·K + 1]`` of this object's dtype and device (the caller's view of its own
+        buffer, shapes within the maxima), and return ``out``."""
+        key = (seq_lens.shape[0], out.shape[0])
+        views = self._views.get(key)
+        if views is None:
+            n = key[0] * self._topk
+            views = self._views[key] = (
+                self._branch_request[:n],
+                self._lists[:n],
+                self._base[1 : n + 1],
+                self._base[: n + 1],
+                self._ramp[: key[1], : n + 1],
+            )
+        branch_request, lists, tail, base, ramp = views
+        torch.index_select(seq_lens, 0, branch_request, out=lists)  # each branch's L_b
+        torch.cumsum(lists, 0, dtype=tail.dtype, out=tail)
+        return torch.add(base, ramp, out=out)
+
+
 def draft_decode_kv_indptr(
     seq_lens: torch.Tensor, topk: int, rows: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``kv_indptr`` of :func:`draft_decode_kv_indices` in torch: ``[rows, B·K + 1]``, list
     ``b·K + t`` of step ``s`` holding ``L_b + s + 1`` entries (negative lengths read as 0).
-    The host mirrors call it on ``seq_lens_cpu``, into their own buffer (``out``)."""
+    Written into ``out[:rows, :B·K + 1]`` and returned as that view when ``out`` is given (any
+    integer dtype), else returned in a new int64 tensor (:class:`DraftDecodeIndptr`)."""
     L = seq_lens.to(torch.int64).clamp_min(0)
-    steps = torch.arange(1, rows + 1, device=L.device).view(-1, 1)
-    return list_offsets(L.view(1, -1) + steps, topk, out)
+    B = L.shape[0]
+    validate.positive("topk", topk)
+    if out is not None:  # checked before anything is written
+        validate.tensor("out", out, ndim=2, contiguous_last=False)
+        validate.at_least("out", out.shape[0], rows, "rows")
+        validate.at_least("out", out.shape[1], B * topk + 1, "columns (B*topk + 1)")
+    else:
+        out = torch.empty(rows, B * topk + 1, dtype=torch.int64, device=L.device)
+    offsets = DraftDecodeIndptr(topk, rows, B, out.dtype, L.device)
+    return offsets(L, out[:rows, : B * topk + 1])
 
 
 # same shape as draft_decode_kv_indices: a ref takes its launcher's args (style §1)

@@ -34,9 +34,9 @@ from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref, branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import (
+    DraftDecodeIndptr,
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
-    draft_decode_kv_indptr,
 )
 from ..kernels.shared_prefix_kv_indices import (
     shared_prefix_kv_indices,
@@ -318,6 +318,8 @@ class FlashInferBuilder(MetadataBuilder):
                     width, rows, self.device, out=buf[key]
                 )
                 UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
+        if "draft_decode" in groups:  # the torch rule of its host mirror, constants made once
+            self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
         if "draft_decode_shared" in groups:
             # The chain level's offsets do not depend on the batch: z·(s + 1).
             z = torch.arange(bs * k + 1, dtype=torch.int32)
@@ -374,11 +376,15 @@ class FlashInferBuilder(MetadataBuilder):
             ring = self._mirrors["draft_decode"]
             host = ring.next()["kv_indptr_host"]
             slot = ring.slot
-            draft_decode_kv_indptr(lens, K, rows, out=host)
-        return self.result(("draft_decode", B, rows, slot),
-                           lambda: self._draft_decode_result(B, rows, host))  # fmt: skip
+        result, host_out = self.result(("draft_decode", B, rows, slot),
+                                       lambda: self._draft_decode_result(B, rows, host))  # fmt: skip
+        if host_out is not None:
+            self._draft_indptr(lens, host_out)
+        return result
 
     def _draft_decode_result(self, B: int, rows: int, host: torch.Tensor | None):
+        """The result of ``B`` requests and ``rows`` steps, and the view of the ring's set that
+        its host mirror is written into (``None`` without one)."""
         buf, K = self.buffers, self.cfg.topk
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
         ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
@@ -393,7 +399,7 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )
-        return FlashInferDraftDecode(steps)
+        return FlashInferDraftDecode(steps), None if host is None else host[:rows, : B * K + 1]
 
     def draft_decode_shared_prefix(
         self,
@@ -431,15 +437,19 @@ class FlashInferBuilder(MetadataBuilder):
         prefix_host = slot = None
         if lens is not None:
             ring = self._mirrors[mode]
-            prefix_host = ring.next()["prefix_kv_indptr_host"][: B + 1]
+            prefix_host = ring.next()["prefix_kv_indptr_host"]
             slot = ring.slot
+        result, prefix_out = self.result(("draft_decode_shared_prefix", B, rows, slot),
+                                         lambda: self._shared_result(B, rows, prefix_host))
+        if prefix_out is not None:
             # Entry 0 stays the zero the ring's buffers were allocated with.
-            torch.cumsum(lens, 0, dtype=torch.int32, out=prefix_host[1:])
-        return self.result(("draft_decode_shared_prefix", B, rows, slot),
-                           lambda: self._shared_result(B, rows, prefix_host))  # fmt: skip
+            torch.cumsum(lens, 0, dtype=torch.int32, out=prefix_out)
+        return result
 
-    def _shared_result(self, B, rows, prefix_host) -> FlashInferCascadeDecode:
+    def _shared_result(self, B, rows, prefix_host):
+        """The result and the view its prefix level's host offsets are written into."""
         buf, K, mode = self.buffers, self.cfg.topk, "draft_decode_shared"
+        prefix_host = prefix_host[: B + 1] if prefix_host is not None else None
         ones = buf[f"{mode}.kv_last_page_len"]
         qo = (self._layouts["prefix"].cu_seqlens_q(B), self._layouts["chain"].cu_seqlens_q(B * K))
         qo_host = (
@@ -468,7 +478,8 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )
-        return FlashInferCascadeDecode(steps)
+        tail = prefix_host[1:] if prefix_host is not None else None
+        return FlashInferCascadeDecode(steps), tail
 
     def draft_decode_paged(
         self,
@@ -539,17 +550,17 @@ class FlashInferBuilder(MetadataBuilder):
         )  # fmt: skip
 
     def _prefill_mirrors(self, mode, inputs):
-        """``(set, slot)``: the ring's next set of host mirrors of a prefill mode, its
-        ``kv_indptr_host`` written from ``seq_lens_cpu``; ``(None, None)`` without it."""
-        lens = inputs.seq_lens_cpu
-        if lens is None:
+        """``(set, slot)``: the ring's next set of host mirrors of a prefill mode;
+        ``(None, None)`` without ``seq_lens_cpu``."""
+        if inputs.seq_lens_cpu is None:
             return None, None
         ring = self._mirrors[mode]
-        mirrors = ring.next()
-        # Entry 0 stays the zero the ring's buffers were allocated with.
-        torch.cumsum(lens + self.cfg.num_draft_tokens, 0, dtype=torch.int32,
-                     out=mirrors["kv_indptr_host"][1 : inputs.batch + 1])  # fmt: skip
-        return mirrors, ring.slot
+        return ring.next(), ring.slot
+
+    def _prefill_indptr(self, lens, tail):
+        """``kv_indptr_host[1 : B + 1] = cumsum(L + N)`` into ``tail``; entry 0 stays the zero
+        the ring's buffers were allocated with."""
+        torch.cumsum(lens + self.cfg.num_draft_tokens, 0, dtype=torch.int32, out=tail)
 
     def target_verify(
         self,
@@ -608,28 +619,42 @@ class FlashInferBuilder(MetadataBuilder):
         if launch:  # both launches, replayed together (contract.launch_plan)
             self.launch_plan(inputs, (packed,), run)
         mirrors, slot = self._prefill_mirrors(mode, inputs)
-        mask_host = None
-        if mirrors is not None:
+        result, kv_tail, mask_tail = self.result(("target_verify", B, packed, slot),
+                                                 lambda: self._verify_result(B, form, mirrors))
+        if kv_tail is not None:
+            self._prefill_indptr(inputs.seq_lens_cpu, kv_tail)
             # Element offsets in both forms (the packed segments start there, read as bytes):
-            # request i's mask is N × (L_i + N) elements, so mask_indptr = N · kv_indptr;
-            # entry 0 stays the zero the ring's buffers were allocated with.
+            # request i's mask is N × (L_i + N) elements, so mask_indptr = N · kv_indptr.
+            torch.mul(kv_tail, n, out=mask_tail)
+        return result
+
+    def _verify_result(self, B, form, mirrors):
+        """The target-verify result, and the views of the ring's set that its host offsets
+        are written into (``None`` without them)."""
+        buf, mode = self.buffers, "target_verify"
+        mask = buf[f"{mode}.{form}custom_mask"]
+        kv_host = mask_host = None
+        if mirrors is not None:
+            kv_host = mirrors["kv_indptr_host"][: B + 1]
             mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1]
-            torch.mul(mirrors["kv_indptr_host"][1 : B + 1], n, out=mask_host[1:])
-        return self.result(("target_verify", B, packed, slot), lambda: FlashInferPrefill(
+        result = FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
             kv_indices=buf[f"{mode}.kv_indices"],
             kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
-            custom_mask=None if packed else mask,
-            packed_custom_mask=mask if packed else None,
-            mask_indptr=mask_indptr[: B + 1],
+            custom_mask=None if form else mask,
+            packed_custom_mask=mask if form else None,
+            mask_indptr=buf[f"{mode}.{form}mask_indptr"][: B + 1],
             causal=False,
             qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
-            kv_indptr_host=mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None,
+            kv_indptr_host=kv_host,
             kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=mask_host,
-            max_q_len=n,
-        ))  # fmt: skip
+            max_q_len=self.cfg.num_draft_tokens,
+        )
+        if kv_host is None:
+            return result, None, None
+        return result, kv_host[1:], mask_host[1:]
 
     def draft_extend(
         self,
@@ -644,14 +669,24 @@ class FlashInferBuilder(MetadataBuilder):
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
-        buf, mode = self.buffers, "draft_extend"
+        mode = "draft_extend"
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B = inputs.batch
         if launch:
             self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
         mirrors, slot = self._prefill_mirrors(mode, inputs)
-        return self.result(("draft_extend", B, slot), lambda: FlashInferPrefill(
+        result, kv_tail = self.result(("draft_extend", B, slot),
+                                      lambda: self._extend_result(B, mirrors))  # fmt: skip
+        if kv_tail is not None:
+            self._prefill_indptr(inputs.seq_lens_cpu, kv_tail)
+        return result
+
+    def _extend_result(self, B, mirrors):
+        """The draft-extend result, and the view its host offsets are written into."""
+        buf, mode = self.buffers, "draft_extend"
+        kv_host = mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None
+        result = FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
             kv_indices=buf[f"{mode}.kv_indices"],
@@ -661,8 +696,9 @@ class FlashInferBuilder(MetadataBuilder):
             mask_indptr=None,
             causal=True,
             qo_indptr_host=buf[f"{mode}.qo_indptr_host"][: B + 1],
-            kv_indptr_host=mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None,
+            kv_indptr_host=kv_host,
             kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
             mask_indptr_host=None,
             max_q_len=self.cfg.num_draft_tokens,
-        ))  # fmt: skip
+        )
+        return result, None if kv_host is None else kv_host[1:]

@@ -10,7 +10,8 @@ from specmeta import SpecConfig
 from specmeta.config import BufferSpec
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.host_mirrors import HostMirrorRing
-from specmeta.workloads import make_batch
+from specmeta.workloads import make_batch, random_tree_mask
+from tests.guard_bands import assert_equal
 
 
 def test_sets_rotate_and_are_distinct(device):
@@ -44,3 +45,54 @@ def test_builder_keeps_the_last_results_mirrors_until_the_ring_comes_round(devic
         want = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(b.seq_lens_cpu + 4, 0)])
         assert res.kv_indptr_host.tolist() == want.tolist()
     assert results[0].kv_indptr_host.data_ptr() != results[1].kv_indptr_host.data_ptr()
+
+
+def _host_mirrors(result):
+    """Every per-batch host mirror of a FlashInfer result, with the device tensor it mirrors."""
+    if hasattr(result, "steps"):
+        pairs = []
+        for step in result.steps:
+            if hasattr(step, "paged_kv_indptr_host_arr"):
+                pairs += zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True)
+            else:
+                pairs.append((step.kv_indptr_host, step.kv_indptr))
+        return pairs
+    pairs = [(result.kv_indptr_host, result.kv_indptr)]
+    if result.mask_indptr_host is not None:
+        pairs.append((result.mask_indptr_host, result.mask_indptr))
+    return pairs
+
+
+def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, gen):
+    """Seven builds of every mode, the batch size and the lengths changing, so each ring set
+    (and each batch size's views of it) is written again with new values: every host mirror
+    equals the device offsets of its own build, and the previous build's mirrors (depth 2)
+    still hold that build's values."""
+    k, s, n = 3, 3, 5
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=1, max_bs=4,
+                     max_context_len=30)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, mirror_depth=2)
+    previous = {}
+    for B in (3, 3, 4, 3, 0, 3, 4):
+        b = make_batch("random", batch_size=B, topk=k, num_steps=s, page_size=1,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=30)  # fmt: skip
+        a, lens = (b.req_pool_indices, b.req_to_token, b.seq_lens), b.seq_lens_cpu
+        tree = random_tree_mask(B, k, s, n, gen).to(device)
+        plain, verify = (*a, lens), (*a, tree, lens)
+        builds = (  # (ring, method, arguments): the target-verify forms share one ring
+            ("draft_decode", fi.draft_decode, plain, {"num_rows": s}),
+            ("shared", fi.draft_decode_shared_prefix, plain, {"num_rows": s}),
+            ("verify", fi.target_verify, verify, {}),
+            ("verify", fi.target_verify, verify, {"packed": True}),
+            ("verify", fi.target_verify, verify, {}),  # a third: the sets shift by one
+            ("extend", fi.draft_extend, plain, {}),
+        )
+        for ring, method, args, kw in builds:
+            pairs = _host_mirrors(method(*args[:-1], seq_lens_cpu=args[-1], **kw))
+            for i, (host, dev) in enumerate(pairs):
+                assert_equal(host, dev, f"B={B} {ring} mirror {i}")
+            for i, (host, want) in enumerate(previous.get(ring, ())):
+                assert_equal(host, want, f"B={B} {ring}: the previous build's mirror {i}")
+            previous[ring] = [(host, dev.cpu().clone()) for host, dev in pairs]
+    assert int(fi.status) == 0
