@@ -215,7 +215,7 @@ def check_build_tensors(
 
 # Up to this many lengths, the host reads seq_lens_cpu as Python ints (one tolist, then min, max
 # and sum in Python cost less than torch's reductions on a small CPU tensor).
-_AS_INTS = 32
+_AS_INTS = 64
 
 
 def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> BuildInputs:
