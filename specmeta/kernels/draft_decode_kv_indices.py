@@ -496,7 +496,7 @@ draft_decode_kv_indices.kernels = (_draft_decode_kv_indices_kernel,)  # for spec
 class DraftDecodeIndptr:
     """``kv_indptr`` of :func:`draft_decode_kv_indices` in torch, its constants made once.
 
-    ``kv_indptr[s, z] = base[z] + z·(s + 1)`` (module docstring), ``base`` the offsets of the
+    ``kv_indptr[s, z] = base[z] + z·(s + 1)`` (design §2.2), ``base`` the offsets of the
     prefixes alone: ``K·Σ_{b'<b} L_b' + t·L_b``, the cumulative sum of every branch's prefix
     length. The table ``z·(s + 1)`` and the branch-to-request index are made here, so a call
     is three torch ops into buffers made before; the FlashInfer host mirrors make one on every
