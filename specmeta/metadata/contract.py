@@ -277,7 +277,9 @@ class MetadataBuilder:
     def result(self, key: tuple, make: Callable[[], Any]) -> Any:
         """The result object of a call, made once per ``key``: a result is a frozen view of
         the builder's own buffers, so two calls with the same batch size, rows and host
-        scalars return equal objects, and the second costs a dictionary lookup."""
+        scalars return equal objects, and the second costs a dictionary lookup. A builder with
+        host mirrors keeps, with the result, the views its mirrors are written into
+        (``make`` returns both)."""
         found = self._results.get(key)
         if found is None:
             if len(self._results) >= 4096:  # bounded: a key holds B and host maxima
