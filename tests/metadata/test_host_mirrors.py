@@ -64,10 +64,10 @@ def _host_mirrors(result):
 
 
 def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, gen):
-    """Seven builds of every mode, the batch size and the lengths changing, so each ring set
-    (and each batch size's views of it) is written again with new values: every host mirror
-    equals the device offsets of its own build, and the previous build's mirrors (depth 2)
-    still hold that build's values."""
+    """Seven builds of every mode, the batch size, the lengths and draft decode's rows
+    changing, so each ring set (and each batch size's views of it) is written again with new
+    values: every host mirror equals the device offsets of its own build, and the previous
+    build's mirrors (depth 2) still hold that build's values."""
     k, s, n = 3, 3, 5
     cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=1, max_bs=4,
                      max_context_len=30)  # fmt: skip
@@ -81,7 +81,7 @@ def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, ge
         tree = random_tree_mask(B, k, s, n, gen).to(device)
         plain, verify = (*a, lens), (*a, tree, lens)
         builds = (  # (ring, method, arguments): the target-verify forms share one ring
-            ("draft_decode", fi.draft_decode, plain, {"num_rows": s}),
+            ("draft_decode", fi.draft_decode, plain, {"num_rows": s - B % 2}),
             ("shared", fi.draft_decode_shared_prefix, plain, {"num_rows": s}),
             ("verify", fi.target_verify, verify, {}),
             ("verify", fi.target_verify, verify, {"packed": True}),
