@@ -270,17 +270,25 @@ def list_offsets(lengths: torch.Tensor, topk: int, out: torch.Tensor | None = No
     the lengths' device."""
     rows, B = lengths.shape
     validate.positive("topk", topk)
-    if out is not None:  # checked before anything is written
-        validate.tensor("out", out, ndim=2, contiguous_last=False)
-        validate.at_least("out", out.shape[0], rows, "rows")
-        validate.at_least("out", out.shape[1], B * topk + 1, "columns (B*topk + 1)")
-    else:
-        out = torch.empty(rows, B * topk + 1, dtype=torch.int64, device=lengths.device)
-    offsets = out[:rows, : B * topk + 1]
+    offsets = offsets_out(out, rows, B * topk, lengths.device)
     offsets.select(1, 0).zero_()
     lists = lengths.repeat_interleave(topk, dim=1)
-    torch.cumsum(lists, 1, dtype=out.dtype, out=offsets.narrow(1, 1, B * topk))
+    torch.cumsum(lists, 1, dtype=offsets.dtype, out=offsets.narrow(1, 1, B * topk))
     return offsets
+
+
+def offsets_out(
+    out: torch.Tensor | None, rows: int, lists: int, device: torch.device
+) -> torch.Tensor:
+    """The ``[rows, lists + 1]`` view of ``out`` that a torch helper writes CSR offsets into,
+    ``out`` checked before anything is written (a 2-D integer tensor at least that large); a
+    new int64 tensor on ``device`` when ``out`` is None."""
+    if out is None:
+        return torch.empty(rows, lists + 1, dtype=torch.int64, device=device)
+    validate.tensor("out", out, ndim=2, contiguous_last=False)
+    validate.at_least("out", out.shape[0], rows, "rows")
+    validate.at_least("out", out.shape[1], lists + 1, "columns (B*topk + 1)")
+    return out[:rows, : lists + 1]
 
 
 def draft_positions_ref(

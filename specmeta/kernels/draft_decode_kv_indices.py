@@ -33,6 +33,7 @@ from ._common import (
     gather_rows_ref,
     host_int,
     load_request,
+    offsets_out,
     sizing_total,
     target_programs,
 )
@@ -517,6 +518,10 @@ class DraftDecodeIndptr:
     def __init__(self, topk: int, max_rows: int, max_batch: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):  # fmt: skip
         validate.positive("topk", topk)
+        validate.positive("max_rows", max_rows, 0)
+        validate.positive("max_batch", max_batch, 0)
+        if dtype not in validate.INDEX_DTYPES:
+            raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
         lists = max_batch * topk
         z = torch.arange(lists + 1, dtype=dtype, device=device)
         steps = torch.arange(1, max_rows + 1, dtype=dtype, device=device).view(-1, 1)
@@ -524,28 +529,51 @@ class DraftDecodeIndptr:
         self._branch_request = torch.arange(lists, device=device) // topk  # z → b
         self._lists = torch.empty(lists, dtype=torch.int64, device=device)
         self._base = torch.zeros(lists + 1, dtype=dtype, device=device)  # entry 0 stays 0
-        self._topk = topk
-        self._views: dict[tuple[int, int], tuple] = {}
+        self._topk, self._dtype, self._device = topk, dtype, torch.device(device)
+        self._max = (max_rows, max_batch)
+        self._views: dict[tuple, tuple] = {}
 
     def __call__(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write the offsets of ``seq_lens`` (``[B]`` int64, every value ≥ 0) into ``out``,
-        ``[rows, B·K + 1]`` of this object's dtype and device (the caller's view of its own
-        buffer, shapes within the maxima), and return ``out``."""
-        key = (seq_lens.shape[0], out.shape[0])
+        """Write the offsets of ``seq_lens`` (``[B]`` int64, every value ≥ 0; the values are
+        not checked) into ``out``, ``[rows, B·K + 1]`` of this object's dtype and device (the
+        caller's view of its own buffer, ``B`` and ``rows`` within the maxima), and return
+        ``out``. Shapes and dtypes are checked the first time they are seen, before anything
+        is written."""
+        key = (seq_lens.shape, seq_lens.dtype, out.shape, out.dtype)
         views = self._views.get(key)
         if views is None:
-            n = key[0] * self._topk
-            views = self._views[key] = (
-                self._branch_request[:n],
-                self._lists[:n],
-                self._base[1 : n + 1],
-                self._base[: n + 1],
-                self._ramp[: key[1], : n + 1],
-            )
+            views = self._views[key] = self._views_for(seq_lens, out)
         branch_request, lists, tail, base, ramp = views
         torch.index_select(seq_lens, 0, branch_request, out=lists)  # each branch's L_b
         torch.cumsum(lists, 0, dtype=tail.dtype, out=tail)
         return torch.add(base, ramp, out=out)
+
+    def _views_for(self, seq_lens: torch.Tensor, out: torch.Tensor) -> tuple:
+        """The views of the constants a call of these shapes reads, after checking them."""
+        validate.tensor("seq_lens", seq_lens, dtypes=(torch.int64,), ndim=1,
+                        device=self._device, contiguous_last=False)  # fmt: skip
+        validate.tensor("out", out, dtypes=(self._dtype,), ndim=2, device=self._device,
+                        contiguous_last=False)  # fmt: skip
+        (rows, B), (max_rows, max_batch) = (out.shape[0], seq_lens.shape[0]), self._max
+        if B > max_batch or rows > max_rows:
+            raise ValueError(
+                f"DraftDecodeIndptr: {B} requests and {rows} rows, over the {max_batch} and "
+                f"{max_rows} it was made for; make one with max_batch >= {B} and "
+                f"max_rows >= {rows}"
+            )
+        n = B * self._topk
+        if out.shape[1] != n + 1:
+            raise ValueError(
+                f"DraftDecodeIndptr: out has shape {list(out.shape)}; pass the [rows, B*topk + 1]"
+                f" = [{rows}, {n + 1}] view of the buffer the offsets go into"
+            )
+        return (
+            self._branch_request[:n],
+            self._lists[:n],
+            self._base[1 : n + 1],
+            self._base[: n + 1],
+            self._ramp[:rows, : n + 1],
+        )
 
 
 def draft_decode_kv_indptr(
@@ -558,14 +586,8 @@ def draft_decode_kv_indptr(
     L = seq_lens.to(torch.int64).clamp_min(0)
     B = L.shape[0]
     validate.positive("topk", topk)
-    if out is not None:  # checked before anything is written
-        validate.tensor("out", out, ndim=2, contiguous_last=False)
-        validate.at_least("out", out.shape[0], rows, "rows")
-        validate.at_least("out", out.shape[1], B * topk + 1, "columns (B*topk + 1)")
-    else:
-        out = torch.empty(rows, B * topk + 1, dtype=torch.int64, device=L.device)
-    offsets = DraftDecodeIndptr(topk, rows, B, out.dtype, L.device)
-    return offsets(L, out[:rows, : B * topk + 1])
+    offsets = offsets_out(out, rows, B * topk, L.device)
+    return DraftDecodeIndptr(topk, rows, B, offsets.dtype, L.device)(L, offsets)
 
 
 # same shape as draft_decode_kv_indices: a ref takes its launcher's args (style §1)

@@ -213,3 +213,39 @@ def test_host_indptr_helpers_reject_a_small_buffer_before_writing(device):
     # And the values themselves: list b·K + t of step s holds L_b + s + 1 entries.
     got = draft_decode_kv_indptr(lens, 2, 2)
     assert got.tolist() == [[0, 4, 8, 14, 20], [0, 5, 10, 17, 24]]
+
+
+def test_indptr_rule_with_constants_rejects_shapes_it_was_not_made_for():
+    """DraftDecodeIndptr (the mirrors' form of the rule) refuses, naming the value and the
+    fix, a batch or rows past its maxima, an out of the wrong width or dtype, and lengths of
+    the wrong dtype, each before writing; within them, list b·K + t of step s holds
+    L_b + s + 1 entries, whatever shapes came before."""
+    from specmeta.kernels.draft_decode_kv_indices import DraftDecodeIndptr
+
+    def blank(*shape, dtype=torch.int32):
+        return torch.full(shape, -1, dtype=dtype)
+
+    rule = DraftDecodeIndptr(2, 3, 4, torch.int32)
+    lens = torch.tensor([3, 5, 0], dtype=torch.int64)
+    bad = [
+        (ValueError, r"5 requests and 3 rows, over the 4 and 3",
+         torch.zeros(5, dtype=torch.int64), blank(3, 11)),
+        (ValueError, r"3 requests and 4 rows, over the 4 and 3", lens, blank(4, 7)),
+        (ValueError, r"out has shape \[3, 6\]; pass the \[rows, B\*topk \+ 1\] = \[3, 7\]",
+         lens, blank(3, 6)),
+        (TypeError, r"out must be int32, got int64", lens, blank(3, 7, dtype=torch.int64)),
+        (TypeError, r"seq_lens must be int64, got int32", lens.int(), blank(3, 7)),
+    ]  # fmt: skip
+    for error, message, lengths, target in bad:
+        with pytest.raises(error, match=message):
+            rule(lengths, target)
+        assert target.eq(-1).all(), f"{message}: nothing was written"
+    with pytest.raises(ValueError, match="max_batch must be >= 0, got -1"):
+        DraftDecodeIndptr(2, 3, -1, torch.int32)
+    with pytest.raises(TypeError, match="dtype must be torch.int32 or torch.int64"):
+        DraftDecodeIndptr(2, 3, 4, torch.float32)
+    for rows, B in ((3, 3), (1, 2), (3, 0), (2, 3)):  # the views of each shape, reused
+        got = rule(lens[:B], blank(rows, 2 * B + 1))
+        sizes = [[lens[z // 2].item() + s + 1 for z in range(2 * B)] for s in range(rows)]
+        want = [[sum(row[:z]) for z in range(2 * B + 1)] for row in sizes]
+        assert got.tolist() == want, (rows, B)
