@@ -42,7 +42,9 @@ Examples
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import gc
 import types
 from collections.abc import Callable, Mapping, Sequence
 
@@ -59,6 +61,18 @@ __all__ = ["GraphRunner", "StageBatch", "StaticInput", "StaticOutput", "RunResul
 BuildFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 HostFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, object]]
 Probe = Callable[..., None]
+
+
+@contextlib.contextmanager
+def _collector_off():
+    """Python's cyclic garbage collector off in the block, back as it was after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,8 +439,10 @@ class GraphRunner:
         """Freeze the layout and capture one graph per bucket, all in one memory pool.
 
         Each bucket is captured on all-padding inputs (a valid batch of padded requests), largest
-        first, after a warm-up run that compiles the kernels outside the capture. Without graphs
-        this only freezes the layout: the build runs on every call.
+        first, after a warm-up run that compiles the kernels outside the capture. Python's
+        cyclic garbage collector is off while the graphs are captured: an old graph destroyed
+        by a collection in the middle of a capture would invalidate it. Without
+        graphs this only freezes the layout: the build runs on every call.
         """
         if self._layout is not None:
             raise ValueError("capture() was already called")
@@ -463,6 +479,15 @@ class GraphRunner:
             return
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        # A dead object collected during a capture may own another CUDA graph; destroying a
+        # graph is a call the capture forbids, and it invalidates the capture. So the cyclic
+        # collector is off while the graphs are captured; garbage waits until after.
+        with _collector_off():
+            self._capture_buckets(stream)
+        torch.cuda.synchronize(self.device)  # set-up, not a build path
+
+    def _capture_buckets(self, stream: torch.cuda.Stream) -> None:
+        """One graph per bucket, largest first, each after a warm-up outside the capture."""
         for bp in reversed(self.batch_sizes):
             self._pad_host(0, bp, {})
             self._pad_device(0, bp, {})
@@ -475,7 +500,6 @@ class GraphRunner:
                 out = self._checked_build(bp, with_host=False)
             self._graphs[bp] = graph
             self._graph_outputs[bp] = out
-        torch.cuda.synchronize(self.device)  # set-up, not a build path
 
     @property
     def captured(self) -> bool:

@@ -593,3 +593,57 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
                                           shapes):  # fmt: skip
         _check_replay(res, eager, meta, cfg, batch, runner.bucket(batch.batch_size), fill)
         assert _rows_past_b_hold_pads(meta, batch.batch_size, fill), batch.batch_size
+
+
+@pytest.mark.gpu
+def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
+    """An engine's old runner, dead in a reference cycle, still owns captured graphs; the
+    collector destroys them whenever it next runs, and a graph destroyed during a capture
+    invalidates that capture. The build below makes such a cycle inside the capture and then
+    allocates past a collection threshold of 1, so a capture that left the collector on
+    fails; the runner's captures survive, and the old graph is destroyed after them."""
+    import gc
+    import weakref
+
+    cfg = _config(2, 3, 4)
+    fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
+    batch = _draw("random", 12, cfg, gen, "cuda")
+    r2t = batch.req_to_token.clone()
+    meta, eager = DraftMetadata(cfg, "cuda", r2t), DraftMetadata(cfg, "cuda", r2t)
+    x = torch.zeros(1, device="cuda")
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        x.add_(1)
+    doomed, dead = [old], weakref.ref(old)
+    del old
+    made_in_capture = []
+
+    def build(inp):
+        if doomed and torch.cuda.is_current_stream_capturing():
+            cycle = [doomed.pop()]
+            cycle.append(cycle)
+            del cycle
+            made_in_capture.append([[] for _ in range(1000)])  # a collection's trigger
+        return meta.build(inp)
+
+    runner = GraphRunner(build, batch_sizes=BUCKETS, device="cuda", host=meta.host)
+    runner.add_input("req_pool_indices", meta.bufs["runner.req_pool_indices"],
+                     pad=padding.SINK_ROW)  # fmt: skip
+    runner.add_input("seq_lens", meta.bufs["runner.seq_lens"], pad=fill, host_mirror=True)
+    for name, rule in DraftMetadata.OUTPUTS.items():
+        per, extra, dim = rule(cfg)
+        runner.add_output(name, per_request=per, extra=extra, dim=dim)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        runner.capture()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert made_in_capture and not doomed, "the cycle was not made inside a capture"
+    assert gc.isenabled(), "capture() left the collector off"
+    gc.collect()
+    assert dead() is None, "the old graph outlived a collection after the capture"
+    raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+    res = runner.run(12, raw, host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=False)
+    _compare(res, eager.build(raw), cfg, 12, batch.seq_lens_sum)
+    assert int(meta.bufs["status"]) == 0
