@@ -15,12 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from specmeta.runners import collector_off
+
 
 def graph_us(fn, *, rep_ms: int = 100) -> float:
     """Median device µs of one ``fn()`` call, from replays of a CUDA graph of repeated calls."""
     fn()  # warm-up: compile, autotune and allocate outside the graph
     torch.cuda.synchronize()
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    with collector_off():  # its captures, as GraphRunner.capture's
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
 
 
 @triton.jit
@@ -159,7 +162,7 @@ def _floor_calls(pointers: int, ints: int) -> dict:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         kernel[(1,)](*args)
-        with torch.cuda.graph(graph, stream=stream):
+        with collector_off(), torch.cuda.graph(graph, stream=stream):
             kernel[(1,)](*args)
     torch.cuda.synchronize()
     return {"floor_jit": lambda: kernel[(1,)](*args), "floor_run": direct,

@@ -381,7 +381,7 @@ MUTATIONS: list[Mutation] = [
     _m("p-capture-collector-on", "runner",
        "capture() leaves the cyclic collector on: a dead graph destroyed mid-capture fails it",
        "specmeta/runners/graph_runner.py",
-       "        with _collector_off():\n",
+       "        with collector_off():\n",
        "        with contextlib.nullcontext():\n",
        ["tests/runners/test_graph_runner.py", "-k", "dead_graph"],
        gpu=True),

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specmeta import probes
+from specmeta.runners import collector_off
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
@@ -241,7 +242,7 @@ def test_enabled_probes_do_not_sync_and_capture_in_a_graph(device, on):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         probes.detect_nan(x, label="x")
         probes.detect_oob(idx, 0, 8, label="idx")
     for _ in range(3):
@@ -259,7 +260,7 @@ _FAILING_REPLAY = textwrap.dedent(
     probes.detect_nan(x, label="graph input")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         probes.detect_nan(x, label="graph input")
     graph.replay()
     torch.cuda.synchronize()

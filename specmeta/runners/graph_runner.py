@@ -56,7 +56,8 @@ from .padding import check_pad, copy_pad_many
 
 _copy_pad_checked = validate.trusting(copy_pad_many)
 
-__all__ = ["GraphRunner", "StageBatch", "StaticInput", "StaticOutput", "RunResult"]
+__all__ = ["GraphRunner", "StageBatch", "StaticInput", "StaticOutput", "RunResult",
+           "collector_off"]
 
 BuildFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 HostFn = Callable[[Mapping[str, torch.Tensor]], Mapping[str, object]]
@@ -64,8 +65,17 @@ Probe = Callable[..., None]
 
 
 @contextlib.contextmanager
-def _collector_off():
-    """Python's cyclic garbage collector off in the block, back as it was after."""
+def collector_off():
+    """Python's cyclic garbage collector off in the block, back as it was after.
+
+    :meth:`GraphRunner.capture` captures under it; so should code that captures graphs of its
+    own around specmeta's builders: a collection in the middle of a capture may destroy a dead
+    object's CUDA graph (an old runner's, in a reference cycle), a call the capture forbids,
+    which invalidates the capture.
+
+    >>> with collector_off(), torch.cuda.graph(graph):
+    ...     meta = builder.draft_decode(req_pool_indices, req_to_token, seq_lens)
+    """
     was = gc.isenabled()
     gc.disable()
     try:
@@ -482,7 +492,7 @@ class GraphRunner:
         # A dead object collected during a capture may own another CUDA graph; destroying a
         # graph is a call the capture forbids, and it invalidates the capture. So the cyclic
         # collector is off while the graphs are captured; garbage waits until after.
-        with _collector_off():
+        with collector_off():
             self._capture_buckets(stream)
         torch.cuda.synchronize(self.device)  # set-up, not a build path
 

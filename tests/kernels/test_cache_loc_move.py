@@ -28,6 +28,7 @@ from specmeta.kernels.cache_loc_move import (
     move_kv_cache,
     move_kv_cache_ref,
 )
+from specmeta.runners import collector_off
 from specmeta.workloads import random_accept, random_tree_mask
 from tests.guard_bands import Guarded, GuardedPool, assert_equal
 
@@ -742,7 +743,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen):
         step()  # warm-up compiles outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         step()
     for draw in draws[1:] + draws[:1]:
         for static, new in zip((ai, al, slots), draw, strict=True):

@@ -18,6 +18,7 @@ from specmeta.kernels.draft_decode_page_tables import (
 )
 from specmeta.kernels.expand_page_table import expand_page_table
 from specmeta.kernels.prefix_page_table import prefix_page_table
+from specmeta.runners import collector_off
 from specmeta.workloads import SHAPES, make_batch
 from tests._support import check_expand_page_table_spec as _check_expand
 from tests._support import check_prefix_page_table_spec as _check_normal
@@ -295,7 +296,7 @@ def test_gpu_graph_replay_equals_eager_and_never_syncs(gen, k, ps):
         build()  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         build()
     for batch, slots in draws[1:] + draws[:1]:
         for dst, src in zip(static, (*_args(batch), slots), strict=True):

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from specmeta.launch import Launcher
+from specmeta.runners import collector_off
 
 
 @triton.jit(do_not_specialize=["plain"])
@@ -187,7 +188,7 @@ def test_gpu_direct_launch_under_a_graph_replays():
     _affine((1,), **kw)  # takes the handle
     graph = torch.cuda.CUDAGraph()
     out.zero_()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         _affine((1,), **kw)
     assert int(out.sum()) == 0, "capture runs nothing"
     graph.replay()

@@ -11,6 +11,7 @@ from specmeta import SpecConfig, allocate_buffers, new_status
 from specmeta.config import draft_pages_per_branch
 from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache_ref
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
+from specmeta.runners import collector_off
 from specmeta.workloads import SHAPES, make_batch
 from tests._support import row_width
 from tests.guard_bands import GuardedPool, assert_equal
@@ -150,7 +151,7 @@ def test_gpu_prefix_tails_in_a_graph_without_sync(gen):
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         step()
     for batch in draws[1:] + draws[:1]:
         rpi.copy_(batch.req_pool_indices)

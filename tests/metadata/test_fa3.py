@@ -10,6 +10,7 @@ import torch
 from specmeta import SpecConfig, Status, new_status, plan_buffers
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
 from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
+from specmeta.runners import collector_off
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
@@ -371,7 +372,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_batches(gen, k, ps):
         build()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         captured = build()
     ref = FA3MetadataBuilder(cfg, "cuda", reference=True)
     for batch, slots, mask in draws[1:] + draws[:1]:

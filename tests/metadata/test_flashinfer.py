@@ -9,6 +9,7 @@ import torch
 from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.runners import collector_off
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.masks import written_part
@@ -361,7 +362,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
         _all_modes(fi, rpi, r2t, sl, tree, S)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         captured = _all_modes(fi, rpi, r2t, sl, tree, S)
     for batch, t in zip(draws[1:] + draws[:1], trees[1:] + trees[:1], strict=True):
         rpi.copy_(batch.req_pool_indices)

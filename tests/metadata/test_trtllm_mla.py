@@ -11,6 +11,7 @@ from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.config import trtllm_mla_max_blocks
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.runners import collector_off
 from specmeta.testing.consumers import trtllm_mla as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch
@@ -220,7 +221,7 @@ def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
         _modes(mla, rpi, r2t, sl, S)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_off(), torch.cuda.graph(graph):
         captured = _modes(mla, rpi, r2t, sl, S)
     for batch in draws[1:] + draws[:1]:
         rpi.copy_(batch.req_pool_indices)

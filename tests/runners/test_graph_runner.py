@@ -595,6 +595,25 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
         assert _rows_past_b_hold_pads(meta, batch.batch_size, fill), batch.batch_size
 
 
+def test_collector_off_turns_the_collector_off_and_back_as_it_was():
+    import gc
+
+    from specmeta.runners import collector_off
+
+    was = gc.isenabled()
+    try:
+        for start in (True, False):
+            (gc.enable if start else gc.disable)()
+            with collector_off():
+                assert not gc.isenabled()
+            assert gc.isenabled() is start
+            with pytest.raises(RuntimeError, match="inside"), collector_off():
+                raise RuntimeError("inside")
+            assert gc.isenabled() is start, "an exception left the collector changed"
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.mark.gpu
 def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
     """An engine's old runner, dead in a reference cycle, still owns captured graphs; the
