@@ -260,7 +260,7 @@ _FAILING_REPLAY = textwrap.dedent(
     probes.detect_nan(x, label="graph input")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with collector_off(), torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # a fresh process: no garbage to collect
         probes.detect_nan(x, label="graph input")
     graph.replay()
     torch.cuda.synchronize()
