@@ -79,9 +79,11 @@ def _config(k, s, ps, max_bs=32):
                       max_bs=max_bs, max_context_len=3 * ps + 5)  # fmt: skip
 
 
-def _runner(cfg, device, req_to_token, fill, buckets=BUCKETS):
+def _runner(cfg, device, req_to_token, fill, buckets=BUCKETS, wrap=None):
+    """The draft-metadata runner; ``wrap(build)``, when given, is the build it captures."""
     meta = DraftMetadata(cfg, device, req_to_token)
-    runner = GraphRunner(meta.build, batch_sizes=buckets, device=device, host=meta.host)
+    build = meta.build if wrap is None else wrap(meta.build)
+    runner = GraphRunner(build, batch_sizes=buckets, device=device, host=meta.host)
     rows = req_to_token.shape[0]
     runner.add_input("req_pool_indices", meta.bufs["runner.req_pool_indices"],
                      pad=padding.SINK_ROW,
@@ -628,7 +630,7 @@ def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
     fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
     batch = _draw("random", 12, cfg, gen, "cuda")
     r2t = batch.req_to_token.clone()
-    meta, eager = DraftMetadata(cfg, "cuda", r2t), DraftMetadata(cfg, "cuda", r2t)
+    eager = DraftMetadata(cfg, "cuda", r2t)
     x = torch.zeros(1, device="cuda")
     old = torch.cuda.CUDAGraph()
     with torch.cuda.graph(old):
@@ -637,21 +639,18 @@ def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
     del old
     made_in_capture = []
 
-    def build(inp):
-        if doomed and torch.cuda.is_current_stream_capturing():
-            cycle = [doomed.pop()]
-            cycle.append(cycle)
-            del cycle
-            made_in_capture.append([[] for _ in range(1000)])  # a collection's trigger
-        return meta.build(inp)
+    def wrap(build):
+        def making_a_cycle(inp):
+            if doomed and torch.cuda.is_current_stream_capturing():
+                cycle = [doomed.pop()]
+                cycle.append(cycle)
+                del cycle
+                made_in_capture.append([[] for _ in range(1000)])  # a collection's trigger
+            return build(inp)
 
-    runner = GraphRunner(build, batch_sizes=BUCKETS, device="cuda", host=meta.host)
-    runner.add_input("req_pool_indices", meta.bufs["runner.req_pool_indices"],
-                     pad=padding.SINK_ROW)  # fmt: skip
-    runner.add_input("seq_lens", meta.bufs["runner.seq_lens"], pad=fill, host_mirror=True)
-    for name, rule in DraftMetadata.OUTPUTS.items():
-        per, extra, dim = rule(cfg)
-        runner.add_output(name, per_request=per, extra=extra, dim=dim)
+        return making_a_cycle
+
+    runner, meta = _runner(cfg, "cuda", r2t, fill, wrap=wrap)
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
