@@ -450,9 +450,9 @@ class GraphRunner:
 
         Each bucket is captured on all-padding inputs (a valid batch of padded requests), largest
         first, after a warm-up run that compiles the kernels outside the capture. Python's
-        cyclic garbage collector is off while the graphs are captured: an old graph destroyed
-        by a collection in the middle of a capture would invalidate it. Without
-        graphs this only freezes the layout: the build runs on every call.
+        cyclic garbage collector is off while the graphs are captured (:func:`collector_off`):
+        an old graph destroyed by a collection in the middle of a capture would invalidate it.
+        Without graphs this only freezes the layout: the build runs on every call.
         """
         if self._layout is not None:
             raise ValueError("capture() was already called")
