@@ -97,7 +97,7 @@ class TypePatterns:
         for fn in self._fns:
             try:
                 return fn(*args)
-            except (OtherTypes, TypeError):  # other types, or another number of arguments
+            except (OtherTypes, TypeError, AttributeError):  # other types, or arity
                 continue
         if len(self._fns) < self._size:
             fn = self._write(args, len(self._fns))
@@ -106,53 +106,200 @@ class TypePatterns:
         return self._generic(*args)
 
 
+class Key:
+    """A :class:`Signer` key: one signature, compared and hashed by identity (one C slot each,
+    where a tuple of every tensor's metadata hashes element by element). A signer hands out
+    one :class:`Key` per distinct signature, so equal keys are the same object."""
+
+    __slots__ = ("signature",)
+
+    def __init__(self, signature: tuple) -> None:
+        self.signature = signature
+
+    def __repr__(self) -> str:
+        return f"Key{self.signature!r}"
+
+
+def _tensor_guards():
+    """torch's C++ tensor guard (``torch._C._dynamo.guards.TensorGuards``, what a compiled
+    function checks its tensors with on every call) when it behaves here as :class:`Signer`
+    needs, else None. It is private to torch, so it is tried once, on known answers: a guard
+    made from a tensor passes the same tensor and an equal one, and fails another shape,
+    another stride order, another dtype and another device."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        def make(*ts):
+            return TensorGuards(
+                *ts,
+                dynamic_dims_sizes=[list(t.shape) for t in ts],
+                dynamic_dims_strides=[list(t.stride()) for t in ts],
+            ).check
+
+        x = torch.zeros(2, 3, dtype=torch.int32)
+        check = make(x, x[0])
+        if (
+            check(x, x[1])
+            and check(torch.ones(2, 3, dtype=torch.int32), x[0])
+            and not check(x[:1], x[0])
+            and not check(x.t(), x[0])
+            and not check(x.long(), x[0])
+            and not check(x, x[0, :2])
+            and not check(x, x)
+            and not make(torch.zeros(1, device="meta"))(torch.zeros(1))
+        ):
+            return make
+    except Exception:  # noqa: BLE001 - any failure means: use the Python keys
+        pass
+    return None
+
+
+_GUARD = _tensor_guards()
+
+
 class Signer(TypePatterns):
     """A key of ``(head, *args)`` as selective as :func:`signature` of ``args``, made by
     straight-line code written for the argument types of one call site's calls.
 
-    For each pattern of argument types (up to four) it writes one function that reads, per
-    tensor, its address, shape, strides and dtype (and its device when the address is 0: a
-    non-zero address names one device, host and CUDA memory sharing one address space), and per
-    other slot its value, into one flat tuple headed by the pattern. Keys of different patterns
-    never meet; a pattern past the fourth takes :func:`signature`. ``head`` (hashable) leads
-    every key.
+    For each pattern of argument types (up to four) it writes one function. Where torch's C++
+    tensor guard is available (:func:`_tensor_guards`), that function reads, per tensor, only
+    its address (its device when the address is 0: a non-zero address names one device, host
+    and CUDA memory sharing one address space), and per other slot its value; the tensors'
+    shapes, strides and dtypes, which a key of the same addresses once had, are then compared
+    by the guard stored with it, in one C call (up to :attr:`WAYS` such entries per address,
+    newest first), and the key is a :class:`Key`, the same object for the same signature.
+    Otherwise the key is the full signature tuple: address, shape, strides and dtype per
+    tensor, read in Python. Keys of different patterns never meet; a pattern past the fourth
+    takes :func:`signature`. ``head`` (hashable) leads every key.
+
+    Parameters
+    ----------
+    guarded : bool
+        Use torch's tensor guard where it is available (default); ``False``: the Python reads.
     """
 
-    __slots__ = ()
+    __slots__ = ("_keys", "_table", "_guard")
 
-    def __init__(self) -> None:
-        super().__init__(_signer, _generic_signature)
+    #: Shapes, strides and dtypes remembered per address key (a batch's views keep their
+    #: address while the batch size changes).
+    WAYS = 8
+    #: Distinct signatures kept; past that the signer starts again (its old keys stay valid
+    #: keys that no call returns any more).
+    SIZE = 4096
+
+    def __init__(self, guarded: bool = True) -> None:
+        self._keys: dict = {}  # signature -> Key
+        self._table: dict = {}  # address key -> [(Key, guard check), ...], newest first
+        self._guard = _GUARD if guarded else None
+        write = _guarded_signer if self._guard is not None else _signer
+        super().__init__(lambda args, pattern: write(args, pattern, self), self._generic_key)
+
+    def key(self, signature: tuple) -> Key:
+        """The :class:`Key` of ``signature``."""
+        found = self._keys.get(signature)
+        if found is None:
+            if len(self._keys) >= self.SIZE:
+                self._keys.clear()
+                self._table.clear()
+            found = self._keys[signature] = Key(signature)
+        return found
+
+    @staticmethod
+    def _generic_key(head: object, *args: object) -> tuple:
+        return ("generic", head, *signature(*args))
+
+    def _miss(self, address: tuple, tensors: tuple, full, args: tuple) -> Key:
+        """The key of a call whose address key has no entry whose guard passes: an older
+        entry of the address, or the full signature, with a guard made for it."""
+        entries = self._table.get(address)
+        if entries is not None:
+            for i in range(1, len(entries)):
+                if entries[i][1](*tensors):
+                    entries.insert(0, entries.pop(i))
+                    return entries[0][0]
+        key = self.key(full(*args))
+        entries = self._table.setdefault(address, [])
+        entries.insert(0, (key, self._guard(*tensors)))
+        del entries[self.WAYS :]
+        return key
 
 
-def _generic_signature(head: object, *args: object) -> tuple:
-    return ("generic", head, *signature(*args))
-
-
-def _signer(args: tuple, pattern: int):
-    """The key function of :class:`Signer` for the types of ``args`` (``head`` first; see
-    there)."""
-    args = args[1:]
-    names = [f"a{i}" for i in range(len(args))]
+def _parts(names: list, args: tuple, pattern: int, *, shapes: bool) -> tuple[list, list]:
+    """``(guards, parts)`` of a :class:`Signer` key function: the type tests of a call's
+    arguments and the key's entries (per tensor its address, and with ``shapes`` its shape,
+    strides and dtype; per other slot its value)."""
     guards, parts = [], [repr(f"pattern{pattern}"), "head"]
     for a, v in zip(names, args, strict=True):
         if isinstance(v, torch.Tensor):
-            guards.append(f"not isinstance({a}, _Tensor)")
-            parts += [f"{a}.data_ptr() or {a}.device", f"{a}.shape", f"{a}.stride()", f"{a}.dtype"]
+            # Without shapes, another type in a tensor slot fails the guard (or has no
+            # data_ptr) and reaches the full signature, which tests the type.
+            if shapes:
+                guards.append(f"not isinstance({a}, _Tensor)")
+            parts.append(f"{a}.data_ptr() or {a}.device")
+            if shapes:
+                parts += [f"{a}.shape", f"{a}.stride()", f"{a}.dtype"]
         elif v is None:
             guards.append(f"{a} is not None")
         elif v.__class__ in (int, str):
             guards.append(f"{a}.__class__ is not {v.__class__.__name__}")
             parts.append(a)
         else:
-            guards.append(f"({a}.__class__ is int or isinstance({a}, (_Tensor, str)) or {a} is None)")
+            guards.append(
+                f"({a}.__class__ is int or isinstance({a}, (_Tensor, str)) or {a} is None)"
+            )
             parts += [f"{a}.__class__", a]
+    return guards, parts
+
+
+def _written(src: str, name: str, scope: dict):
+    """The function ``name`` defined by ``src`` in ``scope``."""
+    exec(src, scope)  # noqa: S102 - code written by _parts from a call's argument types
+    return scope[name]
+
+
+def _full_signature(args: tuple, pattern: int) -> tuple[str, str, dict]:
+    """``(source, name, scope)`` of a pattern's function ``full(head, *args)``: its full
+    signature tuple (address, shape, strides and dtype per tensor, every other slot's
+    value)."""
+    names = [f"a{i}" for i in range(len(args))]
+    guards, parts = _parts(names, args, pattern, shapes=True)
     body = f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else ""
-    src = f"def key(head, {', '.join(names)}):\n{body}    return ({', '.join(parts)},)\n"
-    if not names:
-        src = f"def key(head):\n    return ({', '.join(parts)},)\n"
-    scope = {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes}
-    exec(src, scope)  # noqa: S102 - code written above from the argument types
-    return scope["key"]
+    src = f"def full({', '.join(['head', *names])}):\n{body}    return ({', '.join(parts)},)\n"
+    return src, "full", {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes}
+
+
+def _signer(args: tuple, pattern: int, signer: Signer):
+    """The key function of a :class:`Signer` without the tensor guard: the full signature,
+    read in Python."""
+    del signer
+    return _written(*_full_signature(args[1:], pattern))
+
+
+def _guarded_signer(args: tuple, pattern: int, signer: Signer):
+    """The key function of a :class:`Signer` with the tensor guard: the address key read in
+    Python, the shapes, strides and dtypes compared by the newest entry's guard."""
+    args = args[1:]
+    names = [f"a{i}" for i in range(len(args))]
+    guards, parts = _parts(names, args, pattern, shapes=False)
+    tensors = [a for a, v in zip(names, args, strict=True) if isinstance(v, torch.Tensor)]
+    if not tensors:  # nothing for a guard to compare: the address key is the signature
+        return _signer((None, *args), pattern, signer)
+    listed = ", ".join(tensors) + ("," if len(tensors) == 1 else "")
+    every = ", ".join(["head", *names])
+    src = (
+        f"def sign({every}):\n"
+        + (f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else "")
+        + f"    address = ({', '.join(parts)},)\n"
+        + "    entries = _table.get(address)\n"
+        + "    if entries is not None:\n"
+        + "        key, check = entries[0]\n"
+        + f"        if check({', '.join(tensors)}):\n"
+        + "            return key\n"
+        + f"    return _miss(address, ({listed}), _full, ({every},))\n"
+    )
+    scope = {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes, "_table": signer._table,
+             "_miss": signer._miss, "_full": _written(*_full_signature(args, pattern))}  # fmt: skip
+    return _written(src, "sign", scope)
 
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:

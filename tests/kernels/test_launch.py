@@ -399,13 +399,14 @@ def test_gpu_builder_plans_follow_new_device_values(gen, backend, mode, k, ps):
     assert int(real.status) == 0
 
 
-def test_signer_keys_separate_types_patterns_and_arity():
+@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
+def test_signer_keys_separate_types_patterns_and_arity(guarded):
     """A Signer's keys are as selective as validate.signature: per argument-type pattern (a
     tensor, an int, None, a bool in a slot), past its fourth pattern too, and for another
     number of arguments."""
     from specmeta import validate
 
-    sign = validate.Signer()
+    sign = validate.Signer(guarded=guarded)
     x = torch.arange(6)
     calls = [
         (x, 3, None),
@@ -423,3 +424,40 @@ def test_signer_keys_separate_types_patterns_and_arity():
     assert [sign("head", *c) for c in calls] == keys, "the same call, the same key"
     assert sign("other", *calls[0]) != keys[0], "the head leads the key"
     assert sign("head", x.clone(), 3, None) != keys[0], "another address"
+
+
+def test_torch_tensor_guard_is_available():
+    """The signers' fast path: torch's C++ tensor guard answers the known cases
+    (validate._tensor_guards) on the torch this runs on; without it every key reads each
+    tensor's shape, strides and dtype in Python."""
+    from specmeta import validate
+
+    assert validate._GUARD is not None, f"torch {torch.__version__}: TensorGuards unusable"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
+def test_signer_keys_views_of_one_address_apart(guarded):
+    """Views that share an address (a batch's slices as B changes, a reshaped or
+    reinterpreted buffer) get keys as different as their signatures, past the WAYS entries
+    an address remembers too; a signature seen before gets the same Key object back."""
+    from specmeta import validate
+
+    sign = validate.Signer(guarded=guarded)
+    buf = torch.arange(64, dtype=torch.int32)
+    other = torch.zeros(8, dtype=torch.int64)
+    views = [buf[:n] for n in range(1, validate.Signer.WAYS + 4)]
+    views += [buf.view(8, 8), buf.view(8, 8).t(), buf.view(4, 16), buf.view(torch.float32),
+              buf.view(torch.int64), buf.view(2, 32)[:, :16]]  # fmt: skip
+    expected = [validate.signature(v, other) for v in views]
+    assert len(set(expected)) == len(views), "the cases must differ in their signatures"
+    keys = [sign("head", v, 3, other) for v in views]
+    assert len(set(keys)) == len(views), keys
+    again = [sign("head", v, 3, other) for v in reversed(views)]
+    assert again == keys[::-1], "the same signature, an equal key"
+    fresh = [sign("head", buf[:n], 3, other) for n in (1, 2, 3)]  # new view objects
+    assert fresh == keys[:3]
+    if guarded:
+        assert all(f is k for f, k in zip(fresh, keys[:3], strict=True)), "one Key each"
+    assert sign("head", buf[:3], 3, other.clone()) != keys[2], "another address"
+    assert sign("head", buf[:3], 4, other) != keys[2], "another integer"
+    assert sign("head", buf[:3], True, other) != sign("head", buf[:3], 1, other), "a bool"
