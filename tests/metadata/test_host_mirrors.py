@@ -96,3 +96,26 @@ def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, ge
                 assert_equal(host, want, f"B={B} {ring}: the previous build's mirror {i}")
             previous[ring] = [(host, dev.cpu().clone()) for host, dev in pairs]
     assert int(fi.status) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 8])
+def test_gpu_a_set_is_never_rewritten_while_its_copy_waits_on_the_stream(depth):
+    """A host far ahead of its device: the stream is held busy, then every build writes its
+    own value into the ring's next set and queues a non-blocking copy of it (what ``plan()``
+    does), for three rounds of the ring. Each copy must read its own build's value: the ring
+    makes the host wait before it reuses a set whose copy has not run yet."""
+    ring = HostMirrorRing({"a": BufferSpec((4096,), torch.int32, "a")}, depth,
+                          torch.device("cuda"))  # fmt: skip
+    builds = 3 * depth + 2
+    copies = torch.full((builds, 4096), -1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(100e6))  # about 100 ms at 1 GHz or more: every copy queues behind
+    for i in range(builds):
+        host = ring.next()["a"]
+        host.fill_(i)
+        copies[i].copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    got = copies[:, 0].tolist()
+    assert got == list(range(builds)), f"depth {depth}: build i's copy read {got}"
+    assert bool((copies == copies[:, :1]).all()), "every copy whole"
