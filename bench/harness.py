@@ -144,7 +144,7 @@ def host_us(fn, *, calls: int = 2000, repeats: int = 5) -> float:
 
 
 @functools.cache
-def _floor_calls(pointers: int, ints: int) -> dict:
+def floor_calls(pointers: int, ints: int) -> dict:
     """The three floor launches of an empty kernel with this many pointer and integer
     arguments, as callables (see :func:`host_floors`)."""
     kernel = _empty_kernel_with(pointers, ints)
@@ -179,34 +179,41 @@ def host_floors(pointers: int = 8, ints: int = 12) -> dict:
       and the raw stream fetched by one C call;
     * ``floor_graph``: a bare CUDA graph replay of one such launch.
     """
-    floors = {name: round(host_us(fn), 2) for name, fn in _floor_calls(pointers, ints).items()}
+    floors = {name: round(host_us(fn), 2) for name, fn in floor_calls(pointers, ints).items()}
     return {**floors, "floor_args": f"{pointers}p+{ints}i"}
 
 
-def paired_host_us(fn, pointers: int = 8, ints: int = 12, *, rounds: int = 15,
-                   calls: int = 200) -> dict:  # fmt: skip
-    """``host_paired_us`` of ``fn()`` and the ``floor_run`` and ``floor_graph`` of an empty kernel with
-    this many arguments, timed in alternating rounds of ``calls`` back-to-back calls (medians
-    over ``rounds``): a host whose speed drifts during a run moves a call and its floors
-    together, so their ratio holds. ``floor_jit`` comes from :func:`host_floors`."""
+def alternating_us(fns: dict, *, rounds: int = 15, calls: int = 200) -> dict:
+    """Median host µs per call of each of ``fns`` (name -> callable), timed in alternating
+    rounds of ``calls`` back-to-back calls: a host whose speed drifts during a run moves them
+    all together, so their ratios hold."""
     import statistics
     import time
 
-    timed = {"host_paired_us": fn, **{k: v for k, v in _floor_calls(pointers, ints).items()
-                               if k != "floor_jit"}}  # fmt: skip
-    for f in timed.values():
+    for f in fns.values():
         for _ in range(50):
             f()
     torch.cuda.synchronize()
-    times: dict = {name: [] for name in timed}
+    times: dict = {name: [] for name in fns}
     for _ in range(rounds):
-        for name, f in timed.items():
+        for name, f in fns.items():
             start = time.perf_counter()
             for _ in range(calls):
                 f()
             times[name].append(1e6 * (time.perf_counter() - start) / calls)
             torch.cuda.synchronize()
-    out = {name: round(statistics.median(t), 2) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def paired_host_us(fn, pointers: int = 8, ints: int = 12, *, rounds: int = 15,
+                   calls: int = 200) -> dict:  # fmt: skip
+    """``host_paired_us`` of ``fn()`` and the ``floor_run`` and ``floor_graph`` of an empty kernel
+    with this many arguments, timed in alternating rounds (:func:`alternating_us`).
+    ``floor_jit`` comes from :func:`host_floors`."""
+    timed = {"host_paired_us": fn, **{k: v for k, v in floor_calls(pointers, ints).items()
+                               if k != "floor_jit"}}  # fmt: skip
+    medians = alternating_us(timed, rounds=rounds, calls=calls)
+    out = {name: round(t, 2) for name, t in medians.items()}
     out["floor_jit"] = host_floors(pointers, ints)["floor_jit"]
     out["floor_args"] = f"{pointers}p+{ints}i"
     return out

@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import _floor_calls  # noqa: E402
+from bench.harness import alternating_us, floor_calls  # noqa: E402
 from specmeta.workloads import make_batch, random_tree_mask  # noqa: E402
 
 S, N, CTX = 5, 16, 4096
@@ -129,22 +127,6 @@ def calls(pkg, bs: int, k: int, ps: int, batch, tree) -> dict:
     return out
 
 
-def timed(fns: dict, rounds: int, n: int) -> dict:
-    for f in fns.values():
-        for _ in range(50):
-            f()
-    torch.cuda.synchronize()
-    times: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, f in fns.items():
-            start = time.perf_counter()
-            for _ in range(n):
-                f()
-            times[name].append(1e6 * (time.perf_counter() - start) / n)
-            torch.cuda.synchronize()
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="path of the other package's specmeta/ folder")
@@ -167,8 +149,9 @@ def main() -> None:
         tree = random_tree_mask(bs, k, S, N, g).cuda()
         old, new = calls(before, bs, k, ps, batch, tree), calls(specmeta, bs, k, ps, batch, tree)
         for name, (fn, launches, budget, args) in new.items():
-            floor = _floor_calls(*args)["floor_run"]
-            t = timed({"floor": floor, "before": old[name][0], "now": fn}, opts.rounds, opts.calls)
+            floor = floor_calls(*args)["floor_run"]
+            t = alternating_us({"floor": floor, "before": old[name][0], "now": fn},
+                               rounds=opts.rounds, calls=opts.calls)  # fmt: skip
             over = {w: t[w] - launches * t["floor"] for w in ("before", "now")}
             print(f"| {name} | {bs}-{k}-{ps} | {launches} | {t['floor']:.2f} | "
                   f"{t['before']:.2f} ({over['before']:+.2f}) | {t['now']:.2f} "
