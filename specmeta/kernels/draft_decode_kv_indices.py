@@ -500,8 +500,8 @@ class DraftDecodeIndptr:
     ``kv_indptr[s, z] = base[z] + z·(s + 1)`` (design §2.2), ``base`` the offsets of the
     prefixes alone: ``K·Σ_{b'<b} L_b' + t·L_b``, the cumulative sum of every branch's prefix
     length. The table ``z·(s + 1)`` and the branch-to-request index are made here, so a call
-    is three torch ops into buffers made before; the FlashInfer host mirrors make one on every
-    build.
+    is three torch ops in one dtype into buffers made before; the FlashInfer host mirrors make
+    one on every build.
 
     Parameters
     ----------
@@ -510,7 +510,8 @@ class DraftDecodeIndptr:
     max_rows, max_batch : int
         The most step rows and requests a call writes.
     dtype : torch.dtype
-        The integer dtype of the offsets written (a narrower one wraps as the kernel's stores do).
+        The integer dtype of the lengths read and the offsets written (int32 wraps as the
+        kernel's int32 stores do: the sums are the same modulo 2**32).
     device : torch.device or str
         Where the lengths, and the offsets written, live.
     """
@@ -527,34 +528,33 @@ class DraftDecodeIndptr:
         steps = torch.arange(1, max_rows + 1, dtype=dtype, device=device).view(-1, 1)
         self._ramp = steps * z  # [max_rows, B·K + 1]: z·(s + 1)
         self._branch_request = torch.arange(lists, device=device) // topk  # z → b
-        self._lists = torch.empty(lists, dtype=torch.int64, device=device)
+        self._lists = torch.empty(lists, dtype=dtype, device=device)
         self._base = torch.zeros(lists + 1, dtype=dtype, device=device)  # entry 0 stays 0
         self._topk, self._dtype, self._device = topk, dtype, torch.device(device)
         self._max = (max_rows, max_batch)
         self._views: dict[tuple, tuple] = {}
 
     def __call__(self, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write the offsets of ``seq_lens`` (``[B]`` int64, every value ≥ 0; the values are
-        not checked) into ``out``, ``[rows, B·K + 1]`` of this object's dtype and device (the
-        caller's view of its own buffer, ``B`` and ``rows`` within the maxima), and return
-        ``out``. Shapes and dtypes are checked the first time they are seen, before anything
-        is written."""
+        """Write the offsets of ``seq_lens`` (``[B]`` of this object's dtype and device, every
+        value ≥ 0; the values are not checked) into ``out``, ``[rows, B·K + 1]`` of this
+        object's dtype and device (the caller's view of its own buffer, ``B`` and ``rows``
+        within the maxima), and return ``out``. Shapes and dtypes are checked the first time
+        they are seen, before anything is written."""
         key = (seq_lens.shape, seq_lens.dtype, out.shape, out.dtype)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = self._views_for(seq_lens, out)
-        branch_request, lists, tail, base, ramp = views
-        torch.index_select(seq_lens, 0, branch_request, out=lists)  # each branch's L_b
-        torch.cumsum(lists, 0, dtype=tail.dtype, out=tail)
-        return torch.add(base, ramp, out=out)
+            validate.tensor("seq_lens", seq_lens, dtypes=(self._dtype,), ndim=1,
+                            device=self._device, contiguous_last=False)  # fmt: skip
+            views = self._views[key] = self.bind(seq_lens.shape[0], out)
+        return self.write(views, seq_lens, out)
 
-    def _views_for(self, seq_lens: torch.Tensor, out: torch.Tensor) -> tuple:
-        """The views of the constants a call of these shapes reads, after checking them."""
-        validate.tensor("seq_lens", seq_lens, dtypes=(torch.int64,), ndim=1,
-                        device=self._device, contiguous_last=False)  # fmt: skip
+    def bind(self, batch: int, out: torch.Tensor) -> tuple:
+        """The views a call of ``batch`` requests into ``out`` reads, after checking ``out``:
+        a caller that writes into the same view on every call binds it once and passes the
+        views to :meth:`write`."""
         validate.tensor("out", out, dtypes=(self._dtype,), ndim=2, device=self._device,
                         contiguous_last=False)  # fmt: skip
-        (rows, B), (max_rows, max_batch) = (out.shape[0], seq_lens.shape[0]), self._max
+        (rows, B), (max_rows, max_batch) = (out.shape[0], batch), self._max
         if B > max_batch or rows > max_rows:
             raise ValueError(
                 f"DraftDecodeIndptr: {B} requests and {rows} rows, over the {max_batch} and "
@@ -575,6 +575,16 @@ class DraftDecodeIndptr:
             self._ramp[:rows, : n + 1],
         )
 
+    @staticmethod
+    def write(views: tuple, seq_lens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The three ops of a call into the ``out`` that :meth:`bind` made ``views`` for;
+        ``seq_lens`` is ``[B]`` of the rule's dtype (``index_select`` refuses another dtype
+        or a shorter tensor)."""
+        branch_request, lists, tail, base, ramp = views
+        torch.index_select(seq_lens, 0, branch_request, out=lists)  # each branch's L_b
+        torch.cumsum(lists, 0, out=tail)
+        return torch.add(base, ramp, out=out)
+
 
 def draft_decode_kv_indptr(
     seq_lens: torch.Tensor, topk: int, rows: int, out: torch.Tensor | None = None
@@ -587,7 +597,8 @@ def draft_decode_kv_indptr(
     B = L.shape[0]
     validate.positive("topk", topk)
     offsets = offsets_out(out, rows, B * topk, L.device)
-    return DraftDecodeIndptr(topk, rows, B, offsets.dtype, L.device)(L, offsets)
+    rule = DraftDecodeIndptr(topk, rows, B, offsets.dtype, L.device)
+    return rule(L.to(offsets.dtype), offsets)  # int32 sums wrap as int64 ones cast would
 
 
 # same shape as draft_decode_kv_indices: a ref takes its launcher's args (style §1)

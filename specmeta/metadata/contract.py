@@ -37,7 +37,7 @@ import torch
 from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..launch import LaunchPlans, recording
-from .inputs import BuildInputs, check_build_tensors, check_num_rows, host_lengths
+from .inputs import BuildInputs, LengthTable, check_build_tensors, check_num_rows, host_lengths
 
 __all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
 
@@ -121,6 +121,10 @@ class MetadataBuilder:
     status : torch.Tensor
         ``int32 [1]``: the word every call reports into unless given another (read it with
         :func:`specmeta.check_status`, which syncs).
+    length_tables : dict of str to LengthTable
+        The modes whose ``seq_lens_cpu`` values are checked by a gather that also gives the
+        lengths their mirrors sum (:class:`.inputs.LengthTable`); empty unless a subclass
+        fills it. The other modes check them by reduction and read ``max L``.
     """
 
     #: The plan's key prefix of this backend, e.g. ``"fa3."``.
@@ -148,6 +152,7 @@ class MetadataBuilder:
         self._checked: set = set()  # input keys (self._sign) whose tensor checks passed
         self._sign = validate.Signer()
         self._launch_plans = LaunchPlans()
+        self.length_tables: dict[str, LengthTable] = {}
 
     # -- what the builder allocates -----------------------------------------------------------
     @classmethod
@@ -247,7 +252,8 @@ class MetadataBuilder:
                 if len(self._checked) >= 4096:
                     self._checked.clear()
                 self._checked.add(key)
-        inputs = host_lengths(where, self.cfg, req_pool_indices.shape[0], seq_lens_cpu)
+        inputs = host_lengths(where, self.cfg, req_pool_indices.shape[0], seq_lens_cpu,
+                              self.length_tables.get(mode))  # fmt: skip
         inputs.key = key
         return inputs
 

@@ -46,6 +46,7 @@ from ..kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .host_mirrors import HostMirrorRing
+from .inputs import LengthTable
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -320,6 +321,11 @@ class FlashInferBuilder(MetadataBuilder):
                 UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
         if "draft_decode" in groups:  # the torch rule of its host mirror, constants made once
             self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
+        # seq_lens_cpu's values are checked by the gather that gives the mirrors their lengths
+        # as int32: L for the draft modes, L + N for the prefill modes, whose lists hold L + N.
+        tables = {0: LengthTable(cfg.max_context_len, bs), n: LengthTable(cfg.max_context_len, bs, n)}
+        for mode in self.modes:
+            self.length_tables[mode] = tables[n if mode in ("target_verify", "draft_extend") else 0]
         if "draft_decode_shared" in groups:
             # The chain level's offsets do not depend on the batch: z·(s + 1).
             z = torch.arange(bs * k + 1, dtype=torch.int32)
@@ -361,7 +367,7 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode", num_rows)
         inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.seq_lens_cpu
+        B, lens = inputs.batch, inputs.checked
         K = cfg.topk
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._draft_kv(
@@ -379,12 +385,14 @@ class FlashInferBuilder(MetadataBuilder):
         result, host_out = self.result(("draft_decode", B, rows, slot),
                                        lambda: self._draft_decode_result(B, rows, host))  # fmt: skip
         if host_out is not None:
-            self._draft_indptr(lens, host_out)
+            views, out = host_out
+            DraftDecodeIndptr.write(views, lens, out)
         return result
 
     def _draft_decode_result(self, B: int, rows: int, host: torch.Tensor | None):
-        """The result of ``B`` requests and ``rows`` steps, and the view of the ring's set that
-        its host mirror is written into (``None`` without one)."""
+        """The result of ``B`` requests and ``rows`` steps, and ``(views, out)`` of its host
+        mirror's rule: ``out`` the view of the ring's set it is written into (``None``
+        without one)."""
         buf, K = self.buffers, self.cfg.topk
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
         ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
@@ -399,7 +407,10 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )
-        return FlashInferDraftDecode(steps), None if host is None else host[:rows, : B * K + 1]
+        if host is None:
+            return FlashInferDraftDecode(steps), None
+        out = host[:rows, : B * K + 1]
+        return FlashInferDraftDecode(steps), (self._draft_indptr.bind(B, out), out)
 
     def draft_decode_shared_prefix(
         self,
@@ -421,7 +432,7 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode_shared_prefix", num_rows)
         inputs = self.check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
                              seq_lens, seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.seq_lens_cpu
+        B, lens = inputs.batch, inputs.checked
         K, mode = cfg.topk, "draft_decode_shared"
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._shared_kv(
@@ -443,7 +454,7 @@ class FlashInferBuilder(MetadataBuilder):
                                          lambda: self._shared_result(B, rows, prefix_host))
         if prefix_out is not None:
             # Entry 0 stays the zero the ring's buffers were allocated with.
-            torch.cumsum(lens, 0, dtype=torch.int32, out=prefix_out)
+            torch.cumsum(lens, 0, out=prefix_out)
         return result
 
     def _shared_result(self, B, rows, prefix_host):
@@ -504,7 +515,7 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode_paged", num_rows)
         inputs = self.check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.seq_lens_cpu
+        B, lens = inputs.batch, inputs.checked
         K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
         if launch:
             self._branch_kv(
@@ -557,10 +568,11 @@ class FlashInferBuilder(MetadataBuilder):
         ring = self._mirrors[mode]
         return ring.next(), ring.slot
 
-    def _prefill_indptr(self, lens, tail):
-        """``kv_indptr_host[1 : B + 1] = cumsum(L + N)`` into ``tail``; entry 0 stays the zero
-        the ring's buffers were allocated with."""
-        torch.cumsum(lens + self.cfg.num_draft_tokens, 0, dtype=torch.int32, out=tail)
+    @staticmethod
+    def _prefill_indptr(inputs, tail):
+        """``kv_indptr_host[1 : B + 1] = cumsum(L + N)`` into ``tail`` (the mode's length table
+        gave ``L + N``); entry 0 stays the zero the ring's buffers were allocated with."""
+        torch.cumsum(inputs.checked, 0, out=tail)
 
     def target_verify(
         self,
@@ -622,7 +634,7 @@ class FlashInferBuilder(MetadataBuilder):
         result, kv_tail, mask_tail = self.result(("target_verify", B, packed, slot),
                                                  lambda: self._verify_result(B, form, mirrors))
         if kv_tail is not None:
-            self._prefill_indptr(inputs.seq_lens_cpu, kv_tail)
+            self._prefill_indptr(inputs, kv_tail)
             # Element offsets in both forms (the packed segments start there, read as bytes):
             # request i's mask is N × (L_i + N) elements, so mask_indptr = N · kv_indptr.
             torch.mul(kv_tail, n, out=mask_tail)
@@ -679,7 +691,7 @@ class FlashInferBuilder(MetadataBuilder):
         result, kv_tail = self.result(("draft_extend", B, slot),
                                       lambda: self._extend_result(B, mirrors))  # fmt: skip
         if kv_tail is not None:
-            self._prefill_indptr(inputs.seq_lens_cpu, kv_tail)
+            self._prefill_indptr(inputs, kv_tail)
         return result
 
     def _extend_result(self, B, mirrors):

@@ -16,12 +16,14 @@ Every message names the builder call, the argument, the value it got and the fix
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["BuildInputs", "check_build_tensors", "check_num_rows", "host_lengths"]
+__all__ = ["BuildInputs", "LengthTable", "check_build_tensors", "check_num_rows", "host_lengths"]
 
 
 class BuildInputs:
@@ -34,20 +36,26 @@ class BuildInputs:
     seq_lens_cpu : torch.Tensor or None
         ``[B]`` int64 copy of the engine's CPU mirror, or ``None`` when it was not given.
     high : int or None
-        ``max L`` of the CPU mirror (0 for an empty batch), or ``None`` without it.
+        ``max L`` of the CPU mirror (0 for an empty batch); ``None`` without it, or when a
+        :class:`LengthTable` checked the values (the mode reads no maximum).
+    checked : torch.Tensor or None
+        ``[B]`` int32 on the CPU, ``seq_lens_cpu + shift`` from the builder's
+        :class:`LengthTable` of the mode, which checked every value; ``None`` for a mode
+        without a table (then ``high`` is set) or without ``seq_lens_cpu``.
     key : tuple or None
         What the tensor checks read (:func:`specmeta.validate.signature` of the tensors and the
         mode), set by the builder: a build whose launches depend on nothing else replays them
         for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
     """
 
-    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key")
+    __slots__ = ("batch", "seq_lens_cpu", "high", "checked", "_sum", "_values", "key")
 
     def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None,
-                 values: list[int] | None = None):  # fmt: skip
+                 values: list[int] | None = None, checked: torch.Tensor | None = None):  # fmt: skip
         self.batch = batch
         self.seq_lens_cpu = seq_lens_cpu
         self.high = high
+        self.checked = checked
         self._sum: int | None = None
         self._values = values  # the lengths as Python ints, for a small batch
         self.key: tuple | None = None
@@ -213,23 +221,77 @@ def check_build_tensors(
     return B
 
 
+class LengthTable:
+    """The value check of ``seq_lens_cpu`` as one gather, for a mode whose host mirrors are
+    sums of lengths (FlashInfer's index pointers).
+
+    ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
+    ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so
+    the one call both checks every length against both bounds and returns the lengths, plus
+    ``shift``, as int32: the form the mirrors sum. That is one CPU op where a check by
+    reduction and a conversion for the sums are two or three, each a microsecond or more.
+    The table costs 4 bytes a position of ``max_len + shift``; tables of one size are shared.
+
+    Parameters
+    ----------
+    max_len : int
+        The plan's ``max_context_len``.
+    max_batch : int
+        The plan's ``max_bs``: the gathered lengths go into a buffer of that size.
+    shift : int
+        Added to every length (``N`` for the prefill modes, whose lists hold ``L + N``).
+    """
+
+    def __init__(self, max_len: int, max_batch: int, shift: int = 0):
+        self.shift = shift
+        self.values = _positions(max_len + shift + 1)[shift:]
+        self._out = torch.empty(max_batch, dtype=torch.int32)
+        self._views: dict[int, torch.Tensor] = {}
+
+    def gather(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+        """``seq_lens_cpu + shift`` as int32 ``[B]`` (a view of this table's own buffer,
+        rewritten by the next call); ``IndexError`` when a value is outside ``[0, max_len]``.
+        ``seq_lens_cpu`` is a 1-D integer CPU tensor of at most ``max_batch`` values."""
+        batch = seq_lens_cpu.shape[0]
+        out = self._views.get(batch)
+        if out is None:
+            out = self._views[batch] = self._out[:batch]
+        return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
+
+
+@functools.lru_cache(maxsize=16)
+def _positions(n: int) -> torch.Tensor:
+    """``arange(n)`` as int32 on the CPU, one per size."""
+    return torch.arange(n, dtype=torch.int32)
+
+
+_CPU = torch.device("cpu")
+
 # Up to this many lengths, the host reads seq_lens_cpu as Python ints (one tolist, then min, max
 # and sum in Python cost less than torch's reductions on a small CPU tensor).
 _AS_INTS = 64
 
 
-def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> BuildInputs:
+def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object,
+                 table: LengthTable | None = None) -> BuildInputs:  # fmt: skip
     """Check the host values of a build, on every call, and return the :class:`BuildInputs` of
     ``B`` requests: ``seq_lens_cpu``, when given, is the ``[B]`` integer CPU mirror of
-    ``seq_lens``, each value in ``[0, max_context_len]``."""
+    ``seq_lens``, each value in ``[0, max_context_len]``. With a ``table`` of the mode
+    (:class:`LengthTable`, made for ``max_context_len``), its gather is the value check and
+    its result is the inputs' ``checked``."""
     if seq_lens_cpu is None:
         return BuildInputs(B, None)
-    cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, torch.device("cpu"), ndim=1)
+    cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, _CPU, ndim=1)
     if cpu.shape[0] != B:
         raise ValueError(
             f"{where}: seq_lens_cpu has {cpu.shape[0]} entries but the batch has {B}; pass "
             "the CPU copy of this batch's seq_lens"
         )
+    if table is not None:
+        try:
+            return BuildInputs(B, cpu, checked=table.gather(cpu))
+        except IndexError:  # a length outside [0, max_context_len]: named below
+            pass
     if cpu.dtype != torch.int64:
         cpu = cpu.to(torch.int64)
     high, values = 0, None
@@ -252,4 +314,6 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object) -> B
                 f"max_context_len={cfg.max_context_len}; build the SpecConfig with "
                 f"max_context_len >= {high}"
             )
+    if table is not None:  # the table refused a value these checks pass: not a length error
+        raise RuntimeError(f"{where}: the length table of max_context_len refused seq_lens_cpu")
     return BuildInputs(B, cpu, high, values)

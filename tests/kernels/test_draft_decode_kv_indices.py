@@ -226,15 +226,15 @@ def test_indptr_rule_with_constants_rejects_shapes_it_was_not_made_for():
         return torch.full(shape, -1, dtype=dtype)
 
     rule = DraftDecodeIndptr(2, 3, 4, torch.int32)
-    lens = torch.tensor([3, 5, 0], dtype=torch.int64)
+    lens = torch.tensor([3, 5, 0], dtype=torch.int32)
     bad = [
         (ValueError, r"5 requests and 3 rows, over the 4 and 3",
-         torch.zeros(5, dtype=torch.int64), blank(3, 11)),
+         torch.zeros(5, dtype=torch.int32), blank(3, 11)),
         (ValueError, r"3 requests and 4 rows, over the 4 and 3", lens, blank(4, 7)),
         (ValueError, r"out has shape \[3, 6\]; pass the \[rows, B\*topk \+ 1\] = \[3, 7\]",
          lens, blank(3, 6)),
         (TypeError, r"out must be int32, got int64", lens, blank(3, 7, dtype=torch.int64)),
-        (TypeError, r"seq_lens must be int64, got int32", lens.int(), blank(3, 7)),
+        (TypeError, r"seq_lens must be int32, got int64", lens.long(), blank(3, 7)),
     ]  # fmt: skip
     for error, message, lengths, target in bad:
         with pytest.raises(error, match=message):
