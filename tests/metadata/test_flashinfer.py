@@ -154,6 +154,37 @@ def test_draft_extend_causal(device, gen, k, s, ps, shape):
     _close(consumer.prefill(q, kc, vc, meta), dense_attention(q, kc, vc, want), "extend")
 
 
+def test_host_mirrors_take_int32_and_int64_lengths_and_any_batch_in_turn(device, gen):
+    """The host mirrors read seq_lens_cpu through the length table, whose gather takes int32
+    and int64 lengths alike: every mode's mirrors equal the device's offsets for either dtype,
+    at batch sizes that grow and shrink between calls (each call's own lengths, not a stale
+    view of an earlier batch's)."""
+    k, s, ps = 2, 3, 4
+    cfg, batch, _, _ = _setup(gen, device, k, s, ps, "random", batch_size=6)
+    fi = FlashInferBuilder(cfg, device)
+    tree = random_tree_mask(6, k, s, cfg.num_draft_tokens, gen).to(device)
+    for B, dtype in ((6, torch.int64), (2, torch.int32), (5, torch.int32), (1, torch.int64)):
+        rpi, r2t, lens = batch.req_pool_indices[:B], batch.req_to_token, batch.seq_lens[:B]
+        host = batch.seq_lens_cpu[:B].to(dtype)
+        meta = fi.draft_decode(rpi, r2t, lens, seq_lens_cpu=host, num_rows=s)
+        for step in meta.steps:
+            assert_equal(step.kv_indptr_host, step.kv_indptr, f"B={B} {dtype} kv_indptr_host")
+        meta = fi.draft_decode_shared_prefix(rpi, r2t, lens, seq_lens_cpu=host, num_rows=s)
+        for step in meta.steps:
+            for h, d in zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True):
+                assert_equal(h, d, f"B={B} {dtype} paged_kv_indptr_host")
+        meta = fi.draft_decode_paged(rpi, r2t, lens, seq_lens_cpu=host, num_rows=s)
+        for step in meta.steps:
+            assert_equal(step.kv_indptr_host, step.kv_indptr, f"B={B} {dtype} paged kv_indptr")
+            assert_equal(step.kv_last_page_len_host, step.kv_last_page_len, f"B={B} last page")
+        for meta in (fi.target_verify(rpi, r2t, lens, tree[:B], seq_lens_cpu=host),
+                     fi.draft_extend(rpi, r2t, lens, seq_lens_cpu=host)):  # fmt: skip
+            assert_equal(meta.kv_indptr_host, meta.kv_indptr, f"B={B} {dtype} prefill kv_indptr")
+            if meta.mask_indptr_host is not None:
+                assert_equal(meta.mask_indptr_host, meta.mask_indptr, f"B={B} mask_indptr")
+    assert int(fi.status) == 0
+
+
 def test_buffers_come_from_the_plan_and_memory_shrinks(device):
     cfg = SpecConfig(topk=8, num_steps=5, num_draft_tokens=16, page_size=1, max_bs=4,
                      max_context_len=512)  # fmt: skip
