@@ -147,6 +147,7 @@ class MetadataBuilder:
         self.device = validate.canonical_device(device)
         self.reference = bool(reference)
         self.modes = self.check_modes(cfg, modes)
+        self._where = {m: f"{type(self).__name__}.{m}" for m in self.modes}  # message prefixes
         self.status = plan_buffers(cfg)["status"].allocate(self.device)
         self._results: dict = {}
         self._checked: set = set()  # input keys (self._sign) whose tensor checks passed
@@ -212,8 +213,9 @@ class MetadataBuilder:
     # -- per call -----------------------------------------------------------------------------
     def require(self, mode: str) -> str:
         """``"<Builder>.<mode>"``, after checking that the builder serves ``mode``."""
-        where = f"{type(self).__name__}.{mode}"
-        if mode not in self.modes:
+        where = self._where.get(mode)
+        if where is None:
+            where = f"{type(self).__name__}.{mode}"
             raise ValueError(
                 f"{where}: this builder was constructed with modes={list(self.modes)}; "
                 f"construct it with {mode!r} among its modes"
@@ -278,19 +280,21 @@ class MetadataBuilder:
     def draft_rows(self, mode: str, num_rows: int | None) -> int:
         """``num_rows`` of a draft-decode mode; default ``S − 1``, the draft forwards."""
         s = self.cfg.num_steps
+        if num_rows is None and mode in self._where:
+            return s - 1
         return check_num_rows(self.require(mode), num_rows, s, default=s - 1)
 
-    def result(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """The result object of a call, made once per ``key``: a result is a frozen view of
-        the builder's own buffers, so two calls with the same batch size, rows and host
-        scalars return equal objects, and the second costs a dictionary lookup. A builder with
-        host mirrors keeps, with the result, the views its mirrors are written into
-        (``make`` returns both)."""
+    def result(self, key: tuple, make: Callable[..., Any], *args: Any) -> Any:
+        """The result object of a call, ``make(*args)`` made once per ``key``: a result is a
+        frozen view of the builder's own buffers, so two calls with the same batch size, rows
+        and host scalars return equal objects, and the second costs a dictionary lookup. A
+        builder with host mirrors keeps, with the result, the views its mirrors are written
+        into (``make`` returns both)."""
         found = self._results.get(key)
         if found is None:
             if len(self._results) >= 4096:  # bounded: a key holds B and host maxima
                 self._results.clear()
-            found = self._results[key] = make()
+            found = self._results[key] = make(*args)
         return found
 
     def status_word(self, status: torch.Tensor | None) -> torch.Tensor:

@@ -315,7 +315,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                     **self._draft_views(B, rows), status=status))  # fmt: skip
             top = self._max_len(inputs)
             return self.result(("draft_decode", B, rows, top),
-                               lambda: self._draft_result(B, rows, top))  # fmt: skip
+                               self._draft_result, B, rows, top)  # fmt: skip
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
@@ -326,7 +326,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                 status=status))  # fmt: skip
         top = self._max_len(inputs, whole_pages=cfg.layout_b)
         return self.result(("draft_decode", B, rows, top),
-                           lambda: self._draft_result(B, rows, top))  # fmt: skip
+                           self._draft_result, B, rows, top)  # fmt: skip
 
     def _draft_views(self, B: int, rows: int) -> dict[str, torch.Tensor]:
         """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows`` steps."""
@@ -461,7 +461,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         if launch:
             self.launch_plan(inputs, (), run)
         top = self._max_len(inputs) + extra
-        return self.result(("target_verify", B, top), lambda: self._verify_result(B, top))
+        return self.result(("target_verify", B, top), self._verify_result, B, top)
 
     def _verify_result(self, B: int, top: int) -> FA3Cascade:
         """The :class:`FA3Cascade` of target verify for ``B`` requests, ``max_seqlen_k = top``."""

@@ -383,7 +383,7 @@ class FlashInferBuilder(MetadataBuilder):
             host = ring.next()["kv_indptr_host"]
             slot = ring.slot
         result, host_out = self.result(("draft_decode", B, rows, slot),
-                                       lambda: self._draft_decode_result(B, rows, host))  # fmt: skip
+                                       self._draft_decode_result, B, rows, host)  # fmt: skip
         if host_out is not None:
             views, out = host_out
             DraftDecodeIndptr.write(views, lens, out)
@@ -451,7 +451,7 @@ class FlashInferBuilder(MetadataBuilder):
             prefix_host = ring.next()["prefix_kv_indptr_host"]
             slot = ring.slot
         result, prefix_out = self.result(("draft_decode_shared_prefix", B, rows, slot),
-                                         lambda: self._shared_result(B, rows, prefix_host))
+                                         self._shared_result, B, rows, prefix_host)
         if prefix_out is not None:
             # Entry 0 stays the zero the ring's buffers were allocated with.
             torch.cumsum(lens, 0, out=prefix_out)
@@ -533,7 +533,7 @@ class FlashInferBuilder(MetadataBuilder):
             ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
             branch_kv_indptr(lens, K, rows, ps, ptr_host, lpl_host)
         return self.result(("draft_decode_paged", B, rows, slot),
-                           lambda: self._paged_result(B, rows, ptr_host, lpl_host))  # fmt: skip
+                           self._paged_result, B, rows, ptr_host, lpl_host)  # fmt: skip
 
     def _paged_result(self, B, rows, ptr_host, lpl_host) -> FlashInferDraftDecode:
         buf, K, ps, mode = self.buffers, self.cfg.topk, self.cfg.page_size, "draft_decode_paged"
@@ -632,7 +632,7 @@ class FlashInferBuilder(MetadataBuilder):
             self.launch_plan(inputs, (packed,), run)
         mirrors, slot = self._prefill_mirrors(mode, inputs)
         result, kv_tail, mask_tail = self.result(("target_verify", B, packed, slot),
-                                                 lambda: self._verify_result(B, form, mirrors))
+                                                 self._verify_result, B, form, mirrors)
         if kv_tail is not None:
             self._prefill_indptr(inputs, kv_tail)
             # Element offsets in both forms (the packed segments start there, read as bytes):
@@ -689,7 +689,7 @@ class FlashInferBuilder(MetadataBuilder):
             self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
         mirrors, slot = self._prefill_mirrors(mode, inputs)
         result, kv_tail = self.result(("draft_extend", B, slot),
-                                      lambda: self._extend_result(B, mirrors))  # fmt: skip
+                                      self._extend_result, B, mirrors)  # fmt: skip
         if kv_tail is not None:
             self._prefill_indptr(inputs, kv_tail)
         return result
