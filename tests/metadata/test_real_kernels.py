@@ -358,7 +358,10 @@ def test_gpu_flashinfer_mirrors_survive_a_host_running_one_build_ahead(gen, flas
     """Build i, plan(i), build i + 1 (other lengths) while plan(i)'s copies still wait behind
     a busy stream, then run(i): attention of batch i, because build i + 1 wrote the other set
     of mirrors."""
-    first, second = _Case(gen, 4, 16, 5), _Case(gen, 4, 16, 5)
+    # FlashInfer's cascade gives wrong rows for an empty first level (see the cascade test
+    # above): a drafting request has L >= 1.
+    min_len = 1 if mode == "draft_decode_shared_prefix" else 0
+    first, second = _Case(gen, 4, 16, 5, min_len=min_len), _Case(gen, 4, 16, 5, min_len=min_len)
     second.batch.req_to_token = first.batch.req_to_token
     fi = FlashInferBuilder(first.cfg, "cuda")
 
