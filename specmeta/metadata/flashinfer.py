@@ -323,7 +323,9 @@ class FlashInferBuilder(MetadataBuilder):
             self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
         # seq_lens_cpu's values are checked by the gather that gives the mirrors their lengths
         # as int32: L for the draft modes, L + N for the prefill modes, whose lists hold L + N.
-        tables = {0: LengthTable(cfg.max_context_len, bs), n: LengthTable(cfg.max_context_len, bs, n)}
+        # (the larger table first, so the smaller is a view of the same arange)
+        tables = {n: LengthTable(cfg.max_context_len, bs, n)}
+        tables[0] = LengthTable(cfg.max_context_len, bs)
         for mode in self.modes:
             self.length_tables[mode] = tables[n if mode in ("target_verify", "draft_extend") else 0]
         if "draft_decode_shared" in groups:

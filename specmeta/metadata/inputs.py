@@ -16,8 +16,6 @@ Every message names the builder call, the argument, the value it got and the fix
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import validate
@@ -230,7 +228,8 @@ class LengthTable:
     the one call both checks every length against both bounds and returns the lengths, plus
     ``shift``, as int32: the form the mirrors sum. That is one CPU op where a check by
     reduction and a conversion for the sums are two or three, each a microsecond or more.
-    The table costs 4 bytes a position of ``max_len + shift``; tables of one size are shared.
+    The table is a view of one ``arange`` shared by the process, 4 bytes a position of the
+    largest ``max_len + shift`` asked for (16 MB for a 4M-token plan).
 
     Parameters
     ----------
@@ -259,10 +258,16 @@ class LengthTable:
         return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
 
 
-@functools.lru_cache(maxsize=16)
+_POSITIONS = torch.zeros(0, dtype=torch.int32)
+
+
 def _positions(n: int) -> torch.Tensor:
-    """``arange(n)`` as int32 on the CPU, one per size."""
-    return torch.arange(n, dtype=torch.int32)
+    """``arange(n)`` as int32 on the CPU: a view of the largest one made so far in this
+    process (a table made for a smaller plan keeps the one it was made from)."""
+    global _POSITIONS
+    if _POSITIONS.shape[0] < n:
+        _POSITIONS = torch.arange(n, dtype=torch.int32)
+    return _POSITIONS[:n]
 
 
 _CPU = torch.device("cpu")
