@@ -32,7 +32,8 @@ class BuildInputs:
     batch : int
         ``B``, requests in the (possibly padded) batch.
     seq_lens_cpu : torch.Tensor or None
-        ``[B]`` int64 copy of the engine's CPU mirror, or ``None`` when it was not given.
+        ``[B]`` the engine's CPU mirror (as given when a :class:`LengthTable` checked it, else
+        as int64), or ``None`` when it was not given.
     high : int or None
         ``max L`` of the CPU mirror (0 for an empty batch); ``None`` without it, or when a
         :class:`LengthTable` checked the values (the mode reads no maximum).
@@ -219,6 +220,9 @@ def check_build_tensors(
     return B
 
 
+_CPU = torch.device("cpu")
+
+
 class LengthTable:
     """The value check of ``seq_lens_cpu`` as one gather, for a mode whose host mirrors are
     sums of lengths (FlashInfer's index pointers).
@@ -242,7 +246,10 @@ class LengthTable:
     """
 
     def __init__(self, max_len: int, max_batch: int, shift: int = 0):
-        self.shift = shift
+        validate.positive("max_len", max_len, 0)
+        validate.positive("max_batch", max_batch, 0)
+        validate.positive("shift", shift, 0)
+        self.shift, self.max_batch = shift, max_batch
         self.values = _positions(max_len + shift + 1)[shift:]
         self._out = torch.empty(max_batch, dtype=torch.int32)
         self._views: dict[int, torch.Tensor] = {}
@@ -250,10 +257,18 @@ class LengthTable:
     def gather(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
         """``seq_lens_cpu + shift`` as int32 ``[B]`` (a view of this table's own buffer,
         rewritten by the next call); ``IndexError`` when a value is outside ``[0, max_len]``.
-        ``seq_lens_cpu`` is a 1-D integer CPU tensor of at most ``max_batch`` values."""
+        ``seq_lens_cpu`` is a 1-D int32 or int64 CPU tensor of at most ``max_batch`` values,
+        checked the first time its length is seen (``index_select`` refuses another dtype)."""
         batch = seq_lens_cpu.shape[0]
         out = self._views.get(batch)
         if out is None:
+            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=_CPU,
+                            contiguous_last=False)  # fmt: skip
+            if batch > self.max_batch:
+                raise ValueError(
+                    f"seq_lens_cpu has {batch} lengths, over this table's max_batch="
+                    f"{self.max_batch}; make the LengthTable with max_batch >= {batch}"
+                )
             out = self._views[batch] = self._out[:batch]
         return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
 
@@ -269,8 +284,6 @@ def _positions(n: int) -> torch.Tensor:
         _POSITIONS = torch.arange(n, dtype=torch.int32)
     return _POSITIONS[:n]
 
-
-_CPU = torch.device("cpu")
 
 # Up to this many lengths, the host reads seq_lens_cpu as Python ints (one tolist, then min, max
 # and sum in Python cost less than torch's reductions on a small CPU tensor).
