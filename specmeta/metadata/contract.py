@@ -37,7 +37,15 @@ import torch
 from .. import validate
 from ..config import SpecConfig, plan_buffers
 from ..launch import LaunchPlans, recording
-from .inputs import BuildInputs, LengthTable, check_build_tensors, check_num_rows, host_lengths
+from . import host_ops as host_ops_module
+from .host_ops import LengthTable
+from .inputs import (
+    BuildInputs,
+    check_build_tensors,
+    check_length_values,
+    check_num_rows,
+    host_lengths,
+)  # fmt: skip
 
 __all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
 
@@ -108,6 +116,10 @@ class MetadataBuilder:
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
+    host_ops : bool
+        Do the per-call work on ``seq_lens_cpu`` (the checks, ``max L``, ``ΣL``, FlashInfer's
+        host mirrors) with the compiled calls of :mod:`.host_ops` (default, where they can be
+        built), else with torch ops. Both check every value and give the same integers.
 
     Attributes
     ----------
@@ -122,9 +134,10 @@ class MetadataBuilder:
         ``int32 [1]``: the word every call reports into unless given another (read it with
         :func:`specmeta.check_status`, which syncs).
     length_tables : dict of str to LengthTable
-        The modes whose ``seq_lens_cpu`` values are checked by a gather that also gives the
-        lengths their mirrors sum (:class:`.inputs.LengthTable`); empty unless a subclass
-        fills it. The other modes check them by reduction and read ``max L``.
+        The modes whose ``seq_lens_cpu`` values are checked by their host-mirror writer
+        (:mod:`.host_ops`; the table is the torch writer's check), which writes the mirrors in
+        the same pass; empty unless a subclass fills it. The other modes check the values by
+        reduction and read ``max L``.
     """
 
     #: The plan's key prefix of this backend, e.g. ``"fa3."``.
@@ -140,6 +153,7 @@ class MetadataBuilder:
         *,
         modes: Iterable[str] | None = None,
         reference: bool = False,
+        host_ops: bool = True,
     ):
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
@@ -154,6 +168,9 @@ class MetadataBuilder:
         self._sign = validate.Signer()
         self._launch_plans = LaunchPlans()
         self.length_tables: dict[str, LengthTable] = {}
+        self.host_ops = bool(host_ops)
+        op = host_ops_module.compiled() if self.host_ops else None
+        self._stats = op.stats if op is not None else None  # max L and ΣL in one call
 
     # -- what the builder allocates -----------------------------------------------------------
     @classmethod
@@ -255,9 +272,26 @@ class MetadataBuilder:
                     self._checked.clear()
                 self._checked.add(key)
         inputs = host_lengths(where, self.cfg, req_pool_indices.shape[0], seq_lens_cpu,
-                              self.length_tables.get(mode))  # fmt: skip
+                              values_later=mode in self.length_tables,
+                              stats=self._stats)  # fmt: skip
         inputs.key = key
         return inputs
+
+    def write_mirrors(self, mode: str, inputs: BuildInputs, write: Callable[..., Any]) -> None:
+        """Run a mode's host-mirror writer (:mod:`.host_ops`) on ``seq_lens_cpu``, before any
+        launch: it checks every length, then writes the mirrors and returns ``ΣL``. A refused
+        length raises the message :func:`.inputs.check_length_values` gives it."""
+        try:
+            total = write(inputs.seq_lens_cpu)
+        except IndexError:
+            where = self._where[mode]
+            check_length_values(where, self.cfg, inputs.seq_lens_cpu)  # names the length
+            raise RuntimeError(
+                f"{where}: the host-mirror writer refused seq_lens_cpu, whose lengths are all "
+                f"in [0, max_context_len={self.cfg.max_context_len}]"
+            ) from None
+        if total is not None:
+            inputs.summed(total)
 
     def launch_plan(self, inputs: BuildInputs, parts: tuple, run: Callable[[], Any]) -> None:
         """``run()`` makes a mode's launches, or the launches it made before for the same

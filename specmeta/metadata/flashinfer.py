@@ -32,7 +32,7 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, plan_buffers
-from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref, branch_kv_indptr
+from ..kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
 from ..kernels.draft_decode_kv_indices import (
     DraftDecodeIndptr,
     draft_decode_kv_indices,
@@ -44,9 +44,10 @@ from ..kernels.shared_prefix_kv_indices import (
 )
 from ..kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+from . import host_ops
 from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .host_mirrors import HostMirrorRing
-from .inputs import LengthTable
+from .host_ops import LengthTable
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -193,6 +194,10 @@ class FlashInferBuilder(MetadataBuilder):
         iterations ahead of the device's ``plan()`` copies; past ``mirror_depth // 2`` builds
         ahead, a build waits (:mod:`specmeta.metadata.host_mirrors`). The mirrors of a result
         stay valid until ``mirror_depth`` more builds of the same mode.
+    host_ops : bool
+        Write the per-batch host mirrors with the compiled writers (default, where they can be
+        built; :mod:`specmeta.metadata.host_ops`), else with the torch rules. Both check every
+        ``seq_lens_cpu`` value before writing, and write the same integers.
 
     Attributes
     ----------
@@ -255,8 +260,9 @@ class FlashInferBuilder(MetadataBuilder):
         reference: bool = False,
         mirror_depth: int = 8,
         verify_mask: str = "both",
+        host_ops: bool = True,
     ):
-        super().__init__(cfg, device, modes=modes, reference=reference)
+        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.verify_mask = verify_mask
         plan = plan_buffers(cfg)
         pin = self.device.type == "cuda"
@@ -369,8 +375,16 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode", num_rows)
         inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.checked
-        K = cfg.topk
+        B, K = inputs.batch, cfg.topk
+        host = slot = None
+        if inputs.seq_lens_cpu is not None:
+            ring = self._mirrors["draft_decode"]
+            host = ring.next()["kv_indptr_host"]
+            slot = ring.slot
+        result, write = self.result(("draft_decode", B, rows, slot),
+                                    self._draft_decode_result, B, rows, host)  # fmt: skip
+        if write is not None:
+            self.write_mirrors("draft_decode", inputs, write)
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._draft_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -379,22 +393,11 @@ class FlashInferBuilder(MetadataBuilder):
                 seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             ))  # fmt: skip
-        host = slot = None
-        if lens is not None:
-            ring = self._mirrors["draft_decode"]
-            host = ring.next()["kv_indptr_host"]
-            slot = ring.slot
-        result, host_out = self.result(("draft_decode", B, rows, slot),
-                                       self._draft_decode_result, B, rows, host)  # fmt: skip
-        if host_out is not None:
-            views, out = host_out
-            DraftDecodeIndptr.write(views, lens, out)
         return result
 
     def _draft_decode_result(self, B: int, rows: int, host: torch.Tensor | None):
-        """The result of ``B`` requests and ``rows`` steps, and ``(views, out)`` of its host
-        mirror's rule: ``out`` the view of the ring's set it is written into (``None``
-        without one)."""
+        """The result of ``B`` requests and ``rows`` steps, and the writer of its host mirror
+        into ``host``, the ring's set (``None`` without one)."""
         buf, K = self.buffers, self.cfg.topk
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
         ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
@@ -411,8 +414,11 @@ class FlashInferBuilder(MetadataBuilder):
         )
         if host is None:
             return FlashInferDraftDecode(steps), None
-        out = host[:rows, : B * K + 1]
-        return FlashInferDraftDecode(steps), (self._draft_indptr.bind(B, out), out)
+        write = host_ops.draft_decode_writer(
+            self.length_tables["draft_decode"], self._draft_indptr, K, B,
+            host[:rows, : B * K + 1], use_compiled=self.host_ops,
+        )  # fmt: skip
+        return FlashInferDraftDecode(steps), write
 
     def draft_decode_shared_prefix(
         self,
@@ -434,8 +440,16 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode_shared_prefix", num_rows)
         inputs = self.check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
                              seq_lens, seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.checked
-        K, mode = cfg.topk, "draft_decode_shared"
+        B, K, mode = inputs.batch, cfg.topk, "draft_decode_shared"
+        prefix_host = slot = None
+        if inputs.seq_lens_cpu is not None:
+            ring = self._mirrors[mode]
+            prefix_host = ring.next()["prefix_kv_indptr_host"]
+            slot = ring.slot
+        result, write = self.result(("draft_decode_shared_prefix", B, rows, slot),
+                                    self._shared_result, B, rows, prefix_host)  # fmt: skip
+        if write is not None:
+            self.write_mirrors("draft_decode_shared_prefix", inputs, write)
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._shared_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -447,20 +461,11 @@ class FlashInferBuilder(MetadataBuilder):
                 seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             ))  # fmt: skip
-        prefix_host = slot = None
-        if lens is not None:
-            ring = self._mirrors[mode]
-            prefix_host = ring.next()["prefix_kv_indptr_host"]
-            slot = ring.slot
-        result, prefix_out = self.result(("draft_decode_shared_prefix", B, rows, slot),
-                                         self._shared_result, B, rows, prefix_host)
-        if prefix_out is not None:
-            # Entry 0 stays the zero the ring's buffers were allocated with.
-            torch.cumsum(lens, 0, out=prefix_out)
         return result
 
     def _shared_result(self, B, rows, prefix_host):
-        """The result and the view its prefix level's host offsets are written into."""
+        """The result and the writer of its prefix level's host offsets (``None`` without
+        them)."""
         buf, K, mode = self.buffers, self.cfg.topk, "draft_decode_shared"
         prefix_host = prefix_host[: B + 1] if prefix_host is not None else None
         ones = buf[f"{mode}.kv_last_page_len"]
@@ -491,8 +496,11 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )
-        tail = prefix_host[1:] if prefix_host is not None else None
-        return FlashInferCascadeDecode(steps), tail
+        if prefix_host is None:
+            return FlashInferCascadeDecode(steps), None
+        write = host_ops.prefix_writer(self.length_tables["draft_decode_shared_prefix"], B,
+                                       prefix_host, use_compiled=self.host_ops)  # fmt: skip
+        return FlashInferCascadeDecode(steps), write
 
     def draft_decode_paged(
         self,
@@ -517,8 +525,17 @@ class FlashInferBuilder(MetadataBuilder):
         rows = self.draft_rows("draft_decode_paged", num_rows)
         inputs = self.check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, lens = inputs.batch, inputs.checked
-        K, ps, mode = cfg.topk, cfg.page_size, "draft_decode_paged"
+        B, K, ps, mode = inputs.batch, cfg.topk, cfg.page_size, "draft_decode_paged"
+        ptr_host = lpl_host = slot = None
+        if inputs.seq_lens_cpu is not None:
+            ring = self._mirrors[mode]
+            mirrors = ring.next()
+            slot = ring.slot
+            ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
+        result, write = self.result(("draft_decode_paged", B, rows, slot),
+                                    self._paged_result, B, rows, ptr_host, lpl_host)  # fmt: skip
+        if write is not None:
+            self.write_mirrors(mode, inputs, write)
         if launch:
             self._branch_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -527,17 +544,10 @@ class FlashInferBuilder(MetadataBuilder):
                 seq_lens_sum=inputs.seq_lens_sum,
                 status=self.status_word(status),
             )  # fmt: skip
-        ptr_host = lpl_host = slot = None
-        if lens is not None:
-            ring = self._mirrors[mode]
-            mirrors = ring.next()
-            slot = ring.slot
-            ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
-            branch_kv_indptr(lens, K, rows, ps, ptr_host, lpl_host)
-        return self.result(("draft_decode_paged", B, rows, slot),
-                           self._paged_result, B, rows, ptr_host, lpl_host)  # fmt: skip
+        return result
 
-    def _paged_result(self, B, rows, ptr_host, lpl_host) -> FlashInferDraftDecode:
+    def _paged_result(self, B, rows, ptr_host, lpl_host):
+        """The result and the writer of its host mirrors (``None`` without them)."""
         buf, K, ps, mode = self.buffers, self.cfg.topk, self.cfg.page_size, "draft_decode_paged"
         steps = tuple(
             FlashInferDecodeStep(
@@ -550,7 +560,13 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )
-        return FlashInferDraftDecode(steps)
+        if ptr_host is None:
+            return FlashInferDraftDecode(steps), None
+        write = host_ops.paged_writer(
+            self.length_tables["draft_decode_paged"], K, ps, B,
+            ptr_host[:rows, : B * K + 1], lpl_host[:rows, : B * K], use_compiled=self.host_ops,
+        )  # fmt: skip
+        return FlashInferDraftDecode(steps), write
 
     def _prefill_kv(self, mode, req_pool_indices, req_to_token, seq_lens, inputs, status):
         """Launch the KV lists of a prefill mode (``kv_indptr = [0, cumsum(L + N)]``)."""
@@ -569,12 +585,6 @@ class FlashInferBuilder(MetadataBuilder):
             return None, None
         ring = self._mirrors[mode]
         return ring.next(), ring.slot
-
-    @staticmethod
-    def _prefill_indptr(inputs, tail):
-        """``kv_indptr_host[1 : B + 1] = cumsum(L + N)`` into ``tail`` (the mode's length table
-        gave ``L + N``); entry 0 stays the zero the ring's buffers were allocated with."""
-        torch.cumsum(inputs.checked, 0, out=tail)
 
     def target_verify(
         self,
@@ -620,6 +630,11 @@ class FlashInferBuilder(MetadataBuilder):
                              status=status)  # fmt: skip
         B = inputs.batch
         form = "packed_" if packed else ""
+        mirrors, slot = self._prefill_mirrors(mode, inputs)
+        result, write = self.result(("target_verify", B, packed, slot),
+                                    self._verify_result, B, form, mirrors)  # fmt: skip
+        if write is not None:
+            self.write_mirrors(mode, inputs, write)
         mask = buf[f"{mode}.{form}custom_mask"]
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
 
@@ -632,19 +647,11 @@ class FlashInferBuilder(MetadataBuilder):
 
         if launch:  # both launches, replayed together (contract.launch_plan)
             self.launch_plan(inputs, (packed,), run)
-        mirrors, slot = self._prefill_mirrors(mode, inputs)
-        result, kv_tail, mask_tail = self.result(("target_verify", B, packed, slot),
-                                                 self._verify_result, B, form, mirrors)
-        if kv_tail is not None:
-            self._prefill_indptr(inputs, kv_tail)
-            # Element offsets in both forms (the packed segments start there, read as bytes):
-            # request i's mask is N × (L_i + N) elements, so mask_indptr = N · kv_indptr.
-            torch.mul(kv_tail, n, out=mask_tail)
         return result
 
     def _verify_result(self, B, form, mirrors):
-        """The target-verify result, and the views of the ring's set that its host offsets
-        are written into (``None`` without them)."""
+        """The target-verify result, and the writer of its host offsets into the ring's set
+        ``mirrors`` (``None`` without them)."""
         buf, mode = self.buffers, "target_verify"
         mask = buf[f"{mode}.{form}custom_mask"]
         kv_host = mask_host = None
@@ -667,8 +674,14 @@ class FlashInferBuilder(MetadataBuilder):
             max_q_len=self.cfg.num_draft_tokens,
         )
         if kv_host is None:
-            return result, None, None
-        return result, kv_host[1:], mask_host[1:]
+            return result, None
+        # kv_indptr = [0, cumsum(L + N)]; element offsets of the mask in both forms (the packed
+        # segments start there, read as bytes): request i's mask is N × (L_i + N) elements,
+        # so mask_indptr = N · kv_indptr.
+        n = self.cfg.num_draft_tokens
+        write = host_ops.prefix_writer(self.length_tables[mode], B, kv_host, mask_host, n,
+                                       use_compiled=self.host_ops)  # fmt: skip
+        return result, write
 
     def draft_extend(
         self,
@@ -687,17 +700,18 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B = inputs.batch
+        mirrors, slot = self._prefill_mirrors(mode, inputs)
+        result, write = self.result(("draft_extend", B, slot),
+                                    self._extend_result, B, mirrors)  # fmt: skip
+        if write is not None:
+            self.write_mirrors(mode, inputs, write)
         if launch:
             self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
-        mirrors, slot = self._prefill_mirrors(mode, inputs)
-        result, kv_tail = self.result(("draft_extend", B, slot),
-                                      self._extend_result, B, mirrors)  # fmt: skip
-        if kv_tail is not None:
-            self._prefill_indptr(inputs, kv_tail)
         return result
 
     def _extend_result(self, B, mirrors):
-        """The draft-extend result, and the view its host offsets are written into."""
+        """The draft-extend result, and the writer of its host offsets (``None`` without
+        them): ``kv_indptr = [0, cumsum(L + N)]``."""
         buf, mode = self.buffers, "draft_extend"
         kv_host = mirrors["kv_indptr_host"][: B + 1] if mirrors is not None else None
         result = FlashInferPrefill(
@@ -715,4 +729,8 @@ class FlashInferBuilder(MetadataBuilder):
             mask_indptr_host=None,
             max_q_len=self.cfg.num_draft_tokens,
         )
-        return result, None if kv_host is None else kv_host[1:]
+        if kv_host is None:
+            return result, None
+        write = host_ops.prefix_writer(self.length_tables[mode], B, kv_host,
+                                       use_compiled=self.host_ops)  # fmt: skip
+        return result, write

@@ -16,12 +16,16 @@ Every message names the builder call, the argument, the value it got and the fix
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["BuildInputs", "LengthTable", "check_build_tensors", "check_num_rows", "host_lengths"]
+__all__ = [
+    "BuildInputs", "check_build_tensors", "check_length_values", "check_num_rows", "host_lengths",
+]  # fmt: skip
 
 
 class BuildInputs:
@@ -32,29 +36,25 @@ class BuildInputs:
     batch : int
         ``B``, requests in the (possibly padded) batch.
     seq_lens_cpu : torch.Tensor or None
-        ``[B]`` the engine's CPU mirror (as given when a :class:`LengthTable` checked it, else
-        as int64), or ``None`` when it was not given.
+        ``[B]`` the engine's CPU mirror (as given when a compiled call checked it or its values
+        are left to the mode's host-mirror writer, else as int64), or ``None`` when it was not
+        given.
     high : int or None
-        ``max L`` of the CPU mirror (0 for an empty batch); ``None`` without it, or when a
-        :class:`LengthTable` checked the values (the mode reads no maximum).
-    checked : torch.Tensor or None
-        ``[B]`` int32 on the CPU, ``seq_lens_cpu + shift`` from the builder's
-        :class:`LengthTable` of the mode, which checked every value; ``None`` for a mode
-        without a table (then ``high`` is set) or without ``seq_lens_cpu``.
+        ``max L`` of the CPU mirror (0 for an empty batch); ``None`` without it, or when the
+        mode's host-mirror writer checks the values (the mode reads no maximum).
     key : tuple or None
         What the tensor checks read (:func:`specmeta.validate.signature` of the tensors and the
         mode), set by the builder: a build whose launches depend on nothing else replays them
         for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
     """
 
-    __slots__ = ("batch", "seq_lens_cpu", "high", "checked", "_sum", "_values", "key")
+    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key")
 
     def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None,
-                 values: list[int] | None = None, checked: torch.Tensor | None = None):  # fmt: skip
+                 values: list[int] | None = None):  # fmt: skip
         self.batch = batch
         self.seq_lens_cpu = seq_lens_cpu
         self.high = high
-        self.checked = checked
         self._sum: int | None = None
         self._values = values  # the lengths as Python ints, for a small batch
         self.key: tuple | None = None
@@ -68,6 +68,10 @@ class BuildInputs:
             values = self._values
             self._sum = sum(values) if values is not None else int(self.seq_lens_cpu.sum())
         return self._sum
+
+    def summed(self, total: int) -> None:
+        """Record ``ΣL``, found by a host-mirror writer that read every length."""
+        self._sum = total
 
     def max_len(self, default: int) -> int:
         """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
@@ -223,80 +227,23 @@ def check_build_tensors(
 _CPU = torch.device("cpu")
 
 
-class LengthTable:
-    """The value check of ``seq_lens_cpu`` as one gather, for a mode whose host mirrors are
-    sums of lengths (FlashInfer's index pointers).
-
-    ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
-    ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so
-    the one call both checks every length against both bounds and returns the lengths, plus
-    ``shift``, as int32: the form the mirrors sum. That is one CPU op where a check by
-    reduction and a conversion for the sums are two or three, each a microsecond or more.
-    The table is a view of one ``arange`` shared by the process, 4 bytes a position of the
-    largest ``max_len + shift`` asked for (16 MB for a 4M-token plan).
-
-    Parameters
-    ----------
-    max_len : int
-        The plan's ``max_context_len``.
-    max_batch : int
-        The plan's ``max_bs``: the gathered lengths go into a buffer of that size.
-    shift : int
-        Added to every length (``N`` for the prefill modes, whose lists hold ``L + N``).
-    """
-
-    def __init__(self, max_len: int, max_batch: int, shift: int = 0):
-        validate.positive("max_len", max_len, 0)
-        validate.positive("max_batch", max_batch, 0)
-        validate.positive("shift", shift, 0)
-        self.shift, self.max_batch = shift, max_batch
-        self.values = _positions(max_len + shift + 1)[shift:]
-        self._out = torch.empty(max_batch, dtype=torch.int32)
-        self._views: dict[int, torch.Tensor] = {}
-
-    def gather(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
-        """``seq_lens_cpu + shift`` as int32 ``[B]`` (a view of this table's own buffer,
-        rewritten by the next call); ``IndexError`` when a value is outside ``[0, max_len]``.
-        ``seq_lens_cpu`` is a 1-D int32 or int64 CPU tensor of at most ``max_batch`` values,
-        checked the first time its length is seen (``index_select`` refuses another dtype)."""
-        batch = seq_lens_cpu.shape[0]
-        out = self._views.get(batch)
-        if out is None:
-            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=_CPU,
-                            contiguous_last=False)  # fmt: skip
-            if batch > self.max_batch:
-                raise ValueError(
-                    f"seq_lens_cpu has {batch} lengths, over this table's max_batch="
-                    f"{self.max_batch}; make the LengthTable with max_batch >= {batch}"
-                )
-            out = self._views[batch] = self._out[:batch]
-        return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
-
-
-_POSITIONS = torch.zeros(0, dtype=torch.int32)
-
-
-def _positions(n: int) -> torch.Tensor:
-    """``arange(n)`` as int32 on the CPU: a view of the largest one made so far in this
-    process (a table made for a smaller plan keeps the one it was made from)."""
-    global _POSITIONS
-    if _POSITIONS.shape[0] < n:
-        _POSITIONS = torch.arange(n, dtype=torch.int32)
-    return _POSITIONS[:n]
-
-
 # Up to this many lengths, the host reads seq_lens_cpu as Python ints (one tolist, then min, max
 # and sum in Python cost less than torch's reductions on a small CPU tensor).
 _AS_INTS = 64
 
 
-def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object,
-                 table: LengthTable | None = None) -> BuildInputs:  # fmt: skip
+def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object, *,
+                 values_later: bool = False, stats: Callable | None = None) -> BuildInputs:  # fmt: skip
     """Check the host values of a build, on every call, and return the :class:`BuildInputs` of
     ``B`` requests: ``seq_lens_cpu``, when given, is the ``[B]`` integer CPU mirror of
-    ``seq_lens``, each value in ``[0, max_context_len]``. With a ``table`` of the mode
-    (:class:`LengthTable`, made for ``max_context_len``), its gather is the value check and
-    its result is the inputs' ``checked``."""
+    ``seq_lens``, each value in ``[0, max_context_len]``.
+
+    With ``values_later``, only the tensor is checked here: the mode's host-mirror writer
+    checks every value before it writes or anything is launched
+    (:meth:`.contract.MetadataBuilder.write_mirrors`). Otherwise the values are checked here,
+    by ``stats`` (the compiled ``stats`` of :mod:`.host_ops`: ``max L`` and ``ΣL`` in one
+    call) when given, else by :func:`check_length_values`; a refusal of either is named by
+    :func:`check_length_values`."""
     if seq_lens_cpu is None:
         return BuildInputs(B, None)
     cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, _CPU, ndim=1)
@@ -305,13 +252,30 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object,
             f"{where}: seq_lens_cpu has {cpu.shape[0]} entries but the batch has {B}; pass "
             "the CPU copy of this batch's seq_lens"
         )
-    if table is not None:
+    if values_later:
+        return BuildInputs(B, cpu)
+    if stats is not None:
         try:
-            return BuildInputs(B, cpu, checked=table.gather(cpu))
+            high, total = stats(cfg.max_context_len, B, cpu)
         except IndexError:  # a length outside [0, max_context_len]: named below
             pass
+        else:
+            inputs = BuildInputs(B, cpu, high)
+            inputs.summed(total)
+            return inputs
     if cpu.dtype != torch.int64:
         cpu = cpu.to(torch.int64)
+    high, values = check_length_values(where, cfg, cpu)
+    return BuildInputs(B, cpu, high, values)
+
+
+def check_length_values(where: str, cfg: SpecConfig,
+                        seq_lens_cpu: torch.Tensor) -> tuple[int, list[int] | None]:  # fmt: skip
+    """Every value of ``seq_lens_cpu`` (a 1-D integer CPU tensor, checked) in
+    ``[0, max_context_len]``, or the ``ValueError`` that names the value; returns ``max L``
+    (0 for an empty batch) and, for a small batch, the values as Python ints."""
+    cpu = seq_lens_cpu if seq_lens_cpu.dtype == torch.int64 else seq_lens_cpu.to(torch.int64)
+    B = cpu.shape[0]
     high, values = 0, None
     if 0 < B <= _AS_INTS:
         # seq_lens_cpu is a CPU tensor (checked above): reading it syncs nothing. One tolist,
@@ -332,6 +296,4 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object,
                 f"max_context_len={cfg.max_context_len}; build the SpecConfig with "
                 f"max_context_len >= {high}"
             )
-    if table is not None:  # the table refused a value these checks pass: not a length error
-        raise RuntimeError(f"{where}: the length table of max_context_len refused seq_lens_cpu")
-    return BuildInputs(B, cpu, high, values)
+    return high, values

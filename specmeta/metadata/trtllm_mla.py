@@ -96,6 +96,9 @@ class TrtllmMlaBuilder(MetadataBuilder):
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
+    host_ops : bool
+        Check ``seq_lens_cpu`` and read its ``max L`` and ``ΣL`` in one compiled call (default,
+        where it can be built; :mod:`specmeta.metadata.host_ops`), else with torch ops.
 
     Attributes
     ----------
@@ -121,8 +124,9 @@ class TrtllmMlaBuilder(MetadataBuilder):
         *,
         modes: Iterable[str] | None = None,
         reference: bool = False,
+        host_ops: bool = True,
     ):
-        super().__init__(cfg, device, modes=modes, reference=reference)
+        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned(fill=_UNUSED_BLOCK)
         # The builder checks every input before launching, so its launchers skip their own
         # second pass over the same tensors (validate.trusting).

@@ -44,11 +44,13 @@ def _raises(kind, message, fn, *args, **kw):
 
 
 def _builders(device):
-    return {
-        "FA3MetadataBuilder": FA3MetadataBuilder(CFG, device),
-        "FlashInferBuilder": FlashInferBuilder(CFG, device),
-        "TrtllmMlaBuilder": TrtllmMlaBuilder(CFG, device),
-    }
+    """Each builder by name, twice: ``seq_lens_cpu`` checked (and FlashInfer's host mirrors
+    written) by the compiled calls of metadata/host_ops.py, and by torch ops."""
+    return [
+        (cls.__name__, cls(CFG, device, host_ops=host_ops))
+        for cls in (FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder)
+        for host_ops in (True, False)
+    ]
 
 
 # Modes every builder serves on CFG; the FA3 ones get the extra argument they need.
@@ -66,7 +68,7 @@ def _modes(name, device):
 
 
 def _all(device):
-    for name, builder in _builders(device).items():
+    for name, builder in _builders(device):
         for mode, extra in _modes(name, device):
             yield f"{name}.{mode}", builder, mode, extra
 
@@ -219,7 +221,7 @@ def test_fa3_draft_slots_and_rows(device):
 
 def test_num_rows_and_status(device):
     slots = torch.zeros(B * 6, dtype=torch.int64, device=device)
-    for name, builder in _builders(device).items():
+    for name, builder in _builders(device):
         extra = dict(out_cache_loc=slots) if name == "FA3MetadataBuilder" else {}
         _raises(ValueError,
                 f"{name}.draft_decode: num_rows=4 is outside [0, num_steps=3]; pass at most "
@@ -361,7 +363,7 @@ def test_a_length_table_refuses_what_it_cannot_gather_before_writing():
     kind, rank, device or length are refused with the argument named, before the table's
     buffer is written; a length outside [0, max_len] is an IndexError; within it, the gather
     is the lengths plus the shift, as int32."""
-    from specmeta.metadata.inputs import LengthTable
+    from specmeta.metadata.host_ops import LengthTable
 
     with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
         LengthTable(-1, 4)

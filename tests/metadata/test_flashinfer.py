@@ -154,14 +154,15 @@ def test_draft_extend_causal(device, gen, k, s, ps, shape):
     _close(consumer.prefill(q, kc, vc, meta), dense_attention(q, kc, vc, want), "extend")
 
 
-def test_host_mirrors_take_int32_and_int64_lengths_and_any_batch_in_turn(device, gen):
-    """The host mirrors read seq_lens_cpu through the length table, whose gather takes int32
-    and int64 lengths alike: every mode's mirrors equal the device's offsets for either dtype,
-    at batch sizes that grow and shrink between calls (each call's own lengths, not a stale
-    view of an earlier batch's)."""
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+def test_host_mirrors_take_int32_and_int64_lengths_and_any_batch_in_turn(device, gen, host_ops):
+    """Both host-mirror writers (metadata/host_ops.py) take int32 and int64 lengths alike:
+    every mode's mirrors equal the device's offsets for either dtype, at batch sizes that grow
+    and shrink between calls (each call's own lengths, not a stale view of an earlier
+    batch's)."""
     k, s, ps = 2, 3, 4
     cfg, batch, _, _ = _setup(gen, device, k, s, ps, "random", batch_size=6)
-    fi = FlashInferBuilder(cfg, device)
+    fi = FlashInferBuilder(cfg, device, host_ops=host_ops)
     tree = random_tree_mask(6, k, s, cfg.num_draft_tokens, gen).to(device)
     for B, dtype in ((6, torch.int64), (2, torch.int32), (5, torch.int32), (1, torch.int64)):
         rpi, r2t, lens = batch.req_pool_indices[:B], batch.req_to_token, batch.seq_lens[:B]

@@ -1,0 +1,225 @@
+/* A build's host work on seq_lens_cpu in one compiled call (design §3): the check of every
+ * length, and FlashInfer's host mirrors (design §3.3).
+ *
+ * Each function reads the engine's seq_lens_cpu and checks every length against
+ * [0, max_len] before writing anything. stats() returns max L and the sum; the mirror writers
+ * write the index pointers that plan() reads into the host buffers whose addresses they were
+ * given, and return the sum. A length outside the range raises IndexError and writes nothing;
+ * the caller names the value in its message.
+ *
+ * The rules are those of the torch functions the Python side names beside each entry point;
+ * tests compare the two exactly. Offsets are int32 that wrap modulo 2**32 as the kernels'
+ * int32 stores do (unsigned arithmetic here: signed overflow is undefined in C).
+ *
+ * Arguments are positional, those fixed for a result first (bound once with
+ * functools.partial), the lengths tensor last. The lengths arrive as the torch tensor itself,
+ * already checked on the host to be a contiguous 1-D int32 or int64 CPU tensor of B values:
+ * its address comes from data_ptr() and its width from comparing its dtype with the int64
+ * dtype given to init().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+static PyObject *int64_dtype; /* torch.int64, from init() */
+static PyObject *data_ptr_name, *dtype_name;
+
+typedef struct {
+  const void *data;
+  int wide; /* int64 values, else int32 */
+} Lengths;
+
+/* The address and width of a lengths tensor; 0 with a Python error set on failure. */
+static int lengths_of(PyObject *tensor, Lengths *out) {
+  if (int64_dtype == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "host_ops.init(torch.int64) was not called");
+    return 0;
+  }
+  PyObject *ptr = PyObject_CallMethodNoArgs(tensor, data_ptr_name);
+  if (ptr == NULL) return 0;
+  out->data = PyLong_AsVoidPtr(ptr);
+  Py_DECREF(ptr);
+  if (PyErr_Occurred()) return 0;
+  PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
+  if (dtype == NULL) return 0;
+  out->wide = dtype == int64_dtype;
+  Py_DECREF(dtype);
+  return 1;
+}
+
+static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
+  return lens->wide ? ((const int64_t *)lens->data)[i] : ((const int32_t *)lens->data)[i];
+}
+
+/* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written). */
+static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len) {
+  long long sum = 0;
+  for (Py_ssize_t i = 0; i < batch; ++i) {
+    int64_t v = length_at(lens, i);
+    if (v < 0 || v > max_len) {
+      PyErr_Format(PyExc_IndexError, "seq_lens_cpu[%zd] = %lld is outside [0, %lld]", i,
+                   (long long)v, max_len);
+      return -1;
+    }
+    sum += v;
+  }
+  return sum;
+}
+
+/* Reads `count` integers from `args`; 0 with a Python error set on failure. */
+static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, const char *name,
+                long long *out) {
+  if (nargs != count + 1) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, count + 1, nargs);
+    return 0;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    out[i] = PyLong_AsLongLong(args[i]);
+    if (out[i] == -1 && PyErr_Occurred()) return 0;
+  }
+  return 1;
+}
+
+static PyObject *init(PyObject *self, PyObject *dtype) {
+  PyObject *old = int64_dtype;
+  Py_INCREF(dtype);
+  int64_dtype = dtype;
+  Py_XDECREF(old);
+  Py_RETURN_NONE;
+}
+
+/* stats(max_len, batch, seq_lens_cpu) -> (max L, ΣL), max L = 0 for an empty batch
+ *
+ * The check of every builder whose host scalars read max L (FA3, TRT-LLM MLA): every length
+ * in [0, max_len], then the two numbers those scalars and the launchers' capacity checks read.
+ */
+static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  long long a[2];
+  Lengths lens;
+  if (!ints(args, nargs, 2, "stats", a) || !lengths_of(args[2], &lens)) return NULL;
+  long long max_len = a[0], batch = a[1];
+  long long sum = checked_sum(&lens, batch, max_len), high = 0;
+  if (sum < 0) return NULL;
+  for (Py_ssize_t i = 0; i < batch; ++i) {
+    int64_t v = length_at(&lens, i);
+    high = v > high ? v : high;
+  }
+  return Py_BuildValue("(LL)", high, sum);
+}
+
+/* draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> ΣL
+ *
+ * DraftDecodeIndptr's rule: out[s * stride + z] = base[z] + z·(s + 1) for s < rows and
+ * z ≤ batch·topk, base the cumulative sum of every branch's prefix length (branch z of
+ * request z / topk holds L). */
+static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  long long a[6];
+  Lengths lens;
+  if (!ints(args, nargs, 6, "draft_decode", a) || !lengths_of(args[6], &lens)) return NULL;
+  long long max_len = a[0], topk = a[1], rows = a[2], stride = a[4], batch = a[5];
+  uint32_t *out = (uint32_t *)(uintptr_t)a[3];
+  long long sum = checked_sum(&lens, batch, max_len);
+  if (sum < 0) return NULL;
+  if (rows > 0) {
+    uint32_t acc = 0, z = 0; /* row 0: base[z] + z */
+    for (Py_ssize_t b = 0; b < batch; ++b) {
+      uint32_t L = (uint32_t)length_at(&lens, b);
+      for (long long t = 0; t < topk; ++t, ++z) {
+        out[z] = acc + z;
+        acc += L;
+      }
+    }
+    out[z] = acc + z;
+    for (long long s = 1; s < rows; ++s) { /* row s: row 0 + z·s */
+      uint32_t *row = out + s * stride, step = (uint32_t)s;
+      for (uint32_t i = 0; i <= z; ++i) row[i] = out[i] + i * step;
+    }
+  }
+  return PyLong_FromLongLong(sum);
+}
+
+/* prefix(max_len, shift, scale, out, scaled, batch, seq_lens_cpu) -> ΣL
+ *
+ * The prefill modes' and the cascade's rule: out[0] = 0, out[i + 1] = out[i] + L_i + shift
+ * (the cumulative sum of L + shift), and, when `scaled` is not 0, scaled[i] = scale·out[i]
+ * (target verify's mask offsets, N·kv_indptr). */
+static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  long long a[6];
+  Lengths lens;
+  if (!ints(args, nargs, 6, "prefix", a) || !lengths_of(args[6], &lens)) return NULL;
+  long long max_len = a[0], batch = a[5];
+  uint32_t shift = (uint32_t)a[1], scale = (uint32_t)a[2];
+  uint32_t *out = (uint32_t *)(uintptr_t)a[3], *scaled = (uint32_t *)(uintptr_t)a[4];
+  long long sum = checked_sum(&lens, batch, max_len);
+  if (sum < 0) return NULL;
+  uint32_t acc = 0;
+  out[0] = 0;
+  for (Py_ssize_t i = 0; i < batch; ++i) {
+    acc += (uint32_t)length_at(&lens, i) + shift;
+    out[i + 1] = acc;
+  }
+  if (scaled != NULL)
+    for (Py_ssize_t i = 0; i <= batch; ++i) scaled[i] = scale * out[i];
+  return PyLong_FromLongLong(sum);
+}
+
+/* paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, seq_lens_cpu)
+ *   -> ΣL
+ *
+ * branch_kv_indptr's rule: branch z (request z / topk, prefix L) at step s holds
+ * ceil((L + s + 1) / page_size) pages, its last one (L + s) mod page_size + 1 tokens;
+ * out[s * stride + ·] is the cumulative sum of the pages with out[s * stride] = 0, and
+ * last[s * last_stride + z] the last page's tokens. */
+static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  long long a[9];
+  Lengths lens;
+  if (!ints(args, nargs, 9, "paged", a) || !lengths_of(args[9], &lens)) return NULL;
+  long long max_len = a[0], topk = a[1], rows = a[2], page_size = a[3], stride = a[5];
+  long long last_stride = a[7], batch = a[8];
+  uint32_t *out = (uint32_t *)(uintptr_t)a[4], *last = (uint32_t *)(uintptr_t)a[6];
+  if (page_size < 1) {
+    PyErr_Format(PyExc_ValueError, "paged: page_size must be >= 1, got %lld", page_size);
+    return NULL;
+  }
+  long long sum = checked_sum(&lens, batch, max_len);
+  if (sum < 0) return NULL;
+  for (long long s = 0; s < rows; ++s) {
+    uint32_t *row = out + s * stride, *tail = last + s * last_stride, acc = 0, z = 0;
+    row[0] = 0;
+    for (Py_ssize_t b = 0; b < batch; ++b) {
+      long long tokens = length_at(&lens, b) + s; /* ≤ max_len + rows: no overflow */
+      uint32_t pages = (uint32_t)((tokens + page_size) / page_size);
+      uint32_t in_last = (uint32_t)(tokens % page_size + 1);
+      for (long long t = 0; t < topk; ++t, ++z) {
+        acc += pages;
+        row[z + 1] = acc;
+        tail[z] = in_last;
+      }
+    }
+  }
+  return PyLong_FromLongLong(sum);
+}
+
+static PyMethodDef methods[] = {
+    {"init", (PyCFunction)init, METH_O, "init(torch.int64): the dtype of 64-bit lengths."},
+    {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
+     "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
+    {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
+     "draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> sum"},
+    {"prefix", (PyCFunction)(void (*)(void))prefix, METH_FASTCALL,
+     "prefix(max_len, shift, scale, out, scaled, batch, seq_lens_cpu) -> sum"},
+    {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
+     "paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, "
+     "seq_lens_cpu) -> sum"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",
+                                    "A build's host work on seq_lens_cpu (specmeta design §3).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit_specmeta_host_ops(void) {
+  data_ptr_name = PyUnicode_InternFromString("data_ptr");
+  dtype_name = PyUnicode_InternFromString("dtype");
+  if (data_ptr_name == NULL || dtype_name == NULL) return NULL;
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,222 @@
+"""A build's per-call host work on ``seq_lens_cpu``, one compiled call each (design §3).
+
+Every build given ``seq_lens_cpu`` checks each length against ``[0, max_context_len]``. FA3
+and TRT-LLM MLA then need ``max L`` and ``ΣL`` for their host scalars and capacity checks;
+FlashInfer's ``plan()`` reads index pointers on the host, so a FlashInfer build also writes
+those **host mirrors**, a few cumulative sums of the lengths. In torch each of these is one to
+four CPU ops, each a microsecond or more of dispatch for a few hundred integers: most of a
+build's host time. Here each is one call:
+
+* ``stats`` (FA3, TRT-LLM MLA; :func:`.inputs.host_lengths`): the check, ``max L`` and ``ΣL``.
+* a **writer** per FlashInfer mirror rule (:func:`draft_decode_writer`, :func:`prefix_writer`,
+  :func:`paged_writer`), bound once to the mirror views of a result: ``writer(seq_lens_cpu)``
+  checks every length before it writes anything, writes the mirrors and returns ``ΣL``.
+
+A length outside the range raises ``IndexError``; the builder turns it into its named message
+(:func:`.inputs.check_length_values`). Two implementations, one interface:
+
+* **compiled** (the default): the small C module ``host_ops.c``, built on first use with
+  Triton's own C build helper (the compiler and Python headers Triton needs to launch on a
+  GPU) and cached by Triton; a call costs what a Python call of a C function costs.
+* **torch**: the library's torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
+  DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
+  ``cumsum``) after the :class:`LengthTable` gather that checks the lengths, and the
+  reduction of :func:`.inputs.check_length_values`. Used where the module cannot be built
+  (no C compiler or Python headers), when ``SPECMETA_HOST_OPS=0``, or for a builder made with
+  ``host_ops=False``; the tests compare the two exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .. import validate
+from ..kernels.branch_kv_indices import branch_kv_indptr
+from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
+
+__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "draft_decode_writer",
+           "prefix_writer", "paged_writer"]  # fmt: skip
+
+#: ``writer(seq_lens_cpu) -> ΣL`` (``None`` when the torch writer leaves it to the caller).
+Writer = Callable[[torch.Tensor], "int | None"]
+
+_SOURCE = Path(__file__).with_name("host_ops.c")
+_CPU = torch.device("cpu")
+_state: dict[str, object] = {}
+
+
+def compiled():
+    """The compiled module, built and imported on the first call; ``None`` when it cannot be
+    built here or ``SPECMETA_HOST_OPS=0`` (then :func:`unavailable` says why)."""
+    if "module" in _state:
+        return _state["module"]
+    module = None
+    if os.environ.get("SPECMETA_HOST_OPS", "1") == "0":
+        _state["why"] = "SPECMETA_HOST_OPS=0"
+    else:
+        try:
+            from triton.runtime.build import compile_module_from_src
+
+            module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
+            module.init(torch.int64)
+        except Exception as exc:  # no compiler, no Python headers, an older Triton
+            _state["why"] = f"{type(exc).__name__}: {exc}"
+            module = None
+    _state["module"] = module
+    return module
+
+
+def unavailable() -> str | None:
+    """Why the compiled writers are not in use (``None`` when they are)."""
+    return None if compiled() is not None else str(_state["why"])
+
+
+class LengthTable:
+    """The torch writers' check of ``seq_lens_cpu``, as one gather that also gives the lengths
+    their mirrors sum.
+
+    ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
+    ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so
+    the one call both checks every length against both bounds and returns the lengths, plus
+    ``shift``, as int32: the form the mirrors sum. That is one CPU op where a check by
+    reduction and a conversion for the sums are two or three, each a microsecond or more.
+    The table is a view of one ``arange`` shared by the process, 4 bytes a position of the
+    largest ``max_len + shift`` asked for (16 MB for a 4M-token plan).
+
+    Parameters
+    ----------
+    max_len : int
+        The plan's ``max_context_len``.
+    max_batch : int
+        The plan's ``max_bs``: the gathered lengths go into a buffer of that size.
+    shift : int
+        Added to every length (``N`` for the prefill modes, whose lists hold ``L + N``).
+    """
+
+    def __init__(self, max_len: int, max_batch: int, shift: int = 0):
+        validate.positive("max_len", max_len, 0)
+        validate.positive("max_batch", max_batch, 0)
+        validate.positive("shift", shift, 0)
+        self.max_len, self.shift, self.max_batch = max_len, shift, max_batch
+        self.values = _positions(max_len + shift + 1)[shift:]
+        self._out = torch.empty(max_batch, dtype=torch.int32)
+        self._views: dict[int, torch.Tensor] = {}
+
+    def gather(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
+        """``seq_lens_cpu + shift`` as int32 ``[B]`` (a view of this table's own buffer,
+        rewritten by the next call); ``IndexError`` when a value is outside ``[0, max_len]``.
+        ``seq_lens_cpu`` is a 1-D int32 or int64 CPU tensor of at most ``max_batch`` values,
+        checked the first time its length is seen (``index_select`` refuses another dtype)."""
+        batch = seq_lens_cpu.shape[0]
+        out = self._views.get(batch)
+        if out is None:
+            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=_CPU,
+                            contiguous_last=False)  # fmt: skip
+            if batch > self.max_batch:
+                raise ValueError(
+                    f"seq_lens_cpu has {batch} lengths, over this table's max_batch="
+                    f"{self.max_batch}; make the LengthTable with max_batch >= {batch}"
+                )
+            out = self._views[batch] = self._out[:batch]
+        return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
+
+
+_POSITIONS = torch.zeros(0, dtype=torch.int32)
+
+
+def _positions(n: int) -> torch.Tensor:
+    """``arange(n)`` as int32 on the CPU: a view of the largest one made so far in this
+    process (a table made for a smaller plan keeps the one it was made from)."""
+    global _POSITIONS
+    if _POSITIONS.shape[0] < n:
+        _POSITIONS = torch.arange(n, dtype=torch.int32)
+    return _POSITIONS[:n]
+
+
+def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
+    """The address of a mirror view the compiled writer fills, after checking what it relies
+    on: int32 on the CPU, the given shape, unit last stride."""
+    if (
+        t.dtype != torch.int32
+        or t.device.type != "cpu"
+        or tuple(t.shape) != shape
+        or (t.dim() and shape[-1] > 1 and t.stride(-1) != 1)
+    ):
+        raise ValueError(
+            f"{name} must be an int32 CPU view of shape {list(shape)} with unit last stride, "
+            f"got {t.dtype} on {t.device}, shape {list(t.shape)}, strides {list(t.stride())}"
+        )
+    return t.data_ptr()
+
+
+def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, batch: int,
+                        out: torch.Tensor, *, use_compiled: bool = True) -> Writer:  # fmt: skip
+    """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
+    rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
+    requests; ``table`` of shift 0."""
+    views = rule.bind(batch, out)  # checks out's dtype and shape against the rule
+    rows = out.shape[0]
+    _int32_view("out", out, (rows, batch * topk + 1))
+    if table.shift:
+        raise ValueError(f"draft_decode_writer: the table's shift is {table.shift}; pass one "
+                         "made with shift=0")  # fmt: skip
+    op = compiled() if use_compiled else None
+    if op is None:
+        return functools.partial(_torch_draft_decode, table, views, out)
+    return functools.partial(op.draft_decode, table.max_len, topk, rows, out.data_ptr(),
+                             out.stride(0), batch)  # fmt: skip
+
+
+def _torch_draft_decode(table, views, out, seq_lens_cpu):
+    DraftDecodeIndptr.write(views, table.gather(seq_lens_cpu), out)
+
+
+def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
+                  scaled: torch.Tensor | None = None, scale: int = 0, *,
+                  use_compiled: bool = True) -> Writer:  # fmt: skip
+    """``out`` (``[batch + 1]``) ← ``[0, cumsum(L + table.shift)]``, and ``scaled`` ←
+    ``scale · out`` when given: the cascade's prefix offsets (shift 0), the prefill modes'
+    ``kv_indptr`` (shift ``N``) and target verify's mask offsets (scale ``N``). ``out[0]`` and
+    ``scaled[0]`` must hold 0 already (the ring allocates its buffers zeroed); the torch
+    writer leaves them, the compiled one writes the 0 again."""
+    need = (batch + 1,)
+    ptr = _int32_view("out", out, need)
+    scaled_ptr = _int32_view("scaled", scaled, need) if scaled is not None else 0
+    op = compiled() if use_compiled else None
+    if op is None:
+        tail = scaled[1:] if scaled is not None else None
+        return functools.partial(_torch_prefix, table, out[1:], tail, scale)
+    return functools.partial(op.prefix, table.max_len, table.shift, scale, ptr, scaled_ptr,
+                             batch)  # fmt: skip
+
+
+def _torch_prefix(table, out_tail, scaled_tail, scale, seq_lens_cpu):
+    # Entry 0 of out and scaled stays the zero the ring's buffers were allocated with.
+    torch.cumsum(table.gather(seq_lens_cpu), 0, out=out_tail)
+    if scaled_tail is not None:
+        torch.mul(out_tail, scale, out=scaled_tail)
+
+
+def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
+                 out: torch.Tensor, last: torch.Tensor, *,
+                 use_compiled: bool = True) -> Writer:  # fmt: skip
+    """``out`` (``[rows, batch·K + 1]``) and ``last`` (``[rows, batch·K]``) ← the page offsets
+    and last-page lengths of per-branch page lists (:func:`branch_kv_indptr`'s rule)."""
+    rows = out.shape[0]
+    _int32_view("out", out, (rows, batch * topk + 1))
+    _int32_view("last", last, (rows, batch * topk))
+    op = compiled() if use_compiled else None
+    if op is None:
+        return functools.partial(_torch_paged, table, topk, page_size, out, last)
+    return functools.partial(op.paged, table.max_len, topk, rows, page_size, out.data_ptr(),
+                             out.stride(0), last.data_ptr(), last.stride(0), batch)  # fmt: skip
+
+
+def _torch_paged(table, topk, page_size, out, last, seq_lens_cpu):
+    lens = table.gather(seq_lens_cpu)
+    branch_kv_indptr(lens, topk, out.shape[0], page_size, out, last)
