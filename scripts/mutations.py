@@ -252,11 +252,11 @@ MUTATIONS: list[Mutation] = [
        "acc += (uint32_t)length_at(&lens, i) + shift + 1;",
        ["tests/metadata/test_flashinfer.py", "-k", "shared_prefix_cascade"]),
     _m("h-mirror-set-stale", "host_mirror",
-       "draft_decode's result and mirror views ignore the ring's set: build i + 1 rewrites "
+       "FlashInfer's results and mirror views ignore the ring's set: build i + 1 rewrites "
        "build i's mirrors",
        "specmeta/metadata/flashinfer.py",
-       'self.result(("draft_decode", B, rows, slot),',
-       'self.result(("draft_decode", B, rows, 0),',
+       "self.result((mode, *key, slot), make, *key, mirrors)",
+       "self.result((mode, *key, 0), make, *key, mirrors)",
        ["tests/metadata/test_host_mirrors.py", "-k", "round_the_ring"]),
     # ---------------------------------------------------------------- builders' host checks
     _m("i-max-bs", "host_check", "builders accept a batch one over max_bs",

@@ -376,15 +376,7 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, K = inputs.batch, cfg.topk
-        host = slot = None
-        if inputs.seq_lens_cpu is not None:
-            ring = self._mirrors["draft_decode"]
-            host = ring.next()["kv_indptr_host"]
-            slot = ring.slot
-        result, write = self.result(("draft_decode", B, rows, slot),
-                                    self._draft_decode_result, B, rows, host)  # fmt: skip
-        if write is not None:
-            self.write_mirrors("draft_decode", inputs, write)
+        result = self._mirrored("draft_decode", inputs, (B, rows), self._draft_decode_result)
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._draft_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -395,10 +387,11 @@ class FlashInferBuilder(MetadataBuilder):
             ))  # fmt: skip
         return result
 
-    def _draft_decode_result(self, B: int, rows: int, host: torch.Tensor | None):
+    def _draft_decode_result(self, B: int, rows: int, mirrors: dict | None):
         """The result of ``B`` requests and ``rows`` steps, and the writer of its host mirror
-        into ``host``, the ring's set (``None`` without one)."""
+        into ``mirrors``, the ring's set (``None`` without one)."""
         buf, K = self.buffers, self.cfg.topk
+        host = mirrors["kv_indptr_host"] if mirrors is not None else None
         ones = buf["draft_decode.kv_last_page_len"][: B * K]
         ones_host = buf["draft_decode.kv_last_page_len_host"][: B * K]
         steps = tuple(
@@ -441,15 +434,8 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check("draft_decode_shared_prefix", req_pool_indices, req_to_token,
                              seq_lens, seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, K, mode = inputs.batch, cfg.topk, "draft_decode_shared"
-        prefix_host = slot = None
-        if inputs.seq_lens_cpu is not None:
-            ring = self._mirrors[mode]
-            prefix_host = ring.next()["prefix_kv_indptr_host"]
-            slot = ring.slot
-        result, write = self.result(("draft_decode_shared_prefix", B, rows, slot),
-                                    self._shared_result, B, rows, prefix_host)  # fmt: skip
-        if write is not None:
-            self.write_mirrors("draft_decode_shared_prefix", inputs, write)
+        result = self._mirrored("draft_decode_shared_prefix", inputs, (B, rows),
+                                self._shared_result)  # fmt: skip
         if launch:
             self.launch_plan(inputs, (rows,), lambda: self._shared_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -463,11 +449,11 @@ class FlashInferBuilder(MetadataBuilder):
             ))  # fmt: skip
         return result
 
-    def _shared_result(self, B, rows, prefix_host):
+    def _shared_result(self, B, rows, mirrors):
         """The result and the writer of its prefix level's host offsets (``None`` without
         them)."""
         buf, K, mode = self.buffers, self.cfg.topk, "draft_decode_shared"
-        prefix_host = prefix_host[: B + 1] if prefix_host is not None else None
+        prefix_host = mirrors["prefix_kv_indptr_host"][: B + 1] if mirrors is not None else None
         ones = buf[f"{mode}.kv_last_page_len"]
         qo = (self._layouts["prefix"].cu_seqlens_q(B), self._layouts["chain"].cu_seqlens_q(B * K))
         qo_host = (
@@ -526,16 +512,7 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check("draft_decode_paged", req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, K, ps, mode = inputs.batch, cfg.topk, cfg.page_size, "draft_decode_paged"
-        ptr_host = lpl_host = slot = None
-        if inputs.seq_lens_cpu is not None:
-            ring = self._mirrors[mode]
-            mirrors = ring.next()
-            slot = ring.slot
-            ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
-        result, write = self.result(("draft_decode_paged", B, rows, slot),
-                                    self._paged_result, B, rows, ptr_host, lpl_host)  # fmt: skip
-        if write is not None:
-            self.write_mirrors(mode, inputs, write)
+        result = self._mirrored(mode, inputs, (B, rows), self._paged_result)
         if launch:
             self._branch_kv(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=cfg.num_steps,
@@ -546,9 +523,12 @@ class FlashInferBuilder(MetadataBuilder):
             )  # fmt: skip
         return result
 
-    def _paged_result(self, B, rows, ptr_host, lpl_host):
+    def _paged_result(self, B, rows, mirrors):
         """The result and the writer of its host mirrors (``None`` without them)."""
         buf, K, ps, mode = self.buffers, self.cfg.topk, self.cfg.page_size, "draft_decode_paged"
+        ptr_host = lpl_host = None
+        if mirrors is not None:
+            ptr_host, lpl_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
         steps = tuple(
             FlashInferDecodeStep(
                 kv_indptr=buf[f"{mode}.kv_indptr"][s, : B * K + 1],
@@ -578,13 +558,20 @@ class FlashInferBuilder(MetadataBuilder):
             status=self.status_word(status),
         )  # fmt: skip
 
-    def _prefill_mirrors(self, mode, inputs):
-        """``(set, slot)``: the ring's next set of host mirrors of a prefill mode;
-        ``(None, None)`` without ``seq_lens_cpu``."""
-        if inputs.seq_lens_cpu is None:
-            return None, None
-        ring = self._mirrors[mode]
-        return ring.next(), ring.slot
+    def _mirrored(self, mode: str, inputs, key: tuple, make):
+        """The result of ``mode`` for ``key`` (``B`` and the host integers it depends on) with
+        its host mirrors written, before any launch: ``make(*key, mirrors)`` makes the result
+        and its writer once per key and set (:meth:`result`), ``mirrors`` the ring's next set,
+        or ``None`` without ``seq_lens_cpu`` (then no writer)."""
+        mirrors = slot = None
+        if inputs.seq_lens_cpu is not None:
+            ring = self._mirrors[self.plan_groups.get(mode, mode)]
+            mirrors = ring.next()
+            slot = ring.slot
+        result, write = self.result((mode, *key, slot), make, *key, mirrors)
+        if write is not None:
+            self.write_mirrors(mode, inputs, write)
+        return result
 
     def target_verify(
         self,
@@ -630,11 +617,7 @@ class FlashInferBuilder(MetadataBuilder):
                              status=status)  # fmt: skip
         B = inputs.batch
         form = "packed_" if packed else ""
-        mirrors, slot = self._prefill_mirrors(mode, inputs)
-        result, write = self.result(("target_verify", B, packed, slot),
-                                    self._verify_result, B, form, mirrors)  # fmt: skip
-        if write is not None:
-            self.write_mirrors(mode, inputs, write)
+        result = self._mirrored(mode, inputs, (B, form), self._verify_result)
         mask = buf[f"{mode}.{form}custom_mask"]
         mask_indptr = buf[f"{mode}.{form}mask_indptr"]
 
@@ -700,11 +683,7 @@ class FlashInferBuilder(MetadataBuilder):
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                              seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B = inputs.batch
-        mirrors, slot = self._prefill_mirrors(mode, inputs)
-        result, write = self.result(("draft_extend", B, slot),
-                                    self._extend_result, B, mirrors)  # fmt: skip
-        if write is not None:
-            self.write_mirrors(mode, inputs, write)
+        result = self._mirrored(mode, inputs, (B,), self._extend_result)
         if launch:
             self._prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, inputs, status)
         return result
