@@ -106,6 +106,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"--only {' '.join(unknown)}: no such check; pick from {', '.join(CHECKS)}"
         )
     print(f"specmeta check on {device} (seed {seed}; reproduce with --seed {seed})", flush=True)
+    from .metadata import host_ops
+
+    why = host_ops.unavailable()  # the builders' host work on seq_lens_cpu (design §3)
+    print("host work on seq_lens_cpu: " + ("compiled" if why is None else f"torch ({why})"))
     tty = sys.stdout.isatty()
     width = 30
 

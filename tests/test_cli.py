@@ -125,6 +125,11 @@ def test_check_reports_and_exits_zero(capsys, device):
     row = next(ln for ln in out.splitlines() if ln.startswith("assign_draft_cache_locs "))
     assert row.split()[-1] == "ok" and row.split()[2] == "0", row
     assert "1 passed, 0 failed" in out
+    from specmeta.metadata import host_ops
+
+    why = host_ops.unavailable()  # which host path the builders use, said before the checks
+    want = "compiled" if why is None else f"torch ({why})"
+    assert f"host work on seq_lens_cpu: {want}\n" in out
 
 
 def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
