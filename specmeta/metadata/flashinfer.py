@@ -327,8 +327,9 @@ class FlashInferBuilder(MetadataBuilder):
                 UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
         if "draft_decode" in groups:  # the torch rule of its host mirror, constants made once
             self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
-        # seq_lens_cpu's values are checked by the gather that gives the mirrors their lengths
-        # as int32: L for the draft modes, L + N for the prefill modes, whose lists hold L + N.
+        # Every mode's seq_lens_cpu is checked by its mirror writer (host_ops), which reads the
+        # range and the shift from its table: L for the draft modes, L + N for the prefill
+        # modes, whose lists hold L + N. The torch writers gather the lengths from the table.
         # (the larger table first, so the smaller is a view of the same arange)
         tables = {n: LengthTable(cfg.max_context_len, bs, n)}
         tables[0] = LengthTable(cfg.max_context_len, bs)
