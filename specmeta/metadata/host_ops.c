@@ -13,38 +13,70 @@
  *
  * Arguments are positional, those fixed for a result first (bound once with
  * functools.partial), the lengths tensor last. The lengths arrive as the torch tensor itself,
- * already checked on the host to be a contiguous 1-D int32 or int64 CPU tensor of B values:
- * its address comes from data_ptr() and its width from comparing its dtype with the int64
- * dtype given to init().
+ * and are read only once it is seen to be a contiguous 1-D int32 or int64 CPU tensor of
+ * `batch` values (TypeError or ValueError otherwise, before anything is read): its dtype is
+ * compared with the dtypes given to init(), its address comes from data_ptr().
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-static PyObject *int64_dtype; /* torch.int64, from init() */
-static PyObject *data_ptr_name, *dtype_name;
+static PyObject *int64_dtype, *int32_dtype; /* from init() */
+static PyObject *data_ptr_name, *dtype_name, *shape_name, *is_cpu_name, *is_contiguous_name;
 
 typedef struct {
   const void *data;
   int wide; /* int64 values, else int32 */
 } Lengths;
 
-/* The address and width of a lengths tensor; 0 with a Python error set on failure. */
-static int lengths_of(PyObject *tensor, Lengths *out) {
+/* Whether `attr` of `obj` (called without arguments when `call`) is True; -1 on an error. */
+static int is_true(PyObject *obj, PyObject *attr, int call) {
+  PyObject *v = call ? PyObject_CallMethodNoArgs(obj, attr) : PyObject_GetAttr(obj, attr);
+  if (v == NULL) return -1;
+  int yes = v == Py_True;
+  Py_DECREF(v);
+  return yes;
+}
+
+/* The address and width of a lengths tensor of `batch` values, after checking that it is one;
+ * 0 with a Python error set otherwise. */
+static int lengths_of(PyObject *tensor, Py_ssize_t batch, Lengths *out) {
   if (int64_dtype == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "host_ops.init(torch.int64) was not called");
+    PyErr_SetString(PyExc_RuntimeError, "host_ops.init(torch.int64, torch.int32) was not called");
+    return 0;
+  }
+  PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
+  if (dtype == NULL) return 0;
+  out->wide = dtype == int64_dtype;
+  int narrow = dtype == int32_dtype;
+  Py_DECREF(dtype);
+  if (!out->wide && !narrow) {
+    PyErr_SetString(PyExc_TypeError, "seq_lens_cpu must be an int32 or int64 tensor");
+    return 0;
+  }
+  PyObject *shape = PyObject_GetAttr(tensor, shape_name);
+  if (shape == NULL) return 0;
+  int one_row = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 1 &&
+                PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0)) == batch;
+  Py_DECREF(shape);
+  if (PyErr_Occurred()) return 0;
+  if (!one_row) {
+    PyErr_Format(PyExc_ValueError, "seq_lens_cpu must have shape [%zd] (one length a request)",
+                 batch);
+    return 0;
+  }
+  int cpu = is_true(tensor, is_cpu_name, 0);
+  int contiguous = cpu == 1 ? is_true(tensor, is_contiguous_name, 1) : 0;
+  if (cpu < 0 || contiguous < 0) return 0;
+  if (!cpu || !contiguous) {
+    PyErr_SetString(PyExc_ValueError, "seq_lens_cpu must be a contiguous CPU tensor");
     return 0;
   }
   PyObject *ptr = PyObject_CallMethodNoArgs(tensor, data_ptr_name);
   if (ptr == NULL) return 0;
   out->data = PyLong_AsVoidPtr(ptr);
   Py_DECREF(ptr);
-  if (PyErr_Occurred()) return 0;
-  PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
-  if (dtype == NULL) return 0;
-  out->wide = dtype == int64_dtype;
-  Py_DECREF(dtype);
-  return 1;
+  return !PyErr_Occurred();
 }
 
 static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
@@ -80,11 +112,18 @@ static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, const
   return 1;
 }
 
-static PyObject *init(PyObject *self, PyObject *dtype) {
-  PyObject *old = int64_dtype;
-  Py_INCREF(dtype);
-  int64_dtype = dtype;
-  Py_XDECREF(old);
+static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "init(torch.int64, torch.int32) takes 2 arguments");
+    return NULL;
+  }
+  PyObject *old64 = int64_dtype, *old32 = int32_dtype;
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  int64_dtype = args[0];
+  int32_dtype = args[1];
+  Py_XDECREF(old64);
+  Py_XDECREF(old32);
   Py_RETURN_NONE;
 }
 
@@ -96,7 +135,8 @@ static PyObject *init(PyObject *self, PyObject *dtype) {
 static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[2];
   Lengths lens;
-  if (!ints(args, nargs, 2, "stats", a) || !lengths_of(args[2], &lens)) return NULL;
+  if (!ints(args, nargs, 2, "stats", a) || !lengths_of(args[2], (Py_ssize_t)a[1], &lens))
+    return NULL;
   long long max_len = a[0], batch = a[1];
   long long sum = checked_sum(&lens, batch, max_len), high = 0;
   if (sum < 0) return NULL;
@@ -115,7 +155,8 @@ static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[6];
   Lengths lens;
-  if (!ints(args, nargs, 6, "draft_decode", a) || !lengths_of(args[6], &lens)) return NULL;
+  if (!ints(args, nargs, 6, "draft_decode", a) || !lengths_of(args[6], (Py_ssize_t)a[5], &lens))
+    return NULL;
   long long max_len = a[0], topk = a[1], rows = a[2], stride = a[4], batch = a[5];
   uint32_t *out = (uint32_t *)(uintptr_t)a[3];
   long long sum = checked_sum(&lens, batch, max_len);
@@ -146,7 +187,8 @@ static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[6];
   Lengths lens;
-  if (!ints(args, nargs, 6, "prefix", a) || !lengths_of(args[6], &lens)) return NULL;
+  if (!ints(args, nargs, 6, "prefix", a) || !lengths_of(args[6], (Py_ssize_t)a[5], &lens))
+    return NULL;
   long long max_len = a[0], batch = a[5];
   uint32_t shift = (uint32_t)a[1], scale = (uint32_t)a[2];
   uint32_t *out = (uint32_t *)(uintptr_t)a[3], *scaled = (uint32_t *)(uintptr_t)a[4];
@@ -173,7 +215,8 @@ static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[9];
   Lengths lens;
-  if (!ints(args, nargs, 9, "paged", a) || !lengths_of(args[9], &lens)) return NULL;
+  if (!ints(args, nargs, 9, "paged", a) || !lengths_of(args[9], (Py_ssize_t)a[8], &lens))
+    return NULL;
   long long max_len = a[0], topk = a[1], rows = a[2], page_size = a[3], stride = a[5];
   long long last_stride = a[7], batch = a[8];
   uint32_t *out = (uint32_t *)(uintptr_t)a[4], *last = (uint32_t *)(uintptr_t)a[6];
@@ -201,7 +244,8 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyMethodDef methods[] = {
-    {"init", (PyCFunction)init, METH_O, "init(torch.int64): the dtype of 64-bit lengths."},
+    {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL,
+     "init(torch.int64, torch.int32): the dtypes of the lengths."},
     {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
      "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
@@ -220,6 +264,10 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",
 PyMODINIT_FUNC PyInit_specmeta_host_ops(void) {
   data_ptr_name = PyUnicode_InternFromString("data_ptr");
   dtype_name = PyUnicode_InternFromString("dtype");
-  if (data_ptr_name == NULL || dtype_name == NULL) return NULL;
+  shape_name = PyUnicode_InternFromString("shape");
+  is_cpu_name = PyUnicode_InternFromString("is_cpu");
+  is_contiguous_name = PyUnicode_InternFromString("is_contiguous");
+  if (!data_ptr_name || !dtype_name || !shape_name || !is_cpu_name || !is_contiguous_name)
+    return NULL;
   return PyModule_Create(&module);
 }

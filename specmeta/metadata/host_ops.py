@@ -63,7 +63,7 @@ def compiled():
             from triton.runtime.build import compile_module_from_src
 
             module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
-            module.init(torch.int64)
+            module.init(torch.int64, torch.int32)
         except Exception as exc:  # no compiler, no Python headers, an older Triton
             _state["why"] = f"{type(exc).__name__}: {exc}"
             module = None
@@ -138,9 +138,32 @@ def _positions(n: int) -> torch.Tensor:
     return _POSITIONS[:n]
 
 
+def _rows(out: object) -> int:
+    """The rows of a 2-D mirror view (its other checks are :func:`_int32_view`'s)."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError(f"out must be a 2-D int32 CPU view, got {type(out).__name__} "
+                         f"{list(out.shape) if isinstance(out, torch.Tensor) else ''}")  # fmt: skip
+    return out.shape[0]
+
+
+def _check_lengths(seq_lens_cpu: object, batch: int) -> None:
+    """What the compiled writers check of the lengths before reading them, with the same
+    exceptions: an int32 or int64 contiguous CPU tensor of shape ``[batch]``."""
+    if not isinstance(seq_lens_cpu, torch.Tensor) or seq_lens_cpu.dtype not in (
+        torch.int32, torch.int64
+    ):
+        raise TypeError("seq_lens_cpu must be an int32 or int64 tensor")
+    if tuple(seq_lens_cpu.shape) != (batch,):
+        raise ValueError(f"seq_lens_cpu must have shape [{batch}] (one length a request)")
+    if not seq_lens_cpu.is_cpu or not seq_lens_cpu.is_contiguous():
+        raise ValueError("seq_lens_cpu must be a contiguous CPU tensor")
+
+
 def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
     """The address of a mirror view the compiled writer fills, after checking what it relies
     on: int32 on the CPU, the given shape, unit last stride."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 CPU tensor view, got {type(t).__name__}")
     if (
         t.dtype != torch.int32
         or t.device.type != "cpu"
@@ -159,20 +182,22 @@ def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, 
     """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
     rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
     requests; ``table`` of shift 0."""
-    views = rule.bind(batch, out)  # checks out's dtype and shape against the rule
-    rows = out.shape[0]
+    validate.positive("topk", topk)
+    rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     if table.shift:
         raise ValueError(f"draft_decode_writer: the table's shift is {table.shift}; pass one "
                          "made with shift=0")  # fmt: skip
     op = compiled() if use_compiled else None
     if op is None:
-        return functools.partial(_torch_draft_decode, table, views, out)
+        views = rule.bind(batch, out)  # also checks out against the rule's maxima
+        return functools.partial(_torch_draft_decode, table, batch, views, out)
     return functools.partial(op.draft_decode, table.max_len, topk, rows, out.data_ptr(),
                              out.stride(0), batch)  # fmt: skip
 
 
-def _torch_draft_decode(table, views, out, seq_lens_cpu):
+def _torch_draft_decode(table, batch, views, out, seq_lens_cpu):
+    _check_lengths(seq_lens_cpu, batch)
     DraftDecodeIndptr.write(views, table.gather(seq_lens_cpu), out)
 
 
@@ -184,18 +209,20 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     ``kv_indptr`` (shift ``N``) and target verify's mask offsets (scale ``N``). ``out[0]`` and
     ``scaled[0]`` must hold 0 already (the ring allocates its buffers zeroed); the torch
     writer leaves them, the compiled one writes the 0 again."""
+    validate.positive("scale", scale, 0)
     need = (batch + 1,)
     ptr = _int32_view("out", out, need)
     scaled_ptr = _int32_view("scaled", scaled, need) if scaled is not None else 0
     op = compiled() if use_compiled else None
     if op is None:
         tail = scaled[1:] if scaled is not None else None
-        return functools.partial(_torch_prefix, table, out[1:], tail, scale)
+        return functools.partial(_torch_prefix, table, batch, out[1:], tail, scale)
     return functools.partial(op.prefix, table.max_len, table.shift, scale, ptr, scaled_ptr,
                              batch)  # fmt: skip
 
 
-def _torch_prefix(table, out_tail, scaled_tail, scale, seq_lens_cpu):
+def _torch_prefix(table, batch, out_tail, scaled_tail, scale, seq_lens_cpu):
+    _check_lengths(seq_lens_cpu, batch)
     # Entry 0 of out and scaled stays the zero the ring's buffers were allocated with.
     torch.cumsum(table.gather(seq_lens_cpu), 0, out=out_tail)
     if scaled_tail is not None:
@@ -207,16 +234,19 @@ def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
                  use_compiled: bool = True) -> Writer:  # fmt: skip
     """``out`` (``[rows, batch·K + 1]``) and ``last`` (``[rows, batch·K]``) ← the page offsets
     and last-page lengths of per-branch page lists (:func:`branch_kv_indptr`'s rule)."""
-    rows = out.shape[0]
+    validate.positive("topk", topk)
+    validate.positive("page_size", page_size)
+    rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     _int32_view("last", last, (rows, batch * topk))
     op = compiled() if use_compiled else None
     if op is None:
-        return functools.partial(_torch_paged, table, topk, page_size, out, last)
+        return functools.partial(_torch_paged, table, batch, topk, page_size, out, last)
     return functools.partial(op.paged, table.max_len, topk, rows, page_size, out.data_ptr(),
                              out.stride(0), last.data_ptr(), last.stride(0), batch)  # fmt: skip
 
 
-def _torch_paged(table, topk, page_size, out, last, seq_lens_cpu):
+def _torch_paged(table, batch, topk, page_size, out, last, seq_lens_cpu):
+    _check_lengths(seq_lens_cpu, batch)
     lens = table.gather(seq_lens_cpu)
     branch_kv_indptr(lens, topk, out.shape[0], page_size, out, last)

@@ -217,6 +217,52 @@ def test_a_writer_refuses_a_view_it_cannot_fill():
                               torch.zeros(2, 5, dtype=torch.int32))  # fmt: skip
 
 
+@needs_compiled
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_writer_reads_only_a_tensor_of_its_batch(kind):
+    """Called on its own, a writer refuses lengths it cannot read safely before reading them,
+    compiled and torch alike: another dtype, another length, a second dimension, a
+    non-contiguous view (an expanded one would read past its storage), another device."""
+    B = 4
+    good = torch.arange(B, dtype=torch.int64)
+    bad = [
+        (TypeError, "int32 or int64", good.to(torch.float32)),
+        (ValueError, r"shape \[4\]", good[:3]),
+        (ValueError, r"shape \[4\]", good.view(2, 2)),
+        (ValueError, "contiguous CPU", torch.arange(2 * B, dtype=torch.int64)[::2]),
+        (ValueError, "contiguous CPU", torch.zeros(1, dtype=torch.int64).expand(B)),
+        (ValueError, "contiguous CPU", torch.empty(B, dtype=torch.int64, device="meta")),
+    ]
+    for use_compiled in (True, False):
+        write, bufs = _writers(kind, B, use_compiled)
+        before = [b.clone() for b in bufs]
+        for kind_of_error, message, lens in bad:
+            with pytest.raises(kind_of_error, match=message):
+                write(lens)
+        for got, was in zip(bufs, before, strict=True):
+            assert torch.equal(got, was), f"{kind} compiled={use_compiled}: written"
+    with pytest.raises(TypeError, match="int32 or int64"):
+        host_ops.compiled().stats(MAX_LEN, B, good.to(torch.int16))
+
+
+def test_a_writer_refuses_bad_bind_arguments():
+    """topk and page_size of at least 1, scale of at least 0, tensors for views: checked when
+    a writer is bound, each named."""
+    table = LengthTable(MAX_LEN, MAX_BS)
+    out, last = torch.zeros(2, 7, dtype=torch.int32), torch.zeros(2, 6, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_size"):
+        host_ops.paged_writer(table, 3, 0, 2, out, last)
+    with pytest.raises(ValueError, match="topk"):
+        host_ops.paged_writer(table, 0, PS, 2, out, last)
+    with pytest.raises(ValueError, match="scale"):
+        host_ops.prefix_writer(table, 3, torch.zeros(4, dtype=torch.int32), scale=-1)
+    with pytest.raises(TypeError, match="out must be an int32 CPU tensor view, got list"):
+        host_ops.prefix_writer(table, 3, [0, 0, 0, 0])
+    rule = DraftDecodeIndptr(TOPK, ROWS, MAX_BS, torch.int32)
+    with pytest.raises(ValueError, match="out must be a 2-D int32 CPU view"):
+        host_ops.draft_decode_writer(table, rule, TOPK, 2, torch.zeros(7, dtype=torch.int32))
+
+
 def test_without_the_compiled_module_the_torch_writers_serve():
     """``SPECMETA_HOST_OPS=0`` (as on a machine without a C compiler): no compiled module, the
     reason given, and a FlashInfer build's host mirrors still written (by hand: lengths 3 and 16
