@@ -135,14 +135,17 @@ def bench_runner(benchmark, k, s, n, ps, stage, B, mode):
 
 
 class OneBackendStage:
-    """The draft stage of an engine on one backend: draft slots and FA3's draft decode, as a
-    typed runner's build; ``host=True`` registers ``seq_lens``'s CPU mirror (exact
-    ``max_seqlen_k``, checked lengths), ``host=False`` runs on the planned bounds."""
+    """The draft stage of an engine on one backend, as a typed runner's build: draft slots and
+    FA3's draft decode, or FlashInfer's draft-decode lists. ``host=True`` registers
+    ``seq_lens``'s CPU mirror (FA3: exact ``max_seqlen_k`` and checked lengths; FlashInfer:
+    checked lengths and the ``plan()`` mirrors, written before every replay), ``host=False``
+    runs on the planned bounds."""
 
-    def __init__(self, host: bool):
+    def __init__(self, host: bool, backend: str = "fa3"):
         from specmeta import allocate_buffers
         from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
         from specmeta.metadata.fa3 import FA3MetadataBuilder
+        from specmeta.metadata.flashinfer import FlashInferBuilder
         from specmeta.runners import GraphRunner, padding
 
         k, s, n, ps = 4, 5, 16, 16
@@ -152,18 +155,23 @@ class OneBackendStage:
         self.batch = make_batch("random", batch_size=max(BUCKETS), topk=k, num_steps=s,
                                 page_size=ps, row_width=cfg.req_to_token_width, generator=g,
                                 device="cuda", max_len=CTX)  # fmt: skip
-        self.fa3 = FA3MetadataBuilder(cfg, "cuda", modes=("draft_decode",))
+        builder = FA3MetadataBuilder if backend == "fa3" else FlashInferBuilder
+        self.builder = builder(cfg, "cuda", modes=("draft_decode",))
         self.bufs = allocate_buffers(cfg, "cuda")
         r2t, assign = self.batch.req_to_token, assign_draft_cache_locs
 
         def build(batch):
             rpi, lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+            host = batch.host.get("seq_lens")
+            if backend == "flashinfer":
+                return self.builder.draft_decode(rpi, r2t, lens, launch=batch.launch,
+                                                 seq_lens_cpu=host)  # fmt: skip
             slots = self.bufs["draft.out_cache_loc"][: rpi.shape[0] * k * s]
             if batch.launch:
                 assign(rpi, r2t, lens, topk=k, num_steps=s, page_size=ps, out_cache_loc=slots,
-                       status=self.fa3.status)  # fmt: skip
-            return self.fa3.draft_decode(rpi, r2t, lens, slots, launch=batch.launch,
-                                         seq_lens_cpu=batch.host.get("seq_lens"))  # fmt: skip
+                       status=self.builder.status)  # fmt: skip
+            return self.builder.draft_decode(rpi, r2t, lens, slots, launch=batch.launch,
+                                             seq_lens_cpu=host)  # fmt: skip
 
         self.build = build
         self.runner = GraphRunner(build, batch_sizes=BUCKETS, device="cuda", typed=True)
@@ -176,21 +184,22 @@ class OneBackendStage:
         self.host = host
 
 
-@functools.lru_cache(maxsize=2)
-def _one_backend(host: bool) -> OneBackendStage:
-    return OneBackendStage(host)
+@functools.lru_cache(maxsize=4)
+def _one_backend(host: bool, backend: str) -> OneBackendStage:
+    return OneBackendStage(host, backend)
 
 
 @pytest.mark.parametrize("mode", ["run", "persistent"])
 @pytest.mark.parametrize("B", BUCKETS)
 @pytest.mark.parametrize("host", [False, True], ids=["no_host_inputs", "seq_lens_cpu"])
-def bench_runner_one_backend(benchmark, host, B, mode):
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer"])
+def bench_runner_one_backend(benchmark, backend, host, B, mode):
     """``GraphRunner.run`` with the engine's own tensors (one pad-and-copy launch, then the
     replay) and :meth:`GraphRunner.replay` of a persistent batch (the engine wrote the static
     buffers), against the targets ``floor_graph + floor_run + 5`` and ``floor_graph + 3``."""
     from bench.harness import paired_host_us
 
-    st = _one_backend(host)
+    st = _one_backend(host, backend)
     batch, runner = st.batch, st.runner
     raw = {"req_pool_indices": batch.req_pool_indices[:B].contiguous(),
            "seq_lens": batch.seq_lens[:B].contiguous()}  # fmt: skip
@@ -210,13 +219,19 @@ def bench_runner_one_backend(benchmark, host, B, mode):
     want = eager(StageBatch(raw, host_inputs or {}, True))
     got = fn().results
     for s in range(len(want)):
-        assert torch.equal(got[s].normal.page_table, want[s].normal.page_table)
-        assert torch.equal(got[s].expand.cache_seqlens, want[s].expand.cache_seqlens)
+        if backend == "fa3":
+            assert torch.equal(got[s].normal.page_table, want[s].normal.page_table)
+            assert torch.equal(got[s].expand.cache_seqlens, want[s].expand.cache_seqlens)
+            assert got[s].normal.max_seqlen_k == want[s].normal.max_seqlen_k
+        else:
+            assert torch.equal(got[s].kv_indptr, want[s].kv_indptr)
+            if host:
+                assert torch.equal(got[s].kv_indptr_host, want[s].kv_indptr_host)
     device_us = graph_us(lambda: eager(StageBatch(raw, {}, True)))
     benchmark.pedantic(fn, rounds=30, iterations=200, warmup_rounds=2)
     paired = paired_host_us(fn)  # the call and its floors in alternating rounds
     budget = paired["floor_graph"] + (paired["floor_run"] + 5 if mode == "run" else 3)
-    record(benchmark, device_us=device_us, mode=mode, bs=B, host_inputs=host,
+    record(benchmark, device_us=device_us, mode=mode, bs=B, host_inputs=host, backend=backend,
            target_us=round(budget, 1), met=paired["host_paired_us"] <= budget,
            **paired)  # fmt: skip
-    assert int(st.fa3.status) == 0
+    assert int(st.builder.status) == 0

@@ -302,6 +302,32 @@ def _guarded_signer(args: tuple, pattern: int, signer: Signer):
     return _written(src, "sign", scope)
 
 
+def pinned(tensors: Sequence[torch.Tensor], sources: Sequence = (), *, guarded: bool = True):
+    """A function ``unchanged() -> bool``: whether ``tensors`` and the tensors the functions
+    ``sources`` return (a guarded engine tensor, read again on every call) still have the
+    addresses, shapes, strides, dtypes and devices they have now. One function written for
+    them, with torch's tensor guard (:func:`_tensor_guards`) where it is available and
+    ``guarded``, else the :func:`signature` of them all; for a graph runner, which checks what
+    its graphs captured before every replay."""
+    fixed, calls = tuple(tensors), tuple(sources)
+    now = (*fixed, *[f() for f in calls])
+    names = [f"t{i}" for i in range(len(now))]
+    reads = [f"    {n} = _fixed[{i}]\n" for i, n in enumerate(names[: len(fixed)])]
+    reads += [f"    {n} = _calls[{i}]()\n" for i, n in enumerate(names[len(fixed) :])]
+    scope = {"_fixed": fixed, "_calls": calls, "_signature": signature}
+    if guarded and _GUARD is not None and now:
+        # An address names one device unless it is 0 (an empty tensor): the guard compares
+        # the device too.
+        scope["_guard"] = _GUARD(*now)
+        same = [f"{n}.data_ptr() == {t.data_ptr()}" for n, t in zip(names, now, strict=True)]
+        same.append(f"_guard({', '.join(names)},)")
+    else:
+        scope["_then"] = signature(*now)
+        same = [f"_signature({', '.join(names)},) == _then"] if now else ["True"]
+    src = "def unchanged():\n" + "".join(reads) + f"    return {' and '.join(same)}\n"
+    return _written(src, "unchanged", scope)
+
+
 def _names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 

@@ -24,11 +24,19 @@ input is checked before the first launch (:mod:`specmeta.metadata.inputs`).
 What a backend can do is data, :class:`Capabilities`, checked when the builder is constructed:
 a mode it cannot serve for the config (a tree verify on a causal-only kernel) is refused there,
 not at the first call.
+
+A call with ``seq_lens_cpu`` splits into what its device tensors decide (checked once per
+signature, the launches) and what the host values decide: their checks, the host scalars, the
+host mirrors and so the result object. Under :func:`describing` every call records that second
+part as a :class:`HostStep`, which a graph runner runs again on the next batch's values instead
+of calling the whole build (design §4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -47,7 +55,48 @@ from .inputs import (
     host_lengths,
 )  # fmt: skip
 
-__all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
+__all__ = ["Capabilities", "MetadataBuilder", "DraftSteps", "HostStep", "describing"]
+
+
+class HostStep:
+    """What one build call's result took from ``seq_lens_cpu``, as a function of new values.
+
+    Attributes
+    ----------
+    run : callable
+        ``run(seq_lens_cpu) -> result``: the call's per-call host work on new values of the
+        same batch size (every check of the values, the host scalars, the host mirrors) and
+        its result, as the whole call with the same device tensors would return it.
+    source : torch.Tensor or None
+        The ``seq_lens_cpu`` the call was given (``None``: none; ``run(None)`` then returns
+        the same result as the call).
+    result : object
+        What the call returned.
+    """
+
+    __slots__ = ("run", "source", "result")
+
+    def __init__(self, run: Callable[[Any], Any], source: torch.Tensor | None,
+                 result: Any) -> None:  # fmt: skip
+        self.run, self.source, self.result = run, source, result
+
+
+class _Describing(threading.local):
+    steps: list[HostStep] | None = None
+
+
+_describing = _Describing()
+
+
+@contextlib.contextmanager
+def describing():
+    """Collect the :class:`HostStep` of every builder call in the block, on this thread, in
+    call order."""
+    outer, _describing.steps = _describing.steps, []
+    try:
+        yield _describing.steps
+    finally:
+        _describing.steps = outer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,11 +320,56 @@ class MetadataBuilder:
                 if len(self._checked) >= 4096:
                     self._checked.clear()
                 self._checked.add(key)
-        inputs = host_lengths(where, self.cfg, req_pool_indices.shape[0], seq_lens_cpu,
-                              values_later=mode in self.length_tables,
-                              stats=self._stats)  # fmt: skip
+        inputs = self.host_inputs(mode, req_pool_indices.shape[0], seq_lens_cpu)
         inputs.key = key
         return inputs
+
+    def host_inputs(self, mode: str, B: int, seq_lens_cpu: Any) -> BuildInputs:
+        """The checks of a call's host values, made on every call
+        (:func:`.inputs.host_lengths`), and their :class:`BuildInputs` for ``B`` requests."""
+        inputs = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu,
+                              values_later=mode in self.length_tables,
+                              stats=self._stats)  # fmt: skip
+        inputs.given = seq_lens_cpu
+        return inputs
+
+    def step_inputs(self, mode: str, B: int, seq_lens_cpu: Any) -> BuildInputs:
+        """:meth:`host_inputs` for a :class:`HostStep`, whose tensor checks were once passed by
+        a tensor of the same host input: with the compiled calls, the one that reads the
+        values (``stats`` here, or the mode's writer in :meth:`write_mirrors`) checks the
+        tensor too, and a refusal takes :meth:`host_inputs` for the message that names it."""
+        if seq_lens_cpu is None or self._stats is None:
+            return self.host_inputs(mode, B, seq_lens_cpu)
+        if mode in self.length_tables:  # the writer checks the tensor and every value
+            inputs = BuildInputs(B, seq_lens_cpu)
+        else:
+            try:
+                high, total = self._stats(self.cfg.max_context_len, B, seq_lens_cpu)
+            except (TypeError, ValueError, IndexError):
+                return self.host_inputs(mode, B, seq_lens_cpu)  # raises, naming the fault
+            inputs = BuildInputs(B, seq_lens_cpu, high, total=total)
+        inputs.given = seq_lens_cpu
+        return inputs
+
+    def described(self, mode: str, inputs: BuildInputs, describe: Callable[[BuildInputs], Any]):
+        """A call's result, ``describe(inputs)``: everything it takes from the host values
+        (host scalars, host mirrors), after the checks of :meth:`check`.
+
+        Under :func:`describing`, the call also records a :class:`HostStep` whose
+        ``run(values)`` is :meth:`host_inputs` then ``describe``: the same checks and result
+        as the call would make on new values of ``B`` requests (``None`` for a call given no
+        ``seq_lens_cpu``), with the same device tensors, whose checks and launches do not read
+        the host values."""
+        result = describe(inputs)
+        steps = _describing.steps
+        if steps is not None:
+            B = inputs.batch
+
+            def run(seq_lens_cpu):
+                return describe(self.step_inputs(mode, B, seq_lens_cpu))
+
+            steps.append(HostStep(run, inputs.given, result))
+        return result
 
     def write_mirrors(self, mode: str, inputs: BuildInputs, write: Callable[..., Any]) -> None:
         """Run a mode's host-mirror writer (:mod:`.host_ops`) on ``seq_lens_cpu``, before any
@@ -283,6 +377,9 @@ class MetadataBuilder:
         length raises the message :func:`.inputs.check_length_values` gives it."""
         try:
             total = write(inputs.seq_lens_cpu)
+        except (TypeError, ValueError):  # the tensor itself, where step_inputs left it unchecked
+            self.host_inputs(mode, inputs.batch, inputs.seq_lens_cpu)  # raises, naming it
+            raise
         except IndexError:
             where = self._where[mode]
             check_length_values(where, self.cfg, inputs.seq_lens_cpu)  # names the length

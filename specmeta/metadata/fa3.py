@@ -245,6 +245,18 @@ class FA3MetadataBuilder(MetadataBuilder):
             return self.cfg.max_context_len
         return inputs.high - inputs.high % self.cfg.page_size if whole_pages else inputs.high
 
+    def _described(self, mode: str, inputs: BuildInputs, key: tuple, make, *,
+                   whole_pages: bool = False, extra: int = 0):  # fmt: skip
+        """The result of ``mode`` for ``key`` (``B``, and the rows of a draft decode) and the
+        call's ``max L`` (:meth:`_max_len`, plus ``extra``): ``make(*key, top)``, made once per
+        key and maximum (:meth:`result`), through :meth:`described`."""
+
+        def describe(inp: BuildInputs):
+            top = self._max_len(inp, whole_pages) + extra
+            return self.result((mode, *key, top), make, *key, top)
+
+        return self.described(mode, inputs, describe)
+
     # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
         """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
@@ -317,9 +329,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                 self.launch_plan(inputs, (rows,), lambda: self._prefix(
                     *args, page_size=ps, extra_tokens=1, num_rows=rows,
                     **self._draft_views(B, rows), status=status))  # fmt: skip
-            top = self._max_len(inputs)
-            return self.result(("draft_decode", B, rows, top),
-                               self._draft_result, B, rows, top)  # fmt: skip
+            return self._described("draft_decode", inputs, (B, rows), self._draft_result)
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
@@ -328,9 +338,8 @@ class FA3MetadataBuilder(MetadataBuilder):
                 *args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
                 exclude_last_partial=cfg.layout_b, num_rows=rows, **self._draft_views(B, rows),
                 status=status))  # fmt: skip
-        top = self._max_len(inputs, whole_pages=cfg.layout_b)
-        return self.result(("draft_decode", B, rows, top),
-                           self._draft_result, B, rows, top)  # fmt: skip
+        return self._described("draft_decode", inputs, (B, rows), self._draft_result,
+                               whole_pages=cfg.layout_b)  # fmt: skip
 
     def _draft_views(self, B: int, rows: int) -> dict[str, torch.Tensor]:
         """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows`` steps."""
@@ -464,8 +473,7 @@ class FA3MetadataBuilder(MetadataBuilder):
 
         if launch:
             self.launch_plan(inputs, (), run)
-        top = self._max_len(inputs) + extra
-        return self.result(("target_verify", B, top), self._verify_result, B, top)
+        return self._described("target_verify", inputs, (B,), self._verify_result, extra=extra)
 
     def _verify_result(self, B: int, top: int) -> FA3Cascade:
         """The :class:`FA3Cascade` of target verify for ``B`` requests, ``max_seqlen_k = top``."""
@@ -518,13 +526,18 @@ class FA3MetadataBuilder(MetadataBuilder):
         inputs = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens,
                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
         B, status = inputs.batch, self.status_word(status)
-        pt, cs, cu = self._tables("draft_extend")
         if launch:
+            pt, cs, cu = self._tables("draft_extend")
             self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
                          page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
                          status=status)  # fmt: skip
-        top = self._max_len(inputs) + N
-        return self.result(("draft_extend", B, top), lambda: FA3Metadata(
+        return self._described("draft_extend", inputs, (B,), self._extend_result, extra=N)
+
+    def _extend_result(self, B: int, top: int) -> FA3Metadata:
+        """The draft-extend :class:`FA3Metadata` of ``B`` requests, ``max_seqlen_k = top``."""
+        N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
+        pt, cs, cu = self._tables("draft_extend")
+        return FA3Metadata(
             cache_seqlens=cs[:B],
             page_table=pt[:B],
             cu_seqlens_q=self._q["draft_extend"].cu_seqlens_q(B),
@@ -534,4 +547,4 @@ class FA3MetadataBuilder(MetadataBuilder):
             return_softmax_lse=False,
             page_size=ps,
             max_seqlen_k=top,
-        ))  # fmt: skip
+        )

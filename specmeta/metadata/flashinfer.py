@@ -563,16 +563,20 @@ class FlashInferBuilder(MetadataBuilder):
         """The result of ``mode`` for ``key`` (``B`` and the host integers it depends on) with
         its host mirrors written, before any launch: ``make(*key, mirrors)`` makes the result
         and its writer once per key and set (:meth:`result`), ``mirrors`` the ring's next set,
-        or ``None`` without ``seq_lens_cpu`` (then no writer)."""
-        mirrors = slot = None
-        if inputs.seq_lens_cpu is not None:
-            ring = self._mirrors[self.plan_groups.get(mode, mode)]
-            mirrors = ring.next()
-            slot = ring.slot
-        result, write = self.result((mode, *key, slot), make, *key, mirrors)
-        if write is not None:
-            self.write_mirrors(mode, inputs, write)
-        return result
+        or ``None`` without ``seq_lens_cpu`` (then no writer); through :meth:`described`."""
+
+        def describe(inp):
+            mirrors = slot = None
+            if inp.seq_lens_cpu is not None:
+                ring = self._mirrors[self.plan_groups.get(mode, mode)]
+                mirrors = ring.next()
+                slot = ring.slot
+            result, write = self.result((mode, *key, slot), make, *key, mirrors)
+            if write is not None:
+                self.write_mirrors(mode, inp, write)
+            return result
+
+        return self.described(mode, inputs, describe)
 
     def target_verify(
         self,

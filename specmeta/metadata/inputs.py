@@ -46,18 +46,22 @@ class BuildInputs:
         What the tensor checks read (:func:`specmeta.validate.signature` of the tensors and the
         mode), set by the builder: a build whose launches depend on nothing else replays them
         for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
+    given : torch.Tensor or None
+        The ``seq_lens_cpu`` argument itself, set by the builder (what a runner's host plan
+        reads again on later calls: :meth:`~specmeta.metadata.contract.MetadataBuilder.described`).
     """
 
-    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key")
+    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key", "given")
 
     def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None,
-                 values: list[int] | None = None):  # fmt: skip
+                 values: list[int] | None = None, total: int | None = None):  # fmt: skip
         self.batch = batch
         self.seq_lens_cpu = seq_lens_cpu
         self.high = high
-        self._sum: int | None = None
+        self._sum = total  # ΣL when a call that read every length gave it
         self._values = values  # the lengths as Python ints, for a small batch
         self.key: tuple | None = None
+        self.given: torch.Tensor | None = None
 
     @property
     def seq_lens_sum(self) -> int | None:
@@ -260,9 +264,7 @@ def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object, *,
         except IndexError:  # a length outside [0, max_context_len]: named below
             pass
         else:
-            inputs = BuildInputs(B, cpu, high)
-            inputs.summed(total)
-            return inputs
+            return BuildInputs(B, cpu, high, total=total)
     if cpu.dtype != torch.int64:
         cpu = cpu.to(torch.int64)
     high, values = check_length_values(where, cfg, cpu)

@@ -150,8 +150,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
     def _check(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
                status):  # fmt: skip
         """Every host check of one build, before its first launch (:mod:`.inputs`); returns
-        ``(B, max L)``: the host bound of the lengths from ``seq_lens_cpu`` or ``max_seq_len``,
-        ``None`` when neither was given."""
+        the checked inputs and ``max L``: the host bound of the lengths from ``seq_lens_cpu``
+        or ``max_seq_len``, ``None`` when neither was given."""
         where = self.require(mode)
         inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
                             seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
@@ -168,7 +168,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
                     f"max_context_len >= {max_seq_len}"
                 )
         top = inputs.max_len(max_seq_len) if inputs.seq_lens_cpu is not None else max_seq_len
-        return inputs.batch, top
+        return inputs, top
 
     def draft_decode(
         self,
@@ -204,47 +204,60 @@ class TrtllmMlaBuilder(MetadataBuilder):
         cfg, buf = self.cfg, self.buffers
         S, K = cfg.num_steps, cfg.topk
         rows = self.draft_rows("draft_decode", num_rows)
-        B, top = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
-                             seq_lens_cpu, max_seq_len, status)  # fmt: skip
-        table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
+        inputs, top = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                                  seq_lens_cpu, max_seq_len, status)  # fmt: skip
+        B = inputs.batch
         if launch:
             self._branch(
                 req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
                 page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK,
-                page_table=table, seq_lens_k=lens, max_seq_len=top,
+                page_table=buf["draft_decode.block_kv_indices"],
+                seq_lens_k=buf["draft_decode.seq_lens_k"], max_seq_len=top,
                 status=self.status_word(status),
             )  # fmt: skip
-        steps = tuple(
+        return self.described("draft_decode", inputs, lambda inp: self.result(
+            ("draft_decode", B, rows), self._draft_result, B, rows))  # fmt: skip
+
+    def _draft_result(self, B: int, rows: int) -> TrtllmMlaDraftDecode:
+        """The draft-decode result of ``B`` requests and ``rows`` steps (no host scalar: the
+        kernel's ``max_seq_len_k`` is the plan's bound)."""
+        cfg, buf, K = self.cfg, self.buffers, self.cfg.topk
+        table, lens = buf["draft_decode.block_kv_indices"], buf["draft_decode.seq_lens_k"]
+        return TrtllmMlaDraftDecode(tuple(
             TrtllmMlaDecodeStep(
                 block_kv_indices=table[: B * K],
                 seq_lens_k=lens[s, : B * K],
-                max_seq_len_k=cfg.max_context_len + S,
+                max_seq_len_k=cfg.max_context_len + cfg.num_steps,
             )
             for s in range(rows)
-        )
-        return TrtllmMlaDraftDecode(steps)
+        ))  # fmt: skip
 
     def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
                  status, launch):  # fmt: skip
         cfg, buf = self.cfg, self.buffers
-        B, _ = self._check(mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu,
-                           max_seq_len, status)  # fmt: skip
-        n = cfg.num_draft_tokens
-        table, lens = buf[f"{mode}.block_kv_indices"], buf[f"{mode}.seq_lens_k"]
+        inputs, _ = self._check(mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu,
+                                max_seq_len, status)  # fmt: skip
+        B = inputs.batch
         if launch:
             self._prefix(
                 req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size,
-                extra_tokens=n, fill_value=_UNUSED_BLOCK, page_table=table, cache_seqlens=lens,
+                extra_tokens=cfg.num_draft_tokens, fill_value=_UNUSED_BLOCK,
+                page_table=buf[f"{mode}.block_kv_indices"], cache_seqlens=buf[f"{mode}.seq_lens_k"],
                 status=self.status_word(status),
             )  # fmt: skip
-        layout = self._layouts[mode]
+        return self.described(mode, inputs, lambda inp: self.result(
+            (mode, B), self._prefill_result, mode, B))  # fmt: skip
+
+    def _prefill_result(self, mode: str, B: int) -> TrtllmMlaPrefill:
+        """The target-verify or draft-extend result of ``B`` requests."""
+        buf, layout = self.buffers, self._layouts[mode]
         return TrtllmMlaPrefill(
-            block_kv_indices=table[:B],
-            seq_lens_k=lens[:B],
+            block_kv_indices=buf[f"{mode}.block_kv_indices"][:B],
+            seq_lens_k=buf[f"{mode}.seq_lens_k"][:B],
             cu_seqlens_q=layout.cu_seqlens_q(B),
             max_seq_len_q=layout.max_seqlen_q,
             sum_seq_lens_q=layout.sum_seqlens_q(B),
-            max_seq_len_k=cfg.max_context_len + n,
+            max_seq_len_k=self.cfg.max_context_len + self.cfg.num_draft_tokens,
         )
 
     def target_verify(

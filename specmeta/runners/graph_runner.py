@@ -52,6 +52,7 @@ import torch
 
 from .. import probes, validate
 from ..launch import LaunchPlans, recording
+from ..metadata.contract import HostStep, describing
 from .padding import check_pad, copy_pad_many
 
 _copy_pad_checked = validate.trusting(copy_pad_many)
@@ -204,6 +205,69 @@ class RunResult:
 _NONE: Mapping = types.MappingProxyType({})  # a typed result's outputs (and host, without one)
 
 
+class _HostPlan:
+    """A typed stage's describe of ``B``, made again from its builder calls' host steps
+    (:class:`~specmeta.metadata.contract.HostStep`, design §4): ``plan.run(host)`` runs every step,
+    in call order, on the values of the host input it read, and returns the results in the
+    shape the build returned them. :meth:`make` gives ``None`` for a shape it cannot make.
+
+    The shapes: one builder call's result, or a tuple, list or dict whose every item is one.
+
+    Attributes
+    ----------
+    run : callable
+        ``run(host) -> results``.
+    names : frozenset of str
+        The host inputs the steps read.
+    """
+
+    __slots__ = ("run", "names")
+
+    def __init__(self, run: Callable[[Mapping[str, torch.Tensor]], object], names) -> None:
+        self.run = run
+        self.names = frozenset(names)
+
+    @staticmethod
+    def make(results: object, steps: list[HostStep],
+             host: Mapping[str, torch.Tensor]) -> _HostPlan | None:  # fmt: skip
+        """The plan of a describe that returned ``results`` after recording ``steps``, each
+        of which read a tensor of ``host`` as given (or none)."""
+        names = {id(t): n for n, t in host.items()}
+        calls = []
+        for step in steps:
+            name = None if step.source is None else names.get(id(step.source))
+            if step.source is not None and name is None:
+                return None  # the step read a tensor made from a host input, not the input
+            calls.append((step.run, name))
+        read = [n for _, n in calls if n is not None]
+        index = {id(step.result): i for i, step in enumerate(steps)}
+        if len(index) != len(steps):
+            return None  # two calls returned one object: which one the build used is unknown
+        if len(calls) == 1 and results is steps[0].result:
+            run, name = calls[0]
+            if name is None:
+                return _HostPlan(lambda values: run(None), read)
+            return _HostPlan(lambda values: run(values[name]), read)
+        if type(results) in (tuple, list):
+            items, keys = list(results), None
+        elif type(results) is dict:
+            items, keys = list(results.values()), tuple(results)
+        else:
+            return None
+        where = [index.get(id(item)) for item in items]
+        if None in where:
+            return None  # the build returned something no builder call made
+        kind = type(results)
+
+        def plan(values: Mapping[str, torch.Tensor]) -> object:
+            given = [None if n is None else values[n] for _, n in calls]  # all before any step
+            made = [run(v) for (run, _), v in zip(calls, given, strict=True)]
+            out = [made[i] for i in where]
+            return kind(out) if keys is None else dict(zip(keys, out, strict=True))
+
+        return _HostPlan(plan, read)
+
+
 class GraphRunner:
     """Captures ``build`` once per bucket and replays it on padded static inputs.
 
@@ -272,14 +336,19 @@ class GraphRunner:
         # The fast path (design §4): calls whose arguments the host sees as an earlier checked
         # call's (validate.Signer) skip the checks and replay that call's pad launch.
         self._sign = validate.Signer()
-        self._sign_layout = validate.Signer()
         self._seen: set = set()
         self._pad_plans = LaunchPlans()
         self._described: dict[int, object] = {}  # B -> a typed result with no host inputs
+        # B -> the host plan of B's describe (_HostPlan), False where the build's result has
+        # a shape no plan makes (then the build is called on every call)
+        self._host_plans: dict[int, object] = {}
         # B -> (graph replay, RunResult): a persistent replay with nothing to check but the
         # captured tensors (typed, graphed, no host inputs, no host function).
         self._lean: dict[int, tuple] = {}
-        self._typed_runs: dict[int, RunResult] = {}  # B -> the last typed RunResult of B
+        # B -> (graph replay, host plan, Bp): the same with host inputs, whose host plan
+        # (_HostPlan) reads every one of them.
+        self._lean_host: dict[int, tuple] = {}
+        self._typed_runs: dict[int, RunResult] = {}  # id(results) -> its typed RunResult
         # Requests whose rows may hold something other than their pad: every row from here on
         # holds its pad (capture pads them all). A persistent batch pads only past this mark.
         self._dirty = 0
@@ -422,18 +491,10 @@ class GraphRunner:
         return (self.batch_sizes, tuple(s.signature() for s in self._inputs.values()),
                 tuple(self._outputs.values()), self._guard_signature())  # fmt: skip
 
-    def _captured_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor the graphs hold an address of: the static buffers and the guarded
-        tensors as they are now."""
-        return (*self._buffers, *[g() for g in self._guard_fns])
-
-    def _layout_unchanged(self) -> bool:
-        """Whether the quick key of the static buffers and guarded tensors is capture's."""
-        return self._sign_layout(None, *self._captured_tensors()) == self._layout_key
 
     def _check_layout(self) -> None:
         """Raise when a static buffer or a guarded tensor changed since :meth:`capture`: the
-        quick key of them all first, the full comparison (and its message) on a miss."""
+        quick check of them all first, the full comparison (and its message) on a miss."""
         if self._layout_unchanged():
             return
         if self._signature() != self._layout:
@@ -476,9 +537,11 @@ class GraphRunner:
             for mirrors, what in ((False, "inputs"), (True, "host_inputs"))
         }  # fmt: skip
         self._layout = self._signature()
-        self._buffers = tuple(s.buffer for s in self._inputs.values())
-        self._guard_fns = tuple(self._guards.values())
-        self._layout_key = self._sign_layout(None, *self._captured_tensors())
+        # Whether every tensor the graphs hold an address of, the static buffers and the
+        # guarded tensors as they are now, is as it was at capture: one generated check.
+        self._layout_unchanged = validate.pinned(
+            [s.buffer for s in self._inputs.values()], list(self._guards.values())
+        )
         self._names = tuple(self._inputs)
         self._mirror_names = tuple(n for n, s in self._inputs.items() if s.mirror is not None)
         self._steps = [self.bucket(b) for b in range(self.max_batch_size + 1)]
@@ -655,7 +718,12 @@ class GraphRunner:
         host_inputs : mapping of str to torch.Tensor, optional
             As in :meth:`run`.
         """
-        lean = self._lean.get(batch_size) if host_inputs is None else None
+        if host_inputs is None:
+            lean = self._lean.get(batch_size)
+        elif host_inputs.__class__ is dict and len(host_inputs) == len(self._mirror_names):
+            lean = self._lean_host.get(batch_size)
+        else:
+            lean = None
         if (
             lean is not None
             and batch_size.__class__ is int
@@ -663,10 +731,22 @@ class GraphRunner:
             and self._layout_unchanged()
             and not probes.enabled()
         ):
-            # A typed stage with no host inputs, B replayed before: the graph and B's result.
-            self._dirty = batch_size
-            lean[0]()
-            return lean[1]
+            if host_inputs is None:
+                # A typed stage with no host inputs, B replayed before: the graph, B's result.
+                self._dirty = batch_size
+                lean[0]()
+                return lean[1]
+            # Host inputs, B replayed before: the host plan (its steps check the values, before
+            # any launch), the graph, the results' RunResult.
+            replay, plan, bp = lean
+            try:
+                results = plan(host_inputs)
+            except KeyError:  # a host input missing (read before any step): named below
+                pass
+            else:
+                self._dirty = batch_size
+                replay()
+                return self._typed_run(batch_size, bp, results)
         if self._layout is None:
             raise ValueError("call capture() before replay()")
         if host_inputs is None and not self._mirror_names:
@@ -708,8 +788,13 @@ class GraphRunner:
         ):
             self._remember(key)
         run = self._replay(B, bp, host, False, results)
-        if fast and self.typed and self.graphs and not self._mirror_names and self._host is None:
-            self._lean[B] = (self._graphs[bp].replay, run)
+        if fast and self.typed and self.graphs and self._host is None:
+            if not self._mirror_names:
+                self._lean[B] = (self._graphs[bp].replay, run)
+            else:
+                plan = self._host_plans.get(B)
+                if plan and plan.names == frozenset(self._mirror_names):
+                    self._lean_host[B] = (self._graphs[bp].replay, plan.run, bp)
         return run
 
     def _remember(self, key: object) -> None:
@@ -723,14 +808,23 @@ class GraphRunner:
         """A typed build's result for ``B`` (``launch=False``): before any launch, the builders
         check the batch on the host, refresh their host mirrors and describe their buffers for
         ``B`` (no device value is read). With no host inputs the result depends on ``B`` only
-        and is made once."""
+        and is made once. With host inputs, the first describe of ``B`` records its builder
+        calls' host steps (:func:`~specmeta.metadata.contract.describing`); later ones run
+        those steps on the new values (:class:`_HostPlan`), without calling the build."""
         if not self._mirror_names:
             found = self._described.get(B)
             if found is not None:
                 return found
-        results = self._build(StageBatch(self._views_of(B), host_raw, False))
+        else:
+            plan = self._host_plans.get(B)
+            if plan:
+                return plan.run(host_raw)
+        with describing() as steps:
+            results = self._build(StageBatch(self._views_of(B), host_raw, False))
         if not self._mirror_names:
             self._described[B] = results
+        elif B not in self._host_plans:
+            self._host_plans[B] = _HostPlan.make(results, steps, host_raw) or False
         return results
 
     def _replay(self, B, bp, host, copy, results) -> RunResult:
@@ -743,10 +837,7 @@ class GraphRunner:
         if self.typed:
             if host:  # the host function's values: this call's own
                 return RunResult(B, bp, _NONE, host, False, results)
-            run = self._typed_runs.get(B)
-            if run is None or run.results is not results or run.padded_batch_size != bp:
-                run = self._typed_runs[B] = RunResult(B, bp, _NONE, _NONE, False, results)
-            return run
+            return self._typed_run(B, bp, results)
         if copy:
             sliced = {name: t.clone() for name, t in self._cut(out, B).items()}
         elif self.graphs:
@@ -758,6 +849,19 @@ class GraphRunner:
         else:
             sliced = self._cut(out, B)
         return RunResult(B, bp, sliced, host, copy)
+
+    def _typed_run(self, B: int, bp: int, results: object) -> RunResult:
+        """The typed RunResult of ``results``, made once per results object (a builder's
+        results cycle through its host-mirror sets, or follow ``max L``); kept with the object,
+        so its id names no other while it is kept."""
+        runs = self._typed_runs
+        run = runs.get(id(results))
+        if (run is None or run.results is not results or run.batch_size != B
+                or run.padded_batch_size != bp):  # fmt: skip
+            if len(runs) >= 256:
+                runs.clear()
+            run = runs[id(results)] = RunResult(B, bp, _NONE, _NONE, False, results)
+        return run
 
     def _probe(self, raw: Mapping[str, torch.Tensor]) -> None:
         for name, spec in self._inputs.items():

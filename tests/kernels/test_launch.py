@@ -461,3 +461,34 @@ def test_signer_keys_views_of_one_address_apart(guarded):
     assert sign("head", buf[:3], 3, other.clone()) != keys[2], "another address"
     assert sign("head", buf[:3], 4, other) != keys[2], "another integer"
     assert sign("head", buf[:3], True, other) != sign("head", buf[:3], 1, other), "a bool"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
+def test_pinned_sees_every_change_a_captured_graph_cannot_follow(guarded):
+    """validate.pinned (a graph runner's check of what its graphs captured): True while every
+    tensor keeps its address, shape, strides, dtype and device; False after an in-place
+    resize, a set_ to other storage, a guarded tensor reallocated, reshaped or viewed as
+    another dtype. Each change on a fresh check, so one change alone makes it False."""
+    from specmeta import validate
+
+    def case():
+        fixed = [torch.zeros(4, 3, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)]
+        box = {"t": torch.zeros(2, 8)}
+        return fixed, box, validate.pinned(fixed, [lambda: box["t"]], guarded=guarded)
+
+    fixed, box, unchanged = case()
+    assert unchanged() and unchanged(), "nothing changed"
+    box["t"] = box["t"][:]  # a new view object of the same storage and layout
+    assert unchanged(), "the same tensor seen through another view object"
+    changes = {
+        "resize": lambda f, b: f[1].resize_(2),
+        "set_": lambda f, b: f[0].set_(torch.zeros(4, 3, dtype=torch.int32)),
+        "reallocated": lambda f, b: b.update(t=torch.zeros(2, 8)),
+        "reshaped": lambda f, b: b.update(t=b["t"].view(8, 2)),
+        "transposed": lambda f, b: b.update(t=b["t"].t()),
+        "dtype": lambda f, b: b.update(t=b["t"].view(torch.int32)),
+    }
+    for name, change in changes.items():
+        fixed, box, unchanged = case()
+        change(fixed, box)
+        assert not unchanged(), name
