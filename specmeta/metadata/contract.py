@@ -333,24 +333,6 @@ class MetadataBuilder:
         inputs.given = seq_lens_cpu
         return inputs
 
-    def step_inputs(self, mode: str, B: int, seq_lens_cpu: Any) -> BuildInputs:
-        """:meth:`host_inputs` for a :class:`HostStep`, whose tensor checks were once passed by
-        a tensor of the same host input: with the compiled calls, the one that reads the
-        values (``stats`` here, or the mode's writer in :meth:`write_mirrors`) checks the
-        tensor too, and a refusal takes :meth:`host_inputs` for the message that names it."""
-        if seq_lens_cpu is None or self._stats is None:
-            return self.host_inputs(mode, B, seq_lens_cpu)
-        if mode in self.length_tables:  # the writer checks the tensor and every value
-            inputs = BuildInputs(B, seq_lens_cpu)
-        else:
-            try:
-                high, total = self._stats(self.cfg.max_context_len, B, seq_lens_cpu)
-            except (TypeError, ValueError, IndexError):
-                return self.host_inputs(mode, B, seq_lens_cpu)  # raises, naming the fault
-            inputs = BuildInputs(B, seq_lens_cpu, high, total=total)
-        inputs.given = seq_lens_cpu
-        return inputs
-
     def described(self, mode: str, inputs: BuildInputs, describe: Callable[[BuildInputs], Any]):
         """A call's result, ``describe(inputs)``: everything it takes from the host values
         (host scalars, host mirrors), after the checks of :meth:`check`.
@@ -363,13 +345,32 @@ class MetadataBuilder:
         result = describe(inputs)
         steps = _describing.steps
         if steps is not None:
-            B = inputs.batch
-
-            def run(seq_lens_cpu):
-                return describe(self.step_inputs(mode, B, seq_lens_cpu))
-
-            steps.append(HostStep(run, inputs.given, result))
+            steps.append(HostStep(self._step(mode, inputs.batch, describe), inputs.given, result))
         return result
+
+    def _step(self, mode: str, B: int, describe: Callable[[BuildInputs], Any]):
+        """A :class:`HostStep`'s ``run``: :meth:`host_inputs` then ``describe``. The tensor
+        checks were passed once by a tensor of the same host input, so with the compiled
+        calls, the one that reads the values (``stats`` here, or the mode's writer in
+        :meth:`write_mirrors`) checks the tensor too, and a refusal takes :meth:`host_inputs`
+        for the message that names it."""
+        stats, top, later = self._stats, self.cfg.max_context_len, mode in self.length_tables
+
+        def run(seq_lens_cpu):
+            if seq_lens_cpu is None or stats is None:
+                return describe(self.host_inputs(mode, B, seq_lens_cpu))
+            if later:  # the writer checks the tensor and every value
+                inputs = BuildInputs(B, seq_lens_cpu)
+            else:
+                try:
+                    high, total = stats(top, B, seq_lens_cpu)
+                except (TypeError, ValueError, IndexError):
+                    return describe(self.host_inputs(mode, B, seq_lens_cpu))  # raises
+                inputs = BuildInputs(B, seq_lens_cpu, high, total=total)
+            inputs.given = seq_lens_cpu
+            return describe(inputs)
+
+        return run
 
     def write_mirrors(self, mode: str, inputs: BuildInputs, write: Callable[..., Any]) -> None:
         """Run a mode's host-mirror writer (:mod:`.host_ops`) on ``seq_lens_cpu``, before any
@@ -377,7 +378,7 @@ class MetadataBuilder:
         length raises the message :func:`.inputs.check_length_values` gives it."""
         try:
             total = write(inputs.seq_lens_cpu)
-        except (TypeError, ValueError):  # the tensor itself, where step_inputs left it unchecked
+        except (TypeError, ValueError):  # the tensor itself, which a host step leaves to it
             self.host_inputs(mode, inputs.batch, inputs.seq_lens_cpu)  # raises, naming it
             raise
         except IndexError:

@@ -238,22 +238,19 @@ class FA3MetadataBuilder(MetadataBuilder):
                     out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
                 )  # fmt: skip
 
-    def _max_len(self, inputs: BuildInputs, whole_pages: bool = False) -> int:
-        """``max L`` (or ``max L − lpl``) from the CPU mirror, else the planned bound. Rounding
-        down to whole pages keeps the order of lengths, so it rounds the maximum."""
-        if inputs.high is None:
-            return self.cfg.max_context_len
-        return inputs.high - inputs.high % self.cfg.page_size if whole_pages else inputs.high
-
     def _described(self, mode: str, inputs: BuildInputs, key: tuple, make, *,
                    whole_pages: bool = False, extra: int = 0):  # fmt: skip
         """The result of ``mode`` for ``key`` (``B``, and the rows of a draft decode) and the
-        call's ``max L`` (:meth:`_max_len`, plus ``extra``): ``make(*key, top)``, made once per
-        key and maximum (:meth:`result`), through :meth:`described`."""
+        call's ``top``: ``max L`` from the CPU mirror, else the planned bound, plus ``extra``;
+        with ``whole_pages``, ``max L`` rounded down to whole pages (``max L − lpl``: rounding
+        keeps the order of lengths, so it rounds the maximum). ``make(*key, top)``, made once
+        per key and ``top`` (:meth:`result`), through :meth:`described`."""
+        ps, bound = self.cfg.page_size, self.cfg.max_context_len
 
         def describe(inp: BuildInputs):
-            top = self._max_len(inp, whole_pages) + extra
-            return self.result((mode, *key, top), make, *key, top)
+            high = inp.high
+            top = bound if high is None else high - high % ps if whole_pages else high
+            return self.result((mode, *key, top + extra), make, *key, top + extra)
 
         return self.described(mode, inputs, describe)
 

@@ -565,10 +565,11 @@ class FlashInferBuilder(MetadataBuilder):
         and its writer once per key and set (:meth:`result`), ``mirrors`` the ring's next set,
         or ``None`` without ``seq_lens_cpu`` (then no writer); through :meth:`described`."""
 
+        ring = self._mirrors[self.plan_groups.get(mode, mode)]
+
         def describe(inp):
             mirrors = slot = None
             if inp.seq_lens_cpu is not None:
-                ring = self._mirrors[self.plan_groups.get(mode, mode)]
                 mirrors = ring.next()
                 slot = ring.slot
             result, write = self.result((mode, *key, slot), make, *key, mirrors)
