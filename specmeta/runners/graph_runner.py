@@ -152,8 +152,14 @@ class StageBatch:
         (empty while capturing: nothing is known of a batch then).
     launch : bool
         Pass it on as every builder mode's ``launch=``, and launch free kernels only when it is
-        True: the runner calls the build once more after each replay with ``launch=False`` to
-        get the builders' results for ``B`` (and their host mirrors) without launching.
+        True: the runner calls the build with ``launch=False`` to get the builders' results
+        for ``B`` (and their host mirrors) without launching.
+
+    With host inputs, the runner calls a ``launch=False`` build once per ``B``: where it
+    returns one builder result, or a tuple, list or dict of them, and hands the builders the
+    host values as given, later calls of ``B`` run only the builders' host steps on the new
+    values (design §4). So, as the captured graph already assumes, the builder calls must not
+    depend on the host values, and a ``launch=False`` build must have no effect beyond them.
     """
 
     __slots__ = ("inputs", "host", "launch")
@@ -291,9 +297,10 @@ class GraphRunner:
     typed : bool
         ``build(batch: StageBatch) -> result`` returns the builders' own typed results and
         declares no outputs: it passes ``batch.launch`` to every builder mode, and the runner,
-        after each replay, calls it once more with ``launch=False`` on the inputs cut to ``B``,
-        so :attr:`RunResult.results` holds each builder's result for ``B`` — no output named
-        by string, no cut to declare (design §4).
+        before each replay, describes ``B`` (``launch=False`` on the inputs cut to ``B``, or
+        the host plan of its builder calls: :class:`StageBatch`), so
+        :attr:`RunResult.results` holds each builder's result for ``B`` — no output named by
+        string, no cut to declare (design §4).
     """
 
     def __init__(
