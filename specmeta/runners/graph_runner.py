@@ -861,13 +861,13 @@ class GraphRunner:
         """The typed RunResult of ``results``, made once per results object (a builder's
         results cycle through its host-mirror sets, or follow ``max L``); kept with the object,
         so its id names no other while it is kept."""
-        runs = self._typed_runs
-        run = runs.get(id(results))
+        runs, key = self._typed_runs, id(results)
+        run = runs.get(key)
         if (run is None or run.results is not results or run.batch_size != B
                 or run.padded_batch_size != bp):  # fmt: skip
             if len(runs) >= 256:
                 runs.clear()
-            run = runs[id(results)] = RunResult(B, bp, _NONE, _NONE, False, results)
+            run = runs[key] = RunResult(B, bp, _NONE, _NONE, False, results)
         return run
 
     def _probe(self, raw: Mapping[str, torch.Tensor]) -> None:

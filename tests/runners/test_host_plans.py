@@ -16,9 +16,9 @@ from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
-from specmeta.runners import padding
-from specmeta.runners.graph_runner import GraphRunner, StageBatch
+from specmeta.runners.graph_runner import StageBatch
 from specmeta.workloads import make_batch
+from tests._support import draft_stage_runner
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16)
@@ -113,18 +113,9 @@ def _compare(got, want, shape: str, B: int) -> None:
                 assert g.max_seq_len_k == w.max_seq_len_k, f"{where} max_seq_len_k"
 
 
-def _runner(cfg, device, table, shape, *, derived=False, graphs=None):
+def _runner(cfg, device, table, shape, *, derived=False):
     stage = Stage(cfg, device, table, shape, derived)
-    runner = GraphRunner(stage.build, batch_sizes=BUCKETS, device=device, graphs=graphs,
-                         typed=True)  # fmt: skip
-    runner.add_input("req_pool_indices", stage.bufs["runner.req_pool_indices"],
-                     pad=padding.SINK_ROW)  # fmt: skip
-    runner.add_input("seq_lens", stage.bufs["runner.seq_lens"],
-                     pad=padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens),
-                     host_mirror=True)  # fmt: skip
-    runner.add_guard("req_to_token", table)
-    runner.capture()
-    return runner, stage
+    return draft_stage_runner(stage.build, stage.bufs, cfg, device, table, BUCKETS), stage
 
 
 def _batch(cfg, B, gen, device, max_len=None):
@@ -194,13 +185,7 @@ def test_a_stage_returning_other_values_is_built_on_every_call(device, gen):
         rpi = batch.inputs["req_pool_indices"]
         return stage.build(batch), stage.bufs["draft.out_cache_loc"][: rpi.shape[0]]
 
-    runner = GraphRunner(build, batch_sizes=BUCKETS, device=device, typed=True)
-    runner.add_input("req_pool_indices", stage.bufs["runner.req_pool_indices"],
-                     pad=padding.SINK_ROW)  # fmt: skip
-    runner.add_input("seq_lens", stage.bufs["runner.seq_lens"],
-                     pad=padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens),
-                     host_mirror=True)  # fmt: skip
-    runner.capture()
+    runner = draft_stage_runner(build, stage.bufs, cfg, device, table, BUCKETS)
     eager = Stage(cfg, device, table, "one")
     for max_len in (None, 7, 5):
         batch = _batch(cfg, 4, gen, device, max_len)

@@ -16,6 +16,7 @@ from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner, StageBatch
 from specmeta.workloads import make_batch
+from tests._support import draft_stage_runner
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16)
@@ -60,15 +61,8 @@ def _config(k, ps):
 
 def _typed_runner(cfg, device, req_to_token, *, graphs=None):
     stage = Stage(cfg, device, req_to_token)
-    runner = GraphRunner(stage.build, batch_sizes=BUCKETS, device=device, graphs=graphs,
-                         typed=True)  # fmt: skip
-    runner.add_input("req_pool_indices", stage.bufs["runner.req_pool_indices"],
-                     pad=padding.SINK_ROW)  # fmt: skip
-    runner.add_input("seq_lens", stage.bufs["runner.seq_lens"],
-                     pad=padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens),
-                     host_mirror=True)  # fmt: skip
-    runner.add_guard("req_to_token", req_to_token)
-    runner.capture()
+    runner = draft_stage_runner(stage.build, stage.bufs, cfg, device, req_to_token, BUCKETS,
+                                graphs=graphs)  # fmt: skip
     return runner, stage
 
 
