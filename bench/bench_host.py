@@ -213,6 +213,34 @@ def bench_host_builder(benchmark, backend, mode, bs, k, ps):
 
     _measure(benchmark, fn, budget=10.0, device_fn=lambda: call(None),
              op=f"{backend}.{mode}", bs=bs, topk=k, page_size=ps)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["draft_decode", "target_verify"])
+@pytest.mark.parametrize("bs,k,ps", CASES, ids=_ids)
+def bench_host_builder_new_max(benchmark, mode, bs, k, ps):
+    """FA3's builder when every call brings a new ``max L``, as in a decode loop whose lengths
+    grow: two batches that differ in their longest request, called in turn (the rows above
+    repeat one batch, whose result object is found again)."""
+    cfg, batch, tree = production_batch(bs, k, ps)
+    b = FA3MetadataBuilder(cfg, "cuda", modes=(mode,))
+    a = (batch.req_pool_indices, batch.req_to_token)
+    # Every length a page shorter (still valid prefixes): max L moves by a whole page.
+    lens_cpu = [batch.seq_lens_cpu, (batch.seq_lens_cpu - ps).clamp(min=0)]
+    lens = [t.cuda() for t in lens_cpu]
+    slots = draft_cache_locs.assign_draft_cache_locs(*a, lens[0], topk=k, num_steps=S,
+                                                     page_size=ps)  # fmt: skip
+    turn = [0]
+
+    def fn():
+        i = turn[0] = 1 - turn[0]
+        if mode == "draft_decode":
+            return b.draft_decode(*a, lens[i], slots, seq_lens_cpu=lens_cpu[i])
+        return b.target_verify(*a, lens[i], tree, seq_lens_cpu=lens_cpu[i])
+
+    want = [fn().normal.max_seqlen_k if mode == "target_verify" else fn()[0].normal.max_seqlen_k
+            for _ in range(2)]  # fmt: skip
+    assert want[0] != want[1], "the two batches must differ in max L"
+    _measure(benchmark, fn, budget=10.0, op=f"fa3.{mode}.new_max", bs=bs, topk=k, page_size=ps)
     assert int(b.status) == 0
 
 

@@ -367,7 +367,6 @@ class MetadataBuilder:
                 except (TypeError, ValueError, IndexError):
                     return describe(self.host_inputs(mode, B, seq_lens_cpu))  # raises
                 inputs = BuildInputs(B, seq_lens_cpu, high, total=total)
-            inputs.given = seq_lens_cpu
             return describe(inputs)
 
         return run

@@ -156,6 +156,36 @@ class FA3DraftDecode(DraftSteps):
     steps: tuple[FA3Cascade, ...]
 
 
+def _copy(obj, **changes):
+    """A copy of a frozen result object with ``changes``, its other fields the same objects.
+    The fields are copied as they are, without ``__init__`` (which checks nothing here): a
+    result made for every new ``max L`` of a decode loop costs a few dictionary copies."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__, **changes)
+    return new
+
+
+def _raised(base: FA3Metadata | FA3Cascade | FA3DraftDecode, top: int):
+    """``base``, a result made for ``top = 0``, with each normal pass's ``max_seqlen_k`` raised
+    by ``top`` (an expand pass's is a bound that ``top`` does not move). A normal pass shared by
+    several steps stays shared."""
+    if top == 0:
+        return base
+    memo: dict[int, FA3Metadata] = {}
+
+    def normal(meta: FA3Metadata) -> FA3Metadata:
+        found = memo.get(id(meta))
+        if found is None:
+            found = memo[id(meta)] = _copy(meta, max_seqlen_k=meta.max_seqlen_k + top)
+        return found
+
+    if isinstance(base, FA3Metadata):
+        return normal(base)
+    if isinstance(base, FA3Cascade):
+        return _copy(base, normal=normal(base.normal))
+    return _copy(base, steps=tuple(_copy(c, normal=normal(c.normal)) for c in base.steps))
+
+
 class FA3MetadataBuilder(MetadataBuilder):
     """Builds FA3 metadata into persistent buffers planned for ``cfg``.
 
@@ -211,6 +241,7 @@ class FA3MetadataBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned()
+        self._last: dict[tuple, tuple] = {}  # (mode, B[, rows]) -> (top, its result)
         # The builder checks every input before launching (inputs.py), so its launchers skip
         # their own second pass over the same tensors (validate.trusting).
         self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
@@ -244,13 +275,22 @@ class FA3MetadataBuilder(MetadataBuilder):
         call's ``top``: ``max L`` from the CPU mirror, else the planned bound, plus ``extra``;
         with ``whole_pages``, ``max L`` rounded down to whole pages (``max L − lpl``: rounding
         keeps the order of lengths, so it rounds the maximum). ``make(*key, top)``, made once
-        per key and ``top`` (:meth:`result`), through :meth:`described`."""
+        per key and ``top`` (:meth:`result`), through :meth:`described`.
+
+        ``top`` changes with almost every decode step, and only the normal passes'
+        ``max_seqlen_k`` follow it: ``make(*key, 0)`` is made once per key, and a new ``top``
+        copies its objects with those maxima raised (:func:`_raised`), sharing its views. The
+        last result of each key is kept, not one per ``top`` ever seen."""
         ps, bound = self.cfg.page_size, self.cfg.max_context_len
+        last, at = self._last, (mode, *key)
 
         def describe(inp: BuildInputs):
             high = inp.high
-            top = bound if high is None else high - high % ps if whole_pages else high
-            return self.result((mode, *key, top + extra), make, *key, top + extra)
+            top = (bound if high is None else high - high % ps if whole_pages else high) + extra
+            found = last.get(at)
+            if found is None or found[0] != top:
+                found = last[at] = (top, _raised(self.result((*at, 0), make, *key, 0), top))
+            return found[1]
 
         return self.described(mode, inputs, describe)
 

@@ -227,11 +227,13 @@ class _HostPlan:
         The host inputs the steps read.
     """
 
-    __slots__ = ("run", "names")
+    __slots__ = ("run", "names", "single")
 
-    def __init__(self, run: Callable[[Mapping[str, torch.Tensor]], object], names) -> None:
+    def __init__(self, run: Callable[[Mapping[str, torch.Tensor]], object], names,
+                 single: tuple | None = None) -> None:  # fmt: skip
         self.run = run
         self.names = frozenset(names)
+        self.single = single  # (step run, input name) of a plan that is one step's result
 
     @staticmethod
     def make(results: object, steps: list[HostStep],
@@ -253,7 +255,7 @@ class _HostPlan:
             run, name = calls[0]
             if name is None:
                 return _HostPlan(lambda values: run(None), read)
-            return _HostPlan(lambda values: run(values[name]), read)
+            return _HostPlan(lambda values: run(values[name]), read, (run, name))
         if type(results) in (tuple, list):
             items, keys = list(results), None
         elif type(results) is dict:
@@ -355,6 +357,7 @@ class GraphRunner:
         # B -> (graph replay, host plan, Bp): the same with host inputs, whose host plan
         # (_HostPlan) reads every one of them.
         self._lean_host: dict[int, tuple] = {}
+        self._host_count = 0  # inputs with a CPU mirror (set by capture)
         self._typed_runs: dict[int, RunResult] = {}  # id(results) -> its typed RunResult
         # Requests whose rows may hold something other than their pad: every row from here on
         # holds its pad (capture pads them all). A persistent batch pads only past this mark.
@@ -551,6 +554,7 @@ class GraphRunner:
         )
         self._names = tuple(self._inputs)
         self._mirror_names = tuple(n for n, s in self._inputs.items() if s.mirror is not None)
+        self._host_count = len(self._mirror_names)
         self._steps = [self.bucket(b) for b in range(self.max_batch_size + 1)]
         # A typed runner's replays read no padded mirror (its builders describe B from the raw
         # host values), so only a host function or the uncaptured path needs them.
@@ -727,7 +731,7 @@ class GraphRunner:
         """
         if host_inputs is None:
             lean = self._lean.get(batch_size)
-        elif host_inputs.__class__ is dict and len(host_inputs) == len(self._mirror_names):
+        elif host_inputs.__class__ is dict and len(host_inputs) == self._host_count:
             lean = self._lean_host.get(batch_size)
         else:
             lean = None
@@ -747,7 +751,10 @@ class GraphRunner:
             # any launch), the graph, the results' RunResult.
             replay, plan, bp = lean
             try:
-                results = plan(host_inputs)
+                if plan.single is not None:  # one builder call: its step on its input
+                    results = plan.single[0](host_inputs[plan.single[1]])
+                else:
+                    results = plan.run(host_inputs)
             except KeyError:  # a host input missing (read before any step): named below
                 pass
             else:
@@ -801,7 +808,7 @@ class GraphRunner:
             else:
                 plan = self._host_plans.get(B)
                 if plan and plan.names == frozenset(self._mirror_names):
-                    self._lean_host[B] = (self._graphs[bp].replay, plan.run, bp)
+                    self._lean_host[B] = (self._graphs[bp].replay, plan, bp)
         return run
 
     def _remember(self, key: object) -> None:

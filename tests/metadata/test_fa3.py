@@ -192,6 +192,45 @@ def test_metadata_reads_as_the_spec_says(device, gen):
     assert extend.cache_seqlens.tolist() == (L + 6).tolist() and extend.causal
 
 
+@pytest.mark.parametrize("k,ps", [(1, 1), (1, 4), (4, 16), (2, 4)])
+def test_max_seqlen_k_follows_seq_lens_cpu_call_after_call(device, gen, k, ps):
+    """A decode loop: one builder, a fresh batch of lengths each call (back to an earlier one
+    too). Every normal pass's max_seqlen_k is design §3.2's reading of this call's
+    seq_lens_cpu, the expand passes' their bounds, a K > 1 draft decode shares one normal pass
+    across its steps, and an earlier result keeps its own maxima."""
+    n = 3 if k == 1 else 6
+    cfg = SpecConfig(topk=k, num_steps=3, num_draft_tokens=n, page_size=ps, max_bs=7,
+                     max_context_len=2 * ps + 24)  # fmt: skip
+    fa3 = FA3MetadataBuilder(cfg, device)
+    ctx, tables = cfg.max_context_len, []
+    for max_len in (ctx, ctx // 2, ctx - 1, ctx // 2, 3, ctx):
+        batch = make_batch("random", batch_size=5, topk=k, num_steps=3, page_size=ps,
+                           row_width=cfg.req_to_token_width, generator=gen, device=device,
+                           extra_tokens=n, max_len=max_len)  # fmt: skip
+        L = batch.seq_lens_cpu.long()
+        slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=3, page_size=ps)
+        lens = dict(seq_lens_cpu=batch.seq_lens_cpu)
+        steps = fa3.draft_decode(*_args(batch), slots, num_rows=3, launch=False, **lens)
+        verify = fa3.target_verify(*_args(batch), launch=False, **lens)
+        extend = fa3.draft_extend(*_args(batch), launch=False, **lens)
+        top = int((L - L % ps).max()) if cfg.layout_b else int(L.max())
+        for s, step in enumerate(steps):
+            if k == 1:
+                assert step.normal.max_seqlen_k == int(L.max()) + s + 1, (max_len, s)
+                assert step.expand is None
+            else:
+                assert step.normal is steps[0].normal, "one normal pass for every step"
+                assert step.normal.max_seqlen_k == top, (max_len, s)
+                assert step.expand.max_seqlen_k == (ps - 1 + s + 1 if ps > 1 else s + 1)
+        assert verify.normal.max_seqlen_k == int(L.max()) + (n if k == 1 else 0), max_len
+        if k > 1:
+            assert verify.expand.max_seqlen_k == n
+        assert extend.max_seqlen_k == int(L.max()) + n, max_len
+        tables.append((steps, int(L.max())))
+    for steps, high in tables:  # each result kept its own maxima
+        assert steps[0].normal.max_seqlen_k in (high + 1, high, high - high % ps)
+
+
 def test_plan_has_every_fa3_buffer_and_nothing_else_is_allocated(device, gen):
     cfg, batch, k_pool, v_pool, fa3 = _setup(device, gen, 4, 4, n=6)
     plan = {name: spec for name, spec in plan_buffers(cfg).items() if name.startswith("fa3.")}
