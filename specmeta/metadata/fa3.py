@@ -168,22 +168,18 @@ def _copy(obj, **changes):
 def _raised(base: FA3Metadata | FA3Cascade | FA3DraftDecode, top: int):
     """``base``, a result made for ``top = 0``, with each normal pass's ``max_seqlen_k`` raised
     by ``top`` (an expand pass's is a bound that ``top`` does not move). A normal pass shared by
-    several steps stays shared."""
+    every step (``K > 1``) stays shared."""
     if top == 0:
         return base
-    memo: dict[int, FA3Metadata] = {}
-
-    def normal(meta: FA3Metadata) -> FA3Metadata:
-        found = memo.get(id(meta))
-        if found is None:
-            found = memo[id(meta)] = _copy(meta, max_seqlen_k=meta.max_seqlen_k + top)
-        return found
-
-    if isinstance(base, FA3Metadata):
-        return normal(base)
-    if isinstance(base, FA3Cascade):
-        return _copy(base, normal=normal(base.normal))
-    return _copy(base, steps=tuple(_copy(c, normal=normal(c.normal)) for c in base.steps))
+    if type(base) is FA3Metadata:
+        return _copy(base, max_seqlen_k=base.max_seqlen_k + top)
+    if type(base) is FA3Cascade:
+        return _copy(base, normal=_raised(base.normal, top))
+    steps = base.steps
+    if steps and all(step.normal is steps[0].normal for step in steps):
+        normal = _raised(steps[0].normal, top)
+        return _copy(base, steps=tuple([_copy(step, normal=normal) for step in steps]))
+    return _copy(base, steps=tuple([_raised(step, top) for step in steps]))
 
 
 class FA3MetadataBuilder(MetadataBuilder):
