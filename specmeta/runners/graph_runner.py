@@ -354,8 +354,9 @@ class GraphRunner:
         # B -> (graph replay, RunResult): a persistent replay with nothing to check but the
         # captured tensors (typed, graphed, no host inputs, no host function).
         self._lean: dict[int, tuple] = {}
-        # B -> (graph replay, host plan, Bp): the same with host inputs, whose host plan
-        # (_HostPlan) reads every one of them.
+        # B -> (graph replay, a one-step plan's step and input name, the plan, Bp, [the last
+        # results, their RunResult]): the same with host inputs, whose host plan (_HostPlan)
+        # reads every one of them.
         self._lean_host: dict[int, tuple] = {}
         self._host_count = 0  # inputs with a CPU mirror (set by capture)
         self._typed_runs: dict[int, RunResult] = {}  # id(results) -> its typed RunResult
@@ -749,18 +750,18 @@ class GraphRunner:
                 return lean[1]
             # Host inputs, B replayed before: the host plan (its steps check the values, before
             # any launch), the graph, the results' RunResult.
-            replay, plan, bp = lean
+            replay, step, name, plan, bp, last = lean
             try:
-                if plan.single is not None:  # one builder call: its step on its input
-                    results = plan.single[0](host_inputs[plan.single[1]])
-                else:
-                    results = plan.run(host_inputs)
+                # One builder call: its step on its input; else every step, in call order.
+                results = step(host_inputs[name]) if step is not None else plan(host_inputs)
             except KeyError:  # a host input missing (read before any step): named below
                 pass
             else:
                 self._dirty = batch_size
                 replay()
-                return self._typed_run(batch_size, bp, results)
+                if results is not last[0]:  # the same host values: the same results object
+                    last[:] = results, self._typed_run(batch_size, bp, results)
+                return last[1]
         if self._layout is None:
             raise ValueError("call capture() before replay()")
         if host_inputs is None and not self._mirror_names:
@@ -808,7 +809,9 @@ class GraphRunner:
             else:
                 plan = self._host_plans.get(B)
                 if plan and plan.names == frozenset(self._mirror_names):
-                    self._lean_host[B] = (self._graphs[bp].replay, plan, bp)
+                    step, name = plan.single or (None, None)
+                    self._lean_host[B] = (self._graphs[bp].replay, step, name, plan.run, bp,
+                                          [results, run])  # fmt: skip
         return run
 
     def _remember(self, key: object) -> None:
