@@ -448,20 +448,21 @@ class MetadataStages:
     # Per backend
     # --------------------------------------------------------------------------------------------
     def _draft_decode(self, rpi, lens, slots, lens_cpu, launch: bool = True):
-        """Per draft forward ``s < S − 1``: the metadata the attention backend reads. Every
-        builder takes the same keywords (:mod:`specmeta.metadata.contract`); FA3 also reads
-        the draft slots."""
+        """Per draft forward ``s < S − 1``: the metadata the attention backend reads, the
+        builder's own result (indexed by step), so a runner describes later batches from the
+        builder's host steps (design §4). Every builder takes the same keywords
+        (:mod:`specmeta.metadata.contract`); FA3 also reads the draft slots."""
         kw = dict(seq_lens_cpu=lens_cpu, num_rows=self.cfg.num_steps - 1, status=self.status,
                   launch=launch)  # fmt: skip
         args = (rpi, self.req_to_token, lens)
         if self.backend == "fa3":
-            return self.builder.draft_decode(*args, slots, **kw).steps
+            return self.builder.draft_decode(*args, slots, **kw)
         if self.backend == "flashinfer":
             build = {"decode": self.builder.draft_decode,
                      "shared_prefix": self.builder.draft_decode_shared_prefix,
                      "paged": self.builder.draft_decode_paged}[self.draft_form]  # fmt: skip
-            return build(*args, **kw).steps
-        return self.builder.draft_decode(*args, **kw).steps
+            return build(*args, **kw)
+        return self.builder.draft_decode(*args, **kw)
 
     def _target_verify(self, rpi, lens, tree_mask, lens_cpu, launch: bool = True):
         kw = dict(seq_lens_cpu=lens_cpu, status=self.status, launch=launch)
