@@ -836,6 +836,8 @@ class GraphRunner:
             plan = self._host_plans.get(B)
             if plan:
                 return plan.run(host_raw)
+            if plan is False:  # a result no plan makes: the build, with nothing to record
+                return self._build(StageBatch(self._views_of(B), host_raw, False))
         with describing() as steps:
             results = self._build(StageBatch(self._views_of(B), host_raw, False))
         if not self._mirror_names:
