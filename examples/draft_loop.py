@@ -183,9 +183,9 @@ class Metadata:
             "positions": b["draft.positions"][: B * K],
             "prefix_tail_tgt": b["draft.prefix_tail_tgt"][: B * pairs],
             "prefix_tail_src": b["draft.prefix_tail_src"][: B * pairs],
-            "flashinfer": self.fi.draft_decode(*args, **rows).steps,
-            "flashinfer_cascade": self.fi.draft_decode_shared_prefix(*args, **rows).steps,
-            "flashinfer_paged": self.fi.draft_decode_paged(*args, **rows).steps,
+            "flashinfer": self.fi.draft_decode(*args, **rows),
+            "flashinfer_cascade": self.fi.draft_decode_shared_prefix(*args, **rows),
+            "flashinfer_paged": self.fi.draft_decode_paged(*args, **rows),
             "fa3": self.fa3.draft_decode(*args, slots, **rows),
         }
 

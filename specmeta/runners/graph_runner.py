@@ -155,10 +155,10 @@ class StageBatch:
         True: the runner calls the build with ``launch=False`` to get the builders' results
         for ``B`` (and their host mirrors) without launching.
 
-    With host inputs, the runner calls a ``launch=False`` build once per ``B``: where it
-    returns one builder result, or a tuple, list or dict of them, and hands the builders the
-    host values as given, later calls of ``B`` run only the builders' host steps on the new
-    values (design §4). So, as the captured graph already assumes, the builder calls must not
+    With host inputs, the runner calls a ``launch=False`` build once or twice per ``B``: where
+    it returns one builder result, or a tuple, list or dict of them and of static buffers cut
+    to ``B``, and hands the builders the host values as given, later calls of ``B`` run only
+    the builders' host steps on the new values (design §4). So, as the captured graph already assumes, the builder calls must not
     depend on the host values, and a ``launch=False`` build must have no effect beyond them.
     """
 
@@ -211,13 +211,19 @@ class RunResult:
 _NONE: Mapping = types.MappingProxyType({})  # a typed result's outputs (and host, without one)
 
 
+_AGAIN = object()  # _HostPlan.make: decide on the next describe of the same B
+
+
 class _HostPlan:
     """A typed stage's describe of ``B``, made again from its builder calls' host steps
-    (:class:`~specmeta.metadata.contract.HostStep`, design §4): ``plan.run(host)`` runs every step,
-    in call order, on the values of the host input it read, and returns the results in the
-    shape the build returned them. :meth:`make` gives ``None`` for a shape it cannot make.
+    (:class:`~specmeta.metadata.contract.HostStep`, design §4): ``plan.run(host)`` runs every
+    step, in call order, on the values of the host input it read, and returns the results in
+    the shape the build returned them.
 
-    The shapes: one builder call's result, or a tuple, list or dict whose every item is one.
+    The shapes: one builder call's result, or a tuple, list or dict whose every item is one or
+    a tensor that two describes of ``B`` returned as the same view (the same address, shape,
+    strides and dtype, the first one kept alive meanwhile, so the two view the same memory):
+    a static buffer cut to ``B``, which the plan returns as it is.
 
     Attributes
     ----------
@@ -225,6 +231,8 @@ class _HostPlan:
         ``run(host) -> results``.
     names : frozenset of str
         The host inputs the steps read.
+    single : tuple or None
+        ``(step run, input name)`` of a plan that is one step's result.
     """
 
     __slots__ = ("run", "names", "single")
@@ -233,13 +241,15 @@ class _HostPlan:
                  single: tuple | None = None) -> None:  # fmt: skip
         self.run = run
         self.names = frozenset(names)
-        self.single = single  # (step run, input name) of a plan that is one step's result
+        self.single = single
 
     @staticmethod
-    def make(results: object, steps: list[HostStep],
-             host: Mapping[str, torch.Tensor]) -> _HostPlan | None:  # fmt: skip
+    def make(results: object, steps: list[HostStep], host: Mapping[str, torch.Tensor],
+             earlier: object = None) -> _HostPlan | object | None:  # fmt: skip
         """The plan of a describe that returned ``results`` after recording ``steps``, each
-        of which read a tensor of ``host`` as given (or none)."""
+        of which read a tensor of ``host`` as given (or none); ``None`` for a describe no plan
+        makes, ``_AGAIN`` when its tensor items need ``earlier``, the results of the next
+        describe of the same ``B``, to compare with (then ``results`` is that ``earlier``)."""
         names = {id(t): n for n, t in host.items()}
         calls = []
         for step in steps:
@@ -256,24 +266,44 @@ class _HostPlan:
             if name is None:
                 return _HostPlan(lambda values: run(None), read)
             return _HostPlan(lambda values: run(values[name]), read, (run, name))
-        if type(results) in (tuple, list):
-            items, keys = list(results), None
-        elif type(results) is dict:
-            items, keys = list(results.values()), tuple(results)
-        else:
+        items, keys = _HostPlan._items(results)
+        if items is None:
             return None
         where = [index.get(id(item)) for item in items]
-        if None in where:
+        views = [i for i, w in enumerate(where) if w is None]
+        if any(not isinstance(items[i], torch.Tensor) for i in views):
             return None  # the build returned something no builder call made
+        if views:
+            if earlier is None:
+                return _AGAIN
+            before, before_keys = _HostPlan._items(earlier)
+            if (before is None or type(earlier) is not type(results) or before_keys != keys
+                    or len(before) != len(items)):  # fmt: skip
+                return None
+            for i in views:
+                if not isinstance(before[i], torch.Tensor) or (
+                    validate.signature(before[i]) != validate.signature(items[i])
+                ):
+                    return None  # a new tensor, or another view: made from this call's values
         kind = type(results)
 
         def plan(values: Mapping[str, torch.Tensor]) -> object:
             given = [None if n is None else values[n] for _, n in calls]  # all before any step
             made = [run(v) for (run, _), v in zip(calls, given, strict=True)]
-            out = [made[i] for i in where]
+            out = [items[j] if i is None else made[i] for j, i in enumerate(where)]
             return kind(out) if keys is None else dict(zip(keys, out, strict=True))
 
         return _HostPlan(plan, read)
+
+    @staticmethod
+    def _items(results: object) -> tuple[list | None, tuple | None]:
+        """The items of a tuple, list or dict result and the dict's keys; ``(None, None)``
+        for another type."""
+        if type(results) in (tuple, list):
+            return list(results), None
+        if type(results) is dict:
+            return list(results.values()), tuple(results)
+        return None, None
 
 
 class GraphRunner:
@@ -348,8 +378,9 @@ class GraphRunner:
         self._seen: set = set()
         self._pad_plans = LaunchPlans()
         self._described: dict[int, object] = {}  # B -> a typed result with no host inputs
-        # B -> the host plan of B's describe (_HostPlan), False where the build's result has
-        # a shape no plan makes (then the build is called on every call)
+        # B -> the host plan of B's describe (_HostPlan); False where the build's result has
+        # a shape no plan makes (then the build is called on every call); the first
+        # describe's results while a second one is to show its tensor items are static views
         self._host_plans: dict[int, object] = {}
         # B -> (graph replay, RunResult): a persistent replay with nothing to check but the
         # captured tensors (typed, graphed, no host inputs, no host function).
@@ -808,7 +839,7 @@ class GraphRunner:
                 self._lean[B] = (self._graphs[bp].replay, run)
             else:
                 plan = self._host_plans.get(B)
-                if plan and plan.names == frozenset(self._mirror_names):
+                if plan.__class__ is _HostPlan and plan.names == frozenset(self._mirror_names):
                     step, name = plan.single or (None, None)
                     self._lean_host[B] = (self._graphs[bp].replay, step, name, plan.run, bp,
                                           [results, run])  # fmt: skip
@@ -834,7 +865,7 @@ class GraphRunner:
                 return found
         else:
             plan = self._host_plans.get(B)
-            if plan:
+            if plan.__class__ is _HostPlan:
                 return plan.run(host_raw)
             if plan is False:  # a result no plan makes: the build, with nothing to record
                 return self._build(StageBatch(self._views_of(B), host_raw, False))
@@ -842,8 +873,14 @@ class GraphRunner:
             results = self._build(StageBatch(self._views_of(B), host_raw, False))
         if not self._mirror_names:
             self._described[B] = results
-        elif B not in self._host_plans:
-            self._host_plans[B] = _HostPlan.make(results, steps, host_raw) or False
+        else:
+            # plan: missing (the first describe of B), or the results of the first describe,
+            # whose tensor items this one's must view again (_AGAIN).
+            made = _HostPlan.make(results, steps, host_raw, earlier=plan)
+            if made is _AGAIN:
+                self._host_plans[B] = results if plan is None else False
+            else:
+                self._host_plans[B] = made or False
         return results
 
     def _replay(self, B, bp, host, copy, results) -> RunResult:

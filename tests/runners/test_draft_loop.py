@@ -14,6 +14,7 @@ import torch
 
 from examples.draft_loop import SEQUENCE, DraftLoop, LoopShape, next_requests
 from specmeta import SpecConfig, probes
+from specmeta.metadata.contract import DraftSteps
 from specmeta.testing.consumers import flashinfer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
@@ -123,7 +124,7 @@ def _check_host_mirrors(results, B):
     for mode, res in results.items():
         if not mode.startswith("flashinfer"):
             continue
-        steps = res if isinstance(res, tuple) else (res,)
+        steps = res if isinstance(res, (tuple, DraftSteps)) else (res,)
         for s, step in enumerate(steps):
             if hasattr(step, "paged_kv_indptr_host_arr"):
                 pairs = [*zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True),

@@ -175,26 +175,41 @@ def test_a_stage_no_plan_can_make_is_built_on_every_call(device, gen, shape, der
     assert stage.describes == len(SEQUENCE)
 
 
-def test_a_stage_returning_other_values_is_built_on_every_call(device, gen):
-    """A result holding a value no builder call returned (a tensor view) has no plan."""
+@pytest.mark.parametrize("extra", ["view", "new_tensor", "int"])
+def test_a_stage_returning_other_values(device, gen, extra):
+    """Beside the builder's result, a static buffer cut to B (the same view on every describe)
+    is planned from the second describe of B on, and handed back as it is; a tensor made anew
+    on every describe, or a host value, keeps the build on every call."""
     cfg = _config(2, 4)
     table = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int64, device=device)
     stage = Stage(cfg, device, table, "one")
 
     def build(batch):
         rpi = batch.inputs["req_pool_indices"]
-        return stage.build(batch), stage.bufs["draft.out_cache_loc"][: rpi.shape[0]]
+        if extra == "view":
+            other = stage.bufs["draft.out_cache_loc"][: rpi.shape[0]]
+        elif extra == "new_tensor":
+            other = torch.zeros(rpi.shape[0], dtype=torch.int64, device=device)
+        else:
+            other = rpi.shape[0]
+        return stage.build(batch), other
 
     runner = draft_stage_runner(build, stage.bufs, cfg, device, table, BUCKETS)
     eager = Stage(cfg, device, table, "one")
-    for max_len in (None, 7, 5):
+    for max_len in (None, 7, 5, 6):
         batch = _batch(cfg, 4, gen, device, max_len)
         table.copy_(batch.req_to_token)
         inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
         host = {"seq_lens": batch.seq_lens_cpu}
         res = runner.run(4, inputs, host_inputs=host, copy=False)
         _compare(res.results[0], eager.build(StageBatch(inputs, host, True)), "one", 4)
-    assert stage.describes == 3
+        if extra == "view":
+            view = res.results[1]
+            want = stage.bufs["draft.out_cache_loc"][:4]
+            assert (view.data_ptr(), view.shape, view.stride()) == (
+                want.data_ptr(), want.shape, want.stride()
+            ), "the static view, as the build returns it"
+    assert stage.describes == (2 if extra == "view" else 4)
 
 
 @pytest.mark.parametrize("shape", ["one", "dict"])
