@@ -310,7 +310,16 @@ def pinned(tensors: Sequence[torch.Tensor], sources: Sequence = (), *, guarded: 
     ``guarded``, else the :func:`signature` of them all; for a graph runner, which checks what
     its graphs captured before every replay."""
     fixed, calls = tuple(tensors), tuple(sources)
+    for i, f in enumerate(calls):
+        if not callable(f):
+            raise TypeError(f"pinned: sources[{i}] is a {type(f).__name__}; pass a function "
+                            "that returns the tensor (lambda: engine.req_to_token)")  # fmt: skip
     now = (*fixed, *[f() for f in calls])
+    for i, t in enumerate(now):
+        if not isinstance(t, torch.Tensor):
+            what = f"tensors[{i}]" if i < len(fixed) else f"sources[{i - len(fixed)}]()"
+            raise TypeError(f"pinned: {what} is a {type(t).__name__}, not a torch.Tensor; "
+                            "pass the tensors a graph captured")  # fmt: skip
     names = [f"t{i}" for i in range(len(now))]
     reads = [f"    {n} = _fixed[{i}]\n" for i, n in enumerate(names[: len(fixed)])]
     reads += [f"    {n} = _calls[{i}]()\n" for i, n in enumerate(names[len(fixed) :])]

@@ -327,7 +327,7 @@ class MetadataBuilder:
     def host_inputs(self, mode: str, B: int, seq_lens_cpu: Any) -> BuildInputs:
         """The checks of a call's host values, made on every call
         (:func:`.inputs.host_lengths`), and their :class:`BuildInputs` for ``B`` requests."""
-        inputs = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu,
+        inputs = host_lengths(self.require(mode), self.cfg, B, seq_lens_cpu,
                               values_later=mode in self.length_tables,
                               stats=self._stats)  # fmt: skip
         inputs.given = seq_lens_cpu

@@ -492,3 +492,16 @@ def test_pinned_sees_every_change_a_captured_graph_cannot_follow(guarded):
         fixed, box, unchanged = case()
         change(fixed, box)
         assert not unchanged(), name
+
+
+def test_pinned_refuses_what_is_not_a_tensor():
+    """validate.pinned names the argument that is not a tensor, or not a function."""
+    from specmeta import validate
+
+    x = torch.zeros(3)
+    with pytest.raises(TypeError, match=r"tensors\[1\] is a int"):
+        validate.pinned([x, 3])
+    with pytest.raises(TypeError, match=r"sources\[0\] is a Tensor; pass a function"):
+        validate.pinned([x], [x])
+    with pytest.raises(TypeError, match=r"sources\[0\]\(\) is a NoneType"):
+        validate.pinned([x], [lambda: None])
