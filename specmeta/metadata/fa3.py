@@ -25,7 +25,7 @@ builder's buffers: the next build of the same mode overwrites them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -156,30 +156,58 @@ class FA3DraftDecode(DraftSteps):
     steps: tuple[FA3Cascade, ...]
 
 
-def _copy(obj, **changes):
-    """A copy of a frozen result object with ``changes``, its other fields the same objects.
-    The fields are copied as they are, without ``__init__`` (which checks nothing here): a
-    result made for every new ``max L`` of a decode loop costs a few dictionary copies."""
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__, **changes)
-    return new
+def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode) -> Callable[[int], Any]:
+    """A function ``top -> result``: ``base``, a result made for ``top = 0``, with each normal
+    pass's ``max_seqlen_k`` raised by ``top`` (an expand pass's is a bound that ``top`` does not
+    move), sharing ``base``'s views. A normal pass shared by every step (``K > 1``) stays shared.
 
-
-def _raised(base: FA3Metadata | FA3Cascade | FA3DraftDecode, top: int):
-    """``base``, a result made for ``top = 0``, with each normal pass's ``max_seqlen_k`` raised
-    by ``top`` (an expand pass's is a bound that ``top`` does not move). A normal pass shared by
-    every step (``K > 1``) stays shared."""
-    if top == 0:
-        return base
+    Made once per result; each call then copies the few frozen objects with straight code, their
+    fields as they are and without ``__init__`` (which checks nothing here): a result for every
+    new ``max L`` of a decode loop costs a few dictionary copies."""
+    new = object.__new__
+    fields = base.__dict__
     if type(base) is FA3Metadata:
-        return _copy(base, max_seqlen_k=base.max_seqlen_k + top)
+        high = base.max_seqlen_k
+
+        def raised_pass(top: int) -> FA3Metadata:
+            out = new(FA3Metadata)
+            out.__dict__.update(fields, max_seqlen_k=high + top)
+            return out
+
+        return raised_pass
     if type(base) is FA3Cascade:
-        return _copy(base, normal=_raised(base.normal, top))
+        normal = _raiser(base.normal)
+
+        def raised_cascade(top: int) -> FA3Cascade:
+            out = new(FA3Cascade)
+            out.__dict__.update(fields, normal=normal(top))
+            return out
+
+        return raised_cascade
     steps = base.steps
+    cls = type(base)
     if steps and all(step.normal is steps[0].normal for step in steps):
-        normal = _raised(steps[0].normal, top)
-        return _copy(base, steps=tuple([_copy(step, normal=normal) for step in steps]))
-    return _copy(base, steps=tuple([_raised(step, top) for step in steps]))
+        shared, each = _raiser(steps[0].normal), [step.__dict__ for step in steps]
+
+        def raised_shared(top: int) -> FA3DraftDecode:
+            normal, raised = shared(top), []
+            for step in each:
+                cascade = new(FA3Cascade)
+                cascade.__dict__.update(step, normal=normal)
+                raised.append(cascade)
+            out = new(cls)
+            out.__dict__.update(fields, steps=tuple(raised))
+            return out
+
+        return raised_shared
+    per_step = [_raiser(step) for step in steps]
+
+    def raised_steps(top: int) -> FA3DraftDecode:
+        out = new(cls)
+        out.__dict__.update(fields, steps=tuple([step(top) for step in per_step]))
+        return out
+
+    return raised_steps
 
 
 class FA3MetadataBuilder(MetadataBuilder):
@@ -237,7 +265,7 @@ class FA3MetadataBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned()
-        self._last: dict[tuple, tuple] = {}  # (mode, B[, rows]) -> (top, its result)
+        self._last: dict[tuple, list] = {}  # (mode, B[, rows]) -> [top, its result, raiser]
         # The builder checks every input before launching (inputs.py), so its launchers skip
         # their own second pass over the same tensors (validate.trusting).
         self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
@@ -275,7 +303,7 @@ class FA3MetadataBuilder(MetadataBuilder):
 
         ``top`` changes with almost every decode step, and only the normal passes'
         ``max_seqlen_k`` follow it: ``make(*key, 0)`` is made once per key, and a new ``top``
-        copies its objects with those maxima raised (:func:`_raised`), sharing its views. The
+        copies its objects with those maxima raised (:func:`_raiser`), sharing its views. The
         last result of each key is kept, not one per ``top`` ever seen."""
         ps, bound = self.cfg.page_size, self.cfg.max_context_len
         last, at = self._last, (mode, *key)
@@ -284,8 +312,10 @@ class FA3MetadataBuilder(MetadataBuilder):
             high = inp.high
             top = (bound if high is None else high - high % ps if whole_pages else high) + extra
             found = last.get(at)
-            if found is None or found[0] != top:
-                found = last[at] = (top, _raised(self.result((*at, 0), make, *key, 0), top))
+            if found is None:
+                found = last[at] = [None, None, _raiser(self.result((*at, 0), make, *key, 0))]
+            if found[0] != top:
+                found[0], found[1] = top, found[2](top)
             return found[1]
 
         return self.described(mode, inputs, describe)
