@@ -6,15 +6,18 @@ the stream reaches it, not when ``plan()`` returns. An engine whose CPU runs an 
 (an overlap scheduler) builds iteration ``i + 1`` before the device has run iteration ``i``'s
 copies; had the builder rewritten the same host buffer, the copy would read ``i + 1``'s values.
 
-:class:`HostMirrorRing` holds ``depth`` sets of the mirrors and hands them out in turn. A set is
-handed out again only once the stream has passed every call queued after its last use. To
-prove that, the ring records an event on the current stream, behind whatever was queued since
-(the ``plan()`` of the sets just used), once every ``depth // 2`` builds, and a set whose
-event has not been seen complete is reused only after waiting for it (once per event, however
-many sets it covers). The wait is on the host and
-happens only when the host is about ``depth / 2`` builds ahead of the device; a CUDA-graph
-replay or an engine in step with its device never waits. An event a build, waited for a build
-later, would cost a driver call or two on every build for a wait that almost never happens.
+:class:`HostMirrorRing` holds ``depth`` sets of the mirrors and hands them out in turn: build
+``j`` gets set ``j % depth``. A set is handed out again only once the stream has passed every
+call queued after its last use. To prove that, the ring records an event on the current stream,
+behind whatever was queued since (the ``plan()`` of the sets just used), at the start of every
+``E = max(1, depth // 2)``-th build; event ``m``, recorded at build ``m·E``, covers builds
+``(m − 1)·E … m·E − 1``. Build ``j ≥ depth`` reuses the set of build ``j − depth``, so the first
+build of each covered group waits for its event (a build later is covered by the same event).
+The schedule is fixed by ``j``, so a build that neither records nor waits costs a counter and a
+modulo. The wait is on the host and returns at once unless the host is about ``depth / 2``
+builds ahead of the device; a CUDA-graph replay or an engine in step with its device never
+waits. An event a build, waited for a build later, would cost a driver call or two on every
+build for a wait that almost never happens.
 """
 
 from __future__ import annotations
@@ -51,14 +54,13 @@ class HostMirrorRing:
             }
             for _ in range(depth)
         ]
+        self._depth = depth
         self._every = max(1, depth // 2)  # builds between two events
-        # Event n is events[n % depth]: records come at most one a build, so an event is
-        # recorded again only after every set it covered has been handed out again.
-        self._events = [torch.cuda.Event() for _ in range(depth)] if self._cuda else []
-        self._recorded = 0  # events recorded so far; event n lives in events[n % depth]
-        self._waited = [0] * depth  # per event slot: the last event n seen complete there
-        self._covered = [0] * depth  # per set: the event behind its last use (0: none needed)
-        self._uncovered: list[int] = []  # sets handed out since the last event
+        # Event m lives in events[m % len(events)]: it is waited for at build (m − 1)·E + depth,
+        # before event m + len(events) is recorded at build (m + len(events))·E.
+        count = depth // self._every + 2
+        self._events = [torch.cuda.Event() for _ in range(count)] if self._cuda else []
+        self._builds = 0  # sets handed out so far
         self._current: int | None = None
         self._device = device
         self._stream: tuple = (None, None)  # (raw handle, torch.cuda.Stream) of the last record
@@ -69,31 +71,21 @@ class HostMirrorRing:
         return self._current
 
     def next(self) -> dict[str, torch.Tensor]:
-        """The set for this build. Every ``depth // 2`` builds, the sets handed out since the
-        last event are covered by a new one, recorded behind the work queued on the current
-        stream (their ``plan()`` copies)."""
-        current = self._current
-        slot = 0 if current is None else (current + 1) % len(self._sets)
+        """The set for this build, ``j``: set ``j % depth``. Every ``E``-th build first records
+        the event that covers the ``E`` builds before it (their ``plan()`` copies), and a
+        build whose set was last used by the first build of a covered group waits for that
+        group's event."""
+        j = self._builds
+        self._builds = j + 1
+        slot = self._current = j % self._depth
         if self._cuda:
-            if current is not None:
-                self._uncovered.append(current)
-                if len(self._uncovered) >= self._every or slot in self._uncovered:
-                    self._record()
-            n, at = self._covered[slot], self._covered[slot] % len(self._events)
-            if n and self._waited[at] != n:
+            every, events = self._every, self._events
+            if j % every == 0 and j:
+                events[(j // every) % len(events)].record(self._current_stream())
+            if j >= self._depth and (j - self._depth) % every == 0:
                 # Returns at once unless the host is half a ring ahead of the device.
-                self._events[at].synchronize()
-                self._waited[at] = n
-        self._current = slot
+                events[((j - self._depth) // every + 1) % len(events)].synchronize()
         return self._sets[slot]
-
-    def _record(self) -> None:
-        """Cover every set handed out since the last event with a new one."""
-        self._recorded += 1
-        self._events[self._recorded % len(self._events)].record(self._current_stream())
-        for s in self._uncovered:
-            self._covered[s] = self._recorded
-        self._uncovered.clear()
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The current stream, its Python object made again only when the raw handle changes
