@@ -425,7 +425,7 @@ MUTATIONS: list[Mutation] = [
     _m("p-lean-run-no-pad", "runner",
        "a repeated run() on the engine's tensors replays the graph without its pad launch",
        "specmeta/runners/graph_runner.py",
-       "            if not self._pad_plans.replay(LaunchPlans.key(key)):",
+       "            if not self._pad_plans.replay_key(key):",
        "            if False:",
        ["tests/runners/test_host_plans.py", "-k", "engines_own_tensors"],
        gpu=True),

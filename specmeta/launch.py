@@ -307,6 +307,13 @@ class Launch:
         self.handle, self.grid, self.device, self.values = handle, grid, device, values
 
 
+def _launch_all(device: int, launches: tuple) -> None:
+    """A stored plan's launches, in order, on ``device``'s current stream."""
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    for launch, g0, g1, g2, args in launches:
+        launch(g0, g1, g2, stream, *args)
+
+
 class LaunchPlans:
     """The launches an op made for a call, replayed for every later call whose host-visible
     arguments are the same (design §2.7).
@@ -368,10 +375,18 @@ class LaunchPlans:
             return False
         if check is not None:
             check()
-        device, launches = plan
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        for launch, g0, g1, g2, args in launches:
-            launch(g0, g1, g2, stream, *args)
+        _launch_all(*plan)
+        return True
+
+    def replay_key(self, *parts) -> bool:
+        """:meth:`replay` of :meth:`key` ``(*parts)``, with no check: False (nothing done)
+        where plans are off or none was stored for it."""
+        if _INTERPRETED or _hooks_installed():
+            return False
+        plan = self._plans.get((torch._C._cuda_getDevice(), *parts))
+        if plan is None:
+            return False
+        _launch_all(*plan)
         return True
 
     def store(self, sig: tuple | None, *launches: Launch | None) -> None:

@@ -45,6 +45,7 @@ import bisect
 import contextlib
 import dataclasses
 import gc
+import operator
 import types
 from collections.abc import Callable, Mapping, Sequence
 
@@ -304,6 +305,17 @@ class _HostPlan:
         if type(results) is dict:
             return list(results.values()), tuple(results)
         return None, None
+
+
+def _picker(names: tuple[str, ...]) -> Callable[[Mapping[str, object]], tuple]:
+    """``pick(mapping) -> (mapping[name] for name in names)`` as a tuple, in one C call where
+    there are two names or more."""
+    if len(names) >= 2:
+        return operator.itemgetter(*names)
+    if len(names) == 1:
+        only = names[0]
+        return lambda mapping: (mapping[only],)
+    return lambda mapping: ()
 
 
 class GraphRunner:
@@ -591,6 +603,7 @@ class GraphRunner:
         self._names = tuple(self._inputs)
         self._mirror_names = tuple(n for n, s in self._inputs.items() if s.mirror is not None)
         self._host_count = len(self._mirror_names)
+        self._pick_inputs, self._pick_host = _picker(self._names), _picker(self._mirror_names)
         self._steps = [self.bucket(b) for b in range(self.max_batch_size + 1)]
         # A typed runner's replays read no padded mirror (its builders describe B from the raw
         # host values), so only a host function or the uncaptured path needs them.
@@ -678,8 +691,8 @@ class GraphRunner:
             raise ValueError("call capture() before run()")
         host_inputs = host_inputs or {}
         try:
-            key = self._sign(None, batch_size, copy, *[inputs[n] for n in self._names],
-                             *[host_inputs[n] for n in self._mirror_names])  # fmt: skip
+            key = self._sign(None, batch_size, copy, *self._pick_inputs(inputs),
+                             *self._pick_host(host_inputs))  # fmt: skip
             lean = self._lean_run.get(key)
             pad_key = LaunchPlans.key(key) if lean is None and key in self._seen else None
             fast = pad_key in self._pad_plans and len(inputs) == len(self._names)
@@ -699,7 +712,7 @@ class GraphRunner:
                 results = step(host_inputs[name])
             else:
                 results = plan(host_inputs) if plan is not None else last[0]
-            if not self._pad_plans.replay(LaunchPlans.key(key)):
+            if not self._pad_plans.replay_key(key):
                 self._pad_device(batch_size, bp, inputs)  # a launch hook: Triton's launch
             self._dirty = batch_size if self._dirty <= bp else self._dirty
             replay()
