@@ -256,7 +256,7 @@ MUTATIONS: list[Mutation] = [
        "FlashInfer's results and mirror views ignore the ring's set: build i + 1 rewrites "
        "build i's mirrors",
        "specmeta/metadata/flashinfer.py",
-       "self.result((mode, *key, slot), make, *key, mirrors)",
+       "self.result((mode, *key, ring.slot), make, *key, mirrors)",
        "self.result((mode, *key, 0), make, *key, mirrors)",
        ["tests/metadata/test_host_mirrors.py", "-k", "round_the_ring"]),
     # ---------------------------------------------------------------- builders' host checks

@@ -333,7 +333,8 @@ class MetadataBuilder:
         inputs.given = seq_lens_cpu
         return inputs
 
-    def described(self, mode: str, inputs: BuildInputs, describe: Callable[[BuildInputs], Any]):
+    def described(self, mode: str, inputs: BuildInputs, describe: Callable[[BuildInputs], Any],
+                  direct: Callable[[Any], Any] | None = None):  # fmt: skip
         """A call's result, ``describe(inputs)``: everything it takes from the host values
         (host scalars, host mirrors), after the checks of :meth:`check`.
 
@@ -341,20 +342,34 @@ class MetadataBuilder:
         ``run(values)`` is :meth:`host_inputs` then ``describe``: the same checks and result
         as the call would make on new values of ``B`` requests (``None`` for a call given no
         ``seq_lens_cpu``), with the same device tensors, whose checks and launches do not read
-        the host values."""
+        the host values. ``direct(seq_lens_cpu)``, for a mode whose mirror writer checks the
+        tensor and every value (:attr:`length_tables`): the same result in fewer steps,
+        raising ``TypeError``, ``ValueError`` or ``IndexError`` where the writer refuses them
+        (then :meth:`host_inputs` and ``describe`` give the message)."""
         result = describe(inputs)
         steps = _describing.steps
         if steps is not None:
-            steps.append(HostStep(self._step(mode, inputs.batch, describe), inputs.given, result))
+            run = self._step(mode, inputs.batch, describe, direct)
+            steps.append(HostStep(run, inputs.given, result))
         return result
 
-    def _step(self, mode: str, B: int, describe: Callable[[BuildInputs], Any]):
+    def _step(self, mode: str, B: int, describe: Callable[[BuildInputs], Any],
+              direct: Callable[[Any], Any] | None = None):  # fmt: skip
         """A :class:`HostStep`'s ``run``: :meth:`host_inputs` then ``describe``. The tensor
         checks were passed once by a tensor of the same host input, so with the compiled
-        calls, the one that reads the values (``stats`` here, or the mode's writer in
-        :meth:`write_mirrors`) checks the tensor too, and a refusal takes :meth:`host_inputs`
-        for the message that names it."""
+        calls, the one that reads the values (``stats`` here, the mode's writer in
+        :meth:`write_mirrors`, or ``direct``'s) checks the tensor too, and a refusal takes
+        :meth:`host_inputs` for the message that names it."""
         stats, top, later = self._stats, self.cfg.max_context_len, mode in self.length_tables
+        if direct is not None and stats is not None and later:
+
+            def run_direct(seq_lens_cpu):
+                try:
+                    return direct(seq_lens_cpu)
+                except (TypeError, ValueError, IndexError):  # named by the checks below
+                    return describe(self.host_inputs(mode, B, seq_lens_cpu))
+
+            return run_direct
 
         def run(seq_lens_cpu):
             if seq_lens_cpu is None or stats is None:

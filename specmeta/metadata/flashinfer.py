@@ -567,17 +567,23 @@ class FlashInferBuilder(MetadataBuilder):
 
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
 
+        def take():  # the result of the ring's next set, and the writer of its mirrors
+            mirrors = ring.next()
+            return self.result((mode, *key, ring.slot), make, *key, mirrors)
+
         def describe(inp):
-            mirrors = slot = None
-            if inp.seq_lens_cpu is not None:
-                mirrors = ring.next()
-                slot = ring.slot
-            result, write = self.result((mode, *key, slot), make, *key, mirrors)
-            if write is not None:
-                self.write_mirrors(mode, inp, write)
+            if inp.seq_lens_cpu is None:
+                return self.result((mode, *key, None), make, *key, None)[0]
+            result, write = take()
+            self.write_mirrors(mode, inp, write)
             return result
 
-        return self.described(mode, inputs, describe)
+        def direct(seq_lens_cpu):  # a host step: the writer checks the tensor and the values
+            result, write = take()
+            write(seq_lens_cpu)
+            return result
+
+        return self.described(mode, inputs, describe, direct)
 
     def target_verify(
         self,

@@ -46,7 +46,13 @@ static int lengths_of(PyObject *tensor, Py_ssize_t batch, Lengths *out) {
     return 0;
   }
   PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
-  if (dtype == NULL) return 0;
+  if (dtype == NULL) {
+    if (PyErr_ExceptionMatches(PyExc_AttributeError)) { /* not a tensor: a TypeError */
+      PyErr_Clear();
+      PyErr_SetString(PyExc_TypeError, "seq_lens_cpu must be an int32 or int64 tensor");
+    }
+    return 0;
+  }
   out->wide = dtype == int64_dtype;
   int narrow = dtype == int32_dtype;
   Py_DECREF(dtype);

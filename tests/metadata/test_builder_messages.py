@@ -386,3 +386,35 @@ def test_a_length_table_refuses_what_it_cannot_gather_before_writing():
             table.gather(lens)
     got = table.gather(torch.tensor([0, 8, 5], dtype=torch.int32))
     assert got.dtype == torch.int32 and got.tolist() == [3, 11, 8]
+
+
+def test_a_recorded_host_step_refuses_what_the_call_refuses(device):
+    """A runner's host plan runs each builder call's HostStep on new values of the same batch
+    (design §4); a step given a bad seq_lens_cpu raises the exception and message the call
+    itself raises, whichever compiled or torch path checks it, and a good one still gives
+    the call's result."""
+    from specmeta.metadata.contract import describing
+
+    good = torch.tensor([5, 9, 30], dtype=torch.int32)
+    bad = [
+        torch.tensor([5, 1500, 30], dtype=torch.int32),
+        torch.tensor([5, -2, 30], dtype=torch.int32),
+        torch.tensor([5, 9], dtype=torch.int32),
+        torch.tensor([5.0, 9.0, 30.0]),
+        torch.tensor([[5, 9, 30]], dtype=torch.int32),
+        [5, 9, 30],
+    ]
+    for where, builder, mode, extra in _all(device):
+        inputs = _inputs(device)
+        with describing() as steps:
+            _call(builder, mode, inputs, seq_lens_cpu=good, launch=False, **extra)
+        assert len(steps) == 1, where
+        run = steps[0].run
+        for value in bad:
+            with pytest.raises((TypeError, ValueError)) as want:
+                _call(builder, mode, inputs, seq_lens_cpu=value, launch=False, **extra)
+            with pytest.raises(want.type) as got:
+                run(value)
+            assert str(got.value) == str(want.value), f"{where}: {value!r}"
+        again = run(good.clone())
+        assert type(again) is type(steps[0].result), where
