@@ -342,10 +342,14 @@ class MetadataBuilder:
         ``run(values)`` is :meth:`host_inputs` then ``describe``: the same checks and result
         as the call would make on new values of ``B`` requests (``None`` for a call given no
         ``seq_lens_cpu``), with the same device tensors, whose checks and launches do not read
-        the host values. ``direct(seq_lens_cpu)``, for a mode whose mirror writer checks the
-        tensor and every value (:attr:`length_tables`): the same result in fewer steps,
-        raising ``TypeError``, ``ValueError`` or ``IndexError`` where the writer refuses them
-        (then :meth:`host_inputs` and ``describe`` give the message)."""
+        the host values.
+
+        ``direct``, optional, gives that step's result in fewer steps where the compiled host
+        ops are in use: for a mode whose mirror writer checks the tensor and every value
+        (:attr:`length_tables`), ``direct(seq_lens_cpu)``, which raises ``TypeError``,
+        ``ValueError`` or ``IndexError`` where its writer refuses them; for the other modes
+        ``direct(max_l)``, the maximum read (and every value checked) by the compiled
+        reduction. A refusal takes :meth:`host_inputs` and ``describe``, for the message."""
         result = describe(inputs)
         steps = _describing.steps
         if steps is not None:
@@ -361,15 +365,25 @@ class MetadataBuilder:
         :meth:`write_mirrors`, or ``direct``'s) checks the tensor too, and a refusal takes
         :meth:`host_inputs` for the message that names it."""
         stats, top, later = self._stats, self.cfg.max_context_len, mode in self.length_tables
-        if direct is not None and stats is not None and later:
+        if direct is not None and stats is not None:
+            if later:
 
-            def run_direct(seq_lens_cpu):
+                def run_written(seq_lens_cpu):
+                    try:
+                        return direct(seq_lens_cpu)
+                    except (TypeError, ValueError, IndexError):  # named by the checks below
+                        return describe(self.host_inputs(mode, B, seq_lens_cpu))
+
+                return run_written
+
+            def run_reduced(seq_lens_cpu):
                 try:
-                    return direct(seq_lens_cpu)
+                    high = stats(top, B, seq_lens_cpu)[0]
                 except (TypeError, ValueError, IndexError):  # named by the checks below
                     return describe(self.host_inputs(mode, B, seq_lens_cpu))
+                return direct(high)
 
-            return run_direct
+            return run_reduced
 
         def run(seq_lens_cpu):
             if seq_lens_cpu is None or stats is None:

@@ -308,8 +308,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         ps, bound = self.cfg.page_size, self.cfg.max_context_len
         last, at = self._last, (mode, *key)
 
-        def describe(inp: BuildInputs):
-            high = inp.high
+        def of_max(high: int | None):  # the result for a batch whose max L is high
             top = (bound if high is None else high - high % ps if whole_pages else high) + extra
             found = last.get(at)
             if found is None:
@@ -318,7 +317,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                 found[0], found[1] = top, found[2](top)
             return found[1]
 
-        return self.described(mode, inputs, describe)
+        return self.described(mode, inputs, lambda inp: of_max(inp.high), of_max)
 
     # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
