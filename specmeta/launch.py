@@ -307,13 +307,6 @@ class Launch:
         self.handle, self.grid, self.device, self.values = handle, grid, device, values
 
 
-def _launch_all(device: int, launches: tuple) -> None:
-    """A stored plan's launches, in order, on ``device``'s current stream."""
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    for launch, g0, g1, g2, args in launches:
-        launch(g0, g1, g2, stream, *args)
-
-
 class LaunchPlans:
     """The launches an op made for a call, replayed for every later call whose host-visible
     arguments are the same (design §2.7).
@@ -375,7 +368,10 @@ class LaunchPlans:
             return False
         if check is not None:
             check()
-        _launch_all(*plan)
+        device, launches = plan
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for launch, g0, g1, g2, args in launches:
+            launch(g0, g1, g2, stream, *args)
         return True
 
     def replay_key(self, *parts) -> bool:
@@ -383,11 +379,7 @@ class LaunchPlans:
         where plans are off or none was stored for it."""
         if _INTERPRETED or _hooks_installed():
             return False
-        plan = self._plans.get((torch._C._cuda_getDevice(), *parts))
-        if plan is None:
-            return False
-        _launch_all(*plan)
-        return True
+        return self.replay((torch._C._cuda_getDevice(), *parts))
 
     def store(self, sig: tuple | None, *launches: Launch | None) -> None:
         """Keep ``launches`` (the op's, in order) as the plan of ``sig``."""
