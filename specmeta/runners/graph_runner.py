@@ -685,7 +685,9 @@ class GraphRunner:
         ``batch_size`` and ``copy``, and tensors of the same addresses, shapes, strides and
         dtypes: :class:`specmeta.validate.Signer`) passed the same checks, so it skips them
         and replays that call's pad launch (:class:`specmeta.launch.LaunchPlans`) before the
-        graph (design §4). The guarded tensors are compared on every call.
+        graph (design §4); from the second such call on, a typed, graphed stage whose host
+        plan reads every host input runs only that plan, the pad launch and the graph.
+        The guarded tensors are compared on every call.
         """
         if self._layout is None:
             raise ValueError("call capture() before run()")
