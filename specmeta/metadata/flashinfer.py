@@ -288,7 +288,10 @@ class FlashInferBuilder(MetadataBuilder):
             self.buffers[name[len(_PREFIX) :]] = buf
         self._mirrors = {
             group: HostMirrorRing(
-                {f: plan[f"{_PREFIX}{group}.{f}"] for f in fields}, mirror_depth, self.device
+                {f: plan[f"{_PREFIX}{group}.{f}"] for f in fields},
+                mirror_depth,
+                self.device,
+                use_compiled=self.host_ops,
             )
             for group, fields in mirrors.items()
             if group in groups
@@ -562,18 +565,24 @@ class FlashInferBuilder(MetadataBuilder):
     def _mirrored(self, mode: str, inputs, key: tuple, make):
         """The result of ``mode`` for ``key`` (``B`` and the host integers it depends on) with
         its host mirrors written, before any launch: ``make(*key, mirrors)`` makes the result
-        and its writer once per key and set (:meth:`result`), ``mirrors`` the ring's next set,
-        or ``None`` without ``seq_lens_cpu`` (then no writer); through :meth:`described`."""
-
+        and its writer once per key and ring set, ``mirrors`` the ring's next set, or
+        ``None`` without ``seq_lens_cpu`` (then no writer); through :meth:`described`. A key's
+        results are one list, a slot per set (:meth:`result`'s bound counts keys, not sets)."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
+        made = self.result((mode, *key), _slots, len(ring.sets) + 1)  # the last: no mirrors
 
         def take():  # the result of the ring's next set, and the writer of its mirrors
-            mirrors = ring.next()
-            return self.result((mode, *key, ring.slot), make, *key, mirrors)
+            slot = ring.take()
+            entry = made[slot]
+            if entry is None:
+                entry = made[slot] = make(*key, ring.sets[slot])
+            return entry
 
         def describe(inp):
             if inp.seq_lens_cpu is None:
-                return self.result((mode, *key, None), make, *key, None)[0]
+                if made[-1] is None:
+                    made[-1] = make(*key, None)
+                return made[-1][0]
             result, write = take()
             self.write_mirrors(mode, inp, write)
             return result
@@ -725,3 +734,8 @@ class FlashInferBuilder(MetadataBuilder):
         write = host_ops.prefix_writer(self.length_tables[mode], B, kv_host,
                                        use_compiled=self.host_ops)  # fmt: skip
         return result, write
+
+
+def _slots(count: int) -> list:
+    """A key's results, one slot per ring set (``None`` until made)."""
+    return [None] * count

@@ -1,5 +1,5 @@
 /* A build's host work on seq_lens_cpu in one compiled call (design §3): the check of every
- * length, and FlashInfer's host mirrors (design §3.3).
+ * length, FlashInfer's host mirrors, and the turn of their ring (design §3.3).
  *
  * Each function reads the engine's seq_lens_cpu and checks every length against
  * [0, max_len] before writing anything. stats() returns max L and the sum; the mirror writers
@@ -249,6 +249,66 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   return PyLong_FromLongLong(sum);
 }
 
+/* ring_take(state, current_stream, device) -> slot
+ *
+ * The turn of a HostMirrorRing (host_mirrors.py, whose docstring gives the schedule): build j
+ * takes set j % depth; every E-th build (j > 0) first records event (j / E) % count on the
+ * current stream, and a build j >= depth with (j - depth) % E == 0 waits for event
+ * ((j - depth) / E + 1) % count. The driver is called directly, without the Python layers
+ * around torch's events: `state` is the address of an int64 array
+ *   [builds, depth, E, count, cuEventRecord, cuEventQuery, cuEventSynchronize, event 0, ...]
+ * whose function addresses are 0 for a CPU ring (no events). `current_stream(device)` gives
+ * the raw stream handle; it is called only on a build that records. A wait queries the event
+ * first and blocks, with the GIL released, only if the device has not passed it. The count
+ * moves on only once the driver calls succeeded; a failed call raises RuntimeError with its
+ * CUresult. */
+typedef int (*record_fn)(void *, void *);
+typedef int (*event_fn)(void *);
+
+static PyObject *driver_error(const char *call, int code) {
+  PyErr_Format(PyExc_RuntimeError, "HostMirrorRing: %s returned CUresult %d", call, code);
+  return NULL;
+}
+
+static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "ring_take(state, current_stream, device) takes 3 arguments");
+    return NULL;
+  }
+  int64_t *st = (int64_t *)PyLong_AsVoidPtr(args[0]);
+  if (st == NULL) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ring_take: state is NULL");
+    return NULL;
+  }
+  int64_t j = st[0], depth = st[1], every = st[2], count = st[3];
+  if (st[4] != 0) {
+    if (j > 0 && j % every == 0) {
+      PyObject *raw = PyObject_CallOneArg(args[1], args[2]);
+      if (raw == NULL) return NULL;
+      void *stream = PyLong_AsVoidPtr(raw);
+      Py_DECREF(raw);
+      if (PyErr_Occurred()) return NULL;
+      void *event = (void *)(intptr_t)st[7 + (j / every) % count];
+      int code = ((record_fn)(intptr_t)st[4])(event, stream);
+      if (code != 0) return driver_error("cuEventRecord", code);
+    }
+    if (j >= depth && (j - depth) % every == 0) {
+      void *event = (void *)(intptr_t)st[7 + ((j - depth) / every + 1) % count];
+      int code = ((event_fn)(intptr_t)st[5])(event);
+      if (code == 600) { /* CUDA_ERROR_NOT_READY: the host is half a ring ahead */
+        Py_BEGIN_ALLOW_THREADS
+        code = ((event_fn)(intptr_t)st[6])(event);
+        Py_END_ALLOW_THREADS
+        if (code != 0) return driver_error("cuEventSynchronize", code);
+      } else if (code != 0) {
+        return driver_error("cuEventQuery", code);
+      }
+    }
+  }
+  st[0] = j + 1;
+  return PyLong_FromLongLong(j % depth);
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL,
      "init(torch.int64, torch.int32): the dtypes of the lengths."},
@@ -261,6 +321,8 @@ static PyMethodDef methods[] = {
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
      "paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, "
      "seq_lens_cpu) -> sum"},
+    {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
+     "ring_take(state, current_stream, device) -> the slot of the ring's next build"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",

@@ -1,13 +1,18 @@
-"""HostMirrorRing: sets handed out in turn, a set never handed out twice in a row, and bad
-depths rejected (the wait on the device is the GPU tier's test of the FlashInfer builder)."""
+"""HostMirrorRing: sets handed out in turn, a set never handed out twice in a row, bad depths
+rejected, and the compiled turn's driver calls checked against a simulated stream (the wait
+on a real device is the GPU tier's test)."""
 
 from __future__ import annotations
+
+import ctypes
+import random
 
 import pytest
 import torch
 
 from specmeta import SpecConfig
 from specmeta.config import BufferSpec
+from specmeta.metadata import host_ops
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.host_mirrors import HostMirrorRing
 from specmeta.workloads import make_batch, random_tree_mask
@@ -22,6 +27,106 @@ def test_sets_rotate_and_are_distinct(device):
     assert len(set(ptrs[:3])) == 3 and ptrs[3:] == ptrs[:3]
     assert all(s["b"].shape == (2, 3) and s["a"].device.type == "cpu" for s in sets)
     assert sets[0]["a"].is_pinned() == (device.type == "cuda")
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_both_turns_hand_out_the_same_sets(device, compiled):
+    if compiled and host_ops.compiled() is None:
+        pytest.fail(f"the compiled host ops are missing here: {host_ops.unavailable()}")
+    ring = HostMirrorRing({"a": BufferSpec((2,), torch.int32, "a")}, 5, device,
+                          use_compiled=compiled)  # fmt: skip
+    assert ring.compiled == compiled and ring.slot is None
+    taken = [(ring.take(), ring.slot) for _ in range(12)]
+    assert taken == [(j % 5, j % 5) for j in range(12)]
+
+
+class _SimulatedStream:
+    """A stream the host queues ``plan()`` copies on, and a device that runs them late, behind
+    fake driver event calls: ``record`` marks the queue's end, ``query`` tells whether the
+    device passed it, ``synchronize`` runs the device up to it."""
+
+    NOT_READY = 600
+
+    def __init__(self, count, rng, lag):
+        self.queue = []  # (build, slot) of every queued copy
+        self.done = 0  # copies the device has run
+        self.marks = {}  # event handle -> queue length when recorded
+        self.calls = []  # (call, handle) in order
+        self.rng, self.lag = rng, lag
+        self.events = list(range(1, count + 1))  # fake handles
+        proto2 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+        proto1 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+        self.fns = (proto2(self.record), proto1(self.query), proto1(self.synchronize))
+
+    def addresses(self):
+        return [ctypes.cast(f, ctypes.c_void_p).value for f in self.fns]
+
+    def record(self, event, stream):
+        assert stream == 0xBEEF, stream
+        self.calls.append(("record", event))
+        self.marks[event] = len(self.queue)
+        return 0
+
+    def query(self, event):
+        self.calls.append(("query", event))
+        return 0 if self.done >= self.marks[event] else self.NOT_READY
+
+    def synchronize(self, event):
+        self.calls.append(("synchronize", event))
+        self.done = max(self.done, self.marks[event])
+        return 0
+
+    def device_runs(self):
+        """The device runs some queued copies (none while it lags)."""
+        if not self.lag:
+            self.done = len(self.queue)
+        elif self.rng.random() < 0.3:
+            self.done = min(len(self.queue), self.done + self.rng.randrange(3))
+
+
+@pytest.mark.parametrize("lag", [False, True])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_compiled_turn_reuses_a_set_only_after_its_copy_ran(depth, lag, seed):
+    """The compiled ``ring_take`` on fake driver calls: when build ``j`` takes a set, every
+    copy queued from that set before has run on the (simulated) device; an event is recorded
+    once every ``E = max(1, depth // 2)`` builds and queried at most as often; a device that
+    keeps up is never waited for, and a lagging one only by the builds that reuse a set."""
+    op = host_ops.compiled()
+    if op is None:
+        pytest.fail(f"the compiled host ops are missing here: {host_ops.unavailable()}")
+    every = max(1, depth // 2)
+    count = depth // every + 2
+    stream = _SimulatedStream(count, random.Random(seed), lag)
+    state = torch.tensor([0, depth, every, count, *stream.addresses(), *stream.events],
+                         dtype=torch.int64)  # fmt: skip
+    builds = 6 * depth + 7
+    for j in range(builds):
+        stream.device_runs()
+        slot = op.ring_take(state.data_ptr(), lambda device: 0xBEEF, 3)
+        assert slot == j % depth
+        pending = [b for b, s in stream.queue[stream.done :] if s == slot]
+        assert not pending, f"build {j} takes set {slot} while the copies of {pending} wait"
+        stream.queue.append((j, slot))  # this build's plan() copy
+    assert int(state[0]) == builds
+    kinds = [call for call, _ in stream.calls]
+    assert kinds.count("record") == (builds - 1) // every
+    assert kinds.count("query") == max(0, (builds - 1 - depth) // every + 1)
+    if not lag:
+        assert "synchronize" not in kinds
+    assert set(h for _, h in stream.calls) <= set(stream.events)
+
+
+def test_compiled_turn_names_a_failed_driver_call_and_does_not_advance():
+    op = host_ops.compiled()
+    if op is None:
+        pytest.fail(f"the compiled host ops are missing here: {host_ops.unavailable()}")
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda e, s: 201)
+    ok = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda e: 0)
+    addr = [ctypes.cast(f, ctypes.c_void_p).value for f in (failing, ok, ok)]
+    state = torch.tensor([1, 2, 1, 4, *addr, 1, 2, 3, 4], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="cuEventRecord returned CUresult 201"):
+        op.ring_take(state.data_ptr(), lambda device: 0, 0)
+    assert int(state[0]) == 1
 
 
 @pytest.mark.parametrize("depth", [0, -1, 1.5, True])
@@ -99,14 +204,17 @@ def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, ge
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 8])
-def test_gpu_a_set_is_never_rewritten_while_its_copy_waits_on_the_stream(depth):
+def test_gpu_a_set_is_never_rewritten_while_its_copy_waits_on_the_stream(depth, compiled):
     """A host far ahead of its device: the stream is held busy, then every build writes its
     own value into the ring's next set and queues a non-blocking copy of it (what ``plan()``
     does), for three rounds of the ring. Each copy must read its own build's value: the ring
-    makes the host wait before it reuses a set whose copy has not run yet."""
+    makes the host wait before it reuses a set whose copy has not run yet. Both turns: the
+    compiled one through the driver, the Python one through torch's events."""
     ring = HostMirrorRing({"a": BufferSpec((4096,), torch.int32, "a")}, depth,
-                          torch.device("cuda"))  # fmt: skip
+                          torch.device("cuda"), use_compiled=compiled)  # fmt: skip
+    assert ring.compiled == compiled
     builds = 3 * depth + 2
     copies = torch.full((builds, 4096), -1, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
