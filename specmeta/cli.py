@@ -269,7 +269,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(line)
         if host:
             print("  host: one set of CPU mirrors for plan(), pinned when the device is CUDA; the")
-            print("  builder keeps mirror_depth sets (default 8) of the per-build index pointers")
+            print("  builder keeps mirror_depth sets (default 16) of the per-build index pointers")
         summary.append((f"{BUILDERS[backend]}", _human(dev), _human(host)))
         grand["device"] += dev
         grand["host"] += host

@@ -189,7 +189,7 @@ class FlashInferBuilder(MetadataBuilder):
         ``"bool"``, ``"packed"`` or ``"both"`` (default): the tree-mask forms target verify
         builds, and so allocates; ``target_verify(packed=...)`` must ask for one of them.
     mirror_depth : int
-        Sets of per-batch host mirrors, used in turn (default 8): a build reuses a set only
+        Sets of per-batch host mirrors, used in turn (default 16): a build reuses a set only
         once the stream has passed the ``plan()`` that read it, so an engine may build
         iterations ahead of the device's ``plan()`` copies; past ``mirror_depth // 2`` builds
         ahead, a build waits (:mod:`specmeta.metadata.host_mirrors`). The mirrors of a result
@@ -258,7 +258,7 @@ class FlashInferBuilder(MetadataBuilder):
         *,
         modes: Iterable[str] | None = None,
         reference: bool = False,
-        mirror_depth: int = 8,
+        mirror_depth: int = 16,
         verify_mask: str = "both",
         host_ops: bool = True,
     ):

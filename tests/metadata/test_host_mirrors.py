@@ -205,7 +205,7 @@ def test_every_mode_rewrites_its_mirrors_on_each_build_round_the_ring(device, ge
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [True, False])
-@pytest.mark.parametrize("depth", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 8, 16])
 def test_gpu_a_set_is_never_rewritten_while_its_copy_waits_on_the_stream(depth, compiled):
     """A host far ahead of its device: the stream is held busy, then every build writes its
     own value into the ring's next set and queues a non-blocking copy of it (what ``plan()``
