@@ -221,8 +221,8 @@ MUTATIONS: list[Mutation] = [
     # ---------------------------------------------------------------- FlashInfer host mirrors
     _m("h-decode-indptr", "host_mirror", "draft_decode kv_indptr_host misses step s's own slot",
        "specmeta/metadata/host_ops.c",
-       "for (uint32_t i = 0; i <= z; ++i) row[i] = out[i] + i * step;",
-       "for (uint32_t i = 0; i <= z; ++i) row[i] = out[i] + i * step - i;",
+       "for (Py_ssize_t i = 0; i < n; ++i, ramp += step) dst[i] = src[i] + ramp;",
+       "for (Py_ssize_t i = 0; i < n; ++i, ramp += step) dst[i] = src[i] + ramp - (uint32_t)i;",
        ["tests/metadata/test_flashinfer.py", "-k", "draft_decode_token_lists"]),
     _m("h-torch-decode-indptr", "host_mirror",
        "the torch writer of draft_decode kv_indptr_host counts L + 1 tokens a branch",
@@ -256,8 +256,8 @@ MUTATIONS: list[Mutation] = [
        "FlashInfer's results and mirror views ignore the ring's set: build i + 1 rewrites "
        "build i's mirrors",
        "specmeta/metadata/flashinfer.py",
-       "made[slot] = make(*key, ring.sets[slot])",
-       "made[slot] = make(*key, ring.sets[0])",
+       "entry = made[slot] = make(*key, ring.sets[slot])",
+       "entry = made[slot] = make(*key, ring.sets[0])",
        ["tests/metadata/test_host_mirrors.py", "-k", "round_the_ring"]),
     # ---------------------------------------------------------------- builders' host checks
     _m("i-max-bs", "host_check", "builders accept a batch one over max_bs",
@@ -294,8 +294,8 @@ MUTATIONS: list[Mutation] = [
     _m("h-compiled-length-check", "host_check",
        "the compiled host-mirror writers accept a length one past max_context_len",
        "specmeta/metadata/host_ops.c",
-       "if (v < 0 || v > max_len) {",
-       "if (v < 0 || v > max_len + 1) {",
+       "bad |= (unsigned long long)x > (unsigned long long)max_len;",
+       "bad |= (unsigned long long)x > (unsigned long long)max_len + 1;",
        ["tests/metadata/test_builder_messages.py", "-k", "seq_lens_over_the_plan or exact_limits"]),
     # ---------------------------------------------------------------- launchers' host checks
     _m("v-at-least", "validate", "capacity check lets a buffer one element short through",

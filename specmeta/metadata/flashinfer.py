@@ -570,27 +570,23 @@ class FlashInferBuilder(MetadataBuilder):
         results are one list, a slot per set (:meth:`result`'s bound counts keys, not sets)."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = self.result((mode, *key), _slots, len(ring.sets) + 1)  # the last: no mirrors
-
-        def take():  # the result of the ring's next set, and the writer of its mirrors
-            slot = ring.take()
-            entry = made[slot]
-            if entry is None:
-                entry = made[slot] = make(*key, ring.sets[slot])
-            return entry
+        take = ring.take
 
         def describe(inp):
             if inp.seq_lens_cpu is None:
                 if made[-1] is None:
                     made[-1] = make(*key, None)
                 return made[-1][0]
-            result, write = take()
-            self.write_mirrors(mode, inp, write)
-            return result
+            slot = take()
+            entry = made[slot] or _make(made, slot, make, key, ring)
+            self.write_mirrors(mode, inp, entry[1])
+            return entry[0]
 
         def direct(seq_lens_cpu):  # a host step: the writer checks the tensor and the values
-            result, write = take()
-            write(seq_lens_cpu)
-            return result
+            slot = take()
+            entry = made[slot] or _make(made, slot, make, key, ring)
+            entry[1](seq_lens_cpu)
+            return entry[0]
 
         return self.described(mode, inputs, describe, direct)
 
@@ -739,3 +735,10 @@ class FlashInferBuilder(MetadataBuilder):
 def _slots(count: int) -> list:
     """A key's results, one slot per ring set (``None`` until made)."""
     return [None] * count
+
+
+def _make(made: list, slot: int, make, key: tuple, ring: HostMirrorRing) -> tuple:
+    """``made[slot]``: the result of ``key`` and the writer of its mirrors, in ring set
+    ``slot``."""
+    entry = made[slot] = make(*key, ring.sets[slot])
+    return entry

@@ -89,9 +89,30 @@ static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
   return lens->wide ? ((const int64_t *)lens->data)[i] : ((const int32_t *)lens->data)[i];
 }
 
-/* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written). */
-static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len) {
-  long long sum = 0;
+/* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written), and
+ * the largest in *high when high is not NULL. The loop has no branch (a length outside the
+ * range is found again only to name it). */
+#define SUM_IN_RANGE(type)                                                                      \
+  do {                                                                                          \
+    const type *v = (const type *)lens->data;                                                   \
+    for (Py_ssize_t i = 0; i < batch; ++i) {                                                    \
+      long long x = v[i];                                                                       \
+      sum += x;                                                                                 \
+      top = x > top ? x : top;                                                                  \
+      bad |= (unsigned long long)x > (unsigned long long)max_len;                               \
+    }                                                                                           \
+  } while (0)
+
+static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len,
+                             long long *high) {
+  long long sum = 0, top = 0;
+  int bad = 0;
+  if (lens->wide)
+    SUM_IN_RANGE(int64_t);
+  else
+    SUM_IN_RANGE(int32_t);
+  if (high != NULL) *high = top;
+  if (!bad) return sum;
   for (Py_ssize_t i = 0; i < batch; ++i) {
     int64_t v = length_at(lens, i);
     if (v < 0 || v > max_len) {
@@ -99,9 +120,8 @@ static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long ma
                    (long long)v, max_len);
       return -1;
     }
-    sum += v;
   }
-  return sum;
+  return -1; /* unreachable: a length was outside the range */
 }
 
 /* Reads `count` integers from `args`; 0 with a Python error set on failure. */
@@ -144,13 +164,16 @@ static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   if (!ints(args, nargs, 2, "stats", a) || !lengths_of(args[2], (Py_ssize_t)a[1], &lens))
     return NULL;
   long long max_len = a[0], batch = a[1];
-  long long sum = checked_sum(&lens, batch, max_len), high = 0;
+  long long high = 0, sum = checked_sum(&lens, batch, max_len, &high);
   if (sum < 0) return NULL;
-  for (Py_ssize_t i = 0; i < batch; ++i) {
-    int64_t v = length_at(&lens, i);
-    high = v > high ? v : high;
-  }
   return Py_BuildValue("(LL)", high, sum);
+}
+
+/* dst[i] = src[i] + i·step for i < n, two disjoint rows (vectorized by the compiler). */
+static void add_ramp(uint32_t *restrict dst, const uint32_t *restrict src, Py_ssize_t n,
+                     uint32_t step) {
+  uint32_t ramp = 0; /* i·step by additions: SSE2, the compiler's baseline, has no 32-bit mul */
+  for (Py_ssize_t i = 0; i < n; ++i, ramp += step) dst[i] = src[i] + ramp;
 }
 
 /* draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> ΣL
@@ -165,22 +188,20 @@ static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     return NULL;
   long long max_len = a[0], topk = a[1], rows = a[2], stride = a[4], batch = a[5];
   uint32_t *out = (uint32_t *)(uintptr_t)a[3];
-  long long sum = checked_sum(&lens, batch, max_len);
+  long long sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum < 0) return NULL;
   if (rows > 0) {
-    uint32_t acc = 0, z = 0; /* row 0: base[z] + z */
-    for (Py_ssize_t b = 0; b < batch; ++b) {
-      uint32_t L = (uint32_t)length_at(&lens, b);
-      for (long long t = 0; t < topk; ++t, ++z) {
-        out[z] = acc + z;
-        acc += L;
-      }
+    /* row 0: base[z] + z; branch t of request b starts at acc_b + t·L, z = z_b + t */
+    uint32_t acc = 0;
+    Py_ssize_t z = 0;
+    for (Py_ssize_t b = 0; b < batch; ++b, z += topk) {
+      uint32_t L = (uint32_t)length_at(&lens, b), start = acc + (uint32_t)z;
+      for (long long t = 0; t < topk; ++t) out[z + t] = start + (uint32_t)t * (L + 1);
+      acc += L * (uint32_t)topk;
     }
-    out[z] = acc + z;
-    for (long long s = 1; s < rows; ++s) { /* row s: row 0 + z·s */
-      uint32_t *row = out + s * stride, step = (uint32_t)s;
-      for (uint32_t i = 0; i <= z; ++i) row[i] = out[i] + i * step;
-    }
+    out[z] = acc + (uint32_t)z;
+    for (long long s = 1; s < rows; ++s) /* row s: row 0 + z·s (rows do not overlap) */
+      add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
   }
   return PyLong_FromLongLong(sum);
 }
@@ -198,7 +219,7 @@ static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   long long max_len = a[0], batch = a[5];
   uint32_t shift = (uint32_t)a[1], scale = (uint32_t)a[2];
   uint32_t *out = (uint32_t *)(uintptr_t)a[3], *scaled = (uint32_t *)(uintptr_t)a[4];
-  long long sum = checked_sum(&lens, batch, max_len);
+  long long sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum < 0) return NULL;
   uint32_t acc = 0;
   out[0] = 0;
@@ -230,7 +251,7 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyErr_Format(PyExc_ValueError, "paged: page_size must be >= 1, got %lld", page_size);
     return NULL;
   }
-  long long sum = checked_sum(&lens, batch, max_len);
+  long long sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum < 0) return NULL;
   for (long long s = 0; s < rows; ++s) {
     uint32_t *row = out + s * stride, *tail = last + s * last_stride, acc = 0, z = 0;
