@@ -425,7 +425,7 @@ MUTATIONS: list[Mutation] = [
        "a repeated run() on the engine's tensors hands back the last results, its step skipped",
        "specmeta/runners/graph_runner.py",
        "            if step is not None:\n                results = step(host_inputs[name])",
-       "            if step is not None:\n                results = fixed",
+       "            if step is not None:\n                results = last[0]",
        ["tests/runners/test_host_plans.py", "-k", "engines_own_tensors"],
        gpu=True),
     _m("p-lean-run-no-pad", "runner",

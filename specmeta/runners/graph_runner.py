@@ -709,18 +709,20 @@ class GraphRunner:
         ):
             # A key run before, typed and graphed: the host plan (its steps check the values,
             # before any launch), the key's pad launch, the graph.
-            replay, step, name, plan, bp, runs, fixed = lean
+            replay, step, name, plan, bp, runs, last = lean
             if step is not None:
                 results = step(host_inputs[name])
             else:
-                results = plan(host_inputs) if plan is not None else fixed
+                results = plan(host_inputs) if plan is not None else last[0]
             if not self._pad_plans.replay_key(key):
                 self._pad_device(batch_size, bp, inputs)  # a launch hook: Triton's launch
             self._dirty = batch_size if self._dirty <= bp else self._dirty
             replay()
+            if results is last[0]:  # the same host values: the same results object
+                return last[1]
             run = runs.get(id(results))
             if run is None or run.results is not results:
-                run = self._lean_result(runs, batch_size, bp, results)
+                run = self._lean_result(runs, last, batch_size, bp, results)
             return run
         if not fast:
             return self._run_checked(batch_size, inputs, host_inputs, copy, key)
@@ -829,7 +831,7 @@ class GraphRunner:
                 return lean[1]
             # Host inputs, B replayed before: the host plan (its steps check the values, before
             # any launch), the graph, the results' RunResult.
-            replay, step, name, plan, bp, runs, _ = lean
+            replay, step, name, plan, bp, runs, last = lean
             try:
                 # One builder call: its step on its input; else every step, in call order.
                 results = step(host_inputs[name]) if step is not None else plan(host_inputs)
@@ -838,9 +840,11 @@ class GraphRunner:
             else:
                 self._dirty = batch_size
                 replay()
+                if results is last[0]:  # the same host values: the same results object
+                    return last[1]
                 run = runs.get(id(results))
                 if run is None or run.results is not results:
-                    run = self._lean_result(runs, batch_size, bp, results)
+                    run = self._lean_result(runs, last, batch_size, bp, results)
                 return run
         if self._layout is None:
             raise ValueError("call capture() before replay()")
@@ -892,30 +896,32 @@ class GraphRunner:
         return run
 
     def _lean_entry(self, B: int, bp: int, results: object, run: RunResult) -> tuple | None:
-        """``(graph replay, step, input name, plan, Bp, runs, results)`` for the lean paths of
-        :meth:`replay` and :meth:`run` after a checked call of ``B`` that returned ``run``:
-        typed and graphed, no host function, and a host plan (:class:`_HostPlan`) that reads
-        every host input (``step``: its single step and that step's input; ``plan`` None:
-        no host inputs, ``results`` fixed); ``None`` otherwise. ``runs`` maps ``id`` of each
-        results object met on the lean path to its :class:`RunResult` (a builder's results
-        cycle through its host-mirror sets, or follow ``max L``; :meth:`_lean_result`)."""
+        """``(graph replay, step, input name, plan, Bp, runs, [results, run])`` for the lean
+        paths of :meth:`replay` and :meth:`run` after a checked call of ``B`` that returned
+        ``run``: typed and graphed, no host function, and a host plan (:class:`_HostPlan`) that
+        reads every host input (``step``: its single step and that step's input; ``plan``
+        None: no host inputs, ``results`` fixed); ``None`` otherwise. The last results made
+        and their RunResult answer a repeat at once; ``runs`` maps ``id`` of every results
+        object met to its RunResult (a builder's results cycle through its host-mirror sets,
+        or follow ``max L``; :meth:`_lean_result`)."""
         if not (self.typed and self.graphs and self._host is None):
             return None
-        runs = {id(results): run}
+        runs, last = {id(results): run}, [results, run]
         if not self._mirror_names:
-            return (self._graphs[bp].replay, None, None, None, bp, runs, results)
+            return (self._graphs[bp].replay, None, None, None, bp, runs, last)
         plan = self._host_plans.get(B)
         if plan.__class__ is not _HostPlan or plan.names != frozenset(self._mirror_names):
             return None
         step, name = plan.single or (None, None)
-        return (self._graphs[bp].replay, step, name, plan.run, bp, runs, results)
+        return (self._graphs[bp].replay, step, name, plan.run, bp, runs, last)
 
-    def _lean_result(self, runs: dict, B: int, bp: int, results: object) -> RunResult:
-        """The RunResult of ``results`` for a lean entry's ``runs``: kept with the object, so
-        its id names no other while it is kept; bounded (``max L`` may take many values)."""
+    def _lean_result(self, runs: dict, last: list, B: int, bp: int, results: object) -> RunResult:
+        """The RunResult of ``results``, new to a lean entry's ``runs``: kept with the object,
+        so its id names no other while it is kept; bounded (``max L`` may take many values)."""
         if len(runs) >= 64:
             runs.clear()
         run = runs[id(results)] = self._typed_run(B, bp, results)
+        last[:] = results, run
         return run
 
     def _remember(self, key: object) -> None:
