@@ -2,7 +2,7 @@
 # The real attention kernels (FlashAttention's CuTe kernels, FlashInfer) for a GPU machine that
 # reaches no package registry, carried there as wheels in parts small enough for one transfer.
 #
-#   here:  scripts/gpu_kernels.sh download         wheels -> .whl/kernels, split into .whl/k1..k3
+#   here:  scripts/gpu_kernels.sh download         wheels -> .whl/kernels, split into .whl/k1..k4
 #   there: scripts/gpu_kernels.sh stage .whl/kN    copy one carried part to $STAGE (one call each)
 #   there: scripts/gpu_kernels.sh install          join the parts, pip install --no-deps --target
 #   there: source <(scripts/gpu_kernels.sh env)    PYTHONPATH for the installed kernels
@@ -34,22 +34,25 @@ download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" "${WHEELS[@]}"
-  rm -rf .whl/k1 .whl/k2 .whl/k3
-  mkdir -p .whl/k1 .whl/k2 .whl/k3
+  rm -rf .whl/k1 .whl/k2 .whl/k3 .whl/k4
+  mkdir -p .whl/k1 .whl/k2 .whl/k3 .whl/k4
   # k1 and k2: the large CuTe DSL library in two pieces, each with half the small wheels;
-  # k3: FlashInfer alone (62 MB).
-  local big n=0
+  # k3 and k4: FlashInfer (62 MB) in two pieces, so that a part and the repository's own tree
+  # (about 5 MB) stay under one transfer's 64 MiB.
+  local big fi n=0
   big=$(ls "$dir"/nvidia_cutlass_dsl_libs_cu13-*.whl)
   split -b "${PART_MB}M" -d "$big" ".whl/k1/$(basename "$big").part"
   mv ".whl/k1/$(basename "$big").part01" .whl/k2/
+  fi=$(ls "$dir"/flashinfer_python-*.whl)
+  split -b 31M -d "$fi" ".whl/k3/$(basename "$fi").part"
+  mv ".whl/k3/$(basename "$fi").part01" .whl/k4/
   for w in "$dir"/*.whl; do
     case "$w" in
-      "$big") ;;
-      *flashinfer_python*) cp "$w" .whl/k3/ ;;
+      "$big" | "$fi") ;;
       *) n=$((n + 1)); cp "$w" ".whl/k$(( n % 2 + 1 ))/" ;;
     esac
   done
-  du -sh .whl/k1 .whl/k2 .whl/k3
+  du -sh .whl/k1 .whl/k2 .whl/k3 .whl/k4
 }
 
 stage() {
