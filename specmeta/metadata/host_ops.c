@@ -107,6 +107,10 @@ static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long ma
                              long long *high) {
   long long sum = 0, top = 0;
   int bad = 0;
+  if (max_len < 0) { /* the unsigned compare below would let every length through */
+    PyErr_Format(PyExc_ValueError, "max_len must be >= 0, got %lld", max_len);
+    return -1;
+  }
   if (lens->wide)
     SUM_IN_RANGE(int64_t);
   else

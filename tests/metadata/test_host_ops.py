@@ -172,6 +172,8 @@ def test_stats_gives_max_and_sum_as_the_torch_check_does(gen):
                     planted[int(torch.randint(0, B, (1,), generator=gen))] = bad
                     with pytest.raises(IndexError):
                         stats(MAX_LEN, B, planted)
+    with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
+        stats(-1, 1, torch.zeros(1, dtype=torch.int64))
 
 
 def _wrapped(values):
