@@ -161,17 +161,20 @@ def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode) -> Callable[[int], 
     pass's ``max_seqlen_k`` raised by ``top`` (an expand pass's is a bound that ``top`` does not
     move), sharing ``base``'s views. A normal pass shared by every step (``K > 1``) stays shared.
 
-    Made once per result; each call then copies the few frozen objects with straight code, their
-    fields as they are and without ``__init__`` (which checks nothing here): a result for every
-    new ``max L`` of a decode loop costs a few dictionary copies."""
-    new = object.__new__
+    Made once per result; each call then copies the few frozen objects with straight code: a
+    copy of each object's field dictionary with one field replaced, installed as the new
+    object's ``__dict__`` without ``__init__`` (which checks nothing here; a frozen dataclass
+    refuses attribute assignment, not ``object.__setattr__``). A result for every new ``max L``
+    of a decode loop costs a few dictionary copies."""
+    new, install = object.__new__, object.__setattr__
     fields = base.__dict__
     if type(base) is FA3Metadata:
         high = base.max_seqlen_k
 
         def raised_pass(top: int) -> FA3Metadata:
-            out = new(FA3Metadata)
-            out.__dict__.update(fields, max_seqlen_k=high + top)
+            out, d = new(FA3Metadata), fields.copy()
+            d["max_seqlen_k"] = high + top
+            install(out, "__dict__", d)
             return out
 
         return raised_pass
@@ -179,8 +182,9 @@ def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode) -> Callable[[int], 
         normal = _raiser(base.normal)
 
         def raised_cascade(top: int) -> FA3Cascade:
-            out = new(FA3Cascade)
-            out.__dict__.update(fields, normal=normal(top))
+            out, d = new(FA3Cascade), fields.copy()
+            d["normal"] = normal(top)
+            install(out, "__dict__", d)
             return out
 
         return raised_cascade
@@ -192,19 +196,22 @@ def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode) -> Callable[[int], 
         def raised_shared(top: int) -> FA3DraftDecode:
             normal, raised = shared(top), []
             for step in each:
-                cascade = new(FA3Cascade)
-                cascade.__dict__.update(step, normal=normal)
+                cascade, d = new(FA3Cascade), step.copy()
+                d["normal"] = normal
+                install(cascade, "__dict__", d)
                 raised.append(cascade)
-            out = new(cls)
-            out.__dict__.update(fields, steps=tuple(raised))
+            out, d = new(cls), fields.copy()
+            d["steps"] = tuple(raised)
+            install(out, "__dict__", d)
             return out
 
         return raised_shared
     per_step = [_raiser(step) for step in steps]
 
     def raised_steps(top: int) -> FA3DraftDecode:
-        out = new(cls)
-        out.__dict__.update(fields, steps=tuple([step(top) for step in per_step]))
+        out, d = new(cls), fields.copy()
+        d["steps"] = tuple([step(top) for step in per_step])
+        install(out, "__dict__", d)
         return out
 
     return raised_steps
