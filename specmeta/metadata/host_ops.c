@@ -21,6 +21,20 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* The loops over every length and offset are compiled twice where the compiler can: for AVX2
+ * (eight 32-bit lanes, 64-bit compares) and for the baseline, chosen once when the module loads
+ * by the CPU it runs on. */
+#ifndef VECTOR /* defined empty, the baseline alone (a test builds it so) */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define VECTOR __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#endif
+#ifndef VECTOR
+#define VECTOR
+#endif
+
 static PyObject *int64_dtype, *int32_dtype; /* from init() */
 static PyObject *data_ptr_name, *dtype_name, *shape_name, *is_cpu_name, *is_contiguous_name;
 
@@ -89,9 +103,7 @@ static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
   return lens->wide ? ((const int64_t *)lens->data)[i] : ((const int32_t *)lens->data)[i];
 }
 
-/* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written), and
- * the largest in *high when high is not NULL. The loop has no branch (a length outside the
- * range is found again only to name it). */
+/* ΣL, max L and whether some length is outside [0, max_len], in one pass with no branch. */
 #define SUM_IN_RANGE(type)                                                                      \
   do {                                                                                          \
     const type *v = (const type *)lens->data;                                                   \
@@ -103,18 +115,30 @@ static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
     }                                                                                           \
   } while (0)
 
-static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len,
-                             long long *high) {
+VECTOR static int sum_in_range(const Lengths *lens, Py_ssize_t batch, long long max_len,
+                               long long *sum_out, long long *top_out) {
   long long sum = 0, top = 0;
   int bad = 0;
-  if (max_len < 0) { /* the unsigned compare below would let every length through */
-    PyErr_Format(PyExc_ValueError, "max_len must be >= 0, got %lld", max_len);
-    return -1;
-  }
   if (lens->wide)
     SUM_IN_RANGE(int64_t);
   else
     SUM_IN_RANGE(int32_t);
+  *sum_out = sum;
+  *top_out = top;
+  return bad;
+}
+
+/* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written), and
+ * the largest in *high when high is not NULL. A length outside the range is looked for again
+ * only to name it. */
+static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len,
+                             long long *high) {
+  long long sum, top;
+  if (max_len < 0) { /* the unsigned compare would let every length through */
+    PyErr_Format(PyExc_ValueError, "max_len must be >= 0, got %lld", max_len);
+    return -1;
+  }
+  int bad = sum_in_range(lens, batch, max_len, &sum, &top);
   if (high != NULL) *high = top;
   if (!bad) return sum;
   for (Py_ssize_t i = 0; i < batch; ++i) {
@@ -173,40 +197,51 @@ static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   return Py_BuildValue("(LL)", high, sum);
 }
 
-/* dst[i] = src[i] + i·step for i < n, two disjoint rows (vectorized by the compiler). */
-static void add_ramp(uint32_t *restrict dst, const uint32_t *restrict src, Py_ssize_t n,
-                     uint32_t step) {
+/* dst[i] = src[i] + i·step for i < n, two disjoint rows. */
+static inline void add_ramp(uint32_t *restrict dst, const uint32_t *restrict src, Py_ssize_t n,
+                            uint32_t step) {
   uint32_t ramp = 0; /* i·step by additions: SSE2, the compiler's baseline, has no 32-bit mul */
   for (Py_ssize_t i = 0; i < n; ++i, ramp += step) dst[i] = src[i] + ramp;
 }
 
-/* draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> ΣL
- *
- * DraftDecodeIndptr's rule: out[s * stride + z] = base[z] + z·(s + 1) for s < rows and
+/* Row 0 of draft decode's kv_indptr, `width` branches a request (draft_rows below). */
+#define ROW0(width)                                                                             \
+  for (Py_ssize_t b = 0; b < batch; ++b, z += (width)) {                                        \
+    uint32_t L = (uint32_t)length_at(lens, b), start = acc + (uint32_t)z;                       \
+    for (long long t = 0; t < (width); ++t) out[z + t] = start + (uint32_t)t * (L + 1);         \
+    acc += L * (uint32_t)(width);                                                               \
+  }
+
+/* DraftDecodeIndptr's rule: out[s * stride + z] = base[z] + z·(s + 1) for s < rows and
  * z ≤ batch·topk, base the cumulative sum of every branch's prefix length (branch z of
  * request z / topk holds L). */
+VECTOR static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk,
+                              long long rows, uint32_t *out, long long stride) {
+  /* row 0: base[z] + z; branch t of request b starts at acc_b + t·L, z = z_b + t */
+  uint32_t acc = 0;
+  Py_ssize_t z = 0;
+  switch (topk) { /* the usual widths as constants: the inner loop unrolls into vector stores */
+    case 1: ROW0(1); break;
+    case 2: ROW0(2); break;
+    case 4: ROW0(4); break;
+    case 8: ROW0(8); break;
+    default: ROW0(topk);
+  }
+  out[z] = acc + (uint32_t)z;
+  for (long long s = 1; s < rows; ++s) /* row s: row 0 + z·s (rows do not overlap) */
+    add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
+}
+
+/* draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> ΣL: draft_rows. */
 static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[6];
   Lengths lens;
   if (!ints(args, nargs, 6, "draft_decode", a) || !lengths_of(args[6], (Py_ssize_t)a[5], &lens))
     return NULL;
   long long max_len = a[0], topk = a[1], rows = a[2], stride = a[4], batch = a[5];
-  uint32_t *out = (uint32_t *)(uintptr_t)a[3];
   long long sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum < 0) return NULL;
-  if (rows > 0) {
-    /* row 0: base[z] + z; branch t of request b starts at acc_b + t·L, z = z_b + t */
-    uint32_t acc = 0;
-    Py_ssize_t z = 0;
-    for (Py_ssize_t b = 0; b < batch; ++b, z += topk) {
-      uint32_t L = (uint32_t)length_at(&lens, b), start = acc + (uint32_t)z;
-      for (long long t = 0; t < topk; ++t) out[z + t] = start + (uint32_t)t * (L + 1);
-      acc += L * (uint32_t)topk;
-    }
-    out[z] = acc + (uint32_t)z;
-    for (long long s = 1; s < rows; ++s) /* row s: row 0 + z·s (rows do not overlap) */
-      add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
-  }
+  if (rows > 0) draft_rows(&lens, batch, topk, rows, (uint32_t *)(uintptr_t)a[3], stride);
   return PyLong_FromLongLong(sum);
 }
 
@@ -236,41 +271,69 @@ static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   return PyLong_FromLongLong(sum);
 }
 
-/* paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, seq_lens_cpu)
- *   -> ΣL
- *
- * branch_kv_indptr's rule: branch z (request z / topk, prefix L) at step s holds
+/* Row s of the paged rule (paged_rows below), a page count and last-page length of `tokens`
+ * by PAGES and IN_PAGE. */
+#define PAGED_ROW(PAGES, IN_PAGE)                                                               \
+  for (Py_ssize_t b = 0; b < batch; ++b, z += topk) {                                           \
+    uint64_t tokens = (uint64_t)length_at(lens, b) + (uint64_t)s; /* ≤ max_len + rows */        \
+    uint32_t pages = (uint32_t)(PAGES) + 1, in_last = (uint32_t)(IN_PAGE) + 1;                  \
+    switch (topk) { /* the usual widths as constants: vector stores */                          \
+      case 1: branches(row + z + 1, tail + z, acc, pages, in_last, 1); break;                   \
+      case 2: branches(row + z + 1, tail + z, acc, pages, in_last, 2); break;                   \
+      case 4: branches(row + z + 1, tail + z, acc, pages, in_last, 4); break;                   \
+      case 8: branches(row + z + 1, tail + z, acc, pages, in_last, 8); break;                   \
+      default: branches(row + z + 1, tail + z, acc, pages, in_last, topk);                      \
+    }                                                                                           \
+    acc += pages * (uint32_t)topk;                                                              \
+  }
+
+/* One request's `width` branches in one row of the paged rule: offsets after `acc`. */
+static inline void branches(uint32_t *restrict offsets, uint32_t *restrict tails, uint32_t acc,
+                            uint32_t pages, uint32_t in_last, long long width) {
+  for (long long t = 0; t < width; ++t) {
+    offsets[t] = acc + (uint32_t)(t + 1) * pages;
+    tails[t] = in_last;
+  }
+}
+
+/* branch_kv_indptr's rule: branch z (request z / topk, prefix L) at step s holds
  * ceil((L + s + 1) / page_size) pages, its last one (L + s) mod page_size + 1 tokens;
  * out[s * stride + ·] is the cumulative sum of the pages with out[s * stride] = 0, and
- * last[s * last_stride + z] the last page's tokens. */
+ * last[s * last_stride + z] the last page's tokens. A power-of-two page size (every usual
+ * one, 1 included) divides by a shift and a mask rather than a division per request. */
+VECTOR static void paged_rows(const Lengths *lens, Py_ssize_t batch, long long topk,
+                              long long rows, long long page_size, uint32_t *out,
+                              long long stride, uint32_t *last, long long last_stride) {
+  uint64_t ps = (uint64_t)page_size, mask = ps - 1;
+  int shift = 0;
+  while (((uint64_t)1 << shift) < ps) ++shift;
+  for (long long s = 0; s < rows; ++s) {
+    uint32_t *row = out + s * stride, *tail = last + s * last_stride, acc = 0;
+    Py_ssize_t z = 0;
+    row[0] = 0;
+    if ((ps & mask) == 0)
+      PAGED_ROW(tokens >> shift, tokens & mask)
+    else
+      PAGED_ROW(tokens / ps, tokens % ps)
+  }
+}
+
+/* paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, seq_lens_cpu)
+ *   -> ΣL: paged_rows. */
 static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[9];
   Lengths lens;
   if (!ints(args, nargs, 9, "paged", a) || !lengths_of(args[9], (Py_ssize_t)a[8], &lens))
     return NULL;
-  long long max_len = a[0], topk = a[1], rows = a[2], page_size = a[3], stride = a[5];
-  long long last_stride = a[7], batch = a[8];
-  uint32_t *out = (uint32_t *)(uintptr_t)a[4], *last = (uint32_t *)(uintptr_t)a[6];
+  long long max_len = a[0], page_size = a[3], batch = a[8];
   if (page_size < 1) {
     PyErr_Format(PyExc_ValueError, "paged: page_size must be >= 1, got %lld", page_size);
     return NULL;
   }
   long long sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum < 0) return NULL;
-  for (long long s = 0; s < rows; ++s) {
-    uint32_t *row = out + s * stride, *tail = last + s * last_stride, acc = 0, z = 0;
-    row[0] = 0;
-    for (Py_ssize_t b = 0; b < batch; ++b) {
-      long long tokens = length_at(&lens, b) + s; /* ≤ max_len + rows: no overflow */
-      uint32_t pages = (uint32_t)((tokens + page_size) / page_size);
-      uint32_t in_last = (uint32_t)(tokens % page_size + 1);
-      for (long long t = 0; t < topk; ++t, ++z) {
-        acc += pages;
-        row[z + 1] = acc;
-        tail[z] = in_last;
-      }
-    }
-  }
+  paged_rows(&lens, batch, a[1], a[2], page_size, (uint32_t *)(uintptr_t)a[4], a[5],
+             (uint32_t *)(uintptr_t)a[6], a[7]);
   return PyLong_FromLongLong(sum);
 }
 

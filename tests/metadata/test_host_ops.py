@@ -7,9 +7,11 @@ Every writer fills a view of a buffer poisoned outside it, so a write past its e
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,6 +208,51 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(gen):
     sums = [0] + torch.cumsum(lens + n, 0).tolist()
     assert out.tolist() == _wrapped(sums)
     assert scaled.tolist() == _wrapped([6 * v for v in sums])
+
+
+# (topk, page_size): the widths the compiled writers unroll (1, 2, 4, 8) and others, page sizes
+# that are powers of two (a shift and a mask) and others (a division).
+WIDTHS = [(1, 1), (2, 16), (3, 4), (4, 3), (5, 2), (8, 1), (8, 6)]
+
+
+@functools.cache
+def _baseline():
+    """The compiled module built for the baseline CPU alone (``VECTOR`` defined empty: no AVX2
+    clone), so that the loops the CPU running the tests does not pick are checked too."""
+    from triton.runtime.build import compile_module_from_src
+
+    source = "#define VECTOR\n" + Path(host_ops.__file__).with_name("host_ops.c").read_text()
+    module = compile_module_from_src(source, "specmeta_host_ops")
+    module.init(torch.int64, torch.int32)
+    return module
+
+
+@needs_compiled
+@pytest.mark.parametrize("build", ["dispatched", "baseline"])
+def test_every_width_and_page_size_on_both_builds(build, gen):
+    """The draft-decode and paged writers at every width and page size of ``WIDTHS``, batch
+    sizes 0 to ``MAX_BS`` and 37 (vector loops and their remainders), int32 and int64 lengths
+    drawn fresh: exactly the torch rules' values, nothing written outside the views. Both
+    builds: the one the module loads with (AVX2 where the CPU has it) and the baseline."""
+    op = host_ops.compiled() if build == "dispatched" else _baseline()
+    for K, ps in WIDTHS:
+        for B in [*range(MAX_BS + 1), 37]:
+            for dtype in (torch.int32, torch.int64):
+                lens = _lengths(gen, B, dtype)
+                width = 37 * K + 1
+                out, want = _poisoned(ROWS, width), _poisoned(ROWS, width)
+                assert op.draft_decode(MAX_LEN, K, ROWS, out.data_ptr(), out.stride(0), B,
+                                       lens) == int(lens.sum())  # fmt: skip
+                draft_decode_kv_indptr(lens, K, ROWS, out=want)
+                where = f"{build} K={K} B={B} {dtype} lens={lens.tolist()}"
+                assert torch.equal(out, want), f"draft_decode {where}"
+                out, last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
+                want, want_last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
+                assert op.paged(MAX_LEN, K, ROWS, ps, out.data_ptr(), out.stride(0),
+                                last.data_ptr(), last.stride(0), B, lens) == int(lens.sum())
+                branch_kv_indptr(lens, K, ROWS, ps, want, want_last)
+                assert torch.equal(out, want), f"paged offsets ps={ps} {where}"
+                assert torch.equal(last, want_last), f"paged last pages ps={ps} {where}"
 
 
 def test_a_writer_refuses_a_view_it_cannot_fill():
