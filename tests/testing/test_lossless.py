@@ -322,7 +322,8 @@ def test_example_prints_accepted_lengths_and_lossless(device, seed, capsys):
     rows = [ln.split() for ln in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+(eager|graph)", ln)]
     sizes = [int(r[1]) for r in rows]
     assert 0 in sizes and max(sizes) == 3, sizes  # three requests, drained, then two more
-    accepted = [int(a.split(":")[1]) for r in rows for a in r[3:] if ":" in a]
+    # "rid:accepted" pairs; on the GPU each row also ends with its timings ("… ms: metadata …").
+    accepted = [int(m[2]) for r in rows for a in r[3:] if (m := re.fullmatch(r"(\d+):(\d+)", a))]
     assert accepted and all(1 <= a <= 4 for a in accepted)  # 3 steps: at most 3 drafts + root
     generated = [int(m) for m in re.findall(r", (\d+) tokens, greedy: yes", out)]
     assert len(generated) == 5 and sum(generated) == sum(accepted) + 5  # + each first token
@@ -337,7 +338,9 @@ def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed
     out = capsys.readouterr().out
     lines = [ln.strip() for ln in out.splitlines() if "tokens per iteration" in ln]
     assert [ln.split()[0] for ln in lines] == ["fa3", "flashinfer", "trtllm_mla"], out
-    assert all(ln.endswith("lossless: yes") for ln in lines), out
+    # On the GPU, bf16 near-ties within the margin are counted after the verdict, not failed.
+    verdict = r"lossless: yes( \(\d+ near-ties? within [0-9.]+\))?$"
+    assert all(re.search(verdict, ln) for ln in lines), out
 
 
 def test_check_reports_a_lossy_loop(device, seed, capsys, monkeypatch):
