@@ -56,11 +56,17 @@ def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _mask_value(tree_ptr, valid, bit, n_bits, L, N, stride_mj):
-    """The mask element ``bit`` of a request's block (any shape of ``bit``); 0 past ``n_bits``."""
+def _mask_value(tree_ptr, valid, bit, n_bits, L, N, stride_mj, inv_cols):
+    """The mask element ``bit`` of a request's block (any shape of ``bit``); 0 past ``n_bits``.
+
+    Its row ``j = bit // cols`` comes from a float64 multiply by ``inv_cols = 1 / cols``, not
+    an int64 division (tens of instructions an element on the device). Below 2**52 the product
+    truncates to the quotient or to one less (``cols = 49``: ``49 · fl(1/49) < 1``), never more,
+    and one step corrects it."""
     cols = L + N
-    j = bit // cols
-    col = bit % cols
+    j = (bit.to(tl.float64) * inv_cols).to(tl.int64)
+    j += (bit - j * cols >= cols).to(tl.int64)
+    col = bit - j * cols
     live = tl.where(valid, bit < n_bits, False)
     in_tree = col >= L
     m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)
@@ -100,6 +106,7 @@ def _tree_custom_mask_kernel(
         n = (n_bits + 7) // 8
     start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
     tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
+    inv_cols = 1.0 / tl.maximum(L + N, 1).to(tl.float64)  # N = 0: no element is live
 
     # The loop covers only what the buffer can hold: a garbage length (2**40) costs no more than
     # a full buffer, and is reported (OUT_OF_CAPACITY, below).
@@ -110,11 +117,11 @@ def _tree_custom_mask_kernel(
         if PACKED:
             k = tl.arange(0, 8)
             bits = _mask_value(
-                tree_ptr, valid, e[:, None] * 8 + k[None, :], n_bits, L, N, stride_mj
+                tree_ptr, valid, e[:, None] * 8 + k[None, :], n_bits, L, N, stride_mj, inv_cols
             )
             v = tl.sum(bits << k[None, :], axis=1)
         else:
-            v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj)
+            v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj, inv_cols)
         dst = start + e
         tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n_fit) & (dst < W_mask))
 

@@ -97,6 +97,33 @@ def test_matches_reference_and_spec(device, gen, k, s, n, batch, packed):
             assert torch.equal(out[lo:hi], block), f"request {i}"
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_row_widths_whose_float_quotient_falls_short(device, gen, packed):
+    """The kernel finds an element's row by a float64 multiply by ``1 / (L + N)``: at widths 49,
+    98, 103 and 107, ``q · width · fl(1 / width)`` truncates to ``q − 1`` for small ``q`` (row
+    starts 1, 2, 3, 4, 6, ...), which the kernel's correction step must catch. Requests of those
+    widths, with a 13-node tree (its rows reach those multiples), in random order. The tree's
+    rows are padded (row stride N + 3): with contiguous rows, a row found one short reads the
+    same address (j·N + col − L with col one row too far), and the error would not show."""
+    n = 13
+    widths = torch.tensor([49, 98, 103, 107, 49, 98])
+    seq_lens = widths[torch.randperm(widths.numel(), generator=gen)] - n
+    dense = random_tree_mask(seq_lens.numel(), 3, 5, n, gen)
+    tree = torch.zeros(seq_lens.numel(), n, n + 3, dtype=torch.bool, device=device)[:, :, :n]
+    tree.copy_(dense)  # made on the device: a copy there would drop the padding
+    assert tree.stride(1) == n + 3
+    out, ptr, status = _run(seq_lens, tree, device, packed=packed)
+    assert int(status) == 0
+    out, ptr = out.cpu(), ptr.cpu()
+    for i, block in enumerate(_spec_blocks(seq_lens, dense)):
+        lo, hi = int(ptr[i]), int(ptr[i + 1])
+        if packed:
+            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
+            assert torch.equal(out[lo : lo + want.numel()], want), f"request {i}, L={seq_lens[i]}"
+        else:
+            assert torch.equal(out[lo:hi], block), f"request {i}, L={seq_lens[i]}"
+
+
 def test_spec_example(device):
     sl = torch.tensor([1], device=device)
     tree = torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool, device=device)
