@@ -56,21 +56,43 @@ def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
-def _mask_value(tree_ptr, valid, bit, n_bits, L, N, stride_mj, inv_cols):
-    """The mask element ``bit`` of a request's block (any shape of ``bit``); 0 past ``n_bits``.
-
-    Its row ``j = bit // cols`` comes from a float64 multiply by ``inv_cols = 1 / cols``, not
-    an int64 division (tens of instructions an element on the device). Below 2**52 the product
-    truncates to the quotient or to one less (``cols = 49``: ``49 · fl(1/49) < 1``), never more,
-    and one step corrects it."""
-    cols = L + N
-    j = (bit.to(tl.float64) * inv_cols).to(tl.int64)
-    j += (bit - j * cols >= cols).to(tl.int64)
-    col = bit - j * cols
-    live = tl.where(valid, bit < n_bits, False)
+def _mask_value(tree_ptr, live, j, col, L, stride_mj):
+    """The mask elements at row ``j``, column ``col`` of a request's block (any shape): 1 in the
+    prefix columns, the tree mask's ``[j, col − L]`` after them; 0 where not ``live``."""
     in_tree = col >= L
     m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)
     return (live & (~in_tree | (m != 0))).to(tl.int32)
+
+
+@triton.jit
+def _chunk_values(tree_ptr, valid, first, offs, n_bits, L, N, stride_mj, inv_cols,
+                  SPAN: tl.constexpr):  # fmt: skip
+    """The mask elements ``first + offs`` of a request's block (``offs`` in ``[0, SPAN)``, any
+    shape), ``cols = L + N`` to a row.
+
+    The chunk's first row ``j0 = first // cols`` is one scalar division. A chunk inside one
+    row's prefix columns is all ones. Where a row is at least ``SPAN`` wide, the chunk reaches
+    at most one row further, so every element's row is ``j0`` or ``j0 + 1``. Narrower rows take
+    each element's row from a float64 multiply by ``inv_cols = 1 / cols`` (an int64 division is
+    tens of instructions an element): below 2**52 the truncated product is the quotient or one
+    less (``cols = 49``: ``49 · fl(1/49) < 1``), never more, and one step corrects it."""
+    cols = tl.maximum(L + N, 1)  # N = 0: no element is live
+    bit = first + offs
+    live = tl.where(valid, bit < n_bits, False)
+    j0 = first // cols
+    col0 = first - j0 * cols
+    if (col0 + SPAN <= L) & (j0 < N):
+        v = live.to(tl.int32)
+    elif cols >= SPAN:
+        col = col0 + offs
+        wrap = col >= cols
+        v = _mask_value(tree_ptr, live, j0 + wrap.to(tl.int64), tl.where(wrap, col - cols, col),
+                        L, stride_mj)  # fmt: skip
+    else:
+        j = (bit.to(tl.float64) * inv_cols).to(tl.int64)
+        j += (bit - j * cols >= cols).to(tl.int64)
+        v = _mask_value(tree_ptr, live, j, bit - j * cols, L, stride_mj)
+    return v
 
 
 @triton.jit(do_not_specialize=["B", "N", "stride_mb", "stride_mj", "W_mask", "chunk_programs"])
@@ -112,16 +134,18 @@ def _tree_custom_mask_kernel(
     # a full buffer, and is reported (OUT_OF_CAPACITY, below).
     n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_mask - start, 0), W_mask))
     e0 = tl.arange(0, BLOCK).to(tl.int64)
+    k = tl.arange(0, 8)
     for chunk in range(c, tl.cdiv(n_fit, BLOCK), chunk_programs):
         e = e0 + chunk * BLOCK
-        if PACKED:
-            k = tl.arange(0, 8)
-            bits = _mask_value(
-                tree_ptr, valid, e[:, None] * 8 + k[None, :], n_bits, L, N, stride_mj, inv_cols
-            )
+        first = b * 0 + chunk * BLOCK  # the chunk's first output, an int64 scalar
+        if PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
+            offs = e0[:, None] * 8 + k[None, :]
+            bits = _chunk_values(tree_ptr, valid, first * 8, offs, n_bits, L, N, stride_mj,
+                                 inv_cols, SPAN=BLOCK * 8)  # fmt: skip
             v = tl.sum(bits << k[None, :], axis=1)
         else:
-            v = _mask_value(tree_ptr, valid, e, n_bits, L, N, stride_mj, inv_cols)
+            v = _chunk_values(tree_ptr, valid, first, e0, n_bits, L, N, stride_mj, inv_cols,
+                              SPAN=BLOCK)  # fmt: skip
         dst = start + e
         tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n_fit) & (dst < W_mask))
 

@@ -75,6 +75,17 @@ def _spec_blocks(seq_lens, tree):
     ]
 
 
+def _row_padded(tree, device):
+    """``tree`` on ``device`` with each row padded to ``N + 3`` entries (row stride ``N + 3``):
+    with contiguous rows, an element placed one row short reads the same address (``j·N +
+    col − L`` with ``col`` one row too far), so only padded rows show a row found wrong."""
+    B, n = tree.shape[0], tree.shape[1]
+    padded = torch.zeros(B, n, n + 3, dtype=torch.bool, device=device)[:, :, :n]
+    padded.copy_(tree)  # made on the device: a copy there would drop the padding
+    assert padded.stride(1) == n + 3
+    return padded
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("batch", [0, 1, 7])
 @pytest.mark.parametrize("k,s,n", TREES)
@@ -102,20 +113,40 @@ def test_row_widths_whose_float_quotient_falls_short(device, gen, packed):
     """The kernel finds an element's row by a float64 multiply by ``1 / (L + N)``: at widths 49,
     98, 103 and 107, ``q · width · fl(1 / width)`` truncates to ``q − 1`` for small ``q`` (row
     starts 1, 2, 3, 4, 6, ...), which the kernel's correction step must catch. Requests of those
-    widths, with a 13-node tree (its rows reach those multiples), in random order. The tree's
-    rows are padded (row stride N + 3): with contiguous rows, a row found one short reads the
-    same address (j·N + col − L with col one row too far), and the error would not show."""
+    widths, with a 13-node tree (its rows reach those multiples, and are padded), in random
+    order."""
     n = 13
     widths = torch.tensor([49, 98, 103, 107, 49, 98])
     seq_lens = widths[torch.randperm(widths.numel(), generator=gen)] - n
     dense = random_tree_mask(seq_lens.numel(), 3, 5, n, gen)
-    tree = torch.zeros(seq_lens.numel(), n, n + 3, dtype=torch.bool, device=device)[:, :, :n]
-    tree.copy_(dense)  # made on the device: a copy there would drop the padding
-    assert tree.stride(1) == n + 3
-    out, ptr, status = _run(seq_lens, tree, device, packed=packed)
+    out, ptr, status = _run(seq_lens, _row_padded(dense, device), device, packed=packed)
     assert int(status) == 0
     out, ptr = out.cpu(), ptr.cpu()
     for i, block in enumerate(_spec_blocks(seq_lens, dense)):
+        lo, hi = int(ptr[i]), int(ptr[i + 1])
+        if packed:
+            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
+            assert torch.equal(out[lo : lo + want.numel()], want), f"request {i}, L={seq_lens[i]}"
+        else:
+            assert torch.equal(out[lo:hi], block), f"request {i}, L={seq_lens[i]}"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rows_wider_than_a_chunk(device, gen, packed):
+    """Rows of thousands of columns, where the kernel writes whole chunks of prefix ones and
+    finds each other element's row as the chunk's first row or the next: random widths in
+    ``[2048, 5000]`` and the edges of a chunk (1024 elements, 2048 when packed: a row exactly
+    one chunk wide, one element less and more), with a 6-node tree (rows padded), in random
+    order."""
+    n = 6
+    edges = torch.tensor([1023, 1024, 1025, 2047, 2048, 2049]) - n
+    seq_lens = torch.cat([edges, torch.randint(2048, 5001, (3,), generator=gen)])
+    seq_lens = seq_lens[torch.randperm(seq_lens.numel(), generator=gen)]
+    tree = random_tree_mask(seq_lens.numel(), 2, 3, n, gen)
+    out, ptr, status = _run(seq_lens, _row_padded(tree, device), device, packed=packed)
+    assert int(status) == 0
+    out, ptr = out.cpu(), ptr.cpu()
+    for i, block in enumerate(_spec_blocks(seq_lens, tree)):
         lo, hi = int(ptr[i]), int(ptr[i + 1])
         if packed:
             want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
