@@ -65,25 +65,20 @@ def _mask_value(tree_ptr, live, j, col, L, stride_mj):
 
 
 @triton.jit
-def _chunk_values(tree_ptr, valid, first, offs, n_bits, L, N, stride_mj, inv_cols,
+def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_mj, inv_cols,
                   SPAN: tl.constexpr):  # fmt: skip
     """The mask elements ``first + offs`` of a request's block (``offs`` in ``[0, SPAN)``, any
-    shape), ``cols = L + N`` to a row.
+    shape), ``cols = L + N`` to a row, the first of them at row ``j0``, column ``col0``.
 
-    The chunk's first row ``j0 = first // cols`` is one scalar division. A chunk inside one
-    row's prefix columns is all ones. Where a row is at least ``SPAN`` wide, the chunk reaches
-    at most one row further, so every element's row is ``j0`` or ``j0 + 1``. Narrower rows take
-    each element's row from a float64 multiply by ``inv_cols = 1 / cols`` (an int64 division is
-    tens of instructions an element): below 2**52 the truncated product is the quotient or one
-    less (``cols = 49``: ``49 · fl(1/49) < 1``), never more, and one step corrects it."""
+    Where a row is at least ``SPAN`` wide, the chunk reaches at most one row further, so every
+    element's row is ``j0`` or ``j0 + 1``. Narrower rows take each element's row from a float64
+    multiply by ``inv_cols = 1 / cols`` (an int64 division is tens of instructions an element):
+    below 2**52 the truncated product is the quotient or one less (``cols = 49``:
+    ``49 · fl(1/49) < 1``), never more, and one step corrects it."""
     cols = tl.maximum(L + N, 1)  # N = 0: no element is live
     bit = first + offs
     live = tl.where(valid, bit < n_bits, False)
-    j0 = first // cols
-    col0 = first - j0 * cols
-    if (col0 + SPAN <= L) & (j0 < N):
-        v = live.to(tl.int32)
-    elif cols >= SPAN:
+    if cols >= SPAN:
         col = col0 + offs
         wrap = col >= cols
         v = _mask_value(tree_ptr, live, j0 + wrap.to(tl.int64), tl.where(wrap, col - cols, col),
@@ -133,21 +128,27 @@ def _tree_custom_mask_kernel(
     # The loop covers only what the buffer can hold: a garbage length (2**40) costs no more than
     # a full buffer, and is reported (OUT_OF_CAPACITY, below).
     n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_mask - start, 0), W_mask))
-    e0 = tl.arange(0, BLOCK).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
+    cols = tl.maximum(L + N, 1)
     for chunk in range(c, tl.cdiv(n_fit, BLOCK), chunk_programs):
-        e = e0 + chunk * BLOCK
         first = b * 0 + chunk * BLOCK  # the chunk's first output, an int64 scalar
-        if PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
-            offs = e0[:, None] * 8 + k[None, :]
-            bits = _chunk_values(tree_ptr, valid, first * 8, offs, n_bits, L, N, stride_mj,
-                                 inv_cols, SPAN=BLOCK * 8)  # fmt: skip
+        bit0 = first * 8 if PACKED else first  # and its first mask element
+        j0 = bit0 // cols  # one scalar division a chunk
+        col0 = bit0 - j0 * cols
+        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < N):
+            # Inside one row's prefix columns: every element 1, nothing to compute.
+            v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
+        elif PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
+            bits = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs[:, None] * 8 + k[None, :],
+                                 n_bits, L, N, stride_mj, inv_cols, SPAN=BLOCK * 8)  # fmt: skip
             v = tl.sum(bits << k[None, :], axis=1)
         else:
-            v = _chunk_values(tree_ptr, valid, first, e0, n_bits, L, N, stride_mj, inv_cols,
-                              SPAN=BLOCK)  # fmt: skip
-        dst = start + e
-        tl.store(custom_mask_ptr + dst, v.to(tl.uint8), mask=(e < n_fit) & (dst < W_mask))
+            v = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs, n_bits, L, N, stride_mj,
+                              inv_cols, SPAN=BLOCK)  # fmt: skip
+        # n_fit keeps the stores in the segment and the buffer; int32 offsets from the chunk.
+        here = tl.minimum(tl.maximum(n_fit - first, 0), BLOCK).to(tl.int32)
+        tl.store(custom_mask_ptr + (start + first) + offs, v.to(tl.uint8), mask=offs < here)
 
     if c == 0:
         tl.store(mask_indptr_ptr + b + 1, start + n_bits, mask=valid)
