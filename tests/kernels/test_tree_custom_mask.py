@@ -75,6 +75,23 @@ def _spec_blocks(seq_lens, tree):
     ]
 
 
+def _assert_spec_blocks(out, ptr, seq_lens, tree, packed):
+    """Each request's segment is its :func:`_spec_blocks` block, at ``mask_indptr``'s element
+    offset; packed, as ``segment_packbits(..., bitorder="little")`` (numpy's ``packbits`` per
+    segment), the bytes FlashInfer 0.7's ``plan()`` reads there."""
+    out, ptr = out.cpu(), ptr.cpu()
+    assert int(ptr[0]) == 0
+    for i, block in enumerate(_spec_blocks(seq_lens, tree.cpu())):
+        lo, hi = int(ptr[i]), int(ptr[i + 1])
+        where = f"request {i}, L={int(seq_lens[i])}"
+        assert hi - lo == block.numel(), f"{where}: segment starts count elements"
+        if packed:
+            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
+            assert torch.equal(out[lo : lo + want.numel()], want), where
+        else:
+            assert torch.equal(out[lo:hi], block), where
+
+
 def _row_padded(tree, device):
     """``tree`` on ``device`` with each row padded to ``N + 3`` entries (row stride ``N + 3``):
     with contiguous rows, an element placed one row short reads the same address (``j·N +
@@ -94,18 +111,7 @@ def test_matches_reference_and_spec(device, gen, k, s, n, batch, packed):
     tree = random_tree_mask(batch, k, s, n, gen)
     out, ptr, status = _run(seq_lens, tree, device, packed=packed)
     assert int(status) == 0
-    out, ptr = out.cpu(), ptr.cpu()
-    assert int(ptr[0]) == 0
-    for i, block in enumerate(_spec_blocks(seq_lens, tree)):
-        lo, hi = int(ptr[i]), int(ptr[i + 1])
-        assert hi - lo == block.numel(), f"request {i}: segment starts count elements"
-        if packed:
-            # segment_packbits(..., bitorder="little"), i.e. numpy's packbits per segment, at
-            # the segment's element offset (what FlashInfer 0.7's plan() reads as bytes).
-            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
-            assert torch.equal(out[lo : lo + want.numel()], want), f"request {i}"
-        else:
-            assert torch.equal(out[lo:hi], block), f"request {i}"
+    _assert_spec_blocks(out, ptr, seq_lens, tree, packed)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -121,14 +127,7 @@ def test_row_widths_whose_float_quotient_falls_short(device, gen, packed):
     dense = random_tree_mask(seq_lens.numel(), 3, 5, n, gen)
     out, ptr, status = _run(seq_lens, _row_padded(dense, device), device, packed=packed)
     assert int(status) == 0
-    out, ptr = out.cpu(), ptr.cpu()
-    for i, block in enumerate(_spec_blocks(seq_lens, dense)):
-        lo, hi = int(ptr[i]), int(ptr[i + 1])
-        if packed:
-            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
-            assert torch.equal(out[lo : lo + want.numel()], want), f"request {i}, L={seq_lens[i]}"
-        else:
-            assert torch.equal(out[lo:hi], block), f"request {i}, L={seq_lens[i]}"
+    _assert_spec_blocks(out, ptr, seq_lens, dense, packed)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -145,14 +144,7 @@ def test_rows_wider_than_a_chunk(device, gen, packed):
     tree = random_tree_mask(seq_lens.numel(), 2, 3, n, gen)
     out, ptr, status = _run(seq_lens, _row_padded(tree, device), device, packed=packed)
     assert int(status) == 0
-    out, ptr = out.cpu(), ptr.cpu()
-    for i, block in enumerate(_spec_blocks(seq_lens, tree)):
-        lo, hi = int(ptr[i]), int(ptr[i + 1])
-        if packed:
-            want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
-            assert torch.equal(out[lo : lo + want.numel()], want), f"request {i}, L={seq_lens[i]}"
-        else:
-            assert torch.equal(out[lo:hi], block), f"request {i}, L={seq_lens[i]}"
+    _assert_spec_blocks(out, ptr, seq_lens, tree, packed)
 
 
 def test_spec_example(device):
