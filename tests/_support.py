@@ -1,15 +1,29 @@
-"""What several test modules share: row widths of test batches, compile counts, and the
-direct readings of design §1 and §2.3 that more than one op's tests apply.
+"""What several test modules share: row widths of test batches, compile counts, the GPU tier's
+proof that a build path never syncs, and the direct readings of design §1 and §2.3 that more
+than one op's tests apply.
 
 One definition each, imported where needed (tests import from here, never from each other).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specmeta.config import draft_pages_per_branch, uses_layout_b
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside, any host sync raises (``torch.cuda.set_sync_debug_mode("error")``): a build path
+    run here is proved sync-free. The default mode is restored on the way out, raise or not."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def row_width(k: int, s: int, ps: int, *, extra: int = 0, prefix: int = 40) -> int:

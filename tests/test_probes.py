@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specmeta import probes
 from specmeta.runners import collector_off
+from tests._support import no_host_sync
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
@@ -236,11 +237,8 @@ def test_enabled_probes_do_not_sync_and_capture_in_a_graph(device, on):
     assert probes.enabled(), "the probes must be live, or passing proves nothing"
     _all_probes(x, idx)  # warm-up outside the capture
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         _all_probes(x, idx)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
     with collector_off(), torch.cuda.graph(graph):
         probes.detect_nan(x, label="x")

@@ -22,7 +22,7 @@ from specmeta.runners import collector_off
 from specmeta.workloads import SHAPES, make_batch
 from tests._support import check_expand_page_table_spec as _check_expand
 from tests._support import check_prefix_page_table_spec as _check_normal
-from tests._support import row_width
+from tests._support import no_host_sync, row_width
 from tests.guard_bands import POISON, Guarded, assert_equal
 
 # (K, S, ps, exclude_last_partial): trees of 2 and 4 branches, page sizes 1, 4 and 16, the
@@ -283,12 +283,9 @@ def test_gpu_graph_replay_equals_eager_and_never_syncs(gen, k, ps):
 
     build()  # compiles
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             build()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

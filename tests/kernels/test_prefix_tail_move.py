@@ -13,7 +13,7 @@ from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache
 from specmeta.kernels.draft_cache_locs import prefix_tail_copy_pairs
 from specmeta.runners import collector_off
 from specmeta.workloads import SHAPES, make_batch
-from tests._support import row_width
+from tests._support import no_host_sync, row_width
 from tests.guard_bands import GuardedPool, assert_equal
 
 CONFIGS = [(2, 2, 4), (3, 5, 16), (8, 2, 2), (4, 3, 64)]  # (K, S, ps), all layout B
@@ -140,11 +140,8 @@ def test_gpu_prefix_tails_in_a_graph_without_sync(gen):
 
     step()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -15,7 +15,7 @@ import torch
 import specmeta.kernels
 from specmeta import new_status
 from specmeta.registry import OPS
-from tests._support import compiled_variants
+from tests._support import compiled_variants, no_host_sync
 from tests.guard_bands import assert_equal
 
 ALL_OPS = [pytest.param(op, id=op.name) for op in OPS]
@@ -100,11 +100,8 @@ def test_gpu_no_host_sync(gen, op):
 
     launch()  # compiles, and builds the move's pointer table (cached per layout)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             launch()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(status) == 0

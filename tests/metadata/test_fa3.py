@@ -14,7 +14,7 @@ from specmeta.runners import collector_off
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import compiled_variants
+from tests._support import compiled_variants, no_host_sync
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -447,12 +447,9 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
 
     build()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             build()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(status) == 0
 

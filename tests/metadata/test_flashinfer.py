@@ -14,7 +14,7 @@ from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.masks import written_part
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import branch_sequences
+from tests._support import branch_sequences, no_host_sync
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8  # query heads, KV heads (grouped-query), head dim
@@ -424,11 +424,8 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
     fi = FlashInferBuilder(cfg, "cuda")
     _all_modes(fi, *_args(batch), tree, S, batch.seq_lens_cpu)  # compile first
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             _all_modes(fi, *_args(batch), tree, S, batch.seq_lens_cpu)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(fi.status) == 0

@@ -33,6 +33,7 @@ from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
 from specmeta.workloads import make_batch, random_tree_mask
+from tests._support import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -336,12 +337,9 @@ def test_gpu_build_plan_and_attention_make_no_host_sync(gen, cute, flashinfer_at
 
     iteration()  # compile and plan once outside the check
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(2):
             iteration()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(status) == 0 and int(fi.status) == 0
 

@@ -15,7 +15,7 @@ from specmeta.runners import collector_off
 from specmeta.testing.consumers import trtllm_mla as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch
-from tests._support import branch_sequences
+from tests._support import branch_sequences, no_host_sync
 
 H, H_KV, D = 4, 1, 8  # MLA: every query head reads the one latent KV head
 ATOL = 1e-9
@@ -243,11 +243,8 @@ def test_gpu_no_host_sync_on_the_build_path(gen):
     mla = TrtllmMlaBuilder(cfg, "cuda")
     _modes(mla, *_args(batch), 3)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             _modes(mla, *_args(batch), 3)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert int(mla.status) == 0

@@ -18,7 +18,7 @@ from specmeta.metadata.contract import DraftSteps
 from specmeta.testing.consumers import flashinfer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
-from tests._support import all_compiled_variants
+from tests._support import all_compiled_variants, no_host_sync
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16, 32)
@@ -309,11 +309,8 @@ def test_draft_loop_replays_without_sync_or_compilation(gen, k, s, n, ps):
         run = runner.run
 
         def no_sync_run(*args, _run=run, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync():
                 return _run(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
 
         runner.run = no_sync_run
 

@@ -4,6 +4,7 @@ the same tests capture and replay graphs, and the GPU tier adds no-sync and no-r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -17,7 +18,7 @@ from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner
 from specmeta.runners.padding import copy_pad, copy_pad_many, copy_pad_ref
 from specmeta.workloads import make_batch
-from tests._support import compiled_variants
+from tests._support import compiled_variants, no_host_sync
 from tests.guard_bands import POISON, assert_equal
 
 BUCKETS = (1, 4, 16, 32)
@@ -459,14 +460,11 @@ def _persistent_replays(runner, meta, cfg, gen, device, first, r2t, sizes, shape
         views["seq_lens"].copy_(batch.seq_lens)
         for name in ("draft.out_cache_loc", "draft_decode.kv_indptr", "draft_decode.kv_indices"):
             meta.bufs[name].fill_(POISON)
-        if device == "cuda" or getattr(device, "type", None) == "cuda":
+        cuda = device == "cuda" or getattr(device, "type", None) == "cuda"
+        if cuda:
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync() if cuda else contextlib.nullcontext():
             res = runner.replay(B, host_inputs={"seq_lens": batch.seq_lens_cpu})
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.set_sync_debug_mode("default")
         yield batch, res
 
 
@@ -541,15 +539,12 @@ def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
                (("random", 200), ("long_short", 33), ("modm1", 7), ("one", 1), ("empty", 0))]  # fmt: skip
     compiled = [compiled_variants(f) for f in kernels]
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for batch in batches:
             r2t.copy_(batch.req_to_token)
             runner.run(batch.batch_size, {"req_pool_indices": batch.req_pool_indices,
                                           "seq_lens": batch.seq_lens},
                        host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=True)  # fmt: skip
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert [compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
 
@@ -580,12 +575,9 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
         bp = runner.bucket(B)
         _poison_tails(runner, meta, B, bp)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             res = runner.run(B, {"req_pool_indices": rpi[:B], "seq_lens": lens[:B]},
                              host_inputs={"seq_lens": lens_cpu[:B]}, copy=False)  # fmt: skip
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
         _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
         _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)

@@ -18,7 +18,7 @@ from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.runners.graph_runner import StageBatch
 from specmeta.workloads import make_batch
-from tests._support import draft_stage_runner
+from tests._support import draft_stage_runner, no_host_sync
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16)
@@ -139,11 +139,8 @@ def _run(runner, stage, eager, cfg, gen, device, *, persistent=False) -> None:
             for name, view in runner.static_inputs(B).items():
                 view.copy_(inputs[name])
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync():
                 res = runner.replay(B, host_inputs=host)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
         else:
             res = runner.run(B, inputs, host_inputs=host, copy=False)
         want = eager.build(StageBatch(inputs, host, True))
@@ -299,12 +296,9 @@ def test_gpu_runs_on_the_engines_own_tensors(gen, monkeypatch, shape, k, ps):
         lens[:B].copy_(batch.seq_lens)
         lens_cpu[:B].copy_(batch.seq_lens_cpu)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             res = runner.run(B, {"req_pool_indices": rpi[:B], "seq_lens": lens[:B]},
                              host_inputs={"seq_lens": lens_cpu[:B]}, copy=False)  # fmt: skip
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
         want = eager.build(StageBatch(inputs, {"seq_lens": batch.seq_lens_cpu}, True))
         _compare(res.results, want, shape, B)

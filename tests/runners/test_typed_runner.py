@@ -16,7 +16,7 @@ from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner, StageBatch
 from specmeta.workloads import make_batch
-from tests._support import draft_stage_runner
+from tests._support import draft_stage_runner, no_host_sync
 from tests.guard_bands import assert_equal
 
 BUCKETS = (1, 4, 16)
@@ -189,13 +189,10 @@ def test_gpu_typed_runner_replays_equal_eager_and_do_not_sync(gen, k, ps):
     lens = torch.full((3,), 3, dtype=torch.int64, device="cuda")
     lens_cpu = lens.cpu()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             res = runner.run(3, {"req_pool_indices": rpi, "seq_lens": lens},
                              host_inputs={"seq_lens": lens_cpu}, copy=False)  # fmt: skip
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert res.results["fa3"][0].normal.cache_seqlens.shape[0] == 3
 
 
@@ -227,11 +224,8 @@ def test_gpu_persistent_replays_of_a_stage_without_host_inputs(gen, k, ps):
         views["req_pool_indices"].copy_(batch.req_pool_indices)
         views["seq_lens"].copy_(batch.seq_lens)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             res = runner.replay(B)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert (res.batch_size, res.padded_batch_size) == (B, runner.bucket(B))
         inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
         _compare(res.results, eager.build(StageBatch(inputs, {}, True)), cfg, B,
