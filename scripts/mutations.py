@@ -495,6 +495,13 @@ MUTATIONS: list[Mutation] = [
        "((j - depth) / every + 1) % count",
        "((j - depth) / every + 2) % count",
        ["tests/metadata/test_host_mirrors.py", "-k", "compiled_turn"]),
+    _m("h-step-stale-set", "host_mirror",
+       "the compiled host step writes and returns the first set's result whatever the ring's "
+       "turn: a runner's replay rewrites the mirrors a queued plan() copy still reads",
+       "specmeta/metadata/host_ops.c",
+       "PyObject *entry = PyList_GET_ITEM(made, slot);",
+       "PyObject *entry = PyList_GET_ITEM(made, 0);",
+       ["tests/metadata/test_host_mirrors.py", "-k", "recorded_host_step"]),
     _m("h-ring-no-wait-torch", "host_mirror",
        "the Python ring turn hands out a set whose plan() copy is still queued behind the stream",
        "specmeta/metadata/host_mirrors.py",

@@ -334,7 +334,8 @@ class MetadataBuilder:
         return inputs
 
     def described(self, mode: str, inputs: BuildInputs, describe: Callable[[BuildInputs], Any],
-                  direct: Callable[[Any], Any] | None = None):  # fmt: skip
+                  direct: Callable[[int], Any] | None = None, *,
+                  step: Callable[[], Callable[[Any], Any]] | None = None):  # fmt: skip
         """A call's result, ``describe(inputs)``: everything it takes from the host values
         (host scalars, host mirrors), after the checks of :meth:`check`.
 
@@ -344,37 +345,31 @@ class MetadataBuilder:
         ``seq_lens_cpu``), with the same device tensors, whose checks and launches do not read
         the host values.
 
-        ``direct``, optional, gives that step's result in fewer steps where the compiled host
-        ops are in use: for a mode whose mirror writer checks the tensor and every value
-        (:attr:`length_tables`), ``direct(seq_lens_cpu)``, which raises ``TypeError``,
-        ``ValueError`` or ``IndexError`` where its writer refuses them; for the other modes
-        ``direct(max_l)``, the maximum read (and every value checked) by the compiled
-        reduction. A refusal takes :meth:`host_inputs` and ``describe``, for the message."""
+        Where the compiled host ops are in use, the step takes fewer calls: ``direct(max_l)``
+        gives the result of the maximum that the compiled reduction read (every value
+        checked); for a mode whose mirror writer checks the tensor and every value
+        (:attr:`length_tables`), ``step()`` makes the whole ``run`` of a call given
+        ``seq_lens_cpu``, which names what its writer refuses. A refusal of the reduction
+        takes :meth:`host_inputs` and ``describe``, for the message."""
         result = describe(inputs)
         steps = _describing.steps
         if steps is not None:
-            run = self._step(mode, inputs.batch, describe, direct)
+            run = self._step(mode, inputs.batch, describe, direct,
+                             step if inputs.given is not None else None)  # fmt: skip
             steps.append(HostStep(run, inputs.given, result))
         return result
 
     def _step(self, mode: str, B: int, describe: Callable[[BuildInputs], Any],
-              direct: Callable[[Any], Any] | None = None):  # fmt: skip
+              direct: Callable[[int], Any] | None, step: Callable[[], Any] | None):  # fmt: skip
         """A :class:`HostStep`'s ``run``: :meth:`host_inputs` then ``describe``. The tensor
         checks were passed once by a tensor of the same host input, so with the compiled
         calls, the one that reads the values (``stats`` here, the mode's writer in
-        :meth:`write_mirrors`, or ``direct``'s) checks the tensor too, and a refusal takes
+        :meth:`write_mirrors` or ``step()``'s) checks the tensor too, and a refusal takes
         :meth:`host_inputs` for the message that names it."""
         stats, top, later = self._stats, self.cfg.max_context_len, mode in self.length_tables
-        if direct is not None and stats is not None:
-            if later:
-
-                def run_written(seq_lens_cpu):
-                    try:
-                        return direct(seq_lens_cpu)
-                    except (TypeError, ValueError, IndexError):  # named by the checks below
-                        return describe(self.host_inputs(mode, B, seq_lens_cpu))
-
-                return run_written
+        if stats is not None and later and step is not None:
+            return step()
+        if stats is not None and direct is not None and not later:
 
             def run_reduced(seq_lens_cpu):
                 try:

@@ -26,6 +26,7 @@ Which draft-decode form to use:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -48,6 +49,7 @@ from . import host_ops
 from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .host_mirrors import HostMirrorRing
 from .host_ops import LengthTable
+from .inputs import BuildInputs
 from .layout import UniformQueryLayout
 
 __all__ = [
@@ -582,13 +584,25 @@ class FlashInferBuilder(MetadataBuilder):
             self.write_mirrors(mode, inp, entry[1])
             return entry[0]
 
-        def direct(seq_lens_cpu):  # a host step: the writer checks the tensor and the values
-            slot = take()
+        return self.described(mode, inputs, describe, step=lambda: self._host_step(
+            mode, inputs.batch, key, make, made, ring))  # fmt: skip
+
+    def _host_step(self, mode, B, key, make, made, ring):
+        """``step(seq_lens_cpu) -> result``, :meth:`described`'s ``step``: the ring's turn,
+        the set's writer on the lengths, the set's result; lengths the writer refuses get the
+        builder's message. With the compiled turn it is one compiled call (``mirror_step``),
+        which leaves a set whose result is not made yet, and a refusal, to ``slow``."""
+
+        def slow(slot, seq_lens_cpu):  # holds the ring, whose state the compiled turn writes
             entry = made[slot] or _make(made, slot, make, key, ring)
-            entry[1](seq_lens_cpu)
+            self.write_mirrors(mode, BuildInputs(B, seq_lens_cpu), entry[1])  # names a refusal
             return entry[0]
 
-        return self.described(mode, inputs, describe, direct)
+        op = host_ops.compiled() if self.host_ops and ring.turn is not None else None
+        if op is not None:
+            return functools.partial(op.mirror_step, *ring.turn, made, slow)
+        take = ring.take
+        return lambda seq_lens_cpu: slow(take(), seq_lens_cpu)
 
     def target_verify(
         self,

@@ -77,6 +77,10 @@ class HostMirrorRing:
     take : callable
         ``take() -> int``: the index in :attr:`sets` of this build's set, after the ring's
         record and wait (the call a builder makes on every build).
+    turn : tuple or None
+        ``(state, current_stream, device)``, the compiled turn's arguments, for a compiled
+        call that takes the turn and goes on with the build's host work in the same call
+        (``host_ops.c``, ``mirror_step``); ``None`` for the Python turn.
     """
 
     def __init__(self, specs: dict[str, BufferSpec], depth: int, device: torch.device, *,
@@ -104,6 +108,7 @@ class HostMirrorRing:
         op = host_ops.compiled() if use_compiled else None
         driver = _driver() if cuda and op is not None else None
         self._state = None
+        self.turn = None
         if op is not None and (driver is not None or not cuda):
             # [builds, depth, E, count, record, query, synchronize, event 0, ...] (host_ops.c)
             state = [0, depth, self._every, count, *(driver or (0, 0, 0))]
@@ -112,7 +117,8 @@ class HostMirrorRing:
                 state.append(event.cuda_event)
             self._state = torch.tensor(state, dtype=torch.int64)
             raw = torch._C._cuda_getCurrentRawStream if cuda else None
-            self.take = functools.partial(op.ring_take, self._state.data_ptr(), raw, self._index)
+            self.turn = (self._state.data_ptr(), raw, self._index)
+            self.take = functools.partial(op.ring_take, *self.turn)
         else:
             self.take = self._take
 

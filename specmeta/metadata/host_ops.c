@@ -353,29 +353,27 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 typedef int (*record_fn)(void *, void *);
 typedef int (*event_fn)(void *);
 
-static PyObject *driver_error(const char *call, int code) {
+/* -1, with the RuntimeError of a failed driver call set. */
+static long long driver_error(const char *call, int code) {
   PyErr_Format(PyExc_RuntimeError, "HostMirrorRing: %s returned CUresult %d", call, code);
-  return NULL;
+  return -1;
 }
 
-static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "ring_take(state, current_stream, device) takes 3 arguments");
-    return NULL;
-  }
-  int64_t *st = (int64_t *)PyLong_AsVoidPtr(args[0]);
+/* The slot of the ring's next build (the schedule above), or -1 with a Python error set. */
+static long long take_turn(PyObject *state, PyObject *current_stream, PyObject *device) {
+  int64_t *st = (int64_t *)PyLong_AsVoidPtr(state);
   if (st == NULL) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ring_take: state is NULL");
-    return NULL;
+    return -1;
   }
   int64_t j = st[0], depth = st[1], every = st[2], count = st[3];
   if (st[4] != 0) {
     if (j > 0 && j % every == 0) {
-      PyObject *raw = PyObject_CallOneArg(args[1], args[2]);
-      if (raw == NULL) return NULL;
+      PyObject *raw = PyObject_CallOneArg(current_stream, device);
+      if (raw == NULL) return -1;
       void *stream = PyLong_AsVoidPtr(raw);
       Py_DECREF(raw);
-      if (PyErr_Occurred()) return NULL;
+      if (PyErr_Occurred()) return -1;
       void *event = (void *)(intptr_t)st[7 + (j / every) % count];
       int code = ((record_fn)(intptr_t)st[4])(event, stream);
       if (code != 0) return driver_error("cuEventRecord", code);
@@ -394,7 +392,62 @@ static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
   }
   st[0] = j + 1;
-  return PyLong_FromLongLong(j % depth);
+  return j % depth;
+}
+
+static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "ring_take(state, current_stream, device) takes 3 arguments");
+    return NULL;
+  }
+  long long slot = take_turn(args[0], args[1], args[2]);
+  return slot < 0 ? NULL : PyLong_FromLongLong(slot);
+}
+
+/* mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) -> result
+ *
+ * A FlashInfer host step in one call (flashinfer.py, _mirrored): the ring's turn as ring_take
+ * takes it, then, when made[slot] holds the set's (result, writer), the writer on
+ * seq_lens_cpu and the result. A set whose result is not made yet, and lengths the writer
+ * refuses (TypeError, ValueError, IndexError: nothing written), go to slow(slot, seq_lens_cpu),
+ * which makes the result or raises the builder's message. */
+static PyObject *mirror_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) takes "
+                    "6 arguments");
+    return NULL;
+  }
+  long long slot = take_turn(args[0], args[1], args[2]);
+  if (slot < 0) return NULL;
+  PyObject *made = args[3];
+  if (!PyList_Check(made) || slot >= PyList_GET_SIZE(made)) {
+    PyErr_SetString(PyExc_TypeError, "mirror_step: made must be a list with a slot per set");
+    return NULL;
+  }
+  PyObject *entry = PyList_GET_ITEM(made, slot);
+  if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2) {
+    Py_INCREF(entry);
+    PyObject *total = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 1), args[5]);
+    if (total != NULL) {
+      Py_DECREF(total);
+      PyObject *result = PyTuple_GET_ITEM(entry, 0);
+      Py_INCREF(result);
+      Py_DECREF(entry);
+      return result;
+    }
+    Py_DECREF(entry);
+    if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
+        !PyErr_ExceptionMatches(PyExc_IndexError))
+      return NULL;
+    PyErr_Clear(); /* the slow path refuses the same lengths, with the builder's message */
+  }
+  PyObject *index = PyLong_FromLongLong(slot);
+  if (index == NULL) return NULL;
+  PyObject *argv[2] = {index, args[5]};
+  PyObject *result = PyObject_Vectorcall(args[4], argv, 2, NULL);
+  Py_DECREF(index);
+  return result;
 }
 
 static PyMethodDef methods[] = {
@@ -411,6 +464,8 @@ static PyMethodDef methods[] = {
      "seq_lens_cpu) -> sum"},
     {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
      "ring_take(state, current_stream, device) -> the slot of the ring's next build"},
+    {"mirror_step", (PyCFunction)(void (*)(void))mirror_step, METH_FASTCALL,
+     "mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) -> result"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",

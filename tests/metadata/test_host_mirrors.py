@@ -227,3 +227,90 @@ def test_gpu_a_set_is_never_rewritten_while_its_copy_waits_on_the_stream(depth, 
     got = copies[:, 0].tolist()
     assert got == list(range(builds)), f"depth {depth}: build i's copy read {got}"
     assert bool((copies == copies[:, :1]).all()), "every copy whole"
+
+
+_STEP_MODES = (  # (method, keyword arguments): every mode with host mirrors
+    ("draft_decode", {"num_rows": 2}),
+    ("draft_decode_shared_prefix", {}),
+    ("draft_decode_paged", {}),
+    ("target_verify", {"tree": True}),
+    ("target_verify", {"tree": True, "packed": True}),
+    ("draft_extend", {}),
+)
+
+
+@pytest.mark.parametrize("turn", ["compiled", "python"])
+def test_a_recorded_host_step_writes_what_the_call_would_round_the_ring(device, gen, turn):
+    """The host step a runner replays instead of the call (with the compiled turn, one
+    compiled call: the turn, the set's writer, the set's result), mode by mode: recorded
+    once, then run on new lengths round a ring of depth 3, every other run after a direct
+    build that takes a turn of the same ring. Each run's host mirrors equal those of a torch
+    builder (``host_ops=False``) given the same lengths; the previous run's still hold its
+    own; the ring's count moves by one a run; a refused length takes one turn, raises the
+    call's message and leaves the previous run's mirrors as they were. A step recorded from
+    a call given no ``seq_lens_cpu`` gives that call's result."""
+    from specmeta.metadata.contract import describing
+
+    if host_ops.compiled() is None:
+        pytest.fail(f"the compiled host ops are missing here: {host_ops.unavailable()}")
+    k, s, n, B = 2, 3, 4, 3
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=4, max_bs=4,
+                     max_context_len=40)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, mirror_depth=3)
+    ref = FlashInferBuilder(cfg, device, mirror_depth=3, host_ops=False)
+    rings = fi._mirrors
+    if turn == "python":
+        for ring in rings.values():
+            ring.turn = None
+    b = make_batch("random", batch_size=B, topk=k, num_steps=s, page_size=4,
+                   row_width=cfg.req_to_token_width, generator=gen, device=device,
+                   extra_tokens=n, max_len=40)  # fmt: skip
+    tree = random_tree_mask(B, k, s, n, gen).to(device)
+
+    def call(builder, mode, kw, lens):
+        args = [b.req_pool_indices, b.req_to_token, b.seq_lens]
+        if kw.get("tree"):
+            args.append(tree)
+        kw = {key: v for key, v in kw.items() if key != "tree"}
+        return getattr(builder, mode)(*args, seq_lens_cpu=lens, launch=False, **kw)
+
+    def host(result):
+        return [h.clone() for h, _ in _host_mirrors(result)]
+
+    for mode, kw in _STEP_MODES:
+        where = f"{mode} {kw}"
+        with describing() as steps:
+            plain = call(fi, mode, kw, None)
+        assert steps[0].run(None) is plain, f"{where}: a call given no seq_lens_cpu"
+        with describing() as steps:
+            call(fi, mode, kw, b.seq_lens_cpu)
+        (step,) = steps
+        ring = rings[fi.plan_groups.get(mode, mode)]
+        assert (ring.turn is not None) == (turn == "compiled"), where
+        previous = None
+        for i in range(7):
+            if i % 2:
+                call(fi, mode, kw, b.seq_lens_cpu)  # a direct build's turn in between
+            lens = torch.randint(0, 41, (B,), generator=gen, dtype=torch.int64)
+            before = int(ring._state[0]) if ring.compiled else ring._builds
+            got = step.run(lens)
+            after = int(ring._state[0]) if ring.compiled else ring._builds
+            assert after == before + 1, f"{where}, run {i}: the ring moved {after - before}"
+            want = host(call(ref, mode, kw, lens))
+            for j, (g, w) in enumerate(zip(host(got), want, strict=True)):
+                assert_equal(g, w, f"{where}, run {i} (lengths {lens.tolist()}): mirror {j}")
+            if previous is not None:
+                for j, (g, w) in enumerate(zip(host(previous[0]), previous[1], strict=True)):
+                    assert_equal(g, w, f"{where}, run {i}: the previous run's mirror {j}")
+            previous = (got, host(got))
+        bad = torch.tensor([5, 41, 2])
+        with pytest.raises(ValueError) as want:
+            call(fi, mode, kw, bad)
+        before = int(ring._state[0]) if ring.compiled else ring._builds
+        with pytest.raises(ValueError) as raised:
+            step.run(bad)
+        after = int(ring._state[0]) if ring.compiled else ring._builds
+        assert str(raised.value) == str(want.value), where
+        assert after == before + 1, f"{where}: a refusal moved the ring {after - before}"
+        for j, (g, w) in enumerate(zip(host(previous[0]), previous[1], strict=True)):
+            assert_equal(g, w, f"{where}: after the refusal, the last run's mirror {j}")
