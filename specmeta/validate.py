@@ -7,11 +7,13 @@ capacity) naming the argument, with what was expected and what was given.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
 import torch
 
+from . import tensor_layout
 from .status import default_status
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -302,13 +304,16 @@ def _guarded_signer(args: tuple, pattern: int, signer: Signer):
     return _written(src, "sign", scope)
 
 
-def pinned(tensors: Sequence[torch.Tensor], sources: Sequence = (), *, guarded: bool = True):
+def pinned(tensors: Sequence[torch.Tensor], sources: Sequence = (), *, guarded: bool = True,
+           native: bool = True):  # fmt: skip
     """A function ``unchanged() -> bool``: whether ``tensors`` and the tensors the functions
     ``sources`` return (a guarded engine tensor, read again on every call) still have the
     addresses, shapes, strides, dtypes and devices they have now. One function written for
-    them, with torch's tensor guard (:func:`_tensor_guards`) where it is available and
-    ``guarded``, else the :func:`signature` of them all; for a graph runner, which checks what
-    its graphs captured before every replay."""
+    them: with ``guarded``, the native layout check (:mod:`specmeta.tensor_layout`, one call
+    for them all) where it is built and ``native``, else torch's tensor guard
+    (:func:`_tensor_guards`) with an address call per tensor where it is available; else the
+    :func:`signature` of them all. For a graph runner, which checks what its graphs captured
+    before every replay."""
     fixed, calls = tuple(tensors), tuple(sources)
     for i, f in enumerate(calls):
         if not callable(f):
@@ -321,9 +326,22 @@ def pinned(tensors: Sequence[torch.Tensor], sources: Sequence = (), *, guarded: 
             raise TypeError(f"pinned: {what} is a {type(t).__name__}, not a torch.Tensor; "
                             "pass the tensors a graph captured")  # fmt: skip
     names = [f"t{i}" for i in range(len(now))]
+    scope = {"_fixed": fixed, "_calls": calls, "_signature": signature}
+    layout = tensor_layout.module() if guarded and native and now else None
+    if layout is not None:
+        try:
+            scope["_layouts"], scope["_same"] = layout.record(*now), layout.same
+        except (TypeError, RuntimeError):  # a tensor the native check cannot read
+            layout = None
+    if layout is not None:
+        if not calls:  # one native call, no Python frame around it
+            return functools.partial(layout.same, scope["_layouts"], *fixed)
+        args = [f"_fixed[{i}]" for i in range(len(fixed))]
+        args += [f"_calls[{i}]()" for i in range(len(calls))]
+        src = f"def unchanged():\n    return _same(_layouts, {', '.join(args)})\n"
+        return _written(src, "unchanged", scope)
     reads = [f"    {n} = _fixed[{i}]\n" for i, n in enumerate(names[: len(fixed)])]
     reads += [f"    {n} = _calls[{i}]()\n" for i, n in enumerate(names[len(fixed) :])]
-    scope = {"_fixed": fixed, "_calls": calls, "_signature": signature}
     if guarded and _GUARD is not None and now:
         # An address names one device unless it is 0 (an empty tensor): the guard compares
         # the device too.

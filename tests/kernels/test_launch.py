@@ -463,18 +463,23 @@ def test_signer_keys_views_of_one_address_apart(guarded):
     assert sign("head", buf[:3], True, other) != sign("head", buf[:3], 1, other), "a bool"
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
-def test_pinned_sees_every_change_a_captured_graph_cannot_follow(guarded):
+@pytest.mark.parametrize("how", ["native", "torch-guard", "python-reads"])
+def test_pinned_sees_every_change_a_captured_graph_cannot_follow(how):
     """validate.pinned (a graph runner's check of what its graphs captured): True while every
     tensor keeps its address, shape, strides, dtype and device; False after an in-place
     resize, a set_ to other storage, a guarded tensor reallocated, reshaped or viewed as
-    another dtype. Each change on a fresh check, so one change alone makes it False."""
-    from specmeta import validate
+    another dtype. Each change on a fresh check, so one change alone makes it False. Each of
+    the three ways it checks: the native layout check, torch's guard, Python reads."""
+    from specmeta import tensor_layout, validate
+
+    if how == "native" and tensor_layout.module() is None:
+        pytest.fail(f"the native layout check is missing here: {tensor_layout.unavailable()}")
+    kw = {"guarded": how != "python-reads", "native": how == "native"}
 
     def case():
         fixed = [torch.zeros(4, 3, dtype=torch.int32), torch.zeros(6, dtype=torch.int64)]
         box = {"t": torch.zeros(2, 8)}
-        return fixed, box, validate.pinned(fixed, [lambda: box["t"]], guarded=guarded)
+        return fixed, box, validate.pinned(fixed, [lambda: box["t"]], **kw)
 
     fixed, box, unchanged = case()
     assert unchanged() and unchanged(), "nothing changed"
@@ -492,6 +497,11 @@ def test_pinned_sees_every_change_a_captured_graph_cannot_follow(guarded):
         fixed, box, unchanged = case()
         change(fixed, box)
         assert not unchanged(), name
+    fixed = [torch.zeros(5), torch.zeros(2, 2)]  # no sources: the check of fixed tensors alone
+    unchanged = validate.pinned(fixed, **kw)
+    assert unchanged(), "fixed tensors alone, unchanged"
+    fixed[1].resize_(4)
+    assert not unchanged(), "fixed tensors alone, one resized"
 
 
 def test_pinned_refuses_what_is_not_a_tensor():
