@@ -110,6 +110,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     why = host_ops.unavailable()  # the builders' host work on seq_lens_cpu (design §3)
     print("host work on seq_lens_cpu: " + ("compiled" if why is None else f"torch ({why})"))
+    from . import tensor_layout
+
+    why = tensor_layout.unavailable()  # a graph runner's check before each replay (design §4)
+    print("runner's check of captured tensors: "
+          + ("native" if why is None else f"torch's guard ({why})"))  # fmt: skip
     tty = sys.stdout.isatty()
     width = 30
 

@@ -67,14 +67,14 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def _command(src: pathlib.Path, out: pathlib.Path) -> list[str]:
+def _command(src: pathlib.Path, out: pathlib.Path, std: str) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     libs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
+        os.environ.get("CXX", "c++"), "-O2", "-shared", "-fPIC", f"-std={std}", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], str(src), "-o", str(out),
         *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs],
         "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -95,8 +95,11 @@ def _build() -> pathlib.Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = pathlib.Path(tmp) / target.name
-        run = subprocess.run(_command(_SOURCE, built), capture_output=True, text=True)
-        if run.returncode != 0:
+        for std in ("c++17", "c++20"):  # torch's headers need C++17; newer ones may want 20
+            run = subprocess.run(_command(_SOURCE, built, std), capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"building {_SOURCE.name} failed: {run.stderr.strip()}")
         os.replace(built, target)  # atomic: a process beside this one loads a whole file
     return target

@@ -130,6 +130,11 @@ def test_check_reports_and_exits_zero(capsys, device):
     why = host_ops.unavailable()  # which host path the builders use, said before the checks
     want = "compiled" if why is None else f"torch ({why})"
     assert f"host work on seq_lens_cpu: {want}\n" in out
+    from specmeta import tensor_layout
+
+    why = tensor_layout.unavailable()
+    want = "native" if why is None else f"torch's guard ({why})"
+    assert f"runner's check of captured tensors: {want}\n" in out
 
 
 def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
