@@ -7,8 +7,9 @@ mutation cannot go stale silently), with the small test selection that must catc
 mutation the script copies the repository's tracked files into a fresh temporary directory,
 applies the mutation there and runs ``python3 -m pytest -q -x -p no:cacheprovider <selection>``
 from that directory with ``PYTHONPATH`` pointing at the copy (so the mutated package is the one
-imported). Pytest's exit code decides: 1 is *caught*, 0 is *missed*, anything else (or a stale
-snippet) is an *error*.
+imported). Pytest's exit code decides: 1 is *caught*, and so is a test process killed by a
+segmentation fault, an abort or a bus error (a planted out-of-bounds write that corrupts the
+process's memory); 0 is *missed*; anything else (or a stale snippet) is an *error*.
 
     python3 scripts/mutations.py              # every CPU mutation, two at a time
     python3 scripts/mutations.py --list       # the mutations, without running them
@@ -34,6 +35,7 @@ import concurrent.futures
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,7 +195,8 @@ MUTATIONS: list[Mutation] = [
        K + "cache_loc_move.py",
        "ok = want & (idx >= lo) & (idx < lo + N) & (k < N)",
        "ok = want & (idx >= lo) & (k < N)",
-       ["tests/kernels/test_cache_loc_move.py", "-k", "accept_matches or accept_property"]),
+       ["tests/kernels/test_cache_loc_move.py", "-k",
+        "accept_matches or accept_property or past_its_window"]),
     _m("r-move-src-range", "reference", "move_kv_cache_ref forgets the source's upper bound",
        K + "cache_loc_move.py",
        "in_pool = (t >= 0) & (t < rows.shape[0]) & (s >= 0) & (s < rows.shape[0])",
@@ -648,8 +651,11 @@ def run_one(m: Mutation, root: Path = ROOT, timeout: float = 900) -> Result:
             return Result(m, "error", time.monotonic() - start, f"timed out after {timeout} s")
     seconds = time.monotonic() - start
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-    outcome = {1: "caught", 0: "missed"}.get(proc.returncode, "error")
+    crashed = -proc.returncode in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+    outcome = "caught" if crashed else {1: "caught", 0: "missed"}.get(proc.returncode, "error")
     detail = tail[0] if outcome != "error" else f"pytest exit {proc.returncode}: {tail[0]}"
+    if crashed:
+        detail = f"the tests crashed ({signal.Signals(-proc.returncode).name})"
     return Result(m, outcome, seconds, detail)
 
 

@@ -156,6 +156,21 @@ def test_accept_invalid_entries_are_skipped_and_reported(device, gen):
     assert src.tolist() == want_s
 
 
+def test_accept_entry_past_its_window_is_skipped_and_reported(device):
+    """A node of the next request's window in a row (index >= its own window's end) is not
+    the request's: the pair is skipped as (0, 0) and reported, by the kernel and the
+    reference alike."""
+    N = 4
+    slots = (torch.arange(2 * N) + 100).to(device)
+    accept_index = torch.tensor([[0 * N + 0, 1 * N + 1, -1], [1 * N + 0, -1, -1]],
+                                dtype=torch.int32, device=device)  # fmt: skip
+    accept_lens = torch.tensor([2, 1], device=device)
+    tgt, src, status = _run_accept(accept_index, accept_lens, slots, N, device)
+    assert status == int(Status.BAD_ACCEPT)
+    assert tgt.tolist() == [100, 0, 104, 0, 0, 0]
+    assert src.tolist() == [100, 0, 104, 0, 0, 0]
+
+
 @pytest.mark.parametrize("bad_len", [-1, 5, 1 << 20])
 def test_accept_lengths_out_of_range_are_clamped_and_reported(device, bad_len):
     N = 4
