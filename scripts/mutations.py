@@ -519,6 +519,13 @@ MUTATIONS: list[Mutation] = [
        "if (sizes[d] != at[5 + d] || strides[d] != at[5 + rank + d]) return false;",
        "if (sizes[d] != at[5 + d]) return false;",
        ["tests/test_tensor_layout.py", "-k", "agrees"]),
+    _m("l-record-no-strides", "launch",
+       "the native layout record packs sizes but not strides: a launch plan or a builder's "
+       "checked-input key made for one stride order is replayed for a transposed view",
+       "specmeta/tensor_layout.cpp",
+       "  for (int64_t d = 0; d < rank; ++d) out.push(strides[d]);\n",
+       "",
+       ["tests/kernels/test_launch.py", "-k", "views_of_one_address_apart and native"]),
     _m("l-launch-key-alignment", "launch",
        "Launcher keys a handle without the pointers' alignment",
        "specmeta/launch.py",

@@ -113,7 +113,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from . import tensor_layout
 
     why = tensor_layout.unavailable()  # a graph runner's check before each replay (design §4)
-    print("runner's check of captured tensors: "
+    print("call keys and the runner's check of captured tensors: "
           + ("native" if why is None else f"torch's guard ({why})"))  # fmt: skip
     tty = sys.stdout.isatty()
     width = 30

@@ -20,20 +20,45 @@
 
 namespace {
 
+// The layouts of one call, packed without a heap allocation for the common case (a few
+// tensors of low rank); past `kInline` entries they move to the heap.
+class Packed {
+ public:
+  explicit Packed(int64_t count) { push(count); }
+  void push(int64_t v) {
+    if (heap_.empty() && size_ < kInline) {
+      inline_[size_++] = v;
+      return;
+    }
+    if (heap_.empty()) heap_.assign(inline_, inline_ + size_);
+    heap_.push_back(v);
+    ++size_;
+  }
+  const int64_t *data() const { return heap_.empty() ? inline_ : heap_.data(); }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr size_t kInline = 128;
+  int64_t inline_[kInline];
+  std::vector<int64_t> heap_;
+  size_t size_ = 0;
+};
+
 // Appends the layout of `obj` to `out`; false when it is not a tensor with storage.
-bool append_layout(PyObject *obj, std::vector<int64_t> &out) {
+bool append_layout(PyObject *obj, Packed &out) {
   if (!THPVariable_Check(obj)) return false;
   const at::Tensor &t = THPVariable_Unpack(obj);
   if (!t.defined() || !t.has_storage()) return false;
   const c10::Device device = t.device();
-  out.push_back(reinterpret_cast<intptr_t>(t.const_data_ptr()));
-  out.push_back(static_cast<int64_t>(t.scalar_type()));
-  out.push_back(static_cast<int64_t>(device.type()));
-  out.push_back(static_cast<int64_t>(device.index()));
+  out.push(reinterpret_cast<intptr_t>(t.const_data_ptr()));
+  out.push(static_cast<int64_t>(t.scalar_type()));
+  out.push(static_cast<int64_t>(device.type()));
+  out.push(static_cast<int64_t>(device.index()));
   const int64_t rank = t.dim();
-  out.push_back(rank);
-  for (int64_t d = 0; d < rank; ++d) out.push_back(t.sizes()[d]);
-  for (int64_t d = 0; d < rank; ++d) out.push_back(t.strides()[d]);
+  out.push(rank);
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  for (int64_t d = 0; d < rank; ++d) out.push(sizes[d]);
+  for (int64_t d = 0; d < rank; ++d) out.push(strides[d]);
   return true;
 }
 
@@ -57,7 +82,7 @@ bool matches(PyObject *obj, const int64_t *&at, const int64_t *end) {
 }
 
 PyObject *record(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-  std::vector<int64_t> out{static_cast<int64_t>(nargs)};
+  Packed out(static_cast<int64_t>(nargs));
   try {
     for (Py_ssize_t i = 0; i < nargs; ++i) {
       if (!append_layout(args[i], out)) {

@@ -163,24 +163,34 @@ class Signer(TypePatterns):
     """A key of ``(head, *args)`` as selective as :func:`signature` of ``args``, made by
     straight-line code written for the argument types of one call site's calls.
 
-    For each pattern of argument types (up to four) it writes one function. Where torch's C++
-    tensor guard is available (:func:`_tensor_guards`), that function reads, per tensor, only
-    its address (its device when the address is 0: a non-zero address names one device, host
-    and CUDA memory sharing one address space), and per other slot its value; the tensors'
-    shapes, strides and dtypes, which a key of the same addresses once had, are then compared
-    by the guard stored with it, in one C call (up to :attr:`WAYS` such entries per address,
-    newest first), and the key is a :class:`Key`, the same object for the same signature.
-    Otherwise the key is the full signature tuple: address, shape, strides and dtype per
-    tensor, read in Python. Keys of different patterns never meet; a pattern past the fourth
-    takes :func:`signature`. ``head`` (hashable) leads every key.
+    For each pattern of argument types (up to four) it writes one function, in the first of
+    these ways that is available:
+
+    - **native** (:mod:`specmeta.tensor_layout`): every tensor's address, dtype, device, shape
+      and strides read in one native call, packed as bytes beside the other slots' values;
+      the key is the :class:`Key` of that signature.
+    - **torch's tensor guard** (:func:`_tensor_guards`): per tensor only its address (its
+      device when the address is 0: a non-zero address names one device, host and CUDA
+      memory sharing one address space), and per other slot its value; the tensors' shapes,
+      strides and dtypes, which a key of the same addresses once had, are then compared by the
+      guard stored with it, in one C call (up to :attr:`WAYS` such entries per address, newest
+      first).
+    - **Python reads**: the full signature tuple, address, shape, strides and dtype per
+      tensor.
+
+    Keys are :class:`Key` objects, the same object for the same signature (the Python reads'
+    keys are the tuples themselves). Keys of different patterns or ways never meet; a pattern
+    past the fourth takes :func:`signature`. ``head`` (hashable) leads every key.
 
     Parameters
     ----------
     guarded : bool
         Use torch's tensor guard where it is available (default); ``False``: the Python reads.
+    native : bool
+        Use the native layout read where it is built (default; with ``guarded`` only).
     """
 
-    __slots__ = ("_keys", "_table", "_guard")
+    __slots__ = ("_keys", "_table", "_guard", "_native", "_record")
 
     #: Shapes, strides and dtypes remembered per address key (a batch's views keep their
     #: address while the batch size changes).
@@ -189,12 +199,37 @@ class Signer(TypePatterns):
     #: keys that no call returns any more).
     SIZE = 4096
 
-    def __init__(self, guarded: bool = True) -> None:
+    def __init__(self, guarded: bool = True, native: bool = True) -> None:
         self._keys: dict = {}  # signature -> Key
         self._table: dict = {}  # address key -> [(Key, guard check), ...], newest first
         self._guard = _GUARD if guarded else None
-        write = _guarded_signer if self._guard is not None else _signer
-        super().__init__(lambda args, pattern: write(args, pattern, self), self._generic_key)
+        # The native module is looked up at the first key, not here: signers are made at
+        # import, and the first lookup in a process may build it.
+        self._native = guarded and native
+        self._record = None
+        super().__init__(self._write_pattern, self._generic_key)
+
+    def _resolve(self) -> None:
+        if self._native:
+            layout = tensor_layout.module()
+            self._record = layout.record if layout is not None else None
+            self._native = False
+
+    def _write_pattern(self, args: tuple, pattern: int):
+        self._resolve()
+        if self._record is not None:
+            return _native_signer(args, pattern, self)
+        if self._guard is not None:
+            return _guarded_signer(args, pattern, self)
+        return _signer(args, pattern, self)
+
+    @property
+    def way(self) -> str:
+        """How the keys read the tensors: ``native``, ``torch's guard`` or ``python reads``."""
+        self._resolve()
+        if self._record is not None:
+            return "native"
+        return "torch's guard" if self._guard is not None else "python reads"
 
     def key(self, signature: tuple) -> Key:
         """The :class:`Key` of ``signature``."""
@@ -226,12 +261,15 @@ class Signer(TypePatterns):
         return key
 
 
-def _parts(names: list, args: tuple, pattern: int, *, shapes: bool) -> tuple[list, list]:
+def _parts(names: list, args: tuple, pattern: int, *, shapes: bool,
+           tensors: bool = True) -> tuple[list, list]:  # fmt: skip
     """``(guards, parts)`` of a :class:`Signer` key function: the type tests of a call's
     arguments and the key's entries (per tensor its address, and with ``shapes`` its shape,
-    strides and dtype; per other slot its value)."""
-    guards, parts = [], [repr(f"pattern{pattern}"), "head"]
+    strides and dtype; nothing without ``tensors``; per other slot its value)."""
+    guards, parts = [], [repr(f"pattern{pattern}" if tensors else f"native{pattern}"), "head"]
     for a, v in zip(names, args, strict=True):
+        if isinstance(v, torch.Tensor) and not tensors:
+            continue  # read by the native call; a slot of another type makes it raise
         if isinstance(v, torch.Tensor):
             # Without shapes, another type in a tensor slot fails the guard (or has no
             # data_ptr) and reaches the full signature, which tests the type.
@@ -275,6 +313,36 @@ def _signer(args: tuple, pattern: int, signer: Signer):
     read in Python."""
     del signer
     return _written(*_full_signature(args[1:], pattern))
+
+
+def _native_signer(args: tuple, pattern: int, signer: Signer):
+    """The key function of a :class:`Signer` with the native layout read: the tensors'
+    layouts in one call, packed beside the other slots' values. A slot that holds no tensor
+    with storage makes the native call raise; the full signature then decides (it raises
+    :class:`OtherTypes` for another pattern)."""
+    args = args[1:]
+    names = [f"a{i}" for i in range(len(args))]
+    tensors = [a for a, v in zip(names, args, strict=True) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return _signer((None, *args), pattern, signer)
+    guards, parts = _parts(names, args, pattern, shapes=False, tensors=False)
+    every = ", ".join(["head", *names])
+    src = (
+        f"def sign({every}):\n"
+        + (f"    if {' or '.join(guards)}:\n        raise _OtherTypes\n" if guards else "")
+        + "    try:\n"
+        + f"        layouts = _record({', '.join(tensors)})\n"
+        + "    except (TypeError, RuntimeError):\n"
+        + f"        return _key(_full({every}))\n"
+        + f"    found = _keys.get(({', '.join(parts)}, layouts))\n"
+        + "    if found is not None:\n"
+        + "        return found\n"
+        + f"    return _key(({', '.join(parts)}, layouts))\n"
+    )
+    scope = {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes, "_record": signer._record,
+             "_keys": signer._keys,
+             "_key": signer.key, "_full": _written(*_full_signature(args, pattern))}  # fmt: skip
+    return _written(src, "sign", scope)
 
 
 def _guarded_signer(args: tuple, pattern: int, signer: Signer):

@@ -134,7 +134,7 @@ def test_check_reports_and_exits_zero(capsys, device):
 
     why = tensor_layout.unavailable()
     want = "native" if why is None else f"torch's guard ({why})"
-    assert f"runner's check of captured tensors: {want}\n" in out
+    assert f"call keys and the runner's check of captured tensors: {want}\n" in out
 
 
 def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):

@@ -399,14 +399,26 @@ def test_gpu_builder_plans_follow_new_device_values(gen, backend, mode, k, ps):
     assert int(real.status) == 0
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
-def test_signer_keys_separate_types_patterns_and_arity(guarded):
+_SIGNERS = {"native": {}, "torch-guard": {"native": False}, "python-reads": {"guarded": False}}
+
+
+def _signer(how):
+    """A Signer of the way ``how``, asserted to be that way (a way that is not available
+    here fails, it is not skipped)."""
+    from specmeta import validate
+
+    sign = validate.Signer(**_SIGNERS[how])
+    assert sign.way == {"native": "native", "torch-guard": "torch's guard",
+                        "python-reads": "python reads"}[how]  # fmt: skip
+    return sign
+
+
+@pytest.mark.parametrize("how", list(_SIGNERS))
+def test_signer_keys_separate_types_patterns_and_arity(how):
     """A Signer's keys are as selective as validate.signature: per argument-type pattern (a
     tensor, an int, None, a bool in a slot), past its fourth pattern too, and for another
     number of arguments."""
-    from specmeta import validate
-
-    sign = validate.Signer(guarded=guarded)
+    sign = _signer(how)
     x = torch.arange(6)
     calls = [
         (x, 3, None),
@@ -435,14 +447,14 @@ def test_torch_tensor_guard_is_available():
     assert validate._GUARD is not None, f"torch {torch.__version__}: TensorGuards unusable"
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["torch-guard", "python-reads"])
-def test_signer_keys_views_of_one_address_apart(guarded):
+@pytest.mark.parametrize("how", list(_SIGNERS))
+def test_signer_keys_views_of_one_address_apart(how):
     """Views that share an address (a batch's slices as B changes, a reshaped or
     reinterpreted buffer) get keys as different as their signatures, past the WAYS entries
     an address remembers too; a signature seen before gets the same Key object back."""
     from specmeta import validate
 
-    sign = validate.Signer(guarded=guarded)
+    sign = _signer(how)
     buf = torch.arange(64, dtype=torch.int32)
     other = torch.zeros(8, dtype=torch.int64)
     views = [buf[:n] for n in range(1, validate.Signer.WAYS + 4)]
@@ -456,7 +468,7 @@ def test_signer_keys_views_of_one_address_apart(guarded):
     assert again == keys[::-1], "the same signature, an equal key"
     fresh = [sign("head", buf[:n], 3, other) for n in (1, 2, 3)]  # new view objects
     assert fresh == keys[:3]
-    if guarded:
+    if how != "python-reads":
         assert all(f is k for f, k in zip(fresh, keys[:3], strict=True)), "one Key each"
     assert sign("head", buf[:3], 3, other.clone()) != keys[2], "another address"
     assert sign("head", buf[:3], 4, other) != keys[2], "another integer"
