@@ -106,6 +106,19 @@ def calls(pkg, bs: int, k: int, ps: int, batch, tree) -> dict:
         "flashinfer.target_verify": (lambda: i_tv.target_verify(*a, tree, seq_lens_cpu=lens),
                                      2, 10.0, builder),
     })  # fmt: skip
+    # A new max L on every call, as in a decode loop whose lengths grow: two batches whose
+    # lengths differ by a page, called in turn (bench_host_builder_new_max).
+    f_nm = fa3.FA3MetadataBuilder(cfg, "cuda", modes=("draft_decode",))
+    shorter = (lens - ps).clamp(min=0)
+    turns = [(a[2], lens), (shorter.cuda(), shorter)]
+    turn = [0]
+
+    def new_max():
+        turn[0] = 1 - turn[0]
+        d, c = turns[turn[0]]
+        return f_nm.draft_decode(a[0], a[1], d, slots, seq_lens_cpu=c)
+
+    out["fa3.draft_decode.new_max"] = (new_max, 1, 10.0, builder)
     it_fa3 = fa3.FA3MetadataBuilder(cfg, "cuda", modes=("draft_decode",))
     it_fi = fi.FlashInferBuilder(cfg, "cuda", modes=("draft_decode",))
 
