@@ -505,6 +505,13 @@ MUTATIONS: list[Mutation] = [
        "PyObject *entry = PyList_GET_ITEM(made, slot);",
        "PyObject *entry = PyList_GET_ITEM(made, 0);",
        ["tests/metadata/test_host_mirrors.py", "-k", "recorded_host_step"]),
+    _m("h-raised-unshared", "host_mirror",
+       "the compiled copy of an FA3 result for a new max L makes a normal pass per step: a "
+       "K > 1 draft decode's steps no longer share the one pass the design promises",
+       "specmeta/metadata/host_ops.c",
+       "if (memo->recipe[i] == recipe) {",
+       "if (memo->recipe[i] == recipe && 0) {",
+       ["tests/metadata/test_fa3.py", "-k", "compiled_new_max_copy or max_seqlen_k_follows"]),
     _m("h-ring-no-wait-torch", "host_mirror",
        "the Python ring turn hands out a set whose plan() copy is still queued behind the stream",
        "specmeta/metadata/host_mirrors.py",

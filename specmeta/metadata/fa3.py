@@ -25,6 +25,7 @@ builder's buffers: the next build of the same mode overwrites them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,7 @@ from ..kernels.verify_expand_page_table import (
     verify_expand_page_table,
     verify_expand_page_table_ref,
 )
+from . import host_ops as host_ops_module
 from .contract import Capabilities, DraftSteps, MetadataBuilder
 from .inputs import BuildInputs
 from .layout import UniformQueryLayout
@@ -156,16 +158,36 @@ class FA3DraftDecode(DraftSteps):
     steps: tuple[FA3Cascade, ...]
 
 
-def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode) -> Callable[[int], Any]:
+def _recipe(base: FA3Metadata | FA3Cascade | FA3DraftDecode, shared: dict) -> tuple:
+    """The compiled ``raised``'s recipe of ``base`` (``host_ops.c``): per object its class, its
+    fields, the field a new ``top`` changes, and what that field is made of (the maximum at
+    ``top = 0``, or the recipes of the objects it holds). A normal pass that several steps
+    share has one recipe, so the compiled copy shares one raised pass too."""
+    if type(base) is FA3Metadata:
+        return (FA3Metadata, base.__dict__, "max_seqlen_k", base.max_seqlen_k)
+    if type(base) is FA3Cascade:
+        normal = shared.get(id(base.normal))
+        if normal is None:
+            normal = shared[id(base.normal)] = _recipe(base.normal, shared)
+        return (FA3Cascade, base.__dict__, "normal", normal)
+    return (type(base), base.__dict__, "steps", tuple(_recipe(s, shared) for s in base.steps))
+
+
+def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode,
+            raised: Callable[[tuple, int], Any] | None = None) -> Callable[[int], Any]:  # fmt: skip
     """A function ``top -> result``: ``base``, a result made for ``top = 0``, with each normal
     pass's ``max_seqlen_k`` raised by ``top`` (an expand pass's is a bound that ``top`` does not
     move), sharing ``base``'s views. A normal pass shared by every step (``K > 1``) stays shared.
 
-    Made once per result; each call then copies the few frozen objects with straight code: a
-    copy of each object's field dictionary with one field replaced, installed as the new
-    object's ``__dict__`` without ``__init__`` (which checks nothing here; a frozen dataclass
-    refuses attribute assignment, not ``object.__setattr__``). A result for every new ``max L``
-    of a decode loop costs a few dictionary copies."""
+    Made once per result; each call then copies the few frozen objects: with ``raised`` (the
+    compiled host ops' ``raised``), in one compiled call over :func:`_recipe`; otherwise with
+    straight code below, the rule the compiled copy follows: a copy of each object's field
+    dictionary with one field replaced, installed as the new object's ``__dict__`` without
+    ``__init__`` (which checks nothing here; a frozen dataclass refuses attribute assignment,
+    not ``object.__setattr__``). A result for every new ``max L`` of a decode loop costs a few
+    dictionary copies (design §3.2 gives the cost of each way)."""
+    if raised is not None:
+        return functools.partial(raised, _recipe(base, {}))
     new, install = object.__new__, object.__setattr__
     fields = base.__dict__
     if type(base) is FA3Metadata:
@@ -273,6 +295,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned()
         self._last: dict[tuple, list] = {}  # (mode, B[, rows]) -> [top, its result, raiser]
+        op = host_ops_module.compiled() if self.host_ops else None
+        self._raised = op.raised if op is not None else None  # a result for a new max L
         # The builder checks every input before launching (inputs.py), so its launchers skip
         # their own second pass over the same tensors (validate.trusting).
         self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
@@ -319,7 +343,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             top = (bound if high is None else high - high % ps if whole_pages else high) + extra
             found = last.get(at)
             if found is None:
-                found = last[at] = [None, None, _raiser(self.result((*at, 0), make, *key, 0))]
+                base = self.result((*at, 0), make, *key, 0)
+                found = last[at] = [None, None, _raiser(base, self._raised)]
             if found[0] != top:
                 found[0], found[1] = top, found[2](top)
             return found[1]

@@ -1,5 +1,6 @@
 /* A build's host work on seq_lens_cpu in one compiled call (design §3): the check of every
- * length, FlashInfer's host mirrors, and the turn of their ring (design §3.3).
+ * length, FlashInfer's host mirrors, the turn of their ring (design §3.3), and FA3's result
+ * for a new max L.
  *
  * Each function reads the engine's seq_lens_cpu and checks every length against
  * [0, max_len] before writing anything. stats() returns max L and the sum; the mirror writers
@@ -450,6 +451,101 @@ static PyObject *mirror_step(PyObject *self, PyObject *const *args, Py_ssize_t n
   return result;
 }
 
+/* raised(recipe, top) -> a result made for max L = 0, its normal passes' maxima raised by top
+ * (fa3.py, _raiser; the Python copy there is the rule this follows).
+ *
+ * recipe = (cls, fields, name, sub): a new cls object, made without __init__ as
+ * object.__new__ makes it, whose __dict__ is a copy of the dict `fields` with `name` set to
+ * sub + top when sub is an int, to the object of sub when sub is a recipe, and to a tuple of
+ * the objects of its recipes when sub is a tuple of recipes. A recipe met twice in one call
+ * gives one object (a normal pass shared by every step stays shared). */
+#define RAISED_MEMO 64
+typedef struct {
+  PyObject *recipe[RAISED_MEMO];
+  PyObject *made[RAISED_MEMO]; /* borrowed: held by the object being built */
+  int count;
+} Made;
+
+static PyObject *dict_name; /* "__dict__" */
+
+static PyObject *raise_recipe(PyObject *recipe, long long top, Made *memo, int depth);
+
+static PyObject *raise_value(PyObject *sub, long long top, Made *memo, int depth) {
+  if (PyLong_CheckExact(sub)) {
+    long long high = PyLong_AsLongLong(sub);
+    if (high == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(high + top);
+  }
+  if (!PyTuple_Check(sub)) {
+    PyErr_SetString(PyExc_TypeError, "raised: a recipe's sub is an int, a recipe or a tuple of "
+                                     "recipes");
+    return NULL;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(sub);
+  if (n == 4 && PyType_Check(PyTuple_GET_ITEM(sub, 0)))
+    return raise_recipe(sub, top, memo, depth);
+  PyObject *out = PyTuple_New(n);
+  if (out == NULL) return NULL;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *item = raise_recipe(PyTuple_GET_ITEM(sub, i), top, memo, depth);
+    if (item == NULL) {
+      Py_DECREF(out);
+      return NULL;
+    }
+    PyTuple_SET_ITEM(out, i, item);
+  }
+  return out;
+}
+
+static PyObject *raise_recipe(PyObject *recipe, long long top, Made *memo, int depth) {
+  if (depth > 8 || !PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) != 4 ||
+      !PyType_Check(PyTuple_GET_ITEM(recipe, 0)) || !PyDict_Check(PyTuple_GET_ITEM(recipe, 1))) {
+    PyErr_SetString(PyExc_TypeError, "raised: a recipe is (cls, fields dict, name, sub), nested "
+                                     "at most 8 deep");
+    return NULL;
+  }
+  for (int i = 0; i < memo->count; ++i) {
+    if (memo->recipe[i] == recipe) {
+      Py_INCREF(memo->made[i]);
+      return memo->made[i];
+    }
+  }
+  PyObject *value = raise_value(PyTuple_GET_ITEM(recipe, 3), top, memo, depth + 1);
+  if (value == NULL) return NULL;
+  PyObject *fields = PyDict_Copy(PyTuple_GET_ITEM(recipe, 1));
+  if (fields == NULL || PyDict_SetItem(fields, PyTuple_GET_ITEM(recipe, 2), value) < 0) {
+    Py_XDECREF(fields);
+    Py_DECREF(value);
+    return NULL;
+  }
+  Py_DECREF(value);
+  PyTypeObject *cls = (PyTypeObject *)PyTuple_GET_ITEM(recipe, 0);
+  PyObject *obj = cls->tp_alloc(cls, 0);
+  if (obj == NULL || PyObject_GenericSetAttr(obj, dict_name, fields) < 0) {
+    Py_XDECREF(obj);
+    Py_DECREF(fields);
+    return NULL;
+  }
+  Py_DECREF(fields);
+  if (memo->count < RAISED_MEMO) {
+    memo->recipe[memo->count] = recipe;
+    memo->made[memo->count++] = obj;
+  }
+  return obj;
+}
+
+static PyObject *raised(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyLong_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "raised(recipe, top) takes a recipe and an int");
+    return NULL;
+  }
+  long long top = PyLong_AsLongLong(args[1]);
+  if (top == -1 && PyErr_Occurred()) return NULL;
+  Made memo;
+  memo.count = 0;
+  return raise_recipe(args[0], top, &memo, 0);
+}
+
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL,
      "init(torch.int64, torch.int32): the dtypes of the lengths."},
@@ -466,6 +562,8 @@ static PyMethodDef methods[] = {
      "ring_take(state, current_stream, device) -> the slot of the ring's next build"},
     {"mirror_step", (PyCFunction)(void (*)(void))mirror_step, METH_FASTCALL,
      "mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) -> result"},
+    {"raised", (PyCFunction)(void (*)(void))raised, METH_FASTCALL,
+     "raised(recipe, top) -> a result with its normal passes' maxima raised by top"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",
@@ -478,7 +576,9 @@ PyMODINIT_FUNC PyInit_specmeta_host_ops(void) {
   shape_name = PyUnicode_InternFromString("shape");
   is_cpu_name = PyUnicode_InternFromString("is_cpu");
   is_contiguous_name = PyUnicode_InternFromString("is_contiguous");
-  if (!data_ptr_name || !dtype_name || !shape_name || !is_cpu_name || !is_contiguous_name)
+  dict_name = PyUnicode_InternFromString("__dict__");
+  if (!data_ptr_name || !dtype_name || !shape_name || !is_cpu_name || !is_contiguous_name ||
+      !dict_name)
     return NULL;
   return PyModule_Create(&module);
 }

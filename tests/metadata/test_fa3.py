@@ -4,6 +4,8 @@ with the reference builder, the planned buffers, and the edge cases (B = 0, padd
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -192,16 +194,22 @@ def test_metadata_reads_as_the_spec_says(device, gen):
     assert extend.cache_seqlens.tolist() == (L + 6).tolist() and extend.causal
 
 
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("k,ps", [(1, 1), (1, 4), (4, 16), (2, 4)])
-def test_max_seqlen_k_follows_seq_lens_cpu_call_after_call(device, gen, k, ps):
+def test_max_seqlen_k_follows_seq_lens_cpu_call_after_call(device, gen, k, ps, host_ops):
     """A decode loop: one builder, a fresh batch of lengths each call (back to an earlier one
     too). Every normal pass's max_seqlen_k is design §3.2's reading of this call's
     seq_lens_cpu, the expand passes' their bounds, a K > 1 draft decode shares one normal pass
-    across its steps, and an earlier result keeps its own maxima."""
+    across its steps, and an earlier result keeps its own maxima; with the compiled copy of a
+    result for a new max L and with the Python one."""
+    if host_ops:
+        from specmeta.metadata import host_ops as ops
+
+        assert ops.unavailable() is None, ops.unavailable()  # compiled here, not skipped
     n = 3 if k == 1 else 6
     cfg = SpecConfig(topk=k, num_steps=3, num_draft_tokens=n, page_size=ps, max_bs=7,
                      max_context_len=2 * ps + 24)  # fmt: skip
-    fa3 = FA3MetadataBuilder(cfg, device)
+    fa3 = FA3MetadataBuilder(cfg, device, host_ops=host_ops)
     ctx, tables = cfg.max_context_len, []
     for max_len in (ctx, ctx // 2, ctx - 1, ctx // 2, 3, ctx):
         batch = make_batch("random", batch_size=5, topk=k, num_steps=3, page_size=ps,
@@ -229,6 +237,60 @@ def test_max_seqlen_k_follows_seq_lens_cpu_call_after_call(device, gen, k, ps):
         tables.append((steps, int(L.max())))
     for steps, high in tables:  # each result kept its own maxima
         assert steps[0].normal.max_seqlen_k in (high + 1, high, high - high % ps)
+
+
+def _same_objects(got, want, seen: dict, where: str = "result") -> None:
+    """``got`` and ``want`` are objects of one class whose fields hold the same tensors (the
+    same objects) and equal values, nested alike; an object that ``want`` shares in two places
+    is one object in ``got`` too."""
+    assert type(got) is type(want), where
+    if isinstance(want, tuple):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _same_objects(g, w, seen, f"{where}[{i}]")
+        return
+    if not dataclasses.is_dataclass(want):
+        assert got is want if isinstance(want, torch.Tensor) else got == want, where
+        return
+    if id(want) in seen:
+        assert seen[id(want)] is got, f"{where}: shared in the Python copy, not here"
+    seen[id(want)] = got
+    assert got.__dict__.keys() == want.__dict__.keys(), where
+    for name in want.__dict__:
+        _same_objects(getattr(got, name), getattr(want, name), seen, f"{where}.{name}")
+
+
+@pytest.mark.parametrize("k,ps", [(1, 4), (4, 16), (2, 1)])
+def test_compiled_new_max_copy_is_the_python_copy(device, gen, k, ps):
+    """A result for a new max L (fa3._raiser): the compiled copy (host_ops.c's raised) gives
+    the objects the Python copy gives, for every mode's result and several tops drawn fresh,
+    sharing the base's views and a shared normal pass; the base result is left as it was."""
+    from specmeta.metadata import fa3 as fa3_module
+    from specmeta.metadata import host_ops as ops
+
+    raised = ops.compiled().raised
+    n = 3 if k == 1 else 6
+    cfg = SpecConfig(topk=k, num_steps=4, num_draft_tokens=n, page_size=ps, max_bs=7,
+                     max_context_len=64)  # fmt: skip
+    fa3 = FA3MetadataBuilder(cfg, device, host_ops=False)
+    batch = make_batch("random", batch_size=5, topk=k, num_steps=4, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=48)  # fmt: skip
+    slots = assign_draft_cache_locs(*_args(batch), topk=k, num_steps=4, page_size=ps)
+    lens = dict(seq_lens_cpu=batch.seq_lens_cpu, launch=False)
+    bases = [fa3.draft_decode(*_args(batch), slots, num_rows=rows, **lens) for rows in (1, 4)]
+    bases += [fa3.target_verify(*_args(batch), **lens), fa3.draft_extend(*_args(batch), **lens)]
+    tops = [0, 1, int(torch.randint(2, 1 << 20, (1,), generator=gen))]
+    for i, base in enumerate(bases):
+        before = repr(base)
+        py, compiled = fa3_module._raiser(base), fa3_module._raiser(base, raised)
+        for top in tops:
+            want, got = py(top), compiled(top)
+            _same_objects(got, want, {}, f"bases[{i}], top {top}")
+            assert got is not base and dataclasses.is_dataclass(got), (i, top)
+        assert repr(base) == before, f"bases[{i}] changed"
+    with pytest.raises(TypeError, match="recipe"):
+        raised((FA3Metadata, {}, "max_seqlen_k"), 3)  # a malformed recipe is refused
 
 
 def test_plan_has_every_fa3_buffer_and_nothing_else_is_allocated(device, gen):
