@@ -69,6 +69,26 @@ def test_several_tensors_in_order_and_the_wrong_arguments():
         layout.same(b"abc", x)
 
 
+def test_many_tensors_past_the_inline_buffer(device):
+    """A call of more tensors than record() packs without a heap allocation (128 entries:
+    here up to 60 tensors of rank 3, 11 entries each) records and compares them all: one
+    changed tensor anywhere in the list, drawn fresh each run, makes it differ."""
+    layout = _module()
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    base = torch.zeros(2, 3, 4, device=device)
+    for count in (11, 12, 60):
+        many = [base[:, :, : rng.randrange(1, 5)] for _ in range(count)]
+        recorded = layout.record(*many)
+        assert len(recorded) == 8 * (1 + 11 * count), f"seed {seed}"
+        assert layout.same(recorded, *many) is True, f"seed {seed}"
+        assert layout.same(recorded, *[t[:] for t in many]) is True, f"seed {seed}"
+        i = rng.randrange(count)
+        changed = [*many[:i], many[i].transpose(0, 1), *many[i + 1 :]]
+        assert layout.same(recorded, *changed) is False, f"seed {seed}: tensor {i}"
+        assert layout.record(*changed) != recorded, f"seed {seed}: tensor {i}"
+
+
 def test_turned_off_by_the_environment_the_python_check_remains():
     """SPECMETA_NATIVE=0: no native module, and pinned still sees a change."""
     code = (
