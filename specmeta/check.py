@@ -334,16 +334,41 @@ _LOOP_PAGE_SIZE = 4
 _LOOP_TOKENS = 12  # new tokens a request, at least: small and CPU-fast
 
 
+def loop_attention(backend: str, gpu: bool, model_cfg, dtype: torch.dtype,
+                   device: torch.device, page_size: int) -> tuple[object, str | None]:  # fmt: skip
+    """The attention the lossless loop reads ``backend``'s metadata with, and why it is not the
+    real kernel when it is not. On a GPU: FA3 metadata through FlashAttention's CuTe kernels
+    (``flash-attn-4``), FlashInfer's through its wrappers (``flashinfer-python``); where that
+    package is not installed, the torch consumer, and the reason is returned to be printed
+    (an engine that serves one backend need not install the other's kernels to run the
+    check). On the CPU, and for TRT-LLM MLA (whose kernels need Blackwell), the torch
+    consumer."""
+    from .testing.attention import CuteFlashAttention, FlashInferAttention, TorchAttention
+
+    package = {"fa3": "flash-attn-4", "flashinfer": "flashinfer-python"}.get(backend)
+    if gpu and package is not None:
+        try:
+            if backend == "fa3":
+                return CuteFlashAttention(), None
+            return FlashInferAttention(model_cfg.num_heads, model_cfg.num_kv_heads,
+                                       model_cfg.head_dim, dtype=dtype, device=device), None  # fmt: skip
+        except ImportError as exc:
+            why = (f"the real kernel is not installed here ({exc}): read by the torch consumer; "
+                   f"pip install {package} to check through it")  # fmt: skip
+            return TorchAttention(page_size=page_size), why
+    return TorchAttention(page_size=page_size), None
+
+
 @register("lossless_loop")
 def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResult:
     """Speculative decoding of a tiny model through each backend's metadata, end to end: every
     output equals greedy decoding of the target and every iteration drafts the same tree and
     accepts as many tokens as the same loop on specmeta's references. CPU: the torch models of the attention kernels,
     float64. GPU: the real kernels (FlashAttention's CuTe kernels for FA3, FlashInfer's
-    wrappers) in bf16, against a float32 reference; near-ties within
+    wrappers; the torch model where one is not installed, said in its line:
+    :func:`loop_attention`) in bf16, against a float32 reference; near-ties within
     :data:`~specmeta.testing.tiny_model.DEFAULT_MARGIN` are counted, not failed."""
     from .config import SpecConfig
-    from .testing.attention import CuteFlashAttention, FlashInferAttention, TorchAttention
     from .testing.spec_loop import SpeculativeLoop, greedy_agreement, make_requests
     from .testing.tiny_model import DEFAULT_MARGIN, TinyConfig, TinyModel
 
@@ -359,13 +384,7 @@ def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResul
     margin = DEFAULT_MARGIN if gpu else 0.0
     for backend, (k, s, n) in _LOOP_SHAPES.items():
         ps = _LOOP_PAGE_SIZE
-        if gpu and backend == "fa3":
-            attention = CuteFlashAttention()
-        elif gpu and backend == "flashinfer":
-            attention = FlashInferAttention(model_cfg.num_heads, model_cfg.num_kv_heads,
-                                            model_cfg.head_dim, dtype=dtype, device=device)  # fmt: skip
-        else:
-            attention = TorchAttention(page_size=ps)
+        attention, missing = loop_attention(backend, gpu, model_cfg, dtype, device, ps)
         requests = make_requests([(0, 0, 1), (0,)], vocab_size=model_cfg.vocab_size,
                                  page_size=ps, max_new_tokens=_LOOP_TOKENS, generator=g)  # fmt: skip
         longest = max(r.prompt.shape[0] + r.max_new_tokens for r in requests)
@@ -407,6 +426,7 @@ def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResul
             f"iteration {per_iteration}; lossless: {'yes' if lossless else 'no'}"
             + (f" ({near} near-ties within {margin})" if near else "")
             + ("" if same else "; acceptance or trees differ from the references' loop")
+            + (f"; {missing}" if missing else "")
         )
         timed = [it.seconds for it in history if it.seconds and it.batch_size]
         if timed:

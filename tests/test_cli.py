@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 
+import pytest
+import torch
+
 from specmeta import SpecConfig, plan_buffers
 from specmeta.cli import BUILDERS, _human, main
 
@@ -155,6 +158,32 @@ def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
     assert main(["check", "--device", str(device), "--only", "broken"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "planted mismatch" in out and "0 passed, 1 failed" in out
+
+
+@pytest.mark.parametrize("backend,package", [("fa3", "flash-attn-4"),
+                                             ("flashinfer", "flashinfer-python")])  # fmt: skip
+def test_check_on_a_gpu_without_a_real_kernel_reads_with_torch_and_says_so(monkeypatch, backend,
+                                                                           package):  # fmt: skip
+    """specmeta check's end-to-end loop on a GPU where a backend's kernel package is not
+    installed (the import planted to fail): the torch consumer reads that backend's metadata,
+    and the check's line names the missing package instead of the check dying on the import."""
+    import sys
+
+    from specmeta.check import loop_attention
+    from specmeta.testing.attention import TorchAttention
+    from specmeta.testing.tiny_model import TinyConfig
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn...` raises
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    attention, why = loop_attention(backend, True, TinyConfig(), torch.bfloat16,
+                                    torch.device("cuda"), 4)  # fmt: skip
+    assert isinstance(attention, TorchAttention) and attention.page_size == 4
+    assert why is not None and f"pip install {package}" in why, why
+    for gpu, name in ((False, backend), (True, "trtllm_mla")):  # the torch consumer by design
+        attention, why = loop_attention(name, gpu, TinyConfig(), torch.float64,
+                                        torch.device("cpu"), 4)  # fmt: skip
+        assert isinstance(attention, TorchAttention) and why is None, (gpu, name)
 
 
 def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
