@@ -340,8 +340,8 @@ def _native_signer(args: tuple, pattern: int, signer: Signer):
         + f"    return _key(({', '.join(parts)}, layouts))\n"
     )
     scope = {"_Tensor": torch.Tensor, "_OtherTypes": OtherTypes, "_record": signer._record,
-             "_keys": signer._keys,
-             "_key": signer.key, "_full": _written(*_full_signature(args, pattern))}  # fmt: skip
+             "_keys": signer._keys, "_key": signer.key,
+             "_full": _written(*_full_signature(args, pattern))}  # fmt: skip
     return _written(src, "sign", scope)
 
 
