@@ -512,6 +512,13 @@ MUTATIONS: list[Mutation] = [
        "if (memo->recipe[i] == recipe) {",
        "if (memo->recipe[i] == recipe && 0) {",
        ["tests/metadata/test_fa3.py", "-k", "compiled_new_max_copy or max_seqlen_k_follows"]),
+    _m("h-raised-leak", "host_mirror",
+       "the compiled copy of an FA3 result keeps a reference to each field dictionary it "
+       "made: every new max L leaks a result's views, which hold the builder's buffers",
+       "specmeta/metadata/host_ops.c",
+       "  Py_DECREF(fields);\n  if (memo->count < RAISED_MEMO) {",
+       "  if (memo->count < RAISED_MEMO) {",
+       ["tests/metadata/test_fa3.py", "-k", "compiled_new_max_copy"]),
     _m("h-ring-no-wait-torch", "host_mirror",
        "the Python ring turn hands out a set whose plan() copy is still queued behind the stream",
        "specmeta/metadata/host_mirrors.py",
