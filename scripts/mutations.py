@@ -519,6 +519,13 @@ MUTATIONS: list[Mutation] = [
        "  Py_DECREF(fields);\n  if (memo->count < RAISED_MEMO) {",
        "  if (memo->count < RAISED_MEMO) {",
        ["tests/metadata/test_fa3.py", "-k", "compiled_new_max_copy"]),
+    _m("h-lengths-view-strided", "host_mirror",
+       "the native read of seq_lens_cpu takes a strided or expanded view as contiguous: the "
+       "writers read lengths that are not the request's, or past the tensor's storage",
+       "specmeta/tensor_layout.cpp",
+       "t.dim() != 1 || t.sizes()[0] != batch || !t.is_contiguous())",
+       "t.dim() != 1 || t.sizes()[0] != batch)",
+       ["tests/metadata/test_host_ops.py", "-k", "reads_only_a_tensor_of_its_batch"]),
     _m("h-ring-no-wait-torch", "host_mirror",
        "the Python ring turn hands out a set whose plan() copy is still queued behind the stream",
        "specmeta/metadata/host_mirrors.py",

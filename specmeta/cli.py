@@ -112,9 +112,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print("host work on seq_lens_cpu: " + ("compiled" if why is None else f"torch ({why})"))
     from . import tensor_layout
 
-    why = tensor_layout.unavailable()  # a graph runner's check before each replay (design §4)
-    print("call keys and the runner's check of captured tensors: "
-          + ("native" if why is None else f"torch's guard ({why})"))  # fmt: skip
+    why = tensor_layout.unavailable()  # keys, the runner's check, seq_lens_cpu (design §2.7, §4)
+    print("tensor reads (call keys, the runner's captured tensors, seq_lens_cpu): "
+          + ("native" if why is None else f"Python and torch's guard ({why})"))  # fmt: skip
     tty = sys.stdout.isatty()
     width = 30
 

@@ -5,6 +5,7 @@
 //
 //   record(t0, t1, ...) -> bytes   the tensors' layouts, packed as int64
 //   same(layouts, t0, t1, ...)     True iff the tensors have exactly these layouts
+//   lengths_view                   a capsule: host_ops.c's read of a seq_lens_cpu tensor
 //
 // same() is False for another number of tensors, an argument that is not a tensor, or a tensor
 // without storage; it never raises for them. A layout is
@@ -123,6 +124,27 @@ PyObject *same(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// For host_ops.c (through the capsule `lengths_view`): the address and width of a lengths
+// tensor, read without a Python attribute call. 1 when `obj` is a contiguous 1-D int32 or
+// int64 CPU tensor of `batch` values, else 0 (the caller's own checks then name what is
+// wrong). Never raises.
+int lengths_view(PyObject *obj, Py_ssize_t batch, const void **data, int *wide) {
+  try {
+    if (!THPVariable_Check(obj)) return 0;
+    const at::Tensor &t = THPVariable_Unpack(obj);
+    if (!t.defined() || !t.has_storage() || t.device().type() != c10::DeviceType::CPU ||
+        t.dim() != 1 || t.sizes()[0] != batch || !t.is_contiguous())
+      return 0;
+    const c10::ScalarType type = t.scalar_type();
+    if (type != c10::ScalarType::Long && type != c10::ScalarType::Int) return 0;
+    *data = t.const_data_ptr();
+    *wide = type == c10::ScalarType::Long;
+    return 1;
+  } catch (const std::exception &) {
+    return 0;
+  }
+}
+
 PyMethodDef methods[] = {
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record)),
      METH_FASTCALL, "record(*tensors) -> bytes: the tensors' layouts"},
@@ -135,4 +157,15 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_tensor_layout",
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_specmeta_tensor_layout(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_specmeta_tensor_layout(void) {
+  PyObject *mod = PyModule_Create(&module);
+  if (mod == nullptr) return nullptr;
+  PyObject *view = PyCapsule_New(reinterpret_cast<void *>(&lengths_view),
+                                 "specmeta_tensor_layout.lengths_view", nullptr);
+  if (view == nullptr || PyModule_AddObject(mod, "lengths_view", view) < 0) {
+    Py_XDECREF(view);
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
+}

@@ -136,8 +136,8 @@ def test_check_reports_and_exits_zero(capsys, device):
     from specmeta import tensor_layout
 
     why = tensor_layout.unavailable()
-    want = "native" if why is None else f"torch's guard ({why})"
-    assert f"call keys and the runner's check of captured tensors: {want}\n" in out
+    want = "native" if why is None else f"Python and torch's guard ({why})"
+    assert f"tensor reads (call keys, the runner's captured tensors, seq_lens_cpu): {want}\n" in out
 
 
 def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):

@@ -37,6 +37,10 @@
 #endif
 
 static PyObject *int64_dtype, *int32_dtype; /* from init() */
+/* From init(): tensor_layout's native read of a lengths tensor (1: read; 0: not a contiguous
+ * 1-D int32/int64 CPU tensor of `batch` values, which the checks below then name), or NULL. */
+typedef int (*lengths_view_fn)(PyObject *, Py_ssize_t, const void **, int *);
+static lengths_view_fn lengths_view;
 static PyObject *data_ptr_name, *dtype_name, *shape_name, *is_cpu_name, *is_contiguous_name;
 
 typedef struct {
@@ -57,9 +61,10 @@ static int is_true(PyObject *obj, PyObject *attr, int call) {
  * 0 with a Python error set otherwise. */
 static int lengths_of(PyObject *tensor, Py_ssize_t batch, Lengths *out) {
   if (int64_dtype == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "host_ops.init(torch.int64, torch.int32) was not called");
+    PyErr_SetString(PyExc_RuntimeError, "host_ops.init() was not called");
     return 0;
   }
+  if (lengths_view != NULL && lengths_view(tensor, batch, &out->data, &out->wide)) return 1;
   PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
   if (dtype == NULL) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError)) { /* not a tensor: a TypeError */
@@ -168,10 +173,17 @@ static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, const
 }
 
 static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "init(torch.int64, torch.int32) takes 2 arguments");
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError,
+                    "init(torch.int64, torch.int32, lengths_view or None) takes 3 arguments");
     return NULL;
   }
+  lengths_view_fn view = NULL;
+  if (args[2] != Py_None) {
+    view = (lengths_view_fn)PyCapsule_GetPointer(args[2], "specmeta_tensor_layout.lengths_view");
+    if (view == NULL) return NULL;
+  }
+  lengths_view = view;
   PyObject *old64 = int64_dtype, *old32 = int32_dtype;
   Py_INCREF(args[0]);
   Py_INCREF(args[1]);
@@ -548,7 +560,8 @@ static PyObject *raised(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL,
-     "init(torch.int64, torch.int32): the dtypes of the lengths."},
+     "init(torch.int64, torch.int32, lengths_view or None): the dtypes of the lengths, and "
+     "tensor_layout's native read of a lengths tensor (None: read through Python)."},
     {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
      "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,

@@ -17,7 +17,10 @@ A length outside the range raises ``IndexError``; the builder turns it into its 
 
 * **compiled** (the default): the small C module ``host_ops.c``, built on first use with
   Triton's own C build helper (the compiler and Python headers Triton needs to launch on a
-  GPU) and cached by Triton; a call costs what a Python call of a C function costs.
+  GPU) and cached by Triton; a call costs what a Python call of a C function costs. Where the
+  native layout module is built (:mod:`specmeta.tensor_layout`), it reads the lengths
+  tensor's dtype, shape, device, contiguity and address through torch's C++ tensor (its
+  capsule ``lengths_view``) instead of five Python attribute calls.
 * **torch**: the library's torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
   DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
   ``cumsum``) after the :class:`LengthTable` gather that checks the lengths, and the
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .. import validate
+from .. import tensor_layout, validate
 from ..kernels.branch_kv_indices import branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
 
@@ -63,7 +66,9 @@ def compiled():
             from triton.runtime.build import compile_module_from_src
 
             module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
-            module.init(torch.int64, torch.int32)
+            layout = tensor_layout.module()
+            module.init(torch.int64, torch.int32,
+                        layout.lengths_view if layout is not None else None)  # fmt: skip
         except Exception as exc:  # no compiler, no Python headers, an older Triton
             _state["why"] = f"{type(exc).__name__}: {exc}"
             module = None

@@ -218,12 +218,14 @@ WIDTHS = [(1, 1), (2, 16), (3, 4), (4, 3), (5, 2), (8, 1), (8, 6)]
 @functools.cache
 def _baseline():
     """The compiled module built for the baseline CPU alone (``VECTOR`` defined empty: no AVX2
-    clone), so that the loops the CPU running the tests does not pick are checked too."""
+    clone), so that the loops the CPU running the tests does not pick are checked too. It
+    reads its lengths tensors through Python attribute calls (no ``lengths_view``), the way
+    the module takes where the native layout module is not built."""
     from triton.runtime.build import compile_module_from_src
 
     source = "#define VECTOR\n" + Path(host_ops.__file__).with_name("host_ops.c").read_text()
     module = compile_module_from_src(source, "specmeta_host_ops")
-    module.init(torch.int64, torch.int32)
+    module.init(torch.int64, torch.int32, None)
     return module
 
 
@@ -290,8 +292,14 @@ def test_a_writer_reads_only_a_tensor_of_its_batch(kind):
                 write(lens)
         for got, was in zip(bufs, before, strict=True):
             assert torch.equal(got, was), f"{kind} compiled={use_compiled}: written"
-    with pytest.raises(TypeError, match="int32 or int64"):
-        host_ops.compiled().stats(MAX_LEN, B, good.to(torch.int16))
+    for op in (host_ops.compiled(), _baseline()):  # the native read and the Python one
+        assert op.stats(MAX_LEN, B, good) == (B - 1, sum(range(B)))
+        assert op.stats(MAX_LEN, B, good.to(torch.int32)) == (B - 1, sum(range(B)))
+        with pytest.raises(TypeError, match="int32 or int64"):
+            op.stats(MAX_LEN, B, good.to(torch.int16))
+        for kind_of_error, message, lens in [*bad, (TypeError, "int32 or int64", [0, 1, 2, 3])]:
+            with pytest.raises(kind_of_error, match=message):
+                op.stats(MAX_LEN, B, lens)
 
 
 def test_a_writer_refuses_bad_bind_arguments():
