@@ -27,37 +27,31 @@ import tempfile
 
 import torch
 
+from .native import OptionalModule
+
 __all__ = ["module", "unavailable"]
 
 _SOURCE = pathlib.Path(__file__).with_name("tensor_layout.cpp")
 _NAME = "specmeta_tensor_layout"
-_state: dict[str, object] = {}
 
 
 def module():
-    """The built module (``record``, ``same``), or ``None`` (then :func:`unavailable` says
-    why). Built, loaded and tried once per process."""
-    if "module" in _state:
-        return _state["module"]
-    found = None
-    if os.environ.get("SPECMETA_NATIVE", "1") == "0":
-        _state["why"] = "SPECMETA_NATIVE=0"
-    else:
-        try:
-            found = _load(_build())
-            _state["why"] = _known_answers(found)
-            if _state["why"] is not None:
-                found = None
-        except Exception as exc:  # no compiler, no headers, a torch built another way
-            _state["why"] = f"{type(exc).__name__}: {str(exc)[-400:]}"
-            found = None
-    _state["module"] = found
-    return found
+    """The built module (``record``, ``same``, ``lengths_view``), or ``None`` (then
+    :func:`unavailable` says why). Built, loaded and tried once per process."""
+    return _MODULE.get()
 
 
 def unavailable() -> str | None:
     """Why :func:`module` is ``None`` (``None`` when it is not)."""
-    return None if module() is not None else str(_state["why"])
+    return _MODULE.why()
+
+
+def _built_and_checked():
+    found = _load(_build())
+    why = _known_answers(found)
+    if why is not None:
+        raise RuntimeError(why)
+    return found
 
 
 def _cache_dir() -> pathlib.Path:
@@ -133,3 +127,6 @@ def _known_answers(found) -> str | None:
         if found.same(layouts, *args) is not want:
             return f"known answers: {what} gave {not want}"
     return None
+
+
+_MODULE = OptionalModule("SPECMETA_NATIVE", _built_and_checked)

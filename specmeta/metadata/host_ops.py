@@ -32,7 +32,6 @@ A length outside the range raises ``IndexError``; the builder turns it into its 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch
 from .. import tensor_layout, validate
 from ..kernels.branch_kv_indices import branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
+from ..native import OptionalModule
 
 __all__ = ["Writer", "LengthTable", "compiled", "unavailable", "draft_decode_writer",
            "prefix_writer", "paged_writer"]  # fmt: skip
@@ -50,35 +50,29 @@ Writer = Callable[[torch.Tensor], "int | None"]
 
 _SOURCE = Path(__file__).with_name("host_ops.c")
 _CPU = torch.device("cpu")
-_state: dict[str, object] = {}
 
 
 def compiled():
     """The compiled module, built and imported on the first call; ``None`` when it cannot be
     built here or ``SPECMETA_HOST_OPS=0`` (then :func:`unavailable` says why)."""
-    if "module" in _state:
-        return _state["module"]
-    module = None
-    if os.environ.get("SPECMETA_HOST_OPS", "1") == "0":
-        _state["why"] = "SPECMETA_HOST_OPS=0"
-    else:
-        try:
-            from triton.runtime.build import compile_module_from_src
-
-            module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
-            layout = tensor_layout.module()
-            module.init(torch.int64, torch.int32,
-                        layout.lengths_view if layout is not None else None)  # fmt: skip
-        except Exception as exc:  # no compiler, no Python headers, an older Triton
-            _state["why"] = f"{type(exc).__name__}: {exc}"
-            module = None
-    _state["module"] = module
-    return module
+    return _MODULE.get()
 
 
 def unavailable() -> str | None:
     """Why the compiled writers are not in use (``None`` when they are)."""
-    return None if compiled() is not None else str(_state["why"])
+    return _MODULE.why()
+
+
+def _build():
+    from triton.runtime.build import compile_module_from_src
+
+    module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
+    layout = tensor_layout.module()
+    module.init(torch.int64, torch.int32, layout.lengths_view if layout is not None else None)
+    return module
+
+
+_MODULE = OptionalModule("SPECMETA_HOST_OPS", _build)
 
 
 class LengthTable:
