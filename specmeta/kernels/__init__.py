@@ -1,62 +1,73 @@
 """Triton kernels: one op per module, each with its typed launcher and its pure-torch reference.
 
+Each launcher ``<op>(...)`` is ``bind_<op>(...)()``: ``bind_<op>`` takes the same arguments,
+checks them (and allocates omitted outputs) once, and returns a :class:`specmeta.stage.Stage`
+that makes the op's launches on every call.
+
 Every launcher and reference reports each masked fault into the ``status`` word it is given or,
 called without ``status=``, into :func:`specmeta.default_status` of its device (read both with
 :func:`specmeta.check_status`). What the ops share lives in :mod:`specmeta.kernels._common`.
 """
 
-from .branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
-from .branch_page_table import branch_page_table, branch_page_table_ref
+from .branch_kv_indices import bind_branch_kv_indices, branch_kv_indices, branch_kv_indices_ref
+from .branch_page_table import bind_branch_page_table, branch_page_table, branch_page_table_ref
 from .cache_loc_move import (
     KVPool,
     accept_cache_locs,
     accept_cache_locs_ref,
+    bind_accept_cache_locs,
+    bind_move_kv_cache,
     move_kv_cache,
     move_kv_cache_ref,
 )
 from .draft_cache_locs import (
     assign_draft_cache_locs,
     assign_draft_cache_locs_ref,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
     prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
-from .draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
-from .draft_decode_page_tables import draft_decode_page_tables, draft_decode_page_tables_ref
-from .expand_page_table import expand_page_table, expand_page_table_ref
-from .prefix_page_table import prefix_page_table, prefix_page_table_ref
-from .shared_prefix_kv_indices import shared_prefix_kv_indices, shared_prefix_kv_indices_ref
-from .tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
-from .verify_expand_page_table import verify_expand_page_table, verify_expand_page_table_ref
-from .verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
+from .draft_decode_kv_indices import (
+    bind_draft_decode_kv_indices,
+    draft_decode_kv_indices,
+    draft_decode_kv_indices_ref,
+)
+from .draft_decode_page_tables import (
+    bind_draft_decode_page_tables,
+    draft_decode_page_tables,
+    draft_decode_page_tables_ref,
+)
+from .expand_page_table import bind_expand_page_table, expand_page_table, expand_page_table_ref
+from .prefix_page_table import bind_prefix_page_table, prefix_page_table, prefix_page_table_ref
+from .shared_prefix_kv_indices import (
+    bind_shared_prefix_kv_indices,
+    shared_prefix_kv_indices,
+    shared_prefix_kv_indices_ref,
+)
+from .tree_custom_mask import bind_tree_custom_mask, tree_custom_mask, tree_custom_mask_ref
+from .verify_expand_page_table import (
+    bind_verify_expand_page_table,
+    verify_expand_page_table,
+    verify_expand_page_table_ref,
+)
+from .verify_kv_indices import bind_verify_kv_indices, verify_kv_indices, verify_kv_indices_ref
 
+# Each op: its launcher, bind_<op> and its reference.
 __all__ = [
-    "assign_draft_cache_locs",
-    "assign_draft_cache_locs_ref",
-    "prefix_tail_copy_pairs",
-    "prefix_tail_copy_pairs_ref",
-    "draft_decode_kv_indices",
-    "draft_decode_kv_indices_ref",
-    "verify_kv_indices",
-    "verify_kv_indices_ref",
-    "tree_custom_mask",
-    "tree_custom_mask_ref",
-    "shared_prefix_kv_indices",
-    "shared_prefix_kv_indices_ref",
-    "branch_page_table",
-    "branch_page_table_ref",
-    "branch_kv_indices",
-    "branch_kv_indices_ref",
-    "accept_cache_locs",
-    "accept_cache_locs_ref",
-    "move_kv_cache",
-    "move_kv_cache_ref",
+    "assign_draft_cache_locs", "bind_assign_draft_cache_locs", "assign_draft_cache_locs_ref",
+    "prefix_tail_copy_pairs", "bind_prefix_tail_copy_pairs", "prefix_tail_copy_pairs_ref",
+    "draft_decode_kv_indices", "bind_draft_decode_kv_indices", "draft_decode_kv_indices_ref",
+    "verify_kv_indices", "bind_verify_kv_indices", "verify_kv_indices_ref",
+    "tree_custom_mask", "bind_tree_custom_mask", "tree_custom_mask_ref",
+    "shared_prefix_kv_indices", "bind_shared_prefix_kv_indices", "shared_prefix_kv_indices_ref",
+    "branch_page_table", "bind_branch_page_table", "branch_page_table_ref",
+    "branch_kv_indices", "bind_branch_kv_indices", "branch_kv_indices_ref",
+    "accept_cache_locs", "bind_accept_cache_locs", "accept_cache_locs_ref",
+    "move_kv_cache", "bind_move_kv_cache", "move_kv_cache_ref",
     "KVPool",
-    "prefix_page_table",
-    "prefix_page_table_ref",
-    "expand_page_table",
-    "expand_page_table_ref",
-    "draft_decode_page_tables",
-    "draft_decode_page_tables_ref",
-    "verify_expand_page_table",
-    "verify_expand_page_table_ref",
-]
+    "prefix_page_table", "bind_prefix_page_table", "prefix_page_table_ref",
+    "expand_page_table", "bind_expand_page_table", "expand_page_table_ref",
+    "draft_decode_page_tables", "bind_draft_decode_page_tables", "draft_decode_page_tables_ref",
+    "verify_expand_page_table", "bind_verify_expand_page_table", "verify_expand_page_table_ref",
+]  # fmt: skip

@@ -358,7 +358,6 @@ def ragged_prefix_ref(
     return bits
 
 
-# same shape as branch_kv_indices:branch_kv_indices: batch triple and draft shape
 def branch_pages_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

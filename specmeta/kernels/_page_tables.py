@@ -15,6 +15,8 @@ reference and import the kernel from here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -34,8 +36,8 @@ from ._common import (
 __all__ = [
     "NO_EXPAND",
     "NO_NORMAL",
+    "bind_page_tables",
     "expand_pass",
-    "launch_page_tables",
     "normal_pass",
     "page_tables_kernel",
 ]
@@ -492,13 +494,13 @@ def expand_pass(
     )
 
 
-def launch_page_tables(
+def bind_page_tables(
     grid: tuple, seq_lens: torch.Tensor, status: torch.Tensor, *, page_size: int, block_b: int,
     num_warps: int, normal: dict | None = None, expand: dict | None = None,
-) -> Launch | None:  # fmt: skip
-    """Launch :func:`page_tables_kernel` on ``grid`` with the keywords of :func:`normal_pass`
-    and/or :func:`expand_pass` (at least one); returns the launch (for the op's plans)."""
-    return _launch(
+) -> Launch | functools.partial:  # fmt: skip
+    """The launch of :func:`page_tables_kernel` on ``grid`` with the keywords of
+    :func:`normal_pass` and/or :func:`expand_pass` (at least one), bound (not launched)."""
+    return _launch.bind(
         grid,
         seq_lens_ptr=seq_lens,
         status_ptr=status,

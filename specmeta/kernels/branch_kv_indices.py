@@ -22,6 +22,7 @@ import triton.language as tl
 from .. import validate
 from ..config import branch_kv_indices_need
 from ..launch import Launcher, cdiv, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -40,7 +41,12 @@ from ._common import (
     sizing_total,
 )
 
-__all__ = ["branch_kv_indices", "branch_kv_indices_ref", "branch_kv_indptr"]
+__all__ = [
+    "bind_branch_kv_indices",
+    "branch_kv_indices",
+    "branch_kv_indices_ref",
+    "branch_kv_indptr",
+]
 
 
 # Page columns one program copies per iteration: page lists are ps times shorter than token
@@ -204,7 +210,7 @@ def _prepare(
     return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len), status
 
 
-def branch_kv_indices(
+def bind_branch_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -218,8 +224,8 @@ def branch_kv_indices(
     kv_last_page_len: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Build the per-branch page lists of every draft step in CSR form, in one launch.
+) -> Stage:
+    """Bind once: build the per-branch page lists of every draft step in CSR form, in one launch.
 
     Parameters
     ----------
@@ -248,7 +254,9 @@ def branch_kv_indices(
 
     Returns
     -------
-    (kv_indices, kv_indptr, kv_last_page_len) : tuple of torch.Tensor
+    Stage
+        Its result is ``(kv_indices, kv_indptr, kv_last_page_len)`` (tuple of torch.Tensor), what
+        the eager :func:`branch_kv_indices` returns.
 
     Examples
     --------
@@ -264,12 +272,12 @@ def branch_kv_indices(
         kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
     )  # fmt: skip
     if rows == 0:
-        return out
+        return Stage([], result=out)
     kv_indices, kv_indptr, kv_last_page_len = out
     device = req_to_token.device
     pages = cdiv(req_to_token.shape[1], page_size)
     grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
-    _branch_kv_indices_launch(
+    launch = _branch_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         kv_indices_ptr=kv_indices,
@@ -292,9 +300,10 @@ def branch_kv_indices(
         HAS_STATUS=True,
         num_warps=4,
     )
-    return out
+    return Stage([launch], result=out)
 
 
+branch_kv_indices = launcher(bind_branch_kv_indices)
 branch_kv_indices.kernels = (_branch_kv_indices_kernel,)  # for specmeta.registry
 
 
@@ -324,7 +333,6 @@ def branch_kv_indptr(
     return offsets
 
 
-# same shape as branch_kv_indices: a ref takes its launcher's args (style §1)
 def branch_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

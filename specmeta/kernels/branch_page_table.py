@@ -26,6 +26,7 @@ import triton.language as tl
 from .. import validate
 from ..config import draft_pages_per_branch
 from ..launch import Launcher, cdiv, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -42,7 +43,13 @@ from ._common import (
     row_offset,
 )
 
-__all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_pages_ref"]
+__all__ = [
+    "bind_branch_page_table",
+    "branch_page_table",
+    "branch_page_table_ref",
+    "branch_page",
+    "branch_pages_ref",
+]
 
 
 # Columns one program writes per iteration for all K rows of its request (page tables are ps
@@ -50,8 +57,6 @@ __all__ = ["branch_page_table", "branch_page_table_ref", "branch_page", "branch_
 _BLOCK = 256
 
 
-# same shape as shared_prefix_kv_indices:_shared_prefix_kv_indices_kernel: each parameter
-# same shape as branch_kv_indices:_branch_kv_indices_kernel: branch ops' inputs
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W",
@@ -151,8 +156,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_siz
     return topk, num_steps, page_size, rows, B, page_table, seq_lens_k, status
 
 
-# same shape as _common:branch_pages_ref: batch triple and draft shape (style §2)
-def branch_page_table(
+def bind_branch_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -166,8 +170,8 @@ def branch_page_table(
     seq_lens_k: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build one page row per draft branch and its per-step KV lengths, in one launch.
+) -> Stage:
+    """Bind once: build one page row per draft branch and its per-step KV lengths, in one launch.
 
     Parameters
     ----------
@@ -198,7 +202,9 @@ def branch_page_table(
 
     Returns
     -------
-    (page_table, seq_lens_k) : tuple of torch.Tensor
+    Stage
+        Its result is ``(page_table, seq_lens_k)`` (tuple of torch.Tensor), what the eager
+        :func:`branch_page_table` returns.
 
     Examples
     --------
@@ -214,12 +220,11 @@ def branch_page_table(
         page_table, seq_lens_k, max_seq_len, status,
     )  # fmt: skip
     if B == 0:
-        return page_table, seq_lens_k
+        return Stage([], result=(page_table, seq_lens_k))
     device = req_to_token.device
     W = page_table.shape[1]
     grid = (B, chunk_programs(device, B, W, _BLOCK))
-    # same shape as merge_state:merge_state: keywords name each parameter (style §2)
-    _branch_page_table_launch(
+    launch = _branch_page_table_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         page_table_ptr=page_table,
@@ -239,13 +244,13 @@ def branch_page_table(
         HAS_STATUS=True,
         num_warps=4,
     )
-    return page_table, seq_lens_k
+    return Stage([launch], result=(page_table, seq_lens_k))
 
 
+branch_page_table = launcher(bind_branch_page_table)
 branch_page_table.kernels = (_branch_page_table_kernel,)  # for specmeta.registry
 
 
-# same shape as branch_page_table: a ref takes its launcher's args (style §1)
 def branch_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

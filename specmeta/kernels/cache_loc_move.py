@@ -18,47 +18,38 @@ sources, pass a CTA barrier, then store all its targets: read-before-write holds
 in one launch, without a grid-wide barrier (which would deadlock under the interpreter and on a
 shared GPU) and without staging through global memory (which doubles the bytes moved). The
 program holds a ``[BLOCK_N, COLS]`` register tile, ``BLOCK_N = next_pow2(n)`` (a bucketed
-constexpr) and ``COLS = tile / BLOCK_N`` words: a 32 KiB tile (8 warps) up to 512 pairs,
-128 KiB (16 warps) from 1024 on, so slices narrow as ``n`` grows: 512 B of a row at ``n = 64``,
-128 B at 1024, 32 B at 4096, 16 B at 8192. Slices of 32 B or more are whole DRAM sectors; the
-narrower ones cost extra L2 transactions (a neighbouring program fetches the other half of each
-sector), and below a 128-byte line each row costs a separate DRAM burst: the price of
-generality (on an H200 the wide tile lifted n = 1024 from 46 % to 73 % of copy bandwidth).
-Past ``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the launcher
-raises ``ValueError``. When every base address, row stride and row width is a multiple
-of 16 B (``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
+constexpr) and ``COLS = tile / BLOCK_N`` words (tile sizes below), so slices narrow as ``n``
+grows: 512 B of a row at ``n = 64``, 128 B at 1024, 32 B at 4096, 16 B at 8192. Slices of 32 B
+or more are whole DRAM sectors; narrower ones cost extra L2 transactions, and below a 128-byte
+line each row costs a separate DRAM burst: the price of generality. Past
+``MAX_OVERLAPPING_PAIRS`` pairs the tile no longer fits in registers and the launcher raises
+``ValueError``. When every base address, row stride and row width is a multiple of 16 B
+(``VEC > 1``), the kernel tells the compiler so and every access is a 16-byte vector.
 
-*Ordered pairs.* Holding every pair's slice is needed only when nothing is known about the
-order. When no pair reads a slot that an earlier pair writes (``ordered=True``: the pairs of
-:func:`accept_cache_locs`, whose accepted paths list node ids in increasing order), moving the
-pairs block after block in list order gives the same result. A program then owns a column
-slice of its buffers for *every* pair, as above, but walks the pairs in blocks of ``BLOCK_N``:
-each block is loaded, a CTA barrier passes, the block is stored, and the next block's stores
-come after that barrier too. The slice no longer narrows with ``n``: it is the whole row (a
-power of two), halved only while the slices of all buffers give too few programs, down to a
-128-byte line; ``BLOCK_N`` fills an 8 KiB tile. There is no bound on ``n``.
-
-*Disjoint pairs.* When no pair's target is another pair's source (true of the prefix-tail pairs,
-whose sources sit before ``L_b`` and targets after it), ``disjoint=True`` splits the pairs into
-blocks of ``DISJOINT_BLOCK_N`` with whole-row slices, and the blocks go to different programs;
-each block is still read before it is written, so the result is the same.
+*Ordered and disjoint pairs.* With ``ordered=True`` (no pair reads a slot an earlier pair
+writes, as in :func:`accept_cache_locs` pairs) a program still owns a column slice of its
+buffers for every pair, but walks the pairs in list order in blocks of ``BLOCK_N``, each loaded,
+then stored after a CTA barrier that also orders it after the block before; the slice is the
+whole row (a power of two), halved only while the slices of all buffers give too few programs,
+down to a 128-byte line, and ``n`` has no bound. With ``disjoint=True`` (no target is another
+pair's source, as in the prefix-tail pairs) blocks of ``DISJOINT_BLOCK_N`` pairs with whole-row
+slices go to different programs, each block still read before it is written.
 
 *One launch for every layer.* On the GPU the buffers are reached through a device table of
 ``(base address, row stride, row width, rows)`` per buffer, in words of the widest type (8, 4, 2
-or 1 bytes) that divides every row width, row stride and base address. The table is built once
-per set of buffers (:class:`KVPool`, or a cache keyed by the buffers' addresses and shapes) and
-never on the launch path. Programs are ``(pair programs, column slice, buffer group)``; each program
-loads the pair indices of a block once and loops over its group of buffers, so the index loads
-are shared.
-The CPU interpreter runs the same kernel body with ``TABLE=False``, one launch per buffer passed
-as a tensor ("direct" addressing); ``KVPool(..., addressing="table")`` runs the table path on
-the CPU too, where the interpreter follows host addresses.
+or 1 bytes) that divides every row width, row stride and base address, built once per set of
+buffers (:class:`KVPool`, or a cache keyed by the buffers' addresses and shapes), never on the
+launch path. Programs are ``(pair programs, column slice, buffer group)``; each loads the pair
+indices of a block once and loops over its group of buffers. The CPU interpreter runs the same
+kernel body with ``TABLE=False``, one launch per buffer passed as a tensor;
+``KVPool(..., addressing="table")`` runs the table path on the CPU too, where the interpreter
+follows host addresses.
 
 *Masking.* A pair whose ``tgt`` or ``src`` is outside ``[0, P)`` of a buffer is skipped there (no
 load, no store) and ``Status.POOL_OOB`` is set. Self-moves (``src == tgt``, including the
 ``(0, 0)`` pairs that pad every fixed-length pair list) are skipped as well: under read-then-write
-semantics they change nothing, and skipping them keeps the tail of a pair list free. If two moved
-pairs share a target, which one lands is unspecified (as for any scatter).
+semantics they change nothing. If two moved pairs share a target, which one lands is unspecified
+(as for any scatter).
 """
 
 from __future__ import annotations
@@ -72,11 +63,14 @@ import triton.language as tl
 
 from .. import validate
 from ..config import kv_pool_table_shape
-from ..launch import Launcher, LaunchPlans, cdiv, next_power_of_2
+from ..launch import Launcher, cdiv, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import BAD_ACCEPT, POOL_OOB, target_programs
 
 __all__ = [
+    "bind_accept_cache_locs",
+    "bind_move_kv_cache",
     "accept_cache_locs",
     "accept_cache_locs_ref",
     "KVPool",
@@ -190,7 +184,8 @@ _accept_cache_locs_launch = Launcher(_accept_cache_locs_kernel)
 
 
 def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status):
-    """Validate and allocate; shared by the launcher and the reference."""
+    """Validate and allocate; shared by the launcher and the reference. Returns ``N``, ``B``,
+    ``C``, the pair count ``B·C``, ``tgt``, ``src`` and the status word."""
     n_draft = validate.positive("num_draft_tokens", num_draft_tokens)
     validate.tensor("accept_index", accept_index, ndim=2)
     device = accept_index.device
@@ -199,30 +194,19 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
     validate.length("accept_lens", accept_lens, B)
     validate.tensor("out_cache_loc", out_cache_loc, ndim=1, device=device)
     validate.at_least("out_cache_loc", out_cache_loc.shape[0], B * n_draft, "slots (B*N)")
-    n = B * C
-    if tgt is None:
-        tgt = torch.empty(n, dtype=torch.int64, device=device)
-    if src is None:
-        src = torch.empty(n, dtype=torch.int64, device=device)
-    for name, buf in (("tgt", tgt), ("src", src)):
+    pairs = [torch.empty(B * C, dtype=torch.int64, device=device) if buf is None else buf
+             for buf in (tgt, src)]  # fmt: skip
+    for name, buf in zip(("tgt", "src"), pairs, strict=True):
         validate.tensor(name, buf, ndim=1, device=device)
-        validate.at_least(name, buf.shape[0], n, "pairs (accept_index.numel())")
-    status = validate.status(status, device)
-    return n_draft, B, C, tgt, src, status
+        validate.at_least(name, buf.shape[0], B * C, "pairs (accept_index.numel())")
+    return n_draft, B, C, B * C, *pairs, validate.status(status, device)
 
 
-# same shape as verify_kv_indices:verify_kv_indices: inputs, outputs, status alike (style §2)
-def accept_cache_locs(
-    accept_index: torch.Tensor,
-    accept_lens: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    *,
-    num_draft_tokens: int,
-    tgt: torch.Tensor | None = None,
-    src: torch.Tensor | None = None,
-    status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compact the accepted verify slots into ``(tgt, src)`` move pairs (design §2.4).
+def bind_accept_cache_locs(accept_index: torch.Tensor, accept_lens: torch.Tensor,
+                           out_cache_loc: torch.Tensor, *, num_draft_tokens: int,
+                           tgt: torch.Tensor | None = None, src: torch.Tensor | None = None,
+                           status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+    """Bind once: compact the accepted verify slots into ``(tgt, src)`` move pairs (design §2.4).
 
     For request ``i`` with ``acc_i = accept_lens[i]`` and ``k < acc_i``::
 
@@ -254,8 +238,10 @@ def accept_cache_locs(
 
     Returns
     -------
-    (tgt, src) : tuple of torch.Tensor
-        Views ``tgt[:B·C]`` and ``src[:B·C]``, ready for :func:`move_kv_cache`.
+    Stage
+        Its result is ``(tgt, src)`` (tuple of torch.Tensor), what the eager
+        :func:`accept_cache_locs` returns. Views ``tgt[:B·C]`` and ``src[:B·C]``, ready for
+        :func:`move_kv_cache`.
 
     Examples
     --------
@@ -266,54 +252,32 @@ def accept_cache_locs(
     One program: a ``tl.cumsum`` per block of 128 requests and a carried total, then the tail.
     No host sync; ``B`` is a runtime argument.
     """
-    n_draft, B, C, tgt, src, status = _prepare_accept(
-        accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
-    )
-    n = B * C
+    N, B, C, n, tgt, src, status = _prepare_accept(accept_index, accept_lens, out_cache_loc,
+                                                   num_draft_tokens, tgt, src, status)  # fmt: skip
     if n == 0:
-        return tgt[:0], src[:0]
-    # same shape as branch_page_table:branch_page_table: keywords name each parameter (style §2)
-    _accept_cache_locs_launch(
-        (1,),
-        accept_index_ptr=accept_index,
-        accept_lens_ptr=accept_lens,
-        out_cache_loc_ptr=out_cache_loc,
-        tgt_ptr=tgt,
-        src_ptr=src,
-        status_ptr=status,
-        B=B,
-        N=n_draft,
-        C=C,
-        stride_acc=accept_index.stride(0),
-        n_out=n,
-        BLOCK_B=_ACCEPT_BLOCK_B,
-        BLOCK_C=next_power_of_2(C),
-        BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
-        HAS_STATUS=True,
-        num_warps=4,
-    )
-    return tgt[:n], src[:n]
+        return Stage([], result=(tgt[:0], src[:0]))
+    launch = _accept_cache_locs_launch.bind(
+        (1,), accept_index_ptr=accept_index, accept_lens_ptr=accept_lens,
+        out_cache_loc_ptr=out_cache_loc, tgt_ptr=tgt, src_ptr=src, status_ptr=status,
+        B=B, N=N, C=C, stride_acc=accept_index.stride(0), n_out=n,
+        BLOCK_B=_ACCEPT_BLOCK_B, BLOCK_C=next_power_of_2(C), BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
+        HAS_STATUS=True, num_warps=4,
+    )  # fmt: skip
+    return Stage([launch], result=(tgt[:n], src[:n]))
 
 
+accept_cache_locs = launcher(bind_accept_cache_locs)
 accept_cache_locs.kernels = (_accept_cache_locs_kernel,)  # for specmeta.registry
 
 
-# same shape as accept_cache_locs: a ref takes its launcher's args (style §1)
-def accept_cache_locs_ref(
-    accept_index: torch.Tensor,
-    accept_lens: torch.Tensor,
-    out_cache_loc: torch.Tensor,
-    *,
-    num_draft_tokens: int,
-    tgt: torch.Tensor | None = None,
-    src: torch.Tensor | None = None,
-    status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_cache_locs_ref(accept_index: torch.Tensor, accept_lens: torch.Tensor,
+                          out_cache_loc: torch.Tensor, *, num_draft_tokens: int,
+                          tgt: torch.Tensor | None = None, src: torch.Tensor | None = None,
+                          status: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Pure-torch :func:`accept_cache_locs` (vectorised over the batch; syncs)."""
-    N, B, C, tgt, src, status = _prepare_accept(
-        accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status
-    )
-    n = B * C
+    N, B, C, n, tgt, src, status = _prepare_accept(accept_index, accept_lens, out_cache_loc,
+                                                   num_draft_tokens, tgt, src, status)  # fmt: skip
     if n == 0:
         return tgt[:0], src[:0]
     device = accept_index.device
@@ -326,15 +290,11 @@ def accept_cache_locs_ref(
     ok = want & (idx >= lo) & (idx < lo + N) & (k < N)
     wrong = (want & ~ok) | (~want & (idx != -1))
     slots = out_cache_loc.to(torch.int64)
-    tgt_v = torch.where(ok, slots[torch.where(ok, lo + k, 0)], 0)
-    src_v = torch.where(ok, slots[torch.where(ok, idx, 0)], 0)
     dst = (torch.cumsum(acc, 0) - acc).view(-1, 1) + k
-    out_t = torch.zeros(n, dtype=torch.int64, device=device)
-    out_s = torch.zeros(n, dtype=torch.int64, device=device)
-    out_t[dst[want]] = tgt_v[want]
-    out_s[dst[want]] = src_v[want]
-    tgt[:n] = out_t.to(tgt.dtype)
-    src[:n] = out_s.to(src.dtype)
+    pairs = torch.zeros(2, n, dtype=torch.int64, device=device)
+    for row, pick in zip(pairs, (lo + k, idx), strict=True):
+        row[dst[want]] = torch.where(ok, slots[torch.where(ok, pick, 0)], 0)[want]
+    tgt[:n], src[:n] = pairs
     if bool(wrong.any()) or bool((acc != acc_in).any()):
         status |= int(Status.BAD_ACCEPT)
     return tgt[:n], src[:n]
@@ -454,7 +414,6 @@ def _move_kv_cache_kernel(
 
 
 _move_kv_cache_launch = Launcher(_move_kv_cache_kernel)
-_move_plans = LaunchPlans()
 
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -465,9 +424,8 @@ def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
     ((address, row stride, row width, rows), …))``, strides and widths in words; ``aligned``
     when every base address, row stride and row width is a multiple of 16 bytes."""
     if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence):
-        raise TypeError(
-            f"buffers must be a KVPool or a sequence of tensors, got {type(buffers).__name__}"
-        )
+        raise TypeError("buffers must be a KVPool or a sequence of tensors, got "
+                        f"{type(buffers).__name__}")  # fmt: skip
     bufs = tuple(buffers)
     if not bufs:
         raise ValueError("buffers must hold at least one tensor, got an empty sequence")
@@ -488,16 +446,14 @@ def _describe(buffers: object) -> tuple[tuple[torch.Tensor, ...], tuple]:
             raise ValueError(f"{name} has empty rows, shape {tuple(t.shape)}")
         if not t[0].is_contiguous():
             raise ValueError(f"{name} must have contiguous rows, got strides {t.stride()}")
-        row = t[0].numel() * t.element_size()
-        stride = t.stride(0) * t.element_size()
+        row, stride = t[0].numel() * t.element_size(), t.stride(0) * t.element_size()
         if t.shape[0] > 1 and stride < row:
             raise ValueError(f"{name} rows overlap: row stride {stride} B < row width {row} B")
         rows_bytes.append((t.data_ptr(), stride, row, t.shape[0]))
-    seen = {}
+    seen: dict[int, int] = {}
     for i, (ptr, *_rest) in enumerate(rows_bytes):
-        if ptr in seen:
+        if seen.setdefault(ptr, i) != i:
             raise ValueError(f"buffers[{seen[ptr]}] and buffers[{i}] are the same memory")
-        seen[ptr] = i
     word, aligned = next(
         (min(w, 8), w == 16) for w in (16, 8, 4, 2, 1)
         if all(a % w == 0 and s % w == 0 and r % w == 0 for a, s, r, _ in rows_bytes)
@@ -518,18 +474,15 @@ def _pointer_table(layout: tuple) -> torch.Tensor:
 def _word_view(t: torch.Tensor, word: int) -> torch.Tensor:
     """``t`` as ``[P, row words]`` of the word dtype (same memory)."""
     flat = t.as_strided((t.shape[0], t[0].numel()), (t.stride(0), 1))
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return flat.view(_WORD_DTYPES[word])
+    return flat.view(torch.uint8).view(_WORD_DTYPES[word])
 
 
 class KVPool:
     """The K/V buffers of every layer, addressed the way :func:`move_kv_cache` moves them.
 
-    Build it once per set of buffers and pass it instead of the list: it validates the buffers
-    and builds the device pointer table once, so a call costs one launch and no host work that
-    grows with the layer count. (A plain list is accepted too; its table is cached, keyed by
-    the buffers' addresses and shapes, but the key is rebuilt on every call.)
+    Build it once per set of buffers and pass it instead of the list (whose table is cached,
+    but its key rebuilt on every call): a call then costs one launch and no host work that
+    grows with the layer count.
 
     Parameters
     ----------
@@ -568,21 +521,9 @@ class KVPool:
 
 
 def _move_programs(device: torch.device, wide: bool) -> int:
-    """Programs that keep the device busy: 4 per multiprocessor for 32 KiB tiles (one to three
-    are resident per SM, so two waves or more), _WIDE_PROGRAMS_PER_SM for 128 KiB tiles; a
-    couple under the CPU interpreter, where each program costs host time."""
+    """Programs that keep the device busy: 4 per SM for 32 KiB tiles (one to three resident, so
+    two waves or more), _WIDE_PROGRAMS_PER_SM for 128 KiB ones; 2 under the interpreter."""
     return target_programs(device, _WIDE_PROGRAMS_PER_SM if wide else 4, cpu=2)
-
-
-def _ordered_cols(pool: KVPool, row: int, tile: int, vec: int, target: int) -> int:
-    """Words of a row per slice for ordered pairs: the whole row (``row``, a power of two),
-    halved while the slices of all buffers give fewer than ``target`` programs, down to a
-    128-byte line; the tile holds 16 pairs at least."""
-    cols = min(row, tile // 16)
-    line = max(vec, _ORDERED_MIN_SLICE_BYTES // pool.word_bytes)
-    while cols > line and len(pool) * cdiv(pool.max_row_words, cols) < target:
-        cols //= 2
-    return cols
 
 
 def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
@@ -594,7 +535,11 @@ def _launch_shape(n: int, pool: KVPool, disjoint: bool, ordered: bool) -> dict:
         warps = _ORDERED_WARPS
         tile = warps * 32 * _ORDERED_VECTORS_PER_THREAD * vec16
         target = _move_programs(pool.device, False)
-        cols = _ordered_cols(pool, row, tile, vec16, target)
+        # Whole rows, halved down to a 128-byte line while there are too few programs.
+        cols = min(row, tile // 16)
+        line = max(vec16, _ORDERED_MIN_SLICE_BYTES // pool.word_bytes)
+        while cols > line and len(pool) * cdiv(pool.max_row_words, cols) < target:
+            cols //= 2
         block_n = max(16, min(tile // cols, next_power_of_2(n)))
         pair_programs, blocks_per_program = 1, cdiv(n, block_n)
     else:  # independent blocks of pairs (disjoint), or one block holding every pair
@@ -620,26 +565,19 @@ def _check_pairs(device: torch.device, tgt, src, disjoint, ordered, status):
     status = validate.status(status, device)
     n = tgt.shape[0]
     if not (disjoint or ordered) and n > MAX_OVERLAPPING_PAIRS:
-        raise ValueError(
-            f"tgt is too long to order in one launch: need at most {MAX_OVERLAPPING_PAIRS} "
-            f"pairs, have {n}; pass ordered=True if no pair reads a slot an earlier pair "
-            "writes (accept_cache_locs pairs), disjoint=True if no target is another pair's "
-            "source (prefix-tail pairs), or split the list"
-        )
+        raise ValueError(f"tgt is too long to order in one launch: need at most "
+                         f"{MAX_OVERLAPPING_PAIRS} pairs, have {n}; pass ordered=True if no pair "
+                         "reads a slot an earlier pair writes (accept_cache_locs pairs), "
+                         "disjoint=True if no target is another pair's source (prefix-tail "
+                         "pairs), or split the list")  # fmt: skip
     return n, status
 
 
-def move_kv_cache(
-    buffers: KVPool | Sequence[torch.Tensor],
-    tgt: torch.Tensor,
-    src: torch.Tensor,
-    *,
-    ordered: bool = False,
-    disjoint: bool = False,
-    status: torch.Tensor | None = None,
-) -> None:
-    """Copy row ``src[q]`` to row ``tgt[q]`` in every buffer, as if every source row were read
-    before any target is written (design §2.4). In place; one launch on the GPU.
+def bind_move_kv_cache(buffers: KVPool | Sequence[torch.Tensor], tgt: torch.Tensor,
+                       src: torch.Tensor, *, ordered: bool = False, disjoint: bool = False,
+                       status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+    """Bind once: copy row ``src[q]`` to row ``tgt[q]`` in every buffer, as if every source row were
+    read before any target is written (design §2.4). In place; one launch on the GPU.
 
     Parameters
     ----------
@@ -657,18 +595,21 @@ def move_kv_cache(
         accepted path lists its node ids in increasing order (each tree node numbered after its
         parent, as in SGLang's and EAGLE's verify trees): within a request, pair ``k`` writes
         window slot ``k`` and reads slot ``accept_index[i, k] − i·N ≥ k``, and requests never
-        share slots. Pairs are then moved whole rows at a time, in blocks walked in list order,
-        for any ``n``.
+        share slots. Any ``n``.
     disjoint : bool
         The caller guarantees that no pair's target is another pair's source (which implies
-        ``ordered``): pairs are then moved in independent blocks, whole rows at a time, for any
-        ``n``.
+        ``ordered``). Any ``n``.
     status : torch.Tensor, optional
         ``int32 [1]``; ``POOL_OOB`` when a ``tgt`` or ``src`` lies outside ``[0, P)`` of a
         buffer (that pair is skipped there, nothing is dereferenced).
 
     A broken ``ordered`` or ``disjoint`` promise can move stale rows, but never touches memory
     outside the buffers: every access stays masked to ``[0, P)``.
+
+    Returns
+    -------
+    Stage
+        Its result is None, what the eager :func:`move_kv_cache` returns.
 
     Examples
     --------
@@ -678,90 +619,47 @@ def move_kv_cache(
     Grid ``(pair programs, column slices, buffer groups)`` (see the module notes); no host
     sync; ``n`` is bucketed to a power of two, widths and strides are runtime arguments.
     """
-    sig = None
-    if isinstance(buffers, KVPool):  # a pool is fixed at construction: a plan can name it
-        sig = _move_plans.signature(buffers, tgt, src, ordered, disjoint, status)
-        if _move_plans.replay(sig):
-            return
     pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers)
     n, status = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     if n == 0:
-        return
+        return Stage([])
     shape = _launch_shape(n, pool, disjoint, ordered)
-    cols, pair_programs = shape["COLS"], shape["pair_programs"]
-    common = dict(
-        tgt_ptr=tgt,
-        src_ptr=src,
-        status_ptr=status,
-        n=n,
-        blocks_per_program=shape["blocks_per_program"],
-        min_rows=pool.min_rows,
-        BLOCK_N=shape["BLOCK_N"],
-        COLS=cols,
-        WORD_BYTES=pool.word_bytes,
-        VEC=shape["VEC"],
-        HAS_STATUS=True,
-        num_warps=shape["num_warps"],
-    )
-    if pool.addressing == "table":
+    programs, target, cols = shape.pop("pair_programs"), shape.pop("target"), shape["COLS"]
+    bind = functools.partial(_move_kv_cache_launch.bind, tgt_ptr=tgt, src_ptr=src,
+                             status_ptr=status, n=n, min_rows=pool.min_rows,
+                             WORD_BYTES=pool.word_bytes, HAS_STATUS=True, **shape)  # fmt: skip
+    if pool.addressing == "table":  # one launch: buffer groups over the pointer table
         slices = cdiv(pool.max_row_words, cols)
-        per_program = max(1, slices * pair_programs * len(pool) // shape["target"])
-        groups = cdiv(len(pool), per_program)
-        launch = _move_kv_cache_launch(
-            (pair_programs, slices, groups),
-            table_ptr=pool.table,
-            buf_ptr=pool.table,
-            num_buffers=len(pool),
-            buffers_per_program=per_program,
-            buf_stride=0,
-            buf_width=0,
-            buf_rows=0,
-            TABLE=True,
-            **common,
-        )
-        _move_plans.store(sig, launch)
-        return
+        per_program = max(1, slices * programs * len(pool) // target)
+        return Stage([bind(
+            (programs, slices, cdiv(len(pool), per_program)), table_ptr=pool.table,
+            buf_ptr=pool.table, num_buffers=len(pool), buffers_per_program=per_program,
+            buf_stride=0, buf_width=0, buf_rows=0, TABLE=True,
+        )])  # fmt: skip
     launches = []
     for words in pool.words:
-        slices = cdiv(words.shape[1], cols)
-        launches.append(_move_kv_cache_launch(
-            (pair_programs, slices, 1),
-            table_ptr=words,
-            buf_ptr=words,
-            num_buffers=1,
-            buffers_per_program=1,
-            buf_stride=words.stride(0),
-            buf_width=words.shape[1],
-            buf_rows=words.shape[0],
-            TABLE=False,
-            **common,
-        ))
-    _move_plans.store(sig, *launches)
+        launches.append(bind(
+            (programs, cdiv(words.shape[1], cols), 1), table_ptr=words, buf_ptr=words,
+            num_buffers=1, buffers_per_program=1, buf_stride=words.stride(0),
+            buf_width=words.shape[1], buf_rows=words.shape[0], TABLE=False,
+        ))  # fmt: skip
+    return Stage(launches)
 
 
+move_kv_cache = launcher(bind_move_kv_cache)
 move_kv_cache.kernels = (_move_kv_cache_kernel,)  # for specmeta.registry
 
 
-# same shape as move_kv_cache: a ref takes its launcher's args (style §1)
-def move_kv_cache_ref(
-    buffers: KVPool | Sequence[torch.Tensor],
-    tgt: torch.Tensor,
-    src: torch.Tensor,
-    *,
-    ordered: bool = False,
-    disjoint: bool = False,
-    status: torch.Tensor | None = None,
-) -> None:
+def move_kv_cache_ref(buffers: KVPool | Sequence[torch.Tensor], tgt: torch.Tensor,
+                      src: torch.Tensor, *, ordered: bool = False, disjoint: bool = False,
+                      status: torch.Tensor | None = None) -> None:  # fmt: skip
     """Pure-torch :func:`move_kv_cache`: per buffer, gather the in-range, non-self source rows,
     then scatter them to their targets (syncs)."""
-    if isinstance(buffers, KVPool):
-        bufs, device = buffers.buffers, buffers.device
-    else:
-        bufs, (device, *_) = _describe(buffers)
-    _, status = _check_pairs(device, tgt, src, disjoint, ordered, status)
+    pool = buffers if isinstance(buffers, KVPool) else KVPool(buffers, addressing="direct")
+    _, status = _check_pairs(pool.device, tgt, src, disjoint, ordered, status)
     t, s = tgt.to(torch.int64), src.to(torch.int64)
     bad = False
-    for buf in bufs:
+    for buf in pool.buffers:
         rows = _word_view(buf, 1)  # [P, row bytes]: bit-exact for every dtype, fp8 included
         in_pool = (t >= 0) & (t < rows.shape[0]) & (s >= 0) & (s < rows.shape[0])
         bad = bad or not bool(in_pool.all())

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
-from ..launch import Launcher, LaunchPlans, next_power_of_2
+from ..launch import Launcher, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     POS_OOB,
@@ -36,6 +37,8 @@ from ._common import (
 )
 
 __all__ = [
+    "bind_assign_draft_cache_locs",
+    "bind_prefix_tail_copy_pairs",
     "assign_draft_cache_locs",
     "assign_draft_cache_locs_ref",
     "prefix_tail_copy_pairs",
@@ -97,7 +100,6 @@ def _assign_draft_cache_locs_kernel(
 
 
 _assign_draft_cache_locs_launch = Launcher(_assign_draft_cache_locs_kernel)
-_assign_draft_cache_locs_plans = LaunchPlans()
 
 
 def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
@@ -106,8 +108,7 @@ def _check_out(name, buf, need, device, dtypes=validate.INDEX_DTYPES):
     return buf
 
 
-# same shape as draft_decode_kv_indices:draft_decode_kv_indices: batch triple and draft shape
-def assign_draft_cache_locs(
+def bind_assign_draft_cache_locs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -118,8 +119,8 @@ def assign_draft_cache_locs(
     out_cache_loc: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Fill ``out_cache_loc`` with the draft KV slot of every (request, branch, step).
+) -> Stage:
+    """Bind once: fill ``out_cache_loc`` with the draft KV slot of every (request, branch, step).
 
     Parameters
     ----------
@@ -142,7 +143,8 @@ def assign_draft_cache_locs(
 
     Returns
     -------
-    torch.Tensor
+    Stage
+        Its result is what the eager :func:`assign_draft_cache_locs` returns: torch.Tensor,
         ``out_cache_loc`` (the whole buffer that was passed, or a new ``[B·K·S]`` int64 tensor).
 
     Examples
@@ -153,14 +155,6 @@ def assign_draft_cache_locs(
 
     One program per request; no host sync; ``B`` and every length are runtime arguments.
     """
-    sig = None
-    if out_cache_loc is not None:  # a plan replays into buffers the caller passed, only
-        sig = _assign_draft_cache_locs_plans.signature(
-            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size,
-            out_cache_loc, positions, status,
-        )  # fmt: skip
-        if _assign_draft_cache_locs_plans.replay(sig):
-            return out_cache_loc
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     n = B * topk * num_steps
@@ -171,8 +165,8 @@ def assign_draft_cache_locs(
         _check_out("positions", positions, B * topk, device)
     status = validate.status(status, device)
     if B == 0:
-        return out_cache_loc
-    launch = _assign_draft_cache_locs_launch(
+        return Stage([], result=out_cache_loc)
+    launch = _assign_draft_cache_locs_launch.bind(
         (B,),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         out_cache_loc_ptr=out_cache_loc,
@@ -186,10 +180,10 @@ def assign_draft_cache_locs(
         WRITE_POSITIONS=positions is not None,
         HAS_STATUS=True,
     )
-    _assign_draft_cache_locs_plans.store(sig, launch)
-    return out_cache_loc
+    return Stage([launch], result=out_cache_loc)
 
 
+assign_draft_cache_locs = launcher(bind_assign_draft_cache_locs)
 assign_draft_cache_locs.kernels = (_assign_draft_cache_locs_kernel,)  # for specmeta.registry
 
 
@@ -247,7 +241,6 @@ def _prefix_tail_copy_pairs_kernel(
 
 
 _prefix_tail_copy_pairs_launch = Launcher(_prefix_tail_copy_pairs_kernel)
-_prefix_tail_copy_pairs_plans = LaunchPlans()
 
 
 def _pair_buffers(B, topk, page_size, tgt, src, device):
@@ -262,8 +255,7 @@ def _pair_buffers(B, topk, page_size, tgt, src, device):
     return width, n, tgt, src
 
 
-# same shape as _common:branch_pages_ref: batch triple and draft shape (style §2)
-def prefix_tail_copy_pairs(
+def bind_prefix_tail_copy_pairs(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -274,8 +266,9 @@ def prefix_tail_copy_pairs(
     tgt: torch.Tensor | None = None,
     src: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot pairs that copy each request's prefix tail into branches ``1 … K−1`` (layout B).
+) -> Stage:
+    """Bind once: slot pairs that copy each request's prefix tail into branches ``1 … K−1`` (layout
+    B).
 
     Pair ``q = (b·(K−1) + t−1)·(ps−1) + u`` is ``src = row_b[base_b + u]``,
     ``tgt = row_b[base_b + t·nnp_b·ps + u]`` for ``u < lpl_b``, and ``(0, 0)`` (a self-move of
@@ -296,21 +289,15 @@ def prefix_tail_copy_pairs(
 
     Returns
     -------
-    (tgt, src) : tuple of torch.Tensor
+    Stage
+        Its result is ``(tgt, src)`` (tuple of torch.Tensor), what the eager
+        :func:`prefix_tail_copy_pairs` returns.
 
     Examples
     --------
     ``seq_lens=[5]``, ``K=2``, ``S=2``, ``ps=4`` → ``lpl=1``, ``nnp=1``: one used pair
     ``src=row[4]``, ``tgt=row[8]``, then two ``(0, 0)`` pairs.
     """
-    sig = None
-    if tgt is not None and src is not None:  # a plan replays into buffers the caller passed
-        sig = _prefix_tail_copy_pairs_plans.signature(
-            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, tgt, src,
-            status,
-        )  # fmt: skip
-        if _prefix_tail_copy_pairs_plans.replay(sig):
-            return tgt, src
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     width, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
@@ -318,8 +305,8 @@ def prefix_tail_copy_pairs(
     _check_out("src", src, n, device)
     status = validate.status(status, device)
     if B == 0:
-        return tgt, src
-    launch = _prefix_tail_copy_pairs_launch(
+        return Stage([], result=(tgt, src))
+    launch = _prefix_tail_copy_pairs_launch.bind(
         (B,),
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tgt_ptr=tgt,
@@ -331,10 +318,10 @@ def prefix_tail_copy_pairs(
         BLOCK=next_power_of_2(max(width, 1)),
         HAS_STATUS=True,
     )
-    _prefix_tail_copy_pairs_plans.store(sig, launch)
-    return tgt, src
+    return Stage([launch], result=(tgt, src))
 
 
+prefix_tail_copy_pairs = launcher(bind_prefix_tail_copy_pairs)
 prefix_tail_copy_pairs.kernels = (_prefix_tail_copy_pairs_kernel,)  # for specmeta.registry
 
 
@@ -343,8 +330,6 @@ prefix_tail_copy_pairs.kernels = (_prefix_tail_copy_pairs_kernel,)  # for specme
 # --------------------------------------------------------------------------------------------
 
 
-# same shape as branch_page_table:branch_page_table_ref: batch triple and draft shape (style §2)
-# same shape as assign_draft_cache_locs: a ref takes its launcher's args (style §1)
 def assign_draft_cache_locs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -374,8 +359,6 @@ def assign_draft_cache_locs_ref(
     return out_cache_loc
 
 
-# same shape as branch_kv_indices:branch_kv_indices_ref: batch triple and draft shape (style §2)
-# same shape as prefix_tail_copy_pairs: a ref takes its launcher's args (style §1)
 def prefix_tail_copy_pairs_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .. import validate
 from ..config import draft_decode_kv_indices_need, uses_layout_b
-from ..launch import Launcher, LaunchPlans, cdiv, next_power_of_2
+from ..launch import Launcher, cdiv, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -40,6 +41,7 @@ from ._common import (
 
 __all__ = [
     "DraftDecodeIndptr",
+    "bind_draft_decode_kv_indices",
     "draft_decode_kv_indices",
     "draft_decode_kv_indices_ref",
     "draft_decode_kv_indptr",
@@ -74,7 +76,6 @@ _LONG_ROW_CHUNKS = 8
 _VECTOR_STORES_MIN = 1 << 22
 
 
-# same shape as branch_kv_indices:_branch_kv_indices_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows",
@@ -307,7 +308,6 @@ def _write_indptr_and_status(
 
 
 _draft_decode_kv_indices_launch = Launcher(_draft_decode_kv_indices_kernel)
-_draft_decode_kv_indices_plans = LaunchPlans()
 
 
 @triton.jit
@@ -377,8 +377,7 @@ def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: i
     validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
 
 
-# same shape as branch_page_table:branch_page_table: batch triple and draft shape, documented
-def draft_decode_kv_indices(
+def bind_draft_decode_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -391,8 +390,8 @@ def draft_decode_kv_indices(
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build the per-branch KV lists of every draft step in one launch.
+) -> Stage:
+    """Bind once: build the per-branch KV lists of every draft step in one launch.
 
     Parameters
     ----------
@@ -422,7 +421,9 @@ def draft_decode_kv_indices(
 
     Returns
     -------
-    (kv_indices, kv_indptr) : tuple of torch.Tensor
+    Stage
+        Its result is ``(kv_indices, kv_indptr)`` (tuple of torch.Tensor), what the eager
+        :func:`draft_decode_kv_indices` returns.
 
     Examples
     --------
@@ -435,23 +436,12 @@ def draft_decode_kv_indices(
     of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    sig, plans = None, _draft_decode_kv_indices_plans
-    if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
-        sig = plans.signature(
-            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-            kv_indices, kv_indptr, seq_lens_sum is None, status,
-        )  # fmt: skip
-        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
-            seq_lens_sum, kv_indices, seq_lens.shape[0], topk,
-            num_steps if num_rows is None else num_rows)  # fmt: skip
-        if plans.replay(sig, check):
-            return kv_indices, kv_indptr
     topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status,
     )  # fmt: skip
     if rows == 0:
-        return kv_indices, kv_indptr
+        return Stage([], result=(kv_indices, kv_indptr))
     device = req_to_token.device
     chunk_programs, groups, requests, lists_per_program = _grid(
         device, B, rows * topk, req_to_token.shape[1]
@@ -461,8 +451,7 @@ def draft_decode_kv_indices(
     # Vector stores need shifted loads (see the kernel): worth it once the launch writes tens of
     # MB; below, the launch is latency-bound and scalar stores finish sooner.
     vector = B * rows * topk * req_to_token.shape[1] >= _VECTOR_STORES_MIN
-    # same shape as cache_loc_move:accept_cache_locs: keywords name each parameter (style §2)
-    launch = _draft_decode_kv_indices_launch(
+    launch = _draft_decode_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         kv_indices_ptr=kv_indices,
@@ -487,10 +476,10 @@ def draft_decode_kv_indices(
         HAS_STATUS=True,
         num_warps=_NUM_WARPS,
     )
-    plans.store(sig, launch)
-    return kv_indices, kv_indptr
+    return Stage([launch], result=(kv_indices, kv_indptr))
 
 
+draft_decode_kv_indices = launcher(bind_draft_decode_kv_indices)
 draft_decode_kv_indices.kernels = (_draft_decode_kv_indices_kernel,)  # for specmeta.registry
 
 
@@ -601,7 +590,6 @@ def draft_decode_kv_indptr(
     return rule(L.to(offsets.dtype), offsets)  # int32 sums wrap as int64 ones cast would
 
 
-# same shape as draft_decode_kv_indices: a ref takes its launcher's args (style §1)
 def draft_decode_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import torch
 
-from ..launch import LaunchPlans, next_power_of_2
+from ..launch import next_power_of_2
+from ..stage import Stage, launcher
 from ._common import chunk_programs
-from ._page_tables import expand_pass, launch_page_tables, normal_pass, page_tables_kernel
+from ._page_tables import bind_page_tables, expand_pass, normal_pass, page_tables_kernel
 from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
 from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
-__all__ = ["draft_decode_page_tables", "draft_decode_page_tables_ref"]
-
-_plans = LaunchPlans()
+__all__ = [
+    "bind_draft_decode_page_tables",
+    "draft_decode_page_tables",
+    "draft_decode_page_tables_ref",
+]
 
 # Warps per program, and the fewest page-table columns of a normal-pass block: the block is the
 # table's width rounded up to a power of two, between _MIN_BLOCK and _BLOCK, so a narrow table
@@ -69,9 +72,7 @@ def _prepare(
             expand_cache_seqlens, status)  # fmt: skip
 
 
-# same shape as prefix_page_table:prefix_page_table: docstrings state each parameter (style §6)
-# same shape as branch_kv_indices:branch_kv_indices: batch triple and draft shape (style §2)
-def draft_decode_page_tables(
+def bind_draft_decode_page_tables(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -89,8 +90,9 @@ def draft_decode_page_tables(
     expand_cache_seqlens: torch.Tensor | None = None,
     expand_cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one launch.
+) -> Stage:
+    """Bind once: normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one
+    launch.
 
     Writes exactly what :func:`specmeta.kernels.prefix_page_table` (normal pass) followed by
     :func:`specmeta.kernels.expand_page_table` (every step's expand pass) write.
@@ -138,8 +140,10 @@ def draft_decode_page_tables(
 
     Returns
     -------
-    (page_table, cache_seqlens, expand_page_table, expand_cache_seqlens) : tuple of torch.Tensor
-        The buffers passed (whole), or new ones.
+    Stage
+        Its result is ``(page_table, cache_seqlens, expand_page_table, expand_cache_seqlens)``
+        (tuple of torch.Tensor), what the eager :func:`draft_decode_page_tables` returns. The
+        buffers passed (whole), or new ones.
 
     Examples
     --------
@@ -155,16 +159,6 @@ def draft_decode_page_tables(
     ``b`` (all steps of its ``K`` branches). No host sync; ``B``, widths and strides are
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
-    sig = None
-    outputs = (page_table, cache_seqlens, expand_page_table, expand_cache_seqlens)
-    if all(t is not None for t in outputs):
-        sig = _plans.signature(  # plans replay into buffers the caller passed, only
-            req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
-            exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
-            expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
-        )  # fmt: skip
-        if _plans.replay(sig):
-            return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
      expand_cache_seqlens, status) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
@@ -185,16 +179,17 @@ def draft_decode_page_tables(
     )  # fmt: skip
     expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
                          expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
-    launch = launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
-                                num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
-    _plans.store(sig, launch)
-    return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
+    launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                              num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
+    return Stage(
+        [launch], result=(page_table, cache_seqlens, expand_page_table, expand_cache_seqlens)
+    )
 
 
+draft_decode_page_tables = launcher(bind_draft_decode_page_tables)
 draft_decode_page_tables.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_decode_page_tables: a ref takes its launcher's args (style §1)
 def draft_decode_page_tables_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

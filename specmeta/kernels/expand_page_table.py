@@ -23,11 +23,12 @@ import torch
 
 from .. import validate
 from ..config import expand_page_table_width
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import check_steps
-from ._page_tables import expand_pass, launch_page_tables, page_tables_kernel
+from ._page_tables import bind_page_tables, expand_pass, page_tables_kernel
 
-__all__ = ["expand_page_table", "expand_page_table_ref"]
+__all__ = ["bind_expand_page_table", "expand_page_table", "expand_page_table_ref"]
 
 
 # seq_lens entries summed per iteration of the exclusive Σ lpl loop (one load up to B = 1024).
@@ -70,9 +71,7 @@ def prepare_expand_page_table(
     return topk, num_steps, page_size, rows, B, page_table, cache_seqlens, status
 
 
-# same shape as prefix_page_table:prefix_page_table: docstrings state each parameter (style §6)
-# same shape as branch_kv_indices:branch_kv_indices: batch triple and draft shape (style §2)
-def expand_page_table(
+def bind_expand_page_table(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
@@ -84,8 +83,8 @@ def expand_page_table(
     cache_seqlens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page tables and lengths of the FA3 expand pass, every draft step in one launch.
+) -> Stage:
+    """Bind once: page tables and lengths of the FA3 expand pass, every draft step in one launch.
 
     Parameters
     ----------
@@ -117,8 +116,9 @@ def expand_page_table(
 
     Returns
     -------
-    (page_table, cache_seqlens) : tuple of torch.Tensor
-        The buffers passed (whole), or new ones.
+    Stage
+        Its result is ``(page_table, cache_seqlens)`` (tuple of torch.Tensor), what the eager
+        :func:`expand_page_table` returns. The buffers passed (whole), or new ones.
 
     Examples
     --------
@@ -135,19 +135,18 @@ def expand_page_table(
         cu_seqlens_k, status,
     )  # fmt: skip
     if rows == 0:
-        return page_table, cache_seqlens
+        return Stage([], result=(page_table, cache_seqlens))
     expand = expand_pass(out_cache_loc, page_table, cache_seqlens, cu_seqlens_k, topk=topk,
                          num_steps=num_steps, rows=rows)  # fmt: skip
-    launch_page_tables((max(B, 1),), seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
-                       num_warps=2, expand=expand)  # fmt: skip
-    return page_table, cache_seqlens
+    launch = bind_page_tables((max(B, 1),), seq_lens, status, page_size=page_size,
+                              block_b=_BLOCK_B, num_warps=2, expand=expand)  # fmt: skip
+    return Stage([launch], result=(page_table, cache_seqlens))
 
 
+expand_page_table = launcher(bind_expand_page_table)
 expand_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_decode_page_tables:draft_decode_page_tables_ref: draft shape, expand outputs
-# same shape as expand_page_table: a ref takes its launcher's args (style §1)
 def expand_page_table_ref(
     out_cache_loc: torch.Tensor,
     seq_lens: torch.Tensor,

@@ -25,8 +25,9 @@ import triton.language as tl
 
 from .. import validate
 from ..launch import Launcher, cdiv, next_power_of_2
+from ..stage import Stage, launcher
 
-__all__ = ["merge_state", "merge_state_ref"]
+__all__ = ["bind_merge_state", "merge_state", "merge_state_ref"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Elements of one program's [BLOCK_H, BLOCK_D] tile: 4096 keeps 32 fp32 values a thread at
@@ -106,8 +107,7 @@ def _check(o1, lse1, o2, lse2):
     return T, H, D
 
 
-# same shape as verify_expand_page_table:verify_expand_page_table: inputs, outputs, status alike
-def merge_state(
+def bind_merge_state(
     o1: torch.Tensor,
     lse1: torch.Tensor,
     o2: torch.Tensor,
@@ -115,8 +115,8 @@ def merge_state(
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Merge two passes by log-sum-exp, in one launch, computing in float32.
+) -> Stage:
+    """Bind once: merge two passes by log-sum-exp, in one launch, computing in float32.
 
     Parameters
     ----------
@@ -134,8 +134,9 @@ def merge_state(
 
     Returns
     -------
-    (out, out_lse) : tuple
-        The merged output, and the merged LSE (``None`` unless ``out_lse`` was given).
+    Stage
+        Its result is ``(out, out_lse)`` (tuple), what the eager :func:`merge_state` returns. The
+        merged output, and the merged LSE (``None`` unless ``out_lse`` was given).
     """
     T, H, D = _check(o1, lse1, o2, lse2)
     if out is None:
@@ -151,14 +152,12 @@ def merge_state(
         if tuple(out_lse.shape) != (T, H):
             raise ValueError(f"out_lse must be [T, H] = {(T, H)}, got {tuple(out_lse.shape)}")
     if T == 0 or H == 0 or D == 0:
-        return out, out_lse
+        return Stage([], result=(out, out_lse))
     block_d = next_power_of_2(D)
     block_h = min(next_power_of_2(H), max(1, _TILE // block_d))
     lse_out = out_lse if out_lse is not None else lse1
     grid = (T, cdiv(H, block_h))
-    # same shape as cache_loc_move:accept_cache_locs: keywords name each parameter (style §2)
-    # same shape as _merge_state_kernel: each operand's (t, h) strides
-    _merge_state_launch(
+    launch = _merge_state_launch.bind(
         grid,
         o1_ptr=o1,
         lse1_ptr=lse1,
@@ -186,10 +185,12 @@ def merge_state(
         HAS_LSE_OUT=out_lse is not None,
         num_warps=4,
     )  # fmt: skip
-    return out, out_lse
+    return Stage([launch], result=(out, out_lse))
 
 
-# same shape as merge_state: a ref takes its launcher's args (style §1)
+merge_state = launcher(bind_merge_state)
+
+
 def merge_state_ref(
     o1: torch.Tensor,
     lse1: torch.Tensor,

@@ -22,14 +22,12 @@ import torch
 
 from .. import validate
 from ..config import page_table_width
-from ..launch import LaunchPlans
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import check_batch, chunk_programs, gather_rows_ref
-from ._page_tables import launch_page_tables, normal_pass, page_tables_kernel
+from ._page_tables import bind_page_tables, normal_pass, page_tables_kernel
 
-__all__ = ["prefix_page_table", "prefix_page_table_ref"]
-
-_plans = LaunchPlans()
+__all__ = ["bind_prefix_page_table", "prefix_page_table", "prefix_page_table_ref"]
 
 
 # Page-table columns one program writes per iteration: 1024 entries keep 8 elements a thread in
@@ -81,9 +79,7 @@ def prepare_prefix_page_table(
     return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status
 
 
-# same shape as draft_decode_kv_indices:draft_decode_kv_indices: inputs, outputs, status alike
-# same shape as branch_page_table:branch_page_table: inputs, outputs, status alike (style §2)
-def prefix_page_table(
+def bind_prefix_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -97,8 +93,8 @@ def prefix_page_table(
     status: torch.Tensor | None = None,
     num_rows: int | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page table and KV lengths of every request over its own ``req_to_token`` row.
+) -> Stage:
+    """Bind once: page table and KV lengths of every request over its own ``req_to_token`` row.
 
     Parameters
     ----------
@@ -141,8 +137,9 @@ def prefix_page_table(
 
     Returns
     -------
-    (page_table, cache_seqlens) : tuple of torch.Tensor
-        The buffers passed (whole), or new ones.
+    Stage
+        Its result is ``(page_table, cache_seqlens)`` (tuple of torch.Tensor), what the eager
+        :func:`prefix_page_table` returns. The buffers passed (whole), or new ones.
 
     Examples
     --------
@@ -155,15 +152,6 @@ def prefix_page_table(
     ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
     and strides are runtime arguments.
     """
-    sig = None
-    if page_table is not None and cache_seqlens is not None:  # plans replay into passed buffers
-        sig = _plans.signature(
-            req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens,
-            exclude_last_partial, fill_value, page_table, cache_seqlens, status, num_rows,
-            cu_seqlens_k,
-        )  # fmt: skip
-        if _plans.replay(sig):
-            return page_table, cache_seqlens
     page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
@@ -180,18 +168,15 @@ def prefix_page_table(
         stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
         chunk_programs=grid[1], block=_BLOCK,
     )  # fmt: skip
-    launch = launch_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
-                                num_warps=4, normal=normal)  # fmt: skip
-    _plans.store(sig, launch)
-    return page_table, cache_seqlens
+    launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
+                              num_warps=4, normal=normal)  # fmt: skip
+    return Stage([launch], result=(page_table, cache_seqlens))
 
 
+prefix_page_table = launcher(bind_prefix_page_table)
 prefix_page_table.kernels = (page_tables_kernel,)  # for specmeta.registry
 
 
-# same shape as verify_kv_indices:verify_kv_indices: inputs, outputs, status alike (style §2)
-# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
-# same shape as prefix_page_table: a ref takes its launcher's args (style §1)
 def prefix_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from .. import validate
 from ..config import shared_prefix_chain_need, uses_layout_b, verify_kv_indices_need
-from ..launch import Launcher, LaunchPlans, next_power_of_2
+from ..launch import Launcher, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -49,7 +50,11 @@ from ._common import (
     sizing_total,
 )
 
-__all__ = ["shared_prefix_kv_indices", "shared_prefix_kv_indices_ref"]
+__all__ = [
+    "bind_shared_prefix_kv_indices",
+    "shared_prefix_kv_indices",
+    "shared_prefix_kv_indices_ref",
+]
 
 
 # Prefix entries one program copies per iteration (as in draft_decode_kv_indices).
@@ -58,7 +63,6 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
-# same shape as branch_kv_indices:_branch_kv_indices_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
@@ -159,7 +163,6 @@ def _shared_prefix_kv_indices_kernel(
 
 
 _shared_prefix_kv_indices_launch = Launcher(_shared_prefix_kv_indices_kernel)
-_plans = LaunchPlans()
 
 
 def _prepare(
@@ -211,8 +214,7 @@ def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
                       "entries (ΣL)")  # fmt: skip
 
 
-# same shape as draft_decode_kv_indices:draft_decode_kv_indices: draft-decode list ops' inputs
-def shared_prefix_kv_indices(
+def bind_shared_prefix_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -227,8 +229,8 @@ def shared_prefix_kv_indices(
     chain_kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Build both levels of the cascade draft decode, all steps, in one launch.
+) -> Stage:
+    """Bind once: build both levels of the cascade draft decode, all steps, in one launch.
 
     Parameters
     ----------
@@ -259,7 +261,9 @@ def shared_prefix_kv_indices(
 
     Returns
     -------
-    (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
+    Stage
+        Its result is ``(prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)``,
+        what the eager :func:`shared_prefix_kv_indices` returns.
 
     Examples
     --------
@@ -271,16 +275,6 @@ def shared_prefix_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
     ``B``, lengths and strides are runtime arguments.
     """
-    sig, given = None, (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
-    if all(t is not None for t in given):  # plans replay into buffers the caller passed
-        sig = _plans.signature(
-            req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-            *given, seq_lens_sum is None, status,
-        )  # fmt: skip
-        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
-            seq_lens_sum, prefix_kv_indices)
-        if _plans.replay(sig, check):
-            return given
     topk, num_steps, rows, B, out, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
@@ -289,7 +283,7 @@ def shared_prefix_kv_indices(
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    launch = _shared_prefix_kv_indices_launch(
+    launch = _shared_prefix_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         prefix_kv_indices_ptr=prefix_kv_indices,
@@ -315,15 +309,13 @@ def shared_prefix_kv_indices(
         HAS_STATUS=True,
         num_warps=4,
     )
-    _plans.store(sig, launch)
-    return out
+    return Stage([launch], result=out)
 
 
+shared_prefix_kv_indices = launcher(bind_shared_prefix_kv_indices)
 shared_prefix_kv_indices.kernels = (_shared_prefix_kv_indices_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_cache_locs:assign_draft_cache_locs_ref: batch triple and draft shape
-# same shape as shared_prefix_kv_indices: a ref takes its launcher's args (style §1)
 def shared_prefix_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -27,11 +27,12 @@ import triton.language as tl
 
 from .. import validate
 from ..config import tree_custom_mask_need
-from ..launch import Launcher, LaunchPlans, cdiv
+from ..launch import Launcher, cdiv
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import OUT_OF_CAPACITY, POS_OOB, host_int, target_programs
 
-__all__ = ["tree_custom_mask", "tree_custom_mask_ref"]
+__all__ = ["bind_tree_custom_mask", "tree_custom_mask", "tree_custom_mask_ref"]
 
 
 # Output elements per program iteration: 1024 bools, or 256 bytes of eight bits (a [256, 8]
@@ -162,7 +163,6 @@ def _tree_custom_mask_kernel(
 
 
 _tree_custom_mask_launch = Launcher(_tree_custom_mask_kernel)
-_plans = LaunchPlans()
 
 
 def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
@@ -202,9 +202,7 @@ def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int
     validate.at_least("custom_mask", custom_mask.shape[0], need, what)
 
 
-# same shape as draft_decode_kv_indices:draft_decode_kv_indices: inputs, outputs, status alike
-# same shape as branch_page_table:branch_page_table: inputs, outputs, status alike (style §2)
-def tree_custom_mask(
+def bind_tree_custom_mask(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,
     *,
@@ -213,8 +211,8 @@ def tree_custom_mask(
     mask_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build FlashInfer's flat verify mask (or its packed-bit form) in one launch.
+) -> Stage:
+    """Bind once: build FlashInfer's flat verify mask (or its packed-bit form) in one launch.
 
     Parameters
     ----------
@@ -240,7 +238,9 @@ def tree_custom_mask(
 
     Returns
     -------
-    (custom_mask, mask_indptr) : tuple of torch.Tensor
+    Stage
+        Its result is ``(custom_mask, mask_indptr)`` (tuple of torch.Tensor), what the eager
+        :func:`tree_custom_mask` returns.
 
     Examples
     --------
@@ -251,21 +251,12 @@ def tree_custom_mask(
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
-    sig = None
-    if custom_mask is not None and mask_indptr is not None:  # plans replay into passed buffers
-        sig = _plans.signature(seq_lens, tree_mask, packed, custom_mask, mask_indptr,
-                               seq_lens_sum is None, status)  # fmt: skip
-        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
-            seq_lens_sum, custom_mask, seq_lens.shape[0], tree_mask.shape[1], packed)
-        if _plans.replay(sig, check):
-            return custom_mask, mask_indptr
     B, N, custom_mask, mask_indptr, status = _prepare(
         seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
     )
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
-    # same shape as merge_state:merge_state: keywords name each parameter (style §2)
-    launch = _tree_custom_mask_launch(
+    launch = _tree_custom_mask_launch.bind(
         grid,
         seq_lens_ptr=seq_lens,
         tree_mask_ptr=tree_mask.view(torch.uint8),
@@ -284,16 +275,13 @@ def tree_custom_mask(
         HAS_STATUS=True,
         num_warps=4,
     )
-    _plans.store(sig, launch)
-    return custom_mask, mask_indptr
+    return Stage([launch], result=(custom_mask, mask_indptr))
 
 
+tree_custom_mask = launcher(bind_tree_custom_mask)
 tree_custom_mask.kernels = (_tree_custom_mask_kernel,)  # for specmeta.registry
 
 
-# same shape as prefix_page_table:prefix_page_table: launcher end, kernels, ref start
-# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
-# same shape as tree_custom_mask: a ref takes its launcher's args (style §1)
 def tree_custom_mask_ref(
     seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,

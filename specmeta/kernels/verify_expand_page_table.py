@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..launch import Launcher, LaunchPlans, next_power_of_2
+from ..launch import Launcher, next_power_of_2
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     POOL_OOB,
@@ -32,7 +33,11 @@ from ._common import (
     load_request,
 )
 
-__all__ = ["verify_expand_page_table", "verify_expand_page_table_ref"]
+__all__ = [
+    "bind_verify_expand_page_table",
+    "verify_expand_page_table",
+    "verify_expand_page_table_ref",
+]
 
 
 @triton.jit(
@@ -111,7 +116,6 @@ def _verify_expand_page_table_kernel(
 
 
 _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
-_plans = LaunchPlans()
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -161,8 +165,7 @@ def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, ca
     return B, N, page_table, cache_seqlens, status
 
 
-# same shape as expand_page_table:expand_page_table: inputs, outputs, status alike (style §2)
-def verify_expand_page_table(
+def bind_verify_expand_page_table(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -172,8 +175,8 @@ def verify_expand_page_table(
     cache_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
+) -> Stage:
+    """Bind once: token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
 
     Parameters
     ----------
@@ -198,7 +201,9 @@ def verify_expand_page_table(
 
     Returns
     -------
-    (page_table, cache_seqlens) : tuple of torch.Tensor
+    Stage
+        Its result is ``(page_table, cache_seqlens)`` (tuple of torch.Tensor), what the eager
+        :func:`verify_expand_page_table` returns.
 
     Examples
     --------
@@ -209,54 +214,47 @@ def verify_expand_page_table(
     Grid ``(max(B, 1),)``, one program per request, and ``(1,)`` for ``cu_seqlens_k``. No
     host sync.
     """
-    sig = None
-    if page_table is not None and cache_seqlens is not None:  # plans replay into passed buffers
-        sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
-                               cache_seqlens, cu_seqlens_k, status)  # fmt: skip
-        if _plans.replay(sig):
-            return page_table, cache_seqlens
     B, N, page_table, cache_seqlens, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
         cu_seqlens_k, status,
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
-    # same shape as _page_tables:expand_pass: keywords name each parameter (style §2)
-    launch = _verify_expand_page_table_launch(
-        (max(B, 1),),
-        **batch_arguments(req_pool_indices, req_to_token, seq_lens),
-        tree_mask_ptr=mask,
-        page_table_ptr=page_table,
-        cache_seqlens_ptr=cache_seqlens,
-        cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
-        status_ptr=status,
-        N=N,
-        W=W,
-        stride_pt=page_table.stride(0),
-        stride_mb=mask.stride(0),
-        stride_mj=mask.stride(1),
-        BLOCK_N=next_power_of_2(N),
-        BLOCK_T=min(next_power_of_2(max(W - N, 1)), 64),
-        WRITE_CU0=cu_seqlens_k is not None,
-        HAS_STATUS=True,
-    )
+    launches = [
+        _verify_expand_page_table_launch.bind(
+            (max(B, 1),),
+            **batch_arguments(req_pool_indices, req_to_token, seq_lens),
+            tree_mask_ptr=mask,
+            page_table_ptr=page_table,
+            cache_seqlens_ptr=cache_seqlens,
+            cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+            status_ptr=status,
+            N=N,
+            W=W,
+            stride_pt=page_table.stride(0),
+            stride_mb=mask.stride(0),
+            stride_mj=mask.stride(1),
+            BLOCK_N=next_power_of_2(N),
+            BLOCK_T=min(next_power_of_2(max(W - N, 1)), 64),
+            WRITE_CU0=cu_seqlens_k is not None,
+            HAS_STATUS=True,
+        )
+    ]
     if cu_seqlens_k is not None and B * N:
         # Entry 0 is the kernel's; the rest are the nodes' inclusive sums.
-        sums = _inclusive_sums_launch(
+        launches.append(_inclusive_sums_launch.bind(
             (1,), src_ptr=cache_seqlens, dst_ptr=cu_seqlens_k, n=B * N, BLOCK=_SUMS_BLOCK
-        )
-        _plans.store(sig, launch, sums)
-    else:
-        _plans.store(sig, launch)
-    return page_table, cache_seqlens
+        ))  # fmt: skip
+    return Stage(launches, result=(page_table, cache_seqlens))
+
+
+verify_expand_page_table = launcher(bind_verify_expand_page_table)
 
 
 # for specmeta.registry
 verify_expand_page_table.kernels = (_verify_expand_page_table_kernel, _inclusive_sums_kernel)
 
 
-# same shape as verify_kv_indices:verify_kv_indices_ref: inputs, outputs, status alike (style §2)
-# same shape as verify_expand_page_table: a ref takes its launcher's args (style §1)
 def verify_expand_page_table_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .. import validate
 from ..config import verify_kv_indices_need
-from ..launch import Launcher, LaunchPlans
+from ..launch import Launcher
+from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
@@ -36,7 +37,12 @@ from ._common import (
     sizing_total,
 )
 
-__all__ = ["verify_kv_indices", "verify_kv_indices_ref", "exclusive_length_sum"]
+__all__ = [
+    "bind_verify_kv_indices",
+    "verify_kv_indices",
+    "verify_kv_indices_ref",
+    "exclusive_length_sum",
+]
 
 
 # Entries one program copies per iteration: 1024 int32 keep 8 elements a thread in flight at
@@ -46,7 +52,6 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
-# same shape as tree_custom_mask:_tree_custom_mask_kernel: kernels list each parameter (style §2)
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs"]
 )
@@ -91,7 +96,6 @@ def _verify_kv_indices_kernel(
 
 
 _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
-_plans = LaunchPlans()
 
 
 def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
@@ -120,9 +124,7 @@ def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_t
     validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
 
 
-# same shape as draft_decode_kv_indices:draft_decode_kv_indices: batch triple, draft shape
-# same shape as branch_kv_indices:branch_kv_indices: docstrings state each parameter (style §6)
-def verify_kv_indices(
+def bind_verify_kv_indices(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -132,8 +134,9 @@ def verify_kv_indices(
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build every request's list ``row_b[0 : L_b + extra]`` and its CSR offsets, in one launch.
+) -> Stage:
+    """Bind once: build every request's list ``row_b[0 : L_b + extra]`` and its CSR offsets, in one
+    launch.
 
     Parameters
     ----------
@@ -159,7 +162,9 @@ def verify_kv_indices(
 
     Returns
     -------
-    (kv_indices, kv_indptr) : tuple of torch.Tensor
+    Stage
+        Its result is ``(kv_indices, kv_indptr)`` (tuple of torch.Tensor), what the eager
+        :func:`verify_kv_indices` returns.
 
     Examples
     --------
@@ -170,22 +175,13 @@ def verify_kv_indices(
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    sig = None
-    if kv_indices is not None and kv_indptr is not None:  # plans replay into passed buffers
-        sig = _plans.signature(req_pool_indices, req_to_token, seq_lens, extra_tokens,
-                               kv_indices, kv_indptr, seq_lens_sum is None, status)  # fmt: skip
-        check = None if seq_lens_sum is None else lambda: _check_total(  # a host value
-            seq_lens_sum, kv_indices, seq_lens.shape[0], extra_tokens)
-        if _plans.replay(sig, check):
-            return kv_indices, kv_indptr
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
         seq_lens_sum, status,
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
-    # same shape as shared_prefix_kv_indices:shared_prefix_kv_indices: keywords name each parameter
-    launch = _verify_kv_indices_launch(
+    launch = _verify_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         kv_indices_ptr=kv_indices,
@@ -199,16 +195,13 @@ def verify_kv_indices(
         HAS_STATUS=True,
         num_warps=4,
     )
-    _plans.store(sig, launch)
-    return kv_indices, kv_indptr
+    return Stage([launch], result=(kv_indices, kv_indptr))
 
 
+verify_kv_indices = launcher(bind_verify_kv_indices)
 verify_kv_indices.kernels = (_verify_kv_indices_kernel,)  # for specmeta.registry
 
 
-# same shape as draft_cache_locs:prefix_tail_copy_pairs: launcher end, kernels, ref start
-# same shape as branch_page_table:branch_page_table_ref: inputs, outputs, status alike (style §2)
-# same shape as verify_kv_indices: a ref takes its launcher's args (style §1)
 def verify_kv_indices_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .. import validate
 from ..launch import Launcher, cdiv
+from ..stage import Stage, launcher
 
 __all__ = [
     "SINK_ROW",
@@ -48,6 +49,8 @@ __all__ = [
     "copy_pad",
     "copy_pad_many",
     "copy_pad_ref",
+    "bind_copy_pad",
+    "bind_copy_pad_many",
 ]
 
 SINK_ROW = 0
@@ -192,8 +195,8 @@ def _prepare(src: object, dst: object, pad: object) -> tuple[int | float, int]:
     return check_pad("pad", pad, dst.dtype), src.numel()
 
 
-def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> torch.Tensor:
-    """``dst[:n] = src``, ``dst[n:] = pad`` with ``n = src.shape[0]``, in one launch.
+def bind_copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> Stage:
+    """Bind once: ``dst[:n] = src``, ``dst[n:] = pad`` with ``n = src.shape[0]``, in one launch.
 
     Parameters
     ----------
@@ -206,8 +209,8 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
 
     Returns
     -------
-    torch.Tensor
-        ``dst``.
+    Stage
+        Its result is what the eager :func:`copy_pad` returns: torch.Tensor, ``dst``.
 
     Examples
     --------
@@ -219,8 +222,8 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
     value, n_src = _prepare(src, dst, pad)
     n_dst = dst.numel()
     if n_dst == 0:
-        return dst
-    _copy_pad_launch(
+        return Stage([], result=dst)
+    launch = _copy_pad_launch.bind(
         (cdiv(n_dst, _BLOCK),),
         src_ptr=src if n_src else dst,
         dst_ptr=dst,
@@ -229,15 +232,24 @@ def copy_pad(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> t
         pad=value,
         BLOCK=_BLOCK,
     )
-    return dst
+    return Stage([launch], result=dst)
 
 
-def copy_pad_many(
+copy_pad = launcher(bind_copy_pad)
+
+
+def bind_copy_pad_many(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor, int | float | bool]],
-) -> None:
-    """:func:`copy_pad` of several buffers, ``MANY`` (4) to a launch: ``(src, dst, pad)`` each,
-    checked as :func:`copy_pad` checks its arguments, all on one device. The graph runner pads
-    every static input of a call with one launch."""
+) -> Stage:
+    """Bind once: :func:`copy_pad` of several buffers, ``MANY`` (4) to a launch: ``(src, dst, pad)``
+    each, checked as :func:`copy_pad` checks its arguments, all on one device. The graph runner pads
+    every static input of a call with one launch.
+
+    Returns
+    -------
+    Stage
+        Its result is None, what the eager :func:`copy_pad_many` returns.
+    """
     prepared = []
     for i, pair in enumerate(pairs):
         if not isinstance(pair, tuple) or len(pair) != 3:
@@ -250,6 +262,7 @@ def copy_pad_many(
                 "one launch pads buffers of one device: call copy_pad_many once per device"
             )
         prepared.append((src if n_src else dst, dst, n_src, dst.numel(), value))
+    launches = []
     for start in range(0, len(prepared), MANY):
         group = prepared[start : start + MANY]
         blocks = max(cdiv(n_dst, _BLOCK) for _, _, _, n_dst, _ in group)
@@ -261,7 +274,13 @@ def copy_pad_many(
             src, dst, n_src, n_dst, value = group[i] if i < len(group) else (*first[:2], 0, 0, 0)
             args.update({f"src{i}": src, f"dst{i}": dst, f"n_src{i}": n_src,
                          f"n_dst{i}": n_dst, f"pad{i}": value})  # fmt: skip
-        _copy_pad_many_launch((blocks, len(group)), **args, NBUF=len(group), BLOCK=_BLOCK)
+        launches.append(
+            _copy_pad_many_launch.bind((blocks, len(group)), **args, NBUF=len(group), BLOCK=_BLOCK)
+        )
+    return Stage(launches)
+
+
+copy_pad_many = launcher(bind_copy_pad_many)
 
 
 def copy_pad_ref(src: torch.Tensor, dst: torch.Tensor, pad: int | float | bool) -> torch.Tensor:

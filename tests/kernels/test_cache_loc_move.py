@@ -25,6 +25,7 @@ from specmeta.kernels.cache_loc_move import (
     KVPool,
     accept_cache_locs,
     accept_cache_locs_ref,
+    bind_move_kv_cache,
     move_kv_cache,
     move_kv_cache_ref,
 )
@@ -329,6 +330,35 @@ def _run_move(pools, tgt, src, device, *, addressing, disjoint=False, ordered=Fa
         assert_equal(got, _spec_move(before[i], tgt, src), f"buffers[{i}] vs design")
     assert_equal(status, ref_status, "status")
     return int(status)
+
+
+def test_bound_move_makes_one_launch_per_buffer_on_every_call(device, gen):
+    """bind_move_kv_cache with direct addressing binds one launch per buffer, all in one stage;
+    called twice, with new pairs in the same pair tensors before each call, it moves what the
+    reference and the design move, both times."""
+    P, n = 64, 24
+    pools = _make_pools("odd_widths_padded", P, device, gen)  # P, P - 8 and P - 16 rows
+    tgt = torch.zeros(n, dtype=torch.int64, device=device)
+    src = torch.zeros_like(tgt)
+    status = new_status(device)
+    pool = KVPool([p.view for p in pools], addressing="direct")
+    stage = bind_move_kv_cache(pool, tgt, src, status=status)
+    assert len(stage.launches) == len(pools)
+    for call in range(2):
+        t, s = _overlapping_pairs(P - 16, n, gen)
+        tgt.copy_(t)
+        src.copy_(s)
+        before = [p.rows().cpu().clone() for p in pools]
+        ref, ref_status = [p.view.clone() for p in pools], new_status(device)
+        move_kv_cache_ref(ref, tgt, src, status=ref_status)
+        assert stage() is None
+        for i, p in enumerate(pools):
+            p.assert_intact(f"buffers[{i}], call {call}")
+            ref_rows = ref[i].as_strided((ref[i].shape[0], ref[i][0].numel()),
+                                         (ref[i].stride(0), 1))  # fmt: skip
+            assert_equal(p.rows(), ref_rows.view(torch.uint8), f"buffers[{i}], call {call}")
+            assert_equal(p.rows(), _spec_move(before[i], t, s), f"buffers[{i}] vs design")
+        assert int(status) == int(ref_status) == 0
 
 
 @pytest.mark.parametrize("addressing", ["direct", "table"])
@@ -816,16 +846,17 @@ def test_gpu_compute_sanitizer_memcheck_clean(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("addressing", ["table", "direct"])
-def test_gpu_planned_moves_equal_the_reference(gen, addressing):
-    """Calls on one KVPool with the same pair tensors replay the first call's launches (launch
-    plans): new pair values each round, every round equal to the torch reference; pairs that
-    leave the pool still report POOL_OOB through the replay."""
+def test_gpu_bound_moves_equal_the_reference(gen, addressing):
+    """A move bound once on one KVPool and the same pair tensors (bind_move_kv_cache), called
+    every round with new pair values: every round equals the torch reference, and pairs that
+    leave the pool still report POOL_OOB through the bound launches."""
     P, n = 512, 40
     bufs = [torch.randn(P, 4, 32, generator=gen).to("cuda", torch.bfloat16) for _ in range(3)]
     pool = KVPool(bufs, addressing=addressing)
     tgt = torch.zeros(n, dtype=torch.int64, device="cuda")
     src = torch.zeros_like(tgt)
-    status = new_status("cuda")  # one word: every round's call has the first call's key
+    status = new_status("cuda")
+    move = bind_move_kv_cache(pool, tgt, src, disjoint=True, status=status)
     for round_ in range(4):
         perm = torch.randperm(P, generator=gen)[: 2 * n]
         if round_ == 3:
@@ -836,7 +867,7 @@ def test_gpu_planned_moves_equal_the_reference(gen, addressing):
         status.zero_()
         ref_status = new_status("cuda")
         move_kv_cache_ref(want, tgt, src, disjoint=True, status=ref_status)
-        move_kv_cache(pool, tgt, src, disjoint=True, status=status)
+        assert move() is None
         for i, (got, w) in enumerate(zip(bufs, want, strict=True)):
             assert torch.equal(got, w), (round_, i)
         assert int(status) == int(ref_status) == (int(Status.POOL_OOB) if round_ == 3 else 0)
