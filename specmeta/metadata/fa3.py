@@ -26,25 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig
 from ..kernels.draft_decode_page_tables import (
-    draft_decode_page_tables,
+    bind_draft_decode_page_tables,
     draft_decode_page_tables_ref,
 )
-from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
+from ..kernels.prefix_page_table import bind_prefix_page_table, prefix_page_table_ref
 from ..kernels.verify_expand_page_table import (
-    verify_expand_page_table,
+    bind_verify_expand_page_table,
     verify_expand_page_table_ref,
 )
-from . import host_ops as host_ops_module
-from .contract import Capabilities, DraftSteps, MetadataBuilder
-from .inputs import BuildInputs
+from ..stage import Stage
+from .capabilities import CAPABILITIES
+from .contract import DraftSteps, MetadataBuilder
 from .layout import UniformQueryLayout
 
 __all__ = ["FA3Metadata", "FA3Cascade", "FA3DraftDecode", "FA3MetadataBuilder"]
@@ -158,85 +157,11 @@ class FA3DraftDecode(DraftSteps):
     steps: tuple[FA3Cascade, ...]
 
 
-def _recipe(base: FA3Metadata | FA3Cascade | FA3DraftDecode, shared: dict) -> tuple:
-    """The compiled ``raised``'s recipe of ``base`` (``host_ops.c``): per object its class, its
-    fields, the field a new ``top`` changes, and what that field is made of (the maximum at
-    ``top = 0``, or the recipes of the objects it holds). A normal pass that several steps
-    share has one recipe, so the compiled copy shares one raised pass too."""
-    if type(base) is FA3Metadata:
-        return (FA3Metadata, base.__dict__, "max_seqlen_k", base.max_seqlen_k)
-    if type(base) is FA3Cascade:
-        normal = shared.get(id(base.normal))
-        if normal is None:
-            normal = shared[id(base.normal)] = _recipe(base.normal, shared)
-        return (FA3Cascade, base.__dict__, "normal", normal)
-    return (type(base), base.__dict__, "steps", tuple(_recipe(s, shared) for s in base.steps))
-
-
-def _raiser(base: FA3Metadata | FA3Cascade | FA3DraftDecode,
-            raised: Callable[[tuple, int], Any] | None = None) -> Callable[[int], Any]:  # fmt: skip
-    """A function ``top -> result``: ``base``, a result made for ``top = 0``, with each normal
-    pass's ``max_seqlen_k`` raised by ``top`` (an expand pass's is a bound that ``top`` does not
-    move), sharing ``base``'s views. A normal pass shared by every step (``K > 1``) stays shared.
-
-    Made once per result; each call then copies the few frozen objects: with ``raised`` (the
-    compiled host ops' ``raised``), in one compiled call over :func:`_recipe`; otherwise with
-    straight code below, the rule the compiled copy follows: a copy of each object's field
-    dictionary with one field replaced, installed as the new object's ``__dict__`` without
-    ``__init__`` (which checks nothing here; a frozen dataclass refuses attribute assignment,
-    not ``object.__setattr__``). A result for every new ``max L`` of a decode loop costs a few
-    dictionary copies (design §3.2 gives the cost of each way)."""
-    if raised is not None:
-        return functools.partial(raised, _recipe(base, {}))
-    new, install = object.__new__, object.__setattr__
-    fields = base.__dict__
-    if type(base) is FA3Metadata:
-        high = base.max_seqlen_k
-
-        def raised_pass(top: int) -> FA3Metadata:
-            out, d = new(FA3Metadata), fields.copy()
-            d["max_seqlen_k"] = high + top
-            install(out, "__dict__", d)
-            return out
-
-        return raised_pass
-    if type(base) is FA3Cascade:
-        normal = _raiser(base.normal)
-
-        def raised_cascade(top: int) -> FA3Cascade:
-            out, d = new(FA3Cascade), fields.copy()
-            d["normal"] = normal(top)
-            install(out, "__dict__", d)
-            return out
-
-        return raised_cascade
-    steps = base.steps
-    cls = type(base)
-    if steps and all(step.normal is steps[0].normal for step in steps):
-        shared, each = _raiser(steps[0].normal), [step.__dict__ for step in steps]
-
-        def raised_shared(top: int) -> FA3DraftDecode:
-            normal, raised = shared(top), []
-            for step in each:
-                cascade, d = new(FA3Cascade), step.copy()
-                d["normal"] = normal
-                install(cascade, "__dict__", d)
-                raised.append(cascade)
-            out, d = new(cls), fields.copy()
-            d["steps"] = tuple(raised)
-            install(out, "__dict__", d)
-            return out
-
-        return raised_shared
-    per_step = [_raiser(step) for step in steps]
-
-    def raised_steps(top: int) -> FA3DraftDecode:
-        out, d = new(cls), fields.copy()
-        d["steps"] = tuple([step(top) for step in per_step])
-        install(out, "__dict__", d)
-        return out
-
-    return raised_steps
+def _set_max(meta: FA3Metadata, value: int) -> None:
+    """Rewrite ``meta.max_seqlen_k``, the one host scalar of a result that a stage's host part
+    writes on every call (design §3.2). A result is frozen for its readers; the builder that
+    owns it rewrites it, as its kernels rewrite its views."""
+    object.__setattr__(meta, "max_seqlen_k", value)
 
 
 class FA3MetadataBuilder(MetadataBuilder):
@@ -255,8 +180,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
     host_ops : bool
-        Check ``seq_lens_cpu`` and read its ``max L`` and ``ΣL`` in one compiled call (default,
-        where it can be built; :mod:`specmeta.metadata.host_ops`), else with torch ops.
+        Check ``seq_lens_cpu`` and read its ``max L`` and ``ΣL`` in one compiled call where
+        :func:`specmeta.warmup` built it (default; :mod:`specmeta.metadata.host_ops`), else
+        with torch ops.
 
     Attributes
     ----------
@@ -272,16 +198,12 @@ class FA3MetadataBuilder(MetadataBuilder):
     >>> fa3 = FA3MetadataBuilder(cfg, "cuda")                     # once
     >>> steps = fa3.draft_decode(rpi, req_to_token, seq_lens, out_cache_loc)
     >>> o, lse = flash_attn_with_kvcache(q, k, v, **steps[0].normal.kwargs())
+    >>> stage = fa3.bind_draft_decode(rpi, req_to_token, seq_lens, out_cache_loc)  # once
+    >>> stage.launch(); steps = stage.host(seq_lens_cpu)          # every step, or in a graph
     """
 
     plan_prefix = _PREFIX
-    capabilities = Capabilities(
-        modes=("draft_decode", "target_verify", "draft_extend"),
-        tree_draft=True,
-        tree_verify=True,
-        page_sizes="any",
-        graph_safe=frozenset({"draft_decode", "target_verify", "draft_extend"}),
-    )
+    capabilities = CAPABILITIES["fa3"]
 
     def __init__(
         self,
@@ -294,22 +216,6 @@ class FA3MetadataBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned()
-        self._last: dict[tuple, list] = {}  # (mode, B[, rows]) -> [top, its result, raiser]
-        op = host_ops_module.compiled() if self.host_ops else None
-        self._raised = op.raised if op is not None else None  # a result for a new max L
-        # The builder checks every input before launching (inputs.py), so its launchers skip
-        # their own second pass over the same tensors (validate.trusting).
-        self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
-        self._draft_tables = (
-            draft_decode_page_tables_ref
-            if reference
-            else validate.trusting(draft_decode_page_tables)
-        )
-        self._verify_expand = (
-            verify_expand_page_table_ref
-            if reference
-            else validate.trusting(verify_expand_page_table)
-        )
         k, n, bs = cfg.topk, cfg.num_draft_tokens, cfg.max_bs
         self._q: dict[str, UniformQueryLayout] = {}
         widths = {"draft_decode": (k, 1, k), "target_verify": (n, 1, n), "draft_extend": (n,)}
@@ -324,40 +230,86 @@ class FA3MetadataBuilder(MetadataBuilder):
                     out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
                 )  # fmt: skip
 
-    def _described(self, mode: str, inputs: BuildInputs, key: tuple, make, *,
-                   whole_pages: bool = False, extra: int = 0):  # fmt: skip
-        """The result of ``mode`` for ``key`` (``B``, and the rows of a draft decode) and the
-        call's ``top``: ``max L`` from the CPU mirror, else the planned bound, plus ``extra``;
-        with ``whole_pages``, ``max L`` rounded down to whole pages (``max L − lpl``: rounding
-        keeps the order of lengths, so it rounds the maximum). ``make(*key, top)``, made once
-        per key and ``top`` (:meth:`result`), through :meth:`described`.
-
-        ``top`` changes with almost every decode step, and only the normal passes'
-        ``max_seqlen_k`` follow it: ``make(*key, 0)`` is made once per key, and a new ``top``
-        copies its objects with those maxima raised (:func:`_raiser`), sharing its views. The
-        last result of each key is kept, not one per ``top`` ever seen."""
-        ps, bound = self.cfg.page_size, self.cfg.max_context_len
-        last, at = self._last, (mode, *key)
-
-        def of_max(high: int | None):  # the result for a batch whose max L is high
-            top = (bound if high is None else high - high % ps if whole_pages else high) + extra
-            found = last.get(at)
-            if found is None:
-                base = self.result((*at, 0), make, *key, 0)
-                found = last[at] = [None, None, _raiser(base, self._raised)]
-            if found[0] != top:
-                found[0], found[1] = top, found[2](top)
-            return found[1]
-
-        return self.described(mode, inputs, lambda inp: of_max(inp.high), of_max)
-
-    # ----------------------------------------------------------------------------------------
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
         """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
         return tuple(
             self.buffers[f"{mode}.{prefix}{field}"]
             for field in ("page_table", "cache_seqlens", "cu_seqlens_k")
         )
+
+    def _stage(self, mode: str, B: int, launches: list, result: Any, maxima: list,
+               *, whole_pages: bool = False) -> Stage:  # fmt: skip
+        """The stage of ``mode``: ``launches``, and the host part that checks ``seq_lens_cpu``
+        and writes the normal passes' ``max_seqlen_k``: ``top + extra`` for each
+        ``(meta, extra)`` of ``maxima``, ``top`` the exact ``max L`` (rounded down to whole pages
+        with ``whole_pages``: ``max L − lpl``, as rounding keeps the order of lengths), or the
+        planned ``max_context_len`` without ``seq_lens_cpu``. An expand pass's maximum is its
+        bound (``ps − 1 + s + 1`` in draft decode, ``N`` in target verify): it reads at most a
+        page and the steps, so an exact one would change no tile count."""
+        ps, bound = self.cfg.page_size, self.cfg.max_context_len
+
+        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+            found = self.lengths(mode, B, seq_lens_cpu)
+            if found is None:
+                top = bound
+            else:
+                top = found[0] - found[0] % ps if whole_pages else found[0]
+            for meta, extra in maxima:
+                _set_max(meta, top + extra)
+            return result
+
+        return Stage(launches, host=host)
+
+    # ----------------------------------------------------------------------------------------
+    def bind_draft_decode(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor | None = None,
+        *,
+        num_rows: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
+        launches with ``launch()`` and returns the :class:`FA3DraftDecode` from
+        ``host(seq_lens_cpu)``, which writes its ``max_seqlen_k``."""
+        cfg = self.cfg
+        K, S, ps = cfg.topk, cfg.num_steps, cfg.page_size
+        rows = self.draft_rows("draft_decode", num_rows)  # also checks the mode is served
+        if K > 1 and out_cache_loc is None:
+            raise ValueError(
+                f"{type(self).__name__}.draft_decode: out_cache_loc is required with "
+                f"topk={K} > 1 (the expand pass reads each branch's draft slots); pass the "
+                "out_cache_loc of assign_draft_cache_locs"
+            )
+        B = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
+                       out_cache_loc=out_cache_loc, status=status)  # fmt: skip
+        status = self.status_word(status)
+        if rows == 0:
+            return self._stage("draft_decode", B, [], FA3DraftDecode(()), [])
+        out, result = self.views(("draft_decode", B, rows), self._draft_views, B, rows)
+        args = (req_pool_indices, req_to_token, seq_lens)
+        if K == 1:
+            # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
+            kw = dict(page_size=ps, extra_tokens=1, num_rows=rows, status=status, **out)
+            if self.reference:
+                launch = functools.partial(prefix_page_table_ref, *args, **kw)
+            else:
+                launch = bind_prefix_page_table(*args, **kw)
+            maxima = [(step.normal, s + 1) for s, step in enumerate(result.steps)]
+            return self._stage("draft_decode", B, [launch], result, maxima)
+        # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
+        # B (the last partial page is the start of every branch's region, read by the expand
+        # pass). Expand pass: every step's own chain of every branch.
+        kw = dict(topk=K, num_steps=S, page_size=ps, exclude_last_partial=cfg.layout_b,
+                  num_rows=rows, status=status, **out)  # fmt: skip
+        if self.reference:
+            launch = functools.partial(draft_decode_page_tables_ref, *args, out_cache_loc, **kw)
+        else:
+            launch = bind_draft_decode_page_tables(*args, out_cache_loc, **kw)
+        return self._stage("draft_decode", B, [launch], result, [(result.steps[0].normal, 0)],
+                           whole_pages=cfg.layout_b)  # fmt: skip
 
     def draft_decode(
         self,
@@ -396,69 +348,27 @@ class FA3MetadataBuilder(MetadataBuilder):
         Returns
         -------
         FA3DraftDecode
-            ``steps[s]``, an :class:`FA3Cascade`: ``K == 1`` → ``normal`` only, ``cache_seqlens = L + s + 1``,
-            ``max_seqlen_q = 1``; ``K > 1`` → ``normal`` (stride ``K``, non-causal,
-            ``cache_seqlens = L`` or ``L − lpl`` in layout B; the same object every step) and
-            ``expand`` (stride 1, ``cache_seqlens = lpl + s + 1``).
+            ``steps[s]``, an :class:`FA3Cascade`: ``K == 1`` → ``normal`` only,
+            ``cache_seqlens = L + s + 1``, ``max_seqlen_q = 1``; ``K > 1`` → ``normal`` (stride
+            ``K``, non-causal, ``cache_seqlens = L`` or ``L − lpl`` in layout B; the same object
+            every step) and ``expand`` (stride 1, ``cache_seqlens = lpl + s + 1``). A view of
+            the builder's buffers: the next call of the mode for the same batch size rewrites
+            it, ``max_seqlen_k`` included.
         """
-        cfg = self.cfg
-        K, S, ps = cfg.topk, cfg.num_steps, cfg.page_size
-        rows = self.draft_rows("draft_decode", num_rows)  # also checks the mode is served
-        if K > 1 and out_cache_loc is None:
-            raise ValueError(
-                f"{type(self).__name__}.draft_decode: out_cache_loc is required with "
-                f"topk={K} > 1 (the expand pass reads each branch's draft slots); pass the "
-                "out_cache_loc of assign_draft_cache_locs"
-            )
-        inputs = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
-                            seq_lens_cpu=seq_lens_cpu, out_cache_loc=out_cache_loc,
-                            status=status)  # fmt: skip
-        B, status = inputs.batch, self.status_word(status)
-        if rows == 0:
-            return FA3DraftDecode(())
-        args = (req_pool_indices, req_to_token, seq_lens)
-        if K == 1:
-            # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
-            if launch:  # the output views are looked up only when the launch is not replayed
-                self.launch_plan(inputs, (rows,), lambda: self._prefix(
-                    *args, page_size=ps, extra_tokens=1, num_rows=rows,
-                    **self._draft_views(B, rows), status=status))  # fmt: skip
-            return self._described("draft_decode", inputs, (B, rows), self._draft_result)
-        # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
-        # B (the last partial page is the start of every branch's region, read by the expand
-        # pass). Expand pass: every step's own chain of every branch.
-        if launch:
-            self.launch_plan(inputs, (rows,), lambda: self._draft_tables(
-                *args, out_cache_loc, topk=K, num_steps=S, page_size=ps,
-                exclude_last_partial=cfg.layout_b, num_rows=rows, **self._draft_views(B, rows),
-                status=status))  # fmt: skip
-        return self._described("draft_decode", inputs, (B, rows), self._draft_result,
-                               whole_pages=cfg.layout_b)  # fmt: skip
+        stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens, out_cache_loc,
+                                       num_rows=num_rows, status=status)  # fmt: skip
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
-    def _draft_views(self, B: int, rows: int) -> dict[str, torch.Tensor]:
-        """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows`` steps."""
-        K = self.cfg.topk
-        pt, cs, cu = self._tables("draft_decode")
-        if K == 1:
-            return dict(page_table=pt[:B], cache_seqlens=cs[:rows, :B],
-                        cu_seqlens_k=cu[:rows, : B + 1])  # fmt: skip
-        BK = B * K
-        ept, ecs, ecu = self._tables("draft_decode", "expand_")
-        return dict(page_table=pt[:B], cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1],
-                    expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
-                    expand_cu_seqlens_k=ecu[:rows, : BK + 1])  # fmt: skip
-
-    def _draft_result(self, B: int, rows: int, top: int) -> FA3DraftDecode:
-        """The :class:`FA3DraftDecode` of ``B`` requests, ``rows`` steps and ``max L`` (whole
-        pages in layout B) ``top``. An expand pass's ``max_seqlen_k`` is its bound, ``ps − 1 +
-        s + 1`` (``s + 1`` when ``ps == 1``): it reads at most the last partial page and the
-        steps, so the exact ``max(L mod ps)`` would change no tile count, and computing it
-        costs the host a pass over ``seq_lens_cpu`` on every call."""
+    def _draft_views(self, B: int, rows: int) -> tuple[dict, FA3DraftDecode]:
+        """The launch's output views of ``draft_decode`` for ``B`` requests and ``rows``
+        steps, and the :class:`FA3DraftDecode` that reads them."""
         K, ps = self.cfg.topk, self.cfg.page_size
         pt, cs, cu = self._tables("draft_decode")
         cu_q = self._q["draft_decode"].cu_seqlens_q(B)
         if K == 1:
-            return FA3DraftDecode(tuple(
+            out = dict(page_table=pt[:B], cache_seqlens=cs[:rows, :B],
+                       cu_seqlens_k=cu[:rows, : B + 1])  # fmt: skip
+            return out, FA3DraftDecode(tuple(
                 FA3Cascade(
                     normal=FA3Metadata(
                         cache_seqlens=cs[s, :B],
@@ -469,7 +379,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                         causal=False,  # one query row: nothing to mask
                         return_softmax_lse=False,
                         page_size=ps,
-                        max_seqlen_k=top + s + 1,
+                        max_seqlen_k=0,  # written by the stage's host part
                     ),
                     expand=None,
                 )
@@ -477,19 +387,22 @@ class FA3MetadataBuilder(MetadataBuilder):
             ))  # fmt: skip
         BK = B * K
         ept, ecs, ecu = self._tables("draft_decode", "expand_")
+        out = dict(page_table=pt[:B], cache_seqlens=cs[0, :B], cu_seqlens_k=cu[0, : B + 1],
+                   expand_page_table=ept[:rows, :BK], expand_cache_seqlens=ecs[:rows, :BK],
+                   expand_cu_seqlens_k=ecu[:rows, : BK + 1])  # fmt: skip
         normal = FA3Metadata(
-            cache_seqlens=cs[0, :B],
-            page_table=pt[:B],
+            cache_seqlens=out["cache_seqlens"],
+            page_table=out["page_table"],
             cu_seqlens_q=cu_q,
-            cu_seqlens_k_new=cu[0, : B + 1],
+            cu_seqlens_k_new=out["cu_seqlens_k"],
             max_seqlen_q=K,
             causal=False,
             return_softmax_lse=True,
             page_size=ps,
-            max_seqlen_k=top,
+            max_seqlen_k=0,  # written by the stage's host part
         )
         cu_e = self._q["draft_decode.expand"].cu_seqlens_q(BK)
-        return FA3DraftDecode(tuple(
+        return out, FA3DraftDecode(tuple(
             FA3Cascade(
                 normal=normal,
                 expand=FA3Metadata(
@@ -506,6 +419,46 @@ class FA3MetadataBuilder(MetadataBuilder):
             )
             for s in range(rows)
         ))  # fmt: skip
+
+    def bind_target_verify(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        *,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`target_verify` bound once to these tensors (arguments as there): the stage
+        launches with ``launch()`` and returns the :class:`FA3Cascade` from
+        ``host(seq_lens_cpu)``."""
+        cfg = self.cfg
+        K, N, ps = cfg.topk, cfg.num_draft_tokens, cfg.page_size
+        where = self.require("target_verify")
+        if K > 1 and tree_mask is None:
+            raise ValueError(
+                f"{where}: tree_mask is required with topk={K} > 1; "
+                f"pass the [B, N, N] bool ancestor mask of the draft tree (N = {N})"
+            )
+        B = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
+                       tree_mask=tree_mask if K > 1 else None, status=status)  # fmt: skip
+        status = self.status_word(status)
+        out, result = self.views(("target_verify", B), self._verify_views, B)
+        args = (req_pool_indices, req_to_token, seq_lens)
+        extra = N if K == 1 else 0
+        kw = dict(page_size=ps, extra_tokens=extra, status=status, **out["normal"])
+        if self.reference:
+            launches = [functools.partial(prefix_page_table_ref, *args, **kw)]
+        else:
+            launches = [bind_prefix_page_table(*args, **kw)]
+        if K > 1:
+            kw = dict(status=status, **out["expand"])
+            if self.reference:
+                launches.append(functools.partial(verify_expand_page_table_ref, *args,
+                                                  tree_mask, **kw))  # fmt: skip
+            else:
+                launches.append(bind_verify_expand_page_table(*args, tree_mask, **kw))
+        return self._stage("target_verify", B, launches, result, [(result.normal, extra)])
 
     def target_verify(
         self,
@@ -526,7 +479,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             As in :meth:`draft_decode`.
         tree_mask : torch.Tensor, optional
             ``[B, N, N]`` bool ancestor mask; required when ``K > 1`` (not read when ``K == 1``:
-            the chain is the causal mask; not needed with ``launch=False``).
+            the chain is the causal mask).
         seq_lens_cpu, status, launch
             As in :meth:`draft_decode`.
 
@@ -538,68 +491,66 @@ class FA3MetadataBuilder(MetadataBuilder):
             ``expand`` (one row per node ``i·N + j`` listing its ancestors' slots,
             ``page_size = 1``, stride 1).
         """
-        cfg = self.cfg
-        K, N, ps = cfg.topk, cfg.num_draft_tokens, cfg.page_size
-        where = self.require("target_verify")
-        if K > 1 and tree_mask is None and launch:
-            raise ValueError(
-                f"{where}: tree_mask is required with topk={K} > 1; "
-                f"pass the [B, N, N] bool ancestor mask of the draft tree (N = {N})"
-            )
-        inputs = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
-                            seq_lens_cpu=seq_lens_cpu, tree_mask=tree_mask,
-                            status=status)  # fmt: skip
-        B, status = inputs.batch, self.status_word(status)
-        args = (req_pool_indices, req_to_token, seq_lens)
-        extra = N if K == 1 else 0
+        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
+                                        status=status)  # fmt: skip
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
-        def run():
-            pt, cs, cu = self._tables("target_verify")
-            self._prefix(*args, page_size=ps, extra_tokens=extra, page_table=pt[:B],
-                         cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
-                         status=status)  # fmt: skip
-            if K > 1:
-                BN = B * N
-                ept, ecs, ecu = self._tables("target_verify", "expand_")
-                self._verify_expand(*args, tree_mask, page_table=ept[:BN],
-                                    cache_seqlens=ecs[:BN], cu_seqlens_k=ecu[: BN + 1],
-                                    status=status)  # fmt: skip
-
-        if launch:
-            self.launch_plan(inputs, (), run)
-        return self._described("target_verify", inputs, (B,), self._verify_result, extra=extra)
-
-    def _verify_result(self, B: int, top: int) -> FA3Cascade:
-        """The :class:`FA3Cascade` of target verify for ``B`` requests, ``max_seqlen_k = top``."""
+    def _verify_views(self, B: int) -> tuple[dict, FA3Cascade]:
+        """The launches' output views of target verify for ``B`` requests (``normal``,
+        ``expand``) and the :class:`FA3Cascade` that reads them."""
         K, N, ps = self.cfg.topk, self.cfg.num_draft_tokens, self.cfg.page_size
         pt, cs, cu = self._tables("target_verify")
+        out = {"normal": dict(page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1])}
         normal = FA3Metadata(
-            cache_seqlens=cs[:B],
-            page_table=pt[:B],
+            cache_seqlens=out["normal"]["cache_seqlens"],
+            page_table=out["normal"]["page_table"],
             cu_seqlens_q=self._q["target_verify"].cu_seqlens_q(B),
-            cu_seqlens_k_new=cu[: B + 1],
+            cu_seqlens_k_new=out["normal"]["cu_seqlens_k"],
             max_seqlen_q=N,
             causal=K == 1,
             return_softmax_lse=K > 1,
             page_size=ps,
-            max_seqlen_k=top,
+            max_seqlen_k=0,  # written by the stage's host part
         )
         if K == 1:
-            return FA3Cascade(normal=normal, expand=None)
+            return out, FA3Cascade(normal=normal, expand=None)
         BN = B * N
         ept, ecs, ecu = self._tables("target_verify", "expand_")
+        out["expand"] = dict(
+            page_table=ept[:BN], cache_seqlens=ecs[:BN], cu_seqlens_k=ecu[: BN + 1]
+        )
         expand = FA3Metadata(
-            cache_seqlens=ecs[:BN],
-            page_table=ept[:BN],
+            cache_seqlens=out["expand"]["cache_seqlens"],
+            page_table=out["expand"]["page_table"],
             cu_seqlens_q=self._q["target_verify.expand"].cu_seqlens_q(BN),
-            cu_seqlens_k_new=ecu[: BN + 1],
+            cu_seqlens_k_new=out["expand"]["cu_seqlens_k"],
             max_seqlen_q=1,
             causal=False,
             return_softmax_lse=True,
             page_size=1,  # the table lists token slots
             max_seqlen_k=N,  # upper bound: a node has at most N ancestors (itself included)
         )
-        return FA3Cascade(normal=normal, expand=expand)
+        return out, FA3Cascade(normal=normal, expand=expand)
+
+    def bind_draft_extend(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`draft_extend` bound once to these tensors (arguments as there)."""
+        N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
+        B = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens, status=status)
+        out, result = self.views(("draft_extend", B), self._extend_views, B)
+        args = (req_pool_indices, req_to_token, seq_lens)
+        kw = dict(page_size=ps, extra_tokens=N, status=self.status_word(status), **out)
+        if self.reference:
+            launch = functools.partial(prefix_page_table_ref, *args, **kw)
+        else:
+            launch = bind_prefix_page_table(*args, **kw)
+        return self._stage("draft_extend", B, [launch], result, [(result, N)])
 
     def draft_extend(
         self,
@@ -616,29 +567,22 @@ class FA3MetadataBuilder(MetadataBuilder):
 
         Parameters are those of :meth:`draft_decode`.
         """
-        N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
-        inputs = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens,
-                            seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        B, status = inputs.batch, self.status_word(status)
-        if launch:
-            pt, cs, cu = self._tables("draft_extend")
-            self._prefix(req_pool_indices, req_to_token, seq_lens, page_size=ps, extra_tokens=N,
-                         page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1],
-                         status=status)  # fmt: skip
-        return self._described("draft_extend", inputs, (B,), self._extend_result, extra=N)
+        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status)
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
-    def _extend_result(self, B: int, top: int) -> FA3Metadata:
-        """The draft-extend :class:`FA3Metadata` of ``B`` requests, ``max_seqlen_k = top``."""
+    def _extend_views(self, B: int) -> tuple[dict, FA3Metadata]:
+        """The launch's output views of draft extend for ``B`` requests, and its result."""
         N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
         pt, cs, cu = self._tables("draft_extend")
-        return FA3Metadata(
-            cache_seqlens=cs[:B],
-            page_table=pt[:B],
+        out = dict(page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1])
+        return out, FA3Metadata(
+            cache_seqlens=out["cache_seqlens"],
+            page_table=out["page_table"],
             cu_seqlens_q=self._q["draft_extend"].cu_seqlens_q(B),
-            cu_seqlens_k_new=cu[: B + 1],
+            cu_seqlens_k_new=out["cu_seqlens_k"],
             max_seqlen_q=N,
             causal=True,
             return_softmax_lse=False,
             page_size=ps,
-            max_seqlen_k=top,
+            max_seqlen_k=0,  # written by the stage's host part
         )

@@ -1,46 +1,33 @@
 /* A build's host work on seq_lens_cpu in one compiled call (design §3): the check of every
- * length, FlashInfer's host mirrors, the turn of their ring (design §3.3), and FA3's result
- * for a new max L.
+ * length, and FlashInfer's host mirrors (design §3.3).
  *
  * Each function reads the engine's seq_lens_cpu and checks every length against
  * [0, max_len] before writing anything. stats() returns max L and the sum; the mirror writers
- * write the index pointers that plan() reads into the host buffers whose addresses they were
- * given, and return the sum. A length outside the range raises IndexError and writes nothing;
- * the caller names the value in its message.
+ * write the index pointers that plan() reads into the host buffers they are given, and return
+ * the sum. A length outside the range raises IndexError and writes nothing; the caller names
+ * the value in its message.
  *
  * The rules are those of the torch functions the Python side names beside each entry point;
  * tests compare the two exactly. Offsets are int32 that wrap modulo 2**32 as the kernels'
  * int32 stores do (unsigned arithmetic here: signed overflow is undefined in C).
  *
- * Arguments are positional, those fixed for a result first (bound once with
- * functools.partial), the lengths tensor last. The lengths arrive as the torch tensor itself,
- * and are read only once it is seen to be a contiguous 1-D int32 or int64 CPU tensor of
+ * The module holds no address it does not own. Every call gets what it reads and writes as
+ * objects: the output buffers through the buffer protocol (the numpy views of the pinned
+ * mirror tensors, made once by the Python side; a view keeps its tensor alive), taken and
+ * released within the call and checked on every call (a writable int32 buffer of the shape the
+ * call writes, rows in order and unit stride within a row); and the lengths as the torch
+ * tensor itself, read only once it is seen to be a contiguous 1-D int32 or int64 CPU tensor of
  * `batch` values (TypeError or ValueError otherwise, before anything is read): its dtype is
- * compared with the dtypes given to init(), its address comes from data_ptr().
+ * compared with the dtypes given to init(), its address comes from data_ptr() during the call.
+ *
+ * Arguments are positional, those fixed for a result first (bound once with
+ * functools.partial), the lengths tensor last.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
-/* The loops over every length and offset are compiled twice where the compiler can: for AVX2
- * (eight 32-bit lanes, 64-bit compares) and for the baseline, chosen once when the module loads
- * by the CPU it runs on. */
-#ifndef VECTOR /* defined empty, the baseline alone (a test builds it so) */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define VECTOR __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#endif
-#ifndef VECTOR
-#define VECTOR
-#endif
-
-static PyObject *int64_dtype, *int32_dtype; /* from init() */
-/* From init(): tensor_layout's native read of a lengths tensor (1: read; 0: not a contiguous
- * 1-D int32/int64 CPU tensor of `batch` values, which the checks below then name), or NULL. */
-typedef int (*lengths_view_fn)(PyObject *, Py_ssize_t, const void **, int *);
-static lengths_view_fn lengths_view;
+static PyObject *int64_dtype, *int32_dtype; /* from init(): owned references */
 static PyObject *data_ptr_name, *dtype_name, *shape_name, *is_cpu_name, *is_contiguous_name;
 
 typedef struct {
@@ -58,13 +45,13 @@ static int is_true(PyObject *obj, PyObject *attr, int call) {
 }
 
 /* The address and width of a lengths tensor of `batch` values, after checking that it is one;
- * 0 with a Python error set otherwise. */
+ * 0 with a Python error set otherwise. The address is used within the call only: the caller
+ * holds the tensor. */
 static int lengths_of(PyObject *tensor, Py_ssize_t batch, Lengths *out) {
   if (int64_dtype == NULL) {
     PyErr_SetString(PyExc_RuntimeError, "host_ops.init() was not called");
     return 0;
   }
-  if (lengths_view != NULL && lengths_view(tensor, batch, &out->data, &out->wide)) return 1;
   PyObject *dtype = PyObject_GetAttr(tensor, dtype_name);
   if (dtype == NULL) {
     if (PyErr_ExceptionMatches(PyExc_AttributeError)) { /* not a tensor: a TypeError */
@@ -109,42 +96,81 @@ static inline int64_t length_at(const Lengths *lens, Py_ssize_t i) {
   return lens->wide ? ((const int64_t *)lens->data)[i] : ((const int32_t *)lens->data)[i];
 }
 
-/* ΣL, max L and whether some length is outside [0, max_len], in one pass with no branch. */
-#define SUM_IN_RANGE(type)                                                                      \
-  do {                                                                                          \
-    const type *v = (const type *)lens->data;                                                   \
-    for (Py_ssize_t i = 0; i < batch; ++i) {                                                    \
-      long long x = v[i];                                                                       \
-      sum += x;                                                                                 \
-      top = x > top ? x : top;                                                                  \
-      bad |= (unsigned long long)x > (unsigned long long)max_len;                               \
-    }                                                                                           \
-  } while (0)
+/* An output view: its first element and its row stride in elements (0 for one dimension). */
+typedef struct {
+  Py_buffer buffer;
+  uint32_t *data;
+  Py_ssize_t stride;
+} View;
 
-VECTOR static int sum_in_range(const Lengths *lens, Py_ssize_t batch, long long max_len,
-                               long long *sum_out, long long *top_out) {
-  long long sum = 0, top = 0;
-  int bad = 0;
-  if (lens->wide)
-    SUM_IN_RANGE(int64_t);
-  else
-    SUM_IN_RANGE(int32_t);
-  *sum_out = sum;
-  *top_out = top;
-  return bad;
+/* `obj`'s buffer as an int32 view of shape [cols] (rows < 0) or [rows, cols] that the writers
+ * may fill: writable, 4-byte aligned, unit stride within a row, rows in order and disjoint.
+ * 0 with TypeError or ValueError set (nothing kept) otherwise; release it with PyBuffer_Release.
+ * A view of shape [rows, cols] with rows = -2 takes whatever rows it has (read from it). */
+static int int32_view(PyObject *obj, const char *name, Py_ssize_t rows, Py_ssize_t cols,
+                      View *view) {
+  if (PyObject_GetBuffer(obj, &view->buffer, PyBUF_RECORDS) < 0) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError,
+                 "%s must be a writable int32 buffer (the numpy view of a host mirror), got %s",
+                 name, Py_TYPE(obj)->tp_name);
+    return 0;
+  }
+  Py_buffer *b = &view->buffer;
+  const char *format = b->format != NULL ? b->format : "B";
+  if (*format == '@' || *format == '=' || *format == '<') ++format;
+  int int32 = b->itemsize == 4 && (strcmp(format, "i") == 0 ||
+                                   (sizeof(long) == 4 && strcmp(format, "l") == 0));
+  int ndim = rows == -1 ? 1 : 2;
+  int ok = int32 && b->ndim == ndim && ((uintptr_t)b->buf & 3) == 0;
+  if (ok && ndim == 2 && rows == -2) rows = b->shape[0];
+  if (ok) {
+    Py_ssize_t width = b->shape[ndim - 1], inner = b->strides[ndim - 1];
+    ok = width == cols && (ndim == 1 || b->shape[0] == rows) && (width <= 1 || inner == 4);
+    if (ok && ndim == 2 && rows > 1) /* rows in order, none overlapping the one before */
+      ok = b->strides[0] % 4 == 0 && b->strides[0] >= cols * 4;
+  }
+  if (!ok) {
+    if (ndim == 1)
+      PyErr_Format(PyExc_ValueError,
+                   "%s must be an int32 buffer of shape [%zd] with unit stride (format %s, "
+                   "itemsize %zd, ndim %d)",
+                   name, cols, b->format != NULL ? b->format : "B", b->itemsize, b->ndim);
+    else if (rows < 0)
+      PyErr_Format(PyExc_ValueError,
+                   "%s must be an int32 buffer of shape [rows, %zd], unit stride within a row "
+                   "and rows in order (format %s, itemsize %zd, ndim %d)",
+                   name, cols, b->format != NULL ? b->format : "B", b->itemsize, b->ndim);
+    else
+      PyErr_Format(PyExc_ValueError,
+                   "%s must be an int32 buffer of shape [%zd, %zd], unit stride within a row "
+                   "and rows in order (format %s, itemsize %zd, ndim %d)",
+                   name, rows, cols, b->format != NULL ? b->format : "B", b->itemsize, b->ndim);
+    PyBuffer_Release(b);
+    return 0;
+  }
+  view->data = (uint32_t *)b->buf;
+  view->stride = ndim == 2 && rows > 1 ? b->strides[0] / 4 : 0;
+  return 1;
 }
 
 /* Every length in [0, max_len]: their sum, or -1 with IndexError set (nothing written), and
- * the largest in *high when high is not NULL. A length outside the range is looked for again
- * only to name it. */
+ * the largest in *high when high is not NULL. One pass with no branch; a length outside the
+ * range is looked for again only to name it. */
 static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long max_len,
                              long long *high) {
-  long long sum, top;
   if (max_len < 0) { /* the unsigned compare would let every length through */
     PyErr_Format(PyExc_ValueError, "max_len must be >= 0, got %lld", max_len);
     return -1;
   }
-  int bad = sum_in_range(lens, batch, max_len, &sum, &top);
+  long long sum = 0, top = 0;
+  int bad = 0;
+  for (Py_ssize_t i = 0; i < batch; ++i) {
+    long long x = length_at(lens, i);
+    sum += x;
+    top = x > top ? x : top;
+    bad |= (unsigned long long)x > (unsigned long long)max_len;
+  }
   if (high != NULL) *high = top;
   if (!bad) return sum;
   for (Py_ssize_t i = 0; i < batch; ++i) {
@@ -158,11 +184,12 @@ static long long checked_sum(const Lengths *lens, Py_ssize_t batch, long long ma
   return -1; /* unreachable: a length was outside the range */
 }
 
-/* Reads `count` integers from `args`; 0 with a Python error set on failure. */
-static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, const char *name,
-                long long *out) {
-  if (nargs != count + 1) {
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, count + 1, nargs);
+/* Reads `count` integers from `args` of a call of `count + extra` arguments; 0 with a Python
+ * error set on failure. */
+static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, Py_ssize_t extra,
+                const char *name, long long *out) {
+  if (nargs != count + extra) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, count + extra, nargs);
     return 0;
   }
   for (Py_ssize_t i = 0; i < count; ++i) {
@@ -172,18 +199,21 @@ static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t count, const
   return 1;
 }
 
+/* A batch of at least 0 requests and a width of at least 1 (0 with ValueError otherwise). */
+static int sizes(const char *call, long long batch, long long width, const char *what) {
+  if (batch < 0 || width < 1) {
+    PyErr_Format(PyExc_ValueError, "%s: batch must be >= 0 and %s >= 1, got %lld and %lld", call,
+                 what, batch, width);
+    return 0;
+  }
+  return 1;
+}
+
 static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError,
-                    "init(torch.int64, torch.int32, lengths_view or None) takes 3 arguments");
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "init(torch.int64, torch.int32) takes 2 arguments");
     return NULL;
   }
-  lengths_view_fn view = NULL;
-  if (args[2] != Py_None) {
-    view = (lengths_view_fn)PyCapsule_GetPointer(args[2], "specmeta_tensor_layout.lengths_view");
-    if (view == NULL) return NULL;
-  }
-  lengths_view = view;
   PyObject *old64 = int64_dtype, *old32 = int32_dtype;
   Py_INCREF(args[0]);
   Py_INCREF(args[1]);
@@ -197,12 +227,12 @@ static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 /* stats(max_len, batch, seq_lens_cpu) -> (max L, ΣL), max L = 0 for an empty batch
  *
  * The check of every builder whose host scalars read max L (FA3, TRT-LLM MLA): every length
- * in [0, max_len], then the two numbers those scalars and the launchers' capacity checks read.
+ * in [0, max_len], then the two numbers those scalars read.
  */
 static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[2];
   Lengths lens;
-  if (!ints(args, nargs, 2, "stats", a) || !lengths_of(args[2], (Py_ssize_t)a[1], &lens))
+  if (!ints(args, nargs, 2, 1, "stats", a) || !lengths_of(args[2], (Py_ssize_t)a[1], &lens))
     return NULL;
   long long max_len = a[0], batch = a[1];
   long long high = 0, sum = checked_sum(&lens, batch, max_len, &high);
@@ -228,8 +258,8 @@ static inline void add_ramp(uint32_t *restrict dst, const uint32_t *restrict src
 /* DraftDecodeIndptr's rule: out[s * stride + z] = base[z] + z·(s + 1) for s < rows and
  * z ≤ batch·topk, base the cumulative sum of every branch's prefix length (branch z of
  * request z / topk holds L). */
-VECTOR static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk,
-                              long long rows, uint32_t *out, long long stride) {
+static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk, long long rows,
+                       uint32_t *out, Py_ssize_t stride) {
   /* row 0: base[z] + z; branch t of request b starts at acc_b + t·L, z = z_b + t */
   uint32_t acc = 0;
   Py_ssize_t z = 0;
@@ -245,83 +275,84 @@ VECTOR static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long t
     add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
 }
 
-/* draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> ΣL: draft_rows. */
+/* draft_decode(max_len, topk, batch, out, seq_lens_cpu) -> ΣL: draft_rows into `out`, an int32
+ * buffer of shape [rows, batch·topk + 1]. */
 static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[6];
+  long long a[3];
+  View out;
   Lengths lens;
-  if (!ints(args, nargs, 6, "draft_decode", a) || !lengths_of(args[6], (Py_ssize_t)a[5], &lens))
+  if (!ints(args, nargs, 3, 2, "draft_decode", a) || !sizes("draft_decode", a[2], a[1], "topk"))
     return NULL;
-  long long max_len = a[0], topk = a[1], rows = a[2], stride = a[4], batch = a[5];
-  long long sum = checked_sum(&lens, batch, max_len, NULL);
-  if (sum < 0) return NULL;
-  if (rows > 0) draft_rows(&lens, batch, topk, rows, (uint32_t *)(uintptr_t)a[3], stride);
-  return PyLong_FromLongLong(sum);
+  long long max_len = a[0], topk = a[1], batch = a[2];
+  if (!int32_view(args[3], "out", -2, batch * topk + 1, &out)) return NULL;
+  long long rows = out.buffer.shape[0], sum = -1;
+  if (lengths_of(args[4], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (sum >= 0 && rows > 0) draft_rows(&lens, batch, topk, rows, out.data, out.stride);
+  PyBuffer_Release(&out.buffer);
+  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
 }
 
-/* prefix(max_len, shift, scale, out, scaled, batch, seq_lens_cpu) -> ΣL
+/* prefix(max_len, shift, scale, batch, out, scaled, seq_lens_cpu) -> ΣL
  *
  * The prefill modes' and the cascade's rule: out[0] = 0, out[i + 1] = out[i] + L_i + shift
- * (the cumulative sum of L + shift), and, when `scaled` is not 0, scaled[i] = scale·out[i]
- * (target verify's mask offsets, N·kv_indptr). */
+ * (the cumulative sum of L + shift), and, when `scaled` is not None, scaled[i] = scale·out[i]
+ * (target verify's mask offsets, N·kv_indptr); both int32 buffers of shape [batch + 1]. */
 static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[6];
+  long long a[4];
+  View out, scaled;
   Lengths lens;
-  if (!ints(args, nargs, 6, "prefix", a) || !lengths_of(args[6], (Py_ssize_t)a[5], &lens))
-    return NULL;
-  long long max_len = a[0], batch = a[5];
+  if (!ints(args, nargs, 4, 3, "prefix", a) || !sizes("prefix", a[3], 1, "width")) return NULL;
+  long long max_len = a[0], batch = a[3];
   uint32_t shift = (uint32_t)a[1], scale = (uint32_t)a[2];
-  uint32_t *out = (uint32_t *)(uintptr_t)a[3], *scaled = (uint32_t *)(uintptr_t)a[4];
-  long long sum = checked_sum(&lens, batch, max_len, NULL);
-  if (sum < 0) return NULL;
-  uint32_t acc = 0;
-  out[0] = 0;
-  for (Py_ssize_t i = 0; i < batch; ++i) {
-    acc += (uint32_t)length_at(&lens, i) + shift;
-    out[i + 1] = acc;
+  int has_scaled = args[5] != Py_None;
+  if (!int32_view(args[4], "out", -1, batch + 1, &out)) return NULL;
+  if (has_scaled && !int32_view(args[5], "scaled", -1, batch + 1, &scaled)) {
+    PyBuffer_Release(&out.buffer);
+    return NULL;
   }
-  if (scaled != NULL)
-    for (Py_ssize_t i = 0; i <= batch; ++i) scaled[i] = scale * out[i];
-  return PyLong_FromLongLong(sum);
+  long long sum = -1;
+  if (lengths_of(args[6], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (sum >= 0) {
+    uint32_t acc = 0, *o = out.data;
+    o[0] = 0;
+    for (Py_ssize_t i = 0; i < batch; ++i) {
+      acc += (uint32_t)length_at(&lens, i) + shift;
+      o[i + 1] = acc;
+    }
+    if (has_scaled)
+      for (Py_ssize_t i = 0; i <= batch; ++i) scaled.data[i] = scale * o[i];
+  }
+  if (has_scaled) PyBuffer_Release(&scaled.buffer);
+  PyBuffer_Release(&out.buffer);
+  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
 }
 
 /* Row s of the paged rule (paged_rows below), a page count and last-page length of `tokens`
- * by PAGES and IN_PAGE. */
+ * by PAGES and IN_PAGE: one request's topk branches a step. */
 #define PAGED_ROW(PAGES, IN_PAGE)                                                               \
   for (Py_ssize_t b = 0; b < batch; ++b, z += topk) {                                           \
     uint64_t tokens = (uint64_t)length_at(lens, b) + (uint64_t)s; /* ≤ max_len + rows */        \
     uint32_t pages = (uint32_t)(PAGES) + 1, in_last = (uint32_t)(IN_PAGE) + 1;                  \
-    switch (topk) { /* the usual widths as constants: vector stores */                          \
-      case 1: branches(row + z + 1, tail + z, acc, pages, in_last, 1); break;                   \
-      case 2: branches(row + z + 1, tail + z, acc, pages, in_last, 2); break;                   \
-      case 4: branches(row + z + 1, tail + z, acc, pages, in_last, 4); break;                   \
-      case 8: branches(row + z + 1, tail + z, acc, pages, in_last, 8); break;                   \
-      default: branches(row + z + 1, tail + z, acc, pages, in_last, topk);                      \
+    for (long long t = 0; t < topk; ++t) {                                                      \
+      row[z + t + 1] = acc + (uint32_t)(t + 1) * pages;                                         \
+      tail[z + t] = in_last;                                                                    \
     }                                                                                           \
     acc += pages * (uint32_t)topk;                                                              \
   }
-
-/* One request's `width` branches in one row of the paged rule: offsets after `acc`. */
-static inline void branches(uint32_t *restrict offsets, uint32_t *restrict tails, uint32_t acc,
-                            uint32_t pages, uint32_t in_last, long long width) {
-  for (long long t = 0; t < width; ++t) {
-    offsets[t] = acc + (uint32_t)(t + 1) * pages;
-    tails[t] = in_last;
-  }
-}
 
 /* branch_kv_indptr's rule: branch z (request z / topk, prefix L) at step s holds
  * ceil((L + s + 1) / page_size) pages, its last one (L + s) mod page_size + 1 tokens;
  * out[s * stride + ·] is the cumulative sum of the pages with out[s * stride] = 0, and
  * last[s * last_stride + z] the last page's tokens. A power-of-two page size (every usual
  * one, 1 included) divides by a shift and a mask rather than a division per request. */
-VECTOR static void paged_rows(const Lengths *lens, Py_ssize_t batch, long long topk,
-                              long long rows, long long page_size, uint32_t *out,
-                              long long stride, uint32_t *last, long long last_stride) {
+static void paged_rows(const Lengths *lens, Py_ssize_t batch, long long topk, long long rows,
+                       long long page_size, uint32_t *out, Py_ssize_t stride, uint32_t *last,
+                       Py_ssize_t last_stride) {
   uint64_t ps = (uint64_t)page_size, mask = ps - 1;
   int shift = 0;
   while (((uint64_t)1 << shift) < ps) ++shift;
   for (long long s = 0; s < rows; ++s) {
-    uint32_t *row = out + s * stride, *tail = last + s * last_stride, acc = 0;
+    uint32_t *restrict row = out + s * stride, *restrict tail = last + s * last_stride, acc = 0;
     Py_ssize_t z = 0;
     row[0] = 0;
     if ((ps & mask) == 0)
@@ -331,252 +362,43 @@ VECTOR static void paged_rows(const Lengths *lens, Py_ssize_t batch, long long t
   }
 }
 
-/* paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, seq_lens_cpu)
- *   -> ΣL: paged_rows. */
+/* paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> ΣL: paged_rows into
+ * `out` and `last`, int32 buffers of shapes [rows, batch·topk + 1] and [rows, batch·topk]. */
 static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[9];
+  long long a[4];
+  View out, last;
   Lengths lens;
-  if (!ints(args, nargs, 9, "paged", a) || !lengths_of(args[9], (Py_ssize_t)a[8], &lens))
-    return NULL;
-  long long max_len = a[0], page_size = a[3], batch = a[8];
+  if (!ints(args, nargs, 4, 3, "paged", a) || !sizes("paged", a[3], a[1], "topk")) return NULL;
+  long long max_len = a[0], topk = a[1], page_size = a[2], batch = a[3];
   if (page_size < 1) {
     PyErr_Format(PyExc_ValueError, "paged: page_size must be >= 1, got %lld", page_size);
     return NULL;
   }
-  long long sum = checked_sum(&lens, batch, max_len, NULL);
-  if (sum < 0) return NULL;
-  paged_rows(&lens, batch, a[1], a[2], page_size, (uint32_t *)(uintptr_t)a[4], a[5],
-             (uint32_t *)(uintptr_t)a[6], a[7]);
-  return PyLong_FromLongLong(sum);
-}
-
-/* ring_take(state, current_stream, device) -> slot
- *
- * The turn of a HostMirrorRing (host_mirrors.py, whose docstring gives the schedule): build j
- * takes set j % depth; every E-th build (j > 0) first records event (j / E) % count on the
- * current stream, and a build j >= depth with (j - depth) % E == 0 waits for event
- * ((j - depth) / E + 1) % count. The driver is called directly, without the Python layers
- * around torch's events: `state` is the address of an int64 array
- *   [builds, depth, E, count, cuEventRecord, cuEventQuery, cuEventSynchronize, event 0, ...]
- * whose function addresses are 0 for a CPU ring (no events). `current_stream(device)` gives
- * the raw stream handle; it is called only on a build that records. A wait queries the event
- * first and blocks, with the GIL released, only if the device has not passed it. The count
- * moves on only once the driver calls succeeded; a failed call raises RuntimeError with its
- * CUresult. */
-typedef int (*record_fn)(void *, void *);
-typedef int (*event_fn)(void *);
-
-/* -1, with the RuntimeError of a failed driver call set. */
-static long long driver_error(const char *call, int code) {
-  PyErr_Format(PyExc_RuntimeError, "HostMirrorRing: %s returned CUresult %d", call, code);
-  return -1;
-}
-
-/* The slot of the ring's next build (the schedule above), or -1 with a Python error set. */
-static long long take_turn(PyObject *state, PyObject *current_stream, PyObject *device) {
-  int64_t *st = (int64_t *)PyLong_AsVoidPtr(state);
-  if (st == NULL) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "ring_take: state is NULL");
-    return -1;
-  }
-  int64_t j = st[0], depth = st[1], every = st[2], count = st[3];
-  if (st[4] != 0) {
-    if (j > 0 && j % every == 0) {
-      PyObject *raw = PyObject_CallOneArg(current_stream, device);
-      if (raw == NULL) return -1;
-      void *stream = PyLong_AsVoidPtr(raw);
-      Py_DECREF(raw);
-      if (PyErr_Occurred()) return -1;
-      void *event = (void *)(intptr_t)st[7 + (j / every) % count];
-      int code = ((record_fn)(intptr_t)st[4])(event, stream);
-      if (code != 0) return driver_error("cuEventRecord", code);
-    }
-    if (j >= depth && (j - depth) % every == 0) {
-      void *event = (void *)(intptr_t)st[7 + ((j - depth) / every + 1) % count];
-      int code = ((event_fn)(intptr_t)st[5])(event);
-      if (code == 600) { /* CUDA_ERROR_NOT_READY: the host is half a ring ahead */
-        Py_BEGIN_ALLOW_THREADS
-        code = ((event_fn)(intptr_t)st[6])(event);
-        Py_END_ALLOW_THREADS
-        if (code != 0) return driver_error("cuEventSynchronize", code);
-      } else if (code != 0) {
-        return driver_error("cuEventQuery", code);
-      }
-    }
-  }
-  st[0] = j + 1;
-  return j % depth;
-}
-
-static PyObject *ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "ring_take(state, current_stream, device) takes 3 arguments");
+  if (!int32_view(args[4], "out", -2, batch * topk + 1, &out)) return NULL;
+  long long rows = out.buffer.shape[0], sum = -1;
+  if (!int32_view(args[5], "last", rows, batch * topk, &last)) {
+    PyBuffer_Release(&out.buffer);
     return NULL;
   }
-  long long slot = take_turn(args[0], args[1], args[2]);
-  return slot < 0 ? NULL : PyLong_FromLongLong(slot);
-}
-
-/* mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) -> result
- *
- * A FlashInfer host step in one call (flashinfer.py, _mirrored): the ring's turn as ring_take
- * takes it, then, when made[slot] holds the set's (result, writer), the writer on
- * seq_lens_cpu and the result. A set whose result is not made yet, and lengths the writer
- * refuses (TypeError, ValueError, IndexError: nothing written), go to slow(slot, seq_lens_cpu),
- * which makes the result or raises the builder's message. */
-static PyObject *mirror_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError,
-                    "mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) takes "
-                    "6 arguments");
-    return NULL;
-  }
-  long long slot = take_turn(args[0], args[1], args[2]);
-  if (slot < 0) return NULL;
-  PyObject *made = args[3];
-  if (!PyList_Check(made) || slot >= PyList_GET_SIZE(made)) {
-    PyErr_SetString(PyExc_TypeError, "mirror_step: made must be a list with a slot per set");
-    return NULL;
-  }
-  PyObject *entry = PyList_GET_ITEM(made, slot);
-  if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 2) {
-    Py_INCREF(entry);
-    PyObject *total = PyObject_CallOneArg(PyTuple_GET_ITEM(entry, 1), args[5]);
-    if (total != NULL) {
-      Py_DECREF(total);
-      PyObject *result = PyTuple_GET_ITEM(entry, 0);
-      Py_INCREF(result);
-      Py_DECREF(entry);
-      return result;
-    }
-    Py_DECREF(entry);
-    if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
-        !PyErr_ExceptionMatches(PyExc_IndexError))
-      return NULL;
-    PyErr_Clear(); /* the slow path refuses the same lengths, with the builder's message */
-  }
-  PyObject *index = PyLong_FromLongLong(slot);
-  if (index == NULL) return NULL;
-  PyObject *argv[2] = {index, args[5]};
-  PyObject *result = PyObject_Vectorcall(args[4], argv, 2, NULL);
-  Py_DECREF(index);
-  return result;
-}
-
-/* raised(recipe, top) -> a result made for max L = 0, its normal passes' maxima raised by top
- * (fa3.py, _raiser; the Python copy there is the rule this follows).
- *
- * recipe = (cls, fields, name, sub): a new cls object, made without __init__ as
- * object.__new__ makes it, whose __dict__ is a copy of the dict `fields` with `name` set to
- * sub + top when sub is an int, to the object of sub when sub is a recipe, and to a tuple of
- * the objects of its recipes when sub is a tuple of recipes. A recipe met twice in one call
- * gives one object (a normal pass shared by every step stays shared). */
-#define RAISED_MEMO 64
-typedef struct {
-  PyObject *recipe[RAISED_MEMO];
-  PyObject *made[RAISED_MEMO]; /* borrowed: held by the object being built */
-  int count;
-} Made;
-
-static PyObject *dict_name; /* "__dict__" */
-
-static PyObject *raise_recipe(PyObject *recipe, long long top, Made *memo, int depth);
-
-static PyObject *raise_value(PyObject *sub, long long top, Made *memo, int depth) {
-  if (PyLong_CheckExact(sub)) {
-    long long high = PyLong_AsLongLong(sub);
-    if (high == -1 && PyErr_Occurred()) return NULL;
-    return PyLong_FromLongLong(high + top);
-  }
-  if (!PyTuple_Check(sub)) {
-    PyErr_SetString(PyExc_TypeError, "raised: a recipe's sub is an int, a recipe or a tuple of "
-                                     "recipes");
-    return NULL;
-  }
-  Py_ssize_t n = PyTuple_GET_SIZE(sub);
-  if (n == 4 && PyType_Check(PyTuple_GET_ITEM(sub, 0)))
-    return raise_recipe(sub, top, memo, depth);
-  PyObject *out = PyTuple_New(n);
-  if (out == NULL) return NULL;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject *item = raise_recipe(PyTuple_GET_ITEM(sub, i), top, memo, depth);
-    if (item == NULL) {
-      Py_DECREF(out);
-      return NULL;
-    }
-    PyTuple_SET_ITEM(out, i, item);
-  }
-  return out;
-}
-
-static PyObject *raise_recipe(PyObject *recipe, long long top, Made *memo, int depth) {
-  if (depth > 8 || !PyTuple_Check(recipe) || PyTuple_GET_SIZE(recipe) != 4 ||
-      !PyType_Check(PyTuple_GET_ITEM(recipe, 0)) || !PyDict_Check(PyTuple_GET_ITEM(recipe, 1))) {
-    PyErr_SetString(PyExc_TypeError, "raised: a recipe is (cls, fields dict, name, sub), nested "
-                                     "at most 8 deep");
-    return NULL;
-  }
-  for (int i = 0; i < memo->count; ++i) {
-    if (memo->recipe[i] == recipe) {
-      Py_INCREF(memo->made[i]);
-      return memo->made[i];
-    }
-  }
-  PyObject *value = raise_value(PyTuple_GET_ITEM(recipe, 3), top, memo, depth + 1);
-  if (value == NULL) return NULL;
-  PyObject *fields = PyDict_Copy(PyTuple_GET_ITEM(recipe, 1));
-  if (fields == NULL || PyDict_SetItem(fields, PyTuple_GET_ITEM(recipe, 2), value) < 0) {
-    Py_XDECREF(fields);
-    Py_DECREF(value);
-    return NULL;
-  }
-  Py_DECREF(value);
-  PyTypeObject *cls = (PyTypeObject *)PyTuple_GET_ITEM(recipe, 0);
-  PyObject *obj = cls->tp_alloc(cls, 0);
-  if (obj == NULL || PyObject_GenericSetAttr(obj, dict_name, fields) < 0) {
-    Py_XDECREF(obj);
-    Py_DECREF(fields);
-    return NULL;
-  }
-  Py_DECREF(fields);
-  if (memo->count < RAISED_MEMO) {
-    memo->recipe[memo->count] = recipe;
-    memo->made[memo->count++] = obj;
-  }
-  return obj;
-}
-
-static PyObject *raised(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyLong_CheckExact(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "raised(recipe, top) takes a recipe and an int");
-    return NULL;
-  }
-  long long top = PyLong_AsLongLong(args[1]);
-  if (top == -1 && PyErr_Occurred()) return NULL;
-  Made memo;
-  memo.count = 0;
-  return raise_recipe(args[0], top, &memo, 0);
+  if (lengths_of(args[6], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (sum >= 0)
+    paged_rows(&lens, batch, topk, rows, page_size, out.data, out.stride, last.data, last.stride);
+  PyBuffer_Release(&last.buffer);
+  PyBuffer_Release(&out.buffer);
+  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
 }
 
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL,
-     "init(torch.int64, torch.int32, lengths_view or None): the dtypes of the lengths, and "
-     "tensor_layout's native read of a lengths tensor (None: read through Python)."},
+     "init(torch.int64, torch.int32): the dtypes of the lengths tensors."},
     {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
      "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
-     "draft_decode(max_len, topk, rows, out, stride, batch, seq_lens_cpu) -> sum"},
+     "draft_decode(max_len, topk, batch, out, seq_lens_cpu) -> sum"},
     {"prefix", (PyCFunction)(void (*)(void))prefix, METH_FASTCALL,
-     "prefix(max_len, shift, scale, out, scaled, batch, seq_lens_cpu) -> sum"},
+     "prefix(max_len, shift, scale, batch, out, scaled or None, seq_lens_cpu) -> sum"},
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
-     "paged(max_len, topk, rows, page_size, out, stride, last, last_stride, batch, "
-     "seq_lens_cpu) -> sum"},
-    {"ring_take", (PyCFunction)(void (*)(void))ring_take, METH_FASTCALL,
-     "ring_take(state, current_stream, device) -> the slot of the ring's next build"},
-    {"mirror_step", (PyCFunction)(void (*)(void))mirror_step, METH_FASTCALL,
-     "mirror_step(state, current_stream, device, made, slow, seq_lens_cpu) -> result"},
-    {"raised", (PyCFunction)(void (*)(void))raised, METH_FASTCALL,
-     "raised(recipe, top) -> a result with its normal passes' maxima raised by top"},
+     "paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> sum"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",
@@ -589,9 +411,7 @@ PyMODINIT_FUNC PyInit_specmeta_host_ops(void) {
   shape_name = PyUnicode_InternFromString("shape");
   is_cpu_name = PyUnicode_InternFromString("is_cpu");
   is_contiguous_name = PyUnicode_InternFromString("is_contiguous");
-  dict_name = PyUnicode_InternFromString("__dict__");
-  if (!data_ptr_name || !dtype_name || !shape_name || !is_cpu_name || !is_contiguous_name ||
-      !dict_name)
+  if (!data_ptr_name || !dtype_name || !shape_name || !is_cpu_name || !is_contiguous_name)
     return NULL;
   return PyModule_Create(&module);
 }

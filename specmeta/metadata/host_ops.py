@@ -1,11 +1,11 @@
 """A build's per-call host work on ``seq_lens_cpu``, one compiled call each (design §3).
 
 Every build given ``seq_lens_cpu`` checks each length against ``[0, max_context_len]``. FA3
-and TRT-LLM MLA then need ``max L`` and ``ΣL`` for their host scalars and capacity checks;
-FlashInfer's ``plan()`` reads index pointers on the host, so a FlashInfer build also writes
-those **host mirrors**, a few cumulative sums of the lengths. In torch each of these is one to
-four CPU ops, each a microsecond or more of dispatch for a few hundred integers: most of a
-build's host time. Here each is one call:
+and TRT-LLM MLA then need ``max L`` (and ``ΣL``) for their host scalars; FlashInfer's
+``plan()`` reads index pointers on the host, so a FlashInfer build also writes those **host
+mirrors**, a few cumulative sums of the lengths. In torch each of these is one to four CPU
+ops, each a microsecond or more of dispatch for a few hundred integers: most of a build's host
+time. Here each is one call:
 
 * ``stats`` (FA3, TRT-LLM MLA; :func:`.inputs.host_lengths`): the check, ``max L`` and ``ΣL``.
 * a **writer** per FlashInfer mirror rule (:func:`draft_decode_writer`, :func:`prefix_writer`,
@@ -15,64 +15,123 @@ build's host time. Here each is one call:
 A length outside the range raises ``IndexError``; the builder turns it into its named message
 (:func:`.inputs.check_length_values`). Two implementations, one interface:
 
-* **compiled** (the default): the small C module ``host_ops.c``, built on first use with
-  Triton's own C build helper (the compiler and Python headers Triton needs to launch on a
-  GPU) and cached by Triton; a call costs what a Python call of a C function costs. Where the
-  native layout module is built (:mod:`specmeta.tensor_layout`), it reads the lengths
-  tensor's dtype, shape, device, contiguity and address through torch's C++ tensor (its
-  capsule ``lengths_view``) instead of five Python attribute calls.
+* **compiled**: the small C module ``host_ops.c``, built by :func:`warmup` (exported as
+  :func:`specmeta.warmup`) with Triton's own C build helper (the compiler and Python headers
+  Triton needs to launch on a GPU) and cached by Triton; never built inside a build's call,
+  so until :func:`warmup` has run the torch implementation serves. A call costs what a Python
+  call of a C function costs, plus the five attribute reads of ``seq_lens_cpu`` (its dtype,
+  shape, device, contiguity and address: about 0.44 µs on the 2-core development machine,
+  where ``seq_lens_cpu.numpy()`` read through the buffer protocol costs 0.9 µs). The module
+  holds no address: a writer gets its mirror views on every call as the numpy views of the
+  mirror tensors (made once; each keeps its tensor alive), read through the buffer protocol.
 * **torch**: the library's torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
   DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
   ``cumsum``) after the :class:`LengthTable` gather that checks the lengths, and the
-  reduction of :func:`.inputs.check_length_values`. Used where the module cannot be built
-  (no C compiler or Python headers), when ``SPECMETA_HOST_OPS=0``, or for a builder made with
-  ``host_ops=False``; the tests compare the two exactly.
+  reduction of :func:`.inputs.check_length_values`. Used before :func:`warmup`, where the
+  module cannot be built (no C compiler or Python headers), when ``SPECMETA_HOST_OPS=0``, or
+  for a builder made with ``host_ops=False``; the tests compare the two exactly.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .. import tensor_layout, validate
+from .. import validate
 from ..kernels.branch_kv_indices import branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
-from ..native import OptionalModule
 
-__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "draft_decode_writer",
+__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "draft_decode_writer",
            "prefix_writer", "paged_writer"]  # fmt: skip
 
 #: ``writer(seq_lens_cpu) -> ΣL`` (``None`` when the torch writer leaves it to the caller).
 Writer = Callable[[torch.Tensor], "int | None"]
 
 _SOURCE = Path(__file__).with_name("host_ops.c")
+_SWITCH = "SPECMETA_HOST_OPS"
 _CPU = torch.device("cpu")
+
+# The module once warmup() built it; why the build failed (it is tried once a process).
+_module = None
+_failure: str | None = None
+_LOCK = threading.Lock()  # held by warmup(): a second caller waits for the build under way
 
 
 def compiled():
-    """The compiled module, built and imported on the first call; ``None`` when it cannot be
-    built here or ``SPECMETA_HOST_OPS=0`` (then :func:`unavailable` says why)."""
-    return _MODULE.get()
+    """The compiled module where :func:`warmup` built it in this process, else ``None`` (then
+    :func:`unavailable` says why). Never builds: a first build must not cost a build's call
+    a compile."""
+    return _module
 
 
 def unavailable() -> str | None:
-    """Why the compiled writers are not in use (``None`` when they are)."""
-    return _MODULE.why()
+    """Why the compiled host ops are not in use (``None`` when they are)."""
+    if _module is not None:
+        return None
+    if os.environ.get(_SWITCH, "1") == "0":
+        return f"{_SWITCH}=0"
+    if _failure is not None:
+        return _failure
+    return "not built in this process: call specmeta.warmup() once, before the first build"
+
+
+def warmup(device: torch.device | str | None = None) -> dict[str, str]:
+    """Build the compiled host ops, once per process, and say what was done.
+
+    Call it once at start-up, before the first build (the builders never build the module
+    themselves: until it is built, the torch implementation serves). Thread-safe: a caller
+    that arrives while another builds waits for that build and gets the same module. A build
+    that fails is not tried again; :func:`unavailable` keeps the reason. ``SPECMETA_HOST_OPS=0``
+    (read on every call) leaves the module unbuilt.
+
+    Parameters
+    ----------
+    device : torch.device or str, optional
+        The device the builders will run on. The host ops are the same for every device; it
+        is taken so that :func:`specmeta.warmup` has one signature for everything it warms.
+
+    Returns
+    -------
+    dict of str to str
+        ``{"host_ops": what happened}``: ``"built in 1.3 s"``, ``"built earlier in this
+        process"``, or why the module is not available (the torch writers then serve).
+    """
+    del device  # the same module serves every device
+    global _module, _failure
+    with _LOCK:
+        if _module is not None:
+            return {"host_ops": "built earlier in this process"}
+        if os.environ.get(_SWITCH, "1") == "0":
+            return {"host_ops": f"not built: {_SWITCH}=0 (the torch implementation serves)"}
+        if _failure is not None:
+            return {"host_ops": f"not available: {_failure} (the torch implementation serves)"}
+        start = time.perf_counter()
+        try:
+            module = _build()
+        except Exception as exc:  # no compiler or headers, failed known answers
+            _failure = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            return {"host_ops": f"not available: {_failure} (the torch implementation serves)"}
+        _module = module
+        return {"host_ops": f"built in {time.perf_counter() - start:.1f} s"}
 
 
 def _build():
+    """Compile (or load from Triton's cache) and import ``host_ops.c``, and check one known
+    answer."""
     from triton.runtime.build import compile_module_from_src
 
     module = compile_module_from_src(_SOURCE.read_text(), "specmeta_host_ops")
-    layout = tensor_layout.module()
-    module.init(torch.int64, torch.int32, layout.lengths_view if layout is not None else None)
+    module.init(torch.int64, torch.int32)
+    got = module.stats(9, 3, torch.tensor([4, 9, 0], dtype=torch.int32))
+    if got != (9, 13):
+        raise RuntimeError(f"host_ops: stats of [4, 9, 0] gave {got}, not (9, 13)")
     return module
-
-
-_MODULE = OptionalModule("SPECMETA_HOST_OPS", _build)
 
 
 class LengthTable:
@@ -149,7 +208,8 @@ def _check_lengths(seq_lens_cpu: object, batch: int) -> None:
     """What the compiled writers check of the lengths before reading them, with the same
     exceptions: an int32 or int64 contiguous CPU tensor of shape ``[batch]``."""
     if not isinstance(seq_lens_cpu, torch.Tensor) or seq_lens_cpu.dtype not in (
-        torch.int32, torch.int64
+        torch.int32,
+        torch.int64,
     ):
         raise TypeError("seq_lens_cpu must be an int32 or int64 tensor")
     if tuple(seq_lens_cpu.shape) != (batch,):
@@ -158,9 +218,9 @@ def _check_lengths(seq_lens_cpu: object, batch: int) -> None:
         raise ValueError("seq_lens_cpu must be a contiguous CPU tensor")
 
 
-def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
-    """The address of a mirror view the compiled writer fills, after checking what it relies
-    on: int32 on the CPU, the given shape, unit last stride."""
+def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A mirror view a writer fills, after checking what both writers rely on: int32 on the
+    CPU, the given shape, unit last stride."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be an int32 CPU tensor view, got {type(t).__name__}")
     if (
@@ -173,26 +233,31 @@ def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
             f"{name} must be an int32 CPU view of shape {list(shape)} with unit last stride, "
             f"got {t.dtype} on {t.device}, shape {list(t.shape)}, strides {list(t.stride())}"
         )
-    return t.data_ptr()
+    return t
+
+
+def _module_for(use_compiled: bool):
+    """The compiled module a writer binds to, or ``None`` for the torch writer."""
+    return compiled() if use_compiled else None
 
 
 def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, batch: int,
                         out: torch.Tensor, *, use_compiled: bool = True) -> Writer:  # fmt: skip
     """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
     rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
-    requests; ``table`` of shift 0."""
+    requests; ``table`` of shift 0. Compiled where ``use_compiled`` and :func:`warmup` built
+    the module, else torch."""
     validate.positive("topk", topk)
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     if table.shift:
         raise ValueError(f"draft_decode_writer: the table's shift is {table.shift}; pass one "
                          "made with shift=0")  # fmt: skip
-    op = compiled() if use_compiled else None
+    op = _module_for(use_compiled)
     if op is None:
         views = rule.bind(batch, out)  # also checks out against the rule's maxima
         return functools.partial(_torch_draft_decode, table, batch, views, out)
-    return functools.partial(op.draft_decode, table.max_len, topk, rows, out.data_ptr(),
-                             out.stride(0), batch)  # fmt: skip
+    return functools.partial(op.draft_decode, table.max_len, topk, batch, out.numpy())
 
 
 def _torch_draft_decode(table, batch, views, out, seq_lens_cpu):
@@ -210,14 +275,15 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     writer leaves them, the compiled one writes the 0 again."""
     validate.positive("scale", scale, 0)
     need = (batch + 1,)
-    ptr = _int32_view("out", out, need)
-    scaled_ptr = _int32_view("scaled", scaled, need) if scaled is not None else 0
-    op = compiled() if use_compiled else None
+    _int32_view("out", out, need)
+    if scaled is not None:
+        _int32_view("scaled", scaled, need)
+    op = _module_for(use_compiled)
     if op is None:
         tail = scaled[1:] if scaled is not None else None
         return functools.partial(_torch_prefix, table, batch, out[1:], tail, scale)
-    return functools.partial(op.prefix, table.max_len, table.shift, scale, ptr, scaled_ptr,
-                             batch)  # fmt: skip
+    return functools.partial(op.prefix, table.max_len, table.shift, scale, batch, out.numpy(),
+                             scaled.numpy() if scaled is not None else None)  # fmt: skip
 
 
 def _torch_prefix(table, batch, out_tail, scaled_tail, scale, seq_lens_cpu):
@@ -238,11 +304,11 @@ def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     _int32_view("last", last, (rows, batch * topk))
-    op = compiled() if use_compiled else None
+    op = _module_for(use_compiled)
     if op is None:
         return functools.partial(_torch_paged, table, batch, topk, page_size, out, last)
-    return functools.partial(op.paged, table.max_len, topk, rows, page_size, out.data_ptr(),
-                             out.stride(0), last.data_ptr(), last.stride(0), batch)  # fmt: skip
+    return functools.partial(op.paged, table.max_len, topk, page_size, batch, out.numpy(),
+                             last.numpy())  # fmt: skip
 
 
 def _torch_paged(table, batch, topk, page_size, out, last, seq_lens_cpu):

@@ -23,63 +23,7 @@ import torch
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = [
-    "BuildInputs", "check_build_tensors", "check_length_values", "check_num_rows", "host_lengths",
-]  # fmt: skip
-
-
-class BuildInputs:
-    """What a build needs of its checked inputs on the host.
-
-    Attributes
-    ----------
-    batch : int
-        ``B``, requests in the (possibly padded) batch.
-    seq_lens_cpu : torch.Tensor or None
-        ``[B]`` the engine's CPU mirror (as given when a compiled call checked it or its values
-        are left to the mode's host-mirror writer, else as int64), or ``None`` when it was not
-        given.
-    high : int or None
-        ``max L`` of the CPU mirror (0 for an empty batch); ``None`` without it, or when the
-        mode's host-mirror writer checks the values (the mode reads no maximum).
-    key : tuple or None
-        What the tensor checks read (:func:`specmeta.validate.signature` of the tensors and the
-        mode), set by the builder: a build whose launches depend on nothing else replays them
-        for a key it has seen (:meth:`~specmeta.metadata.contract.MetadataBuilder.launch_plan`).
-    given : torch.Tensor or None
-        The ``seq_lens_cpu`` argument itself, set by the builder (what a runner's host plan
-        reads again on later calls: :meth:`~specmeta.metadata.contract.MetadataBuilder.described`).
-    """
-
-    __slots__ = ("batch", "seq_lens_cpu", "high", "_sum", "_values", "key", "given")
-
-    def __init__(self, batch: int, seq_lens_cpu: torch.Tensor | None, high: int | None = None,
-                 values: list[int] | None = None, total: int | None = None):  # fmt: skip
-        self.batch = batch
-        self.seq_lens_cpu = seq_lens_cpu
-        self.high = high
-        self._sum = total  # ΣL when a call that read every length gave it
-        self._values = values  # the lengths as Python ints, for a small batch
-        self.key: tuple | None = None
-        self.given: torch.Tensor | None = None
-
-    @property
-    def seq_lens_sum(self) -> int | None:
-        """``ΣL`` from the CPU mirror, for the launchers' capacity checks; ``None`` without it."""
-        if self.seq_lens_cpu is None:
-            return None
-        if self._sum is None:
-            values = self._values
-            self._sum = sum(values) if values is not None else int(self.seq_lens_cpu.sum())
-        return self._sum
-
-    def summed(self, total: int) -> None:
-        """Record ``ΣL``, found by a host-mirror writer that read every length."""
-        self._sum = total
-
-    def max_len(self, default: int) -> int:
-        """``max L`` from the CPU mirror (0 for an empty batch), else ``default``."""
-        return default if self.high is None else self.high
+__all__ = ["check_build_tensors", "check_length_values", "check_num_rows", "host_lengths"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -160,8 +104,8 @@ def check_build_tensors(
 ) -> int:
     """Check one build's tensors on the host, before anything is launched; returns ``B``.
 
-    These checks read only the tensors' shapes, dtypes, strides and devices, so calls with
-    equal :func:`specmeta.validate.signature` pass or fail them alike.
+    These checks read only the tensors' shapes, dtypes, strides and devices (no device value:
+    no sync).
 
     Parameters
     ----------
@@ -237,38 +181,30 @@ _AS_INTS = 64
 
 
 def host_lengths(where: str, cfg: SpecConfig, B: int, seq_lens_cpu: object, *,
-                 values_later: bool = False, stats: Callable | None = None) -> BuildInputs:  # fmt: skip
-    """Check the host values of a build, on every call, and return the :class:`BuildInputs` of
-    ``B`` requests: ``seq_lens_cpu``, when given, is the ``[B]`` integer CPU mirror of
-    ``seq_lens``, each value in ``[0, max_context_len]``.
+                 stats: Callable | None = None) -> tuple[int, int] | None:  # fmt: skip
+    """Check the host values of a build, on every call: ``seq_lens_cpu``, when given, is the
+    ``[B]`` integer CPU mirror of ``seq_lens``, each value in ``[0, max_context_len]``.
+    Returns ``(max L, ΣL)`` (``(0, 0)`` for an empty batch), or ``None`` without it.
 
-    With ``values_later``, only the tensor is checked here: the mode's host-mirror writer
-    checks every value before it writes or anything is launched
-    (:meth:`.contract.MetadataBuilder.write_mirrors`). Otherwise the values are checked here,
-    by ``stats`` (the compiled ``stats`` of :mod:`.host_ops`: ``max L`` and ``ΣL`` in one
-    call) when given, else by :func:`check_length_values`; a refusal of either is named by
-    :func:`check_length_values`."""
+    ``stats`` (the compiled ``stats`` of :mod:`.host_ops`) checks the tensor and every value
+    and reads both numbers in one call; whatever it refuses, and every call without it, takes
+    the checks below, which name what is wrong."""
     if seq_lens_cpu is None:
-        return BuildInputs(B, None)
+        return None
+    if stats is not None:
+        try:
+            return stats(cfg.max_context_len, B, seq_lens_cpu)
+        except (TypeError, ValueError, IndexError):  # named by the checks below
+            pass
     cpu = _tensor(where, "seq_lens_cpu", seq_lens_cpu, _CPU, ndim=1)
     if cpu.shape[0] != B:
         raise ValueError(
             f"{where}: seq_lens_cpu has {cpu.shape[0]} entries but the batch has {B}; pass "
             "the CPU copy of this batch's seq_lens"
         )
-    if values_later:
-        return BuildInputs(B, cpu)
-    if stats is not None:
-        try:
-            high, total = stats(cfg.max_context_len, B, cpu)
-        except IndexError:  # a length outside [0, max_context_len]: named below
-            pass
-        else:
-            return BuildInputs(B, cpu, high, total=total)
-    if cpu.dtype != torch.int64:
-        cpu = cpu.to(torch.int64)
     high, values = check_length_values(where, cfg, cpu)
-    return BuildInputs(B, cpu, high, values)
+    total = sum(values) if values is not None else int(cpu.sum())
+    return high, total
 
 
 def check_length_values(where: str, cfg: SpecConfig,

@@ -23,15 +23,18 @@ synchronising and return frozen dataclasses of views named as the consumer's arg
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig, plan_buffers
-from ..kernels.branch_page_table import branch_page_table, branch_page_table_ref
-from ..kernels.prefix_page_table import prefix_page_table, prefix_page_table_ref
-from .contract import Capabilities, DraftSteps, MetadataBuilder
+from ..kernels.branch_page_table import bind_branch_page_table, branch_page_table_ref
+from ..kernels.prefix_page_table import bind_prefix_page_table, prefix_page_table_ref
+from ..stage import Stage
+from .capabilities import CAPABILITIES
+from .contract import DraftSteps, MetadataBuilder
 from .layout import UniformQueryLayout
 
 __all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
@@ -97,8 +100,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
     host_ops : bool
-        Check ``seq_lens_cpu`` and read its ``max L`` and ``ΣL`` in one compiled call (default,
-        where it can be built; :mod:`specmeta.metadata.host_ops`), else with torch ops.
+        Check ``seq_lens_cpu`` in one compiled call where :func:`specmeta.warmup` built it
+        (default; :mod:`specmeta.metadata.host_ops`), else with torch ops.
 
     Attributes
     ----------
@@ -106,16 +109,17 @@ class TrtllmMlaBuilder(MetadataBuilder):
         The ``trtllm_mla.*`` buffers of the served modes, keyed without the prefix.
     status : torch.Tensor
         ``int32 [1]``: the status word every method reports into unless given another.
+
+    Examples
+    --------
+    >>> mla = TrtllmMlaBuilder(cfg, "cuda")
+    >>> steps = mla.draft_decode(rpi, req_to_token, seq_lens, seq_lens_cpu=lens)
+    >>> stage = mla.bind_draft_decode(rpi, req_to_token, seq_lens)  # once
+    >>> steps = stage(lens)  # every step: check the lengths, launch (or stage.launch() in a graph)
     """
 
     plan_prefix = _PREFIX
-    capabilities = Capabilities(
-        modes=("draft_decode", "target_verify", "draft_extend"),
-        tree_draft=True,  # per-branch block tables over slot layout B
-        tree_verify=False,  # no custom mask: a tree cannot be verified
-        page_sizes="any",
-        graph_safe=frozenset({"draft_decode", "target_verify", "draft_extend"}),
-    )
+    capabilities = CAPABILITIES["trtllm_mla"]
 
     def __init__(
         self,
@@ -128,10 +132,6 @@ class TrtllmMlaBuilder(MetadataBuilder):
     ):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
         self.buffers = self.allocate_planned(fill=_UNUSED_BLOCK)
-        # The builder checks every input before launching, so its launchers skip their own
-        # second pass over the same tensors (validate.trusting).
-        self._branch = branch_page_table_ref if reference else validate.trusting(branch_page_table)
-        self._prefix = prefix_page_table_ref if reference else validate.trusting(prefix_page_table)
         n, bs = cfg.num_draft_tokens, cfg.max_bs
         self._layouts = {
             mode: UniformQueryLayout.create(
@@ -147,28 +147,70 @@ class TrtllmMlaBuilder(MetadataBuilder):
         spec = plan_buffers(self.cfg)["trtllm_mla.draft_extend.block_kv_indices"]
         return spec.shape[1]
 
-    def _check(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-               status):  # fmt: skip
-        """Every host check of one build, before its first launch (:mod:`.inputs`); returns
-        the checked inputs and ``max L``: the host bound of the lengths from ``seq_lens_cpu``
-        or ``max_seq_len``, ``None`` when neither was given."""
+    # -- the stages -----------------------------------------------------------------------------
+    def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Stage | functools.partial:  # fmt: skip
+        """The launch of a mode's stage, bound once: the kernel's bound stage (``bind_<op>``),
+        or its torch reference on the same arguments for a reference builder."""
+        if self.reference:
+            return functools.partial(ref, *args, **kwargs)
+        return bind(*args, **kwargs)
+
+    def _stage(self, mode: str, B: int, launch: Any, result: Any) -> Stage:
+        """The stage of ``mode``: ``launch``, and the host part that checks ``seq_lens_cpu``
+        when it is given (every value in ``[0, max_context_len]``) and returns ``result``. No
+        host scalar of a result reads the lengths: ``max_seq_len_k`` is the plan's bound, the
+        same at every replay."""
+        lengths = self.lengths
+
+        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+            if seq_lens_cpu is not None:
+                lengths(mode, B, seq_lens_cpu)
+            return result
+
+        return Stage([launch], host=host)
+
+    def _max_seq_len(self, mode: str, max_seq_len: object) -> None:
+        """Check the eager methods' ``max_seq_len=`` (a host ``max L_b``) against the plan,
+        after the tensors and before anything is launched."""
+        if max_seq_len is None:
+            return
         where = self.require(mode)
-        inputs = self.check(mode, req_pool_indices, req_to_token, seq_lens,
-                            seq_lens_cpu=seq_lens_cpu, status=status)  # fmt: skip
-        if max_seq_len is not None:
-            if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
-                raise TypeError(
-                    f"{where}: max_seq_len must be a host int, got {type(max_seq_len).__name__}; "
-                    "pass int(...) of a value the host already holds, or seq_lens_cpu="
-                )
-            if max_seq_len > self.cfg.max_context_len:
-                raise ValueError(
-                    f"{where}: max_seq_len={max_seq_len} exceeds the plan's "
-                    f"max_context_len={self.cfg.max_context_len}; build the SpecConfig with "
-                    f"max_context_len >= {max_seq_len}"
-                )
-        top = inputs.max_len(max_seq_len) if inputs.seq_lens_cpu is not None else max_seq_len
-        return inputs, top
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int):
+            raise TypeError(
+                f"{where}: max_seq_len must be a host int, got {type(max_seq_len).__name__}; "
+                "pass int(...) of a value the host already holds, or seq_lens_cpu="
+            )
+        if max_seq_len > self.cfg.max_context_len:
+            raise ValueError(
+                f"{where}: max_seq_len={max_seq_len} exceeds the plan's "
+                f"max_context_len={self.cfg.max_context_len}; build the SpecConfig with "
+                f"max_context_len >= {max_seq_len}"
+            )
+
+    def bind_draft_decode(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        num_rows: int | None = None,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
+        launches with ``launch()``; ``host(seq_lens_cpu)`` checks the lengths (when given) and
+        returns the :class:`TrtllmMlaDraftDecode`."""
+        cfg, buf, mode = self.cfg, self.buffers, "draft_decode"
+        rows = self.draft_rows(mode, num_rows)
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        launch = self._launch(
+            bind_branch_page_table, branch_page_table_ref, req_pool_indices, req_to_token,
+            seq_lens, topk=cfg.topk, num_steps=cfg.num_steps, page_size=cfg.page_size,
+            num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=buf[f"{mode}.block_kv_indices"],
+            seq_lens_k=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
+        )  # fmt: skip
+        result = self.views((mode, B, rows), self._draft_result, B, rows)
+        return self._stage(mode, B, launch, result)
 
     def draft_decode(
         self,
@@ -201,22 +243,10 @@ class TrtllmMlaBuilder(MetadataBuilder):
         launch : bool
             ``False``: launch nothing, return the views (the kernels run in a captured graph).
         """
-        cfg, buf = self.cfg, self.buffers
-        S, K = cfg.num_steps, cfg.topk
-        rows = self.draft_rows("draft_decode", num_rows)
-        inputs, top = self._check("draft_decode", req_pool_indices, req_to_token, seq_lens,
-                                  seq_lens_cpu, max_seq_len, status)  # fmt: skip
-        B = inputs.batch
-        if launch:
-            self._branch(
-                req_pool_indices, req_to_token, seq_lens, topk=K, num_steps=S,
-                page_size=cfg.page_size, num_rows=rows, fill_value=_UNUSED_BLOCK,
-                page_table=buf["draft_decode.block_kv_indices"],
-                seq_lens_k=buf["draft_decode.seq_lens_k"], max_seq_len=top,
-                status=self.status_word(status),
-            )  # fmt: skip
-        return self.described("draft_decode", inputs, lambda inp: self.result(
-            ("draft_decode", B, rows), self._draft_result, B, rows))  # fmt: skip
+        stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens,
+                                       num_rows=num_rows, status=status)  # fmt: skip
+        self._max_seq_len("draft_decode", max_seq_len)
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_result(self, B: int, rows: int) -> TrtllmMlaDraftDecode:
         """The draft-decode result of ``B`` requests and ``rows`` steps (no host scalar: the
@@ -232,21 +262,19 @@ class TrtllmMlaBuilder(MetadataBuilder):
             for s in range(rows)
         ))  # fmt: skip
 
-    def _prefill(self, mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-                 status, launch):  # fmt: skip
+    def _bind_prefill(self, mode: str, req_pool_indices, req_to_token, seq_lens, status) -> Stage:
+        """The stage of target verify or draft extend: the request's pages over ``L + N``
+        tokens and ``seq_lens_k = L + N``, one launch."""
         cfg, buf = self.cfg, self.buffers
-        inputs, _ = self._check(mode, req_pool_indices, req_to_token, seq_lens, seq_lens_cpu,
-                                max_seq_len, status)  # fmt: skip
-        B = inputs.batch
-        if launch:
-            self._prefix(
-                req_pool_indices, req_to_token, seq_lens, page_size=cfg.page_size,
-                extra_tokens=cfg.num_draft_tokens, fill_value=_UNUSED_BLOCK,
-                page_table=buf[f"{mode}.block_kv_indices"], cache_seqlens=buf[f"{mode}.seq_lens_k"],
-                status=self.status_word(status),
-            )  # fmt: skip
-        return self.described(mode, inputs, lambda inp: self.result(
-            (mode, B), self._prefill_result, mode, B))  # fmt: skip
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        launch = self._launch(
+            bind_prefix_page_table, prefix_page_table_ref, req_pool_indices, req_to_token,
+            seq_lens, page_size=cfg.page_size, extra_tokens=cfg.num_draft_tokens,
+            fill_value=_UNUSED_BLOCK, page_table=buf[f"{mode}.block_kv_indices"],
+            cache_seqlens=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
+        )  # fmt: skip
+        result = self.views((mode, B), self._prefill_result, mode, B)
+        return self._stage(mode, B, launch, result)
 
     def _prefill_result(self, mode: str, B: int) -> TrtllmMlaPrefill:
         """The target-verify or draft-extend result of ``B`` requests."""
@@ -259,6 +287,25 @@ class TrtllmMlaBuilder(MetadataBuilder):
             sum_seq_lens_q=layout.sum_seqlens_q(B),
             max_seq_len_k=self.cfg.max_context_len + self.cfg.num_draft_tokens,
         )
+
+    def bind_target_verify(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`target_verify` bound once to these tensors (arguments as there); the stage's
+        ``host(seq_lens_cpu)`` returns the :class:`TrtllmMlaPrefill`."""
+        if self.cfg.topk > 1:
+            raise ValueError(
+                f"TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree "
+                f"(topk={self.cfg.topk}) cannot be verified with it; verify trees with a custom "
+                "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
+            )
+        return self._bind_prefill("target_verify", req_pool_indices, req_to_token, seq_lens,
+                                  status)  # fmt: skip
 
     def target_verify(
         self,
@@ -277,16 +324,22 @@ class TrtllmMlaBuilder(MetadataBuilder):
         that raises ``ValueError`` (verify trees with FlashInfer or FA3). Arguments as in
         :meth:`draft_decode`.
         """
-        if self.cfg.topk > 1:
-            raise ValueError(
-                f"TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree "
-                f"(topk={self.cfg.topk}) cannot be verified with it; verify trees with a custom "
-                "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
-            )
-        return self._prefill(
-            "target_verify", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-            status, launch,
-        )
+        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, status=status)
+        self._max_seq_len("target_verify", max_seq_len)
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+
+    def bind_draft_extend(
+        self,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        status: torch.Tensor | None = None,
+    ) -> Stage:
+        """:meth:`draft_extend` bound once to these tensors (arguments as there); the stage's
+        ``host(seq_lens_cpu)`` returns the :class:`TrtllmMlaPrefill`."""
+        return self._bind_prefill("draft_extend", req_pool_indices, req_to_token, seq_lens,
+                                  status)  # fmt: skip
 
     def draft_extend(
         self,
@@ -301,7 +354,6 @@ class TrtllmMlaBuilder(MetadataBuilder):
     ) -> TrtllmMlaPrefill:
         """Draft extend: ``seq_lens_k = L_b + N``, stride ``N``, causal; the same fixed query
         layout at capture and at replay. Arguments as in :meth:`draft_decode`."""
-        return self._prefill(
-            "draft_extend", req_pool_indices, req_to_token, seq_lens, seq_lens_cpu, max_seq_len,
-            status, launch,
-        )
+        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status)
+        self._max_seq_len("draft_extend", max_seq_len)
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specmeta import FA3MetadataBuilder, FlashInferBuilder, SpecConfig, TrtllmMlaBuilder
+from specmeta.metadata import host_ops
 
 CFG = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=4, max_bs=4,
                  max_context_len=32)  # fmt: skip
@@ -45,11 +46,14 @@ def _raises(kind, message, fn, *args, **kw):
     return info
 
 
-def _builders(device):
+def _builders(device, reference=False):
     """Each builder by name, twice: ``seq_lens_cpu`` checked (and FlashInfer's host mirrors
-    written) by the compiled calls of metadata/host_ops.py, and by torch ops."""
+    written) by the compiled calls of metadata/host_ops.py (built here by ``warmup()``, as an
+    engine builds them; a machine where they do not build fails), and by torch ops."""
+    done = host_ops.warmup()
+    assert host_ops.compiled() is not None, f"the compiled host ops did not build: {done}"
     return [
-        (cls.__name__, cls(CFG, device, host_ops=host_ops))
+        (cls.__name__, cls(CFG, device, host_ops=host_ops, reference=reference))
         for cls in (FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder)
         for host_ops in (True, False)
     ]
@@ -69,8 +73,8 @@ def _modes(name, device):
     return [("draft_decode", {}), ("draft_extend", {})]
 
 
-def _all(device):
-    for name, builder in _builders(device):
+def _all(device, reference=False):
+    for name, builder in _builders(device, reference):
         for mode, extra in _modes(name, device):
             yield f"{name}.{mode}", builder, mode, extra
 
@@ -167,8 +171,9 @@ def test_wrong_dtype_rank_and_type(device):
 
 
 def test_device_mismatch_names_the_argument_and_where_the_builder_lives():
-    # A builder on the meta device: every input on the CPU is on the wrong device.
-    for where, builder, mode, _ in _all("meta"):
+    # A builder on the meta device (a reference builder: no kernel runs there), every input
+    # on the CPU: each is on the wrong device.
+    for where, builder, mode, _ in _all("meta", reference=True):
         extra = dict(_modes(where.split(".")[0], "meta"))[mode]
         inputs = dict(_inputs("meta"), req_to_token=_inputs("cpu")["req_to_token"])
         _raises(ValueError,
@@ -263,11 +268,12 @@ def test_builders_own_a_status_word_that_a_masked_fault_reaches(device):
         builder = cls(CHAIN, device)
         inputs = _inputs(device, cfg=CHAIN)
         inputs["req_pool_indices"][1] = 99  # a row outside req_to_token: ROW_OOB, masked
-        _call(builder, "draft_extend", inputs)
+        lens = dict(seq_lens_cpu=inputs["seq_lens"].cpu())  # FlashInfer's mirrors need it
+        _call(builder, "draft_extend", inputs, **lens)
         assert int(builder.status) == 1, cls.__name__
         passed = torch.zeros(1, dtype=torch.int32, device=device)
         builder.status.zero_()
-        _call(builder, "draft_extend", inputs, status=passed)
+        _call(builder, "draft_extend", inputs, status=passed, **lens)
         assert (int(passed), int(builder.status)) == (1, 0), cls.__name__
 
 
@@ -309,7 +315,8 @@ def test_the_host_checks_hold_at_their_exact_limits(device):
     """One past each limit raises, the limit itself does not: a check off by one fails here.
     By hand for CFG: the row need is 44, ``max_context_len`` 32, lengths start at 0."""
     for _, builder, mode, extra in _all(device):
-        _call(builder, mode, _inputs(device, width=44), **extra)  # exactly the need: fine
+        lens = torch.tensor([5, 9, 30])
+        _call(builder, mode, _inputs(device, width=44), seq_lens_cpu=lens, **extra)  # the need
         with pytest.raises(ValueError, match="req_to_token is 43 positions wide"):
             _call(builder, mode, _inputs(device, width=43), **extra)
         top = torch.tensor([0, 32, 30])  # 0 and max_context_len themselves are valid
@@ -335,29 +342,6 @@ def test_a_free_launcher_rejects_a_status_word_of_the_wrong_shape(device):
             assign_draft_cache_locs(rpi, table, lens, status=bad, **kw)
     with pytest.raises(TypeError, match="status must be int32"):
         assign_draft_cache_locs(rpi, table, lens, status=torch.zeros(1, device=device), **kw)
-
-
-def test_launchers_check_again_after_a_builder_ran_them(device):
-    """A builder runs its launchers without their second pass over the tensors it checked
-    (validate.trusting); the launcher called directly afterwards, even after a failed call,
-    checks its arguments again."""
-    import specmeta.validate as validate
-    from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
-
-    def boom():
-        raise RuntimeError("inside")
-
-    with pytest.raises(RuntimeError, match="inside"):
-        validate.trusting(boom)()
-    rpi = torch.ones(2, dtype=torch.int64, device=device)
-    table = torch.zeros(4, 64, dtype=torch.int64, device=device)
-    lens = torch.ones(2, dtype=torch.float32, device=device)  # wrong dtype
-    with pytest.raises(TypeError, match="seq_lens must be int32 or int64"):
-        assign_draft_cache_locs(rpi, table, lens, topk=2, num_steps=2)
-    # Inside trusting, the same call skips the tensor checks (it would go on to the launch).
-    calls = []
-    validate.trusting(lambda: calls.append(validate.tensor("x", "not a tensor")))()
-    assert calls == ["not a tensor"]
 
 
 def test_a_length_table_refuses_what_it_cannot_gather_before_writing():
@@ -390,13 +374,12 @@ def test_a_length_table_refuses_what_it_cannot_gather_before_writing():
     assert got.dtype == torch.int32 and got.tolist() == [3, 11, 8]
 
 
-def test_a_recorded_host_step_refuses_what_the_call_refuses(device):
-    """A runner's host plan runs each builder call's HostStep on new values of the same batch
-    (design §4); a step given a bad seq_lens_cpu raises the exception and message the call
-    itself raises, whichever compiled or torch path checks it, and a good one still gives
-    the call's result."""
-    from specmeta.metadata.contract import describing
-
+def test_a_bound_stage_refuses_what_the_call_refuses(device):
+    """A mode bound once (``builder.bind(mode, ...)``) runs its host part on each call's
+    ``seq_lens_cpu`` (design §3, §4): given a bad one, ``stage.host`` and ``stage()`` raise the
+    exception and message the eager call itself raises, whichever compiled or torch path
+    checks it, before anything is launched or written; a good one still gives the call's
+    result."""
     good = torch.tensor([5, 9, 30], dtype=torch.int32)
     bad = [
         torch.tensor([5, 1500, 30], dtype=torch.int32),
@@ -404,23 +387,27 @@ def test_a_recorded_host_step_refuses_what_the_call_refuses(device):
         torch.tensor([5, 9], dtype=torch.int32),
         torch.tensor([5.0, 9.0, 30.0]),
         torch.tensor([[5, 9, 30]], dtype=torch.int32),
+        torch.tensor([5, 0, 9, 0, 30, 0], dtype=torch.int32)[::2],  # strided
         [5, 9, 30],
     ]
     for where, builder, mode, extra in _all(device):
         inputs = _inputs(device)
-        with describing() as steps:
-            _call(builder, mode, inputs, seq_lens_cpu=good, launch=False, **extra)
-        assert len(steps) == 1, where
-        run = steps[0].run
+        args = (inputs["req_pool_indices"], inputs["req_to_token"], inputs["seq_lens"])
+        stage = builder.bind(mode, *args, **extra)
+        _same(stage.host(good), _call(builder, mode, inputs, seq_lens_cpu=good, launch=False,
+                                      **extra), where)  # fmt: skip
         for value in bad:
             with pytest.raises((TypeError, ValueError)) as want:
                 _call(builder, mode, inputs, seq_lens_cpu=value, launch=False, **extra)
-            with pytest.raises(want.type) as got:
-                run(value)
-            assert str(got.value) == str(want.value), f"{where}: {value!r}"
+            before = _snapshot(builder)
+            for run in (stage.host, stage):
+                with pytest.raises(want.type) as got:
+                    run(value)
+                assert str(got.value) == str(want.value), f"{where}: {value!r}"
+            _unchanged(builder, before)
         other = torch.tensor([5, 17, 9], dtype=torch.int32)  # another max L
         want = _call(builder, mode, inputs, seq_lens_cpu=other, launch=False, **extra)
-        _same(run(other.clone()), want, where)
+        _same(stage.host(other.clone()), want, where)
 
 
 def _same(got, want, where: str) -> None:

@@ -155,11 +155,14 @@ def test_draft_extend_causal(device, gen, k, s, ps, shape):
 
 
 @pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
-def test_host_mirrors_take_int32_and_int64_lengths_and_any_batch_in_turn(device, gen, host_ops):
+def test_host_mirrors_take_int32_and_int64_lengths_and_any_batch_in_turn(device, gen, host_ops,
+                                                                          request):  # fmt: skip
     """Both host-mirror writers (metadata/host_ops.py) take int32 and int64 lengths alike:
     every mode's mirrors equal the device's offsets for either dtype, at batch sizes that grow
     and shrink between calls (each call's own lengths, not a stale view of an earlier
     batch's)."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
     k, s, ps = 2, 3, 4
     cfg, batch, _, _ = _setup(gen, device, k, s, ps, "random", batch_size=6)
     fi = FlashInferBuilder(cfg, device, host_ops=host_ops)
@@ -261,6 +264,157 @@ def test_launch_false_refreshes_only_the_host_mirrors(device, gen):
     ext = fi.draft_extend(*_args(second), seq_lens_cpu=second.seq_lens_cpu, launch=False)
     lens = second.seq_lens_cpu + cfg.num_draft_tokens
     assert ext.kv_indptr_host.tolist() == [0] + torch.cumsum(lens, 0).tolist()
+
+
+def _stage_batches(gen, device, cfg, count, batch_size=5):
+    """``count`` draws of one batch size on one table shape: new lengths, rows and pages each."""
+    return [make_batch("random", batch_size=batch_size, topk=cfg.topk, num_steps=cfg.num_steps,
+                       page_size=cfg.page_size, row_width=cfg.req_to_token_width, generator=gen,
+                       device=device, num_rows=batch_size + 4, extra_tokens=cfg.num_draft_tokens,
+                       max_len=cfg.max_context_len) for _ in range(count)]  # fmt: skip
+
+
+_MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged", "target_verify",
+          "target_verify_packed", "draft_extend")  # fmt: skip
+
+
+def _bind_or_call(fi, mode, args, tree, rows, **kw):
+    """``bind_<mode>`` (no keywords) or the eager ``<mode>`` (``seq_lens_cpu``, ``launch``)."""
+    name = mode.removesuffix("_packed")
+    method = getattr(fi, name) if kw else getattr(fi, f"bind_{name}")
+    if name == "target_verify":
+        return method(*args, tree, packed=mode.endswith("packed"), **kw)
+    if name.startswith("draft_decode"):
+        return method(*args, num_rows=rows, **kw)
+    return method(*args, **kw)
+
+
+def _host_pairs(result):
+    """Every host mirror of a result, with the device tensor it mirrors."""
+    if hasattr(result, "steps"):
+        pairs = []
+        for step in result.steps:
+            if hasattr(step, "paged_kv_indptr_host_arr"):
+                pairs += zip(step.paged_kv_indptr_host_arr, step.paged_kv_indptr_arr, strict=True)
+                pairs += zip(step.qo_indptr_host_arr, step.qo_indptr_arr, strict=True)
+            else:
+                pairs += [(step.kv_indptr_host, step.kv_indptr),
+                          (step.kv_last_page_len_host, step.kv_last_page_len)]  # fmt: skip
+        return pairs
+    pairs = [(result.kv_indptr_host, result.kv_indptr), (result.qo_indptr_host, result.qo_indptr)]
+    if result.mask_indptr_host is not None:
+        pairs.append((result.mask_indptr_host, result.mask_indptr))
+    return pairs
+
+
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 3, 1), (3, 2, 16)])
+def test_a_bound_stage_follows_new_inputs_launch_after_launch(device, gen, k, s, ps, host_ops,
+                                                              request):  # fmt: skip
+    """Every mode bound once to the engine's own tensors, then run twice with new device
+    values copied into them (lengths, rows, pages, tree) and the new ``seq_lens_cpu``: each
+    run gives, integer for integer, what the reference builder gives for that batch, and its
+    host mirrors equal the device offsets."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(1 + k + (s - 1) * k * k, 8),
+                     page_size=ps, max_bs=8, max_context_len=40)  # fmt: skip
+    n = cfg.num_draft_tokens
+    draws = _stage_batches(gen, device, cfg, 3)
+    trees = [random_tree_mask(5, k, s, n, gen).to(device) for _ in draws]
+    rpi, r2t, sl = (t.clone() for t in _args(draws[0]))
+    tree = trees[0].clone()
+    fi = FlashInferBuilder(cfg, device, host_ops=host_ops)
+    ref = FlashInferBuilder(cfg, device, reference=True, host_ops=False)
+    stages = {mode: _bind_or_call(fi, mode, (rpi, r2t, sl), tree, s) for mode in _MODES}
+    for i, (batch, t) in enumerate(zip(draws[1:], trees[1:], strict=True)):
+        for dst, src in zip((rpi, r2t, sl, tree), (*_args(batch), t), strict=True):
+            dst.copy_(src)
+        for mode, stage in stages.items():
+            got = stage(batch.seq_lens_cpu.clone())
+            want = _bind_or_call(ref, mode, _args(batch), t, s, seq_lens_cpu=batch.seq_lens_cpu)
+            _assert_build_equal(got, want, f"{mode} run {i}")
+            for j, (host, dev) in enumerate(_host_pairs(got)):
+                assert_equal(host, dev, f"{mode} run {i}: host mirror {j}")
+    assert int(fi.status) == 0 and int(ref.status) == 0
+
+
+def test_a_stage_takes_the_compiled_writers_once_warmup_built_them(device, gen, monkeypatch,
+                                                                   compiled_host_ops):  # fmt: skip
+    """The builders never build the host ops: a stage bound before ``warmup()`` writes its
+    mirrors with the torch writers, and with the compiled ones once they are built; a builder
+    whose ``host_ops`` is switched off goes back to torch. Every call's mirrors are right."""
+    from specmeta.metadata import host_ops
+
+    made = []
+    real = host_ops.prefix_writer
+
+    def spy(*args, use_compiled=True, **kw):
+        made.append(use_compiled and host_ops.compiled() is not None)
+        return real(*args, use_compiled=use_compiled, **kw)
+
+    monkeypatch.setattr(host_ops, "prefix_writer", spy)
+    monkeypatch.setattr(host_ops, "_module", None)  # this process before warmup()
+    cfg, batch, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
+    fi = FlashInferBuilder(cfg, device, modes=("draft_extend",), mirror_depth=4)
+    stage = fi.bind_draft_extend(*_args(batch))
+    n = cfg.num_draft_tokens
+
+    def check(result, lens):
+        want = [0, *torch.cumsum(lens + n, 0).tolist()]
+        assert result.kv_indptr_host.tolist() == want
+
+    for module, switch, compiled in ((None, True, False), (compiled_host_ops, True, True),
+                                     (compiled_host_ops, False, False)):  # fmt: skip
+        monkeypatch.setattr(host_ops, "_module", module)
+        fi.host_ops = switch
+        lens = torch.randint(0, 41, (5,), generator=gen)
+        check(stage.host(lens), lens)
+        assert made[-1] is compiled, (module, switch)
+
+
+def test_a_host_call_without_seq_lens_cpu_is_refused_naming_the_fix(device, gen):
+    """FlashInfer's plan() reads the host mirrors, so every host call needs ``seq_lens_cpu``:
+    without it the eager call (``launch`` or not) and a bound stage's host part raise, naming
+    the call, the argument, the mirrors and the fix, before anything is launched or written
+    and before the ring's turn."""
+    cfg, batch, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
+    fi = FlashInferBuilder(cfg, device)
+    tree = random_tree_mask(5, 2, 3, cfg.num_draft_tokens, gen).to(device)
+    fields = {
+        "draft_decode": "kv_indptr_host",
+        "draft_decode_shared_prefix": "paged_kv_indptr_host_arr",
+        "draft_decode_paged": "kv_indptr_host, kv_last_page_len_host",
+        "target_verify": "kv_indptr_host, mask_indptr_host",
+        "target_verify_packed": "kv_indptr_host, mask_indptr_host",
+        "draft_extend": "kv_indptr_host",
+    }
+    for buf in fi.buffers.values():
+        buf.fill_(-7)  # poison: an unwritten buffer keeps it
+    before_all = {key: buf.clone() for key, buf in fi.buffers.items()}
+    for mode in _MODES:
+        name = mode.removesuffix("_packed")
+        want = (f"FlashInferBuilder.{name}: seq_lens_cpu is None, but FlashInfer's plan() reads "
+                f"the host mirrors ({fields[mode]}) that are written from it; pass "
+                "seq_lens_cpu=, the CPU copy of seq_lens the engine already holds (a copy of "
+                "seq_lens made here would sync with the device)")  # fmt: skip
+        ring = fi._mirrors[fi.plan_groups.get(name, name)]
+        before = ring.builds
+        for launch in (True, False):
+            with pytest.raises(ValueError) as info:
+                _bind_or_call(fi, mode, _args(batch), tree, 3, seq_lens_cpu=None, launch=launch)
+            assert str(info.value) == want
+        stage = _bind_or_call(fi, mode, _args(batch), tree, 3)
+        for call in (stage.host, stage):
+            with pytest.raises(ValueError) as info:
+                call(None)
+            assert str(info.value) == want
+        assert ring.builds == before, f"{mode}: a refused call took a turn of the ring"
+    for key, buf in fi.buffers.items():
+        assert torch.equal(buf, before_all[key]), f"{key} was written by a refused call"
+    for ring in fi._mirrors.values():
+        assert not any(t.any() for mirrors in ring.sets for t in mirrors.values()), "mirrors"
+    assert int(fi.status) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,29 +542,32 @@ def test_gpu_graph_replay_equals_eager_with_changing_inputs(gen, k, ps):
     rpi, r2t, sl = (x.clone() for x in _args(draws[0]))
     tree = trees[0].clone()
     fi, eager = FlashInferBuilder(cfg, "cuda"), FlashInferBuilder(cfg, "cuda")
+    stages = {mode: _bind_or_call(fi, mode, (rpi, r2t, sl), tree, S) for mode in _MODES}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _all_modes(fi, rpi, r2t, sl, tree, S)  # compile outside the capture
+        for stage in stages.values():
+            stage.launch()  # run once outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with collector_off(), torch.cuda.graph(graph):
-        captured = _all_modes(fi, rpi, r2t, sl, tree, S)
+        for stage in stages.values():
+            stage.launch()
     for batch, t in zip(draws[1:] + draws[:1], trees[1:] + trees[:1], strict=True):
         rpi.copy_(batch.req_pool_indices)
         r2t.copy_(batch.req_to_token)
         sl.copy_(batch.seq_lens)
         tree.copy_(t)
+        # The host mirrors for plan() come from the CPU lengths, outside the graph.
+        captured = {mode: stage.host(batch.seq_lens_cpu) for mode, stage in stages.items()}
         graph.replay()
-        want = _all_modes(eager, *_args(batch), t, S)
+        want = {mode: _bind_or_call(eager, mode, _args(batch), t, S,
+                                    seq_lens_cpu=batch.seq_lens_cpu) for mode in _MODES}  # fmt: skip
         torch.cuda.synchronize()
         for key in want:
             _assert_build_equal(captured[key], want[key], f"{key} [{batch.shape}]")
-        # The host mirrors for plan() come from the CPU lengths, outside the graph.
-        host = fi.draft_decode(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, num_rows=S,
-                               launch=False)  # fmt: skip
-        for step in host.steps:
-            assert_equal(step.kv_indptr_host, step.kv_indptr, "kv_indptr_host after replay")
+            for j, (host, dev) in enumerate(_host_pairs(captured[key])):
+                assert_equal(host, dev, f"{key}: host mirror {j} after replay")
     assert int(fi.status) == 0 and int(eager.status) == 0
 
 

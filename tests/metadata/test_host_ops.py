@@ -1,18 +1,21 @@
-"""FlashInfer's host-mirror writers (design §3.3): the compiled writers write exactly what the
-torch rules write, wrap int32 offsets as the kernels do, take int32 and int64 lengths, and
-write nothing when a length is out of range.
+"""The compiled host ops (design §3, §3.3): built once a process by ``warmup()``, never by a
+call; their writers write exactly what the torch rules write, wrap int32 offsets as the kernels
+do, take int32 and int64 lengths, check their views on every call, and write nothing when a
+length is out of range.
 
 Every writer fills a view of a buffer poisoned outside it, so a write past its extent shows.
 """
 
 from __future__ import annotations
 
-import functools
+import gc
 import os
 import subprocess
 import sys
-from pathlib import Path
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,19 +28,14 @@ POISON = -7
 MAX_LEN, MAX_BS, TOPK, ROWS, PS, SHIFT = 50, 9, 3, 4, 4, 5
 
 
-def test_the_compiled_writers_are_built_where_triton_launches():
-    """Triton needs a C compiler and Python's headers to launch on a GPU, so the writers build
-    wherever a GPU runs, and in CI (whose image has both). Elsewhere the torch writers serve,
-    and this says why."""
-    why = host_ops.unavailable()
-    if why is not None and not torch.cuda.is_available() and not os.environ.get("CI"):
-        pytest.skip(f"no compiled host writers on this CPU machine: {why}")
-    assert why is None, f"the compiled host writers did not build: {why}"
-
-
-needs_compiled = pytest.mark.skipif(
-    host_ops.compiled() is None, reason=f"compiled host writers unavailable: {host_ops.unavailable()}"
-)
+def test_warmup_builds_the_compiled_host_ops_once(compiled_host_ops):
+    """Triton needs a C compiler and Python's headers to launch on a GPU, so the host ops build
+    wherever a GPU runs, and here (this image has both): ``warmup()`` built them (the
+    fixture), a second call builds nothing and says so, and every later call gets the same
+    module."""
+    assert host_ops.unavailable() is None
+    assert host_ops.warmup() == {"host_ops": "built earlier in this process"}
+    assert host_ops.compiled() is compiled_host_ops
 
 
 def _lengths(gen, batch, dtype, high=MAX_LEN):
@@ -67,8 +65,15 @@ def _writers(kind, batch, use_compiled):
     if kind == "paged":
         out, last = _poisoned(ROWS, MAX_BS * TOPK + 1), _poisoned(ROWS, MAX_BS * TOPK)
         table = LengthTable(MAX_LEN, MAX_BS)
-        write = host_ops.paged_writer(table, TOPK, PS, batch, out[:, : batch * TOPK + 1],
-                                      last[:, : batch * TOPK], use_compiled=use_compiled)
+        write = host_ops.paged_writer(
+            table,
+            TOPK,
+            PS,
+            batch,
+            out[:, : batch * TOPK + 1],
+            last[:, : batch * TOPK],
+            use_compiled=use_compiled,
+        )
         return write, (out, last)
     out, scaled = _poisoned(MAX_BS + 1), _poisoned(MAX_BS + 1)
     out[0] = scaled[0] = 0  # the ring's buffers are allocated zeroed
@@ -107,9 +112,8 @@ def _expected(kind, lens):
     return out, scaled
 
 
-@needs_compiled
 @pytest.mark.parametrize("kind", KINDS)
-def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen):
+def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compiled_host_ops):
     """Both writers, at every batch size from 0 to max_bs, int32 and int64 lengths drawn fresh,
     return ΣL (the torch writer leaves it to the caller) and write exactly the rule's values
     inside their views and nothing outside them."""
@@ -129,9 +133,8 @@ def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen):
                     )
 
 
-@needs_compiled
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen):
+def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_host_ops):
     """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64):
     IndexError from either writer, every buffer as it was."""
     B = MAX_BS
@@ -152,8 +155,7 @@ def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen):
                     )
 
 
-@needs_compiled
-def test_stats_gives_max_and_sum_as_the_torch_check_does(gen):
+def test_stats_gives_max_and_sum_as_the_torch_check_does(gen, compiled_host_ops):
     """``stats`` (FA3's and TRT-LLM MLA's check) against :func:`check_length_values` and
     ``sum``: every batch size to max_bs, int32 and int64, fresh lengths; and IndexError for
     one length planted out of range."""
@@ -162,7 +164,7 @@ def test_stats_gives_max_and_sum_as_the_torch_check_does(gen):
 
     cfg = SpecConfig(topk=1, num_steps=2, num_draft_tokens=2, page_size=1, max_bs=MAX_BS,
                      max_context_len=MAX_LEN)  # fmt: skip
-    stats = host_ops.compiled().stats
+    stats = compiled_host_ops.stats
     for B in range(MAX_BS + 1):
         for dtype in (torch.int32, torch.int64):
             lens = _lengths(gen, B, dtype)
@@ -183,76 +185,57 @@ def _wrapped(values):
     return [(v + 2**31) % 2**32 - 2**31 for v in values]
 
 
-@needs_compiled
-def test_int32_offsets_wrap_as_the_kernels_stores_do(gen):
+def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
     """Lengths near 2**30: the sums pass 2**32, and every offset is the exact sum modulo
     2**32, as the torch rules' int32 sums and the kernels' int32 stores are. The compiled
     module is called directly (a length table of 2**31 positions would take 8 GB)."""
-    op = host_ops.compiled()
+    op = compiled_host_ops
     big = 2**31 - 1
     lens = torch.randint(2**30, 2**31 - 1, (5,), generator=gen, dtype=torch.int64)
     B, K, rows, n = 5, 4, 3, 7
     out = _poisoned(rows, B * K + 1)
-    assert op.draft_decode(big, K, rows, out.data_ptr(), out.stride(0), B, lens) == lens.sum()
+    assert op.draft_decode(big, K, B, out.numpy(), lens) == lens.sum()
     want = draft_decode_kv_indptr(lens, K, rows)  # int64, exact
     assert out.tolist() == [_wrapped(r) for r in want.tolist()]
     out, last = _poisoned(rows, B * K + 1), _poisoned(rows, B * K)
-    op.paged(big, K, rows, PS, out.data_ptr(), out.stride(0), last.data_ptr(), last.stride(0),
-             B, lens)  # fmt: skip
+    op.paged(big, K, PS, B, out.numpy(), last.numpy(), lens)
     want_last = torch.empty(rows, B * K, dtype=torch.int64)
     want = branch_kv_indptr(lens, K, rows, PS, None, want_last)
     assert out.tolist() == [_wrapped(r) for r in want.tolist()]
     assert torch.equal(last, want_last.to(torch.int32))
     out, scaled = _poisoned(B + 1), _poisoned(B + 1)
-    op.prefix(big, n, 6, out.data_ptr(), scaled.data_ptr(), B, lens)
+    op.prefix(big, n, 6, B, out.numpy(), scaled.numpy(), lens)
     sums = [0] + torch.cumsum(lens + n, 0).tolist()
     assert out.tolist() == _wrapped(sums)
     assert scaled.tolist() == _wrapped([6 * v for v in sums])
 
 
-# (topk, page_size): the widths the compiled writers unroll (1, 2, 4, 8) and others, page sizes
-# that are powers of two (a shift and a mask) and others (a division).
+# (topk, page_size): the widths the draft-decode writer unrolls (1, 2, 4, 8) and others, page
+# sizes that are powers of two (a shift and a mask) and others (a division).
 WIDTHS = [(1, 1), (2, 16), (3, 4), (4, 3), (5, 2), (8, 1), (8, 6)]
 
 
-@functools.cache
-def _baseline():
-    """The compiled module built for the baseline CPU alone (``VECTOR`` defined empty: no AVX2
-    clone), so that the loops the CPU running the tests does not pick are checked too. It
-    reads its lengths tensors through Python attribute calls (no ``lengths_view``), the way
-    the module takes where the native layout module is not built."""
-    from triton.runtime.build import compile_module_from_src
-
-    source = "#define VECTOR\n" + Path(host_ops.__file__).with_name("host_ops.c").read_text()
-    module = compile_module_from_src(source, "specmeta_host_ops")
-    module.init(torch.int64, torch.int32, None)
-    return module
-
-
-@needs_compiled
-@pytest.mark.parametrize("build", ["dispatched", "baseline"])
-def test_every_width_and_page_size_on_both_builds(build, gen):
+def test_every_width_and_page_size(gen, compiled_host_ops):
     """The draft-decode and paged writers at every width and page size of ``WIDTHS``, batch
     sizes 0 to ``MAX_BS`` and 37 (vector loops and their remainders), int32 and int64 lengths
-    drawn fresh: exactly the torch rules' values, nothing written outside the views. Both
-    builds: the one the module loads with (AVX2 where the CPU has it) and the baseline."""
-    op = host_ops.compiled() if build == "dispatched" else _baseline()
+    drawn fresh: exactly the torch rules' values, nothing written outside the views."""
+    op = compiled_host_ops
     for K, ps in WIDTHS:
         for B in [*range(MAX_BS + 1), 37]:
             for dtype in (torch.int32, torch.int64):
                 lens = _lengths(gen, B, dtype)
                 width = 37 * K + 1
                 out, want = _poisoned(ROWS, width), _poisoned(ROWS, width)
-                assert op.draft_decode(MAX_LEN, K, ROWS, out.data_ptr(), out.stride(0), B,
-                                       lens) == int(lens.sum())  # fmt: skip
-                draft_decode_kv_indptr(lens, K, ROWS, out=want)
-                where = f"{build} K={K} B={B} {dtype} lens={lens.tolist()}"
+                view = out[:, : B * K + 1]  # rows of the full width apart, as a mirror's
+                assert op.draft_decode(MAX_LEN, K, B, view.numpy(), lens) == int(lens.sum())
+                draft_decode_kv_indptr(lens, K, ROWS, out=want[:, : B * K + 1])
+                where = f"K={K} B={B} {dtype} lens={lens.tolist()}"
                 assert torch.equal(out, want), f"draft_decode {where}"
                 out, last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
                 want, want_last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
-                assert op.paged(MAX_LEN, K, ROWS, ps, out.data_ptr(), out.stride(0),
-                                last.data_ptr(), last.stride(0), B, lens) == int(lens.sum())
-                branch_kv_indptr(lens, K, ROWS, ps, want, want_last)
+                views = out[:, : B * K + 1].numpy(), last[:, : B * K].numpy()
+                assert op.paged(MAX_LEN, K, ps, B, *views, lens) == int(lens.sum())
+                branch_kv_indptr(lens, K, ROWS, ps, want[:, : B * K + 1], want_last)
                 assert torch.equal(out, want), f"paged offsets ps={ps} {where}"
                 assert torch.equal(last, want_last), f"paged last pages ps={ps} {where}"
 
@@ -268,9 +251,8 @@ def test_a_writer_refuses_a_view_it_cannot_fill():
                               torch.zeros(2, 5, dtype=torch.int32))  # fmt: skip
 
 
-@needs_compiled
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_writer_reads_only_a_tensor_of_its_batch(kind):
+def test_a_writer_reads_only_a_tensor_of_its_batch(kind, compiled_host_ops):
     """Called on its own, a writer refuses lengths it cannot read safely before reading them,
     compiled and torch alike: another dtype, another length, a second dimension, a
     non-contiguous view (an expanded one would read past its storage), another device."""
@@ -292,14 +274,14 @@ def test_a_writer_reads_only_a_tensor_of_its_batch(kind):
                 write(lens)
         for got, was in zip(bufs, before, strict=True):
             assert torch.equal(got, was), f"{kind} compiled={use_compiled}: written"
-    for op in (host_ops.compiled(), _baseline()):  # the native read and the Python one
-        assert op.stats(MAX_LEN, B, good) == (B - 1, sum(range(B)))
-        assert op.stats(MAX_LEN, B, good.to(torch.int32)) == (B - 1, sum(range(B)))
-        with pytest.raises(TypeError, match="int32 or int64"):
-            op.stats(MAX_LEN, B, good.to(torch.int16))
-        for kind_of_error, message, lens in [*bad, (TypeError, "int32 or int64", [0, 1, 2, 3])]:
-            with pytest.raises(kind_of_error, match=message):
-                op.stats(MAX_LEN, B, lens)
+    op = compiled_host_ops
+    assert op.stats(MAX_LEN, B, good) == (B - 1, sum(range(B)))
+    assert op.stats(MAX_LEN, B, good.to(torch.int32)) == (B - 1, sum(range(B)))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        op.stats(MAX_LEN, B, good.to(torch.int16))
+    for kind_of_error, message, lens in [*bad, (TypeError, "int32 or int64", [0, 1, 2, 3])]:
+        with pytest.raises(kind_of_error, match=message):
+            op.stats(MAX_LEN, B, lens)
 
 
 def test_a_writer_refuses_bad_bind_arguments():
@@ -321,13 +303,17 @@ def test_a_writer_refuses_bad_bind_arguments():
 
 
 def test_without_the_compiled_module_the_torch_writers_serve():
-    """``SPECMETA_HOST_OPS=0`` (as on a machine without a C compiler): no compiled module, the
-    reason given, and a FlashInfer build's host mirrors still written (by hand: lengths 3 and 16
-    with N = 4 give [0, 7, 27]). ``launch=False``: the subprocess may run on a GPU machine."""
+    """``SPECMETA_HOST_OPS=0`` (as on a machine without a C compiler): ``warmup()`` builds
+    nothing and says why, and a FlashInfer build's host mirrors are still written (by hand:
+    lengths 3 and 16 with N = 4 give [0, 7, 27]). ``launch=False``: the subprocess may run on
+    a GPU machine."""
     code = (
         "import torch\n"
-        "from specmeta import SpecConfig, FlashInferBuilder\n"
+        "from specmeta import SpecConfig, FlashInferBuilder, warmup\n"
         "from specmeta.metadata import host_ops\n"
+        "done = warmup()\n"
+        "assert done == {'host_ops': 'not built: SPECMETA_HOST_OPS=0 (the torch implementation "
+        "serves)'}, done\n"
         "assert host_ops.compiled() is None\n"
         "assert host_ops.unavailable() == 'SPECMETA_HOST_OPS=0', host_ops.unavailable()\n"
         "cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=4, page_size=1, max_bs=2,\n"
@@ -339,7 +325,155 @@ def test_without_the_compiled_module_the_torch_writers_serve():
         "assert m.kv_indptr_host.tolist() == [0, 7, 27], m.kv_indptr_host\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, SPECMETA_HOST_OPS="0")
+    env = dict(os.environ, SPECMETA_HOST_OPS="0", TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _compiled_call(op, kind, batch, view, second, lens):
+    """The compiled writer of ``kind`` on ``view`` (its ``out``), ``second`` (``last`` or
+    ``scaled``; none for the others) and ``lens``."""
+    if kind == "draft_decode":
+        return op.draft_decode(MAX_LEN, TOPK, batch, view, lens)
+    if kind == "paged":
+        return op.paged(MAX_LEN, TOPK, PS, batch, view, second, lens)
+    if kind == "prefill":
+        return op.prefix(MAX_LEN, SHIFT, 3, batch, view, second, lens)
+    return op.prefix(MAX_LEN, 0, 0, batch, view, None, lens)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_compiled_writer_checks_its_views_on_every_call(kind, gen, compiled_host_ops):
+    """The compiled module keeps no address: each call takes its views through the buffer
+    protocol and checks them before the lengths are read: another dtype, another shape, a
+    read-only or non-buffer object, rows that overlap, a gap inside a row. Each is refused
+    naming the view, and nothing is written (the other view included); then lengths it
+    refuses write nothing either."""
+    op, B = compiled_host_ops, 4
+    lens = _lengths(gen, B, torch.int64)
+    rows_of = kind in ("draft_decode", "paged")
+    width = B * TOPK + 1
+    good = _poisoned(ROWS, width) if rows_of else _poisoned(B + 1)
+    second = {"paged": _poisoned(ROWS, width - 1), "prefill": _poisoned(B + 1)}.get(kind)
+    second = second.numpy() if second is not None else None
+    shape = tuple(good.shape)
+    read_only = good.clone().numpy()
+    read_only.setflags(write=False)
+    writable = r"out must be a writable int32 buffer \(the numpy view of a host mirror\)"
+    bad = [
+        (ValueError, "out must be an int32 buffer", np.zeros(shape, dtype=np.int64)),
+        (ValueError, "out must be an int32 buffer",
+         np.zeros((*shape[:-1], shape[-1] + 1), dtype=np.int32)),
+        (ValueError, "out must be an int32 buffer", np.zeros((2, *shape), dtype=np.int32)),
+        (TypeError, "out must be a writable int32 buffer", read_only),
+        (ValueError, "out must be an int32 buffer", bytearray(4 * good.numel())),  # bytes
+        (TypeError, "out must be a writable int32 buffer", bytes(4 * good.numel())),
+        (TypeError, f"{writable}, got list", [0] * good.numel()),
+        (TypeError, f"{writable}, got Tensor", good),
+    ]  # fmt: skip
+    if rows_of:  # rows that overlap (a zero row stride), and a gap inside a row
+        bad.append((ValueError, "rows in order", np.lib.stride_tricks.as_strided(
+            np.zeros(width, dtype=np.int32), shape=shape, strides=(0, 4))))  # fmt: skip
+        bad.append((ValueError, "unit stride within a row",
+                    np.zeros((ROWS, 2 * width), dtype=np.int32)[:, ::2]))  # fmt: skip
+    for error, message, view in bad:
+        kept = second.copy() if second is not None else None
+        with pytest.raises(error, match=message):
+            _compiled_call(op, kind, B, view, second, lens)
+        if second is not None:
+            assert (second == kept).all(), f"{kind}: the second view was written"
+    if second is not None:  # the second view refused: the first is not written
+        name = "last" if kind == "paged" else "scaled"
+        view = good.numpy()
+        with pytest.raises(ValueError, match=f"{name} must be an int32 buffer"):
+            _compiled_call(op, kind, B, view, second[..., :-1], lens)
+        assert (view == POISON).all(), f"{kind}: out written before {name} was refused"
+    view = good.numpy()
+    assert _compiled_call(op, kind, B, view, second, lens) == int(lens.sum())
+    before = view.copy()
+    with pytest.raises(IndexError):
+        _compiled_call(op, kind, B, view, second, torch.tensor([1, 2, MAX_LEN + 1, 0]))
+    assert (view == before).all()
+
+
+def test_a_compiled_writer_keeps_its_mirror_alive():
+    """A writer holds the numpy views of its mirrors, which hold the tensors: a writer whose
+    mirror tensor has no other reference left still writes into live memory, and the values
+    read back through its view are the rule's."""
+    host_ops.warmup()
+    assert host_ops.compiled() is not None, host_ops.unavailable()
+    table = LengthTable(MAX_LEN, MAX_BS, SHIFT)
+    write = host_ops.prefix_writer(table, 3, torch.zeros(MAX_BS + 1, dtype=torch.int32)[:4])
+    gc.collect()
+    for _ in range(3):
+        gc.collect()
+        assert write(torch.tensor([1, 0, 7])) == 8
+    view = write.args[4]
+    assert view.tolist() == [0, 1 + SHIFT, 1 + 2 * SHIFT, 8 + 3 * SHIFT]
+    assert isinstance(view.base, torch.Tensor)  # the mirror tensor, kept alive by its view
+
+
+@pytest.fixture
+def unbuilt(monkeypatch):
+    """The host ops as in a fresh process: not built, not tried; ``calls`` counts the builds
+    of a fake build (0.3 s each, an object for the module), restored after the test."""
+    calls = []
+
+    def build():
+        calls.append(threading.get_ident())
+        time.sleep(0.3)
+        return object()
+
+    monkeypatch.setattr(host_ops, "_module", None)
+    monkeypatch.setattr(host_ops, "_failure", None)
+    monkeypatch.setattr(host_ops, "_build", build)
+    monkeypatch.delenv("SPECMETA_HOST_OPS", raising=False)
+    return calls
+
+
+def test_warmup_from_two_threads_builds_once_and_gives_both_the_module(unbuilt):
+    """Two threads call ``warmup()`` at once: one builds, the other waits for that build
+    (it does not fall back to torch for the life of the process) and both see the one
+    module. Before it, ``compiled()`` builds nothing."""
+    assert host_ops.compiled() is None and unbuilt == []
+    assert host_ops.unavailable().startswith("not built in this process: call specmeta.warmup()")
+    start, seen, done = threading.Barrier(2), [], []
+
+    def worker():
+        start.wait()
+        done.append(host_ops.warmup()["host_ops"])
+        seen.append(host_ops.compiled())
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(unbuilt) == 1, f"built {len(unbuilt)} times"
+    assert len(seen) == 2 and seen[0] is seen[1] is host_ops.compiled() is not None
+    first, second = sorted(done)
+    assert first == "built earlier in this process" and second.startswith("built in "), done
+    assert float(second.split()[2]) >= 0.3, done  # the build this thread waited for
+    assert host_ops.unavailable() is None
+
+
+def test_warmup_honours_the_switch_and_keeps_a_failure(unbuilt, monkeypatch):
+    """``SPECMETA_HOST_OPS=0`` builds nothing (read on every call); a build that fails is
+    tried once, its reason kept by ``unavailable()`` and returned by every later call."""
+    monkeypatch.setenv("SPECMETA_HOST_OPS", "0")
+    assert host_ops.warmup() == {"host_ops": "not built: SPECMETA_HOST_OPS=0 (the torch "
+                                 "implementation serves)"}  # fmt: skip
+    assert host_ops.unavailable() == "SPECMETA_HOST_OPS=0" and unbuilt == []
+
+    def broken():
+        unbuilt.append("broken")
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(host_ops, "_build", broken)
+    monkeypatch.delenv("SPECMETA_HOST_OPS")
+    want = {"host_ops": "not available: RuntimeError: no compiler here (the torch "
+            "implementation serves)"}  # fmt: skip
+    assert host_ops.warmup() == want and host_ops.warmup() == want
+    assert unbuilt == ["broken"] and host_ops.compiled() is None
+    assert host_ops.unavailable() == "RuntimeError: no compiler here"

@@ -29,6 +29,7 @@ from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.runners import GraphRunner, padding
+from specmeta.stage import Stage
 from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
@@ -231,36 +232,55 @@ def _check_graphed_draft(gen, k, ps, backend):
                                    step.kv_last_page_len_host, H, H_KV, D, 1,
                                    q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
 
-    def build(inp):
-        bp = inp["seq_lens"].shape[0]
+    outs: dict[int, dict] = {}  # bucket -> the attention outputs its graph writes
+    fill = padding.seq_lens_fill(K, cfg.num_draft_tokens)
+
+    def stage(inp):
+        """Bound on the views of n requests: the build and the attention of every step (the
+        graph of a bucket), and a host part that plans FlashInfer's wrappers of n's bucket on
+        the padded lengths and returns that bucket's outputs cut to n."""
+        n = inp["seq_lens"].shape[0]
         q = inp["q"]
         if backend == "fa3":
-            steps = builder.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"],
-                                         inp["out_cache_loc"], num_rows=S, status=status)  # fmt: skip
-            return {f"out{s}": attn(attn.prepare(m), q, kp, vp) for s, m in enumerate(steps)}
-        builder.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"], num_rows=S,
-                             status=status)  # fmt: skip
-        return {f"out{s}": wrappers[(bp, s)].run(q, (kp.view(-1, 1, H_KV, D),
-                                                     vp.view(-1, 1, H_KV, D)))
-                for s in range(S)}  # fmt: skip
+            build = builder.bind_draft_decode(
+                inp["req_pool_indices"],
+                r2t,
+                inp["seq_lens"],
+                inp["out_cache_loc"],
+                num_rows=S,
+                status=status,
+            )
+            steps = build.host(None)  # the planned bounds: what a graph may hold
 
-    def host(mirrors):
-        if backend != "fa3":
-            plan(mirrors["seq_lens"].shape[0], mirrors["seq_lens"])
-        return {}
+            def attend():
+                outs[n] = {s: attn(attn.prepare(m), q, kp, vp) for s, m in enumerate(steps)}
+        else:
+            build = builder.bind_draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"],
+                                              num_rows=S, status=status)  # fmt: skip
 
-    runner = GraphRunner(build, batch_sizes=buckets, device="cuda", host=host)
+            def attend():
+                outs[n] = {s: wrappers[(n, s)].run(q, (kp.view(-1, 1, H_KV, D),
+                                                       vp.view(-1, 1, H_KV, D)))
+                           for s in range(S)}  # fmt: skip
+
+        def host(lens_cpu):
+            bp = runner.bucket(n)
+            if backend != "fa3":
+                pad = torch.full((bp - n,), fill, dtype=lens_cpu.dtype)
+                plan(bp, torch.cat([lens_cpu, pad]))
+            return {s: out[: n * K] for s, out in outs[bp].items()}
+
+        return Stage([build, attend], host=host)
+
+    runner = GraphRunner(stage, batch_sizes=buckets, device="cuda")
     runner.add_input("req_pool_indices", static["req_pool_indices"], pad=padding.SINK_ROW)
-    runner.add_input("seq_lens", static["seq_lens"], pad=padding.seq_lens_fill(K, cfg.num_draft_tokens),
-                     host_mirror=True)  # fmt: skip
+    runner.add_input("seq_lens", static["seq_lens"], pad=fill, host_mirror=True)
     runner.add_input("out_cache_loc", static["out_cache_loc"], pad=padding.SINK_SLOT,
                      per_request=K * S)  # fmt: skip
     runner.add_input("q", static["q"], pad=padding.FLOAT, per_request=K)
-    for s in range(S):
-        runner.add_output(f"out{s}", per_request=K)
     if backend != "fa3":
         for bp in buckets:  # a graph-mode wrapper is planned before its capture
-            plan(bp, torch.full((bp,), padding.seq_lens_fill(K, cfg.num_draft_tokens)))
+            plan(bp, torch.full((bp,), fill))
     runner.capture()
     rows = r2t.shape[0]
     for B in (8, 5, 3, 1, 0, 6):
@@ -277,10 +297,10 @@ def _check_graphed_draft(gen, k, ps, backend):
         inputs = {"req_pool_indices": c.batch.req_pool_indices, "seq_lens": c.batch.seq_lens}
         q = c.query(B * K)
         res = runner.run(B, {**inputs, "out_cache_loc": slots, "q": q},
-                         host_inputs={"seq_lens": c.batch.seq_lens_cpu}, copy=True)  # fmt: skip
+                         host_inputs={"seq_lens": c.batch.seq_lens_cpu})  # fmt: skip
         seen.append(res.padded_batch_size)
         for s in range(S):
-            out = res.outputs[f"out{s}"]
+            out = res.results[s]
             assert out.shape == (B * K, H, D)
             want, _ = dense_attention(q.double().cpu(), kp.double().cpu(), vp.double().cpu(),
                                       branch_sequences(c.batch, slots, s))  # fmt: skip

@@ -142,6 +142,51 @@ def test_bad_inputs_are_reported_or_raise(device, gen):
     assert int(mla.status) & int(Status.ROW_OOB)
 
 
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps", [(1, 3, 4), (2, 4, 4), (3, 2, 16)])
+def test_a_bound_stage_follows_new_inputs_launch_after_launch(device, gen, k, s, ps, host_ops,
+                                                              request):  # fmt: skip
+    """Every mode bound once to the engine's own tensors, then run twice with new device
+    values copied into them and the new ``seq_lens_cpu``: each run's block tables and lengths
+    equal, integer for integer, what the reference builder gives for that batch; and a
+    refused ``seq_lens_cpu`` raises the eager call's message from the stage too."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=s + 1, page_size=ps, max_bs=8,
+                     max_context_len=40)  # fmt: skip
+    draws = [make_batch("random", batch_size=5, topk=k, num_steps=s, page_size=ps,
+                        row_width=cfg.req_to_token_width, generator=gen, device=device,
+                        num_rows=9, extra_tokens=cfg.num_draft_tokens, max_len=40)
+             for _ in range(3)]  # fmt: skip
+    rpi, r2t, sl = (t.clone() for t in _args(draws[0]))
+    mla = TrtllmMlaBuilder(cfg, device, host_ops=host_ops)
+    ref = TrtllmMlaBuilder(cfg, device, reference=True, host_ops=False)
+    modes = ["draft_decode", "draft_extend"] + (["target_verify"] if k == 1 else [])
+    kw = {"draft_decode": {"num_rows": s}}
+    stages = {m: mla.bind(m, rpi, r2t, sl, **kw.get(m, {})) for m in modes}
+    for i, batch in enumerate(draws[1:]):
+        for dst, src in zip((rpi, r2t, sl), _args(batch), strict=True):
+            dst.copy_(src)
+        for mode, stage in stages.items():
+            got = stage(batch.seq_lens_cpu.clone())
+            want = getattr(ref, mode)(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu,
+                                      **kw.get(mode, {}))  # fmt: skip
+            _assert_same(got, want, f"{mode} run {i}")
+            if hasattr(want, "steps"):
+                assert [x.max_seq_len_k for x in got] == [x.max_seq_len_k for x in want]
+            else:
+                assert got.max_seq_len_k == want.max_seq_len_k
+    bad = batch.seq_lens_cpu.clone()
+    bad[2] = 41
+    for mode, stage in stages.items():
+        with pytest.raises(ValueError) as want:
+            getattr(mla, mode)(rpi, r2t, sl, seq_lens_cpu=bad, **kw.get(mode, {}))
+        with pytest.raises(ValueError) as got:
+            stage(bad)
+        assert str(got.value) == str(want.value) and "seq_lens_cpu holds 41" in str(got.value)
+    assert int(mla.status) == 0 and int(ref.status) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU tier: production shapes against the references, CUDA-graph replay against eager builds
 # (the query layout identical at capture and replay, seed 004), no host sync.
