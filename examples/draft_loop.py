@@ -23,13 +23,21 @@ The "model" is a table: the KV of token ``x`` at position ``p`` in layer ``l`` i
 ``emb[l, x] + pos[l, p]``, so a test can rebuild every request's logical KV sequence and compare
 attention over the metadata with dense attention over that sequence.
 
-Each stage is one function of a :class:`~specmeta.runners.StageBatch` that returns what the
-consumers read, for the batch it is given; the same function runs eagerly and as a typed
-runner's build, so the runners return the builders' own results cut to ``B``. Another backend
-(TRT-LLM MLA) slots in the same way: a builder in :class:`Metadata` and its result under a
-consumer name in the stage's return value.
+Each stage is one function ``inputs -> Stage`` (:class:`Metadata`): it binds the stage's work
+(``bind_<op>`` of the launchers, ``bind_<mode>`` of the builders) to the tensors it is given and
+returns a :class:`~specmeta.Stage`, whose ``launch()`` makes the launches and whose
+``host(seq_lens_cpu)`` returns what the consumers read for that batch. The same function is
+used three ways: bound once per batch size to an engine's persistent input tensors, then
+launched and asked for its host part every iteration (:class:`BoundStages`: how the eager twin
+the runners are compared with runs), called at once on a raw batch
+(``meta.draft(inputs)(seq_lens_cpu)``, the eager call: ``DraftLoop(..., bind_once=False)``),
+and bound by a :class:`~specmeta.runners.GraphRunner` to its static views (captured once per
+bucket), so the runners return the builders' own results for ``B``. Another
+backend (TRT-LLM MLA) slots in the same way: a builder in :class:`Metadata` and its result under
+a consumer name in the stage's host part.
 
-Run it: ``python examples/draft_loop.py [--device cuda] [--seed N]``.
+Run it: ``python examples/draft_loop.py [--device cuda] [--seed N]`` (on the CPU the kernels run
+in Triton's interpreter, switched on below before Triton is imported).
 """
 
 from __future__ import annotations
@@ -37,33 +45,70 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import random
+import sys
+from collections.abc import Mapping
 
 import torch
 
-import specmeta
-from specmeta import SpecConfig, allocate_buffers, probes
-from specmeta.kernels.cache_loc_move import (
+
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
+
+    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
+    Triton's interpreter, which must be on before Triton is first imported: this sets
+    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
+    run on here ends the script with one line naming the problem and the fix.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    name = parser.parse_known_args(argv)[0].device
+    script = os.path.basename(__file__)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
+                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        value = os.environ["TRITON_INTERPRET"]
+        if value in ("", "0"):
+            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
+                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+    return device
+
+
+if __name__ == "__main__":
+    parse_device()  # before the imports below: they import Triton
+
+import specmeta  # noqa: E402
+from specmeta import SpecConfig, Stage, allocate_buffers, probes  # noqa: E402
+from specmeta.kernels.cache_loc_move import (  # noqa: E402
     KVPool,
-    accept_cache_locs,
     accept_cache_locs_ref,
-    move_kv_cache,
+    bind_accept_cache_locs,
+    bind_move_kv_cache,
+    move_kv_cache_ref,
 )
-from specmeta.kernels.draft_cache_locs import (
-    assign_draft_cache_locs,
+from specmeta.kernels.draft_cache_locs import (  # noqa: E402
     assign_draft_cache_locs_ref,
-    prefix_tail_copy_pairs,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
-from specmeta.metadata.fa3 import FA3MetadataBuilder
-from specmeta.metadata.flashinfer import FlashInferBuilder
-from specmeta.runners import GraphRunner, StageBatch, padding
-from specmeta.workloads import make_batch, random_tree_mask
+from specmeta.metadata.fa3 import FA3MetadataBuilder  # noqa: E402
+from specmeta.metadata.flashinfer import FlashInferBuilder  # noqa: E402
+from specmeta.runners import GraphRunner, padding  # noqa: E402
+from specmeta.workloads import make_batch, random_tree_mask  # noqa: E402
 
 __all__ = [
     "LoopShape",
     "Model",
     "Metadata",
+    "BoundStages",
     "build_runners",
     "Request",
     "DraftLoop",
@@ -115,32 +160,37 @@ class Model:
             self.v[layer][slots.reshape(-1)] = v.reshape(-1, *v.shape[-2:])
 
 
-class Metadata:
-    """Every planned buffer of one iteration and the stages that fill them: the same functions
-    run eagerly and as typed runners' builds (design §4).
+# The launchers a stage binds: their bound launches, or (a reference build) the pure-torch
+# references called as launches.
+_BINDS = {
+    "assign_draft_cache_locs": (bind_assign_draft_cache_locs, assign_draft_cache_locs_ref),
+    "prefix_tail_copy_pairs": (bind_prefix_tail_copy_pairs, prefix_tail_copy_pairs_ref),
+    "accept_cache_locs": (bind_accept_cache_locs, accept_cache_locs_ref),
+    "move_kv_cache": (bind_move_kv_cache, move_kv_cache_ref),
+}
 
-    Each stage takes a :class:`~specmeta.runners.StageBatch`: it launches when ``batch.launch``
-    and returns, for the batch it was given, what each consumer reads — the builders' own
-    results, and the free launchers' outputs cut to the batch. With a ``kv_pool`` the stages
-    also move KV (the layout-B prefix tails, the accepted nodes) inside the same launch
-    sequence, so a graph holds the whole stage. ``reference=True`` builds with the pure-torch
-    references of specmeta's ops and of the FA3 builder (they may sync): the eager baseline the
-    runners' kernels are compared with. The FlashInfer builder has no reference mode; it runs
-    its kernels in both.
+
+class Metadata:
+    """Every planned buffer of one iteration and the stages that fill them (design §4).
+
+    Each stage is a function ``inputs -> Stage`` of the batch's input tensors (a runner's static
+    views, an engine's persistent tensors, or a raw batch): it binds the stage's launches to
+    them, and the stage's host part returns, for that batch, what each consumer reads — the
+    builders' own results (their host side from ``seq_lens_cpu``), and the free launchers'
+    outputs cut to the batch. With a ``kv_pool`` the stages also move KV (the layout-B prefix
+    tails, the accepted nodes) inside the same launch sequence, so a graph holds the whole
+    stage. ``reference=True`` binds the pure-torch references of specmeta's ops as the launches
+    and builds with the builders' references (they may sync): the baseline the runners' kernels
+    are compared with.
     """
 
     def __init__(self, cfg: SpecConfig, device, req_to_token: torch.Tensor,
                  kv_pool: KVPool | None = None, reference: bool = False):  # fmt: skip
-        self.cfg = cfg
-        self._assign, self._tail_pairs, self._accept = (
-            (assign_draft_cache_locs_ref, prefix_tail_copy_pairs_ref, accept_cache_locs_ref)
-            if reference
-            else (assign_draft_cache_locs, prefix_tail_copy_pairs, accept_cache_locs)
-        )
+        self.cfg, self.reference = cfg, reference
         plan = specmeta.plan_buffers(cfg)
         # The backend builders allocate their own planned buffers; the rest are ours.
         self.fa3 = FA3MetadataBuilder(cfg, device, reference=reference)
-        self.fi = FlashInferBuilder(cfg, device)
+        self.fi = FlashInferBuilder(cfg, device, reference=reference)
         ours = [n for n in plan if n.split(".")[0] not in ("fa3", "flashinfer", "trtllm_mla")]
         self.bufs = {
             **allocate_buffers(cfg, device, ours),
@@ -154,69 +204,120 @@ class Metadata:
     def status(self) -> torch.Tensor:
         return self.bufs["status"]
 
-    def draft(self, batch: StageBatch) -> dict:
+    def _bind(self, op: str, *args, **kwargs) -> Stage:
+        """``bind_<op>(*args, **kwargs)``, or the reference called as a launch."""
+        bind, reference = _BINDS[op]
+        if self.reference:
+            return Stage([functools.partial(reference, *args, **kwargs)])
+        return bind(*args, **kwargs)
+
+    def draft(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Draft slots, prefix-tail copies and every backend's draft-decode metadata."""
         c, b = self.cfg, self.bufs
-        rpi, seq_lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
+        rpi, seq_lens = inputs["req_pool_indices"], inputs["seq_lens"]
         B, K, S = rpi.shape[0], c.topk, c.num_steps
         pairs = (K - 1) * (c.page_size - 1) if c.layout_b else 0
         args = (rpi, self.req_to_token, seq_lens)
         st = dict(status=b["status"])
-        if batch.launch:
-            kw = dict(topk=K, num_steps=S, page_size=c.page_size, **st)
-            self._assign(*args, out_cache_loc=b["draft.out_cache_loc"],
-                         positions=b["draft.positions"], **kw)  # fmt: skip
-            tgt, src = self._tail_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
-                                        src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
-            if self.kv_pool is not None and c.layout_b:
-                # Each prefix tail into branches 1 … K−1, before any page-granular reader (the
-                # FA3 expand pass, FlashInfer's per-branch pages); unused pairs are (0, 0)
-                # self-moves of the sink. Targets sit past L, sources before it: disjoint.
-                n = pairs * B
-                move_kv_cache(self.kv_pool, tgt[:n], src[:n], disjoint=True, **st)
+        kw = dict(topk=K, num_steps=S, page_size=c.page_size, **st)
+        tgt, src = b["draft.prefix_tail_tgt"], b["draft.prefix_tail_src"]
+        launches = [
+            self._bind("assign_draft_cache_locs", *args, out_cache_loc=b["draft.out_cache_loc"],
+                       positions=b["draft.positions"], **kw),
+            self._bind("prefix_tail_copy_pairs", *args, tgt=tgt, src=src, **kw),
+        ]  # fmt: skip
+        if self.kv_pool is not None and c.layout_b:
+            # Each prefix tail into branches 1 … K−1, before any page-granular reader (the
+            # FA3 expand pass, FlashInfer's per-branch pages); unused pairs are (0, 0)
+            # self-moves of the sink. Targets sit past L, sources before it: disjoint.
+            n = pairs * B
+            launches.append(self._bind("move_kv_cache", self.kv_pool, tgt[:n], src[:n],
+                                       disjoint=True, **st))  # fmt: skip
         slots = b["draft.out_cache_loc"][: B * K * S]
         # Every step row is built (the engine reads S − 1 of them), as in the plan.
-        rows = dict(num_rows=S, seq_lens_cpu=batch.host.get("seq_lens"), launch=batch.launch,
-                    **st)  # fmt: skip
-        return {
+        rows = dict(num_rows=S, **st)
+        modes = {
+            "flashinfer": self.fi.bind_draft_decode(*args, **rows),
+            "flashinfer_cascade": self.fi.bind_draft_decode_shared_prefix(*args, **rows),
+            "flashinfer_paged": self.fi.bind_draft_decode_paged(*args, **rows),
+            "fa3": self.fa3.bind_draft_decode(*args, slots, **rows),
+        }
+        views = {
             "out_cache_loc": slots,
             "positions": b["draft.positions"][: B * K],
-            "prefix_tail_tgt": b["draft.prefix_tail_tgt"][: B * pairs],
-            "prefix_tail_src": b["draft.prefix_tail_src"][: B * pairs],
-            "flashinfer": self.fi.draft_decode(*args, **rows),
-            "flashinfer_cascade": self.fi.draft_decode_shared_prefix(*args, **rows),
-            "flashinfer_paged": self.fi.draft_decode_paged(*args, **rows),
-            "fa3": self.fa3.draft_decode(*args, slots, **rows),
+            "prefix_tail_tgt": tgt[: B * pairs],
+            "prefix_tail_src": src[: B * pairs],
         }
+        return _stage(launches, views, modes)
 
-    def verify(self, batch: StageBatch) -> dict:
+    def verify(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Target-verify metadata over each request's ``N``-token window."""
-        inp = batch.inputs
-        args = (inp["req_pool_indices"], self.req_to_token, inp["seq_lens"], inp["tree_mask"])
-        kw = dict(seq_lens_cpu=batch.host.get("seq_lens"), launch=batch.launch,
-                  status=self.bufs["status"])  # fmt: skip
-        return {"flashinfer": self.fi.target_verify(*args, **kw),
-                "fa3": self.fa3.target_verify(*args, **kw)}  # fmt: skip
+        args = (inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"],
+                inputs["tree_mask"])  # fmt: skip
+        st = dict(status=self.bufs["status"])
+        modes = {"flashinfer": self.fi.bind_target_verify(*args, **st),
+                 "fa3": self.fa3.bind_target_verify(*args, **st)}  # fmt: skip
+        return _stage([], {}, modes)
 
-    def accept(self, batch: StageBatch) -> dict:
-        """Move pairs of the accepted nodes (design §2.4) and, with a pool, their move."""
-        b, inp = self.bufs, batch.inputs
-        n = inp["accept_lens"].shape[0] * (self.cfg.num_steps + 1)
-        if batch.launch:
-            tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
-                                    inp["verify_out_cache_loc"],
-                                    num_draft_tokens=self.cfg.num_draft_tokens,
-                                    tgt=b["verify.tgt_cache_loc"], src=b["verify.src_cache_loc"],
-                                    status=b["status"])  # fmt: skip
-            if self.kv_pool is not None:
-                # The accepted KV to the front of each verify window (pairs may chain: the move
-                # reads every source before it writes a target).
-                move_kv_cache(self.kv_pool, tgt, src, status=b["status"])
-        return {"tgt": b["verify.tgt_cache_loc"][:n], "src": b["verify.src_cache_loc"][:n]}
+    def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Move pairs of the accepted nodes (design §2.4) and, with a pool, their move: free
+        launchers only, no host part."""
+        b = self.bufs
+        n = inputs["accept_lens"].shape[0] * (self.cfg.num_steps + 1)
+        tgt, src = b["verify.tgt_cache_loc"][:n], b["verify.src_cache_loc"][:n]
+        launches = [self._bind("accept_cache_locs", inputs["accept_index"], inputs["accept_lens"],
+                               inputs["verify_out_cache_loc"],
+                               num_draft_tokens=self.cfg.num_draft_tokens,
+                               tgt=b["verify.tgt_cache_loc"], src=b["verify.src_cache_loc"],
+                               status=b["status"])]  # fmt: skip
+        if self.kv_pool is not None:
+            # The accepted KV to the front of each verify window (pairs may chain: the move
+            # reads every source before it writes a target).
+            launches.append(self._bind("move_kv_cache", self.kv_pool, tgt, src,
+                                       status=b["status"]))  # fmt: skip
+        return Stage(launches, result={"tgt": tgt, "src": src})
+
+
+def _stage(launches: list, views: dict, modes: dict[str, Stage]) -> Stage:
+    """A stage of ``launches`` and every builder mode of ``modes`` (bound stages), whose host
+    part returns ``views`` and each mode's result under its consumer's name."""
+
+    def host(seq_lens_cpu: torch.Tensor | None) -> dict:
+        return {**views, **{name: mode.host(seq_lens_cpu) for name, mode in modes.items()}}
+
+    return Stage([*launches, *modes.values()], host=host)
+
+
+class BoundStages:
+    """An engine's path without graphs: each stage bound once per batch size to the engine's
+    persistent input tensors, then, every iteration, the batch written into them, the bound
+    launches made (``stage.launch()``) and the host part run (``stage.host(seq_lens_cpu)``).
+
+    The persistent tensors are ``meta``'s ``runner.*`` planned buffers (``[:B·per_request]``
+    of each); binding checks every tensor and looks every kernel up once, so an iteration costs
+    the copies, the launches and the host part only.
+    """
+
+    def __init__(self, meta: Metadata):
+        self.meta = meta
+        self._bound: dict[tuple[str, int], tuple[dict, Stage]] = {}
+
+    def __call__(self, stage: str, batch_size: int, inputs: Mapping[str, torch.Tensor],
+                 seq_lens_cpu: torch.Tensor | None = None):  # fmt: skip
+        entry = self._bound.get((stage, batch_size))
+        if entry is None:  # the first iteration of this batch size: bind
+            views = {name: self.meta.bufs[f"runner.{name}"][: t.shape[0]]
+                     for name, t in inputs.items()}  # fmt: skip
+            entry = self._bound[(stage, batch_size)] = (views, getattr(self.meta, stage)(views))
+        views, bound = entry
+        for name, t in inputs.items():
+            views[name].copy_(t)
+        bound.launch()
+        return bound.host(seq_lens_cpu)
 
 
 def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[str, GraphRunner]:
-    """The three typed runners of an iteration over ``meta``'s stages, captured.
+    """The three runners of an iteration over ``meta``'s stages, captured.
 
     Every static input is registered with its design §4 pad and a probe of its range (run when
     :mod:`specmeta.probes` are enabled); ``seq_lens`` keeps a CPU mirror for the builders' host
@@ -228,7 +329,7 @@ def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[st
     rows_probe = functools.partial(probes.detect_oob, lo=1, hi=rows)  # row 0 is reserved
     lens_probe = functools.partial(probes.detect_oob, lo=0, hi=c.max_context_len + 1)
     runners = {
-        stage: GraphRunner(getattr(meta, stage), batch_sizes=buckets, device=device, typed=True)
+        stage: GraphRunner(getattr(meta, stage), batch_sizes=buckets, device=device)
         for stage in ("draft", "verify", "accept")
     }
     for stage in ("draft", "verify"):
@@ -326,10 +427,14 @@ class DraftLoop:
     poison : callable, optional
         ``poison(stage, runner, metadata, B, Bp)``, called before every runner call (tests
         fill the padding tails and the stage's outputs with garbage there).
+    bind_once : bool
+        How the eager twin runs its stages: bound once per batch size to its persistent inputs
+        (:class:`BoundStages`, the default), or the eager call, bound to the raw batch and
+        called at once on every iteration.
     """
 
     def __init__(self, cfg: SpecConfig, shape: LoopShape, buckets, device, gen, consumers,
-                 poison=None, num_rows: int | None = None):  # fmt: skip
+                 poison=None, num_rows: int | None = None, bind_once: bool = True):  # fmt: skip
         self.cfg, self.shape, self.device, self.gen = cfg, shape, torch.device(device), gen
         self.consumers, self.poison = dict(consumers), poison
         self.num_rows = num_rows or cfg.max_bs + 3
@@ -339,8 +444,10 @@ class DraftLoop:
         self.model = Model(shape, self.pool_size, cfg.req_to_token_width, device, gen)
         # Written by the runners, whose graphs also move the KV; the eager twin only builds.
         self.meta = Metadata(cfg, device, self.req_to_token, self.model.pool)
-        # The eager build on the raw inputs, with the library's references.
+        # The eager twin, with the library's references: its stages bound once per batch size
+        # to its own persistent inputs.
         self.eager = Metadata(cfg, device, self.req_to_token, reference=True)
+        self.bound = BoundStages(self.eager) if bind_once else None
         self.fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
         self.runners = build_runners(self.meta, buckets, self.device, pool_size=self.pool_size)
         self._first = first
@@ -380,8 +487,12 @@ class DraftLoop:
         runner = self.runners[name]
         if self.poison is not None:
             self.poison(name, runner, self.meta, B, runner.bucket(B))
-        res = runner.run(B, inputs, host_inputs=host_inputs, copy=False)
-        eager = getattr(self.eager, name)(StageBatch(inputs, host_inputs or {}, True))
+        res = runner.run(B, inputs, host_inputs=host_inputs)
+        lens_cpu = (host_inputs or {}).get("seq_lens")
+        if self.bound is not None:  # bound once per batch size: launch, then the host part
+            eager = self.bound(name, B, inputs, lens_cpu)
+        else:  # the eager call: bound to this batch's tensors and called at once
+            eager = getattr(self.eager, name)(inputs)(lens_cpu)
         return res, eager
 
     def _attend(self, stage: str, q, metas: dict) -> dict[str, torch.Tensor]:
@@ -529,14 +640,15 @@ def csr_attention(q, k_cache, v_cache, step):
 
 
 def main(argv=None) -> int:
+    device = parse_device(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=str(device))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=4, page_size=4, max_bs=32,
                      max_context_len=40)  # fmt: skip
     gen = torch.Generator().manual_seed(args.seed)
-    loop = DraftLoop(cfg, LoopShape(), (1, 4, 16, 32), args.device, gen,
+    loop = DraftLoop(cfg, LoopShape(), (1, 4, 16, 32), device, gen,
                      {"draft.flashinfer": csr_attention})  # fmt: skip
     K = cfg.topk
     for reqs, d, _, a in sequence(loop):

@@ -1,31 +1,79 @@
-"""FlashAttention-3 backend: tree draft decode and target verify metadata, eager and graphed.
+"""FlashAttention-3 backend: tree draft decode and target verify metadata, eager, bound and graphed.
 
 An FA3 backend creates one :class:`FA3MetadataBuilder` per (config, device); every build writes
 its planned buffers and returns :class:`FA3Cascade` objects whose passes' ``kwargs()`` are
 ``flash_attn_with_kvcache``'s keywords. With ``topk > 1`` each attention is a cascade: a
 *normal* pass over the shared prefix and an *expand* pass over each branch's own tokens (or each
-tree node's ancestors) on the same query rows, merged by log-sum-exp. A typed
-:class:`GraphRunner` runs the same build in one CUDA graph per bucket (on CPU: the same path
-without capture) and returns the builder's own result for the batch.
+tree node's ancestors) on the same query rows, merged by log-sum-exp.
 
-Run: ``python examples/fa3_backend.py [--device cuda] [--seed N]`` (exit status 0 on success).
+Three ways to build the same draft-decode metadata:
+
+* **eager**: ``fa3.draft_decode(...)`` checks its tensors, launches and returns the result;
+* **bound once**: ``fa3.bind_draft_decode(...)`` (and ``bind_<op>`` of every launcher) checks
+  the tensors and binds the launches to them once; every step then calls ``stage.launch()``
+  and ``stage.host(seq_lens_cpu)`` (the result, its exact ``max_seqlen_k``), and nothing else;
+* **graphed**: a :class:`GraphRunner` binds the same stage function once per bucket to its
+  static inputs and captures it in one CUDA graph per bucket (on CPU: the same path without
+  capture); each run returns the builder's own result for the batch.
+
+Run: ``python examples/fa3_backend.py [--device cuda] [--seed N]`` (exit status 0 on success;
+on the CPU the kernels run in Triton's interpreter, switched on below before Triton is imported).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 import torch
 
-import specmeta
-from specmeta import SpecConfig
-from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
-from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
-from specmeta.kernels.merge_state import merge_state
-from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
-from specmeta.runners import GraphRunner, StageBatch, padding
-from specmeta.workloads import Batch, make_batch, random_tree_mask
+
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
+
+    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
+    Triton's interpreter, which must be on before Triton is first imported: this sets
+    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
+    run on here ends the script with one line naming the problem and the fix.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    name = parser.parse_known_args(argv)[0].device
+    script = os.path.basename(__file__)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
+                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        value = os.environ["TRITON_INTERPRET"]
+        if value in ("", "0"):
+            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
+                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+    return device
+
+
+if __name__ == "__main__":
+    parse_device()  # before the imports below: they import Triton
+
+import specmeta  # noqa: E402
+from specmeta import SpecConfig, Stage  # noqa: E402
+from specmeta.kernels.cache_loc_move import KVPool, bind_move_kv_cache, move_kv_cache  # noqa: E402
+from specmeta.kernels.draft_cache_locs import (  # noqa: E402
+    assign_draft_cache_locs,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs,
+)
+from specmeta.kernels.merge_state import merge_state  # noqa: E402
+from specmeta.metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E402
+from specmeta.runners import GraphRunner, padding  # noqa: E402
+from specmeta.workloads import Batch, make_batch, random_tree_mask  # noqa: E402
 
 # A tree draft: 4 branches, 3 steps, an 8-node verify tree, pages of 4 tokens (slot layout B).
 CFG = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=4, max_bs=8,
@@ -62,12 +110,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs):
     return out, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
 
 
+def same_tables(got: tuple[FA3Cascade, ...], want: tuple[FA3Cascade, ...]) -> bool:
+    """Whether two draft-decode results hold the same tables, forward by forward."""
+    for g, w in zip(got, want, strict=True):
+        pairs = ((g.normal.page_table, w.normal.page_table),
+                 (g.normal.cache_seqlens, w.normal.cache_seqlens),
+                 (g.expand.page_table, w.expand.page_table),
+                 (g.expand.cache_seqlens, w.expand.cache_seqlens))  # fmt: skip
+        if not all(torch.equal(a, b) for a, b in pairs):
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> Result:
+    device = parse_device(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=str(device))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    device, cfg, gen = torch.device(args.device), CFG, torch.Generator().manual_seed(args.seed)
+    cfg, gen = CFG, torch.Generator().manual_seed(args.seed)
     K, S, N, ps = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size
     batch = make_batch("random", batch_size=5, topk=K, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
@@ -114,34 +175,63 @@ def main(argv: list[str] | None = None) -> Result:
     print("target verify: one query row per tree node (expand pass: token slots, page size 1)")
     attend(torch.zeros(B * N, H, D, device=device), verify)
 
-    # (b) Graphed: the runner owns its inputs (each with its pad); the stage's build is the
-    # eager draft with the builder's own launch switch, so the runner hands back the builder's
-    # typed result for B — nothing named by string, nothing to cut.
+    def bind_draft(fa3: FA3MetadataBuilder, bufs: dict, rpi, lens) -> Stage:
+        """draft() bound once to these tensors: every check and every kernel lookup happens
+        here. The stage's launches are draft()'s, in order; its host part is draft decode's
+        (from seq_lens_cpu: the exact max_seqlen_k), which returns the result."""
+        kw = dict(topk=K, num_steps=S, page_size=ps, status=status)
+        n = rpi.shape[0] * (K - 1) * (ps - 1)
+        tgt, src = bufs[DRAFT[1]], bufs[DRAFT[2]]
+        decode = fa3.bind_draft_decode(rpi, r2t, lens, bufs[DRAFT[0]], num_rows=S - 1,
+                                       status=status)  # fmt: skip
+        return Stage([bind_assign_draft_cache_locs(rpi, r2t, lens, out_cache_loc=bufs[DRAFT[0]],
+                                                   **kw),
+                      bind_prefix_tail_copy_pairs(rpi, r2t, lens, tgt=tgt, src=src, **kw),
+                      bind_move_kv_cache(kv_pool, tgt[:n], src[:n], disjoint=True, status=status),
+                      decode], host=decode.host)  # fmt: skip
+
+    # (b) Bound once: an engine keeps its batch in persistent tensors, binds the stage to them
+    # once, and every step writes the step's batch into them, then makes the launches
+    # (stage.launch(), or the replay of a graph that captured them) and runs the host part on
+    # the step's seq_lens_cpu, which returns the metadata. Here: the batch, then reversed.
+    b_fa3 = FA3MetadataBuilder(cfg, device, modes=("draft_decode",))
+    b_bufs = specmeta.allocate_buffers(cfg, device, DRAFT)
+    rpi_now, lens_now, lens_cpu_now = rpi.clone(), lens.clone(), batch.seq_lens_cpu.clone()
+    stage = bind_draft(b_fa3, b_bufs, rpi_now, lens_now)  # once
+    for order in (torch.arange(B), torch.arange(B - 1, -1, -1)):
+        rpi_now.copy_(rpi[order.to(device)])
+        lens_now.copy_(lens[order.to(device)])
+        lens_cpu_now.copy_(batch.seq_lens_cpu[order])
+        stage.launch()  # every step: the bound launches, nothing checked again
+        got = stage.host(lens_cpu_now)  # every step: the exact max_seqlen_k, and the result
+        top = int(lens_cpu_now.max())
+        exact = got[0].normal.max_seqlen_k == top - top % ps  # layout B: whole pages of max L
+        if not (exact and same_tables(got, draft(fa3, bufs, rpi_now, lens_now))):
+            raise AssertionError("the bound stage's metadata != the eager one")
+    print(f"bound stage, B={B}, two steps: equal to the eager build")
+
+    # (c) Graphed: the runner owns its inputs (each with its pad) and binds the same stage
+    # function to its static views, once per bucket (the graph) and once per batch size (the
+    # host part), so each run hands back the builder's typed result for B: nothing named by
+    # string, nothing to cut.
     g_fa3 = FA3MetadataBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
 
-    def stage(batch: StageBatch) -> tuple[FA3Cascade, ...]:
-        rpi_, lens_ = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
-        if batch.launch:  # captured once per bucket on the static views [:Bp]
-            return draft(g_fa3, g_bufs, rpi_, lens_)
-        slots = g_bufs[DRAFT[0]][: rpi_.shape[0] * K * S]  # after a replay: describe [:B]
-        return g_fa3.draft_decode(rpi_, r2t, lens_, slots, num_rows=S - 1, launch=False)
+    def draft_stage(inputs) -> Stage:
+        return bind_draft(g_fa3, g_bufs, inputs["req_pool_indices"], inputs["seq_lens"])
 
-    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
+    runner = GraphRunner(draft_stage, batch_sizes=[4, 8], device=device)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
-    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N))
+    runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
+                     host_mirror=True)  # fmt: skip
     runner.add_guard("req_to_token", r2t)
     runner.capture()
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = draft(fa3, bufs, rpi[:b], lens[:b])
-        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]}, copy=False)
-        for s, (got, mine) in enumerate(zip(res.results, want, strict=True)):
-            pairs = ((got.normal.page_table, mine.normal.page_table),
-                     (got.normal.cache_seqlens, mine.normal.cache_seqlens),
-                     (got.expand.page_table, mine.expand.page_table),
-                     (got.expand.cache_seqlens, mine.expand.cache_seqlens))  # fmt: skip
-            if not all(torch.equal(g, m) for g, m in pairs):
-                raise AssertionError(f"B={b}, forward {s}: the runner's metadata != the eager one")
+        res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
+                         host_inputs={"seq_lens": batch.seq_lens_cpu[:b]})  # fmt: skip
+        if not same_tables(res.results, want):
+            raise AssertionError(f"B={b}: the runner's metadata != the eager one")
         print(f"runner, B={b} (bucket {res.padded_batch_size}): equal to the eager build")
     specmeta.check_status(status, where="fa3 example")  # the one sync, once per iteration
     return Result(cfg, batch, bufs[DRAFT[0]][: B * K * S], tree, kv_cache, steps, verify)

@@ -6,25 +6,65 @@ Each build writes the builder's planned buffers and returns dataclasses of views
 the CPU ``seq_lens`` the engine already holds: ``plan()`` reads them without a device-to-host
 copy. Draft decode gives each branch a page-size-1 token list (its prefix, then its own chain),
 so the tree needs no mask; target verify gives each request its prefix plus the tree window and
-a flat custom mask. Under a :class:`GraphRunner` the lists are built inside the graph and the
-host mirrors of the padded batch by the runner's host function, before each replay.
+a flat custom mask. Under a :class:`GraphRunner` the lists are built inside the graph, and the
+stage's host part (``bind_draft_decode(...).host(seq_lens_cpu)``) writes the host mirrors of the
+batch before each replay.
 
 Run: ``python examples/flashinfer_backend.py [--device cuda] [--seed N]`` (exit status 0 on
-success).
+success; on the CPU the kernels run in Triton's interpreter, switched on below before Triton is
+imported).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 import torch
 
-import specmeta
-from specmeta import SpecConfig
-from specmeta.metadata.flashinfer import FlashInferBuilder, FlashInferDraftDecode, FlashInferPrefill
-from specmeta.runners import GraphRunner, StageBatch, padding
-from specmeta.workloads import Batch, make_batch, random_tree_mask
+
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
+
+    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
+    Triton's interpreter, which must be on before Triton is first imported: this sets
+    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
+    run on here ends the script with one line naming the problem and the fix.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    name = parser.parse_known_args(argv)[0].device
+    script = os.path.basename(__file__)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
+                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        value = os.environ["TRITON_INTERPRET"]
+        if value in ("", "0"):
+            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
+                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+    return device
+
+
+if __name__ == "__main__":
+    parse_device()  # before the imports below: they import Triton
+
+import specmeta  # noqa: E402
+from specmeta import SpecConfig, Stage  # noqa: E402
+from specmeta.metadata.flashinfer import (  # noqa: E402
+    FlashInferBuilder,
+    FlashInferDraftDecode,
+    FlashInferPrefill,
+)
+from specmeta.runners import GraphRunner, padding  # noqa: E402
+from specmeta.workloads import Batch, make_batch, random_tree_mask  # noqa: E402
 
 # A tree draft: 3 branches, 3 steps, a 6-node verify tree, pages of 16 tokens in the pool.
 CFG = SpecConfig(topk=3, num_steps=3, num_draft_tokens=6, page_size=16, max_bs=8,
@@ -61,11 +101,12 @@ class Wrapper:
 
 
 def main(argv: list[str] | None = None) -> Result:
+    device = parse_device(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=str(device))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    device, cfg, gen = torch.device(args.device), CFG, torch.Generator().manual_seed(args.seed)
+    cfg, gen = CFG, torch.Generator().manual_seed(args.seed)
     K, S, N = cfg.topk, cfg.num_steps, cfg.num_draft_tokens
     batch = make_batch("random", batch_size=5, topk=K, num_steps=S, page_size=cfg.page_size,
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
@@ -106,19 +147,19 @@ def main(argv: list[str] | None = None) -> Result:
                  num_qo_heads=H, num_kv_heads=H_KV, head_dim_qk=D, page_size=verify.page_size,
                  custom_mask=verify.custom_mask, causal=verify.causal)  # fmt: skip
 
-    # (b) Graphed: the runner owns its inputs (each with its pad); the stage is one builder
-    # mode with the builder's launch switch, so after each replay the runner hands back the
-    # builder's own result for B, host mirrors for plan() included.
+    # (b) Graphed: the runner owns its inputs (each with its pad) and binds the stage, one
+    # builder mode, to its static views: once per bucket (the graph holds its launches) and
+    # once per batch size (its host part writes the plan() mirrors from the CPU seq_lens
+    # before each replay), so each run hands back the builder's own result for B.
     g_fi = FlashInferBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, RUNNER)
 
-    def stage(batch: StageBatch):
-        inp = batch.inputs
-        return g_fi.draft_decode(inp["req_pool_indices"], r2t, inp["seq_lens"],
-                                 seq_lens_cpu=batch.host.get("seq_lens"), status=status,
-                                 launch=batch.launch)  # fmt: skip
+    def stage(inputs) -> Stage:
+        return g_fi.bind_draft_decode(
+            inputs["req_pool_indices"], r2t, inputs["seq_lens"], status=status
+        )
 
-    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
+    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
     runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
                      host_mirror=True)  # fmt: skip
@@ -127,7 +168,7 @@ def main(argv: list[str] | None = None) -> Result:
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = fi.draft_decode(rpi[:b], r2t, lens[:b], seq_lens_cpu=lens_cpu[:b], status=status)
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
-                         host_inputs={"seq_lens": lens_cpu[:b]}, copy=False)  # fmt: skip
+                         host_inputs={"seq_lens": lens_cpu[:b]})  # fmt: skip
         for s, (got, mine) in enumerate(zip(res.results.steps, want.steps, strict=True)):
             used = int(mine.kv_indptr_host[-1])  # a host value: no sync
             if not (torch.equal(got.kv_indptr, mine.kv_indptr)

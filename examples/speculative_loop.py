@@ -13,30 +13,73 @@ It prints the accepted length of every request in every iteration and, at the en
 output equals plain greedy decoding of the target ("lossless: yes"), and exits 0 if so.
 
 Run it: ``python examples/speculative_loop.py [--backend fa3|flashinfer|trtllm_mla]
-[--device cuda] [--draft perturbed|self] [--seed N]``.
+[--device cuda] [--draft perturbed|self] [--seed N]`` (on the CPU the kernels run in Triton's
+interpreter, switched on below before Triton is imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from specmeta import SpecConfig
-from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention, TorchAttention
-from specmeta.testing.spec_loop import SpeculativeLoop, greedy_agreement, make_requests
-from specmeta.testing.tiny_model import DEFAULT_MARGIN, TinyConfig, TinyModel
+
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
+
+    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
+    Triton's interpreter, which must be on before Triton is first imported: this sets
+    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
+    run on here ends the script with one line naming the problem and the fix.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    name = parser.parse_known_args(argv)[0].device
+    script = os.path.basename(__file__)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
+                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        value = os.environ["TRITON_INTERPRET"]
+        if value in ("", "0"):
+            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
+                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+    return device
+
+
+if __name__ == "__main__":
+    parse_device()  # before the imports below: they import Triton
+
+from specmeta import SpecConfig  # noqa: E402
+from specmeta.testing.attention import (  # noqa: E402
+    CuteFlashAttention,
+    FlashInferAttention,
+    TorchAttention,
+)
+from specmeta.testing.spec_loop import (  # noqa: E402
+    SpeculativeLoop,
+    greedy_agreement,
+    make_requests,
+)
+from specmeta.testing.tiny_model import DEFAULT_MARGIN, TinyConfig, TinyModel  # noqa: E402
 
 # Per backend: topk, draft steps, verify-window width (tree nodes, root included). TRT-LLM MLA
 # has no custom mask: it verifies chains (topk = 1).
 SHAPES = {"fa3": (2, 3, 6), "flashinfer": (2, 3, 6), "trtllm_mla": (1, 3, 4)}
 
 
-def attention_backend(backend: str, model_cfg: TinyConfig, page_size: int, device: str):
+def attention_backend(backend: str, model_cfg: TinyConfig, page_size: int,
+                      device: torch.device):  # fmt: skip
     """The attention that reads the builder's metadata: torch models of the kernels on the CPU,
     the real kernels on the GPU (TRT-LLM MLA: the torch model there too)."""
-    if device != "cuda" or backend == "trtllm_mla":
+    if device.type != "cuda" or backend == "trtllm_mla":
         return TorchAttention(page_size=page_size)
     if backend == "fa3":
         return CuteFlashAttention()
@@ -45,21 +88,22 @@ def attention_backend(backend: str, model_cfg: TinyConfig, page_size: int, devic
 
 
 def main(argv=None) -> int:
+    device = parse_device(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=sorted(SHAPES), default="fa3")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=str(device))
     parser.add_argument("--draft", choices=("perturbed", "self"), default="perturbed")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens a request, at least")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    gpu = args.device == "cuda"
+    gpu = device.type == "cuda"
 
     # The models: float64 on the CPU; bf16 with head_dim 128 on the GPU (what the kernels take).
     model_cfg = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512) if gpu \
         else TinyConfig()  # fmt: skip
     dtype = torch.bfloat16 if gpu else torch.float64
-    target = TinyModel.random(model_cfg, args.seed, dtype=dtype, device=args.device)
+    target = TinyModel.random(model_cfg, args.seed, dtype=dtype, device=device)
     draft = target if args.draft == "self" else target.perturbed(0.1, seed=args.seed + 1)
 
     # Requests: three, then (after the batch drained and one idle iteration) two more.
@@ -73,12 +117,12 @@ def main(argv=None) -> int:
     topk, steps, width = SHAPES[args.backend]
     cfg = SpecConfig(topk=topk, num_steps=steps, num_draft_tokens=width,
                      page_size=args.page_size, max_bs=3, max_context_len=longest)  # fmt: skip
-    attention = attention_backend(args.backend, model_cfg, args.page_size, args.device)
+    attention = attention_backend(args.backend, model_cfg, args.page_size, device)
     loop = SpeculativeLoop(cfg, target, draft, backend=args.backend, attention=attention,
                            mode="auto", buckets=(1, 2), timing=gpu)  # fmt: skip
     layout = "B" if cfg.layout_b else "A"
     print(
-        f"{args.backend} on {args.device} ({attention.name}): topk={topk}, {steps} steps, "
+        f"{args.backend} on {device} ({attention.name}): topk={topk}, {steps} steps, "
         f"{width}-node trees, page size {args.page_size} (slot layout {layout}), "
         f"draft = {'the target itself' if args.draft == 'self' else 'a perturbed copy'}"
     )

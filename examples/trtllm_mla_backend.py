@@ -10,23 +10,67 @@ For the same reason a tree cannot be *verified* with TRT-LLM MLA (verify trees w
 FlashInfer builders); a chain (MTP, ``topk == 1``) can, and draft extend always can.
 
 Run: ``python examples/trtllm_mla_backend.py [--device cuda] [--seed N]`` (exit status 0 on
-success).
+success; on the CPU the kernels run in Triton's interpreter, switched on below before Triton is
+imported).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 import torch
 
-import specmeta
-from specmeta import SpecConfig
-from specmeta.kernels.cache_loc_move import KVPool, move_kv_cache
-from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
-from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder, TrtllmMlaDraftDecode, TrtllmMlaPrefill
-from specmeta.runners import GraphRunner, StageBatch, padding
-from specmeta.workloads import Batch, make_batch
+
+def parse_device(argv: list[str] | None = None) -> torch.device:
+    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
+
+    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
+    Triton's interpreter, which must be on before Triton is first imported: this sets
+    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
+    run on here ends the script with one line naming the problem and the fix.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    name = parser.parse_known_args(argv)[0].device
+    script = os.path.basename(__file__)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
+                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        value = os.environ["TRITON_INTERPRET"]
+        if value in ("", "0"):
+            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
+                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+    return device
+
+
+if __name__ == "__main__":
+    parse_device()  # before the imports below: they import Triton
+
+import specmeta  # noqa: E402
+from specmeta import SpecConfig, Stage  # noqa: E402
+from specmeta.kernels.cache_loc_move import KVPool, bind_move_kv_cache, move_kv_cache  # noqa: E402
+from specmeta.kernels.draft_cache_locs import (  # noqa: E402
+    assign_draft_cache_locs,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs,
+)
+from specmeta.metadata.trtllm_mla import (  # noqa: E402
+    TrtllmMlaBuilder,
+    TrtllmMlaDraftDecode,
+    TrtllmMlaPrefill,
+)
+from specmeta.runners import GraphRunner, padding  # noqa: E402
+from specmeta.workloads import Batch, make_batch  # noqa: E402
 
 # A tree draft: 2 branches, 3 steps, a 6-node verify tree, pages of 16 tokens (slot layout B).
 CFG = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=16, max_bs=8,
@@ -58,11 +102,12 @@ def trtllm_batch_decode_with_kv_cache_mla(**kwargs) -> None:
 
 
 def main(argv: list[str] | None = None) -> Result:
+    device = parse_device(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=str(device))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    device, cfg, gen = torch.device(args.device), CFG, torch.Generator().manual_seed(args.seed)
+    cfg, gen = CFG, torch.Generator().manual_seed(args.seed)
     K, S, N, ps = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size
     batch = make_batch("random", batch_size=5, topk=K, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
@@ -109,20 +154,27 @@ def main(argv: list[str] | None = None) -> Result:
             block_tables=m.block_kv_indices, seq_lens=m.seq_lens_k,
             max_seq_len=m.max_seq_len_k)  # fmt: skip
 
-    # (b) Graphed: the runner owns its inputs (each with its pad); the stage's build is the
-    # eager draft with the builder's own launch switch, so the runner hands back the builder's
-    # typed result for B — nothing named by string, nothing to cut.
+    # (b) Graphed: the runner owns its inputs (each with its pad) and binds draft()'s work
+    # (bind_<op>, bind_<mode>) to its static views: once per bucket (the graph) and once per
+    # batch size (the host part, which checks seq_lens_cpu against the plan), so each run
+    # hands back the builder's typed result for B.
     g_mla = TrtllmMlaBuilder(cfg, device, modes=("draft_decode",))
     g_bufs = specmeta.allocate_buffers(cfg, device, DRAFT + RUNNER)
 
-    def stage(batch: StageBatch) -> TrtllmMlaDraftDecode:
-        rpi_, lens_ = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
-        if batch.launch:  # captured once per bucket on the static views [:Bp]
-            return draft(g_mla, g_bufs, rpi_, lens_)
-        return g_mla.draft_decode(rpi_, r2t, lens_, seq_lens_cpu=batch.host.get("seq_lens"),
-                                  launch=False)  # fmt: skip
+    def stage(inputs) -> Stage:
+        """draft(), bound to the runner's static views."""
+        rpi_, lens_ = inputs["req_pool_indices"], inputs["seq_lens"]
+        common = dict(topk=K, num_steps=S, page_size=ps, status=status)
+        tgt, src = g_bufs[DRAFT[1]], g_bufs[DRAFT[2]]
+        n = rpi_.shape[0] * (K - 1) * (ps - 1)
+        decode = g_mla.bind_draft_decode(rpi_, r2t, lens_, status=status)
+        return Stage([bind_assign_draft_cache_locs(rpi_, r2t, lens_,
+                                                   out_cache_loc=g_bufs[DRAFT[0]], **common),
+                      bind_prefix_tail_copy_pairs(rpi_, r2t, lens_, tgt=tgt, src=src, **common),
+                      bind_move_kv_cache(ckv, tgt[:n], src[:n], disjoint=True, status=status),
+                      decode], host=decode.host)  # fmt: skip
 
-    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device, typed=True)
+    runner = GraphRunner(stage, batch_sizes=[4, 8], device=device)
     runner.add_input("req_pool_indices", g_bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
     runner.add_input("seq_lens", g_bufs["runner.seq_lens"], pad=padding.seq_lens_fill(K, N),
                      host_mirror=True)  # fmt: skip
@@ -131,7 +183,7 @@ def main(argv: list[str] | None = None) -> Result:
     for b in (2, 0, B):  # two buckets, an idle rank (B = 0); the last eager build: the whole batch
         want = draft(mla, bufs, rpi[:b], lens[:b], seq_lens_cpu=batch.seq_lens_cpu[:b]).steps
         res = runner.run(b, {"req_pool_indices": rpi[:b], "seq_lens": lens[:b]},
-                         host_inputs={"seq_lens": batch.seq_lens_cpu[:b]}, copy=False)  # fmt: skip
+                         host_inputs={"seq_lens": batch.seq_lens_cpu[:b]})  # fmt: skip
         for s, (got, mine) in enumerate(zip(res.results.steps, want, strict=True)):
             if not (torch.equal(got.block_kv_indices, mine.block_kv_indices)
                     and torch.equal(got.seq_lens_k, mine.seq_lens_k)

@@ -17,7 +17,7 @@ import torch
 
 from .config import draft_decode_kv_indices_need
 from .kernels.draft_cache_locs import assign_draft_cache_locs, assign_draft_cache_locs_ref
-from .kernels.draft_decode_kv_indices import draft_decode_kv_indices, draft_decode_kv_indices_ref
+from .kernels.draft_decode_kv_indices import draft_decode_kv_indices_ref
 from .registry import OPS, Op, batches, tree_width
 from .status import new_status
 from .workloads import SHAPES, Batch
@@ -92,8 +92,11 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
     replayed on CUDA) against the references on the raw batch; padded slots on the sink; and
     copy_pad against its reference on each batch's seq_lens."""
     from .config import SpecConfig, allocate_buffers
+    from .kernels.draft_cache_locs import bind_assign_draft_cache_locs
+    from .kernels.draft_decode_kv_indices import bind_draft_decode_kv_indices
     from .runners import GraphRunner, padding
     from .runners.padding import copy_pad, copy_pad_ref
+    from .stage import Stage
 
     res = CheckResult("graph_runner")
     status = new_status(device)
@@ -114,23 +117,21 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
             bufs = allocate_buffers(cfg, device)
             table = torch.zeros(buckets[-1] + 3, W, dtype=b.req_to_token.dtype, device=device)
 
-            def build(inp, bufs=bufs, table=table, k=k, s=s, ps=ps):
+            def stage(inp, bufs=bufs, table=table, k=k, s=s, ps=ps) -> Stage:
+                # Free launchers only: the stage returns nothing, the caller cuts the buffers.
                 args = (inp["req_pool_indices"], table, inp["seq_lens"])
                 kw = dict(topk=k, num_steps=s, page_size=ps, status=status)
-                assign_draft_cache_locs(*args, out_cache_loc=bufs["draft.out_cache_loc"], **kw)
-                draft_decode_kv_indices(*args, kv_indices=bufs["draft_decode.kv_indices"],
-                                        kv_indptr=bufs["draft_decode.kv_indptr"], **kw)  # fmt: skip
-                return {"out_cache_loc": bufs["draft.out_cache_loc"],
-                        "kv_indptr": bufs["draft_decode.kv_indptr"],
-                        "kv_indices": bufs["draft_decode.kv_indices"]}  # fmt: skip
+                return Stage([
+                    bind_assign_draft_cache_locs(*args, out_cache_loc=bufs["draft.out_cache_loc"],
+                                                 **kw),
+                    bind_draft_decode_kv_indices(*args, kv_indices=bufs["draft_decode.kv_indices"],
+                                                 kv_indptr=bufs["draft_decode.kv_indptr"], **kw),
+                ])  # fmt: skip
 
-            runner = GraphRunner(build, batch_sizes=buckets, device=device)
+            runner = GraphRunner(stage, batch_sizes=buckets, device=device)
             runner.add_input("req_pool_indices", bufs["runner.req_pool_indices"],
                              pad=padding.SINK_ROW)  # fmt: skip
             runner.add_input("seq_lens", bufs["runner.seq_lens"], pad=padding.seq_lens_fill(k))
-            runner.add_output("out_cache_loc", per_request=k * s)
-            runner.add_output("kv_indptr", per_request=k, extra=1, dim=1)
-            runner.add_output("kv_indices", per_request=None)
             runner.capture()
             runners[key] = (runner, bufs, table)
         runner, bufs, table = runners[key]
@@ -141,19 +142,21 @@ def _check_graph_runner(device: torch.device, g: torch.Generator) -> CheckResult
         bp = runner.bucket(B)
         for spec in runner.inputs.values():  # garbage tails: the run must re-pad them
             spec.buffer[B:bp] = 1
-        out = runner.run(B, {"req_pool_indices": b.req_pool_indices, "seq_lens": b.seq_lens},
-                         copy=True).outputs  # fmt: skip
+        runner.run(B, {"req_pool_indices": b.req_pool_indices, "seq_lens": b.seq_lens})
+        # The outputs for B requests, cut here: the slots [:B·K·S], each step's offsets
+        # [:B·K + 1], each step's list up to what the batch uses.
+        slots, ptr_buf = bufs["draft.out_cache_loc"], bufs["draft_decode.kv_indptr"]
         kw = dict(topk=k, num_steps=s, page_size=ps)
         want = assign_draft_cache_locs_ref(*_args(b), **kw)
-        res.compare("out_cache_loc", out["out_cache_loc"], want, b.describe())
-        pad = bufs["draft.out_cache_loc"][B * k * s : bp * k * s]
+        res.compare("out_cache_loc", slots[: B * k * s], want, b.describe())
+        pad = slots[B * k * s : bp * k * s]
         res.compare("padded out_cache_loc", pad, torch.zeros_like(pad), b.describe())
         idx, ptr = draft_decode_kv_indices_ref(*_args(b), **kw)
-        res.compare("kv_indptr", out["kv_indptr"], ptr, b.describe())
+        res.compare("kv_indptr", ptr_buf[:, : B * k + 1], ptr, b.describe())
         for row in range(s):
             used = draft_decode_kv_indices_need(b.seq_lens_sum, B, k, row + 1)
-            res.compare(f"kv_indices[{row}]", out["kv_indices"][row, :used], idx[row, :used],
-                        b.describe())  # fmt: skip
+            res.compare(f"kv_indices[{row}]", bufs["draft_decode.kv_indices"][row, :used],
+                        idx[row, :used], b.describe())  # fmt: skip
         dst = torch.full((bp + 2,), -1, dtype=b.seq_lens.dtype, device=device)
         want_dst = dst.clone()
         copy_pad(b.seq_lens, dst[:bp], 7)

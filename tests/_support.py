@@ -131,12 +131,13 @@ def branch_sequences(batch, rows):
 
 
 def draft_stage_runner(build, bufs, cfg, device, req_to_token, buckets, *, graphs=None):
-    """A captured typed runner of a draft stage: ``req_pool_indices`` and ``seq_lens`` (with
-    its CPU mirror) registered with their design §4 pads, ``req_to_token`` guarded."""
+    """A captured runner of a draft stage, ``build(inputs) -> Stage``: ``req_pool_indices`` and
+    ``seq_lens`` (with its CPU mirror) registered with their design §4 pads, ``req_to_token``
+    guarded."""
     from specmeta.runners import padding
     from specmeta.runners.graph_runner import GraphRunner
 
-    runner = GraphRunner(build, batch_sizes=buckets, device=device, graphs=graphs, typed=True)
+    runner = GraphRunner(build, batch_sizes=buckets, device=device, graphs=graphs)
     runner.add_input("req_pool_indices", bufs["runner.req_pool_indices"], pad=padding.SINK_ROW)
     runner.add_input("seq_lens", bufs["runner.seq_lens"],
                      pad=padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens),

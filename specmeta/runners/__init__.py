@@ -1,13 +1,5 @@
 """CUDA-graph runners and padding policies (design §4)."""
 
-from .graph_runner import (
-    GraphRunner,
-    RunResult,
-    StageBatch,
-    StaticInput,
-    StaticOutput,
-    collector_off,
-)
+from .graph_runner import GraphRunner, RunResult, StaticInput, collector_off
 
-__all__ = ["GraphRunner", "RunResult", "StageBatch", "StaticInput", "StaticOutput",
-           "collector_off"]
+__all__ = ["GraphRunner", "RunResult", "StaticInput", "collector_off"]

@@ -26,12 +26,16 @@ One iteration of a batch of ``B`` requests (:meth:`SpeculativeLoop.step`):
    over the accepted draft tokens and the bonus token (``N`` query rows a request, padded),
    which writes their draft KV and yields the draft's log-probabilities after the new root.
 
-Steps 2–5 run specmeta's builds either eagerly on the batch or through a typed
-:class:`~specmeta.runners.GraphRunner` per stage, which builds on the batch padded to its bucket
-(the same builders on the same planned buffers; CUDA graphs on the GPU, the same path without
-capture on the CPU) and hands back each builder's own result for the batch. The forwards read
-those results for the ``B`` requests only. With ``mode="auto"`` a batch that fits a bucket takes
-the runner, a larger one runs eagerly, as engines do.
+Each of steps 2–5 is a stage (:class:`MetadataStages`): a function that binds the step's work
+(builder modes through their ``bind_<mode>``, launchers through their ``bind_<op>``) to the
+tensors it is given and returns the :class:`~specmeta.stage.Stage`. An eager iteration binds it
+to the raw batch and calls it at once (the host part on ``seq_lens_cpu``, then the launches); a
+graphed one goes through a :class:`~specmeta.runners.GraphRunner` per stage, which binds the
+same function once per bucket on its static views (CUDA graphs on the GPU, the same path without
+capture on the CPU) and once per batch size for the host part, and hands back each builder's
+own result for the batch. The forwards read those results for the ``B`` requests only. With
+``mode="auto"`` a batch that fits a bucket takes the runner, a larger one runs eagerly, as
+engines do.
 
 Two choices that differ from SGLang's EAGLE worker, and why:
 
@@ -57,31 +61,46 @@ extend) reads its keys through a builder's metadata and an attention backend of
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from ..config import SpecConfig, allocate_buffers, draft_row_need
 from ..kernels.cache_loc_move import (
-    accept_cache_locs,
     accept_cache_locs_ref,
-    move_kv_cache,
+    bind_accept_cache_locs,
+    bind_move_kv_cache,
     move_kv_cache_ref,
 )
 from ..kernels.draft_cache_locs import (
-    assign_draft_cache_locs,
     assign_draft_cache_locs_ref,
-    prefix_tail_copy_pairs,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
     prefix_tail_copy_pairs_ref,
 )
 from ..metadata.fa3 import FA3MetadataBuilder
 from ..metadata.flashinfer import FlashInferBuilder
 from ..metadata.trtllm_mla import TrtllmMlaBuilder
-from ..runners import GraphRunner, StageBatch, padding
+from ..runners import GraphRunner, padding
+from ..stage import Stage
 from ..status import SpecmetaStatusError, decode_status, new_status
 from .attention import TorchAttention
+from .speculation import (
+    DraftTree,
+    GreedyAgreement,
+    Iteration,
+    NodeRecord,
+    Request,
+    SlotAllocator,
+    TreeSelection,
+    boundary_prompt_lengths,
+    extend_tokens,
+    greedy_accept,
+    greedy_agreement,
+    make_requests,
+)
 from .tiny_model import KVCache, PagedAttention, TinyModel
 
 __all__ = [
@@ -107,181 +126,23 @@ BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
 DRAFT_FORMS = ("decode", "shared_prefix", "paged")
 """FlashInfer's draft-decode forms: per-branch token lists, the shared-prefix cascade, per-branch
 pages (:class:`~specmeta.FlashInferBuilder`)."""
+STAGES = ("draft", "verify", "accept", "extend")
+"""specmeta's stages of an iteration, in order (:class:`MetadataStages`)."""
 
-
-# ------------------------------------------------------------------------------------------------
-# Requests and what an iteration records
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Request:
-    """One generation request and its decoding state.
-
-    Attributes
-    ----------
-    rid : int
-        Request id.
-    prompt : torch.Tensor
-        ``[P]`` int64 token ids (CPU).
-    max_new_tokens : int
-        The request finishes once it has generated at least this many tokens (an iteration
-        can overshoot by up to ``S``).
-    wave, delay : int
-        Scheduling (:meth:`SpeculativeLoop.run`): the request joins ``delay`` iterations after
-        its wave opens; wave ``w + 1`` opens after every request of wave ``w`` finished and one
-        idle iteration (``B = 0``) ran.
-    row : int
-        Its ``req_to_token`` row (0 until admitted).
-    output : list of int
-        Generated tokens; ``output[-1]`` is the root of the next draft tree.
-    seq_len : int
-        ``L``: positions whose target KV is committed (prompt plus accepted tokens); the root
-        sits at position ``L``. The draft's KV is committed one position further (``L + 1``).
-    root_logprobs : torch.Tensor or None
-        ``[V]`` the draft's log-probabilities of the token after the root.
-    """
-
-    rid: int
-    prompt: torch.Tensor
-    max_new_tokens: int
-    wave: int = 0
-    delay: int = 0
-    row: int = 0
-    output: list[int] = dataclasses.field(default_factory=list)
-    seq_len: int = 0
-    root_logprobs: torch.Tensor | None = None
-
-    @property
-    def finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeRecord:
-    """One request's part of an iteration.
-
-    Attributes
-    ----------
-    rid : int
-        The request.
-    start : int
-        ``len(output)`` before the iteration: the root is ``output[start − 1]`` and the
-        iteration's first new token is ``output[start]``.
-    tree_tokens, tree_parents : tuple of int
-        The verify tree: node 0 is the root (parent −1); every other node's parent has a
-        smaller id.
-    accepted : int
-        Accepted length, root included (``1`` … ``S + 1``); the iteration appends this many
-        tokens (the accepted draft tokens and the bonus token).
-    """
-
-    rid: int
-    start: int
-    tree_tokens: tuple[int, ...]
-    tree_parents: tuple[int, ...]
-    accepted: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Iteration:
-    """What one :meth:`SpeculativeLoop.step` did.
-
-    Attributes
-    ----------
-    index : int
-        Iteration number within :meth:`SpeculativeLoop.run`.
-    batch_size : int
-        ``B`` (0 for an idle iteration).
-    path : str
-        ``"eager"`` or ``"graph"`` (the runners).
-    padded_batch_size : int
-        ``Bp``: the bucket (the graph path) or ``B``.
-    requests : tuple of NodeRecord
-        Per request, in batch order.
-    status : int
-        The status word after the iteration (0: no kernel masked anything).
-    seconds : dict of str to float
-        ``total``, ``metadata`` (specmeta's builds and KV moves), ``attention`` (the
-        backend's planning and calls) and ``rest``; filled when the loop was built with
-        ``timing=True``.
-    """
-
-    index: int
-    batch_size: int
-    path: str
-    padded_batch_size: int
-    requests: tuple[NodeRecord, ...]
-    status: int
-    seconds: dict[str, float]
-
-    @property
-    def tokens(self) -> int:
-        """Tokens the iteration generated, over the batch."""
-        return sum(r.accepted for r in self.requests)
-
-
-# ------------------------------------------------------------------------------------------------
-# Slot allocation
-# ------------------------------------------------------------------------------------------------
-class SlotAllocator:
-    """``req_to_token`` rows and page-aligned KV slots, handed out and taken back.
-
-    Row 0 and page 0 (slots ``0 … ps − 1``) are reserved sinks: never handed out, every unused
-    ``req_to_token`` entry points there. Pages come from a shuffled free list, so a request's
-    pages are not contiguous and a finished request's pages are reused (stale KV included).
-
-    Parameters
-    ----------
-    num_rows, row_width : int
-        ``req_to_token``'s shape ``[R, W_row]``.
-    num_pages, page_size : int
-        The KV pool: ``num_pages · page_size`` slots.
-    device : torch.device or str
-        Where ``req_to_token`` lives (the builders read it there).
-    generator : torch.Generator
-        Shuffles the free pages.
-    """
-
-    def __init__(self, num_rows: int, row_width: int, num_pages: int, page_size: int, device,
-                 generator: torch.Generator):  # fmt: skip
-        if row_width % page_size:
-            raise ValueError(f"row_width={row_width} must be a multiple of page_size={page_size}")
-        self.page_size = page_size
-        self.req_to_token = torch.zeros(num_rows, row_width, dtype=torch.int32, device=device)
-        self.free_rows = list(range(num_rows - 1, 0, -1))
-        self.free_pages = (torch.randperm(num_pages - 1, generator=generator) + 1).tolist()
-        self.pages: dict[int, list[int]] = {}
-
-    def alloc_row(self) -> int:
-        """A free row (never row 0), with no pages yet."""
-        if not self.free_rows:
-            raise ValueError("no free req_to_token row: raise max_bs or finish a request first")
-        row = self.free_rows.pop()
-        self.pages[row] = []
-        return row
-
-    def ensure(self, row: int, positions: int) -> None:
-        """Map row positions ``[0, positions)`` to pages, allocating the missing ones."""
-        ps, have = self.page_size, self.pages[row]
-        need = -(-positions // ps)
-        if need * ps > self.req_to_token.shape[1]:
-            raise ValueError(f"row {row} needs {positions} positions, req_to_token rows hold "
-                             f"{self.req_to_token.shape[1]}: raise max_context_len")  # fmt: skip
-        if need <= len(have):
-            return
-        if need - len(have) > len(self.free_pages):
-            raise ValueError(f"the KV pool is out of pages ({len(self.free_pages)} free, "
-                             f"{need - len(have)} needed): raise pool_size")  # fmt: skip
-        new = [self.free_pages.pop() for _ in range(need - len(have))]
-        slots = (torch.tensor(new).view(-1, 1) * ps + torch.arange(ps)).view(-1)
-        start = len(have) * ps
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.req_to_token)
-        have.extend(new)
-
-    def free(self, row: int) -> None:
-        """Return the row and its pages; the row points at the sink again."""
-        self.free_pages.extend(self.pages.pop(row))
-        self.req_to_token[row].zero_()
-        self.free_rows.append(row)
+# The free launchers a stage binds: the kernels' bound launches, or (a reference build) the
+# pure-torch references called as launches.
+_BINDS = {
+    "assign_draft_cache_locs": bind_assign_draft_cache_locs,
+    "prefix_tail_copy_pairs": bind_prefix_tail_copy_pairs,
+    "accept_cache_locs": bind_accept_cache_locs,
+    "move_kv_cache": bind_move_kv_cache,
+}
+_REFERENCES = {
+    "assign_draft_cache_locs": assign_draft_cache_locs_ref,
+    "prefix_tail_copy_pairs": prefix_tail_copy_pairs_ref,
+    "accept_cache_locs": accept_cache_locs_ref,
+    "move_kv_cache": move_kv_cache_ref,
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,9 +184,9 @@ class StageTimer:
 # specmeta's part of an iteration
 # ------------------------------------------------------------------------------------------------
 class MetadataStages:
-    """specmeta's part of an iteration as four build functions over the batch's inputs: the same
-    code runs eagerly on the raw batch and inside a :class:`GraphRunner` per stage on the padded
-    one.
+    """specmeta's part of an iteration as four stage functions, ``inputs -> Stage``: each binds
+    its work to the tensors it is given, the raw batch (an eager iteration calls the stage at
+    once) or a :class:`GraphRunner`'s static views (the runner captures and replays it).
 
     ========  =====================================================  ==========================
     stage     builds                                                 inputs
@@ -360,8 +221,9 @@ class MetadataStages:
     status : torch.Tensor
         The status word every launch reports into.
     reference : bool
-        Run specmeta's pure-torch references (``*_ref`` ops, builders with
-        ``reference=True``) instead of the kernels; eager only (they synchronise).
+        Bind specmeta's pure-torch references (``*_ref`` ops as the launches, builders with
+        ``reference=True``) instead of the kernels; they synchronise, so their runners never
+        capture graphs.
     """
 
     def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
@@ -378,12 +240,6 @@ class MetadataStages:
         self.req_to_token, self.status = req_to_token, status
         self.draft_cache, self.target_cache = draft_cache, target_cache
         self.reference = reference
-        if reference:
-            self._assign, self._tail_pairs = assign_draft_cache_locs_ref, prefix_tail_copy_pairs_ref
-            self._accept, self._move = accept_cache_locs_ref, move_kv_cache_ref
-        else:
-            self._assign, self._tail_pairs = assign_draft_cache_locs, prefix_tail_copy_pairs
-            self._accept, self._move = accept_cache_locs, move_kv_cache
         builder = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
                    "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
         self.builder = builder(cfg, device, reference=reference)
@@ -396,83 +252,86 @@ class MetadataStages:
         self.runners: dict[str, GraphRunner] = {}
 
     # --------------------------------------------------------------------------------------------
-    # The builds (run eagerly, or by a runner on its static views)
+    # The stages: each binds its work to the tensors it is given (a runner's static views, or
+    # the raw batch of an eager iteration)
     # --------------------------------------------------------------------------------------------
-    def draft(self, batch: StageBatch):
-        """Draft slots, prefix-tail copies (layout B) and the draft-decode metadata per step."""
+    def _bind(self, op: str, *args, **kwargs) -> Stage:
+        """One launcher's work bound to its arguments: ``bind_<op>`` of the kernels, or the
+        pure-torch ``<op>_ref`` as the launch of a reference build."""
+        if self.reference:
+            return Stage([functools.partial(_REFERENCES[op], *args, **kwargs)])
+        return _BINDS[op](*args, **kwargs)
+
+    def draft(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Draft slots, prefix-tail copies (layout B) and the draft-decode metadata per step;
+        the host part is the draft-decode mode's (it returns the builder's result)."""
         c, b, r2t, st = self.cfg, self.bufs, self.req_to_token, self.status
-        rpi, lens = batch.inputs["req_pool_indices"], batch.inputs["seq_lens"]
-        slots = b["draft.out_cache_loc"][: rpi.shape[0] * c.topk * c.num_steps]
-        if batch.launch:
-            kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
-            self._assign(rpi, r2t, lens, out_cache_loc=b["draft.out_cache_loc"],
-                         positions=b["draft.positions"], **kw)  # fmt: skip
-            if c.layout_b:
-                # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
-                # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
-                # sources before it, so the pairs are disjoint.
-                tgt, src = self._tail_pairs(rpi, r2t, lens, tgt=b["draft.prefix_tail_tgt"],
-                                            src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
-                n = rpi.shape[0] * (c.topk - 1) * (c.page_size - 1)
-                self._move(self.draft_cache.pool, tgt[:n], src[:n], disjoint=True, status=st)
-        return self._draft_decode(rpi, lens, slots, batch.host.get("seq_lens"), batch.launch)
+        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
+        B = rpi.shape[0]
+        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
+        launches = [self._bind("assign_draft_cache_locs", rpi, r2t, lens,
+                               out_cache_loc=b["draft.out_cache_loc"],
+                               positions=b["draft.positions"], **kw)]  # fmt: skip
+        if c.layout_b:
+            # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
+            # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
+            # sources before it, so the pairs are disjoint.
+            tgt, src = b["draft.prefix_tail_tgt"], b["draft.prefix_tail_src"]
+            n = B * (c.topk - 1) * (c.page_size - 1)
+            launches.append(self._bind("prefix_tail_copy_pairs", rpi, r2t, lens, tgt=tgt,
+                                       src=src, **kw))  # fmt: skip
+            launches.append(self._bind("move_kv_cache", self.draft_cache.pool, tgt[:n], src[:n],
+                                       disjoint=True, status=st))  # fmt: skip
+        slots = b["draft.out_cache_loc"][: B * c.topk * c.num_steps]
+        decode = self._draft_decode(rpi, lens, slots)
+        return Stage([*launches, decode], host=decode.host)
 
-    def verify(self, batch: StageBatch):
+    def verify(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Target-verify metadata of the tree over the window ``L … L + N − 1``."""
-        inp = batch.inputs
-        return self._target_verify(inp["req_pool_indices"], inp["seq_lens"], inp["tree_mask"],
-                                   batch.host.get("seq_lens"), batch.launch)  # fmt: skip
+        kw = dict(status=self.status)
+        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
+        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
+            return self.builder.bind_target_verify(rpi, self.req_to_token, lens, **kw)
+        return self.builder.bind_target_verify(rpi, self.req_to_token, lens,
+                                               inputs["tree_mask"], **kw)  # fmt: skip
 
-    def accept(self, batch: StageBatch) -> None:
-        """Move pairs of the accepted nodes and their move, all layers of the target pool."""
-        if not batch.launch:
-            return None  # free launchers only: nothing for a builder to describe
-        b, inp = self.bufs, batch.inputs
-        tgt, src = self._accept(inp["accept_index"], inp["accept_lens"],
-                                inp["verify_out_cache_loc"],
-                                num_draft_tokens=self.cfg.num_draft_tokens,
-                                tgt=b["verify.tgt_cache_loc"], src=b["verify.src_cache_loc"],
-                                status=self.status)  # fmt: skip
+    def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Move pairs of the accepted nodes and their move, all layers of the target pool: free
+        launchers only, so no host part (the stage's result is ``None``)."""
+        b, c = self.bufs, self.cfg
+        tgt, src = b["verify.tgt_cache_loc"], b["verify.src_cache_loc"]
+        n = inputs["accept_index"].numel()  # B·(S + 1) pairs
+        pairs = self._bind("accept_cache_locs", inputs["accept_index"], inputs["accept_lens"],
+                           inputs["verify_out_cache_loc"], num_draft_tokens=c.num_draft_tokens,
+                           tgt=tgt, src=src, status=self.status)  # fmt: skip
         # Accepted paths list node ids in increasing order: no pair reads a slot that an
         # earlier pair writes.
-        self._move(self.target_cache.pool, tgt, src, ordered=True, status=self.status)
-        return None
+        move = self._bind("move_kv_cache", self.target_cache.pool, tgt[:n], src[:n],
+                          ordered=True, status=self.status)  # fmt: skip
+        return Stage([pairs, move])
 
-    def extend(self, batch: StageBatch):
+    def extend(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Draft-extend metadata: ``N`` query rows a request after the draft's prefix."""
-        inp = batch.inputs
-        return self._draft_extend(inp["req_pool_indices"], inp["seq_lens"],
-                                  batch.host.get("seq_lens"), batch.launch)  # fmt: skip
+        return self.builder.bind_draft_extend(inputs["req_pool_indices"], self.req_to_token,
+                                              inputs["seq_lens"], status=self.status)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
     # Per backend
     # --------------------------------------------------------------------------------------------
-    def _draft_decode(self, rpi, lens, slots, lens_cpu, launch: bool = True):
+    def _draft_decode(self, rpi, lens, slots) -> Stage:
         """Per draft forward ``s < S − 1``: the metadata the attention backend reads, the
-        builder's own result (indexed by step), so a runner describes later batches from the
-        builder's host steps (design §4). Every builder takes the same keywords
+        builder's own result (indexed by step). Every builder takes the same keywords
         (:mod:`specmeta.metadata.contract`); FA3 also reads the draft slots."""
-        kw = dict(seq_lens_cpu=lens_cpu, num_rows=self.cfg.num_steps - 1, status=self.status,
-                  launch=launch)  # fmt: skip
+        kw = dict(num_rows=self.cfg.num_steps - 1, status=self.status)
         args = (rpi, self.req_to_token, lens)
         if self.backend == "fa3":
-            return self.builder.draft_decode(*args, slots, **kw)
+            return self.builder.bind_draft_decode(*args, slots, **kw)
         if self.backend == "flashinfer":
-            build = {"decode": self.builder.draft_decode,
-                     "shared_prefix": self.builder.draft_decode_shared_prefix,
-                     "paged": self.builder.draft_decode_paged}[self.draft_form]  # fmt: skip
-            return build(*args, **kw)
-        return self.builder.draft_decode(*args, **kw)
-
-    def _target_verify(self, rpi, lens, tree_mask, lens_cpu, launch: bool = True):
-        kw = dict(seq_lens_cpu=lens_cpu, status=self.status, launch=launch)
-        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
-            return self.builder.target_verify(rpi, self.req_to_token, lens, **kw)
-        return self.builder.target_verify(rpi, self.req_to_token, lens, tree_mask, **kw)
-
-    def _draft_extend(self, rpi, lens, lens_cpu, launch: bool = True):
-        kw = dict(seq_lens_cpu=lens_cpu, status=self.status, launch=launch)
-        return self.builder.draft_extend(rpi, self.req_to_token, lens, **kw)
+            bind = {"decode": self.builder.bind_draft_decode,
+                    "shared_prefix": self.builder.bind_draft_decode_shared_prefix,
+                    "paged": self.builder.bind_draft_decode_paged}[self.draft_form]  # fmt: skip
+            return bind(*args, **kw)
+        return self.builder.bind_draft_decode(*args, **kw)
 
     # --------------------------------------------------------------------------------------------
     # The runners
@@ -485,10 +344,10 @@ class MetadataStages:
         graphs = False if self.reference else graphs
         c, b = self.cfg, self.bufs
         fill = padding.seq_lens_fill(c.topk, c.num_draft_tokens)
-        for stage in ("draft", "verify", "accept", "extend"):
-            # Typed: each stage returns its builder's own result, cut to B by the builder.
+        for stage in STAGES:
+            # Each stage returns its builder's own result for the batch (accept: None).
             runner = GraphRunner(getattr(self, stage), batch_sizes=buckets, device=device,
-                                 graphs=graphs, typed=True)  # fmt: skip
+                                 graphs=graphs)  # fmt: skip
             if stage == "accept":
                 runner.add_input("accept_index", b["runner.accept_index"], pad=padding.NO_ACCEPT)
                 runner.add_input("accept_lens", b["runner.accept_lens"],
@@ -512,14 +371,13 @@ class MetadataStages:
 
     def run(self, stage: str, batch_size: int, inputs: dict[str, torch.Tensor],
             seq_lens_cpu: torch.Tensor | None, graph: bool) -> object:  # fmt: skip
-        """Build ``stage`` for the batch, through its runner or eagerly on the raw inputs: the
-        stage's metadata for the ``batch_size`` requests (``None`` for accept)."""
-        host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else {}
+        """Run ``stage`` for the batch, through its runner or eagerly (bound to the raw inputs
+        and called at once: host part, then launches): the stage's metadata for the
+        ``batch_size`` requests (``None`` for accept)."""
         if graph:
-            res = self.runners[stage].run(batch_size, inputs, host_inputs=host or None,
-                                          copy=False)  # fmt: skip
-            return res.results
-        return getattr(self, stage)(StageBatch(inputs, host, True))
+            host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else None
+            return self.runners[stage].run(batch_size, inputs, host_inputs=host).results
+        return getattr(self, stage)(inputs)(seq_lens_cpu)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,14 +526,14 @@ class SpeculativeLoop:
                       "verify_out_cache_loc": window.reshape(-1)}  # fmt: skip
             self._specmeta("accept", B, inputs, None, graph)
             # 5. Draft extend over the accepted draft tokens and the bonus token.
-            extend_tokens = _extend_tokens(tree.tokens, path, accept_lens, bonus,
-                                           c.num_draft_tokens)  # fmt: skip
-            next_logprobs = self._extend(rpi, draft_lens, draft_lens_cpu, extend_tokens,
+            tokens = extend_tokens(tree.tokens, path, accept_lens, bonus,
+                                   c.num_draft_tokens)  # fmt: skip
+            next_logprobs = self._extend(rpi, draft_lens, draft_lens_cpu, tokens,
                                          accept_lens, graph)  # fmt: skip
 
             # Commit on the host: the iteration's only read-back, the sampled tokens.
             records = []
-            acc_cpu, tokens_cpu = accept_lens.cpu().tolist(), extend_tokens.cpu().tolist()
+            acc_cpu, tokens_cpu = accept_lens.cpu().tolist(), tokens.cpu().tolist()
             tree_tokens, tree_parents = tree.tokens.cpu().tolist(), tree.parents.cpu().tolist()
             for i, r in enumerate(batch):
                 acc = acc_cpu[i]
@@ -792,234 +650,3 @@ class SpeculativeLoop:
     def run(self, requests: Sequence[Request]) -> list[Iteration]:
         """:meth:`iterate` to the end; every iteration."""
         return list(self.iterate(requests))
-
-
-# ------------------------------------------------------------------------------------------------
-# Reporting
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GreedyAgreement:
-    """How a request's output compares with greedy decoding of a reference model.
-
-    Attributes
-    ----------
-    tokens : int
-        Tokens compared.
-    mismatches : int
-        Tokens that are not the reference's argmax given the output before them, with the
-        reference leading the emitted token by at least the margin.
-    near_ties : int
-        Such tokens within the margin (bf16 kernels against a float32 reference).
-    first_mismatch : int or None
-        Index of the first mismatch.
-    """
-
-    tokens: int
-    mismatches: int
-    near_ties: int
-    first_mismatch: int | None
-
-    @property
-    def lossless(self) -> bool:
-        return self.mismatches == 0
-
-
-@torch.no_grad()
-def greedy_agreement(req: Request, reference: TinyModel, margin: float = 0.0) -> GreedyAgreement:
-    """Whether ``req.output`` is greedy decoding of ``reference``, checked in one dense forward
-    over prompt and output: every token must be the argmax given the tokens before it (by
-    induction, the output is then exactly the greedy continuation). A token the reference
-    leads by less than ``margin`` counts as a near-tie, not a mismatch (``margin=0``: exact).
-    """
-    P = req.prompt.shape[0]
-    seq = torch.cat([req.prompt, torch.tensor(req.output, dtype=torch.int64)])
-    logits = reference.logits(seq.to(reference.device))[P - 1 : P - 1 + len(req.output)].double()
-    emitted = seq[P:].to(logits.device).view(-1, 1)
-    lead = (logits.max(-1).values - logits.gather(1, emitted)[:, 0]).cpu()
-    behind = lead > 0
-    hard = behind & (lead >= margin)
-    first = int(hard.nonzero()[0, 0]) if bool(hard.any()) else None
-    return GreedyAgreement(len(req.output), int(hard.sum()), int((behind & ~hard).sum()), first)
-
-
-# ------------------------------------------------------------------------------------------------
-# Tree selection and acceptance
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class DraftTree:
-    """The verify tree of every request: node 0 the root, nodes in candidate order.
-
-    Attributes
-    ----------
-    tokens, parents, depth : torch.Tensor
-        ``[B, N]`` int64: token, parent node (−1 for the root) and depth (root 0).
-    mask : torch.Tensor
-        ``[B, N, N]`` bool, ``mask[i, j, c]`` iff ``c == j`` or ``c`` is an ancestor of ``j``.
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    mask: torch.Tensor
-
-
-class TreeSelection:
-    """EAGLE's draft-tree selection, step by step, batched over requests (as SGLang's EAGLE
-    worker: step 0 takes the root's top-``K``; each later step takes every branch's top-``K``
-    children and keeps the ``K`` best of the ``K²`` by cumulative log-probability).
-
-    Every proposed candidate is recorded (``K`` at step 0, ``K²`` after), with its score, token
-    and parent candidate; :meth:`tree` ranks them all.
-
-    Parameters
-    ----------
-    root_tokens : torch.Tensor
-        ``[B]`` each request's root (its last generated token), node 0 of its tree.
-    root_logprobs : torch.Tensor
-        ``[B, V]`` the draft's log-probabilities after each root.
-    topk : int
-        ``K``.
-    """
-
-    def __init__(self, root_tokens: torch.Tensor, root_logprobs: torch.Tensor, topk: int):
-        B = root_logprobs.shape[0]
-        self.K, self.root_tokens = topk, root_tokens
-        self.score, tok = root_logprobs.topk(topk, dim=-1)  # [B, K]
-        dev = root_logprobs.device
-        self.scores, self.tokens = [self.score], [tok]
-        self.parents = [torch.full((B, topk), -1, dtype=torch.int64, device=dev)]
-        self.branch_tokens = tok  # [B, K]: each branch's newest token
-        self.branch_node = torch.arange(topk, device=dev).expand(B, topk)  # their candidate ids
-        self.count = topk
-
-    def expand(self, logprobs: torch.Tensor) -> None:
-        """One more step from the branches' log-probs ``[B, K, V]``."""
-        B, K = logprobs.shape[0], self.K
-        child_lp, child_tok = logprobs.topk(K, dim=-1)  # [B, K, K]
-        cand = (self.score.unsqueeze(-1) + child_lp).reshape(B, K * K)
-        parent = self.branch_node.unsqueeze(-1).expand(B, K, K).reshape(B, K * K)
-        self.scores.append(cand)
-        self.tokens.append(child_tok.reshape(B, K * K))
-        self.parents.append(parent)
-        self.score, pick = cand.topk(K, dim=-1)
-        self.branch_tokens = child_tok.reshape(B, K * K).gather(1, pick)
-        self.branch_node = self.count + pick
-        self.count += K * K
-
-    def tree(self, num_nodes: int) -> DraftTree:
-        """The ``N − 1`` best candidates and the root. A child never outscores its parent
-        (log-probs are ≤ 0) and ties keep candidate order, so every chosen node's parent is
-        chosen too."""
-        scores, tokens = torch.cat(self.scores, 1), torch.cat(self.tokens, 1)
-        parents = torch.cat(self.parents, 1)
-        B, dev = scores.shape[0], scores.device
-        n = num_nodes - 1
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
-        chosen = torch.sort(order, dim=1).values  # [B, N - 1] candidate ids, ascending
-        node_of = torch.zeros(B, scores.shape[1] + 1, dtype=torch.int64, device=dev)
-        # candidate id c -> node id (c + 1 column; column 0 is "no parent" -> the root)
-        node_of.scatter_(1, chosen + 1, torch.arange(1, n + 1, device=dev).expand(B, n))
-        tree_tokens = torch.cat([self.root_tokens.view(B, 1), tokens.gather(1, chosen)], 1)
-        tree_parents = torch.cat([torch.full((B, 1), -1, dtype=torch.int64, device=dev),
-                                  node_of.gather(1, parents.gather(1, chosen) + 1)], 1)  # fmt: skip
-        mask = torch.eye(num_nodes, dtype=torch.bool, device=dev).repeat(B, 1, 1)
-        depth = torch.zeros(B, num_nodes, dtype=torch.int64, device=dev)
-        for j in range(1, num_nodes):  # parents precede children: one pass suffices
-            p = tree_parents[:, j]
-            mask[:, j] |= mask[torch.arange(B, device=dev), p]
-            depth[:, j] = depth[torch.arange(B, device=dev), p] + 1
-        return DraftTree(tree_tokens, tree_parents, depth, mask)
-
-
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
-                  num_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Greedy verification: from the root, follow the child whose token is the target's argmax
-    at the current node, while there is one.
-
-    Parameters
-    ----------
-    tokens, parents : torch.Tensor
-        ``[B, N]`` the tree (node 0 the root, parent −1).
-    logits : torch.Tensor
-        ``[B, N, V]`` the target's logits at every node.
-    num_steps : int
-        ``S``, the deepest a path can go.
-
-    Returns
-    -------
-    (path, accept_lens, bonus) : tuple of torch.Tensor
-        ``path [B, S + 1]`` node ids of the accepted path (root first, then −1),
-        ``accept_lens [B]`` its length, ``bonus [B]`` the target's argmax after its last node.
-    """
-    B, dev = tokens.shape[0], tokens.device
-    pred = logits.argmax(-1)  # [B, N]
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)
-    path = torch.full((B, num_steps + 1), -1, dtype=torch.int64, device=dev)
-    path[:, 0] = 0
-    alive = torch.ones(B, dtype=torch.bool, device=dev)
-    for d in range(1, num_steps + 1):
-        want = pred.gather(1, cur.view(-1, 1))
-        match = (parents == cur.view(-1, 1)) & (tokens == want) & alive.view(-1, 1)
-        found = match.any(1)
-        cur = torch.where(found, match.to(torch.int32).argmax(1), cur)
-        path[:, d] = torch.where(found, cur, -1)
-        alive &= found
-    accept_lens = (path >= 0).sum(1)
-    return path, accept_lens, pred.gather(1, cur.view(-1, 1))[:, 0]
-
-
-def _extend_tokens(tree_tokens, path, accept_lens, bonus, num_draft_tokens):
-    """``[B, N]``: the accepted draft tokens (the path without its root), the bonus token, then
-    padding (0)."""
-    B, dev = tree_tokens.shape[0], tree_tokens.device
-    N = num_draft_tokens
-    on_path = tree_tokens.gather(1, path.clamp_min(0))[:, 1:]  # [B, S]
-    out = torch.zeros(B, N, dtype=torch.int64, device=dev)
-    w = min(N, on_path.shape[1])
-    out[:, :w] = on_path[:, :w]
-    k = torch.arange(N, device=dev).view(1, -1)
-    out = torch.where(k < (accept_lens - 1).view(-1, 1), out, 0)
-    return out.scatter(1, (accept_lens - 1).view(-1, 1), bonus.view(-1, 1))
-
-
-# ------------------------------------------------------------------------------------------------
-# Workloads
-# ------------------------------------------------------------------------------------------------
-def boundary_prompt_lengths(count: int, page_size: int, generator: torch.Generator) -> list[int]:
-    """``count`` prompt lengths that put the first iteration's target prefix ``L`` and draft
-    prefix ``L + 1`` on a page boundary and one short of it: ``L ≡ 0, ps − 1, ps − 2, 1
-    (mod ps)`` in turn, one to three pages long, the rest random."""
-    if page_size < 1 or count < 0:
-        raise ValueError(f"page_size must be >= 1 and count >= 0, got {page_size} and {count}")
-    ps = page_size
-    out = []
-    for i in range(count):
-        pages = 1 + int(torch.randint(0, 3, (1,), generator=generator))
-        residue = (
-            (0, -1, -2, 1)[i % 4] if i < 4 else int(torch.randint(0, ps, (1,), generator=generator))
-        )
-        out.append(max(1, pages * ps + residue))
-    return out
-
-
-def make_requests(waves: Sequence[Sequence[int]], *, vocab_size: int, page_size: int,
-                  max_new_tokens: int, generator: torch.Generator,
-                  spread: int = 8) -> list[Request]:  # fmt: skip
-    """Requests in waves; ``waves[w]`` lists each request's join delay (iterations after wave
-    ``w`` opens). Prompt lengths come from :func:`boundary_prompt_lengths`, prompt tokens at
-    random; ``max_new_tokens`` grows by ``spread`` per request of a wave, so requests finish at
-    different iterations.
-
-    Examples
-    --------
-    ``waves=[(0, 0, 0, 0, 0, 2, 2, 2), (0, 0, 0)]``: five requests, three more two iterations
-    later, the batch shrinks to 0 as they finish, an idle iteration, then three new ones.
-    """
-    reqs, rid = [], 0
-    for w, delays in enumerate(waves):
-        lengths = boundary_prompt_lengths(len(delays), page_size, generator)
-        for i, (delay, P) in enumerate(zip(delays, lengths, strict=True)):
-            prompt = torch.randint(0, vocab_size, (P,), generator=generator)
-            reqs.append(Request(rid, prompt, max_new_tokens + spread * i, wave=w, delay=delay))
-            rid += 1
-    return reqs

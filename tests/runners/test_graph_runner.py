@@ -1,6 +1,8 @@
 """The graph runner (design §4): declared padding, bucket choice, poisoned tails, layout checks,
-probes on inputs, and the copy-pad op. On CPU it runs the same path without capture; on CUDA
-the same tests capture and replay graphs, and the GPU tier adds no-sync and no-recompile."""
+probes on inputs, and the copy-pad op. The runner's stage binds free launchers (``bind_<op>``)
+to the views it is given; the caller cuts the outputs to ``B``. On CPU it runs the same path
+without capture; on CUDA the same tests capture and replay graphs, and the GPU tier adds
+no-sync and no-recompile."""
 
 from __future__ import annotations
 
@@ -10,10 +12,14 @@ import functools
 import pytest
 import torch
 
-from specmeta import SpecConfig, Status, allocate_buffers, probes
+from specmeta import SpecConfig, Stage, Status, allocate_buffers, probes
 from specmeta.config import draft_decode_kv_indices_need
-from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, prefix_tail_copy_pairs
-from specmeta.kernels.draft_decode_kv_indices import draft_decode_kv_indices
+from specmeta.kernels.draft_cache_locs import (
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
+)
+from specmeta.kernels.draft_decode_kv_indices import bind_draft_decode_kv_indices
+from specmeta.metadata.inputs import host_lengths
 from specmeta.runners import padding
 from specmeta.runners.graph_runner import GraphRunner
 from specmeta.runners.padding import copy_pad, copy_pad_many, copy_pad_ref
@@ -28,10 +34,12 @@ ROWS = 40  # req_to_token rows (fixed: the runner's build reads one persistent t
 
 
 class DraftMetadata:
-    """The draft-decode metadata set specmeta has today, built into planned buffers."""
+    """The draft-decode metadata of free launchers, bound into planned buffers: the stage's
+    host part checks ``seq_lens_cpu`` (the library's host check) and returns every output cut
+    to the batch, and ``ΣL``."""
 
     OUTPUTS = {
-        # name: (per_request, extra, dim)
+        # name: (per_request, extra, dim); per_request None: read up to the offsets' end
         "out_cache_loc": lambda c: (c.topk * c.num_steps, 0, 0),
         "positions": lambda c: (c.topk, 0, 0),
         "prefix_tail_tgt": lambda c: ((c.topk - 1) * (c.page_size - 1) if c.layout_b else 0, 0, 0),
@@ -39,40 +47,52 @@ class DraftMetadata:
         "kv_indptr": lambda c: (c.topk, 1, 1),
         "kv_indices": lambda c: (None, 0, 0),
     }
+    BUFFERS = {
+        "out_cache_loc": "draft.out_cache_loc",
+        "positions": "draft.positions",
+        "prefix_tail_tgt": "draft.prefix_tail_tgt",
+        "prefix_tail_src": "draft.prefix_tail_src",
+        "kv_indptr": "draft_decode.kv_indptr",
+        "kv_indices": "draft_decode.kv_indices",
+    }
 
     def __init__(self, cfg: SpecConfig, device, req_to_token: torch.Tensor):
         self.cfg = cfg
         self.bufs = allocate_buffers(cfg, device)
         self.req_to_token = req_to_token
 
-    def build(self, inp):
+    def outputs(self, B: int) -> dict[str, torch.Tensor]:
+        """Every output for ``B`` requests: the caller's cut of the planned buffers."""
+        out = {}
+        for name, rule in self.OUTPUTS.items():
+            per, extra, dim = rule(self.cfg)
+            buf = self.bufs[self.BUFFERS[name]]
+            out[name] = buf if per is None else buf.narrow(dim, 0, B * per + extra)
+        return out
+
+    def stage(self, inp) -> Stage:
         c, b = self.cfg, self.bufs
         args = (inp["req_pool_indices"], self.req_to_token, inp["seq_lens"])
         kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=b["status"])
-        assign_draft_cache_locs(*args, out_cache_loc=b["draft.out_cache_loc"],
-                                positions=b["draft.positions"], **kw)  # fmt: skip
-        prefix_tail_copy_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
-                               src=b["draft.prefix_tail_src"], **kw)  # fmt: skip
-        draft_decode_kv_indices(*args, kv_indices=b["draft_decode.kv_indices"],
-                                kv_indptr=b["draft_decode.kv_indptr"], **kw)  # fmt: skip
-        return {
-            "out_cache_loc": b["draft.out_cache_loc"],
-            "positions": b["draft.positions"],
-            "prefix_tail_tgt": b["draft.prefix_tail_tgt"],
-            "prefix_tail_src": b["draft.prefix_tail_src"],
-            "kv_indptr": b["draft_decode.kv_indptr"],
-            "kv_indices": b["draft_decode.kv_indices"],
-        }
+        B = args[0].shape[0]
+        outputs = self.outputs(B)
 
-    def host(self, mirrors):
-        """Host scalars of the padded batch, and the capacity check before anything launches."""
-        total = int(mirrors["seq_lens"].sum())
-        bp = mirrors["seq_lens"].shape[0]
-        need = draft_decode_kv_indices_need(total, bp, self.cfg.topk, self.cfg.num_steps)
-        have = self.bufs["draft_decode.kv_indices"].shape[1]
-        if need > have:
-            raise ValueError(f"draft_decode.kv_indices is too small: need {need}, have {have}")
-        return {"seq_lens_sum": total}
+        def host(seq_lens_cpu):
+            found = host_lengths("draft stage", c, B, seq_lens_cpu)
+            return {**outputs, "seq_lens_sum": None if found is None else found[1]}
+
+        return Stage([
+            bind_assign_draft_cache_locs(*args, out_cache_loc=b["draft.out_cache_loc"],
+                                         positions=b["draft.positions"], **kw),
+            bind_prefix_tail_copy_pairs(*args, tgt=b["draft.prefix_tail_tgt"],
+                                        src=b["draft.prefix_tail_src"], **kw),
+            bind_draft_decode_kv_indices(*args, kv_indices=b["draft_decode.kv_indices"],
+                                         kv_indptr=b["draft_decode.kv_indptr"], **kw),
+        ], host=host)  # fmt: skip
+
+    def build(self, raw, seq_lens_cpu):
+        """The eager build: the stage bound to the raw batch and called at once."""
+        return self.stage(raw)(seq_lens_cpu)
 
 
 def _config(k, s, ps, max_bs=32):
@@ -81,18 +101,15 @@ def _config(k, s, ps, max_bs=32):
 
 
 def _runner(cfg, device, req_to_token, fill, buckets=BUCKETS, wrap=None):
-    """The draft-metadata runner; ``wrap(build)``, when given, is the build it captures."""
+    """The draft-metadata runner; ``wrap(stage)``, when given, is the stage function it binds."""
     meta = DraftMetadata(cfg, device, req_to_token)
-    build = meta.build if wrap is None else wrap(meta.build)
-    runner = GraphRunner(build, batch_sizes=buckets, device=device, host=meta.host)
+    stage = meta.stage if wrap is None else wrap(meta.stage)
+    runner = GraphRunner(stage, batch_sizes=buckets, device=device)
     rows = req_to_token.shape[0]
     runner.add_input("req_pool_indices", meta.bufs["runner.req_pool_indices"],
                      pad=padding.SINK_ROW,
                      probe=functools.partial(probes.detect_oob, lo=0, hi=rows))  # fmt: skip
     runner.add_input("seq_lens", meta.bufs["runner.seq_lens"], pad=fill, host_mirror=True)
-    for name, rule in DraftMetadata.OUTPUTS.items():
-        per, extra, dim = rule(cfg)
-        runner.add_output(name, per_request=per, extra=extra, dim=dim)
     return runner, meta
 
 
@@ -102,16 +119,19 @@ def _draw(shape, B, cfg, gen, device, rows=ROWS):
                       device=device, num_rows=rows, max_len=cfg.max_context_len)  # fmt: skip
 
 
-def _compare(res, eager, cfg, B, seq_lens_sum):
+def _raw(batch):
+    return {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
+
+
+def _compare(got, eager, cfg, B, seq_lens_sum):
     K, S = cfg.topk, cfg.num_steps
     for name in ("out_cache_loc", "positions", "prefix_tail_tgt", "prefix_tail_src", "kv_indptr"):
-        per, extra, dim = DraftMetadata.OUTPUTS[name](cfg)
-        want = eager[name].narrow(dim, 0, B * per + extra)
-        assert_equal(res.outputs[name], want, f"{name} (B={B})")
+        assert_equal(got[name], eager[name], f"{name} (B={B})")
     for s in range(S):
         used = draft_decode_kv_indices_need(seq_lens_sum, B, K, s + 1)
-        assert_equal(res.outputs["kv_indices"][s, :used], eager["kv_indices"][s, :used],
+        assert_equal(got["kv_indices"][s, :used], eager["kv_indices"][s, :used],
                      f"kv_indices[{s}] (B={B})")  # fmt: skip
+    assert got["seq_lens_sum"] == eager["seq_lens_sum"] == seq_lens_sum, "the batch's own ΣL"
 
 
 def _check_padded_rows(meta, cfg, B, bp, fill, raw_sum):
@@ -136,8 +156,7 @@ def _check_padded_rows(meta, cfg, B, bp, fill, raw_sum):
 def _poison_tails(runner, meta, B, bp):
     for spec in runner.inputs.values():
         spec.buffer[B * spec.per_request : bp * spec.per_request] = GARBAGE
-    for name in ("draft.out_cache_loc", "draft.positions", "draft_decode.kv_indptr",
-                 "draft_decode.kv_indices", "draft.prefix_tail_tgt", "draft.prefix_tail_src"):  # fmt: skip
+    for name in DraftMetadata.BUFFERS.values():
         meta.bufs[name].fill_(POISON)
 
 
@@ -151,7 +170,7 @@ def test_batch_sequence_with_poisoned_tails(device, gen, k, s, ps):
     first = _draw("random", 32, cfg, gen, device)
     r2t = first.req_to_token.clone()  # the engine's persistent table, read by the graphs
     runner, meta = _runner(cfg, device, r2t, fill)
-    eager = DraftMetadata(cfg, device, r2t)  # the same build on the raw, unpadded inputs
+    eager = DraftMetadata(cfg, device, r2t)  # the same stage on the raw, unpadded inputs
     runner.capture()
     shapes = ("random", "long_short", "modm1", "one", "empty", "max")
     for B, shape in zip(SEQUENCE, shapes, strict=True):
@@ -160,45 +179,44 @@ def test_batch_sequence_with_poisoned_tails(device, gen, k, s, ps):
         bp = runner.bucket(B)
         assert bp == min(x for x in BUCKETS if x >= B)
         _poison_tails(runner, meta, B, bp)
-        res = runner.run(
-            B,
-            {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens},
-            host_inputs={"seq_lens": batch.seq_lens_cpu},
-            copy=B % 2 == 1,
-        )
-        assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, B % 2 == 1)
-        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-        want = eager.build(raw)
-        _compare(res, want, cfg, B, batch.seq_lens_sum)
-        assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
+        res = runner.run(B, _raw(batch), host_inputs={"seq_lens": batch.seq_lens_cpu})
+        assert (res.batch_size, res.padded_batch_size) == (B, bp)
+        _compare(res.results, eager.build(_raw(batch), batch.seq_lens_cpu), cfg, B,
+                 batch.seq_lens_sum)  # fmt: skip
         _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
         assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
         assert int(eager.bufs["status"]) == 0
 
 
-def test_views_are_overwritten_by_the_next_run_copies_are_not(device, gen):
+def test_results_are_views_the_next_run_overwrites(device, gen):
+    """A run's results view the runner's buffers (the builders' own, or planned ones): the next
+    run rewrites them; nothing is copied."""
     cfg = _config(2, 2, 1)
     a = _draw("random", 4, cfg, gen, device)
-    b = _draw("random", 4, cfg, gen, device)
-    b.seq_lens_cpu += 1  # so that b's slots differ from a's
-    b.seq_lens = b.seq_lens_cpu.to(device)
-    b.req_to_token = a.req_to_token
-    runner, _ = _runner(cfg, device, a.req_to_token, 3)
+    runner, meta = _runner(cfg, device, a.req_to_token, 3)
     runner.capture()
+    # The same requests one token shorter (or longer, from 0): other draft slots.
+    b_lens = torch.where(a.seq_lens_cpu > 0, a.seq_lens_cpu - 1, 1)
 
-    def run(batch, copy):
-        inputs = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-        return runner.run(4, inputs, host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=copy)
+    def run(lens_cpu):
+        raw = {"req_pool_indices": a.req_pool_indices, "seq_lens": lens_cpu.to(device)}
+        return runner.run(4, raw, host_inputs={"seq_lens": lens_cpu})
 
-    view = run(a, False).outputs["out_cache_loc"]
-    copied = run(a, True).outputs["out_cache_loc"]
+    view = run(a.seq_lens_cpu).results["out_cache_loc"]
+    assert view.data_ptr() == meta.bufs["draft.out_cache_loc"].data_ptr()
     before = view.clone()
-    assert torch.equal(copied, before)
-    run(b, False)
-    assert not torch.equal(view, before), "a view follows the next run"
-    assert torch.equal(copied, before), "a copy does not"
-    with pytest.raises(TypeError, match="copy"):
-        runner.run(4, {}, host_inputs={})  # copy= is required
+    run(b_lens)
+    assert not torch.equal(view, before), "a result follows the next run"
+
+
+def test_stage_function_must_return_a_stage(device):
+    buf = torch.zeros(8, dtype=torch.int64, device=device)
+    runner = GraphRunner(lambda inp: {"x": inp["a"]}, batch_sizes=[4], device=device)
+    runner.add_input("a", buf, pad=0)
+    with pytest.raises(TypeError, match="must return a specmeta.Stage"):
+        runner.capture()
+    with pytest.raises(TypeError, match="stage must be callable"):
+        GraphRunner(None, batch_sizes=[4], device=device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +268,7 @@ def test_mismatched_layout_cannot_be_replayed(device, gen):
     good = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
     host = {"seq_lens": batch.seq_lens_cpu}
     with pytest.raises(ValueError, match="capture"):
-        runner.run(3, good, host_inputs=host, copy=False)
+        runner.run(3, good, host_inputs=host)
     runner.capture()
     meta.bufs["runner.seq_lens"].fill_(-9)
     before = meta.bufs["runner.seq_lens"].clone()
@@ -265,16 +283,14 @@ def test_mismatched_layout_cannot_be_replayed(device, gen):
     ]
     for exc, match, B, inputs, host_inputs in bad_cases:
         with pytest.raises(exc, match=match):
-            runner.run(B, inputs, host_inputs=host_inputs, copy=False)
+            runner.run(B, inputs, host_inputs=host_inputs)
     assert torch.equal(meta.bufs["runner.seq_lens"], before), "nothing ran before the check"
     with pytest.raises(ValueError, match="captured"):
         runner.add_input("late", torch.zeros(64, device=device), pad=0)
-    with pytest.raises(ValueError, match="captured"):
-        runner.add_output("late", per_request=1)
     # A static buffer that changed storage after capture no longer matches the graphs.
     meta.bufs["runner.seq_lens"].set_(torch.zeros(64, dtype=torch.int64, device=device))
-    with pytest.raises(ValueError, match="changed shape, dtype or storage"):
-        runner.run(3, good, host_inputs=host, copy=False)
+    with pytest.raises(ValueError, match="seq_lens changed address, shape or strides"):
+        runner.run(3, good, host_inputs=host)
 
 
 def test_guarded_tensors_beyond_the_inputs_stop_a_stale_replay(device, gen):
@@ -294,43 +310,36 @@ def test_guarded_tensors_beyond_the_inputs_stop_a_stale_replay(device, gen):
     runner.capture()
     good = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
     host = {"seq_lens": batch.seq_lens_cpu}
-    runner.run(3, good, host_inputs=host, copy=False)  # unchanged: runs
+    runner.run(3, good, host_inputs=host)  # unchanged: runs
     with pytest.raises(ValueError, match="captured"):
         runner.add_guard("late", pool)
     engine["req_to_token"] = engine["req_to_token"].clone()  # the engine reallocated it
     meta.bufs["runner.seq_lens"].fill_(-9)
     with pytest.raises(ValueError, match="guarded tensor req_to_token changed"):
-        runner.run(3, good, host_inputs=host, copy=False)
+        runner.run(3, good, host_inputs=host)
     assert (meta.bufs["runner.seq_lens"] == -9).all(), "nothing ran before the check"
     pool.resize_(32, 2)  # reshaped in place
-    with pytest.raises(ValueError, match="guarded tensor req_to_token, kv_pool changed"):
-        runner.run(3, good, host_inputs=host, copy=False)
+    with pytest.raises(ValueError, match="guarded tensor req_to_token, guarded tensor kv_pool "
+                       "changed"):  # fmt: skip
+        runner.run(3, good, host_inputs=host)
 
 
-def test_host_function_refuses_an_undersized_buffer_before_launch(device, gen):
+def test_host_part_refuses_a_length_before_anything_is_copied(device, gen):
+    """The stage's host part checks ``seq_lens_cpu`` against the plan before the pad-copy and
+    the launches: a length past ``max_context_len`` raises, nothing is written."""
     cfg = _config(2, 2, 4)
     batch = _draw("max", 32, cfg, gen, device)
     runner, meta = _runner(cfg, device, batch.req_to_token, 3)
     runner.capture()
     too_long = batch.seq_lens_cpu + cfg.max_context_len  # past the planned capacity
     meta.bufs["runner.seq_lens"].fill_(-9)
-    with pytest.raises(ValueError, match="kv_indices is too small: need"):
+    meta.bufs["draft.out_cache_loc"].fill_(POISON)
+    with pytest.raises(ValueError, match="max_context_len"):
         runner.run(32, {"req_pool_indices": batch.req_pool_indices,
                         "seq_lens": too_long.to(device)},
-                   host_inputs={"seq_lens": too_long}, copy=False)  # fmt: skip
+                   host_inputs={"seq_lens": too_long})  # fmt: skip
     assert meta.bufs["runner.seq_lens"].eq(-9).all(), "nothing was copied before the check"
-
-
-def test_build_outputs_must_match_their_declaration(device):
-    buf = torch.zeros(8, dtype=torch.int64, device=device)
-    for returned, match in (({"x": buf, "y": buf}, "declared outputs"), ({"x": buf[:3]}, "need 4")):
-        runner = GraphRunner(lambda inp, r=returned: r, batch_sizes=[4], device=device,
-                             graphs=False)  # fmt: skip
-        runner.add_input("a", buf, pad=0)
-        runner.add_output("x", per_request=1)
-        runner.capture()
-        with pytest.raises(ValueError, match=match):
-            runner.run(1, {"a": buf[:1]}, copy=False)
+    assert meta.bufs["draft.out_cache_loc"].eq(POISON).all(), "nothing was launched"
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,13 +356,13 @@ def test_runner_probes_its_inputs_when_enabled(device, gen):
     host = {"seq_lens": batch.seq_lens_cpu}
     previous = probes.enable(False)
     try:
-        runner.run(3, inputs, host_inputs=host, copy=False)  # probes off: the kernels mask it
+        runner.run(3, inputs, host_inputs=host)  # probes off: the kernels mask it
         assert int(meta.bufs["status"]) & int(Status.ROW_OOB)
         if device.type == "cpu":
             probes.enable(True)
             meta.bufs["runner.req_pool_indices"].fill_(-9)
             with pytest.raises(ValueError, match="runner input 'req_pool_indices'.*outside"):
-                runner.run(3, inputs, host_inputs=host, copy=False)
+                runner.run(3, inputs, host_inputs=host)
             assert meta.bufs["runner.req_pool_indices"].eq(-9).all(), "raised before the copy"
     finally:
         probes.enable(previous)
@@ -458,7 +467,7 @@ def _persistent_replays(runner, meta, cfg, gen, device, first, r2t, sizes, shape
         views = runner.static_inputs(B)
         views["req_pool_indices"].copy_(batch.req_pool_indices)
         views["seq_lens"].copy_(batch.seq_lens)
-        for name in ("draft.out_cache_loc", "draft_decode.kv_indptr", "draft_decode.kv_indices"):
+        for name in DraftMetadata.BUFFERS.values():
             meta.bufs[name].fill_(POISON)
         cuda = device == "cuda" or getattr(device, "type", None) == "cuda"
         if cuda:
@@ -469,12 +478,10 @@ def _persistent_replays(runner, meta, cfg, gen, device, first, r2t, sizes, shape
 
 
 def _check_replay(res, eager, meta, cfg, batch, bp, fill):
-    """A persistent replay's result against the eager build, and its padded requests."""
+    """A persistent replay's result (the stage's own) against the eager build, and its padded
+    requests."""
     B = batch.batch_size
-    assert (res.batch_size, res.padded_batch_size, res.copied) == (B, bp, False)
-    raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-    _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
-    assert res.host["seq_lens_sum"] == batch.seq_lens_sum + (bp - B) * fill
+    _compare(res, eager.build(_raw(batch), batch.seq_lens_cpu), cfg, B, batch.seq_lens_sum)
     _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
     assert int(meta.bufs["status"]) == 0, "a padded request was masked somewhere"
 
@@ -504,13 +511,53 @@ def test_persistent_batch_replays_pad_only_what_a_larger_batch_left(device, gen,
         assert _rows_past_b_hold_pads(meta, batch.batch_size, fill), batch.batch_size
 
 
+def test_persistent_batch_mark_pads_only_rows_a_larger_batch_wrote(device, gen):
+    """The runner's mark (design §4): a replay below it launches one pad of rows ``[B, mark)``
+    and moves it to ``B``; a replay at or above it launches no pad at all. Seen from a row past
+    every bucket the batches used, written behind the runner's back: no pad launch reaches it."""
+    cfg = _config(2, 3, 4)
+    fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
+    r2t = _draw("random", 32, cfg, gen, device).req_to_token
+    runner, meta = _runner(cfg, device, r2t, fill)
+    runner.capture()
+    lens = meta.bufs["runner.seq_lens"]
+
+    def replay(B):
+        views = runner.static_inputs(B)
+        views["req_pool_indices"].fill_(1)
+        views["seq_lens"].fill_(3)
+        runner.replay(B, host_inputs={"seq_lens": torch.full((B,), 3, dtype=torch.int64)})
+
+    replay(12)  # rows [0, 12) written; [12, 32) hold their pads since capture
+    lens[20] = 7  # a contract breach, past bucket 16: only a pad launch would restore it
+    replay(12)
+    replay(16)  # growing: rows [0, 16) are the batch's, no pad
+    assert int(lens[20]) == 7, "a replay at or above the mark launched a pad"
+    replay(5)  # shrinking: one pad of rows [5, 16), the rows the larger batch wrote
+    assert lens[5:16].eq(fill).all() and lens[:5].eq(3).all()
+    assert int(lens[20]) == 7, "the pad reached past the mark"
+    replay(1)
+    assert lens[1:16].eq(fill).all() and int(lens[20]) == 7
+    runner.run(3, {"req_pool_indices": torch.ones(3, dtype=torch.int64, device=device),
+                   "seq_lens": torch.full((3,), 3, dtype=torch.int64, device=device)},
+               host_inputs={"seq_lens": torch.full((3,), 3, dtype=torch.int64)})  # fmt: skip
+    assert lens[3:4].eq(fill).all(), "run pads its bucket's tail [B, Bp)"
+    assert int(lens[20]) == 7
+
+
 def test_persistent_batch_checks_its_host_inputs(device):
+    """The host values go to the stage's host part, which checks them (the library's check
+    here, as every builder's); the runner checks their names and the batch size."""
     cfg = _config(2, 3, 4)
     r2t = torch.zeros(ROWS, cfg.req_to_token_width, dtype=torch.int32, device=device)
     runner, _ = _runner(cfg, device, r2t, 2)
     runner.capture()
-    with pytest.raises(ValueError, match=r"host_inputs\['seq_lens'\] must have shape \(3,\)"):
+    with pytest.raises(ValueError, match="seq_lens_cpu has 4 entries but the batch has 3"):
         runner.replay(3, host_inputs={"seq_lens": torch.zeros(4, dtype=torch.int64)})
+    with pytest.raises(
+        ValueError, match=r"host_inputs: missing \['seq_lens'\], unexpected \['lens'\]"
+    ):
+        runner.replay(3, host_inputs={"lens": torch.zeros(3, dtype=torch.int64)})
     with pytest.raises(ValueError, match="exceeds the largest captured bucket 32"):
         runner.replay(33, host_inputs={"seq_lens": torch.zeros(33, dtype=torch.int64)})
     with pytest.raises(ValueError, match="missing"):
@@ -544,17 +591,17 @@ def test_replays_do_not_sync_and_compile_nothing(gen, k, s, ps):
             r2t.copy_(batch.req_to_token)
             runner.run(batch.batch_size, {"req_pool_indices": batch.req_pool_indices,
                                           "seq_lens": batch.seq_lens},
-                       host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=True)  # fmt: skip
+                       host_inputs={"seq_lens": batch.seq_lens_cpu})  # fmt: skip
     torch.cuda.synchronize()
     assert [compiled_variants(f) for f in kernels] == compiled, "a replay compiled a kernel"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (1, 2, 1)])
-def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
-    """Calls that repeat an earlier call's arguments (the same tensors, new device values)
-    take the runner's fast path: results equal the eager build every time, the padded rows
-    hold their pads, no host sync; a persistent batch the same."""
+def test_gpu_repeated_runs_and_persistent_replays_equal_eager_without_sync(gen, k, s, ps):
+    """Runs that repeat an earlier run's tensors (an engine's persistent tensors, new device
+    values) and batch sizes met before: results equal the eager build every time, the padded
+    rows hold their pads, no host sync; a persistent batch the same."""
     cfg = _config(k, s, ps)
     fill = padding.seq_lens_fill(cfg.topk, cfg.num_draft_tokens)
     first = _draw("random", 32, cfg, gen, "cuda")
@@ -577,9 +624,9 @@ def test_gpu_repeated_calls_replay_their_checked_plan(gen, k, s, ps):
         torch.cuda.synchronize()
         with no_host_sync():
             res = runner.run(B, {"req_pool_indices": rpi[:B], "seq_lens": lens[:B]},
-                             host_inputs={"seq_lens": lens_cpu[:B]}, copy=False)  # fmt: skip
-        raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-        _compare(res, eager.build(raw), cfg, B, batch.seq_lens_sum)
+                             host_inputs={"seq_lens": lens_cpu[:B]})  # fmt: skip
+        _compare(res.results, eager.build(_raw(batch), batch.seq_lens_cpu), cfg, B,
+                 batch.seq_lens_sum)  # fmt: skip
         _check_padded_rows(meta, cfg, B, bp, fill, batch.seq_lens_sum)
         assert int(meta.bufs["status"]) == 0, round_
     sizes, shapes = (32, 32, 12, 12, 3, 3, 32, 1), ("random",) * 7 + ("one",)
@@ -631,16 +678,20 @@ def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
     del old
     made_in_capture = []
 
-    def wrap(build):
-        def making_a_cycle(inp):
-            if doomed and torch.cuda.is_current_stream_capturing():
-                cycle = [doomed.pop()]
-                cycle.append(cycle)
-                del cycle
-                made_in_capture.append([[] for _ in range(1000)])  # a collection's trigger
-            return build(inp)
+    def wrap(stage_fn):
+        def with_a_cycle(inp):
+            stage = stage_fn(inp)
 
-        return making_a_cycle
+            def making_a_cycle():  # a launch of the stage: it runs inside the capture
+                if doomed and torch.cuda.is_current_stream_capturing():
+                    cycle = [doomed.pop()]
+                    cycle.append(cycle)
+                    del cycle
+                    made_in_capture.append([[] for _ in range(1000)])  # a collection's trigger
+
+            return Stage([making_a_cycle, stage], host=stage.host)
+
+        return with_a_cycle
 
     runner, meta = _runner(cfg, "cuda", r2t, fill, wrap=wrap)
     thresholds = gc.get_threshold()
@@ -653,7 +704,7 @@ def test_capture_survives_a_dead_graph_that_a_collection_would_destroy(gen):
     assert gc.isenabled(), "capture() left the collector off"
     gc.collect()
     assert dead() is None, "the old graph outlived a collection after the capture"
-    raw = {"req_pool_indices": batch.req_pool_indices, "seq_lens": batch.seq_lens}
-    res = runner.run(12, raw, host_inputs={"seq_lens": batch.seq_lens_cpu}, copy=False)
-    _compare(res, eager.build(raw), cfg, 12, batch.seq_lens_sum)
+    res = runner.run(12, _raw(batch), host_inputs={"seq_lens": batch.seq_lens_cpu})
+    _compare(res.results, eager.build(_raw(batch), batch.seq_lens_cpu), cfg, 12,
+             batch.seq_lens_sum)  # fmt: skip
     assert int(meta.bufs["status"]) == 0

@@ -23,10 +23,13 @@ only within the GPU tier's stated margin.
 
 Tiers:
 
-* CPU (default): one seed per backend and draft, six configurations that together cover
-  ``topk`` 1, 2, 4, up to 5 steps, page sizes 1 and 16 (slot layout B included), FlashInfer's
-  per-branch lists and per-branch pages, eager and runner iterations; at least 64 tokens a
-  request.
+* CPU (default): one configuration and one seed per backend, together ``topk`` 1 and > 1
+  (trees), page sizes 1 and 16 (slot layout B, FlashInfer's per-branch pages), both drafts
+  (the target drafting for itself on a chain: every draft token accepted; a perturbed copy on
+  trees: rejections), eager and runner iterations in every case; at least
+  :data:`CPU_TOKENS` tokens a request (each iteration runs a dozen interpreted launches per
+  loop). On a GPU machine the same test runs the six configurations of :data:`CPU`, both
+  drafts each, with 64 tokens a request.
 * CPU full: ``SPECMETA_LOSSLESS=full python3 -m pytest -q tests/testing/test_lossless.py``:
   every configuration of :data:`FULL` with both drafts, three seeds, 256 tokens a request,
   waves of 8 and 3 requests (about 80 s a case on a 2-core machine, hours in all under
@@ -42,6 +45,7 @@ Tiers:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -78,15 +82,20 @@ class Case:
                 f"-ps{self.page_size}-{self.mode}")  # fmt: skip
 
 
-# The CPU tier: per backend, one configuration for each draft.
+# The CPU test's configurations: per backend, one for each draft. On the CPU tier only the
+# draft of CPU_DRAFT runs (one case per backend); on a GPU machine all six.
 CPU = {
     ("fa3", "self"): Case("fa3", 2, 4, 6, 16),  # slot layout B
     ("fa3", "perturbed"): Case("fa3", 4, 3, 8, 1),
-    ("flashinfer", "self"): Case("flashinfer", 2, 3, 6, 16, form="paged"),  # layout B pages
-    ("flashinfer", "perturbed"): Case("flashinfer", 4, 2, 6, 1, form="decode"),
+    ("flashinfer", "self"): Case("flashinfer", 4, 2, 6, 1, form="decode"),
+    ("flashinfer", "perturbed"): Case("flashinfer", 2, 3, 6, 16, form="paged"),
     ("trtllm_mla", "self"): Case("trtllm_mla", 1, 5, 6, 16),
     ("trtllm_mla", "perturbed"): Case("trtllm_mla", 1, 3, 4, 1),
 }
+# Per backend, the draft the CPU tier runs: trees of both page sizes drafted by a perturbed copy
+# (the rejections, FA3's cascade in layout A, FlashInfer's per-branch pages of layout B), and
+# the chain the target drafts for itself (every draft token accepted).
+CPU_DRAFT = {"fa3": "perturbed", "flashinfer": "perturbed", "trtllm_mla": "self"}
 
 # The full set: every backend with topk 1, 2, 4 (TRT-LLM MLA: 1), page sizes 1 and 16, up to
 # five steps, FlashInfer's three draft-decode forms, eager, runner and mixed iterations.
@@ -123,12 +132,15 @@ def _draw(gen: torch.Generator) -> int:
 
 
 def _serve(case: Case, draft_kind: str, gen, device, *, model_cfg: TinyConfig, dtype,
-           new_tokens: int, waves, attention=None) -> Served:  # fmt: skip
-    """The workload through the loop on the kernels, then again on specmeta's references."""
+           new_tokens: int, waves, attention=None, spread: int = 8) -> Served:  # fmt: skip
+    """The workload through the loop on the kernels, then again on specmeta's references.
+    ``spread``: each request of a wave asks for that many more tokens than the one before
+    (so requests finish at different iterations)."""
     target = TinyModel.random(model_cfg, _draw(gen), dtype=dtype, device=device)
     draft = target if draft_kind == "self" else target.perturbed(PERTURBATION, _draw(gen))
     requests = make_requests(waves, vocab_size=model_cfg.vocab_size, page_size=case.page_size,
-                             max_new_tokens=new_tokens, generator=gen)  # fmt: skip
+                             max_new_tokens=new_tokens, generator=gen,
+                             spread=spread)  # fmt: skip
     longest = max(r.prompt.shape[0] + r.max_new_tokens for r in requests)
     cfg = SpecConfig(topk=case.topk, num_steps=case.steps, num_draft_tokens=case.draft_tokens,
                      page_size=case.page_size, max_bs=max(len(w) for w in waves),
@@ -250,8 +262,9 @@ def _check_cpu(s: Served, draft_kind: str, new_tokens: int) -> None:
     # Same slots, same metadata, float64 on both sides: every K and V buffer of both pools ends
     # bit-identical. A KV move that skips V, say, changes no argmax here but changes the pools.
     for i, (mine, ref) in enumerate(zip(*s.pools, strict=True)):
-        assert torch.equal(mine, ref), f"{case.id} {draft_kind}: KV buffer {i} differs from the " \
-            "same loop on the references"
+        assert torch.equal(mine, ref), (
+            f"{case.id} {draft_kind}: KV buffer {i} differs from the same loop on the references"
+        )
     # The workload covered what it was drawn for: the batch grew, drained to an idle iteration
     # and refilled; target (L) and draft (L + 1) prefixes sat on page boundaries and one short.
     sizes = [it.batch_size for it in s.history]
@@ -268,21 +281,36 @@ def _check_cpu(s: Served, draft_kind: str, new_tokens: int) -> None:
 CPU_MODEL = TinyConfig()
 CPU_WAVES = [(0, 0, 1), (0, 0)]  # B: 2 → 3 → … → 0 (idle) → 2 → … (buckets 1, 2)
 FULL_WAVES = [(0,) * 5 + (2,) * 3, (0, 0, 0)]  # B: 5 → 8 → … → 0 (idle) → 3 → …
+# Tokens a request on the CPU tier: a few iterations a request (the growing, draining and
+# refilling batch is the wave schedule's, not the length's), each a dozen interpreted launches.
+CPU_TOKENS, CPU_SPREAD = 8, 2
+GPU_MACHINE_TOKENS = 64  # the same test where CUDA runs the kernels
 
 
-@pytest.mark.parametrize("draft_kind", DRAFTS)
-@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
+def _cpu_params():
+    """One case per backend on the CPU tier (each backend's draft of ``CPU_DRAFT``); both
+    drafts of every backend where CUDA runs the kernels."""
+    on_gpu = torch.cuda.is_available() and os.environ.get("SPECMETA_TEST_DEVICE") != "cpu"
+    return [(b, d) for b in ("fa3", "flashinfer", "trtllm_mla") for d in DRAFTS
+            if on_gpu or d == CPU_DRAFT[b]]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend, draft_kind", _cpu_params())
 def test_lossless_cpu(backend, draft_kind, gen, device):
     case = CPU[(backend, draft_kind)]
+    cpu = device.type == "cpu"
+    tokens = CPU_TOKENS if cpu else GPU_MACHINE_TOKENS
     s = _serve(case, draft_kind, gen, device, model_cfg=CPU_MODEL, dtype=torch.float64,
-               new_tokens=64, waves=CPU_WAVES)  # fmt: skip
-    _check_cpu(s, draft_kind, 64)
+               new_tokens=tokens, waves=CPU_WAVES, spread=CPU_SPREAD if cpu else 8)  # fmt: skip
+    _check_cpu(s, draft_kind, tokens)
 
 
 def _full_params():
     """Every (case, draft, draw) of the full set, or one skipped placeholder."""
     if not FULL_ON_CPU:
-        skip = pytest.mark.skip(reason="the full set takes hours on the CPU; run it with SPECMETA_LOSSLESS=full")
+        skip = pytest.mark.skip(
+            reason="the full set takes hours on the CPU; run it with SPECMETA_LOSSLESS=full"
+        )
         return [pytest.param(None, None, None, marks=skip, id="full-set")]
     return [pytest.param(c, d, n, id=f"{c.id}-{d}-{n}")
             for c in FULL for d in DRAFTS for n in range(3)]  # fmt: skip
@@ -330,9 +358,28 @@ def test_example_prints_accepted_lengths_and_lossless(device, seed, capsys):
     assert out.rstrip().endswith("lossless: yes")
 
 
-def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed, capsys):
+def _small_check_loop(monkeypatch, tokens: int) -> None:
+    """`specmeta check`'s loop with ``tokens`` new tokens a request, all alike (no spread): a
+    few iterations a backend, through the check's own schedule (the batch grows, drains to an
+    idle iteration, refills), shapes and checks. The check itself is unchanged."""
+    from specmeta import check
+    from specmeta.testing import spec_loop
+
+    monkeypatch.setattr(check, "_LOOP_TOKENS", tokens)
+    monkeypatch.setattr(spec_loop, "make_requests",
+                        functools.partial(spec_loop.make_requests, spread=0))  # fmt: skip
+
+
+# `specmeta check`'s loop on the CPU tier: two tokens a request; as it stands on a GPU machine.
+CHECK_TOKENS_CPU = 2
+
+
+def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed, capsys,
+                                                                    monkeypatch):  # fmt: skip
     from specmeta.cli import main
 
+    if device.type == "cpu":
+        _small_check_loop(monkeypatch, CHECK_TOKENS_CPU)
     argv = ["check", "--device", device.type, "--seed", str(seed), "--only", "lossless_loop"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -345,9 +392,11 @@ def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed
 
 def test_check_reports_a_lossy_loop(device, seed, capsys, monkeypatch):
     """A verify that commits the runner-up instead of the argmax bonus token: `specmeta check`
-    must say so and fail."""
+    must say so and fail (the first bonus token shows it: one token a request)."""
     from specmeta.cli import main
     from specmeta.testing import spec_loop
+
+    _small_check_loop(monkeypatch, 1)
 
     greedy_accept = spec_loop.greedy_accept
 
@@ -370,6 +419,9 @@ def test_check_reports_a_lossy_loop(device, seed, capsys, monkeypatch):
 # GPU: the real kernels, bf16
 # ------------------------------------------------------------------------------------------------
 GPU_MODEL = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512)
+# The margin's check below: two random models, 64 greedy steps each (about a second a dozen
+# steps on the CPU: the float32 decode, then bf16 logits of the whole sequence).
+BF16_MODELS, BF16_TOKENS = 2, 64
 
 
 def test_bf16_moves_the_argmax_only_within_the_margin(gen):
@@ -378,11 +430,11 @@ def test_bf16_moves_the_argmax_only_within_the_margin(gen):
     on the float32 greedy output: where the bf16 argmax differs, float32 leads it by less than
     the margin (the criterion of the GPU tier)."""
     flips, steps = [], 0
-    for _ in range(3):
+    for _ in range(BF16_MODELS):
         model = TinyModel.random(GPU_MODEL, _draw(gen), dtype=torch.bfloat16)
         reference = model.to(dtype=torch.float32)
         prompt = torch.randint(0, GPU_MODEL.vocab_size, (1 + _draw(gen) % 32,), generator=gen)
-        tokens, _ = reference.greedy(prompt, 96)
+        tokens, _ = reference.greedy(prompt, BF16_TOKENS)
         seq, P = torch.cat([prompt, tokens]), prompt.shape[0]
         want = reference.logits(seq)[P - 1 : -1].double()
         got = model.logits(seq)[P - 1 : -1].double()
