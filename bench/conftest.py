@@ -7,8 +7,6 @@ import pathlib
 import pytest
 import torch
 
-import specmeta  # noqa: F401
-
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

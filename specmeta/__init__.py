@@ -2,79 +2,101 @@
 
 Every index is built on the device in one sync-free launch, every store is bounds-masked, every
 buffer is sized by :func:`plan_buffers`, and the eager and graphed paths share one layout.
+
+``import specmeta`` has no side effects and imports neither torch nor Triton: every public name
+is imported from its module on first use (PEP 562). In particular it does not switch on
+Triton's interpreter: to run the kernels on CPU tensors, set ``TRITON_INTERPRET=1`` before the
+first kernel is imported (Triton reads it when a kernel is decorated), e.g. on the command line
+or with ``os.environ.setdefault("TRITON_INTERPRET", "1")`` at the top of a script.
 """
 
-import os as _os
+from __future__ import annotations
 
-import torch as _torch
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
-# Without CUDA the Triton kernels can only run under Triton's interpreter, on CPU tensors. The
-# switch is read when a kernel is decorated, so it is set before the kernels are imported; a
-# value the user set (either way) is kept.
-if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
-    _os.environ["TRITON_INTERPRET"] = "1"
-
-from . import probes  # noqa: E402
-from .config import BufferSpec, SpecConfig, allocate_buffers, plan_buffers  # noqa: E402
-from .kernels import (  # noqa: E402
-    assign_draft_cache_locs,
-    assign_draft_cache_locs_ref,
-    draft_decode_kv_indices,
-    draft_decode_kv_indices_ref,
-    prefix_tail_copy_pairs,
-    prefix_tail_copy_pairs_ref,
-)
-from .kernels.cache_loc_move import (  # noqa: E402
-    KVPool,
-    accept_cache_locs,
-    accept_cache_locs_ref,
-    move_kv_cache,
-    move_kv_cache_ref,
-)
-from .kernels.merge_state import merge_state, merge_state_ref  # noqa: E402
-from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder  # noqa: E402
-from .metadata.flashinfer import FlashInferBuilder  # noqa: E402
-from .metadata.trtllm_mla import TrtllmMlaBuilder  # noqa: E402
-from .runners import GraphRunner, RunResult  # noqa: E402
-from .status import (  # noqa: E402
-    SpecmetaStatusError,
-    Status,
-    check_status,
-    default_status,
-    new_status,
-)
-
+# Read statically by setup.cfg (`attr: specmeta.__version__`): keep it a plain literal.
 __version__ = "0.1.0"
 
+# Each module (relative to this package) and the public names that come from it; ``probes`` is
+# the module itself.
+_MODULES: dict[str, tuple[str, ...]] = {
+    ".config": ("SpecConfig", "BufferSpec", "plan_buffers", "allocate_buffers", "check_fits"),
+    ".status": ("Status", "SpecmetaStatusError", "check_status", "new_status", "default_status"),
+    ".kernels": ("assign_draft_cache_locs", "assign_draft_cache_locs_ref",
+                 "prefix_tail_copy_pairs", "prefix_tail_copy_pairs_ref",
+                 "draft_decode_kv_indices", "draft_decode_kv_indices_ref"),
+    ".kernels.cache_loc_move": ("accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache",
+                                "move_kv_cache_ref", "KVPool"),
+    ".kernels.merge_state": ("merge_state", "merge_state_ref"),
+    ".metadata.fa3": ("FA3MetadataBuilder", "FA3Metadata", "FA3Cascade"),
+    ".metadata.flashinfer": ("FlashInferBuilder",),
+    ".metadata.trtllm_mla": ("TrtllmMlaBuilder",),
+    ".metadata.host_ops": ("warmup",),
+    ".probes": ("probes",),
+    ".runners": ("GraphRunner", "RunResult"),
+    ".stage": ("Stage",),
+}  # fmt: skip
+_SOURCES = {name: module for module, names in _MODULES.items() for name in names}
+
+# Written out (not list(_SOURCES)) so that linters and readers see it; a test checks that it
+# names exactly the keys of _SOURCES.
 __all__ = [
-    "SpecConfig",
-    "BufferSpec",
-    "plan_buffers",
-    "allocate_buffers",
-    "Status",
-    "SpecmetaStatusError",
-    "check_status",
-    "new_status",
-    "default_status",
-    "assign_draft_cache_locs",
-    "assign_draft_cache_locs_ref",
-    "prefix_tail_copy_pairs",
-    "prefix_tail_copy_pairs_ref",
-    "draft_decode_kv_indices",
-    "draft_decode_kv_indices_ref",
-    "FlashInferBuilder",
-    "TrtllmMlaBuilder",
-    "accept_cache_locs",
-    "accept_cache_locs_ref",
-    "move_kv_cache",
-    "move_kv_cache_ref",
-    "KVPool",
-    "merge_state",
-    "merge_state_ref",
-    "FA3MetadataBuilder",
-    "FA3Metadata",
-    "FA3Cascade",
-    "probes",
-    "GraphRunner",
-    "RunResult",
-]
+    "SpecConfig", "BufferSpec", "plan_buffers", "allocate_buffers", "check_fits",
+    "Status", "SpecmetaStatusError", "check_status", "new_status", "default_status",
+    "assign_draft_cache_locs", "assign_draft_cache_locs_ref", "prefix_tail_copy_pairs",
+    "prefix_tail_copy_pairs_ref", "draft_decode_kv_indices", "draft_decode_kv_indices_ref",
+    "accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache", "move_kv_cache_ref", "KVPool",
+    "merge_state", "merge_state_ref", "FA3MetadataBuilder", "FA3Metadata", "FA3Cascade",
+    "FlashInferBuilder", "TrtllmMlaBuilder", "warmup", "probes", "GraphRunner", "RunResult",
+    "Stage",
+]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first use, then keep it here (PEP 562).
+
+    A submodule (``specmeta.kernels``, ``specmeta.metadata``, ...) is imported on first use
+    too, as the eager imports of earlier versions made them attributes of the package."""
+    source = _SOURCES.get(name)
+    if source is None:
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'specmeta' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")  # sets the attribute itself
+    module = importlib.import_module(source, __name__)
+    value = module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each name
+    from . import probes
+    from .config import BufferSpec, SpecConfig, allocate_buffers, check_fits, plan_buffers
+    from .kernels import (
+        assign_draft_cache_locs,
+        assign_draft_cache_locs_ref,
+        draft_decode_kv_indices,
+        draft_decode_kv_indices_ref,
+        prefix_tail_copy_pairs,
+        prefix_tail_copy_pairs_ref,
+    )
+    from .kernels.cache_loc_move import (
+        KVPool,
+        accept_cache_locs,
+        accept_cache_locs_ref,
+        move_kv_cache,
+        move_kv_cache_ref,
+    )
+    from .kernels.merge_state import merge_state, merge_state_ref
+    from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
+    from .metadata.flashinfer import FlashInferBuilder
+    from .metadata.host_ops import warmup
+    from .metadata.trtllm_mla import TrtllmMlaBuilder
+    from .runners import GraphRunner, RunResult
+    from .stage import Stage
+    from .status import SpecmetaStatusError, Status, check_status, default_status, new_status

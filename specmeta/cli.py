@@ -2,7 +2,11 @@
 
 Every mistake in what the user typed ends in one line on stderr, ``specmeta <command>: ...``,
 that names the argument, the value and the fix, and exit status 2 (:class:`UsageError`);
-``check`` and ``bench`` exit 1 when what they ran failed.
+``check`` and ``bench`` exit 1 when what they ran failed, ``plan`` when a builder it plans cannot
+be created for the configuration (:func:`specmeta.config.check_fits`).
+
+Importing this module imports neither torch nor Triton (seconds): ``specmeta --help`` and
+``specmeta plan`` need neither; ``check`` and ``bench`` import them when they run.
 """
 
 from __future__ import annotations
@@ -12,8 +16,14 @@ import importlib.util
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+from .metadata.capabilities import BUILDERS, CAPABILITIES, MODES, VERIFY_MASKS, plan_keys
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import SpecConfig
 
 DESCRIPTION = """\
 specmeta builds the attention metadata of speculative decoding (EAGLE, EAGLE3, MTP, topk > 1
@@ -26,7 +36,7 @@ examples:
   specmeta check --only fa3_builder     one check
   specmeta plan --topk 8 --num-steps 5 --num-draft-tokens 64 --page-size 16 \\
       --max-bs 256 --max-context-len 32768 --backend fa3
-  specmeta bench --from-json bench/results/bench.json
+  specmeta bench --from-json bench/results/bench.json --out /tmp/bench
 
 'specmeta COMMAND --help' describes each command's options."""
 
@@ -56,8 +66,31 @@ def _positive_int(text: str) -> int:
 # specmeta check
 
 
+def _compiled_kernels() -> bool:
+    """Whether a Triton kernel of specmeta was decorated for the GPU in this process (with the
+    interpreter off): such a kernel cannot run on CPU tensors, whatever TRITON_INTERPRET says
+    now. Under the interpreter Triton makes an ``InterpretedFunction``, else a ``JITFunction``."""
+    if "triton" not in sys.modules:
+        return False  # nothing decorated yet
+    from triton.runtime.jit import JITFunction
+
+    return any(
+        isinstance(value, JITFunction)
+        for name, module in list(sys.modules.items())
+        if (name == "specmeta" or name.startswith("specmeta.")) and module is not None
+        for value in list(vars(module).values())
+    )
+
+
 def _device(name: str | None) -> torch.device:
-    """The device the checks run on, or a :class:`UsageError` saying why it cannot be used."""
+    """The device the checks run on, or a :class:`UsageError` saying why it cannot be used.
+
+    On the CPU the kernels run under Triton's interpreter, which Triton reads when a kernel is
+    decorated: with ``TRITON_INTERPRET`` unset, this sets it to 1 for this process, before the
+    kernels are imported (a value the user set is kept, and refused if it is not 1; kernels
+    already decorated for the GPU, in a process that imported them first, are refused too)."""
+    import torch
+
     if not name:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -68,9 +101,15 @@ def _device(name: str | None) -> torch.device:
     label = f"--device {name}" if name else f"--device (default: {device})"
     if device.type == "cpu":
         interpret = os.environ.get("TRITON_INTERPRET")
-        if interpret != "1":
-            # The switch is read when the kernels are decorated, at `import specmeta`.
-            state = "unset (CUDA is present)" if interpret is None else f"set to {interpret!r}"
+        if interpret is None and not _compiled_kernels():
+            os.environ["TRITON_INTERPRET"] = "1"  # this process only, before the kernels
+        elif interpret != "1":
+            state = (
+                f"set to {interpret!r}"
+                if interpret is not None
+                else "unset while specmeta's kernels are already compiled for the GPU in this "
+                "process (Triton reads it when a kernel is decorated)"
+            )
             raise UsageError(
                 f"{label}: the kernels run on CPU tensors only under Triton's interpreter, and "
                 f"TRITON_INTERPRET is {state}; run TRITON_INTERPRET=1 specmeta check --device cpu"
@@ -95,9 +134,9 @@ def _device(name: str | None) -> torch.device:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    device = _device(args.device)  # first: on the CPU it switches the interpreter on
     from .check import CHECKS, run_checks
 
-    device = _device(args.device)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     names = args.only or list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
@@ -108,13 +147,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"specmeta check on {device} (seed {seed}; reproduce with --seed {seed})", flush=True)
     from .metadata import host_ops
 
-    why = host_ops.unavailable()  # the builders' host work on seq_lens_cpu (design §3)
+    # The builders' host work on seq_lens_cpu (design §3) is compiled only where warmup() built
+    # it, as an engine calls it at start-up; the checks run what an engine would.
+    host_ops.warmup(device)
+    why = host_ops.unavailable()
     print("host work on seq_lens_cpu: " + ("compiled" if why is None else f"torch ({why})"))
-    from . import tensor_layout
-
-    why = tensor_layout.unavailable()  # keys, the runner's check, seq_lens_cpu (design §2.7, §4)
-    print("tensor reads (call keys, the runner's captured tensors, seq_lens_cpu): "
-          + ("native" if why is None else f"Python and torch's guard ({why})"))  # fmt: skip
     tty = sys.stdout.isatty()
     width = 30
 
@@ -153,24 +190,34 @@ def _cmd_check(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------------
 # specmeta plan
 
-BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
-BUILDERS = {
-    "fa3": "FA3MetadataBuilder",
-    "flashinfer": "FlashInferBuilder",
-    "trtllm_mla": "TrtllmMlaBuilder",
-}
-# Every mode of any builder, in the order the builders list them.
-MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged", "target_verify",
-         "draft_extend")  # fmt: skip
+# What each builder serves and which plan keys it allocates come from the data the builders
+# themselves read (specmeta.metadata.capabilities), which imports neither torch nor Triton.
+BACKENDS = tuple(BUILDERS)
 
 
-def _builder_class(backend: str):
-    from .metadata.fa3 import FA3MetadataBuilder
-    from .metadata.flashinfer import FlashInferBuilder
-    from .metadata.trtllm_mla import TrtllmMlaBuilder
+def _unserved(backend: str, missing: list[str], cfg: SpecConfig) -> UsageError:
+    """The error for ``--modes`` naming modes that ``--backend backend`` does not serve."""
+    served = CAPABILITIES[backend].served(cfg)
+    modes = CAPABILITIES[backend].modes
+    them = "it" if len(missing) == 1 else "them"
+    why = []
+    for mode in missing:
+        if mode in modes:  # a mode of the builder, but not for a tree
+            what = "verify" if mode == "target_verify" else "draft"
+            why.append(f"{mode} with --topk {cfg.topk} needs a tree, which it cannot {what}")
+    others = [b for b in BACKENDS
+              if b != backend and all(CAPABILITIES[b].serves(m, cfg) for m in missing)]  # fmt: skip
+    alternative = (
+        f", or pass --backend {' '.join(others)}, which serve{'s' if len(others) == 1 else ''} {them}"
+        if others else ""
+    )  # fmt: skip
+    return UsageError(
+        f"--modes {' '.join(missing)}: --backend {backend} ({BUILDERS[backend]}) does not "
+        f"serve {' or '.join(missing)}{' (' + '; '.join(why) + ')' if why else ''}; it serves "
+        f"{', '.join(served)} for this config; drop {them} from --modes{alternative}"
+    )
 
-    return {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-            "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+
 # What uses each group of plan keys that no builder allocates (the engine allocates those it
 # needs with allocate_buffers).
 ENGINE_GROUPS = {
@@ -183,11 +230,10 @@ ENGINE_GROUPS = {
 
 
 def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes} B"
+    """Bytes in the largest binary unit below them (:func:`specmeta.config.human_bytes`)."""
+    from .config import human_bytes
+
+    return human_bytes(nbytes)
 
 
 def _is_host(name: str) -> bool:
@@ -210,13 +256,14 @@ def _buffer_rows(plan: dict, names: list[str]) -> list[str]:
     rows = [("buffer", "shape", "dtype", "on", "bytes")]
     for name in names:
         spec = plan[name]
-        rows.append((name, str(list(spec.shape)), str(spec.dtype).replace("torch.", ""),
+        rows.append((name, str(list(spec.shape)), spec.dtype,
                      "host" if _is_host(name) else "device", _human(spec.nbytes)))  # fmt: skip
     return _table(rows, right={4})
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .config import SpecConfig, max_num_draft_tokens, plan_buffers
+    # Config arithmetic only: plan_sizes is plan_buffers with dtype names, without torch.
+    from .config import SpecConfig, check_fits, max_num_draft_tokens, plan_sizes
 
     k, s, n = args.topk, args.num_steps, args.num_draft_tokens
     if n > max_num_draft_tokens(k, s):
@@ -230,8 +277,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          max_bs=args.max_bs, max_context_len=args.max_context_len)  # fmt: skip
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid configuration: {err}") from None
-    plan = plan_buffers(cfg)
     backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
+    wanted = tuple(dict.fromkeys(args.modes or ()))
+    skipped = []  # (backend, modes it does not serve): left out of a default --backend
+    if wanted:
+        for backend in list(backends):
+            missing = [m for m in wanted if not CAPABILITIES[backend].serves(m, cfg)]
+            if missing and args.backend is None and len(backends) > 1:
+                backends.remove(backend)  # not named: plan the backends that serve them all
+                skipped.append((backend, missing))
+            elif missing:
+                raise _unserved(backend, missing, cfg)
+    plan = plan_sizes(cfg)
     engine = [g for g in ENGINE_GROUPS if g in (args.with_ or ())]
 
     print(f"specmeta plan: topk={cfg.topk} num_steps={cfg.num_steps} num_draft_tokens="
@@ -239,19 +296,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"max_context_len={cfg.max_context_len}")  # fmt: skip
     print(f"  req_to_token_width={cfg.req_to_token_width} pool_size={cfg.pool_size} "
           f"slot layout {'B' if cfg.layout_b else 'A'}")  # fmt: skip
+    for backend, missing in skipped:
+        print(f"\n{backend}: not planned, {BUILDERS[backend]} does not serve "
+              f"{' or '.join(missing)} for this config (it serves "
+              f"{', '.join(CAPABILITIES[backend].served(cfg))})")  # fmt: skip
     grand = {"device": 0, "host": 0}
     summary: list[tuple[str, ...]] = [("", "device", "host")]
+    unbuildable: list[str] = []  # builders whose buffers check_fits refuses on any device
     for backend in backends:
-        cls = _builder_class(backend)
-        served = cls.check_modes(cfg, None)  # what the config allows this backend to serve
-        chosen = tuple(m for m in served if m in (args.modes or served))
-        if not chosen:
-            print(f"\n{backend}: {BUILDERS[backend]} serves none of --modes "
-                  f"(it serves {', '.join(served)} for this config)")  # fmt: skip
-            continue
-        # The builder's own statement of what it allocates.
+        served = CAPABILITIES[backend].served(cfg)  # what the config allows it to serve
+        chosen = tuple(m for m in served if m in (wanted or served))
+        # The keys the builder allocates, by the rule its plan_keys follows.
         extra = {"verify_mask": args.verify_mask} if backend == "flashinfer" else {}
-        names = cls.plan_keys(cfg, chosen, **extra)
+        names = plan_keys(backend, plan, chosen, **extra)
         order = list(dict.fromkeys(name.split(".")[1] for name in names))
         names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
         names.append("status")  # every builder owns a status word
@@ -275,6 +332,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if host:
             print("  host: one set of CPU mirrors for plan(), pinned when the device is CUDA; the")
             print("  builder keeps mirror_depth sets (default 16) of the per-build index pointers")
+        try:  # the int32-offset limit, which holds on every device ("meta": no memory check)
+            check_fits({name: plan[name] for name in names}, "meta", BUILDERS[backend])
+        except ValueError as err:
+            print(f"  cannot be created: {err}")
+            unbuildable.append(BUILDERS[backend])
         summary.append((f"{BUILDERS[backend]}", _human(dev), _human(host)))
         grand["device"] += dev
         grand["host"] += host
@@ -285,7 +347,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = [("group", "bytes", "in total", "what uses it")]
     for group, names in groups.items():
         nbytes = sum(plan[name].nbytes for name in names)
-        rows.append((group, _human(nbytes), "yes" if group in engine else "no", ENGINE_GROUPS[group]))
+        rows.append(
+            (group, _human(nbytes), "yes" if group in engine else "no", ENGINE_GROUPS[group])
+        )
     for line in _table(rows, right={1}):
         print(line)
     for group in engine:
@@ -299,6 +363,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print()
     for line in _table(summary, right={1, 2}, indent=""):
         print(line)
+    if unbuildable:
+        print(f"\n{', '.join(unbuildable)}: cannot be created for this config (see above); exit "
+              "status 1")  # fmt: skip
+        return 1
     return 0
 
 
@@ -312,24 +380,53 @@ def _require(module: str, what: str) -> None:
                          "pip install \"specmeta[bench]\"")  # fmt: skip
 
 
+# Where a benchmark run writes its JSON, tables and plots when --out is not given. Rendering
+# earlier JSON (--from-json) has no default: it writes only where --out and --results say.
+RUN_OUT = "bench/results"
+
+
+def _json_date(path) -> str | None:
+    """The day pytest-benchmark recorded in ``path`` (its ``datetime``, UTC), ``YYYY-MM-DD``,
+    or ``None`` if the JSON has no such field."""
+    import datetime
+    import json
+
+    try:
+        stamp = json.loads(path.read_text()).get("datetime")
+        # The day only: an ISO timestamp starts with it, whatever its time zone's spelling.
+        return datetime.date.fromisoformat(str(stamp)[:10]).isoformat()
+    except (AttributeError, ValueError):  # not a dict, no field, not a timestamp
+        return None
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     import datetime
     import pathlib
     import subprocess
 
     # Everything the command line asks for is checked before anything is created or run.
-    out = pathlib.Path(args.out)
+    date = None
+    if args.date is not None:
+        try:
+            date = datetime.date.fromisoformat(args.date).isoformat()
+        except ValueError:
+            raise UsageError(f"--date {args.date}: not a date; pass YYYY-MM-DD, e.g. --date "
+                             "2026-11-26") from None  # fmt: skip
     if args.results and not pathlib.Path(args.results).parent.is_dir():
         raise UsageError(f"--results {args.results}: its folder does not exist; pass a path in an "
                          "existing folder")  # fmt: skip
     if args.from_json:
+        out = pathlib.Path(args.out) if args.out else None  # only where the user says
         jsons = [pathlib.Path(p) for p in args.from_json]
         for path in jsons:
             if not path.is_file():
                 raise UsageError(f"--from-json {path}: no such file; pass the JSON that "
                                  "pytest --benchmark-json wrote")  # fmt: skip
-        _require("matplotlib", "--from-json (its plots)")
+        if out is not None:
+            _require("matplotlib", "--from-json (its plots)")
     else:
+        import torch
+
         if not torch.cuda.is_available():
             raise UsageError("no CUDA device is visible and the benchmarks measure a GPU; run it on "
                              "a GPU machine, or render earlier results with --from-json FILE")  # fmt: skip
@@ -339,6 +436,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                              "checkout or pass --bench-dir PATH")  # fmt: skip
         _require("pytest_benchmark", "running the benchmarks")
         _require("matplotlib", "running the benchmarks (their plots)")
+        out = pathlib.Path(args.out or RUN_OUT)
         out.mkdir(parents=True, exist_ok=True)
         jsons = [out / "bench.json"]
         cmd = [sys.executable, "-m", "pytest", "-q", str(bench_dir), f"--benchmark-json={jsons[0]}",
@@ -353,28 +451,42 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     from . import report
 
+    label = "--from-json " if args.from_json else ""
     rows = []
     for path in jsons:
         try:
             rows += report.load_rows([path])
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise UsageError(f"--from-json {path}: not pytest-benchmark JSON ({type(err).__name__}); "
+            raise UsageError(f"{label}{path}: not pytest-benchmark JSON ({type(err).__name__}); "
                              "pass the file pytest --benchmark-json wrote") from None  # fmt: skip
     if not rows:
         raise UsageError("no benchmark results in " + ", ".join(map(str, jsons)))
-    date = args.date or datetime.date.today().isoformat()
+    if date is None:  # the results' own day, not today's
+        days = set()
+        for path in jsons:
+            day = _json_date(path)
+            if day is None:
+                raise UsageError(f"{label}{path}: records no date (no 'datetime' field, which "
+                                 "pytest-benchmark writes); pass --date YYYY-MM-DD")  # fmt: skip
+            days.add(day)
+        date = ", ".join(sorted(days))
     section = report.markdown(rows, date)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.md").write_text(section)
-    pngs = report.plot(rows, out / "plots")
+    pngs: list[pathlib.Path] = []
     print(section)
-    print(f"wrote {out / 'bench.md'} and {len(pngs)} plots under {out / 'plots'}")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.md").write_text(section)
+        pngs = report.plot(rows, out / "plots")
+        print(f"wrote {out / 'bench.md'} and {len(pngs)} plots under {out / 'plots'}")
     if args.results:
         results = pathlib.Path(args.results)
         links = "\n".join(f"![{p.stem}]({p.relative_to(results.parent).as_posix()})" for p in pngs
                           if p.is_relative_to(results.parent))  # fmt: skip
         report.update_results(results, section + ("\n" + links if links else ""))
-        print(f"updated {results}")
+        print(f"updated {results}" + ("" if out else " (no plots: --out DIR renders them)"))
+    if out is None and not args.results:
+        print("wrote nothing: pass --out DIR for the tables and plots, --results FILE to update "
+              "a RESULTS.md")  # fmt: skip
     return 0
 
 
@@ -406,28 +518,52 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="the buffers each builder allocates for a configuration, with totals",
         description="Size a configuration: every buffer each backend's builder allocates when it "
         "is created (all of its modes), per-mode and per-backend totals, the buffers an engine "
-        "allocates itself, and a grand total. Sizes come from specmeta.plan_buffers(cfg).",
+        "allocates itself, and a grand total. Sizes come from specmeta.plan_buffers(cfg). A mode "
+        "that a named --backend does not serve is an error; exit status 1 when a builder's "
+        "buffers pass what their int32 offsets can address (it cannot be created).",
     )  # fmt: skip
     plan.add_argument("--topk", type=_positive_int, required=True, metavar="K",
                       help="K, branches per request during draft decode (1: a chain, as MTP); required")  # fmt: skip
-    plan.add_argument("--num-steps", type=_positive_int, required=True, metavar="S",
-                      help="S, draft steps; required")
+    plan.add_argument(
+        "--num-steps",
+        type=_positive_int,
+        required=True,
+        metavar="S",
+        help="S, draft steps; required",
+    )
     plan.add_argument("--num-draft-tokens", type=_positive_int, required=True, metavar="N",
                       help="N, verify-window width: the draft tree's nodes, root included; "
                       "N - 1 <= K + (S-1)·K² (with K = 1 usually N = S + 1); required")  # fmt: skip
-    plan.add_argument("--page-size", type=_positive_int, default=1, metavar="PS",
-                      help="tokens per KV page (default: %(default)s)")
-    plan.add_argument("--max-bs", type=_positive_int, required=True, metavar="B",
-                      help="largest batch (the largest CUDA-graph bucket); required")
+    plan.add_argument(
+        "--page-size",
+        type=_positive_int,
+        default=1,
+        metavar="PS",
+        help="tokens per KV page (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--max-bs",
+        type=_positive_int,
+        required=True,
+        metavar="B",
+        help="largest batch (the largest CUDA-graph bucket); required",
+    )
     plan.add_argument("--max-context-len", type=_positive_int, required=True, metavar="L",
                       help="longest committed prefix of a request; draft and verify slots come "
                       "on top; required")  # fmt: skip
-    plan.add_argument("--backend", nargs="+", choices=BACKENDS, metavar="BACKEND",
-                      help=f"only these backends, of {', '.join(BACKENDS)} (default: all)")
+    plan.add_argument(
+        "--backend",
+        nargs="+",
+        choices=BACKENDS,
+        metavar="BACKEND",
+        help=f"only these backends, of {', '.join(BACKENDS)} (default: all)",
+    )
     plan.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
                       help="the builder modes the engine uses (default: every mode each backend "
-                      f"serves for the config); choices: {', '.join(MODES)}")  # fmt: skip
-    plan.add_argument("--verify-mask", choices=("bool", "packed", "both"), default="both",
+                      "serves for the config); every named --backend must serve each of them; "
+                      "without --backend, the backends that do not are left out; choices: "
+                      f"{', '.join(MODES)}")  # fmt: skip
+    plan.add_argument("--verify-mask", choices=VERIFY_MASKS, default="both",
                       help="FlashInfer's target-verify mask forms to allocate, each N·ΣL + B·N² "
                       "bytes at full capacity; packed is what FlashInfer 0.7's plan() reads "
                       "without a sync")  # fmt: skip
@@ -442,15 +578,27 @@ def build_parser() -> argparse.ArgumentParser:
         "JSON, Markdown tables and plots; with --from-json, render earlier JSON and run nothing.",
     )  # fmt: skip
     bench.add_argument("-k", metavar="EXPR", help="pytest -k expression selecting benchmarks")
-    bench.add_argument("--bench-dir", default="bench", metavar="DIR",
-                       help="the benchmark folder (default: %(default)s)")
-    bench.add_argument("--out", default="bench/results", metavar="DIR",
-                       help="where JSON, tables and plots go (default: %(default)s)")
-    bench.add_argument("--results", metavar="FILE",
-                       help="a RESULTS.md whose generated section is replaced")
+    bench.add_argument(
+        "--bench-dir",
+        default="bench",
+        metavar="DIR",
+        help="the benchmark folder (default: %(default)s)",
+    )
+    bench.add_argument("--out", metavar="DIR",
+                       help="where the JSON, the tables (bench.md) and the plots go (default: "
+                       f"{RUN_OUT} for a run; with --from-json, none: only the tables are "
+                       "printed)")  # fmt: skip
+    bench.add_argument(
+        "--results", metavar="FILE", help="a RESULTS.md whose generated section is replaced"
+    )
     bench.add_argument("--from-json", nargs="+", metavar="FILE",
-                       help="render these pytest-benchmark JSON files; run nothing")
-    bench.add_argument("--date", help="date printed with the results (default: today)")
+                       help="render these pytest-benchmark JSON files; run nothing, and write "
+                       "only where --out and --results say")  # fmt: skip
+    bench.add_argument(
+        "--date",
+        metavar="YYYY-MM-DD",
+        help="date printed with the results (default: the day the JSON records)",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

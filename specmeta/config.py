@@ -7,21 +7,35 @@ Every persistent buffer of every kernel, backend and mode is sized here, from on
 
 The ``*_need`` functions give what one batch needs of a buffer, for the launchers' capacity
 checks before launch; they use the same formulas as the plan.
+
+The module imports torch only where a torch object is made (a :class:`BufferSpec`'s dtype, an
+allocation, a CUDA device's memory): :func:`plan_sizes` and ``specmeta plan`` size a
+configuration without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SpecConfig",
     "BufferSpec",
+    "BufferSize",
     "plan_buffers",
+    "plan_sizes",
     "allocate_buffers",
+    "check_fits",
+    "human_bytes",
+    "INT32_OFFSET_FIELDS",
     "uses_layout_b",
     "draft_pages_per_branch",
     "draft_row_need",
@@ -255,11 +269,36 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def allocate(self, device: torch.device | str, fill: int = 0) -> torch.Tensor:
         """A new tensor of this shape and dtype on ``device``, filled with ``fill``."""
+        import torch
+
         return torch.full(self.shape, fill, dtype=self.dtype, device=device)
+
+
+# Bytes per element of the dtypes the plan uses, by torch's name for them: the plan is computed
+# with names (no torch import), and plan_buffers turns each name into the torch dtype.
+_ITEMSIZE = {"int32": 4, "int64": 8, "bool": 1, "uint8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSize:
+    """A :class:`BufferSpec` without torch: the same shape and doc, the dtype by its name
+    (``"int32"``, ``"int64"``, ``"bool"``, ``"uint8"``, as ``torch.<name>``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    doc: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _ITEMSIZE[self.dtype]
 
 
 def _plan_flashinfer(cfg: SpecConfig, add) -> None:
@@ -267,7 +306,7 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
     are CPU mirrors for ``plan()`` (pinned when the builder's device is CUDA)."""
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     total = bs * cfg.max_context_len  # ΣL at full capacity
-    i32 = torch.int32
+    i32 = "int32"
     # Per-branch token lists: every step row holds K copies of every prefix (design §2.2).
     mode = "flashinfer.draft_decode"
     add(f"{mode}.kv_indices", (s, draft_decode_kv_indices_need(total, bs, k, s)), i32,
@@ -311,12 +350,12 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
         add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
         add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
     mode = "flashinfer.target_verify"
-    add(f"{mode}.custom_mask", (tree_custom_mask_need(total, bs, n),), torch.bool,
+    add(f"{mode}.custom_mask", (tree_custom_mask_need(total, bs, n),), "bool",
         "[N*ΣL + B*N²] flat bool mask, request i an N × (L_i + N) block")  # fmt: skip
     add(f"{mode}.mask_indptr", (bs + 1,), i32, "[B+1] mask segment starts (elements)")
     add(f"{mode}.mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
     add(f"{mode}.packed_custom_mask", (tree_custom_mask_need(total, bs, n, packed=True),),
-        torch.uint8, "packed-bit mask, little-endian, segment i at byte mask_indptr[i]")  # fmt: skip
+        "uint8", "packed-bit mask, little-endian, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
 
@@ -326,7 +365,7 @@ def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
     width serves every mode: branch rows cover ``L + S`` tokens, verify/extend rows ``L + N``."""
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, n), ps)
-    i32 = torch.int32
+    i32 = "int32"
     mode = "trtllm_mla.draft_decode"
     add(f"{mode}.block_kv_indices", (bs * k, maxblk), i32,
         "[B*K, maxblk] page ids of each branch row (per-branch tables; K == 1: the request's)")  # fmt: skip
@@ -342,45 +381,56 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
 
     Sizes are for ``cfg.max_bs`` requests of at most ``cfg.max_context_len`` committed tokens.
     """
+    import torch
+
+    return {
+        name: BufferSpec(size.shape, getattr(torch, size.dtype), size.doc)
+        for name, size in plan_sizes(cfg).items()
+    }
+
+
+def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
+    """:func:`plan_buffers` without torch: the same keys in the same order, shapes and docs,
+    each dtype by its name (``"int32"`` for ``torch.int32``); what ``specmeta plan`` reads."""
     k, s, ps, bs = cfg.topk, cfg.num_steps, cfg.page_size, cfg.max_bs
     ctx = cfg.max_context_len
-    plan: dict[str, BufferSpec] = {}
+    plan: dict[str, BufferSize] = {}
 
-    def add(name: str, shape: tuple[int, ...], dtype: torch.dtype, doc: str) -> None:
-        plan[name] = BufferSpec(tuple(int(x) for x in shape), dtype, doc)
+    def add(name: str, shape: tuple[int, ...], dtype: str, doc: str) -> None:
+        plan[name] = BufferSize(tuple(int(x) for x in shape), dtype, doc)
 
-    add("status", (1,), torch.int32, "status word (specmeta.Status bits)")
+    add("status", (1,), "int32", "status word (specmeta.Status bits)")
     # Draft slots (design §1, §2.1).
-    add("draft.out_cache_loc", (bs * k * s,), torch.int64, "[B, K, S] draft KV slots")
-    add("draft.positions", (bs * k,), torch.int64, "[B*K] position of each branch's first token")
+    add("draft.out_cache_loc", (bs * k * s,), "int64", "[B, K, S] draft KV slots")
+    add("draft.positions", (bs * k,), "int64", "[B*K] position of each branch's first token")
     tail_pairs = bs * (k - 1) * (ps - 1) if cfg.layout_b else 0
-    add("draft.prefix_tail_tgt", (tail_pairs,), torch.int64, "layout-B prefix-tail copy targets")
-    add("draft.prefix_tail_src", (tail_pairs,), torch.int64, "layout-B prefix-tail copy sources")
+    add("draft.prefix_tail_tgt", (tail_pairs,), "int64", "layout-B prefix-tail copy targets")
+    add("draft.prefix_tail_src", (tail_pairs,), "int64", "layout-B prefix-tail copy sources")
     # Draft-decode CSR lists for page-size-1 consumers (design §2.2): every step row holds K copies
     # of every prefix (the topk factor) plus the chains.
     add(
         "draft_decode.kv_indices",
         (s, draft_decode_kv_indices_need(bs * ctx, bs, k, s)),
-        torch.int32,
+        "int32",
         "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step",
     )
-    add("draft_decode.kv_indptr", (s, bs * k + 1), torch.int32, "[S, B*K+1] CSR offsets")
+    add("draft_decode.kv_indptr", (s, bs * k + 1), "int32", "[S, B*K+1] CSR offsets")
     # Static inputs of the CUDA-graph runners (design §4): the engine's per-batch tensors, copied
     # into [:B] and padded in [B:Bp] before every replay.
     nd = cfg.num_draft_tokens
-    add("runner.req_pool_indices", (bs,), torch.int64, "[B] req_to_token row of each request")
-    add("runner.seq_lens", (bs,), torch.int64, "[B] committed prefix lengths L_b")
-    add("runner.verify_out_cache_loc", (bs * nd,), torch.int64, "[B*N] verify-window KV slots")
-    add("runner.tree_mask", (bs, nd, nd), torch.bool, "[B, N, N] draft-tree ancestor mask")
-    add("runner.accept_index", (bs, s + 1), torch.int32, "[B, S+1] accepted node ids, -1 after")
-    add("runner.accept_lens", (bs,), torch.int32, "[B] accepted nodes per request")
+    add("runner.req_pool_indices", (bs,), "int64", "[B] req_to_token row of each request")
+    add("runner.seq_lens", (bs,), "int64", "[B] committed prefix lengths L_b")
+    add("runner.verify_out_cache_loc", (bs * nd,), "int64", "[B*N] verify-window KV slots")
+    add("runner.tree_mask", (bs, nd, nd), "bool", "[B, N, N] draft-tree ancestor mask")
+    add("runner.accept_index", (bs, s + 1), "int32", "[B, S+1] accepted node ids, -1 after")
+    add("runner.accept_lens", (bs,), "int32", "[B] accepted nodes per request")
     # Relocation after verify (design §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.
-    add("verify.tgt_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move targets")
-    add("verify.src_cache_loc", (bs * (s + 1),), torch.int64, "[B*(S+1)] KV move sources")
+    add("verify.tgt_cache_loc", (bs * (s + 1),), "int64", "[B*(S+1)] KV move targets")
+    add("verify.src_cache_loc", (bs * (s + 1),), "int64", "[B*(S+1)] KV move sources")
     # FlashAttention-3 metadata (design §2.3, §3.2), one set per mode so the metadata of every mode
     # can live at once (e.g. captured in different graphs); int32, as flash_attn_with_kvcache
     # wants. Cascade ("expand_*") buffers exist only for K > 1.
-    i32, n_draft = torch.int32, cfg.num_draft_tokens
+    i32, n_draft = "int32", cfg.num_draft_tokens
     pages = page_table_width(cfg.req_to_token_width, ps)
     dd_rows = s if k == 1 else 1  # K == 1: one length row per step; K > 1: the shared prefix
     add("fa3.draft_decode.page_table", (bs, pages), i32, "[B, W] row pages (K == 1: every step)")
@@ -414,10 +464,180 @@ def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     return plan
 
 
+# A buffer whose entries are found through int32 offsets in a sibling buffer, by its field (the
+# key's last part) -> the field of those offsets (design §2.2, §3.3). Every such list is ragged
+# (CSR): row ``r`` of ``*_indptr`` gives offsets into row ``r`` of the list (a 1-D list is one
+# row), so no row may be longer than an int32 holds. The other buffers are dense tables whose
+# element offsets the kernels compute in 64 bits (design §2.5).
+INT32_OFFSET_FIELDS: dict[str, str] = {
+    "kv_indices": "kv_indptr",
+    "prefix_kv_indices": "prefix_kv_indptr",
+    "chain_kv_indices": "chain_kv_indptr",
+    "custom_mask": "mask_indptr",
+    "packed_custom_mask": "packed_mask_indptr",
+}
+# The largest offset an int32 holds.
+_INT32_MAX = 2**31 - 1
+_FIX = (
+    "shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a builder's "
+    "modes=, allocate_buffers' names=)"
+)
+
+
+def human_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit below it, one decimal: ``"381.5 GiB"``
+    (``"512 B"`` below a KiB)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # the loop returns at PiB
+
+
+def _capacity(device: Any) -> tuple[int, str] | None:
+    """Bytes ``device`` can hold at most, with what they are, or ``None`` where that is not
+    known (a device that is neither CPU nor a visible CUDA device, or no ``sysconf``)."""
+    kind = str(device).split(":", 1)[0]
+    if kind == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf, or no such name here
+            return None
+        return total, "physical memory"
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return None  # the allocation says why it cannot be made
+        _free, total = torch.cuda.mem_get_info(torch.device(device))
+        return total, "memory (torch.cuda.mem_get_info)"
+    return None
+
+
+def check_fits(specs: Mapping[str, Any], device: Any, where: str) -> None:
+    """Raise ``ValueError`` before any allocation if ``specs`` cannot be allocated on ``device``.
+
+    Two checks, on shapes only (nothing is allocated or read):
+
+    1. **Int32 offsets.** A ragged list whose entries are found through int32 offsets in a
+       sibling buffer cannot have a row longer than ``2**31 - 1`` elements: the offsets could
+       not address its end. This applies to the buffers whose field (the key's last part) is
+       in :data:`INT32_OFFSET_FIELDS`: every ``kv_indices`` (``draft_decode.kv_indices`` and
+       FlashInfer's, indexed by their ``kv_indptr``), FlashInfer's ``prefix_kv_indices`` and
+       ``chain_kv_indices`` (their ``*_kv_indptr``), and its ``custom_mask`` and
+       ``packed_custom_mask`` (``mask_indptr`` and ``packed_mask_indptr``, in elements and
+       bytes). A row is the last dimension (``[S, W]`` lists hold one row a draft step).
+       Dense tables (FA3 page tables, TRT-LLM MLA's ``block_kv_indices``, the draft slots)
+       are not limited here: the kernels address them with 64-bit offsets (design §2.5).
+       Int32 *sums* stored in a buffer (FA3's ``cu_seqlens_k``, up to ``ΣL + B·N``) do not
+       show in a shape and are not checked here.
+    2. **Memory.** The bytes of all ``specs`` together must not exceed what ``device`` has in
+       all: on CUDA the total of ``torch.cuda.mem_get_info``, on the CPU the machine's
+       physical memory (``SC_PAGE_SIZE · SC_PHYS_PAGES``). Other devices are not checked.
+       Every spec counts against ``device``: a caller that puts some buffers elsewhere (the
+       ``*_host`` mirrors on the CPU) checks those with a second call.
+
+    Parameters
+    ----------
+    specs : mapping of str to BufferSpec
+        Plan key -> spec (anything with ``shape`` and ``nbytes``: a :class:`BufferSize` too).
+    device : torch.device or str
+        Where they would be allocated.
+    where : str
+        The caller, first in the message (``"allocate_buffers"``, ``"FA3MetadataBuilder"``).
+
+    Raises
+    ------
+    ValueError
+        Naming ``where``, the largest offending buffer's key, shape and bytes, the total bytes
+        and the fix.
+    """
+    if not specs:
+        return
+    total = sum(spec.nbytes for spec in specs.values())
+    total_text = f"{total:,} bytes ({human_bytes(total)})"
+    wide = [
+        key
+        for key, spec in specs.items()
+        if key.rsplit(".", 1)[-1] in INT32_OFFSET_FIELDS
+        and spec.shape
+        and spec.shape[-1] > _INT32_MAX
+    ]
+    if wide:
+        key = max(wide, key=lambda k: specs[k].nbytes)  # the first of equals, in plan order
+        spec = specs[key]
+        offsets = INT32_OFFSET_FIELDS[key.rsplit(".", 1)[-1]]
+        others = len(wide) - 1
+        also = (
+            f"; {others} other buffer{'s have' if others > 1 else ' has'} such rows"
+            if others
+            else ""
+        )
+        raise ValueError(
+            f"{where}: {key} of shape {list(spec.shape)} has rows of {spec.shape[-1]:,} "
+            f"elements, more than the {_INT32_MAX:,} (2**31 - 1) its int32 {offsets} can "
+            f"address; it alone is {spec.nbytes:,} bytes ({human_bytes(spec.nbytes)}) of "
+            f"{total_text} planned{also}; {_FIX}"
+        )
+    capacity = _capacity(device)
+    if capacity is not None and total > capacity[0]:
+        have, what = capacity
+        key = max(specs, key=lambda k: specs[k].nbytes)
+        spec = specs[key]
+        raise ValueError(
+            f"{where}: the {len(specs)} planned "
+            f"{'buffers need' if len(specs) > 1 else 'buffer needs'} {total_text} on {device}, more "
+            f"than its {have:,} bytes ({human_bytes(have)}) of {what}; the largest is {key} "
+            f"of shape {list(spec.shape)}, {spec.nbytes:,} bytes ({human_bytes(spec.nbytes)}); "
+            f"{_FIX}"
+        )
+
+
+def _check_names(plan: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """``names`` as a list, or a ``ValueError`` naming each unknown name with close matches."""
+    if isinstance(names, str):
+        raise TypeError(
+            f"allocate_buffers: names must be a list of plan keys, got the str {names!r}; "
+            f"pass [{names!r}]"
+        )
+    names = list(names)
+    unknown = [name for name in names if name not in plan]
+    if unknown:
+        parts = []
+        for name in unknown:
+            close = difflib.get_close_matches(str(name), list(plan), n=3)
+            quoted = [repr(c) for c in close]
+            hint = (
+                f"did you mean {', '.join(quoted[:-1])} or {quoted[-1]}?"
+                if len(quoted) > 1
+                else f"did you mean {quoted[0]}?"
+                if quoted
+                else "no close name"
+            )
+            parts.append(f"{name!r} ({hint})")
+        raise ValueError(
+            f"allocate_buffers: names has {', '.join(parts)}, not "
+            f"{'a key' if len(unknown) == 1 else 'keys'} of the plan; every name is a key of "
+            "specmeta.plan_buffers(cfg), and `specmeta plan` lists them (the engine groups with --with)"
+        )
+    return names
+
+
 def allocate_buffers(
-    cfg: SpecConfig, device: torch.device | str, names: list[str] | None = None
+    cfg: SpecConfig, device: torch.device | str, names: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Allocate (zero-filled) the planned buffers ``names`` (default: all) on ``device``."""
+    """Allocate (zero-filled) the planned buffers ``names`` (default: all) on ``device``.
+
+    Raises
+    ------
+    ValueError
+        If a name is not a key of :func:`plan_buffers` (the message gives the close ones), or
+        if the buffers cannot be allocated (:func:`check_fits`, before anything is allocated).
+    TypeError
+        If ``names`` is a single ``str``.
+    """
     plan = plan_buffers(cfg)
-    chosen = plan if names is None else {n: plan[n] for n in names}
+    chosen = plan if names is None else {n: plan[n] for n in _check_names(plan, names)}
+    check_fits(chosen, device, "allocate_buffers")
     return {name: spec.allocate(device) for name, spec in chosen.items()}

@@ -56,14 +56,48 @@ _MESSAGES = {
 }
 
 
-class SpecmetaStatusError(RuntimeError):
-    """Raised by :func:`check_status` when a kernel had to mask something."""
+# Every bit a Status flag names; the others are "unknown" (design §7).
+_KNOWN = sum(int(flag) for flag in Status)
+# A status word is int32: bit 31 reads as a negative value, so the word is taken as 32 bits.
+_WORD_MASK = 0xFFFF_FFFF
 
-    def __init__(self, bits: Status, where: str | None = None):
-        self.bits = bits
-        causes = "; ".join(msg for flag, msg in _MESSAGES.items() if flag in bits)
+
+def _unknown_text(unknown: int) -> str:
+    """``"unknown bit 0x40"`` or ``"unknown bits 0x40, 0x80000000"``, with the fix."""
+    bits = [1 << i for i in range(unknown.bit_length()) if unknown >> i & 1]
+    names = ", ".join(f"0x{b:x}" for b in bits)
+    return (
+        f"unknown bit{'s' if len(bits) > 1 else ''} {names} (no specmeta.Status flag has "
+        f"{'them' if len(bits) > 1 else 'it'}: only specmeta's kernels may write a status word; "
+        "pass a word from specmeta.new_status that nothing else writes to, and run kernels of "
+        "this specmeta version)"
+    )
+
+
+class SpecmetaStatusError(RuntimeError):
+    """Raised by :func:`check_status` when a kernel had to mask something.
+
+    Attributes
+    ----------
+    bits : Status
+        Every bit of the word, the unknown ones included (``int(bits)`` is the word's value as
+        32 bits); ``flag in bits`` tests one cause.
+    unknown : int
+        The bits no :class:`Status` flag names (0 when every bit is known): a word written by
+        something other than specmeta's kernels, or by kernels of another specmeta version.
+    where : str or None
+        The label given to :func:`check_status`.
+    """
+
+    def __init__(self, bits: Status | int, where: str | None = None):
+        self.bits = decode_status(bits)
+        self.unknown = int(self.bits) & ~_KNOWN
+        self.where = where
+        causes = [msg for flag, msg in _MESSAGES.items() if flag in self.bits]
+        if self.unknown:
+            causes.append(_unknown_text(self.unknown))
         prefix = f"{where}: " if where else ""
-        super().__init__(f"{prefix}specmeta status 0x{int(bits):x}: {causes}")
+        super().__init__(f"{prefix}specmeta status 0x{int(self.bits):x}: {'; '.join(causes)}")
 
 
 def new_status(device: torch.device | str) -> torch.Tensor:
@@ -116,8 +150,18 @@ def default_status(device: torch.device | str) -> torch.Tensor:
 
 
 def decode_status(value: int) -> Status:
-    """The :class:`Status` flags of a status word's integer value."""
-    return Status(int(value) & sum(int(f) for f in Status))
+    """The :class:`Status` flags of a status word's integer value, every bit kept.
+
+    The word is read as 32 bits (an int32 word with bit 31 set is negative). Bits that no flag
+    names stay in the result, so ``int(decode_status(v)) == v & 0xFFFFFFFF``; the unknown ones
+    are ``int(result) & ~sum(Status)`` (:attr:`SpecmetaStatusError.unknown`).
+
+    >>> decode_status(2 | 64) == Status.POS_OOB | 64
+    True
+    """
+    # IntFlag keeps bits that no member names (its boundary is KEEP), both in Python 3.10's
+    # pseudo-members and in 3.11's flags.
+    return Status(int(value) & _WORD_MASK)
 
 
 def check_status(
@@ -140,6 +184,15 @@ def check_status(
         A label for the message (the caller's step name).
     reset : bool
         Zero the word(s) after reading (default), so the next check sees only new causes.
+
+    Raises
+    ------
+    SpecmetaStatusError
+        If any bit is set: its message lists every cause, and names each bit that no
+        :class:`Status` flag has as an unknown bit with its value (``unknown bit 0x40``); its
+        ``bits`` keep every bit and its ``unknown`` holds those.
+    TypeError
+        If ``status`` is not an ``int32`` tensor of one element.
     """
     if status is None:
         value = 0
@@ -152,7 +205,16 @@ def check_status(
             raise SpecmetaStatusError(decode_status(value), where)
         return
     if not isinstance(status, torch.Tensor) or status.dtype != torch.int32 or status.numel() != 1:
-        raise TypeError("status must be an int32 tensor with one element (see specmeta.new_status)")
+        got = (
+            f"a tensor of dtype {str(status.dtype).removeprefix('torch.')} and shape "
+            f"{list(status.shape)}"
+            if isinstance(status, torch.Tensor)
+            else type(status).__name__
+        )
+        raise TypeError(
+            f"check_status: status must be an int32 tensor with one element, got {got}; pass the "
+            "word given to the launchers (specmeta.new_status(device) makes one)"
+        )
     value = int(status.item())  # the one deliberate sync of the library
     if reset and value:
         status.zero_()

@@ -3,6 +3,11 @@
 Kernel tests run on CUDA where it exists and on CPU under TRITON_INTERPRET=1 elsewhere (that is
 CI). ``SPECMETA_TEST_DEVICE=cpu`` forces the CPU tier on a GPU machine. Tests marked ``gpu`` are
 skipped with the reason "needs a CUDA GPU" when CUDA is absent.
+
+``import specmeta`` changes nothing in the environment, so this file switches Triton's
+interpreter on for the CPU tier, before any test module imports a kernel (Triton reads
+``TRITON_INTERPRET`` when a kernel is decorated). A value already set is kept; subprocesses of
+the tests inherit it.
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ import random
 import pytest
 import torch
 
-import specmeta  # noqa: F401  (sets TRITON_INTERPRET before any kernel is decorated)
-
 
 def _device_name() -> str:
     forced = os.environ.get("SPECMETA_TEST_DEVICE")
     if forced:
         return forced
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+if _device_name() == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -133,11 +133,9 @@ def test_check_reports_and_exits_zero(capsys, device):
     why = host_ops.unavailable()  # which host path the builders use, said before the checks
     want = "compiled" if why is None else f"torch ({why})"
     assert f"host work on seq_lens_cpu: {want}\n" in out
-    from specmeta import tensor_layout
-
-    why = tensor_layout.unavailable()
-    want = "native" if why is None else f"Python and torch's guard ({why})"
-    assert f"tensor reads (call keys, the runner's captured tensors, seq_lens_cpu): {want}\n" in out
+    assert not (why or "").startswith("not built in this process"), (
+        "check warms the host ops up before the checks, as an engine does"
+    )
 
 
 def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
@@ -194,7 +192,8 @@ def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
              "ctx": 1024, "pct_copy_bw": 50.0}  # fmt: skip
     rows = [dict(extra, bs=bs, device_us=float(bs)) for bs in (1, 8, 64)]
     data = {"benchmarks": [{"name": f"bench_x[{r['bs']}]", "fullname": "bench/bench_x.py::bench_x[1]",
-                            "stats": {"median": 2e-5}, "extra_info": r} for r in rows]}  # fmt: skip
+                            "stats": {"median": 2e-5}, "extra_info": r} for r in rows],
+            "datetime": "2026-11-21T08:12:17.235419+00:00"}  # fmt: skip
     src = tmp_path / "in.json"
     src.write_text(json.dumps(data))
     results = tmp_path / "RESULTS.md"
@@ -208,11 +207,65 @@ def test_bench_renders_json_into_tables_plots_and_results(tmp_path, capsys):
     assert list((out / "plots").glob("*.png"))
     text = results.read_text()
     assert "hand-written intro" in text and "TestGPU" in text
-    # A second render replaces the generated section instead of appending another.
+    assert "![bench_bench_x__bench_x](out/plots/bench_bench_x__bench_x.png)" in text, (
+        "plots under its folder are linked"
+    )
+    # A second render replaces the generated section instead of appending another, and without
+    # --date the results keep the day their JSON records, not today's.
     assert (
         main(["bench", "--from-json", str(src), "--out", str(out), "--results", str(results)]) == 0
     )
-    assert results.read_text().count("TestGPU, torch") == 1
+    text = results.read_text()
+    assert text.count("TestGPU, torch") == 1
+    assert "TestGPU, torch t, triton x, 2026-11-21. Copy bandwidth" in text
+    assert "2026-01-02" not in text
+    assert "TestGPU, torch t, triton x, 2026-11-21. Copy" in (out / "bench.md").read_text()
+
+
+def _bench_json(path, day: str | None = "2026-11-21T23:59:59+00:00"):
+    import json
+
+    bench = {"name": "bench_y[1]", "fullname": "bench/bench_y.py::bench_y[1]",
+             "stats": {"median": 1e-6}, "extra_info": {"gpu": "G", "bs": 1, "device_us": 1.0}}  # fmt: skip
+    data = {"benchmarks": [bench]}
+    if day is not None:
+        data["datetime"] = day
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bench_from_json_writes_nothing_unless_told_where(tmp_path, monkeypatch, capsys):
+    """Rendering earlier JSON prints the tables and writes no file: not bench/results (tracked
+    files), not anywhere, until --out or --results names a place."""
+    folder = tmp_path / "checkout"
+    (folder / "bench" / "results").mkdir(parents=True)
+    src = _bench_json(folder / "bench" / "results" / "bench.json")
+    monkeypatch.chdir(folder)
+    assert main(["bench", "--from-json", "bench/results/bench.json"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == [
+        "bench", "bench/results", "bench/results/bench.json"]  # fmt: skip
+    assert "### `bench/bench_y.py::bench_y`\n\nG, torch ?, triton ?, 2026-11-21. Copy" in out
+    assert out.endswith("\nwrote nothing: pass --out DIR for the tables and plots, --results FILE "
+                        "to update a RESULTS.md\n")  # fmt: skip
+    # --results alone: that file only, and no plots to link.
+    results = folder / "RESULTS.md"
+    assert main(["bench", "--from-json", str(src), "--results", str(results)]) == 0
+    assert capsys.readouterr().out.endswith(
+        f"\nupdated {results} (no plots: --out DIR renders them)\n"
+    )
+    assert "G, torch ?, triton ?, 2026-11-21." in results.read_text()
+    assert "![" not in results.read_text()
+    assert sorted(p.name for p in folder.rglob("*")) == ["RESULTS.md", "bench", "bench.json",
+                                                          "results"]  # fmt: skip
+
+
+def test_bench_from_json_of_several_days_names_each(tmp_path, capsys):
+    a = _bench_json(tmp_path / "a.json", "2026-11-26T21:50:10.582045+00:00")
+    b = _bench_json(tmp_path / "b.json", "2026-11-21T08:12:17+00:00")
+    c = _bench_json(tmp_path / "c.json", "2026-11-26T01:00:00+00:00")
+    assert main(["bench", "--from-json", str(a), str(b), str(c)]) == 0
+    assert "G, torch ?, triton ?, 2026-11-21, 2026-11-26. Copy" in capsys.readouterr().out
 
 
 def test_plan_for_the_modes_an_engine_uses(capsys):
@@ -238,3 +291,178 @@ def test_plan_for_the_modes_an_engine_uses(capsys):
     assert grand.split()[2:4] == _human(device).split()
     assert isinstance(fi.status, torch.Tensor)
     assert set(fi.modes) == set(modes)
+
+
+def test_plan_leaves_out_a_default_backend_that_does_not_serve_the_modes(capsys):
+    """Without --backend, a backend that cannot serve every --modes entry is named and left
+    out (TRT-LLM MLA cannot verify a topk = 4 tree); the others are planned."""
+    assert main([*PLAN, "--modes", "target_verify"]) == 0
+    out = capsys.readouterr().out
+    assert ("\ntrtllm_mla: not planned, TrtllmMlaBuilder does not serve target_verify for this "
+            "config (it serves draft_decode, draft_extend)\n") in out  # fmt: skip
+    assert not _rows(out, "trtllm_mla.")
+    assert "FA3MetadataBuilder(cfg, device, modes=['target_verify'])" in out
+    assert "FlashInferBuilder(cfg, device, modes=['target_verify'], verify_mask='both')" in out
+
+
+@pytest.mark.parametrize("topk,ps", [(1, 1), (1, 16), (4, 1), (4, 16)])
+def test_plan_keys_are_the_builders_own(topk, ps):
+    """``specmeta plan`` reads what each builder serves, its plan groups and FlashInfer's mask
+    fields from the data the builders read (:mod:`specmeta.metadata.capabilities`, which
+    imports no torch). What a builder could still say otherwise is its own narrowing of the
+    keys (``allocates``, FlashInfer's ``plan_keys``), its prefix and its class name: the keys
+    ``plan`` lists must be those each builder allocates, for every choice of modes and mask."""
+    from itertools import combinations
+
+    from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
+    from specmeta.config import plan_sizes
+    from specmeta.metadata import capabilities
+
+    cfg = SpecConfig(topk=topk, num_steps=3, num_draft_tokens=4, page_size=ps, max_bs=3,
+                     max_context_len=40)  # fmt: skip
+    keys = list(plan_sizes(cfg))
+    classes = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
+               "trtllm_mla": TrtllmMlaBuilder}  # fmt: skip
+    assert {b: cls.__name__ for b, cls in classes.items()} == capabilities.BUILDERS == BUILDERS
+    for backend, cls in classes.items():
+        assert cls.plan_prefix == backend + "."
+        assert cls.capabilities is capabilities.CAPABILITIES[backend]
+        served = cls.check_modes(cfg, None)
+        masks = capabilities.VERIFY_MASKS if backend == "flashinfer" else [None]
+        for count in range(1, len(served) + 1):
+            for modes in combinations(served, count):
+                for mask in masks:
+                    extra = {} if mask is None else {"verify_mask": mask}
+                    want = cls.plan_keys(cfg, modes, **extra)
+                    got = capabilities.plan_keys(backend, keys, modes, **extra)
+                    assert got == want, (backend, modes, mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the command and the package import: neither `specmeta --help`, `specmeta plan` nor
+# `import specmeta` imports torch or Triton (seconds), and `import specmeta` changes nothing.
+# Each runs in a fresh interpreter, where nothing was imported before.
+# ----------------------------------------------------------------------------------------------
+_HEAVY = "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))"
+
+
+def _fresh(code: str, env: dict | None = None) -> tuple[int, str, str]:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)  # fmt: skip
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_help_imports_no_torch():
+    code = ("import sys\nfrom specmeta.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "for command in ('plan', 'check', 'bench'):\n"
+            "    try:\n        main([command, '--help'])\n"
+            "    except SystemExit as e:\n        assert e.code == 0\n"
+            f"print({_HEAVY}, file=sys.stderr)\n")  # fmt: skip
+    code_, out, err = _fresh(code)
+    assert (code_, err) == (0, "[]\n")
+    assert out.startswith("usage: specmeta [-h] [--version] COMMAND ...\n")
+
+
+def test_plan_imports_no_torch():
+    args = [*PLAN[1:], "--with", "draft", "verify", "runner", "draft_decode", "status"]
+    code = ("import sys\nfrom specmeta.cli import main\n"
+            f"assert main(['plan', *{args!r}]) == 0\n"
+            f"print({_HEAVY}, file=sys.stderr)\n")  # fmt: skip
+    code_, out, err = _fresh(code)
+    assert (code_, err) == (0, "[]\n")
+    assert "\ngrand total" in out
+
+
+def test_import_specmeta_changes_nothing_and_imports_no_torch():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, sys\nbefore = dict(os.environ)\nimport specmeta\n"
+            "cfg = specmeta.SpecConfig(topk=2, num_steps=2, num_draft_tokens=4)\n"
+            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
+            "print(specmeta.__version__, 'TRITON_INTERPRET' in os.environ)\n"
+            f"print({_HEAVY})\n"
+            "specmeta.plan_buffers(cfg)  # torch dtypes: now torch is imported\n"
+            "print('torch' in sys.modules, 'triton' in sys.modules)\n")  # fmt: skip
+    assert _fresh(code, env) == (0, "0.1.0 False\n[]\nTrue False\n", "")
+
+
+def test_version_reads_statically():
+    """setup.cfg reads ``attr: specmeta.__version__`` without importing the package."""
+    code = ("import sys\nfrom setuptools.config.expand import read_attr\n"
+            "print(read_attr('specmeta.__version__', root_dir='.'), 'specmeta' in sys.modules)\n")  # fmt: skip
+    assert _fresh(code) == (0, "0.1.0 False\n", "")
+
+
+def test_public_names_are_the_lazy_table():
+    import specmeta
+
+    assert specmeta.__all__ == list(specmeta._SOURCES)
+    assert set(specmeta.__all__) <= set(dir(specmeta))
+    with pytest.raises(AttributeError) as info:
+        specmeta.plan_bufers  # noqa: B018
+    assert str(info.value) == "module 'specmeta' has no attribute 'plan_bufers'"
+    assert not hasattr(specmeta, "_private") and not hasattr(specmeta, "tensor_layout")
+
+
+def test_submodules_are_attributes_after_import_specmeta_alone():
+    """``import specmeta`` then ``specmeta.config.<name>`` works as when the package imported
+    its submodules eagerly; the submodule is imported on that first use."""
+    code = ("import sys\nimport specmeta\n"
+            "assert 'specmeta.workloads' not in sys.modules\n"
+            "print(specmeta.config.ROW_ALIGN, specmeta.config is sys.modules['specmeta.config'])\n"
+            f"print({_HEAVY})\n")  # fmt: skip
+    assert _fresh(code) == (0, "16 True\n[]\n", "")
+
+
+@pytest.mark.parametrize("name", __import__("specmeta").__all__)
+def test_every_public_name_resolves(name):
+    import importlib
+
+    import specmeta
+
+    value = getattr(specmeta, name)
+    source = importlib.import_module(specmeta._SOURCES[name], "specmeta")
+    assert value is (source if name == "probes" else getattr(source, name))
+    assert specmeta.__dict__[name] is value, "kept after the first lookup"
+
+
+def test_check_on_cpu_switches_the_interpreter_on_itself():
+    """``specmeta check --device cpu`` with TRITON_INTERPRET unset sets it for its own process
+    before the kernels are imported (``import specmeta`` no longer does)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os, sys\nfrom specmeta.cli import main\n"
+            "rc = main(['check', '--device', 'cpu', '--seed', '5', '--only', "
+            "'assign_draft_cache_locs'])\n"
+            "print('exit', rc, os.environ['TRITON_INTERPRET'])\n")  # fmt: skip
+    code_, out, err = _fresh(code, env)
+    assert code_ == 0, err
+    assert out.endswith(" cases; 1 passed, 0 failed\nexit 0 1\n"), out
+
+
+def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
+    """A ten-million-token context for 256 requests: FlashInfer's kv_indices rows pass what
+    their int32 kv_indptr can address on any device; FA3 and TRT-LLM MLA hold dense tables only.
+    The plan is still printed, with the reason under the builder's totals."""
+    huge = ["plan", "--topk", "8", "--num-steps", "5", "--num-draft-tokens", "64", "--page-size",
+            "16", "--max-bs", "256", "--max-context-len", "10000000"]  # fmt: skip
+    assert main(huge) == 1
+    out = capsys.readouterr().out
+    cannot = [ln for ln in out.splitlines() if "cannot be created" in ln]
+    assert cannot == [
+        "  cannot be created: FlashInferBuilder: flashinfer.draft_decode.kv_indices of shape "
+        "[5, 20480010240] has rows of 20,480,010,240 elements, more than the 2,147,483,647 "
+        "(2**31 - 1) its int32 kv_indptr can address; it alone is 409,600,204,800 bytes "
+        "(381.5 GiB) of 793,603,089,092 bytes (739.1 GiB) planned; 5 other buffers have such "
+        "rows; shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a "
+        "builder's modes=, allocate_buffers' names=)",
+        "FlashInferBuilder: cannot be created for this config (see above); exit status 1",
+    ]
+    assert main([*huge, "--backend", "fa3", "trtllm_mla"]) == 0
+    assert "cannot be created" not in capsys.readouterr().out

@@ -7,6 +7,7 @@ change of this file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -102,14 +103,51 @@ def test_check_device_cpu_without_the_interpreter(capsys, monkeypatch):
     )
 
 
-def test_check_device_cpu_on_a_gpu_machine(capsys, one_gpu, monkeypatch):
+def _planted_gpu_kernel(x):  # the body of a kernel decorated with the interpreter off
+    pass
+
+
+def test_check_device_cpu_after_gpu_kernels_were_imported(capsys, one_gpu, monkeypatch):
+    """Unset, the CLI sets TRITON_INTERPRET itself, but kernels a process already decorated
+    for the GPU stay compiled (Triton reads the switch at decoration): it says so instead of
+    running them on CPU tensors. The compiled kernel is planted: this process decorated the
+    real ones under the interpreter."""
+    import os
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    module = types.ModuleType("specmeta._planted")
+    module.kernel = JITFunction(_planted_gpu_kernel)
+    monkeypatch.setitem(sys.modules, "specmeta._planted", module)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert run(capsys, "check", "--device", "cpu") == (
         2,
         "specmeta check: --device cpu: the kernels run on CPU tensors only under Triton's "
-        "interpreter, and TRITON_INTERPRET is unset (CUDA is present); "
-        "run TRITON_INTERPRET=1 specmeta check --device cpu\n",
+        "interpreter, and TRITON_INTERPRET is unset while specmeta's kernels are already "
+        "compiled for the GPU in this process (Triton reads it when a kernel is decorated); run "
+        "TRITON_INTERPRET=1 specmeta check --device cpu\n",
     )
+    assert "TRITON_INTERPRET" not in os.environ
+
+
+def test_check_device_cpu_sets_the_interpreter_itself(monkeypatch):
+    """No kernel compiled for the GPU yet and TRITON_INTERPRET unset: set to 1 for this process
+    (tests/test_cli.py runs the whole command in a fresh interpreter; here the scan is planted,
+    as a GPU-tier test process holds compiled kernels)."""
+    import os
+
+    monkeypatch.setattr(cli, "_compiled_kernels", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli._device("cpu") == torch.device("cpu")
+    assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_compiled_kernels_tells_how_this_process_decorated_them(device):
+    """The CPU tier decorates every kernel under the interpreter, the GPU tier for the GPU."""
+    import specmeta.kernels  # noqa: F401
+
+    assert cli._compiled_kernels() == (device.type == "cuda")
 
 
 def test_check_only_an_unknown_check(capsys):
@@ -146,6 +184,60 @@ def test_plan_num_draft_tokens_too_large(capsys):
         "specmeta plan: --num-draft-tokens 9 is too large for --topk 2 --num-steps 2: a draft "
         "tree has at most 1 + K + (S-1)·K² = 7 nodes; pass at most 7\n",
     )
+
+
+def test_plan_modes_that_the_named_backend_does_not_serve(capsys):
+    """Naming a backend and a mode it does not serve plans nothing and says which modes it has
+    and which backend has the mode (it used to print a note and exit 0)."""
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "fa3", "--modes", "draft_decode_shared_prefix") == (
+        2,
+        "specmeta plan: --modes draft_decode_shared_prefix: --backend fa3 (FA3MetadataBuilder) "
+        "does not serve draft_decode_shared_prefix; it serves draft_decode, target_verify, "
+        "draft_extend for this config; drop it from --modes, or pass --backend flashinfer, "
+        "which serves it\n",
+    )  # fmt: skip
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "flashinfer", "fa3", "--modes", "draft_decode_paged", "target_verify",
+               "draft_decode_shared_prefix") == (
+        2,
+        "specmeta plan: --modes draft_decode_paged draft_decode_shared_prefix: --backend fa3 "
+        "(FA3MetadataBuilder) does not serve draft_decode_paged or draft_decode_shared_prefix; "
+        "it serves draft_decode, target_verify, draft_extend for this config; drop them from "
+        "--modes, or pass --backend flashinfer, which serves them\n",
+    )  # fmt: skip
+
+
+def test_plan_tree_verify_on_a_backend_that_cannot_verify_a_tree(capsys):
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "trtllm_mla", "--modes", "draft_extend", "target_verify") == (
+        2,
+        "specmeta plan: --modes target_verify: --backend trtllm_mla (TrtllmMlaBuilder) does not "
+        "serve target_verify (target_verify with --topk 2 needs a tree, which it cannot "
+        "verify); it serves draft_decode, draft_extend for this config; drop it from --modes, "
+        "or pass --backend fa3 flashinfer, which serve it\n",
+    )  # fmt: skip
+    # A chain (topk = 1) is no tree: the same request plans.
+    assert cli.main(["plan", "--topk", "1", "--num-draft-tokens", "3", *PLAN, "--backend",
+                     "trtllm_mla", "--modes", "draft_extend", "target_verify"]) == 0  # fmt: skip
+    assert "TrtllmMlaBuilder(cfg, device, modes=['target_verify', 'draft_extend'])" in (
+        capsys.readouterr().out
+    )
+
+
+def test_plan_modes_that_no_backend_serves(capsys, monkeypatch):
+    """Without --backend, backends that miss a mode are left out; when every backend misses
+    one, the first is named (no builder serves every mode list today: planted here)."""
+    flashinfer = dataclasses.replace(cli.CAPABILITIES["flashinfer"],
+                                     modes=cli.CAPABILITIES["fa3"].modes)  # fmt: skip
+    monkeypatch.setitem(cli.CAPABILITIES, "flashinfer", flashinfer)
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--modes",
+               "draft_decode_paged") == (
+        2,
+        "specmeta plan: --modes draft_decode_paged: --backend trtllm_mla (TrtllmMlaBuilder) "
+        "does not serve draft_decode_paged; it serves draft_decode, draft_extend for this "
+        "config; drop it from --modes\n",
+    )  # fmt: skip
 
 
 def test_plan_without_its_required_options(capsys):
@@ -232,4 +324,29 @@ def test_bench_results_in_a_missing_folder(capsys, empty_cwd):
         2,
         "specmeta bench: --results docs/RESULTS.md: its folder does not exist; pass a path in an "
         "existing folder\n",
+    )
+
+
+def test_bench_date_that_is_not_a_date(capsys, empty_cwd):
+    assert run(capsys, "bench", "--from-json", "x.json", "--date", "26.11.2026") == (
+        2,
+        "specmeta bench: --date 26.11.2026: not a date; pass YYYY-MM-DD, e.g. --date 2026-11-26\n",
+    )
+
+
+def test_bench_from_json_without_a_date(capsys, tmp_path):
+    """The results keep their own day; a JSON that records none needs --date (never today's,
+    which would re-date old results)."""
+    src = tmp_path / "in.json"
+    bench = {"name": "b[1]", "fullname": "bench/b.py::b[1]", "stats": {"median": 1e-6}}
+    src.write_text(json.dumps({"benchmarks": [bench]}))
+    assert run(capsys, "bench", "--from-json", str(src), "--out", str(tmp_path / "out")) == (
+        2,
+        f"specmeta bench: --from-json {src}: records no date (no 'datetime' field, which "
+        "pytest-benchmark writes); pass --date YYYY-MM-DD\n",
+    )
+    assert not (tmp_path / "out").exists()
+    src.write_text(json.dumps({"benchmarks": [bench], "datetime": "yesterday"}))
+    assert run(capsys, "bench", "--from-json", str(src))[1].startswith(
+        f"specmeta bench: --from-json {src}: records no date"
     )

@@ -77,3 +77,242 @@ def test_default_row_width_is_whole_pages_and_lines(ps):
     assert cfg.req_to_token_width >= 1000 + 6
     unit = ps * ROW_ALIGN // math.gcd(ps, ROW_ALIGN)
     assert cfg.req_to_token_width - unit < cfg.row_width_need, "the smallest such width"
+
+
+# --------------------------------------------------------------------------------------------
+# check_fits: a plan that cannot be allocated is refused before anything is allocated.
+# --------------------------------------------------------------------------------------------
+_FIX = (
+    "shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a builder's "
+    "modes=, allocate_buffers' names=)"
+)
+# The configuration of the report: a 10-million-token context for 256 requests.
+HUGE = SpecConfig(topk=8, num_steps=5, num_draft_tokens=64, page_size=16, max_bs=256,
+                  max_context_len=10**7)  # fmt: skip
+
+
+def _no_allocation(monkeypatch):
+    """Make any allocation through a BufferSpec fail the test."""
+    from specmeta.config import BufferSpec
+
+    def refuse(self, device, fill=0):
+        raise AssertionError(f"allocated {self.shape} before the check")
+
+    monkeypatch.setattr(BufferSpec, "allocate", refuse)
+
+
+def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monkeypatch):
+    from specmeta import allocate_buffers
+
+    _no_allocation(monkeypatch)
+    total = sum(spec.nbytes for spec in plan_buffers(HUGE).values())
+    with pytest.raises(ValueError) as info:
+        allocate_buffers(HUGE, "cpu")
+    # One row is K·ΣL + B·K·S = 8·256·10^7 + 256·8·5 = 20,480,010,240 entries; five rows of
+    # int32 are 409,600,204,800 bytes = 381.47 GiB (the request torch's allocator saw).
+    assert str(info.value) == (
+        "allocate_buffers: draft_decode.kv_indices of shape [5, 20480010240] has rows of "
+        "20,480,010,240 elements, more than the 2,147,483,647 (2**31 - 1) its int32 kv_indptr "
+        f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
+        f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
+    )
+    assert total == 1_211_529_946_904
+
+
+def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):
+    from specmeta import allocate_buffers
+
+    _no_allocation(monkeypatch)
+    with pytest.raises(ValueError) as info:
+        allocate_buffers(HUGE, "cpu", ["fa3.target_verify.page_table",
+                                       "flashinfer.draft_decode_shared.prefix_kv_indices"])  # fmt: skip
+    # ΣL = 256·10^7 = 2,560,000,000 prefix entries in one CSR row.
+    assert str(info.value) == (
+        "allocate_buffers: flashinfer.draft_decode_shared.prefix_kv_indices of shape "
+        "[2560000000] has rows of 2,560,000,000 elements, more than the 2,147,483,647 "
+        "(2**31 - 1) its int32 prefix_kv_indptr can address; it alone is 10,240,000,000 bytes "
+        "(9.5 GiB) of 10,880,015,360 bytes (10.1 GiB) planned; " + _FIX
+    )
+    # The page table: W_row = 10^7 - 15 + 8 branches · 2 pages · 16 = 10,000,240 positions (the
+    # prefix 10^7 - 1, design §1 layout B), 625,015 pages of 16; 256 rows of int32 = 640,015,360
+    # bytes, which fit: only the prefix list is refused.
+
+
+@pytest.mark.parametrize("field,offsets", [
+    ("kv_indices", "kv_indptr"), ("prefix_kv_indices", "prefix_kv_indptr"),
+    ("chain_kv_indices", "chain_kv_indptr"), ("custom_mask", "mask_indptr"),
+    ("packed_custom_mask", "packed_mask_indptr")])  # fmt: skip
+def test_check_fits_limits_each_int32_indexed_row(field, offsets):
+    """A row of 2**31 - 1 elements is addressable (its end offset fits an int32), one more is
+    not; a [S, W] list is limited per row, not in all. Nothing is allocated on ``meta``, where
+    no memory limit applies, so only the offsets decide."""
+    from specmeta.config import BufferSize, check_fits
+
+    top = 2**31 - 1
+    check_fits({f"x.{field}": BufferSize((top,), "int32", "")}, "meta", "t")
+    check_fits({f"x.{field}": BufferSize((5, top), "int32", "")}, "meta", "t")
+    with pytest.raises(ValueError) as info:
+        check_fits({"x.small": BufferSize((3,), "int32", ""),
+                    f"x.{field}": BufferSize((2, top + 1), "uint8", "")}, "meta", "Caller")  # fmt: skip
+    assert str(info.value) == (
+        f"Caller: x.{field} of shape [2, 2147483648] has rows of 2,147,483,648 elements, more "
+        f"than the 2,147,483,647 (2**31 - 1) its int32 {offsets} can address; it alone is "
+        f"4,294,967,296 bytes (4.0 GiB) of 4,294,967,308 bytes (4.0 GiB) planned; {_FIX}"
+    )
+
+
+def test_check_fits_leaves_dense_tables_to_64_bit_offsets():
+    """Page tables and block tables are dense: the kernels address them in 64 bits, so only
+    the memory check applies to them."""
+    from specmeta.config import BufferSize, check_fits
+
+    wide = (2, 2**31)
+    check_fits({"fa3.draft_decode.page_table": BufferSize(wide, "int32", ""),
+                "trtllm_mla.draft_decode.block_kv_indices": BufferSize(wide, "int32", ""),
+                "draft.out_cache_loc": BufferSize((2**32,), "int64", "")}, "meta", "t")  # fmt: skip
+
+
+def test_check_fits_refuses_more_than_the_cpu_has(monkeypatch):
+    from specmeta.config import BufferSpec, check_fits
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 4}  # a 16 KiB machine
+    monkeypatch.setattr("specmeta.config.os.sysconf", lambda name: pages[name])
+    specs = {"a": BufferSpec((1000,), torch.int32, "a"), "b": BufferSpec((3000,), torch.int64, "b")}
+    with pytest.raises(ValueError) as info:
+        check_fits(specs, "cpu", "FA3MetadataBuilder")
+    assert str(info.value) == (
+        "FA3MetadataBuilder: the 2 planned buffers need 28,000 bytes (27.3 KiB) on cpu, more "
+        "than its 16,384 bytes (16.0 KiB) of physical memory; the largest is b of shape [3000], "
+        f"24,000 bytes (23.4 KiB); {_FIX}"
+    )
+    check_fits({"a": specs["a"]}, "cpu", "FA3MetadataBuilder")  # 4,000 bytes fit
+    check_fits({"a": specs["a"]}, torch.device("cpu"), "FA3MetadataBuilder")
+
+
+def test_check_fits_refuses_more_than_the_gpu_has(monkeypatch):
+    from specmeta.config import BufferSpec, check_fits
+
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 10 * 2**30, 80 * 2**30  # free, total: the total decides
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    big = {"x.page_table": BufferSpec((2**20, 2**13, 3), torch.int32, "")}  # 96 GiB
+    with pytest.raises(ValueError) as info:
+        check_fits(big, "cuda:1", "TrtllmMlaBuilder")
+    assert str(info.value) == (
+        "TrtllmMlaBuilder: the 1 planned buffer needs 103,079,215,104 bytes (96.0 GiB) on "
+        "cuda:1, more than its 85,899,345,920 bytes (80.0 GiB) of memory "
+        "(torch.cuda.mem_get_info); the largest is x.page_table of shape [1048576, 8192, 3], "
+        f"103,079,215,104 bytes (96.0 GiB); {_FIX}"
+    )
+    assert asked == [torch.device("cuda:1")]
+    check_fits({"x.page_table": BufferSpec((2**20, 2**13, 2), torch.int32, "")}, "cuda:1", "t")
+
+
+def test_allocate_buffers_names_an_unknown_buffer_with_close_matches():
+    from specmeta import allocate_buffers
+
+    cfg = SpecConfig(topk=2, num_steps=2, num_draft_tokens=4)
+    with pytest.raises(ValueError) as info:
+        allocate_buffers(cfg, "cpu", ["draft.positions", "draft.out_cache_locs"])
+    assert str(info.value) == (
+        "allocate_buffers: names has 'draft.out_cache_locs' (did you mean "
+        "'draft.out_cache_loc', 'verify.tgt_cache_loc' or 'verify.src_cache_loc'?), not a key "
+        "of the plan; every name is a key of specmeta.plan_buffers(cfg), and `specmeta plan` "
+        "lists them (the engine groups with --with)"
+    )
+    with pytest.raises(ValueError) as info:
+        allocate_buffers(cfg, "cpu", ["fa3.draft_decode.page_tabel", "zzz"])
+    assert str(info.value) == (
+        "allocate_buffers: names has 'fa3.draft_decode.page_tabel' (did you mean "
+        "'fa3.draft_decode.page_table', 'fa3.draft_decode.expand_page_table' or "
+        "'fa3.draft_extend.page_table'?), 'zzz' (no close name), not keys of the plan; every "
+        "name is a key of specmeta.plan_buffers(cfg), and `specmeta plan` lists them (the "
+        "engine groups with --with)"
+    )
+    with pytest.raises(TypeError) as info:
+        allocate_buffers(cfg, "cpu", "draft.positions")
+    assert str(info.value) == (
+        "allocate_buffers: names must be a list of plan keys, got the str 'draft.positions'; "
+        "pass ['draft.positions']"
+    )
+    bufs = allocate_buffers(cfg, "cpu", ("draft.positions",))  # any iterable of names
+    assert list(bufs) == ["draft.positions"] and bufs["draft.positions"].shape == (2,)
+
+
+def test_plan_sizes_is_plan_buffers_without_torch():
+    from specmeta.config import plan_sizes
+
+    for cfg in (CFG_A, CFG_B, HUGE):
+        sizes, specs = plan_sizes(cfg), plan_buffers(cfg)
+        assert list(sizes) == list(specs)
+        for name, spec in specs.items():
+            size = sizes[name]
+            assert (size.shape, size.doc, size.nbytes) == (spec.shape, spec.doc, spec.nbytes)
+            assert getattr(torch, size.dtype) == spec.dtype, name
+    assert {s.dtype for s in plan_sizes(CFG_B).values()} == {"int32", "int64", "bool", "uint8"}
+
+
+CFG_A = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, max_bs=3, max_context_len=50)
+CFG_B = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
+                   max_context_len=1024)  # fmt: skip
+
+
+def test_human_bytes():
+    from specmeta.config import human_bytes
+
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 2**30, 409_600_204_800, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "1.0 GiB", "381.5 GiB", "3.0 TiB"]  # fmt: skip
+
+
+def test_the_plan_imports_no_torch():
+    """``specmeta plan`` sizes a configuration without torch (seconds to import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from specmeta.config import SpecConfig, plan_sizes\n"
+        "cfg = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, max_bs=8, max_context_len=64)\n"
+        "assert plan_sizes(cfg)['draft_decode.kv_indices'].nbytes == 3 * (4 * 512 + 8 * 4 * 3) * 4\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\n", "")
+
+
+def test_builders_check_their_buffers_before_allocating(monkeypatch):
+    """Each builder's constructor runs check_fits over what it allocates (its plan keys and its
+    status word), with its own name first in the message."""
+    from specmeta import FA3MetadataBuilder, FlashInferBuilder
+
+    _no_allocation(monkeypatch)
+    plan = plan_buffers(HUGE)
+    names = ["status", *FlashInferBuilder.plan_keys(HUGE)]
+    total = sum(plan[name].nbytes for name in names)
+    assert (len(names), total) == (43, 793_603_089_092)
+    with pytest.raises(ValueError) as info:
+        FlashInferBuilder(HUGE, "cpu")
+    assert str(info.value) == (
+        "FlashInferBuilder: flashinfer.draft_decode.kv_indices of shape [5, 20480010240] has "
+        "rows of 20,480,010,240 elements, more than the 2,147,483,647 (2**31 - 1) its int32 "
+        f"kv_indptr can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} "
+        f"bytes (739.1 GiB) planned; 5 other buffers have such rows; {_FIX}"
+    )
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1}  # a 4 KiB machine
+    monkeypatch.setattr("specmeta.config.os.sysconf", lambda name: pages[name])
+    names = ["status", *FA3MetadataBuilder.plan_keys(CFG_B)]
+    total = sum(plan_buffers(CFG_B)[name].nbytes for name in names)
+    assert (len(names), total) == (21, 12_020)
+    with pytest.raises(ValueError) as info:
+        FA3MetadataBuilder(CFG_B, "cpu")
+    assert str(info.value) == (
+        f"FA3MetadataBuilder: the {len(names)} planned buffers need {total:,} bytes (11.7 KiB) "
+        "on cpu, more than its 4,096 bytes (4.0 KiB) of physical memory; the largest is "
+        "fa3.draft_decode.page_table of shape [8, 71], 2,272 bytes (2.2 KiB); " + _FIX
+    )

@@ -20,8 +20,108 @@ def test_clean_word_passes_and_set_bits_raise_with_causes(device):
 
 
 def test_rejects_wrong_kind_of_word():
-    with pytest.raises(TypeError):
+    fix = "pass the word given to the launchers (specmeta.new_status(device) makes one)"
+    with pytest.raises(TypeError) as info:
         check_status(torch.zeros(2, dtype=torch.int32))
+    assert str(info.value) == (
+        "check_status: status must be an int32 tensor with one element, got a tensor of dtype "
+        f"int32 and shape [2]; {fix}"
+    )
+    with pytest.raises(TypeError) as info:
+        check_status(torch.zeros(1, dtype=torch.int64))
+    assert str(info.value) == (
+        "check_status: status must be an int32 tensor with one element, got a tensor of dtype "
+        f"int64 and shape [1]; {fix}"
+    )
+    with pytest.raises(TypeError) as info:
+        check_status(0)
+    assert str(info.value) == (
+        f"check_status: status must be an int32 tensor with one element, got int; {fix}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Bits that no Status flag names: named as unknown with their value, never dropped (design §7).
+# --------------------------------------------------------------------------------------------
+_POS_OOB = (
+    "a token position fell outside a req_to_token row, or seq_lens was negative "
+    "(gathers read the sink, 0)"
+)
+_UNKNOWN_FIX = (
+    "only specmeta's kernels may write a status word; pass a word from specmeta.new_status "
+    "that nothing else writes to, and run kernels of this specmeta version)"
+)
+
+
+def test_an_unknown_bit_alone_is_named_with_its_value():
+    word = torch.tensor([64], dtype=torch.int32)
+    with pytest.raises(SpecmetaStatusError) as info:
+        check_status(word, where="draft step 2")
+    assert str(info.value) == (
+        f"draft step 2: specmeta status 0x40: unknown bit 0x40 (no specmeta.Status flag has it: "
+        f"{_UNKNOWN_FIX}"
+    )
+    assert int(info.value.bits) == 64 and info.value.unknown == 64
+    assert info.value.where == "draft step 2"
+    assert int(word) == 0, "reset like any other bit"
+
+
+def test_unknown_bits_are_named_beside_the_known_causes():
+    with pytest.raises(SpecmetaStatusError) as info:
+        check_status(torch.tensor([64 | int(Status.POS_OOB)], dtype=torch.int32))
+    assert str(info.value) == (
+        f"specmeta status 0x42: {_POS_OOB}; unknown bit 0x40 (no specmeta.Status flag has it: "
+        f"{_UNKNOWN_FIX}"
+    )
+    err = info.value
+    assert Status.POS_OOB in err.bits and Status.ROW_OOB not in err.bits
+    assert int(err.bits) == 0x42, "bits keep every bit of the word"
+    assert err.unknown == 0x40
+
+
+def test_several_unknown_bits_and_bit_31_of_a_negative_word():
+    """An int32 word with bit 31 set reads negative; it is taken as 32 bits, not as -2**31."""
+    word = torch.tensor([-(2**31) | 0x80 | 0x40], dtype=torch.int32)
+    with pytest.raises(SpecmetaStatusError) as info:
+        check_status(word)
+    assert str(info.value) == (
+        "specmeta status 0x800000c0: unknown bits 0x40, 0x80, 0x80000000 (no specmeta.Status "
+        f"flag has them: {_UNKNOWN_FIX}"
+    )
+    assert info.value.unknown == 0x800000C0 and int(info.value.bits) == 0x800000C0
+
+
+def test_decode_status_keeps_every_bit():
+    from specmeta.status import decode_status
+
+    assert decode_status(0) == Status.OK
+    assert decode_status(int(Status.BAD_PAGE)) == Status.BAD_PAGE
+    bits = decode_status(int(Status.ROW_OOB) | 1024)
+    assert int(bits) == 1025 and Status.ROW_OOB in bits
+    assert int(decode_status(-1)) == 0xFFFFFFFF, "a negative int32 word as its 32 bits"
+    every = 0
+    for flag in Status:
+        every |= int(flag)
+    assert every == 63, "the known flags are bits 0..5; a new flag changes this test on purpose"
+    # An error made from an int (as the speculative loop does) says the same as check_status.
+    err = SpecmetaStatusError(int(Status.POS_OOB) | 64, where="iteration 3 (B=2)")
+    assert str(err) == (
+        f"iteration 3 (B=2): specmeta status 0x42: {_POS_OOB}; unknown bit 0x40 (no "
+        f"specmeta.Status flag has it: {_UNKNOWN_FIX}"
+    )
+
+
+def test_default_words_report_unknown_bits_too(device, clean_default_words):
+    from specmeta import default_status
+
+    default_status(device).fill_(256)
+    with pytest.raises(SpecmetaStatusError) as info:
+        check_status()
+    assert str(info.value) == (
+        f"specmeta status 0x100: unknown bit 0x100 (no specmeta.Status flag has it: {_UNKNOWN_FIX}"
+    )
+    assert info.value.unknown == 256
+    assert int(default_status(device)) == 0
 
 
 def test_validate_treats_cuda_and_cuda_index_alike():
