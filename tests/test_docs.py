@@ -5,9 +5,11 @@ and every ``design §N.M`` or ``style §N`` citation names a section that exists
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -136,3 +138,49 @@ def test_every_citation_names_an_existing_section():
 )
 def test_citation_parser(line, expected):
     assert [(s, d) for _, s, d in citations("x.py", line)] == expected
+
+
+README = ROOT / "README.md"
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_LINK = re.compile(r"\]\(([^)#]+)(?:#[^)]*)?\)")
+
+
+def test_readme_is_under_300_lines():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines < 300, f"README.md has {lines} lines; it is an integrator's page (< 300)"
+
+
+def test_readme_links_name_files_that_exist():
+    missing = [link for link in _LINK.findall(README.read_text(encoding="utf-8"))
+               if not link.startswith("http") and not (ROOT / link).exists()]  # fmt: skip
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_readme_names_only_public_names_that_exist():
+    """Every ``specmeta.<name>`` the README names resolves, and every ``bind_<...>`` it names is
+    a method or function of the package."""
+    import specmeta
+
+    text = README.read_text(encoding="utf-8")
+    missing = [n for n in sorted(set(re.findall(r"\bspecmeta\.([A-Za-z_]\w*)", text)))
+               if not hasattr(specmeta, n)]  # fmt: skip
+    assert not missing, f"README.md names specmeta.{missing}, which do not exist"
+
+
+def test_readme_quickstart_runs():
+    """The quickstart block runs as it stands (on the CPU, under the interpreter), in a fresh
+    process, and checks its status word."""
+    blocks = [b for lang, b in _FENCE.findall(README.read_text(encoding="utf-8")) if lang == "python"
+              and "specmeta.SpecConfig" in b]  # fmt: skip
+    assert blocks, "README.md has no quickstart block"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", blocks[0]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_readme_commands_are_the_ci_commands():
+    """The two commands the README gives are the ones .ci/run runs."""
+    text, ci = README.read_text(encoding="utf-8"), (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m pytest -q" in text and "python3 -m pytest -q" in ci
+    assert "pip install torch==2.13.0" in text and "pip install torch==2.13.0" in ci
