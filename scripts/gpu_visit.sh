@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
-# Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]]
+# Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]] [targets]
+#                             [startup]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
 #                             [lossless[=<pytest -k expr>]] [mutations-gpu]
 #                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
@@ -120,6 +121,25 @@ PY
       rc=$?
       tail -n 15 "$OUT/sanitize.log"
       summary+=("compute-sanitizer memcheck: rc=$rc; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -n 1) $(grep -E 'passed|failed' "$OUT/sanitize.log" | tail -n 1)")
+      ;;
+    targets)
+      # The host targets (design §2.8) of this tree and of the base commit's package unpacked
+      # into .before/ (carried), in one visit: two tables side by side.
+      (cd .before && PYTHONPATH=$PWD timeout 280 python3 ../scripts/host_targets.py \
+        --label before --out "$OUT/targets_before.json" > "$OUT/targets_before.log" 2>&1)
+      timeout 280 python3 scripts/host_targets.py --label after \
+        --out "$OUT/targets_after.json" > "$OUT/targets_after.log" 2>&1
+      python3 scripts/host_targets.py --table "$OUT/targets_before.json" \
+        "$OUT/targets_after.json" | tee "$OUT/targets.md" | tail -n 45
+      summary+=("host targets: $(tail -n 1 "$OUT/targets.md")")
+      ;;
+    startup)
+      # A fresh process with empty caches, this tree and the base commit's (.before/).
+      for tree in . .before; do
+        (cd "$tree" && PYTHONPATH=$PWD timeout 200 python3 "$OLDPWD/scripts/startup.py" \
+          --device cuda --warmup) | tee -a "$OUT/startup.jsonl"
+      done
+      summary+=("startup: $(tr '\n' ' ' < "$OUT/startup.jsonl")")
       ;;
     bench-before=*)
       # The same benchmarks on the package of another commit, unpacked into .before/ (carried):

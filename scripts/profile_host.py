@@ -31,8 +31,7 @@ def _runner_calls():
     for stage in ("draft", "verify", "accept"):
         raw, host = st.inputs(stage, 8)
         runner = st.runners[stage]
-        calls[f"runner.{stage}"] = (lambda r=runner, x=raw, h=host: r.run(8, x, host_inputs=h,
-                                                                         copy=False))  # fmt: skip
+        calls[f"runner.{stage}"] = lambda r=runner, x=raw, h=host: r.run(8, x, host_inputs=h)
     return calls
 
 

@@ -42,6 +42,9 @@ def test_every_snippet_occurs_once_in_the_current_tree(m):
     assert m.old != m.new
     assert mutations.stale(m, ROOT) is None
     assert m.tests and all(isinstance(t, str) for t in m.tests)
+    files = [t.split("::")[0] for t in m.tests if t.split("::")[0].endswith(".py")]
+    assert files, f"{m.id}: no test file in {m.tests}"
+    assert all((ROOT / f).is_file() for f in files), f"{m.id}: no such test file in {files}"
 
 
 def test_every_layer_has_a_mutation():
