@@ -24,42 +24,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
 import torch
 
-
-def parse_device(argv: list[str] | None = None) -> torch.device:
-    """``--device`` of the command line, read before specmeta (and so Triton) is imported.
-
-    The default is ``cuda`` where torch sees a GPU, else ``cpu``. On the CPU the kernels run in
-    Triton's interpreter, which must be on before Triton is first imported: this sets
-    ``TRITON_INTERPRET=1`` unless the environment already says. A device the kernels cannot
-    run on here ends the script with one line naming the problem and the fix.
-    """
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    name = parser.parse_known_args(argv)[0].device
-    script = os.path.basename(__file__)
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        sys.exit(f"{script}: --device {name} is not a torch device; pass --device cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"{script}: --device {name}, but this torch ({torch.__version__}) sees no CUDA "
-                 "GPU; run with --device cpu (Triton's interpreter) or on a machine with one")  # fmt: skip
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        value = os.environ["TRITON_INTERPRET"]
-        if value in ("", "0"):
-            sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
-                     f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
-    return device
-
+from specmeta.testing.script_device import parse_device  # noqa: E402
 
 if __name__ == "__main__":
-    parse_device()  # before the imports below: they import Triton
+    parse_device(__file__)  # before the imports below: they import Triton
 
 import specmeta  # noqa: E402
 from specmeta import SpecConfig, Stage  # noqa: E402
@@ -123,7 +94,7 @@ def same_tables(got: tuple[FA3Cascade, ...], want: tuple[FA3Cascade, ...]) -> bo
 
 
 def main(argv: list[str] | None = None) -> Result:
-    device = parse_device(argv)
+    device = parse_device(__file__, argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=str(device))
     parser.add_argument("--seed", type=int, default=0)
