@@ -1,17 +1,12 @@
 """How every specmeta kernel is launched: bound once through Triton's own handle (design §2.7).
 
 :meth:`Launcher.bind` asks Triton for the compiled kernel of one call's arguments with
-``JITFunction.warmup`` — Triton's own specialization and its own cache: it compiles, or loads
-from Triton's cache, exactly what ``kernel[grid](...)`` would launch, and launches nothing. The
-:class:`Launch` it returns holds that ``CompiledKernel``, the grid and the arguments (the tensors
-themselves, so the launch keeps what it points at alive) and launches them with
-``CompiledKernel.run``, the call Triton itself makes at the end of ``kernel[grid](...)``, on the
-stream Triton's driver names current. A launch bound once and made many times (a builder's
-bound stage, design §3) costs that call and nothing else; an eager call binds and launches.
-
-Under the CPU interpreter (``TRITON_INTERPRET=1``, chosen by the caller before the kernels are
-imported) a launch calls ``kernel[grid](...)``; while a launch hook is installed (a
-profiler's), a bound launch goes through ``CompiledKernel[grid]``, which calls the hooks.
+``JITFunction.warmup`` (Triton's own specialization and cache; it launches nothing). The
+:class:`Launch` it returns holds that ``CompiledKernel``, the grid and the argument tensors
+themselves, and launches with ``CompiledKernel.run``, the call Triton makes at the end of
+``kernel[grid](...)``, on the stream Triton's driver names current. Under the CPU interpreter
+a launch is ``kernel[grid](...)``; while a launch hook is installed (a profiler's), a bound
+launch goes through ``CompiledKernel[grid]``, which calls the hooks.
 """
 
 from __future__ import annotations

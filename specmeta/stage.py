@@ -2,17 +2,11 @@
 
 A stage holds the launches of one piece of work, each bound to its arguments
 (:class:`specmeta.launch.Launch`), and, for a builder mode, the host part that reads the
-engine's ``seq_lens_cpu``. It is what every launcher and builder binds and what the graph
-runner captures and replays:
-
-* :meth:`Stage.launch` makes the launches (inside a CUDA graph capture, it is what the graph
-  holds);
-* :meth:`Stage.host` checks ``seq_lens_cpu`` and writes what the host computes from it (exact
-  maxima, FlashInfer's ``plan()`` mirrors), and returns the stage's result;
-* calling the stage does both, the host part first, so a bad length is refused before anything
-  is launched.
-
-Neither call checks a tensor or computes a key: the checks ran when the stage was bound.
+engine's ``seq_lens_cpu``: :meth:`Stage.launch` makes the launches (inside a CUDA graph capture,
+what the graph holds); :meth:`Stage.host` checks ``seq_lens_cpu``, writes what the host
+computes from it (exact maxima, FlashInfer's ``plan()`` mirrors) and returns the result;
+calling the stage does both, the host part first, so a bad length is refused before anything
+is launched. Neither checks a tensor or computes a key: the checks ran when it was bound.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """A build's per-call host work on ``seq_lens_cpu``, one compiled call each (design §3).
 
 Every build given ``seq_lens_cpu`` checks each length against ``[0, max_context_len]``. FA3
-and TRT-LLM MLA then need ``max L`` (and ``ΣL``) for their host scalars; FlashInfer's
-``plan()`` reads index pointers on the host, so a FlashInfer build also writes those **host
-mirrors**, a few cumulative sums of the lengths. In torch each of these is one to four CPU
-ops, each a microsecond or more of dispatch for a few hundred integers: most of a build's host
-time. Here each is one call:
+and TRT-LLM MLA then need ``max L`` (and ``ΣL``); FlashInfer's ``plan()`` reads index pointers
+on the host, so a FlashInfer build also writes those **host mirrors**. In torch each is one to
+four CPU ops of a microsecond or more. Here each is one call: ``stats`` (the check, ``max L``
+and ``ΣL``) and a **writer** per mirror rule (:func:`draft_decode_writer`,
+:func:`prefix_writer`, :func:`paged_writer`): ``writer(seq_lens_cpu)`` checks every length
+before it writes anything (``IndexError``, which the builder names), then writes the mirrors.
 
-* ``stats`` (FA3, TRT-LLM MLA; :func:`.inputs.host_lengths`): the check, ``max L`` and ``ΣL``.
-* a **writer** per FlashInfer mirror rule (:func:`draft_decode_writer`, :func:`prefix_writer`,
-  :func:`paged_writer`), bound once to the mirror views of a result: ``writer(seq_lens_cpu)``
-  checks every length before it writes anything, writes the mirrors and returns ``ΣL``.
-
-A length outside the range raises ``IndexError``; the builder turns it into its named message
-(:func:`.inputs.check_length_values`). Two implementations, one interface:
-
-* **compiled**: the small C module ``host_ops.c``, built by :func:`warmup` (exported as
-  :func:`specmeta.warmup`) with Triton's own C build helper (the compiler and Python headers
-  Triton needs to launch on a GPU) and cached by Triton; never built inside a build's call,
-  so until :func:`warmup` has run the torch implementation serves. A call costs what a Python
-  call of a C function costs, plus the five attribute reads of ``seq_lens_cpu`` (its dtype,
-  shape, device, contiguity and address: about 0.44 µs on the 2-core development machine,
-  where ``seq_lens_cpu.numpy()`` read through the buffer protocol costs 0.9 µs). The module
-  holds no address: a writer gets its mirror views on every call as the numpy views of the
-  mirror tensors (made once; each keeps its tensor alive), read through the buffer protocol.
-* **torch**: the library's torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
+* **compiled**: the C module ``host_ops.c``, built only by :func:`warmup` (exported as
+  :func:`specmeta.warmup`) with Triton's own C build helper, never inside a build's call. It
+  holds no address: a writer passes its mirror views (numpy views of the mirror tensors, each
+  keeping its tensor alive) on every call, read through the buffer protocol.
+* **torch**: the torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
   DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
-  ``cumsum``) after the :class:`LengthTable` gather that checks the lengths, and the
-  reduction of :func:`.inputs.check_length_values`. Used before :func:`warmup`, where the
-  module cannot be built (no C compiler or Python headers), when ``SPECMETA_HOST_OPS=0``, or
-  for a builder made with ``host_ops=False``; the tests compare the two exactly.
+  ``cumsum``) after the :class:`LengthTable` gather that checks the lengths: before
+  :func:`warmup`, without a C compiler, under ``SPECMETA_HOST_OPS=0`` or for a builder made
+  with ``host_ops=False``. The tests compare the two exactly.
 """
 
 from __future__ import annotations
