@@ -45,32 +45,15 @@ def device_us(fn, calls: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / calls
 
 
-def launches_of(fn) -> int:
-    import triton
-
-    chain = triton.knobs.runtime.launch_enter_hook
-    count = [0]
-
-    def hook(*_):
-        count[0] += 1
-
-    chain.add(hook)
-    try:
-        fn()
-        torch.cuda.synchronize()
-    finally:
-        chain.remove(hook)
-    return count[0]
-
-
 ROWS: list[dict] = []
 
 
 def measure(name: str, fn, *, kind: str, budget: float, launches: int | None = None,
             args=(8, 12), **extra) -> None:  # fmt: skip
+    from bench.bench_host import count_launches
     from bench.harness import paired_host_us
 
-    n = launches_of(fn) if launches is None else launches
+    n = count_launches(fn) if launches is None else launches
     dev = device_us(fn) if n else 0.0
     back = paired_host_us(fn, *args)
     paced = n and dev >= 0.8 * back["host_paired_us"]

@@ -36,6 +36,7 @@ on every call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -227,6 +228,14 @@ class MetadataBuilder:
         ``[0, max_context_len]``), made on every call of a stage's host part, and its
         ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`)."""
         return host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
+
+    def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Stage | functools.partial:  # fmt: skip
+        """One launch of a mode's stage, bound once: the kernel's bound stage (``bind_<op>``),
+        or its torch reference on the same arguments for a reference builder."""
+        if self.reference:
+            return functools.partial(ref, *args, **kwargs)
+        return bind(*args, **kwargs)
 
     def bind(self, mode: str, *args: Any, **kwargs: Any) -> Stage:
         """``bind_<mode>(*args, **kwargs)``: the mode bound once to the tensors given."""

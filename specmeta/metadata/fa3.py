@@ -25,7 +25,6 @@ builder's buffers: the next build of the same mode overwrites them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -293,10 +292,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         if K == 1:
             # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
             kw = dict(page_size=ps, extra_tokens=1, num_rows=rows, status=status, **out)
-            if self.reference:
-                launch = functools.partial(prefix_page_table_ref, *args, **kw)
-            else:
-                launch = bind_prefix_page_table(*args, **kw)
+            launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
             maxima = [(step.normal, s + 1) for s, step in enumerate(result.steps)]
             return self._stage("draft_decode", B, [launch], result, maxima)
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
@@ -304,10 +300,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         # pass). Expand pass: every step's own chain of every branch.
         kw = dict(topk=K, num_steps=S, page_size=ps, exclude_last_partial=cfg.layout_b,
                   num_rows=rows, status=status, **out)  # fmt: skip
-        if self.reference:
-            launch = functools.partial(draft_decode_page_tables_ref, *args, out_cache_loc, **kw)
-        else:
-            launch = bind_draft_decode_page_tables(*args, out_cache_loc, **kw)
+        launch = self._launch(bind_draft_decode_page_tables, draft_decode_page_tables_ref, *args,
+                              out_cache_loc, **kw)  # fmt: skip
         return self._stage("draft_decode", B, [launch], result, [(result.steps[0].normal, 0)],
                            whole_pages=cfg.layout_b)  # fmt: skip
 
@@ -447,17 +441,11 @@ class FA3MetadataBuilder(MetadataBuilder):
         args = (req_pool_indices, req_to_token, seq_lens)
         extra = N if K == 1 else 0
         kw = dict(page_size=ps, extra_tokens=extra, status=status, **out["normal"])
-        if self.reference:
-            launches = [functools.partial(prefix_page_table_ref, *args, **kw)]
-        else:
-            launches = [bind_prefix_page_table(*args, **kw)]
+        launches = [self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)]
         if K > 1:
             kw = dict(status=status, **out["expand"])
-            if self.reference:
-                launches.append(functools.partial(verify_expand_page_table_ref, *args,
-                                                  tree_mask, **kw))  # fmt: skip
-            else:
-                launches.append(bind_verify_expand_page_table(*args, tree_mask, **kw))
+            launches.append(self._launch(bind_verify_expand_page_table,
+                                         verify_expand_page_table_ref, *args, tree_mask, **kw))  # fmt: skip
         return self._stage("target_verify", B, launches, result, [(result.normal, extra)])
 
     def target_verify(
@@ -546,10 +534,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         out, result = self.views(("draft_extend", B), self._extend_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
         kw = dict(page_size=ps, extra_tokens=N, status=self.status_word(status), **out)
-        if self.reference:
-            launch = functools.partial(prefix_page_table_ref, *args, **kw)
-        else:
-            launch = bind_prefix_page_table(*args, **kw)
+        launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
         return self._stage("draft_extend", B, [launch], result, [(result, N)])
 
     def draft_extend(

@@ -21,7 +21,6 @@ per-branch token lists, planned with page size 1 (``S·K·ΣL`` prefix entries a
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -301,14 +300,6 @@ class FlashInferBuilder(MetadataBuilder):
                 buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
 
     # -- the stages -----------------------------------------------------------------------------
-    def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Stage | functools.partial:  # fmt: skip
-        """One launch of a mode's stage, bound once: the kernel's bound stage (``bind_<op>``),
-        or its torch reference on the same arguments for a reference builder."""
-        if self.reference:
-            return functools.partial(ref, *args, **kwargs)
-        return bind(*args, **kwargs)
-
     def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable) -> Stage:
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
         ``launches``, and a host part that takes the ring's turn, runs the writer of its set on

@@ -23,8 +23,7 @@ synchronising and return frozen dataclasses of views named as the consumer's arg
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -148,14 +147,6 @@ class TrtllmMlaBuilder(MetadataBuilder):
         return spec.shape[1]
 
     # -- the stages -----------------------------------------------------------------------------
-    def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Stage | functools.partial:  # fmt: skip
-        """The launch of a mode's stage, bound once: the kernel's bound stage (``bind_<op>``),
-        or its torch reference on the same arguments for a reference builder."""
-        if self.reference:
-            return functools.partial(ref, *args, **kwargs)
-        return bind(*args, **kwargs)
-
     def _stage(self, mode: str, B: int, launch: Any, result: Any) -> Stage:
         """The stage of ``mode``: ``launch``, and the host part that checks ``seq_lens_cpu``
         when it is given (every value in ``[0, max_context_len]``) and returns ``result``. No
