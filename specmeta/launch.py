@@ -91,13 +91,14 @@ class Launcher:
         self.kernel = kernel
         params = getattr(kernel, "params", None)
         self.names = tuple(p.name for p in params) if params is not None else kernel.arg_names
+        self._name_set = frozenset(self.names)
 
     def bind(self, grid, /, *, num_warps: int | None = None, num_stages: int | None = None,
              **args) -> Launch | functools.partial:  # fmt: skip
         """The launch of ``grid`` (1–3 ints) with every kernel argument by keyword, bound:
         calling it launches. Triton compiles (or loads) the kernel for these arguments here,
         if it has not already; nothing is launched."""
-        if len(args) != len(self.names) or any(n not in args for n in self.names):
+        if args.keys() != self._name_set:
             name = getattr(self.kernel, "__name__", "kernel")
             missing = [n for n in self.names if n not in args]
             unknown = [n for n in args if n not in self.names]
@@ -115,7 +116,7 @@ class Launcher:
         full = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled = self.kernel.warmup(grid=full, **args, **options)
         device = driver.active.get_current_device()
-        return Launch(compiled, full, tuple(args[n] for n in self.names), device)
+        return Launch(compiled, full, tuple(map(args.__getitem__, self.names)), device)
 
     def __call__(self, grid, /, **kwargs) -> Launch | functools.partial:
         """Bind and launch at once (an eager call); returns the launch."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import specmeta.kernels
+import specmeta.kernels.merge_state  # noqa: F401  (the scan below must see every kernel module)
 from specmeta import new_status
 from specmeta.registry import OPS
 from tests._support import compiled_variants, no_host_sync
