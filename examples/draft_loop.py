@@ -261,8 +261,8 @@ def _stage(launches: list, views: dict, modes: dict[str, Stage]) -> Stage:
 
 class BoundStages:
     """An engine's path without graphs: each stage bound once per batch size to the engine's
-    persistent input tensors, then, every iteration, the batch written into them, the bound
-    launches made (``stage.launch()``) and the host part run (``stage.host(seq_lens_cpu)``).
+    persistent input tensors, then, every iteration, the batch written into them, the host part
+    run (``stage.host(seq_lens_cpu)``) and the bound launches made (``stage.launch()``).
 
     The persistent tensors are ``meta``'s ``runner.*`` planned buffers (``[:B·per_request]``
     of each); binding checks every tensor and looks every kernel up once, so an iteration costs
@@ -283,8 +283,9 @@ class BoundStages:
         views, bound = entry
         for name, t in inputs.items():
             views[name].copy_(t)
+        result = bound.host(seq_lens_cpu)
         bound.launch()
-        return bound.host(seq_lens_cpu)
+        return result
 
 
 def build_runners(meta: Metadata, buckets, device, *, pool_size: int) -> dict[str, GraphRunner]:
@@ -460,7 +461,7 @@ class DraftLoop:
             self.poison(name, runner, self.meta, B, runner.bucket(B))
         res = runner.run(B, inputs, host_inputs=host_inputs)
         lens_cpu = (host_inputs or {}).get("seq_lens")
-        if self.bound is not None:  # bound once per batch size: launch, then the host part
+        if self.bound is not None:  # bound once per batch size: the host part, then launch
             eager = self.bound(name, B, inputs, lens_cpu)
         else:  # the eager call: bound to this batch's tensors and called at once
             eager = getattr(self.eager, name)(inputs)(lens_cpu)

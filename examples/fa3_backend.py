@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> Result:
                       decode], host=decode.host)  # fmt: skip
 
     # (b) Bound once: an engine keeps its batch in persistent tensors, binds the stage to them
-    # once, and every step writes the step's batch into them, then makes the launches
-    # (stage.launch(), or the replay of a graph that captured them) and runs the host part on
-    # the step's seq_lens_cpu, which returns the metadata. Here: the batch, then reversed.
+    # once, and every step writes the step's batch into them, runs the host part on the step's
+    # seq_lens_cpu, which returns the metadata, then makes the launches (stage.launch(), or the
+    # replay of a graph that captured them). Here: the batch, then reversed.
     b_fa3 = FA3MetadataBuilder(cfg, device, modes=("draft_decode",))
     b_bufs = specmeta.allocate_buffers(cfg, device, DRAFT)
     rpi_now, lens_now, lens_cpu_now = rpi.clone(), lens.clone(), batch.seq_lens_cpu.clone()
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> Result:
         rpi_now.copy_(rpi[order.to(device)])
         lens_now.copy_(lens[order.to(device)])
         lens_cpu_now.copy_(batch.seq_lens_cpu[order])
-        stage.launch()  # every step: the bound launches, nothing checked again
         got = stage.host(lens_cpu_now)  # every step: the exact max_seqlen_k, and the result
+        stage.launch()  # every step: the bound launches, nothing checked again
         top = int(lens_cpu_now.max())
         exact = got[0].normal.max_seqlen_k == top - top % ps  # layout B: whole pages of max L
         if not (exact and same_tables(got, draft(fa3, bufs, rpi_now, lens_now))):

@@ -30,6 +30,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".kernels.cache_loc_move": ("accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache",
                                 "move_kv_cache_ref", "KVPool"),
     ".kernels.merge_state": ("merge_state", "merge_state_ref"),
+    ".kernels.verify_lens": ("pad_verify_lens_to_bucket", "pad_verify_lens_to_bucket_ref"),
     ".metadata.fa3": ("FA3MetadataBuilder", "FA3Metadata", "FA3Cascade"),
     ".metadata.flashinfer": ("FlashInferBuilder",),
     ".metadata.trtllm_mla": ("TrtllmMlaBuilder",),
@@ -48,7 +49,8 @@ __all__ = [
     "assign_draft_cache_locs", "assign_draft_cache_locs_ref", "prefix_tail_copy_pairs",
     "prefix_tail_copy_pairs_ref", "draft_decode_kv_indices", "draft_decode_kv_indices_ref",
     "accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache", "move_kv_cache_ref", "KVPool",
-    "merge_state", "merge_state_ref", "FA3MetadataBuilder", "FA3Metadata", "FA3Cascade",
+    "merge_state", "merge_state_ref", "pad_verify_lens_to_bucket",
+    "pad_verify_lens_to_bucket_ref", "FA3MetadataBuilder", "FA3Metadata", "FA3Cascade",
     "FlashInferBuilder", "TrtllmMlaBuilder", "warmup", "probes", "GraphRunner", "RunResult",
     "Stage",
 ]  # fmt: skip
@@ -93,6 +95,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
         move_kv_cache_ref,
     )
     from .kernels.merge_state import merge_state, merge_state_ref
+    from .kernels.verify_lens import pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
     from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
     from .metadata.flashinfer import FlashInferBuilder
     from .metadata.host_ops import warmup

@@ -226,6 +226,7 @@ ENGINE_GROUPS = {
     "runner": "static inputs of GraphRunner (CUDA graphs)",
     "draft_decode": "draft_decode_kv_indices called directly (FlashInferBuilder has its own)",
     "status": "a status word (specmeta.new_status)",
+    "host_lengths": "the seq_lens_cpu check slots every builder owns (design §3)",
 }
 
 
@@ -311,7 +312,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         names = plan_keys(backend, plan, chosen, **extra)
         order = list(dict.fromkeys(name.split(".")[1] for name in names))
         names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
-        names.append("status")  # every builder owns a status word
+        names += ["status", "host_lengths"]  # every builder owns a status word and the slots
         options = "".join(f", {k}={v!r}" for k, v in extra.items())
         print(f"\n{backend}: {BUILDERS[backend]}(cfg, device, modes={list(chosen)}{options}) "
               "allocates these when it is created")  # fmt: skip
@@ -319,7 +320,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(line)
         modes: dict[str, dict[str, int]] = {}
         for name in names:
-            mode = name.split(".")[1] if "." in name else "(status word)"
+            mode = name.split(".")[1] if "." in name else "(status, host lengths)"
             where = "host" if _is_host(name) else "device"
             modes.setdefault(mode, {"device": 0, "host": 0})[where] += plan[name].nbytes
         rows = [("mode", "device", "host")]

@@ -400,6 +400,10 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
         plan[name] = BufferSize(tuple(int(x) for x in shape), dtype, doc)
 
     add("status", (1,), "int32", "status word (specmeta.Status bits)")
+    from .metadata.capabilities import MODES  # torch-free, like this module
+
+    add("host_lengths", (len(MODES), 3), "int64",
+        "a builder's [n, ΣL, max L] of each mode's seq_lens_cpu, checked on the device")  # fmt: skip
     # Draft slots (design §1, §2.1).
     add("draft.out_cache_loc", (bs * k * s,), "int64", "[B, K, S] draft KV slots")
     add("draft.positions", (bs * k,), "int64", "[B*K] position of each branch's first token")

@@ -53,6 +53,7 @@ from .kernels.expand_page_table import (
     expand_page_table,
     expand_page_table_ref,
 )
+from .kernels.host_lengths import check_host_lengths, check_host_lengths_ref
 from .kernels.prefix_page_table import (
     prefix_page_table,
     prefix_page_table_ref,
@@ -72,6 +73,10 @@ from .kernels.verify_expand_page_table import (
 from .kernels.verify_kv_indices import (
     verify_kv_indices,
     verify_kv_indices_ref,
+)
+from .kernels.verify_lens import (
+    pad_verify_lens_to_bucket,
+    pad_verify_lens_to_bucket_ref,
 )
 from .testing.masks import written_part
 from .workloads import SHAPES, Batch, make_batch, random_accept, random_tree_mask
@@ -370,6 +375,39 @@ def _verify_expand_cases(b, g):
     yield Case(b.describe(), (*_args(b), tree), {}, out)
 
 
+# ------------------------------------------------------------------------- the verify bucket
+# Verify lengths are drawn in [0, _VERIFY_WIDTH] (a tree of up to 8 nodes, as tree_width).
+_VERIFY_WIDTH = 8
+
+
+def _pad_lens_cases(b, g):
+    """Random verify lengths of the batch's requests (its index dtype) in a bucket with room
+    to spare: three pad requests, then none (the last request takes the leftover)."""
+    B, device = b.batch_size, b.seq_lens.device
+    lens = torch.randint(0, _VERIFY_WIDTH + 1, (B,), generator=g, dtype=b.seq_lens.dtype)
+    for pads in (3, 0):
+        bp = B + pads
+        spare = int(torch.randint(0, 2 * _VERIFY_WIDTH + 1, (1,), generator=g)) if bp else 0
+        T = int(lens.sum()) + spare
+        out = {"out": _poison(bp + 2, device=device),
+               "qo_indptr": _poison(bp + 3, device=device)}  # fmt: skip
+        yield Case(f"T={T} Bp={bp} {b.describe()}", (lens.to(device), T, bp), {}, out)
+
+
+# --------------------------------------------------------------------- the host's seq_lens copy
+def _host_lengths_cases(b, g):
+    """What a host part sends for the batch's first ``n`` requests (its own lengths: valid
+    input, no fault; tests/metadata/test_stale_host_lengths.py plants the stale ones), and
+    nothing (``n = −1``)."""
+    lens, device = b.seq_lens_cpu.long(), b.seq_lens.device
+    n = int(torch.randint(0, b.batch_size + 1, (1,), generator=g))
+    slot = [n, int(lens[:n].sum()), int(lens[:n].max()) if n else 0]
+    yield Case(f"n={n} {b.describe()}", (b.seq_lens,), {},
+               {"slot": torch.tensor(slot, dtype=torch.int64, device=device)})  # fmt: skip
+    yield Case(f"none {b.describe()}", (b.seq_lens,), {},
+               {"slot": torch.tensor([-1, 0, 0], dtype=torch.int64, device=device)})  # fmt: skip
+
+
 _TABLES = ("page_table", "cache_seqlens")
 
 #: Every kernel op, in the order ``specmeta check`` runs them.
@@ -410,4 +448,9 @@ OPS: tuple[Op, ...] = (
     Op("verify_expand_page_table", verify_expand_page_table,
        verify_expand_page_table_ref, verify_expand_page_table.kernels,
        _verify_expand_cases, _named(*_TABLES), extra_tokens=8),
+    Op("check_host_lengths", check_host_lengths, check_host_lengths_ref,
+       check_host_lengths.kernels, _host_lengths_cases, lambda case, result, outputs: outputs),
+    # Whole buffers compared: the poisoned entries past Bp and Bp + 1 must be left alone.
+    Op("pad_verify_lens_to_bucket", pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref,
+       pad_verify_lens_to_bucket.kernels, _pad_lens_cases, _named("out", "qo_indptr")),
 )  # fmt: skip

@@ -40,6 +40,9 @@ class Status(enum.IntFlag):
     """An ``accept_index`` entry outside its request's window, or a −1 run that is not a suffix."""
     BAD_PAGE = 32
     """A draft slot whose page does not follow the layout (more distinct pages than the layout allows)."""
+    STALE_HOST_LENGTHS = 64
+    """A build's ``seq_lens_cpu`` disagreed with the device's ``seq_lens`` (its host results,
+    maxima and mirrors, were computed from other lengths than its lists)."""
 
 
 _MESSAGES = {
@@ -53,6 +56,9 @@ _MESSAGES = {
     "that was not a suffix (the pair was skipped)",
     Status.BAD_PAGE: "draft slots spanned more distinct pages than the slot layout allows "
     "(extra pages were dropped)",
+    Status.STALE_HOST_LENGTHS: "seq_lens_cpu is stale: it disagreed with the device's seq_lens "
+    "(the host maxima and plan() mirrors of that build do not match its lists); pass the CPU "
+    "copy of this iteration's seq_lens, and run a stage's host part before its launches",
 }
 
 
@@ -63,7 +69,7 @@ _WORD_MASK = 0xFFFF_FFFF
 
 
 def _unknown_text(unknown: int) -> str:
-    """``"unknown bit 0x40"`` or ``"unknown bits 0x40, 0x80000000"``, with the fix."""
+    """``"unknown bit 0x80"`` or ``"unknown bits 0x80, 0x80000000"``, with the fix."""
     bits = [1 << i for i in range(unknown.bit_length()) if unknown >> i & 1]
     names = ", ".join(f"0x{b:x}" for b in bits)
     return (
@@ -189,7 +195,7 @@ def check_status(
     ------
     SpecmetaStatusError
         If any bit is set: its message lists every cause, and names each bit that no
-        :class:`Status` flag has as an unknown bit with its value (``unknown bit 0x40``); its
+        :class:`Status` flag has as an unknown bit with its value (``unknown bit 0x80``); its
         ``bits`` keep every bit and its ``unknown`` holds those.
     TypeError
         If ``status`` is not an ``int32`` tensor of one element.

@@ -39,6 +39,7 @@ from .draft_decode_page_tables import (
     draft_decode_page_tables_ref,
 )
 from .expand_page_table import bind_expand_page_table, expand_page_table, expand_page_table_ref
+from .host_lengths import bind_check_host_lengths, check_host_lengths, check_host_lengths_ref
 from .prefix_page_table import bind_prefix_page_table, prefix_page_table, prefix_page_table_ref
 from .shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
@@ -52,6 +53,11 @@ from .verify_expand_page_table import (
     verify_expand_page_table_ref,
 )
 from .verify_kv_indices import bind_verify_kv_indices, verify_kv_indices, verify_kv_indices_ref
+from .verify_lens import (
+    bind_pad_verify_lens_to_bucket,
+    pad_verify_lens_to_bucket,
+    pad_verify_lens_to_bucket_ref,
+)
 
 # Each op: its launcher, bind_<op> and its reference.
 __all__ = [
@@ -70,4 +76,6 @@ __all__ = [
     "expand_page_table", "bind_expand_page_table", "expand_page_table_ref",
     "draft_decode_page_tables", "bind_draft_decode_page_tables", "draft_decode_page_tables_ref",
     "verify_expand_page_table", "bind_verify_expand_page_table", "verify_expand_page_table_ref",
+    "pad_verify_lens_to_bucket", "bind_pad_verify_lens_to_bucket", "pad_verify_lens_to_bucket_ref",
+    "check_host_lengths", "bind_check_host_lengths", "check_host_lengths_ref",
 ]  # fmt: skip

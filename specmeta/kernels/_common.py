@@ -8,12 +8,14 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
   :class:`specmeta.status.Status` by construction.
 * **Host checks, launch keywords and grid sizing**: :func:`check_batch`, :func:`check_steps`,
   :func:`host_int`, :func:`sizing_total`, :func:`batch_arguments`, :func:`target_programs`,
-  :func:`chunk_programs`, :func:`vector_widths`.
+  :func:`chunk_programs`, :func:`vector_widths`, :func:`check_verify_lens`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
-  :func:`copy_row_prefix`, :func:`copy_ragged_list`, :func:`branch_page`).
+  :func:`copy_row_prefix`, :func:`copy_ragged_list`, :func:`branch_page`,
+  :func:`load_verify_len`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
-  :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`).
+  :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`,
+  :func:`verify_lens_ref`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ OUT_OF_CAPACITY = tl.constexpr(int(Status.OUT_OF_CAPACITY))
 POOL_OOB = tl.constexpr(int(Status.POOL_OOB))
 BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))
 BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))
+STALE_HOST_LENGTHS = tl.constexpr(int(Status.STALE_HOST_LENGTHS))
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +136,26 @@ def vector_widths(req_to_token: torch.Tensor, page_table: torch.Tensor, page_siz
     qualify: the width is a whole number of 16 positions."""
     vec_in = entries_per_vector(req_to_token, req_to_token.shape[1]) if page_size == 1 else 1
     return dict(VEC_IN=vec_in, VEC_OUT=entries_per_vector(page_table, page_table.shape[1]))
+
+
+def check_verify_lens(where: str, verify_lens: object, batch: int,
+                      device: torch.device) -> torch.Tensor:  # fmt: skip
+    """Check the optional ``verify_lens`` of a ragged target verify (design §3.2, §3.3): a
+    ``[batch]`` int32 or int64 tensor on ``device``. Host metadata only: the values (each
+    ``v_b`` in ``[0, N]``) are the kernels' to mask and report. Messages name ``where``."""
+    try:
+        validate.tensor("verify_lens", verify_lens, ndim=1, device=device)
+    except TypeError as err:
+        raise TypeError(f"{where}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if verify_lens.shape[0] != batch:
+        raise ValueError(
+            f"{where}: verify_lens must have one entry per request, B = {batch}, got shape "
+            f"{tuple(verify_lens.shape)}; pass the [B] verify lengths of this batch (in a "
+            "captured bucket, pad_verify_lens_to_bucket's lengths of all Bp requests)"
+        )
+    return verify_lens
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +272,16 @@ def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
         req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
     )
     return slot // page_size, used, used & ~in_row
+
+
+@triton.jit
+def load_verify_len(verify_lens_ptr, b, B, N):
+    """``(v, v_ok)`` of request ``b`` of a ragged target verify (design §3.2, §3.3): its
+    verify length ``verify_lens[b]`` clamped to ``[0, N]`` (int64), and whether it was in that
+    range. ``b ≥ B`` gives ``v = 0``, reported as fine."""
+    raw = tl.load(verify_lens_ptr + b, mask=b < B, other=0).to(tl.int64)
+    v_ok = (raw >= 0) & (raw <= N)
+    return tl.minimum(tl.maximum(raw, 0), N), v_ok
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,3 +418,11 @@ def branch_pages_ref(
     slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
     pages = torch.where(used, slots // ps, 0)
     return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
+
+
+def verify_lens_ref(verify_lens: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:
+    """The torch side of :func:`load_verify_len`: the ``[B]`` verify lengths clamped to
+    ``[0, N]`` (int64) and ``POS_OOB`` when any was outside that range (0 otherwise)."""
+    raw = verify_lens.to(torch.int64)
+    bad = bool(((raw < 0) | (raw > N)).any()) if raw.numel() else False
+    return raw.clamp(0, N), int(Status.POS_OOB) if bad else 0

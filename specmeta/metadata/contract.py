@@ -28,10 +28,11 @@ refused there, not at the first call.
 
 Every mode is also a **bound stage** (design §3): ``builder.bind_<mode>(...)`` (or
 ``builder.bind(mode, ...)``) checks the tensors once and binds the mode's launches to them; the
-:class:`~specmeta.stage.Stage` then launches with ``stage.launch()`` (or inside a captured
-graph) and writes its host side from ``seq_lens_cpu`` with ``stage.host(seq_lens_cpu)``, which
-returns the result. A mode method is ``bind_<mode>(...)`` called at once: it checks and binds
-on every call.
+:class:`~specmeta.stage.Stage` then writes its host side from ``seq_lens_cpu`` with
+``stage.host(seq_lens_cpu)``, which returns the result, and launches with ``stage.launch()`` (or
+the replay of a graph that captured it), in that order: the launches check, on the device, the
+lengths the host part read (``Status.STALE_HOST_LENGTHS``). A mode method is ``bind_<mode>(...)``
+called at once: it checks and binds on every call.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, check_fits, plan_buffers, plan_sizes
+from ..kernels.host_lengths import bind_check_host_lengths, check_host_lengths_ref
 from ..launch import check_device
 from ..stage import Stage
 from . import capabilities as _capabilities
 from . import host_ops as host_ops_module
-from .capabilities import Capabilities
+from .capabilities import MODES, Capabilities
 from .inputs import check_build_tensors, check_num_rows, host_lengths
+
+_MODE_INDEX = {mode: i for i, mode in enumerate(MODES)}  # a mode's row of host_lengths
 
 __all__ = ["Capabilities", "MetadataBuilder", "DraftSteps"]
 
@@ -102,6 +106,10 @@ class MetadataBuilder:
     status : torch.Tensor
         ``int32 [1]``: the word every call reports into unless given another (read it with
         :func:`specmeta.check_status`, which syncs).
+    host_lengths : torch.Tensor
+        ``int64 [modes, 3]`` on the device: per mode, the ``[n, ΣL, max L]`` of
+        ``seq_lens_cpu`` its last host part read, until the mode's launches check it
+        (``n = −1`` after; :mod:`specmeta.kernels.host_lengths`).
     """
 
     #: The plan's key prefix of this backend, e.g. ``"fa3."``.
@@ -131,9 +139,17 @@ class MetadataBuilder:
         self.modes = self.check_modes(cfg, modes)
         self._where = {m: f"{name}.{m}" for m in self.modes}  # message prefixes
         plan = plan_buffers(cfg)
-        check_fits({k: plan[k] for k in ("status", *self.plan_keys(cfg, self.modes))},
+        check_fits({k: plan[k] for k in ("status", "host_lengths",
+                                         *self.plan_keys(cfg, self.modes))},
                    self.device, name)  # fmt: skip
         self.status = plan["status"].allocate(self.device)
+        # Each mode's [n, ΣL, max L] of the seq_lens_cpu its host part read, sent in stream order
+        # from a pageable copy (the driver stages it at the call, so the copy is free to change
+        # at once) and checked by the mode's launches (kernels.host_lengths).
+        self.host_lengths = plan["host_lengths"].allocate(self.device, fill=-1)
+        self._host_slots = {mode: self.host_lengths[_MODE_INDEX[mode]] for mode in self.modes}
+        self._host_sent = torch.full((3,), -1, dtype=torch.int64)
+        self._host_sent_values = self._host_sent.numpy()
         self._views: dict = {}  # (mode, B, ...) -> the views of the builder's own buffers
         self.host_ops = bool(host_ops)
 
@@ -226,8 +242,21 @@ class MetadataBuilder:
     def lengths(self, mode: str, B: int, seq_lens_cpu: Any) -> tuple[int, int] | None:
         """The checks of a call's ``seq_lens_cpu`` (``[B]`` integer CPU tensor, every value in
         ``[0, max_context_len]``), made on every call of a stage's host part, and its
-        ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`)."""
-        return host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
+        ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`). What it
+        read is sent to the device for the mode's check (:meth:`host_check`)."""
+        found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
+        if found is not None:
+            sent = self._host_sent_values
+            sent[0], sent[1], sent[2] = B, found[1], found[0]
+            self._host_slots[mode].copy_(self._host_sent, non_blocking=True)
+        return found
+
+    def host_check(self, mode: str, seq_lens: torch.Tensor, status: torch.Tensor) -> Any:
+        """The launch that checks, on the device, what ``mode``'s host part last read of
+        ``seq_lens_cpu`` against ``seq_lens`` (``Status.STALE_HOST_LENGTHS``): every mode's
+        stage holds it (:mod:`specmeta.kernels.host_lengths`)."""
+        return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,
+                            self._host_slots[mode], status=status)  # fmt: skip
 
     def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Stage | functools.partial:  # fmt: skip

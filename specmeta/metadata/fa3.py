@@ -198,7 +198,7 @@ class FA3MetadataBuilder(MetadataBuilder):
     >>> steps = fa3.draft_decode(rpi, req_to_token, seq_lens, out_cache_loc)
     >>> o, lse = flash_attn_with_kvcache(q, k, v, **steps[0].normal.kwargs())
     >>> stage = fa3.bind_draft_decode(rpi, req_to_token, seq_lens, out_cache_loc)  # once
-    >>> stage.launch(); steps = stage.host(seq_lens_cpu)          # every step, or in a graph
+    >>> steps = stage.host(seq_lens_cpu); stage.launch()          # every step, or in a graph
     """
 
     plan_prefix = _PREFIX
@@ -285,8 +285,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         B = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                        out_cache_loc=out_cache_loc, status=status)  # fmt: skip
         status = self.status_word(status)
+        check = self.host_check("draft_decode", seq_lens, status)
         if rows == 0:
-            return self._stage("draft_decode", B, [], FA3DraftDecode(()), [])
+            return self._stage("draft_decode", B, [check], FA3DraftDecode(()), [])
         out, result = self.views(("draft_decode", B, rows), self._draft_views, B, rows)
         args = (req_pool_indices, req_to_token, seq_lens)
         if K == 1:
@@ -294,7 +295,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             kw = dict(page_size=ps, extra_tokens=1, num_rows=rows, status=status, **out)
             launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
             maxima = [(step.normal, s + 1) for s, step in enumerate(result.steps)]
-            return self._stage("draft_decode", B, [launch], result, maxima)
+            return self._stage("draft_decode", B, [launch, check], result, maxima)
         # Both passes in one launch. Normal pass: the shared prefix, whole pages only in layout
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
@@ -302,7 +303,8 @@ class FA3MetadataBuilder(MetadataBuilder):
                   num_rows=rows, status=status, **out)  # fmt: skip
         launch = self._launch(bind_draft_decode_page_tables, draft_decode_page_tables_ref, *args,
                               out_cache_loc, **kw)  # fmt: skip
-        return self._stage("draft_decode", B, [launch], result, [(result.steps[0].normal, 0)],
+        return self._stage("draft_decode", B, [launch, check], result,
+                           [(result.steps[0].normal, 0)],
                            whole_pages=cfg.layout_b)  # fmt: skip
 
     def draft_decode(
@@ -446,6 +448,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             kw = dict(status=status, **out["expand"])
             launches.append(self._launch(bind_verify_expand_page_table,
                                          verify_expand_page_table_ref, *args, tree_mask, **kw))  # fmt: skip
+        launches.append(self.host_check("target_verify", seq_lens, status))
         return self._stage("target_verify", B, launches, result, [(result.normal, extra)])
 
     def target_verify(
@@ -533,9 +536,11 @@ class FA3MetadataBuilder(MetadataBuilder):
         B = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens, status=status)
         out, result = self.views(("draft_extend", B), self._extend_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
-        kw = dict(page_size=ps, extra_tokens=N, status=self.status_word(status), **out)
+        status = self.status_word(status)
+        kw = dict(page_size=ps, extra_tokens=N, status=status, **out)
         launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
-        return self._stage("draft_extend", B, [launch], result, [(result, N)])
+        check = self.host_check("draft_extend", seq_lens, status)
+        return self._stage("draft_extend", B, [launch, check], result, [(result, N)])
 
     def draft_extend(
         self,

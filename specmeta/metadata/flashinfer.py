@@ -300,10 +300,12 @@ class FlashInferBuilder(MetadataBuilder):
                 buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
 
     # -- the stages -----------------------------------------------------------------------------
-    def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable) -> Stage:
+    def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable,
+               seq_lens: torch.Tensor, status: torch.Tensor | None) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
-        ``launches``, and a host part that takes the ring's turn, runs the writer of its set on
-        ``seq_lens_cpu`` and returns the set's result. ``make(B, *key, mirrors, compiled)``
+        ``launches`` and the check of the host's lengths, and a host part that takes the ring's
+        turn, runs the writer of its set on ``seq_lens_cpu``, sends the lengths it read to the
+        check (:meth:`lengths`) and returns the set's result. ``make(B, *key, mirrors, compiled)``
         makes a set's result and writer (compiled where :func:`specmeta.warmup` built the host
         ops and :attr:`host_ops` asks for them) once, a slot per set in :meth:`views`. A length
         the writer refuses (writing nothing) gets the builder's message; a missing
@@ -311,7 +313,7 @@ class FlashInferBuilder(MetadataBuilder):
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         sets, take, where, cfg = ring.sets, ring.take, self._where[mode], self.cfg
-        compiled_module, builder = host_ops.compiled, self
+        compiled_module, builder, lengths = host_ops.compiled, self, self.lengths
         missing = (f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
                    "the CPU copy of seq_lens the engine already holds (a copy of seq_lens made "
@@ -328,13 +330,14 @@ class FlashInferBuilder(MetadataBuilder):
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
             try:
                 entry[1](seq_lens_cpu)
-                return entry[0]
-            except (TypeError, ValueError, IndexError) as exc:  # nothing was written
-                refused = exc
-            host_lengths(where, cfg, B, seq_lens_cpu)  # raises the message that names it
-            raise refused
+            except (TypeError, ValueError, IndexError):  # nothing was written
+                host_lengths(where, cfg, B, seq_lens_cpu)  # raises the message that names it
+                raise
+            lengths(mode, B, seq_lens_cpu)
+            return entry[0]
 
-        return Stage(launches, host=host)
+        check = self.host_check(mode, seq_lens, self.status_word(status))
+        return Stage([*launches, check], host=host)
 
     def _bind_draft(self, mode: str, bind: Callable, ref: Callable, tensors: tuple,
                     num_rows: int | None, status: torch.Tensor | None, outputs: tuple,
@@ -349,7 +352,7 @@ class FlashInferBuilder(MetadataBuilder):
             num_rows=rows, status=self.status_word(status),
             **{field: self.buffers[f"{group}.{field}"] for field in outputs},
         )  # fmt: skip
-        return self._stage(mode, B, (rows,), [launch], make)
+        return self._stage(mode, B, (rows,), [launch], make, tensors[2], status)
 
     def _decode_steps(self, mode: str, B: int, rows: int, ptr_host: torch.Tensor, last: Any,
                       last_host: Any, page_size: int) -> FlashInferDraftDecode:  # fmt: skip
@@ -558,7 +561,7 @@ class FlashInferBuilder(MetadataBuilder):
                 status=self.status_word(status),
             ),
         ]  # fmt: skip
-        return self._stage(mode, B, (form,), launches, self._prefill_result)
+        return self._stage(mode, B, (form,), launches, self._prefill_result, seq_lens, status)
 
     def target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                       seq_lens: torch.Tensor, tree_mask: torch.Tensor, *,
@@ -590,7 +593,7 @@ class FlashInferBuilder(MetadataBuilder):
         mode = "draft_extend"
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
         launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status)
-        return self._stage(mode, B, (None,), [launch], self._prefill_result)
+        return self._stage(mode, B, (None,), [launch], self._prefill_result, seq_lens, status)
 
     def draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,

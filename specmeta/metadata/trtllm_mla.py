@@ -147,11 +147,12 @@ class TrtllmMlaBuilder(MetadataBuilder):
         return spec.shape[1]
 
     # -- the stages -----------------------------------------------------------------------------
-    def _stage(self, mode: str, B: int, launch: Any, result: Any) -> Stage:
-        """The stage of ``mode``: ``launch``, and the host part that checks ``seq_lens_cpu``
-        when it is given (every value in ``[0, max_context_len]``) and returns ``result``. No
-        host scalar of a result reads the lengths: ``max_seq_len_k`` is the plan's bound, the
-        same at every replay."""
+    def _stage(self, mode: str, B: int, launch: Any, result: Any, seq_lens: torch.Tensor,
+               status: torch.Tensor | None) -> Stage:  # fmt: skip
+        """The stage of ``mode``: ``launch`` and the check of the host's lengths, and the host
+        part that checks ``seq_lens_cpu`` when it is given (every value in
+        ``[0, max_context_len]``) and returns ``result``. No host scalar of a result reads the
+        lengths: ``max_seq_len_k`` is the plan's bound, the same at every replay."""
         lengths = self.lengths
 
         def host(seq_lens_cpu: torch.Tensor | None) -> Any:
@@ -159,7 +160,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
                 lengths(mode, B, seq_lens_cpu)
             return result
 
-        return Stage([launch], host=host)
+        check = self.host_check(mode, seq_lens, self.status_word(status))
+        return Stage([launch, check], host=host)
 
     def _max_seq_len(self, mode: str, max_seq_len: object) -> None:
         """Check the eager methods' ``max_seq_len=`` (a host ``max L_b``) against the plan,
@@ -201,7 +203,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
             seq_lens_k=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
         )  # fmt: skip
         result = self.views((mode, B, rows), self._draft_result, B, rows)
-        return self._stage(mode, B, launch, result)
+        return self._stage(mode, B, launch, result, seq_lens, status)
 
     def draft_decode(
         self,
@@ -265,7 +267,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
             cache_seqlens=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
         )  # fmt: skip
         result = self.views((mode, B), self._prefill_result, mode, B)
-        return self._stage(mode, B, launch, result)
+        return self._stage(mode, B, launch, result, seq_lens, status)
 
     def _prefill_result(self, mode: str, B: int) -> TrtllmMlaPrefill:
         """The target-verify or draft-extend result of ``B`` requests."""

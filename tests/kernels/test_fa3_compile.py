@@ -29,7 +29,14 @@ _PAGED = dict(PAGED=True, PAGE_SIZE=16)
 _FLAT = dict(PAGED=False, PAGE_SIZE=1)
 # The page-table kernel's arguments that draft_decode_page_tables passes None.
 _CASCADE = dict(extra_tokens=None, fill_value=None, num_rows=None, stride_cs=None, stride_cu=None)
+# Target verify without and with per-request verify lengths (ragged verify, design §3.2-§3.3):
+# the uniform launch passes verify_lens_ptr None, so its signature is the one before them.
+_UNIFORM = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)
+_RAGGED = dict(HAS_VERIFY_LENS=True)
 KERNELS = [
+    ("host_lengths", "_check_host_lengths_kernel", dict(BLOCK=1024), dict(slot_ptr="i64")),
+    ("verify_lens", "_pad_verify_lens_to_bucket_kernel", dict(BLOCK=256),
+     dict(verify_lens_ptr="i64")),
     ("draft_cache_locs", "_assign_draft_cache_locs_kernel",
      dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=True, BLOCK=16, WRITE_POSITIONS=True, HAS_STATUS=True),
      dict(out_cache_loc_ptr="i64")),
@@ -39,7 +46,9 @@ KERNELS = [
      dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=False, BLOCK=1024, BLOCK_B=1024, BLOCK_LISTS=8,
           BLOCK_EDGE=16, VEC=4, HAS_STATUS=True), {}),
     ("verify_kv_indices", "_verify_kv_indices_kernel",
-     dict(BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True), {}),
+     dict(BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True, **_UNIFORM), {}),
+    ("verify_kv_indices", "_verify_kv_indices_kernel",
+     dict(BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True, **_RAGGED), dict(verify_lens_ptr="i64")),
     ("shared_prefix_kv_indices", "_shared_prefix_kv_indices_kernel",
      dict(TOPK=4, NUM_STEPS=3, LAYOUT_B=True, BLOCK=1024, BLOCK_B=1024, BLOCK_CHAIN=64,
           BLOCK_PTR=16, BLOCK_ROWS=4, HAS_STATUS=True), {}),
@@ -49,10 +58,16 @@ KERNELS = [
      dict(TOPK=4, NUM_STEPS=3, BLOCK=256, BLOCK_B=256, BLOCK_ROWS=4, BLOCK_K=4, HAS_STATUS=True),
      {}),
     ("tree_custom_mask", "_tree_custom_mask_kernel",
-     dict(PACKED=True, BLOCK=256, BLOCK_B=1024, HAS_STATUS=True),
+     dict(PACKED=True, BLOCK=256, BLOCK_B=1024, HAS_STATUS=True, **_UNIFORM),
      dict(tree_mask_ptr="u8", custom_mask_ptr="u8", seq_lens_ptr="i64")),
     ("tree_custom_mask", "_tree_custom_mask_kernel",
-     dict(PACKED=False, BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True),
+     dict(PACKED=False, BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True, **_UNIFORM),
+     dict(tree_mask_ptr="u8", custom_mask_ptr="u8")),
+    ("tree_custom_mask", "_tree_custom_mask_kernel",
+     dict(PACKED=True, BLOCK=256, BLOCK_B=1024, HAS_STATUS=True, **_RAGGED),
+     dict(tree_mask_ptr="u8", custom_mask_ptr="u8", seq_lens_ptr="i64", verify_lens_ptr="i64")),
+    ("tree_custom_mask", "_tree_custom_mask_kernel",
+     dict(PACKED=False, BLOCK=1024, BLOCK_B=1024, HAS_STATUS=True, **_RAGGED),
      dict(tree_mask_ptr="u8", custom_mask_ptr="u8")),
     ("_page_tables", "page_tables_kernel",
      dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1,
@@ -75,7 +90,11 @@ KERNELS = [
           BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=4,
           VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE), {}),
     ("verify_expand_page_table", "_verify_expand_page_table_kernel",
-     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True), dict(tree_mask_ptr="u8")),
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_UNIFORM),
+     dict(tree_mask_ptr="u8")),
+    ("verify_expand_page_table", "_verify_expand_page_table_kernel",
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_RAGGED),
+     dict(tree_mask_ptr="u8", verify_lens_ptr="i64")),
     ("cache_loc_move", "_accept_cache_locs_kernel",
      dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, HAS_STATUS=True), {}),
     ("cache_loc_move", "_move_kv_cache_kernel",

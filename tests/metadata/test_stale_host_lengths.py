@@ -1,0 +1,202 @@
+"""A stale ``seq_lens_cpu`` is reported on the device (design §3, §7).
+
+Every build given ``seq_lens_cpu`` sends what its host part read (``n``, ``ΣL``, ``max L``) to
+the device, and the build's launches check it against ``seq_lens``: a copy one iteration behind
+sets ``Status.STALE_HOST_LENGTHS`` and no other bit, in every mode of every builder, eagerly,
+through a bound stage, through the graph runner (a captured graph on the GPU) and in the torch
+references. A fresh copy, or none, sets nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, Status, allocate_buffers, new_status
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+from specmeta.kernels.host_lengths import check_host_lengths, check_host_lengths_ref
+from specmeta.metadata.fa3 import FA3MetadataBuilder
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.workloads import random_tree_mask
+from tests._support import draft_stage_runner
+
+K, S, N, PS, MAX_BS = 2, 2, 3, 4, 4
+CFG = SpecConfig(topk=K, num_steps=S, num_draft_tokens=N, page_size=PS, max_bs=MAX_BS,
+                 max_context_len=40)  # fmt: skip
+STALE = int(Status.STALE_HOST_LENGTHS)
+
+
+def _word(status: torch.Tensor) -> int:
+    return int(status.item())
+
+
+# -- the kernel against its reference ------------------------------------------------------------
+def test_check_equals_reference_on_random_slots(device, gen, seed):
+    """Random lengths and slots (the host's own numbers, a stale copy's, a longer batch's, or
+    none): the kernel's status bit and consumed slot equal the reference's."""
+    for trial in range(12):
+        B = int(torch.randint(0, 6, (1,), generator=gen))
+        lens = torch.randint(0, 30, (B,), generator=gen)
+        n = int(torch.randint(0, B + 1, (1,), generator=gen)) if B else 0
+        kind = trial % 4
+        read = lens[:n] - (1 if kind == 1 else 0)  # kind 1: one iteration behind
+        if kind == 2:
+            n += 1  # the host read more requests than the build has
+        total, top = int(read.sum()), int(read.max()) if read.numel() else 0
+        slot = torch.tensor([-1 if kind == 3 else n, total, top], dtype=torch.int64)
+        for dtype in (torch.int32, torch.int64):
+            got_status, want_status = new_status(device), new_status(device)
+            got_slot, want_slot = slot.to(device), slot.clone()
+            check_host_lengths(lens.to(dtype).to(device), got_slot, status=got_status)
+            check_host_lengths_ref(lens.to(dtype), want_slot, status=want_status)
+            where = f"seed {seed}, trial {trial}, lens {lens.tolist()}, slot {slot.tolist()}"
+            assert _word(got_status) == _word(want_status), where
+            assert torch.equal(got_slot.cpu(), want_slot), where
+
+
+@pytest.mark.parametrize(
+    ("lens", "slot", "bits"),
+    [
+        ([5, 7, 9], [2, 12, 7], 0),  # a graph padded to 3 for 2 requests: pads not read
+        ([5, 7, 9], [2, 10, 6], STALE),  # one iteration behind
+        ([5, 7, 9], [3, 21, 8], STALE),  # the same total, another maximum
+        ([5, 7, 9], [3, 20, 9], STALE),  # the same maximum, another total
+        ([5, 7, 9], [4, 21, 9], STALE),  # the host read more requests than the build has
+        ([5, 7, 9], [-1, 0, 0], 0),  # no seq_lens_cpu: nothing to check
+        ([], [0, 0, 0], 0),  # an empty batch
+    ],
+)
+def test_check_worked_examples(device, lens, slot, bits):
+    for check in (check_host_lengths, check_host_lengths_ref):
+        status = new_status(device)
+        slot_t = torch.tensor(slot, dtype=torch.int64, device=device)
+        check(torch.tensor(lens, dtype=torch.int32, device=device), slot_t, status=status)
+        assert _word(status) == bits, (check.__name__, lens, slot)
+        assert slot_t.tolist() == [-1, *slot[1:]], "the check consumes the slot"
+
+
+# -- every mode of every builder -----------------------------------------------------------------
+def _batch(device, gen):
+    """Three requests with prefixes ≥ 1 (so a copy one behind differs), rows 1..3."""
+    B = 3
+    lens = torch.randint(1, CFG.max_context_len - N, (B,), generator=gen)
+    r2t = torch.zeros(MAX_BS + 2, CFG.req_to_token_width, dtype=torch.int32)
+    r2t[1:] = torch.arange(r2t[1:].numel(), dtype=torch.int32).view(MAX_BS + 1, -1) + PS
+    rpi = torch.tensor([2, 1, 3], dtype=torch.int32)
+    return rpi.to(device), r2t.to(device), lens.to(torch.int32).to(device), lens
+
+
+def _modes(device):
+    """``(name, builder, bind(builder, rpi, r2t, seq_lens, status) -> Stage)`` of every mode."""
+    mask = random_tree_mask(3, K, S, N, torch.Generator().manual_seed(0)).to(device)
+
+    def slots(rpi, r2t, lens):
+        return assign_draft_cache_locs(rpi, r2t, lens, topk=K, num_steps=S, page_size=PS)
+
+    fa3 = FA3MetadataBuilder(CFG, device)
+    fi = FlashInferBuilder(CFG, device)
+    mla = TrtllmMlaBuilder(CFG, device)
+    return [
+        ("fa3.draft_decode", fa3,
+         lambda b, r, t, L, st: b.bind_draft_decode(r, t, L, slots(r, t, L), status=st)),
+        ("fa3.target_verify", fa3,
+         lambda b, r, t, L, st: b.bind_target_verify(r, t, L, mask, status=st)),
+        ("fa3.draft_extend", fa3, lambda b, r, t, L, st: b.bind_draft_extend(r, t, L, status=st)),
+        ("flashinfer.draft_decode", fi,
+         lambda b, r, t, L, st: b.bind_draft_decode(r, t, L, status=st)),
+        ("flashinfer.draft_decode_shared_prefix", fi,
+         lambda b, r, t, L, st: b.bind_draft_decode_shared_prefix(r, t, L, status=st)),
+        ("flashinfer.draft_decode_paged", fi,
+         lambda b, r, t, L, st: b.bind_draft_decode_paged(r, t, L, status=st)),
+        ("flashinfer.target_verify", fi,
+         lambda b, r, t, L, st: b.bind_target_verify(r, t, L, mask, status=st)),
+        ("flashinfer.draft_extend", fi,
+         lambda b, r, t, L, st: b.bind_draft_extend(r, t, L, status=st)),
+        ("trtllm_mla.draft_decode", mla,
+         lambda b, r, t, L, st: b.bind_draft_decode(r, t, L, status=st)),
+        ("trtllm_mla.draft_extend", mla,
+         lambda b, r, t, L, st: b.bind_draft_extend(r, t, L, status=st)),
+    ]  # fmt: skip
+
+
+def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed):
+    """Per mode, one bound stage: a fresh copy sets nothing, the copy of the iteration before
+    sets ``STALE_HOST_LENGTHS`` alone, and the next fresh copy sets nothing again (the slot is
+    per mode and consumed). FA3 and TRT-LLM MLA also take no copy at all."""
+    rpi, r2t, lens, lens_cpu = _batch(device, gen)
+    behind = (lens_cpu - 1).to(torch.int32)
+    for name, builder, bind in _modes(device):
+        status = new_status(device)
+        stage = bind(builder, rpi, r2t, lens, status)
+        where = f"{name}, seed {seed}, seq_lens {lens_cpu.tolist()}"
+        stage(lens_cpu.to(torch.int32))
+        assert _word(status) == 0, f"{where}: a fresh copy"
+        stage.host(behind)
+        stage.launch()
+        assert _word(status) == STALE, f"{where}: one iteration behind"
+        status.zero_()
+        stage(lens_cpu.to(torch.int64))
+        assert _word(status) == 0, f"{where}: fresh again"
+        if not name.startswith("flashinfer"):  # FlashInfer refuses a missing copy at the call
+            stage(None)
+            assert _word(status) == 0, f"{where}: no copy"
+
+
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
+def test_eager_and_reference_builds_report_a_stale_copy(device, gen, seed, backend):
+    """The eager call (binds and launches) and a reference builder report it too."""
+    rpi, r2t, lens, lens_cpu = _batch(device, gen)
+    cls = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
+           "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+    for reference in (False, True):
+        builder = cls(CFG, device, modes=["draft_extend"], reference=reference)
+        status = new_status(device)
+        builder.draft_extend(rpi, r2t, lens, seq_lens_cpu=lens_cpu - 1, status=status)
+        assert _word(status) == STALE, f"{backend}, reference={reference}, seed {seed}"
+        status.zero_()
+        builder.draft_extend(rpi, r2t, lens, seq_lens_cpu=lens_cpu, status=status)
+        assert _word(status) == 0, f"{backend}, reference={reference}, seed {seed}"
+
+
+def _runner_case(device, gen, graphs):
+    """A runner of FA3 draft extend with buckets [4]: 3 requests replay padded to 4."""
+    rpi, r2t, lens, lens_cpu = _batch(device, gen)
+    fa3 = FA3MetadataBuilder(CFG, device, modes=["draft_extend"])
+    bufs = allocate_buffers(CFG, device, ["runner.req_pool_indices", "runner.seq_lens"])
+
+    def build(inputs):
+        return fa3.bind_draft_extend(inputs["req_pool_indices"], r2t, inputs["seq_lens"])
+
+    runner = draft_stage_runner(build, bufs, CFG, device, r2t, [MAX_BS], graphs=graphs)
+    inputs = {"req_pool_indices": rpi.long(), "seq_lens": lens.long()}  # the runner's dtypes
+    return runner, fa3, inputs, lens_cpu
+
+
+def _check_runner(runner, fa3, inputs, lens_cpu, where):
+    for host, bits in ((lens_cpu, 0), (lens_cpu - 1, STALE), (lens_cpu, 0)):
+        result = runner.run(3, inputs, host_inputs={"seq_lens": host})
+        assert result.padded_batch_size == MAX_BS
+        assert _word(fa3.status) == bits, f"{where}: run with {host.tolist()}"
+        fa3.status.zero_()
+    statics = runner.static_inputs(3)  # a persistent batch, kept in the runner's buffers
+    for host, bits in ((lens_cpu, 0), (lens_cpu - 1, STALE)):
+        runner.replay(3, host_inputs={"seq_lens": host})
+        assert _word(fa3.status) == bits, f"{where}: replay with {host.tolist()}"
+        fa3.status.zero_()
+    assert statics["seq_lens"].shape[0] == 3
+
+
+def test_runner_reports_a_stale_copy_on_a_padded_batch(device, gen, seed):
+    """``run`` and ``replay`` of 3 requests in a bucket of 4: the pad's length is not read."""
+    runner, fa3, inputs, lens_cpu = _runner_case(device, gen, graphs=False)
+    _check_runner(runner, fa3, inputs, lens_cpu, f"seed {seed}")
+
+
+@pytest.mark.gpu
+def test_a_captured_graph_reports_a_stale_copy(gen, seed):
+    """The same in a captured CUDA graph: the check replays inside it and reads what the host
+    part sent before the replay."""
+    device = torch.device("cuda")
+    runner, fa3, inputs, lens_cpu = _runner_case(device, gen, graphs=True)
+    _check_runner(runner, fa3, inputs, lens_cpu, f"captured graph, seed {seed}")
