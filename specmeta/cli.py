@@ -226,7 +226,8 @@ ENGINE_GROUPS = {
     "runner": "static inputs of GraphRunner (CUDA graphs)",
     "draft_decode": "draft_decode_kv_indices called directly (FlashInferBuilder has its own)",
     "status": "a status word (specmeta.new_status)",
-    "host_lengths": "the seq_lens_cpu check slots every builder owns (design §3)",
+    "host_lengths_host": "the seq_lens_cpu check's host slots every builder owns (design §3)",
+    "host_lengths_seen": "the seq_lens_cpu check's device words every builder owns",
 }
 
 
@@ -312,7 +313,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         names = plan_keys(backend, plan, chosen, **extra)
         order = list(dict.fromkeys(name.split(".")[1] for name in names))
         names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
-        names += ["status", "host_lengths"]  # every builder owns a status word and the slots
+        # Every builder owns a status word and the seq_lens_cpu check's slots.
+        names += ["status", "host_lengths_host", "host_lengths_seen"]
         options = "".join(f", {k}={v!r}" for k, v in extra.items())
         print(f"\n{backend}: {BUILDERS[backend]}(cfg, device, modes={list(chosen)}{options}) "
               "allocates these when it is created")  # fmt: skip

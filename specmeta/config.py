@@ -399,11 +399,13 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     def add(name: str, shape: tuple[int, ...], dtype: str, doc: str) -> None:
         plan[name] = BufferSize(tuple(int(x) for x in shape), dtype, doc)
 
-    add("status", (1,), "int32", "status word (specmeta.Status bits)")
     from .metadata.capabilities import MODES  # torch-free, like this module
 
-    add("host_lengths", (len(MODES), 3), "int64",
-        "a builder's [n, ΣL, max L] of each mode's seq_lens_cpu, checked on the device")  # fmt: skip
+    add("status", (1,), "int32", "status word (specmeta.Status bits)")
+    # A builder's seq_lens_cpu check (design §3): its host slots and the device's last read.
+    modes = len(MODES)
+    add("host_lengths_host", (modes, 5), "int64", "per mode: seq, n, ΣL, max L, consumed")
+    add("host_lengths_seen", (modes,), "int64", "per mode: the last seq the device checked")
     # Draft slots (design §1, §2.1).
     add("draft.out_cache_loc", (bs * k * s,), "int64", "[B, K, S] draft KV slots")
     add("draft.positions", (bs * k,), "int64", "[B*K] position of each branch's first token")

@@ -119,7 +119,9 @@ class Case:
     outputs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def fresh_outputs(self) -> dict[str, torch.Tensor]:
-        return {name: t.clone() for name, t in self.outputs.items()}
+        """Copies of the outputs (pinned host buffers stay pinned: a kernel reads them)."""
+        return {name: t.clone().pin_memory() if t.device.type == "cpu" and t.is_pinned()
+                else t.clone() for name, t in self.outputs.items()}  # fmt: skip
 
 
 def _call(fn: Callable, case: Case, outputs: dict, status: torch.Tensor | None):
@@ -280,9 +282,24 @@ def _move_written(case, result, outputs):
 
 
 # ------------------------------------------------------------- FlashInfer and TRT-LLM MLA ops
+def _verify_lens(b: Batch, n: int, g: torch.Generator) -> torch.Tensor:
+    """Random per-request verify lengths in ``[0, N]`` (a ragged target verify, design §3.3),
+    in the batch's index dtype, on its device."""
+    v = torch.randint(0, n + 1, (b.batch_size,), generator=g, dtype=b.seq_lens.dtype)
+    return v.to(b.seq_lens.device)
+
+
 def _verify_kv_cases(b, g):
+    """The uniform lists, then a ragged verify into a poisoned buffer of the uniform size
+    (entries past Σ(L + v) must be left alone)."""
     n = tree_width(b.topk, b.num_steps)
-    yield Case(b.describe(), _args(b), dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum))
+    kw = dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum)
+    yield Case(b.describe(), _args(b), kw)
+    need = b.seq_lens_sum + b.batch_size * n
+    out = {"kv_indices": _poison(max(need, 1), device=b.seq_lens.device,
+                                 dtype=b.req_to_token.dtype)}  # fmt: skip
+    kw = dict(kw, verify_lens=_verify_lens(b, n, g))
+    yield Case(f"ragged {b.describe()}", _args(b), kw, out)
 
 
 def _verify_kv_written(case, result, outputs):
@@ -297,6 +314,9 @@ def _mask_cases(b, g):
     for packed in (False, True):
         kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum)
         yield Case(f"packed={packed} {b.describe()}", (b.seq_lens, tree), kw)
+    for packed in (False, True):  # a ragged verify: v × (L + v) blocks
+        kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum, verify_lens=_verify_lens(b, n, g))
+        yield Case(f"packed={packed} ragged {b.describe()}", (b.seq_lens, tree), kw)
 
 
 def _mask_written(case, result, outputs):
@@ -373,6 +393,9 @@ def _verify_expand_cases(b, g):
     tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(b.seq_lens.device)
     out = {"cu_seqlens_k": _poison(b.batch_size * n + 1, device=b.seq_lens.device)}
     yield Case(b.describe(), (*_args(b), tree), {}, out)
+    kw = dict(verify_lens=_verify_lens(b, n, g))  # a ragged verify: nodes j ≥ v_b get no keys
+    yield Case(f"ragged {b.describe()}", (*_args(b), tree), kw,
+               {name: t.clone() for name, t in out.items()})  # fmt: skip
 
 
 # ------------------------------------------------------------------------- the verify bucket
@@ -401,11 +424,11 @@ def _host_lengths_cases(b, g):
     nothing (``n = −1``)."""
     lens, device = b.seq_lens_cpu.long(), b.seq_lens.device
     n = int(torch.randint(0, b.batch_size + 1, (1,), generator=g))
-    slot = [n, int(lens[:n].sum()), int(lens[:n].max()) if n else 0]
-    yield Case(f"n={n} {b.describe()}", (b.seq_lens,), {},
-               {"slot": torch.tensor(slot, dtype=torch.int64, device=device)})  # fmt: skip
-    yield Case(f"none {b.describe()}", (b.seq_lens,), {},
-               {"slot": torch.tensor([-1, 0, 0], dtype=torch.int64, device=device)})  # fmt: skip
+    for what, seen, read in ((f"n={n}", 0, n), ("nothing new", 1, n), ("n=-1", 0, -1)):
+        slot = torch.tensor([1, read, int(lens[:n].sum()), int(lens[:n].max()) if n else 0, 0])
+        pinned = slot.pin_memory() if device.type == "cuda" else slot  # host memory, as built
+        seen_t = torch.tensor([seen], device=device)
+        yield Case(f"{what} {b.describe()}", (b.seq_lens,), {}, {"slot": pinned, "seen": seen_t})
 
 
 _TABLES = ("page_table", "cache_seqlens")

@@ -44,7 +44,7 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     grand_dev = grand_host = 0
     for backend, builder in BUILDERS.items():
         names = [n for n in plan if n.startswith(backend + ".") and not n.startswith(_NOT_SERVED)]
-        names += ["status", "host_lengths"]  # every builder owns both
+        names += ["status", "host_lengths_host", "host_lengths_seen"]  # every builder owns them
         dev = sum(plan[n].nbytes for n in names if not n.endswith("_host"))
         host = sum(plan[n].nbytes for n in names if n.endswith("_host"))
         assert f"{backend} total" in out
@@ -93,7 +93,7 @@ def test_plan_for_one_backend_shows_only_its_buffers(capsys):
     assert "shared-prefix" not in out and "FlashInferBuilder  " not in out
     # The engine buffers are listed, not counted: the grand total is the FA3 builder's.
     fa3 = sum(spec.nbytes for name, spec in plan_buffers(CFG).items() if name.startswith("fa3."))
-    fa3 += 4 + 5 * 3 * 8  # its status word and host_lengths slots (int64 [5 modes, 3])
+    fa3 += 4 + 5 * 8  # its status word and host_lengths_seen (int64 [5 modes])
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(fa3).split()
     assert "draft_decode.kv_indices" not in out  # the free kernel's list: listed as a group only
@@ -104,7 +104,8 @@ def test_plan_with_engine_groups_adds_them_to_the_grand_total(capsys):
     out = capsys.readouterr().out
     plan = plan_buffers(CFG)
     want = sum(spec.nbytes for name, spec in plan.items()
-               if name.split(".")[0] in ("trtllm_mla", "status", "host_lengths", "draft", "verify")
+               if name.split(".")[0] in ("trtllm_mla", "status", "host_lengths_seen", "draft",
+                                         "verify")
                and not name.startswith(_NOT_SERVED))  # fmt: skip
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(want).split()
@@ -286,7 +287,7 @@ def test_plan_for_the_modes_an_engine_uses(capsys):
     assert _rows(out, "flashinfer.draft_decode_shared.prefix_kv_indices")
     fi = FlashInferBuilder(CFG, "cpu", modes=modes, verify_mask="packed")
     device = sum(t.nbytes for k, t in fi.buffers.items() if not k.endswith("_host"))
-    device += fi.status.nbytes + fi.host_lengths.nbytes
+    device += fi.status.nbytes + fi.host_lengths_seen.nbytes
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(device).split()
     assert isinstance(fi.status, torch.Tensor)
@@ -459,7 +460,7 @@ def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
         "  cannot be created: FlashInferBuilder: flashinfer.draft_decode.kv_indices of shape "
         "[5, 20480010240] has rows of 20,480,010,240 elements, more than the 2,147,483,647 "
         "(2**31 - 1) its int32 kv_indptr can address; it alone is 409,600,204,800 bytes "
-        "(381.5 GiB) of 793,603,089,212 bytes (739.1 GiB) planned; 5 other buffers have such "
+        "(381.5 GiB) of 793,603,089,332 bytes (739.1 GiB) planned; 5 other buffers have such "
         "rows; shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a "
         "builder's modes=, allocate_buffers' names=)",
         "FlashInferBuilder: cannot be created for this config (see above); exit status 1",

@@ -116,7 +116,7 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
         f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
     )
-    assert total == 1_211_529_947_024  # + the 120-byte host_lengths slots
+    assert total == 1_211_529_947_144  # + the 240 bytes of host_lengths_host and _seen
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):
@@ -288,14 +288,15 @@ def test_the_plan_imports_no_torch():
 
 def test_builders_check_their_buffers_before_allocating(monkeypatch):
     """Each builder's constructor runs check_fits over what it allocates (its plan keys and its
-    status word and host_lengths slots), with its own name first in the message."""
+    status word and its seq_lens_cpu check's slots), with its own name first in the message."""
     from specmeta import FA3MetadataBuilder, FlashInferBuilder
 
     _no_allocation(monkeypatch)
     plan = plan_buffers(HUGE)
-    names = ["status", "host_lengths", *FlashInferBuilder.plan_keys(HUGE)]
+    names = ["status", "host_lengths_host", "host_lengths_seen",
+             *FlashInferBuilder.plan_keys(HUGE)]  # fmt: skip
     total = sum(plan[name].nbytes for name in names)
-    assert (len(names), total) == (44, 793_603_089_212)
+    assert (len(names), total) == (45, 793_603_089_332)
     with pytest.raises(ValueError) as info:
         FlashInferBuilder(HUGE, "cpu")
     assert str(info.value) == (
@@ -306,13 +307,14 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
     )
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1}  # a 4 KiB machine
     monkeypatch.setattr("specmeta.config.os.sysconf", lambda name: pages[name])
-    names = ["status", "host_lengths", *FA3MetadataBuilder.plan_keys(CFG_B)]
+    names = ["status", "host_lengths_host", "host_lengths_seen",
+             *FA3MetadataBuilder.plan_keys(CFG_B)]  # fmt: skip
     total = sum(plan_buffers(CFG_B)[name].nbytes for name in names)
-    assert (len(names), total) == (22, 12_140)
+    assert (len(names), total) == (23, 12_260)
     with pytest.raises(ValueError) as info:
         FA3MetadataBuilder(CFG_B, "cpu")
     assert str(info.value) == (
-        f"FA3MetadataBuilder: the {len(names)} planned buffers need {total:,} bytes (11.9 KiB) "
+        f"FA3MetadataBuilder: the {len(names)} planned buffers need {total:,} bytes (12.0 KiB) "
         "on cpu, more than its 4,096 bytes (4.0 KiB) of physical memory; the largest is "
         "fa3.draft_decode.page_table of shape [8, 71], 2,272 bytes (2.2 KiB); " + _FIX
     )

@@ -45,7 +45,11 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, check_fits, plan_buffers, plan_sizes
-from ..kernels.host_lengths import bind_check_host_lengths, check_host_lengths_ref
+from ..kernels.host_lengths import (
+    bind_check_host_lengths,
+    check_host_lengths_ref,
+    publish_host_lengths,
+)
 from ..launch import check_device
 from ..stage import Stage
 from . import capabilities as _capabilities
@@ -106,10 +110,10 @@ class MetadataBuilder:
     status : torch.Tensor
         ``int32 [1]``: the word every call reports into unless given another (read it with
         :func:`specmeta.check_status`, which syncs).
-    host_lengths : torch.Tensor
-        ``int64 [modes, 3]`` on the device: per mode, the ``[n, ΣL, max L]`` of
-        ``seq_lens_cpu`` its last host part read, until the mode's launches check it
-        (``n = −1`` after; :mod:`specmeta.kernels.host_lengths`).
+    host_lengths, host_lengths_seen : torch.Tensor
+        ``int64 [modes, 5]`` in host memory (pinned for CUDA) and ``int64 [modes]`` on the
+        device: per mode, what the last host part read of ``seq_lens_cpu`` and what the mode's
+        check last read of it (:mod:`specmeta.kernels.host_lengths`).
     """
 
     #: The plan's key prefix of this backend, e.g. ``"fa3."``.
@@ -139,17 +143,20 @@ class MetadataBuilder:
         self.modes = self.check_modes(cfg, modes)
         self._where = {m: f"{name}.{m}" for m in self.modes}  # message prefixes
         plan = plan_buffers(cfg)
-        check_fits({k: plan[k] for k in ("status", "host_lengths",
-                                         *self.plan_keys(cfg, self.modes))},
-                   self.device, name)  # fmt: skip
+        own = ("status", "host_lengths_host", "host_lengths_seen",
+               *self.plan_keys(cfg, self.modes))  # fmt: skip
+        check_fits({k: plan[k] for k in own}, self.device, name)
         self.status = plan["status"].allocate(self.device)
-        # Each mode's [n, ΣL, max L] of the seq_lens_cpu its host part read, sent in stream order
-        # from a pageable copy (the driver stages it at the call, so the copy is free to change
-        # at once) and checked by the mode's launches (kernels.host_lengths).
-        self.host_lengths = plan["host_lengths"].allocate(self.device, fill=-1)
-        self._host_slots = {mode: self.host_lengths[_MODE_INDEX[mode]] for mode in self.modes}
-        self._host_sent = torch.full((3,), -1, dtype=torch.int64)
-        self._host_sent_values = self._host_sent.numpy()
+        # Each mode's slot of the seq_lens_cpu its host part read, published in host memory
+        # (pinned for a CUDA device, read there by the mode's check launch) and the device word
+        # of what the check last read (kernels.host_lengths).
+        slots = plan["host_lengths_host"].allocate("cpu")
+        self.host_lengths = slots.pin_memory() if self.device.type == "cuda" else slots
+        self.host_lengths_seen = plan["host_lengths_seen"].allocate(self.device)
+        rows = {mode: _MODE_INDEX[mode] for mode in self.modes}
+        self._host_slots = {m: self.host_lengths[i] for m, i in rows.items()}
+        self._host_seen = {m: self.host_lengths_seen[i : i + 1] for m, i in rows.items()}
+        self._host_published = {m: self.host_lengths[i].numpy() for m, i in rows.items()}
         self._views: dict = {}  # (mode, B, ...) -> the views of the builder's own buffers
         self.host_ops = bool(host_ops)
 
@@ -246,9 +253,7 @@ class MetadataBuilder:
         read is sent to the device for the mode's check (:meth:`host_check`)."""
         found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
         if found is not None:
-            sent = self._host_sent_values
-            sent[0], sent[1], sent[2] = B, found[1], found[0]
-            self._host_slots[mode].copy_(self._host_sent, non_blocking=True)
+            publish_host_lengths(self._host_published[mode], B, found[1], found[0])
         return found
 
     def host_check(self, mode: str, seq_lens: torch.Tensor, status: torch.Tensor) -> Any:
@@ -256,7 +261,8 @@ class MetadataBuilder:
         ``seq_lens_cpu`` against ``seq_lens`` (``Status.STALE_HOST_LENGTHS``): every mode's
         stage holds it (:mod:`specmeta.kernels.host_lengths`)."""
         return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,
-                            self._host_slots[mode], status=status)  # fmt: skip
+                            self._host_slots[mode], self._host_seen[mode],
+                            status=status)  # fmt: skip
 
     def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Stage | functools.partial:  # fmt: skip

@@ -14,7 +14,11 @@ import torch
 
 from specmeta import SpecConfig, Status, allocate_buffers, new_status
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
-from specmeta.kernels.host_lengths import check_host_lengths, check_host_lengths_ref
+from specmeta.kernels.host_lengths import (
+    check_host_lengths,
+    check_host_lengths_ref,
+    publish_host_lengths,
+)
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
@@ -32,9 +36,15 @@ def _word(status: torch.Tensor) -> int:
 
 
 # -- the kernel against its reference ------------------------------------------------------------
+def _slot(device, values):
+    """A host slot as a builder keeps it (pinned for CUDA) and a device ``seen`` word."""
+    slot = torch.tensor(values, dtype=torch.int64)
+    return slot.pin_memory() if device.type == "cuda" else slot
+
+
 def test_check_equals_reference_on_random_slots(device, gen, seed):
     """Random lengths and slots (the host's own numbers, a stale copy's, a longer batch's, or
-    none): the kernel's status bit and consumed slot equal the reference's."""
+    nothing new): the kernel's status bit, slot and seen word equal the reference's."""
     for trial in range(12):
         B = int(torch.randint(0, 6, (1,), generator=gen))
         lens = torch.randint(0, 30, (B,), generator=gen)
@@ -44,36 +54,55 @@ def test_check_equals_reference_on_random_slots(device, gen, seed):
         if kind == 2:
             n += 1  # the host read more requests than the build has
         total, top = int(read.sum()), int(read.max()) if read.numel() else 0
-        slot = torch.tensor([-1 if kind == 3 else n, total, top], dtype=torch.int64)
+        seq = int(torch.randint(1, 9, (1,), generator=gen))
+        seen = seq if kind == 3 else seq - 1  # kind 3: nothing new since the last check
+        values = [seq, n, total, top, seq - 1]
         for dtype in (torch.int32, torch.int64):
             got_status, want_status = new_status(device), new_status(device)
-            got_slot, want_slot = slot.to(device), slot.clone()
-            check_host_lengths(lens.to(dtype).to(device), got_slot, status=got_status)
-            check_host_lengths_ref(lens.to(dtype), want_slot, status=want_status)
-            where = f"seed {seed}, trial {trial}, lens {lens.tolist()}, slot {slot.tolist()}"
+            got_slot, want_slot = _slot(device, values), torch.tensor(values)
+            got_seen = torch.tensor([seen], device=device)
+            want_seen = torch.tensor([seen])
+            check_host_lengths(lens.to(dtype).to(device), got_slot, got_seen, status=got_status)
+            check_host_lengths_ref(lens.to(dtype), want_slot, want_seen, status=want_status)
+            where = f"seed {seed}, trial {trial}, lens {lens.tolist()}, slot {values}"
             assert _word(got_status) == _word(want_status), where
             assert torch.equal(got_slot.cpu(), want_slot), where
+            assert torch.equal(got_seen.cpu(), want_seen), where
 
 
 @pytest.mark.parametrize(
-    ("lens", "slot", "bits"),
+    ("lens", "slot", "seen", "bits"),
     [
-        ([5, 7, 9], [2, 12, 7], 0),  # a graph padded to 3 for 2 requests: pads not read
-        ([5, 7, 9], [2, 10, 6], STALE),  # one iteration behind
-        ([5, 7, 9], [3, 21, 8], STALE),  # the same total, another maximum
-        ([5, 7, 9], [3, 20, 9], STALE),  # the same maximum, another total
-        ([5, 7, 9], [4, 21, 9], STALE),  # the host read more requests than the build has
-        ([5, 7, 9], [-1, 0, 0], 0),  # no seq_lens_cpu: nothing to check
-        ([], [0, 0, 0], 0),  # an empty batch
+        ([5, 7, 9], [1, 2, 12, 7, 0], 0, 0),  # a graph padded to 3 for 2 requests: pads unread
+        ([5, 7, 9], [1, 2, 10, 6, 0], 0, STALE),  # one iteration behind
+        ([5, 7, 9], [1, 3, 21, 8, 0], 0, STALE),  # the same total, another maximum
+        ([5, 7, 9], [1, 3, 20, 9, 0], 0, STALE),  # the same maximum, another total
+        ([5, 7, 9], [1, 4, 21, 9, 0], 0, STALE),  # the host read more requests than the build
+        ([5, 7, 9], [1, 2, 10, 6, 1], 1, 0),  # nothing new: checked already
+        ([5, 7, 9], [4, -1, 0, 0, 3], 3, 0),  # n = -1: nothing to compare
+        ([], [1, 0, 0, 0, 0], 0, 0),  # an empty batch
     ],
 )
-def test_check_worked_examples(device, lens, slot, bits):
+def test_check_worked_examples(device, lens, slot, seen, bits):
     for check in (check_host_lengths, check_host_lengths_ref):
         status = new_status(device)
-        slot_t = torch.tensor(slot, dtype=torch.int64, device=device)
-        check(torch.tensor(lens, dtype=torch.int32, device=device), slot_t, status=status)
+        slot_t = _slot(device, slot) if check is check_host_lengths else torch.tensor(slot)
+        seen_t = torch.tensor([seen], device=device if check is check_host_lengths else "cpu")
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=seen_t.device)
+        check(lens_t, slot_t, seen_t, status=status)
         assert _word(status) == bits, (check.__name__, lens, slot)
-        assert slot_t.tolist() == [-1, *slot[1:]], "the check consumes the slot"
+        assert slot_t.tolist() == [*slot[:4], slot[0]], "the check marks the slot consumed"
+        assert seen_t.tolist() == [slot[0]]
+
+
+def test_a_host_part_publishes_only_what_the_device_consumed():
+    """The handshake: values and then seq + 1, and only over consumed values."""
+    slot = [3, 2, 10, 6, 3]
+    assert publish_host_lengths(slot, 2, 12, 7) and slot == [4, 2, 12, 7, 3]
+    assert not publish_host_lengths(slot, 2, 14, 8), "seq 4 is not consumed yet"
+    assert slot == [4, 2, 12, 7, 3]
+    slot[4] = 4
+    assert publish_host_lengths(slot, 2, 14, 8) and slot == [5, 2, 14, 8, 4]
 
 
 # -- every mode of every builder -----------------------------------------------------------------
@@ -141,6 +170,13 @@ def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed):
         if not name.startswith("flashinfer"):  # FlashInfer refuses a missing copy at the call
             stage(None)
             assert _word(status) == 0, f"{where}: no copy"
+        # A host part ahead of the device (the last one's launches have not run) publishes
+        # nothing: its build goes unchecked, and nothing is reported wrongly.
+        stage.host(lens_cpu)
+        stage.host(behind)
+        stage.launch()
+        stage.launch()
+        assert _word(status) == 0, f"{where}: a host part ahead of the device"
 
 
 @pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
