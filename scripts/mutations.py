@@ -555,8 +555,8 @@ MUTATIONS: list[Mutation] = [
        "the runner's captured-tensor check ignores shapes: a stage is replayed after a static "
        "input or a guarded tensor was resized in place",
        "specmeta/runners/graph_runner.py",
-       "held = [(s.buffer.data_ptr(), s.buffer.shape, s.buffer.stride())",
-       "held = [(s.buffer.data_ptr(), s.buffer.stride())",
+       "held = [(t.data_ptr(), t.shape, t.stride()) for t in self._buffers]",
+       "held = [(t.data_ptr(), t.stride()) for t in self._buffers]",
        ["tests/test_stage.py", "-k", "held_tensor_changed and shape"],
        also=(("specmeta/runners/graph_runner.py",
               "held.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))",
@@ -565,8 +565,8 @@ MUTATIONS: list[Mutation] = [
        "the runner's captured-tensor check ignores strides: a stage is replayed after a static "
        "input or a guarded tensor was transposed in place",
        "specmeta/runners/graph_runner.py",
-       "held = [(s.buffer.data_ptr(), s.buffer.shape, s.buffer.stride())",
-       "held = [(s.buffer.data_ptr(), s.buffer.shape)",
+       "held = [(t.data_ptr(), t.shape, t.stride()) for t in self._buffers]",
+       "held = [(t.data_ptr(), t.shape) for t in self._buffers]",
        ["tests/test_stage.py", "-k", "held_tensor_changed and strides"],
        also=(("specmeta/runners/graph_runner.py",
               "held.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))",
@@ -575,8 +575,8 @@ MUTATIONS: list[Mutation] = [
        "a persistent replay of a batch size replayed before no longer checks the captured "
        "tensors",
        "specmeta/runners/graph_runner.py",
-       "        stage, bp = entry\n        self._check_held()\n",
-       "        stage, bp = entry\n",
+       "        if self._held() != self._layout:\n            self._check_held()  # raises, naming what changed\n",
+       "",
        ["tests/test_stage.py", "-k", "held_tensor_changed"]),
     _m("p-capture-collector-on", "runner",
        "capture() leaves the cyclic collector on: a dead graph destroyed mid-capture fails it",

@@ -35,7 +35,7 @@ def tensor(
             t.dtype in dtypes
             and (ndim is None or t.dim() == ndim)
             and (device is None or t.device == device)
-            and (not contiguous_last or t.stride(-1) == 1 or t.shape[-1] <= 1)
+            and (not contiguous_last or t.stride()[-1] == 1 or t.shape[-1] <= 1)
             and isinstance(t, torch.Tensor)
         ):
             return t

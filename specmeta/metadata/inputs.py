@@ -44,7 +44,7 @@ def _tensor(
             t.dtype in dtypes
             and t.dim() == ndim
             and t.device == device
-            and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+            and (t.stride()[-1] == 1 or t.shape[-1] <= 1)
             and isinstance(t, torch.Tensor)
         ):
             return t

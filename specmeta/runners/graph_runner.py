@@ -301,8 +301,7 @@ class GraphRunner:
         """What the graphs depend on, now: each static buffer's and guarded tensor's address,
         shape and strides (a guard's dtype and device too: a function may return another
         tensor)."""
-        held = [(s.buffer.data_ptr(), s.buffer.shape, s.buffer.stride())
-                for s in self._inputs.values()]  # fmt: skip
+        held = [(t.data_ptr(), t.shape, t.stride()) for t in self._buffers]
         for current in self._guards.values():
             t = current()
             held.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
@@ -334,6 +333,7 @@ class GraphRunner:
         if not self._inputs:
             raise ValueError("register at least one input (add_input) before capture()")
         self._host_name = next((n for n, s in self._inputs.items() if s.host_mirror), None)
+        self._buffers = tuple(s.buffer for s in self._inputs.values())
         self._expected = [
             (n, s.buffer.dtype, s.per_request, tuple(s.buffer.shape[1:]))
             for n, s in self._inputs.items()
@@ -438,9 +438,12 @@ class GraphRunner:
             self._check_held()  # before B's stage is bound: a changed tensor is named as such
             entry = self._host(batch_size)
         stage, bp = entry
-        self._check_held()
-        if host_inputs is None:
-            values = self._host_value(None)
+        if self._held() != self._layout:
+            self._check_held()  # raises, naming what changed
+        if host_inputs is None and self._host_name is None:
+            values = None
+        elif host_inputs is None:
+            values = self._host_value(None)  # raises: the host mirror is missing
         else:
             try:  # the usual call: the one host input, by name
                 values = host_inputs[self._host_name] if len(host_inputs) == 1 else None
