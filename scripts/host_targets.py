@@ -8,7 +8,9 @@ runner's persistent replay), so both tables come from one machine in one visit.
 
 Every row is a call timed in alternating rounds with the floors that judge it
 (``bench.harness.paired_host_us``): ``floor_run`` (``CompiledKernel.run`` of an empty kernel
-with the same argument counts) and ``floor_graph`` (a bare graph replay). A call whose device
+with the same argument counts) and ``floor_graph`` (a bare graph replay); ``floor_jit``
+(Triton's own ``kernel[grid](...)`` of that kernel, what one eager launch through Triton's
+specialization costs) is shown beside them. A call whose device
 work sets its pace when called back to back is timed 3 calls a round after a synchronize
 (``drained``). Targets:
 
@@ -67,7 +69,7 @@ def measure(name: str, fn, *, kind: str, budget: float, launches: int | None = N
     row = dict(name=name, kind=kind, us=got["host_paired_us"], target=round(target, 2),
                met=got["host_paired_us"] <= target, launches=n, device_us=round(dev, 2),
                floor_run=got["floor_run"], floor_graph=got["floor_graph"],
-               drained=bool(paced), **extra)  # fmt: skip
+               floor_jit=got["floor_jit"], drained=bool(paced), **extra)  # fmt: skip
     ROWS.append(row)
     print(json.dumps(row), flush=True)
 
@@ -83,14 +85,15 @@ def table(before_path: str, after_path: str) -> str:
     meta = after["meta"]
     lines = [f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']}; µs, each row with the floors of its own run.", "",
-             "| call | B, K | before | after | floor_run | floor_graph | target | met |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| call | B, K | before | after | floor_run | floor_jit | floor_graph | target | met |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in after["rows"]:
         b = before.get((r["name"].replace(".python", ""), r["bs"], r["topk"]))
         old = f"{b['us']:.2f}" if b is not None and not r["name"].endswith(".python") else ""
         lines.append(f"| {r['name']}{' (drained)' if r['drained'] else ''} | {r['bs']}, "
                      f"{r['topk']} | {old} | {r['us']:.2f} | {r['floor_run']:.2f} | "
-                     f"{r['floor_graph']:.2f} | {r['target']:.2f} | "
+                     f"{r.get('floor_jit', float('nan')):.2f} | {r['floor_graph']:.2f} | "
+                     f"{r['target']:.2f} | "
                      f"{'yes' if r['met'] else '**no**'} |")  # fmt: skip
     met = sum(r["met"] for r in after["rows"])
     lines.append(f"\n{met} of {len(after['rows'])} targets met.")
