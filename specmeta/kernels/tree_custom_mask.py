@@ -17,6 +17,19 @@ layout (segments back to back) is read at the wrong offsets for every request af
 Placing each segment at its element offset makes the two agree: the bytes between segments are
 never written or read, so the packed buffer is as large as the bool one. What it saves is the
 device-to-host copy that ``plan(custom_mask=...)`` makes to pack the bool form.
+
+A ragged target verify (``verify_lens``, design §3.3) gives request ``i`` the first
+``v_i ≤ N`` nodes of its tree: its block is ``v_i × (L_i + v_i)``, ``N`` replaced by ``v_i``
+throughout (rows, tree columns, segment sizes and starts)::
+
+    mask_indptr[i]                                   = Σ_{i'<i} v_i'·(L_i' + v_i')
+    custom_mask[mask_indptr[i] + j·(L_i + v_i) + c]  = 1                    for j < v_i, c < L_i
+    custom_mask[mask_indptr[i] + j·(L_i + v_i) + L_i + c'] = tree_mask[i, j, c']   for c' < v_i
+
+and the packed rule is the same: segment ``i`` is its ``v_i·(L_i + v_i)`` elements packed
+eight a byte, zero bits to a whole byte, starting at byte ``mask_indptr[i]`` (the element
+offset, now of the ragged blocks: what ``plan()`` computes from the ragged ``qo_indptr`` and
+``kv_indptr``). A request with ``v_i = 0`` has an empty segment: nothing is written for it.
 """
 
 from __future__ import annotations
@@ -30,7 +43,15 @@ from ..config import tree_custom_mask_need
 from ..launch import Launcher, cdiv
 from ..stage import Stage, launcher
 from ..status import Status
-from ._common import OUT_OF_CAPACITY, POS_OOB, host_int, target_programs
+from ._common import (
+    OUT_OF_CAPACITY,
+    POS_OOB,
+    check_verify_lens,
+    host_int,
+    load_verify_len,
+    target_programs,
+    verify_lens_ref,
+)
 
 __all__ = ["bind_tree_custom_mask", "tree_custom_mask", "tree_custom_mask_ref"]
 
@@ -53,6 +74,22 @@ def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
         before = offs < b
         L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
         cum += tl.sum(tl.where(before, N * (L + N), 0), axis=0)
+    return cum
+
+
+@triton.jit
+def _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.constexpr):
+    """Σ_{i<b} v_i·(L_i + v_i), each ``v_i`` clamped to ``[0, N]`` as
+    :func:`~specmeta.kernels._common.load_verify_len` reads it: a ragged segment's start in
+    elements, and in bytes when packed (int64)."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        v = tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+        v = tl.minimum(tl.maximum(v, 0), N)
+        cum += tl.sum(tl.where(before, v * (L + v), 0), axis=0)
     return cum
 
 
@@ -94,6 +131,7 @@ def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_m
 @triton.jit(do_not_specialize=["B", "N", "stride_mb", "stride_mj", "W_mask", "chunk_programs"])
 def _tree_custom_mask_kernel(
     seq_lens_ptr,  # [B] int32|int64
+    verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request has N rows)
     tree_mask_ptr,  # [B, N, N] uint8 view of bool, strides (stride_mb, stride_mj, 1)
     custom_mask_ptr,  # [W_mask] uint8 (bool view, or packed bytes)
     mask_indptr_ptr,  # [≥B+1] int32|int64
@@ -107,45 +145,55 @@ def _tree_custom_mask_kernel(
     PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: v_b × (L_b + v_b) blocks
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes chunks ``c, c +
     chunk_programs, …`` of request ``b``'s segment; ``(b, 0)`` also writes ``mask_indptr[b + 1]``
-    (entry 0 from ``b = 0``) and the status."""
+    (entry 0 from ``b = 0``) and the status. ``Nb``, the request's rows and tree columns, is
+    ``N``, or its clamped ``v_b`` in a ragged verify."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     valid = b < B
     L = tl.load(seq_lens_ptr + b, mask=valid, other=0).to(tl.int64)
     L_ok = L >= 0
     L = tl.maximum(L, 0)
-    n_bits = tl.where(valid, N * (L + N), 0)
+    if HAS_VERIFY_LENS:
+        # Ragged verify: the first v_b ≤ N nodes; a v_b outside [0, N] is read clamped and
+        # reported (POS_OOB, below).
+        Nb, v_ok = load_verify_len(verify_lens_ptr, b, B, N)
+        L_ok = L_ok & v_ok
+        start = _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B)
+    else:
+        Nb = N
+        start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
+    n_bits = tl.where(valid, Nb * (L + Nb), 0)
     n = n_bits
     if PACKED:
         n = (n_bits + 7) // 8
-    start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
     tree_ptr = tree_mask_ptr + tl.where(valid, b, 0) * stride_mb
-    inv_cols = 1.0 / tl.maximum(L + N, 1).to(tl.float64)  # N = 0: no element is live
+    inv_cols = 1.0 / tl.maximum(L + Nb, 1).to(tl.float64)  # Nb = 0: no element is live
 
     # The loop covers only what the buffer can hold: a garbage length (2**40) costs no more than
     # a full buffer, and is reported (OUT_OF_CAPACITY, below).
     n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_mask - start, 0), W_mask))
     offs = tl.arange(0, BLOCK)
     k = tl.arange(0, 8)
-    cols = tl.maximum(L + N, 1)
+    cols = tl.maximum(L + Nb, 1)
     for chunk in range(c, tl.cdiv(n_fit, BLOCK), chunk_programs):
         first = b * 0 + chunk * BLOCK  # the chunk's first output, an int64 scalar
         bit0 = first * 8 if PACKED else first  # and its first mask element
         j0 = bit0 // cols  # one scalar division a chunk
         col0 = bit0 - j0 * cols
-        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < N):
+        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < Nb):
             # Inside one row's prefix columns: every element 1, nothing to compute.
             v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
         elif PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
             bits = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs[:, None] * 8 + k[None, :],
-                                 n_bits, L, N, stride_mj, inv_cols, SPAN=BLOCK * 8)  # fmt: skip
+                                 n_bits, L, Nb, stride_mj, inv_cols, SPAN=BLOCK * 8)  # fmt: skip
             v = tl.sum(bits << k[None, :], axis=1)
         else:
-            v = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs, n_bits, L, N, stride_mj,
+            v = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs, n_bits, L, Nb, stride_mj,
                               inv_cols, SPAN=BLOCK)  # fmt: skip
         # n_fit keeps the stores in the segment and the buffer; int32 offsets from the chunk.
         here = tl.minimum(tl.maximum(n_fit - first, 0), BLOCK).to(tl.int32)
@@ -165,10 +213,13 @@ def _tree_custom_mask_kernel(
 _tree_custom_mask_launch = Launcher(_tree_custom_mask_kernel)
 
 
-def _prepare(seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status):
+def _prepare(where, seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum,
+             verify_lens, status):  # fmt: skip
     validate.tensor("seq_lens", seq_lens, ndim=1)
     device = seq_lens.device
     B = seq_lens.shape[0]
+    if verify_lens is not None:
+        check_verify_lens(where, verify_lens, B, device)
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=device)
     N = tree_mask.shape[1]
     if tree_mask.shape != (B, N, N):
@@ -210,6 +261,7 @@ def bind_tree_custom_mask(
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build FlashInfer's flat verify mask (or its packed-bit form) in one launch.
@@ -232,9 +284,18 @@ def bind_tree_custom_mask(
         ``[≥ B + 1]`` int32 or int64: segment starts in elements (the same values, read as
         byte offsets, when ``packed``), entry 0 included.
     seq_lens_sum : int, optional
-        Host-side ``ΣL``; when given, ``custom_mask`` is checked before launch.
+        Host-side ``ΣL``; when given, ``custom_mask`` is checked before launch (for the
+        uniform ``N·ΣL + B·N²``, the bound of a ragged verify too).
+    verify_lens : torch.Tensor, optional
+        ``[B]`` int32 or int64 on the device: a ragged target verify (design §3.3). Request
+        ``i`` verifies its first ``v_i`` nodes: its block is ``v_i × (L_i + v_i)`` (rows
+        ``j < v_i``, prefix columns 1, tree columns ``tree_mask[i, j, :v_i]``), its segment
+        starts at ``mask_indptr[i] = Σ_{i'<i} v_i'·(L_i' + v_i')``, packed by the same rule
+        (whole bytes, at that element offset read as a byte offset). In a captured bucket, the
+        padded lengths of ``pad_verify_lens_to_bucket``. ``None`` (the default): ``v_i = N``.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens``, read as 0), ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens``, read as 0; a ``v_i`` outside
+        ``[0, N]``, read clamped to it), ``OUT_OF_CAPACITY``.
 
     Returns
     -------
@@ -246,19 +307,28 @@ def bind_tree_custom_mask(
     --------
     ``seq_lens=[1]``, ``N=2``, root 0 with child 1 → rows ``[1, 1, 0]`` and ``[1, 1, 1]``:
     ``custom_mask=[1, 1, 0, 1, 1, 1]``, ``mask_indptr=[0, 6]``; packed: the byte
-    ``0b111011 = 59`` at offset 0, ``mask_indptr=[0, 6]``.
+    ``0b111011 = 59`` at offset 0, ``mask_indptr=[0, 6]``. Ragged, ``seq_lens=[1, 2]``,
+    ``verify_lens=[1, 2]`` and the same tree in both → ``[1, 1]`` then rows ``[1, 1, 1, 0]``,
+    ``[1, 1, 1, 1]``: ``mask_indptr=[0, 2, 10]``; packed: ``3`` at byte 0, ``0b11110111 = 247``
+    at byte 2.
+
+    A ``v_i`` outside ``[0, N]`` is a fault: it is read clamped to that range (the block, the
+    segment and every later start follow from the clamped lengths) and ``POS_OOB`` is set;
+    nothing is written past ``custom_mask[W_mask − 1]`` or ``mask_indptr[B]``.
 
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
     B, N, custom_mask, mask_indptr, status = _prepare(
-        seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
-    )
+        "tree_custom_mask", seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum,
+        verify_lens, status,
+    )  # fmt: skip
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
     launch = _tree_custom_mask_launch.bind(
         grid,
         seq_lens_ptr=seq_lens,
+        verify_lens_ptr=verify_lens,
         tree_mask_ptr=tree_mask.view(torch.uint8),
         custom_mask_ptr=custom_mask.view(torch.uint8),
         mask_indptr_ptr=mask_indptr,
@@ -272,6 +342,7 @@ def bind_tree_custom_mask(
         PACKED=packed,
         BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,
+        HAS_VERIFY_LENS=verify_lens is not None,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -290,20 +361,25 @@ def tree_custom_mask_ref(
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`tree_custom_mask` (vectorised over every element; syncs)."""
     B, N, custom_mask, mask_indptr, status = _prepare(
-        seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum, status
-    )
+        "tree_custom_mask_ref", seq_lens, tree_mask, packed, custom_mask, mask_indptr,
+        seq_lens_sum, verify_lens, status,
+    )  # fmt: skip
     device = seq_lens.device
     L = seq_lens.to(torch.int64).clamp_min(0)
-    n_bits = N * (L + N)
+    bits = 0
+    V = torch.full_like(L, N)  # rows and tree columns of each block
+    if verify_lens is not None:  # ragged verify: v_i, clamped to [0, N]
+        V, bits = verify_lens_ref(verify_lens, N)
+    n_bits = V * (L + V)
     n = (n_bits + 7) // 8 if packed else n_bits  # elements written per request
     start = torch.cumsum(n_bits, 0) - n_bits
     mask_indptr[0] = 0
     mask_indptr[1 : B + 1] = (start + n_bits).to(mask_indptr.dtype)
-    bits = 0
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     # Only what the buffer holds is built, as in the kernel: a garbage length costs no more.
@@ -319,7 +395,7 @@ def tree_custom_mask_ref(
             req_b = req.view(-1, 1).expand_as(bit)
         else:
             bit, req_b = e, req
-        cols = (L + N)[req_b]
+        cols = (L + V)[req_b]
         j, col = bit // cols, bit % cols
         prefix_len = L[req_b]
         live = bit < n_bits[req_b]

@@ -11,6 +11,17 @@ read, but every column is defined)::
     cu_seqlens_k[r]    = Σ_{r'<r} cache_seqlens[r']         r in [0, B·N]
 
 The table holds token slots, so the consumer reads it with a page-size-1 view of the KV cache.
+
+A ragged target verify (``verify_lens``, design §3.2) keeps the rows ``r = i·N + j`` of every
+``j < N`` (the uniform layout a graph captured) but lets request ``i`` verify only its first
+``v_i ≤ N`` nodes: the mask is read as ``m'[i, j, c] = m[i, j, c] ∧ j < v_i ∧ c < v_i`` (a
+prefix of nodes is a tree, so no ancestor of a node ``j < v_i`` is cut; the mask is applied
+anyway) and only the window slots ``c < v_i`` are read::
+
+    page_table[r, k]   = row_i[L_i + c_k]       j < v_i: c_0 < c_1 < … the ancestor columns
+                                                of m', then the other columns c < v_i
+    page_table[r, k]   = 0                      j < v_i and v_i ≤ k < W; every k for j ≥ v_i
+    cache_seqlens[r]   = Σ_c m'[i, j, c]        (0 for j ≥ v_i: an empty list)
 """
 
 from __future__ import annotations
@@ -29,8 +40,11 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_verify_lens,
     gather_rows_ref,
     load_request,
+    load_verify_len,
+    verify_lens_ref,
 )
 
 __all__ = [
@@ -49,6 +63,7 @@ def _verify_expand_page_table_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
     req_to_token_ptr,  # [R, W_row] int32|int64
     seq_lens_ptr,  # [B] int32|int64
+    verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request verifies N nodes)
     tree_mask_ptr,  # [B, N, N] uint8 (bool viewed as bytes), strides (stride_mb, stride_mj, 1)
     page_table_ptr,  # [≥B*N, W] int32|int64, row stride stride_pt
     cache_seqlens_ptr,  # [≥B*N] int32|int64
@@ -66,18 +81,27 @@ def _verify_expand_page_table_kernel(
     BLOCK_N: tl.constexpr,  # next power of two ≥ N
     BLOCK_T: tl.constexpr,  # tail columns per store tile
     WRITE_CU0: tl.constexpr,
+    HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: nodes j ≥ v_i get no keys
     HAS_STATUS: tl.constexpr,
 ):
-    """Grid ``(max(B, 1),)``: program ``i`` orders the ``N × N`` tile of request ``i``'s mask
-    and scatters its verify slots into the ``N`` rows of its nodes."""
+    """Grid ``(max(B, 1),)``: program ``i`` orders the ``V × V`` tile of request ``i``'s mask
+    (``V = N``, or its clamped ``v_i`` in a ragged verify) and scatters its verify slots into
+    the ``N`` rows of its nodes."""
     i = tl.program_id(0).to(tl.int64)
     live = i < B
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, i, B, R, stride_row
     )
+    if HAS_VERIFY_LENS:
+        # Ragged verify: the first v_i ≤ N nodes; a v_i outside [0, N] is read clamped and
+        # reported (POS_OOB, below).
+        V, v_ok = load_verify_len(verify_lens_ptr, i, B, N)
+        L_ok = L_ok & v_ok
+    else:
+        V = N
     jj = tl.arange(0, BLOCK_N)[:, None]  # node j: query row
     cc = tl.arange(0, BLOCK_N)[None, :]  # column c: tree node whose slot may be read
-    in_tile = tl.where(live, (jj < N) & (cc < N), False)
+    in_tile = tl.where(live, (jj < V) & (cc < V), False)
     m = tl.load(tree_mask_ptr + i * stride_mb + jj * stride_mj + cc, mask=in_tile, other=0)
     m = in_tile & (m != 0)
     incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
@@ -86,7 +110,7 @@ def _verify_expand_page_table_kernel(
 
     c = tl.arange(0, BLOCK_N)
     p = L + c
-    want = tl.where(live, c < N, False)
+    want = tl.where(live, c < V, False)  # the window slots read
     slot = tl.load(
         req_to_token_ptr + row_base + p,
         mask=tl.where(row_ok, want & (p < W_row), False),
@@ -98,10 +122,15 @@ def _verify_expand_page_table_kernel(
     rows = i * N + jj  # int64: B·N·W passes 2**31 only for huge tables, but costs nothing
     tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)
     row_live = tl.where(live, jj < N, False)
+    if HAS_VERIFY_LENS:
+        # The N × N tile outside the V × V one: columns [V, N) of rows j < V (the tile's ranks
+        # stay below V there), every column of the rows j ≥ V.
+        tl.store(page_table_ptr + rows * stride_pt + cc, 0 * rows + 0 * cc,
+                 mask=row_live & (cc < N) & ~in_tile)  # fmt: skip
     for c0 in range(N, W, BLOCK_T):
         t = c0 + tl.arange(0, BLOCK_T)[None, :]
         tl.store(page_table_ptr + rows * stride_pt + t, 0 * rows + 0 * t, mask=row_live & (t < W))
-    tl.store(cache_seqlens_ptr + i * N + c, cnt, mask=want)
+    tl.store(cache_seqlens_ptr + i * N + c, cnt, mask=tl.where(live, c < N, False))
     if WRITE_CU0:
         tl.store(cu_seqlens_k_ptr + i, i * 0, mask=i == 0)
 
@@ -136,10 +165,12 @@ _inclusive_sums_launch = Launcher(_inclusive_sums_kernel)
 _SUMS_BLOCK = 1024
 
 
-def _prepare(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
-             cu_seqlens_k, status):  # fmt: skip
+def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
+             cache_seqlens, cu_seqlens_k, verify_lens, status):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference."""
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    if verify_lens is not None:
+        check_verify_lens(where, verify_lens, B, device)
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
                     device=device)  # fmt: skip
     N = tree_mask.shape[1]
@@ -174,6 +205,7 @@ def bind_verify_expand_page_table(
     page_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
@@ -195,9 +227,18 @@ def bind_verify_expand_page_table(
         ``[≥ B·N + 1]``; when given, its exclusive prefix sum (entry 0 by the kernel, the rest
         by a second, one-program launch: a per-node prefix over the masks of all earlier
         requests would cost every program O(i·N²) reads).
+    verify_lens : torch.Tensor, optional
+        ``[B]`` int32 or int64 on the device: a ragged target verify (design §3.2). Rows stay
+        ``i·N + j`` for every ``j < N``; node ``j < v_i`` lists its ancestors ``c < v_i`` (the
+        mask read as ``m ∧ j < v_i ∧ c < v_i``), then the other window slots ``c < v_i``, then
+        0; a node ``j ≥ v_i`` gets an empty list (``cache_seqlens`` 0, its row all 0, the
+        sink). Only the slots ``row_i[L_i + c]``, ``c < v_i``, are read. In a captured
+        bucket, the padded lengths of ``pad_verify_lens_to_bucket``. ``None`` (the default):
+        ``v_i = N``.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N > W_row`` or negative ``seq_lens``;
-        those slots read 0), ``POOL_OOB`` (a negative slot id reads 0).
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N > W_row`` (``L_i + v_i`` when
+        ragged) or negative ``seq_lens``, those slots read 0; a ``v_i`` outside ``[0, N]``,
+        read clamped to it), ``POOL_OOB`` (a negative slot id reads 0).
 
     Returns
     -------
@@ -209,14 +250,18 @@ def bind_verify_expand_page_table(
     --------
     ``N=3``, node 1 and node 2 both children of the root, ``L=5``, row ``[…, 50, 51, 52]``
     at positions 5, 6, 7 → rows ``[50, 51, 52]``, ``[50, 51, 52]``, ``[50, 52, 51]``;
-    ``cache_seqlens=[1, 2, 2]``.
+    ``cache_seqlens=[1, 2, 2]``. With ``verify_lens=[2]``: rows ``[50, 51, 0]``,
+    ``[50, 51, 0]``, ``[0, 0, 0]``; ``cache_seqlens=[1, 2, 0]``.
+
+    A ``v_i`` outside ``[0, N]`` is a fault: it is read clamped to that range and ``POS_OOB``
+    is set; every row ``[:B·N]`` is still written, nothing past it.
 
     Grid ``(max(B, 1),)``, one program per request, and ``(1,)`` for ``cu_seqlens_k``. No
     host sync.
     """
     B, N, page_table, cache_seqlens, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
-        cu_seqlens_k, status,
+        "verify_expand_page_table", req_pool_indices, req_to_token, seq_lens, tree_mask,
+        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status,
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
@@ -224,6 +269,7 @@ def bind_verify_expand_page_table(
         _verify_expand_page_table_launch.bind(
             (max(B, 1),),
             **batch_arguments(req_pool_indices, req_to_token, seq_lens),
+            verify_lens_ptr=verify_lens,
             tree_mask_ptr=mask,
             page_table_ptr=page_table,
             cache_seqlens_ptr=cache_seqlens,
@@ -237,6 +283,7 @@ def bind_verify_expand_page_table(
             BLOCK_N=next_power_of_2(N),
             BLOCK_T=min(next_power_of_2(max(W - N, 1)), 64),
             WRITE_CU0=cu_seqlens_k is not None,
+            HAS_VERIFY_LENS=verify_lens is not None,
             HAS_STATUS=True,
         )
     ]
@@ -264,29 +311,37 @@ def verify_expand_page_table_ref(
     page_table: torch.Tensor | None = None,
     cache_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
     B, N, page_table, cache_seqlens, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, tree_mask, page_table, cache_seqlens,
-        cu_seqlens_k, status,
+        "verify_expand_page_table_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
+        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status,
     )  # fmt: skip
     device = req_to_token.device
     BN = B * N
     L = seq_lens.to(torch.int64)
     bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     c = torch.arange(N, device=device)
+    V = torch.full((B, 1), N, dtype=torch.int64, device=device)  # nodes verified
+    if verify_lens is not None:  # ragged verify: v_i, clamped to [0, N]
+        v, v_bits = verify_lens_ref(verify_lens, N)
+        V, bits = v.view(B, 1), bits | v_bits
+    read = c < V  # [B, N]: the window slots read (position 0 stands in for the others)
     slots, gather_bits = gather_rows_ref(
-        req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c
+        req_to_token, req_pool_indices, torch.where(read, L.clamp_min(0).view(-1, 1) + c, 0)
     )  # [B, N]
     bits |= gather_bits
-    slots = slots.to(torch.int64)
+    slots = torch.where(read, slots.to(torch.int64), 0)
     if bool((slots < 0).any()):
         bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
-    m = tree_mask.to(torch.bool)
+    node = read.view(B, N, 1)  # node j is verified
+    m = tree_mask.to(torch.bool) & node & read.view(B, 1, N)
     order = torch.argsort(torch.where(m, c, N + c), dim=-1)  # ancestors first, then the rest
-    table = torch.gather(slots.view(B, 1, N).expand(B, N, N), 2, order).reshape(BN, N)
+    table = torch.gather(slots.view(B, 1, N).expand(B, N, N), 2, order)
+    table = torch.where(node, table, 0).reshape(BN, N)
     page_table[:BN, :N] = table.to(page_table.dtype)
     page_table[:BN, N:] = 0
     counts = m.sum(-1).reshape(BN)

@@ -5,6 +5,12 @@ Request ``b`` reads its prefix and the ``extra_tokens`` (``N``) slots that follo
     kv_indptr[b]                  = Σ_{b'<b} (L_b' + extra)      for b in [0, B], entry 0 included
     kv_indices[kv_indptr[b] + k]  = row_b[k]                     for k < L_b + extra
 
+A ragged target verify (``verify_lens``, design §3.3) reads only the first ``v_b ≤ N`` slots of
+each window, ``extra`` becoming the per-request ``v_b``::
+
+    kv_indptr[b]                  = Σ_{b'<b} (L_b' + v_b')
+    kv_indices[kv_indptr[b] + k]  = row_b[k]                     for k < L_b + v_b
+
 For target verify the extra slots are the verify window (node ``j`` at ``row_b[L_b + j]``); for
 draft extend they are the extend tokens. With ``extra_tokens=0`` the same lists are the shared
 level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`); both
@@ -28,13 +34,17 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_verify_lens,
     chunk_programs,
     copy_ragged_list,
+    copy_row_prefix,
     exclusive_length_sum,
     host_int,
     load_request,
+    load_verify_len,
     ragged_prefix_ref,
     sizing_total,
+    verify_lens_ref,
 )
 
 __all__ = [
@@ -52,6 +62,22 @@ _BLOCK = 1024
 _BLOCK_B = 1024
 
 
+@triton.jit
+def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.constexpr):
+    """``Σ_{b'<b} (max(L_b', 0) + v_b')`` in int64, each ``v_b'`` clamped to ``[0, N]`` as
+    :func:`~specmeta.kernels._common.load_verify_len` reads it: the start of request ``b``'s
+    list in a ragged verify, from whole-vector loads of both length arrays."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+        v = tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+        v = tl.minimum(tl.maximum(v, 0), N)
+        cum += tl.sum(tl.where(before, tl.maximum(L, 0) + v, 0), axis=0)
+    return cum
+
+
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs"]
 )
@@ -59,6 +85,7 @@ def _verify_kv_indices_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
     req_to_token_ptr,  # [R, W_row] int32|int64
     seq_lens_ptr,  # [B] int32|int64
+    verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request reads extra_tokens)
     kv_indices_ptr,  # [W_idx] int32|int64
     kv_indptr_ptr,  # [≥B+1] int32|int64
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
@@ -71,6 +98,7 @@ def _verify_kv_indices_kernel(
     chunk_programs,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: lists of L_b + v_b entries
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies chunks ``c, c +
@@ -82,10 +110,25 @@ def _verify_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L + extra_tokens, 0)
-    start = copy_ragged_list(
-        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra_tokens, W_row,
-        kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK, BLOCK_B,
-    )  # fmt: skip
+    if HAS_VERIFY_LENS:
+        # Ragged verify: request b reads the first v_b ≤ N (= extra_tokens) window slots; a
+        # v_b outside [0, N] is read clamped and reported (POS_OOB, below).
+        v, v_ok = load_verify_len(verify_lens_ptr, b, B, extra_tokens)
+        n = tl.where(b < B, L + v, 0)
+        start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
+        copy_row_prefix(
+            req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, c,
+            chunk_programs, BLOCK,
+        )  # fmt: skip
+        if c == 0:
+            tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
+            tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
+        L_ok = L_ok & v_ok
+    else:
+        start = copy_ragged_list(
+            req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra_tokens, W_row,
+            kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK, BLOCK_B,
+        )  # fmt: skip
     if c == 0 and HAS_STATUS:
         bits = (
             tl.where(row_ok, 0, ROW_OOB)
@@ -98,10 +141,12 @@ def _verify_kv_indices_kernel(
 _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
 
 
-def _prepare(req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
-             seq_lens_sum, status):  # fmt: skip
+def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
+             kv_indptr, seq_lens_sum, verify_lens, status):  # fmt: skip
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    if verify_lens is not None:
+        check_verify_lens(where, verify_lens, B, device)
     if kv_indices is None:
         total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, verify_kv_indices_need(total, B, extra_tokens))
@@ -133,6 +178,7 @@ def bind_verify_kv_indices(
     kv_indices: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build every request's list ``row_b[0 : L_b + extra]`` and its CSR offsets, in one
@@ -148,17 +194,25 @@ def bind_verify_kv_indices(
         ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
     extra_tokens : int
         Slots after the prefix each request reads: ``N`` for target verify and draft extend,
-        0 for the shared prefix of a cascade.
+        0 for the shared prefix of a cascade. With ``verify_lens``, the upper bound ``N`` of
+        every ``v_b`` (the buffers stay sized for ``L_b + N``).
     kv_indices : torch.Tensor, optional
         ``[W_idx]`` int32 or int64; ``ΣL + B·extra`` entries are written, stores past ``W_idx``
         are dropped and reported. Allocated (``req_to_token``'s dtype) when omitted.
     kv_indptr : torch.Tensor, optional
         ``[≥ B + 1]`` int32 or int64; entries ``0 … B`` are written, entry 0 included.
     seq_lens_sum : int, optional
-        Host-side ``ΣL``; when given, ``kv_indices`` is checked before launch.
+        Host-side ``ΣL``; when given, ``kv_indices`` is checked before launch (for
+        ``ΣL + B·extra`` entries, the bound of a ragged verify too).
+    verify_lens : torch.Tensor, optional
+        ``[B]`` int32 or int64 on the device: a ragged target verify (design §3.3). Request
+        ``b`` reads the first ``v_b`` slots of its window: its list is ``row_b[0 : L_b + v_b]``
+        and ``kv_indptr = [0, cumsum(L + v)]``. In a captured bucket, the padded lengths of
+        ``pad_verify_lens_to_bucket``. ``None`` (the default): every request reads
+        ``extra_tokens`` slots, as without ragged verify.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a list runs past ``W_row`` or ``L < 0``),
-        ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a list runs past ``W_row``, ``L < 0``, or a
+        ``v_b`` outside ``[0, extra_tokens]``), ``OUT_OF_CAPACITY``.
 
     Returns
     -------
@@ -166,24 +220,32 @@ def bind_verify_kv_indices(
         Its result is ``(kv_indices, kv_indptr)`` (tuple of torch.Tensor), what the eager
         :func:`verify_kv_indices` returns.
 
+    Notes
+    -----
+    A ``v_b`` outside ``[0, extra_tokens]`` is a fault: it is read clamped to that range (the
+    list is ``row_b[0 : L_b + clamp(v_b)]``, every offset follows from the clamped lengths) and
+    ``POS_OOB`` is set; nothing is written past ``kv_indices[W_idx − 1]`` or ``kv_indptr[B]``.
+
     Examples
     --------
     ``seq_lens=[3, 1]``, ``extra_tokens=2`` → ``kv_indptr=[0, 5, 8]``,
-    ``kv_indices=[r0[0], …, r0[4], r1[0], r1[1], r1[2]]``.
+    ``kv_indices=[r0[0], …, r0[4], r1[0], r1[1], r1[2]]``; with ``verify_lens=[0, 2]`` →
+    ``kv_indptr=[0, 3, 6]``, ``kv_indices=[r0[0], r0[1], r0[2], r1[0], r1[1], r1[2]]``.
 
     Grid ``(max(B, 1), chunk_programs)``; every program finds its offset by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
-        seq_lens_sum, status,
+        "verify_kv_indices", req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
+        kv_indptr, seq_lens_sum, verify_lens, status,
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
     launch = _verify_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
+        verify_lens_ptr=verify_lens,
         kv_indices_ptr=kv_indices,
         kv_indptr_ptr=kv_indptr,
         status_ptr=status,
@@ -192,6 +254,7 @@ def bind_verify_kv_indices(
         chunk_programs=grid[1],
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
+        HAS_VERIFY_LENS=verify_lens is not None,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -211,18 +274,23 @@ def verify_kv_indices_ref(
     kv_indices: torch.Tensor | None = None,
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
+    verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_kv_indices` (vectorised over the batch; syncs)."""
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices, kv_indptr,
-        seq_lens_sum, status,
+        "verify_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, extra_tokens,
+        kv_indices, kv_indptr, seq_lens_sum, verify_lens, status,
     )  # fmt: skip
     n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens
+    bits = 0
+    if verify_lens is not None:  # ragged verify: v_b window slots, clamped to [0, N]
+        v, bits = verify_lens_ref(verify_lens, extra_tokens)
+        n = n - extra_tokens + v
     end = torch.cumsum(n, 0)
     kv_indptr[0] = 0
     kv_indptr[1 : B + 1] = end.to(kv_indptr.dtype)
-    bits = ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n)
+    bits |= ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n)
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     if B and int(end[-1]) > kv_indices.shape[0]:

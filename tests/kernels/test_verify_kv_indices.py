@@ -152,28 +152,36 @@ from triton.compiler import ASTSource
 from importlib import import_module
 
 def compile_kernel(fn, ptrs, sizes, consts):
-    sig = {}
+    types = {}
     for p in ptrs:
         name, ty = (p.split(":") + ["*i32"])[:2]
-        sig[name] = ty
-    sig.update({n: "i32" for n in sizes})
-    sig.update({c: "constexpr" for c in consts})
+        types[name] = ty
+    types.update({n: "i32" for n in sizes})
+    types.update({c: "constexpr" for c in consts})  # an argument passed None is one too
+    sig = {p.name: types[p.name] for p in fn.params}  # in the kernel's parameter order
     names = list(sig)
     constexprs = {(names.index(c),): v for c, v in consts.items()}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
     assert "ptx" in k.asm
 
 m = lambda n: import_module(f"specmeta.kernels.{n}")
+U = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)  # the uniform verify: no verify_lens
 jobs = {
  "verify": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","status_ptr"],
-    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True)),
+    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,**U)),
+ "verify_ragged": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
+    ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","verify_lens_ptr","kv_indices_ptr","kv_indptr_ptr","status_ptr"],
+    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True)),
  "mask_bool": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
     ["seq_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
-    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=False,BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True)),
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=False,BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,**U)),
  "mask_packed": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
     ["seq_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
-    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True)),
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,**U)),
+ "mask_packed_ragged": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
+    ["seq_lens_ptr:*i64","verify_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True)),
  "shared": lambda: compile_kernel(m("shared_prefix_kv_indices")._shared_prefix_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","prefix_kv_indices_ptr","prefix_kv_indptr_ptr","chain_kv_indices_ptr","chain_kv_indptr_ptr","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_prefix","W_chain","stride_chain","stride_chain_ptr","chunk_programs"],
@@ -198,8 +206,8 @@ assert not fails, fails
 
 
 def test_kernels_compile_for_sm90(device):
-    """verify_kv_indices, tree_custom_mask (both forms), shared_prefix_kv_indices,
-    branch_page_table and branch_kv_indices compile for a real GPU."""
+    """verify_kv_indices, tree_custom_mask (both forms; uniform and ragged verify),
+    shared_prefix_kv_indices, branch_page_table and branch_kv_indices compile for a real GPU."""
     import subprocess
     import sys
 

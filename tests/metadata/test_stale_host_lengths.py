@@ -58,7 +58,7 @@ def test_check_equals_reference_on_random_slots(device, gen, seed):
         seen = seq if kind == 3 else seq - 1  # kind 3: nothing new since the last check
         values = [seq, n, total, top, seq - 1]
         for dtype in (torch.int32, torch.int64):
-            got_status, want_status = new_status(device), new_status(device)
+            got_status, want_status = new_status(device), new_status("cpu")
             got_slot, want_slot = _slot(device, values), torch.tensor(values)
             got_seen = torch.tensor([seen], device=device)
             want_seen = torch.tensor([seen])
@@ -85,10 +85,11 @@ def test_check_equals_reference_on_random_slots(device, gen, seed):
 )
 def test_check_worked_examples(device, lens, slot, seen, bits):
     for check in (check_host_lengths, check_host_lengths_ref):
-        status = new_status(device)
-        slot_t = _slot(device, slot) if check is check_host_lengths else torch.tensor(slot)
-        seen_t = torch.tensor([seen], device=device if check is check_host_lengths else "cpu")
-        lens_t = torch.tensor(lens, dtype=torch.int32, device=seen_t.device)
+        on = device if check is check_host_lengths else torch.device("cpu")
+        status = new_status(on)
+        slot_t = _slot(on, slot)
+        seen_t = torch.tensor([seen], device=on)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=on)
         check(lens_t, slot_t, seen_t, status=status)
         assert _word(status) == bits, (check.__name__, lens, slot)
         assert slot_t.tolist() == [*slot[:4], slot[0]], "the check marks the slot consumed"
