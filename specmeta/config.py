@@ -404,7 +404,12 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     add("status", (1,), "int32", "status word (specmeta.Status bits)")
     # A builder's seq_lens_cpu check (design §3): its host slots and the device's last read.
     modes = len(MODES)
-    add("host_lengths_host", (modes, 5), "int64", "per mode: seq, n, ΣL, max L, consumed")
+    add(
+        "host_lengths_host",
+        (modes, 8),
+        "int64",
+        "per mode: seq, n, ΣL, max L, consumed (64 bytes: one load)",
+    )
     add("host_lengths_seen", (modes,), "int64", "per mode: the last seq the device checked")
     # Draft slots (design §1, §2.1).
     add("draft.out_cache_loc", (bs * k * s,), "int64", "[B, K, S] draft KV slots")

@@ -425,7 +425,8 @@ def _host_lengths_cases(b, g):
     lens, device = b.seq_lens_cpu.long(), b.seq_lens.device
     n = int(torch.randint(0, b.batch_size + 1, (1,), generator=g))
     for what, seen, read in ((f"n={n}", 0, n), ("nothing new", 1, n), ("n=-1", 0, -1)):
-        slot = torch.tensor([1, read, int(lens[:n].sum()), int(lens[:n].max()) if n else 0, 0])
+        top = int(lens[:n].max()) if n else 0
+        slot = torch.tensor([1, read, int(lens[:n].sum()), top, 0, 0, 0, 0])
         pinned = slot.pin_memory() if device.type == "cuda" else slot  # host memory, as built
         seen_t = torch.tensor([seen], device=device)
         yield Case(f"{what} {b.describe()}", (b.seq_lens,), {}, {"slot": pinned, "seen": seen_t})

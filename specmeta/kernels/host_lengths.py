@@ -62,17 +62,20 @@ def publish_host_lengths(slot, n: int, total: int, top: int) -> bool:
 @triton.jit(do_not_specialize=["B"])
 def _check_host_lengths_kernel(
     seq_lens_ptr,  # [≥ B] int32/int64, the device lengths
-    slot_ptr,  # [5] int64 in host memory: seq, n, ΣL, max L, consumed
+    slot_ptr,  # [8] int64 in host memory: seq, n, ΣL, max L, consumed, 3 unused
     seen_ptr,  # [1] int64 on the device: the last seq read
     status_ptr,  # [1] int32
     B,  # entries of seq_lens the build owns
     BLOCK: tl.constexpr,
 ):
-    # Host memory, written between launches: read it every time, past any cache.
-    seq = tl.load(slot_ptr, volatile=True)
-    n = tl.load(slot_ptr + 1, volatile=True)
-    want_sum = tl.load(slot_ptr + 2, volatile=True)
-    want_max = tl.load(slot_ptr + 3, volatile=True)
+    # Host memory, written between launches: read it every time, past any cache, in one
+    # 64-byte vector load (one round trip to the host, not one per field).
+    field = tl.arange(0, 8)
+    slot = tl.load(slot_ptr + field, volatile=True)
+    seq = tl.sum(tl.where(field == 0, slot, 0), axis=0)
+    n = tl.sum(tl.where(field == 1, slot, 0), axis=0)
+    want_sum = tl.sum(tl.where(field == 2, slot, 0), axis=0)
+    want_max = tl.sum(tl.where(field == 3, slot, 0), axis=0)
     fresh = seq != tl.load(seen_ptr)
     count = tl.where(fresh, tl.minimum(n, B), 0)  # the host's batch, within the build's
     total = want_sum * 0
@@ -96,7 +99,7 @@ def _check(seq_lens: torch.Tensor, slot: torch.Tensor, seen: torch.Tensor,
     validate.tensor("seq_lens", seq_lens, ndim=1)
     device = seq_lens.device
     validate.tensor("slot", slot, dtypes=(torch.int64,), ndim=1)
-    validate.at_least("slot", slot.shape[0], 5)
+    validate.at_least("slot", slot.shape[0], 8)
     if device.type == "cuda" and not (slot.is_cuda or slot.is_pinned()):
         raise ValueError("slot must be pinned host memory (or device memory) for a CUDA "
                          "launch; allocate it with pin_memory=True")  # fmt: skip
@@ -114,8 +117,9 @@ def bind_check_host_lengths(seq_lens: torch.Tensor, slot: torch.Tensor, seen: to
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, the device lengths of the build.
     slot : torch.Tensor
-        ``[≥ 5]`` int64: ``seq, n, ΣL, max L, consumed`` (:func:`publish_host_lengths`
-        writes the first four), in pinned host memory for a CUDA launch.
+        ``[≥ 8]`` int64: ``seq, n, ΣL, max L, consumed`` and 3 unused (one 64-byte load),
+        :func:`publish_host_lengths` writing the first four; pinned host memory for a CUDA
+        launch.
     seen : torch.Tensor
         ``[≥ 1]`` int64 on the launch device: the last ``seq`` checked.
     status : torch.Tensor, optional
@@ -128,9 +132,10 @@ def bind_check_host_lengths(seq_lens: torch.Tensor, slot: torch.Tensor, seen: to
 
     Examples
     --------
-    ``seq_lens=[5, 7, 9]`` (a graph padded to 3 for 2 requests), ``slot=[1, 2, 12, 7, 0]``,
-    ``seen=[0]``: fine, and ``slot[4] = seen[0] = 1``; ``slot=[1, 2, 10, 6, 0]`` (the copy of
-    the iteration before): ``STALE_HOST_LENGTHS``; ``seen=[1]``: nothing new, nothing checked.
+    ``seq_lens=[5, 7, 9]`` (a graph padded to 3 for 2 requests), ``slot=[1, 2, 12, 7, 0, …]``,
+    ``seen=[0]``: fine, and ``slot[4] = seen[0] = 1``; ``slot=[1, 2, 10, 6, 0, …]`` (the copy
+    of the iteration before): ``STALE_HOST_LENGTHS``; ``seen=[1]``: nothing new, nothing
+    checked.
     """
     status = _check(seq_lens, slot, seen, status)
     launch = _LAUNCHER.bind((1,), seq_lens_ptr=seq_lens, slot_ptr=slot, seen_ptr=seen,

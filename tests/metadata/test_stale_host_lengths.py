@@ -38,7 +38,7 @@ def _word(status: torch.Tensor) -> int:
 # -- the kernel against its reference ------------------------------------------------------------
 def _slot(device, values):
     """A host slot as a builder keeps it (pinned for CUDA) and a device ``seen`` word."""
-    slot = torch.tensor(values, dtype=torch.int64)
+    slot = torch.tensor([*values, 0, 0, 0], dtype=torch.int64)  # 8 fields, 3 unused
     return slot.pin_memory() if device.type == "cuda" else slot
 
 
@@ -59,7 +59,7 @@ def test_check_equals_reference_on_random_slots(device, gen, seed):
         values = [seq, n, total, top, seq - 1]
         for dtype in (torch.int32, torch.int64):
             got_status, want_status = new_status(device), new_status("cpu")
-            got_slot, want_slot = _slot(device, values), torch.tensor(values)
+            got_slot, want_slot = _slot(device, values), _slot(torch.device("cpu"), values)
             got_seen = torch.tensor([seen], device=device)
             want_seen = torch.tensor([seen])
             check_host_lengths(lens.to(dtype).to(device), got_slot, got_seen, status=got_status)
@@ -92,7 +92,7 @@ def test_check_worked_examples(device, lens, slot, seen, bits):
         lens_t = torch.tensor(lens, dtype=torch.int32, device=on)
         check(lens_t, slot_t, seen_t, status=status)
         assert _word(status) == bits, (check.__name__, lens, slot)
-        assert slot_t.tolist() == [*slot[:4], slot[0]], "the check marks the slot consumed"
+        assert slot_t.tolist() == [*slot[:4], slot[0], 0, 0, 0], "the check marks it consumed"
         assert seen_t.tolist() == [slot[0]]
 
 
