@@ -26,9 +26,10 @@ class Stage:
     Parameters
     ----------
     launches : iterable of callables or Stages
-        The launches, in order (a :class:`Stage` among them contributes its own launches).
-        A launch is any callable of no arguments: a bound kernel launch, or a torch reference
-        call for a reference build.
+        The launches, in order (a :class:`Stage` among them contributes its own launches; a
+        ``None``, an optional launch left out, contributes nothing). A launch is any callable
+        of no arguments: a bound kernel launch, or a torch reference call for a reference
+        build.
     result : object
         What the stage returns when it has no host part (a launcher's outputs).
     host : callable, optional
@@ -43,6 +44,8 @@ class Stage:
         for launch in launches:
             if isinstance(launch, Stage):
                 flat.extend(launch.launches)
+            elif launch is None:
+                continue
             elif callable(launch):
                 flat.append(launch)
             else:

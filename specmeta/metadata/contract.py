@@ -97,6 +97,11 @@ class MetadataBuilder:
         host mirrors) with the compiled calls of :mod:`.host_ops` where
         :func:`specmeta.warmup` built them (default), else with torch ops. Both check every
         value and give the same integers.
+    check_host_lengths : bool
+        Check on the device, in every stage, that ``seq_lens_cpu`` agrees with ``seq_lens``
+        (``Status.STALE_HOST_LENGTHS``; default). ``False`` leaves that launch out of every
+        stage, and its device time (a round trip to host memory, about 5 µs on an H200): for an
+        engine that proves its copy otherwise.
 
     Attributes
     ----------
@@ -131,6 +136,7 @@ class MetadataBuilder:
         modes: Iterable[str] | None = None,
         reference: bool = False,
         host_ops: bool = True,
+        check_host_lengths: bool = True,
     ):
         if not isinstance(cfg, SpecConfig):
             raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
@@ -159,6 +165,7 @@ class MetadataBuilder:
         self._host_published = {m: self.host_lengths[i].numpy() for m, i in rows.items()}
         self._views: dict = {}  # (mode, B, ...) -> the views of the builder's own buffers
         self.host_ops = bool(host_ops)
+        self.check_host_lengths = bool(check_host_lengths)
 
     @property
     def _stats(self):
@@ -252,14 +259,17 @@ class MetadataBuilder:
         ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`). What it
         read is sent to the device for the mode's check (:meth:`host_check`)."""
         found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
-        if found is not None:
+        if found is not None and self.check_host_lengths:
             publish_host_lengths(self._host_published[mode], B, found[1], found[0])
         return found
 
     def host_check(self, mode: str, seq_lens: torch.Tensor, status: torch.Tensor) -> Any:
         """The launch that checks, on the device, what ``mode``'s host part last read of
         ``seq_lens_cpu`` against ``seq_lens`` (``Status.STALE_HOST_LENGTHS``): every mode's
-        stage holds it (:mod:`specmeta.kernels.host_lengths`)."""
+        stage holds it (:mod:`specmeta.kernels.host_lengths`); ``None`` for a builder made with
+        ``check_host_lengths=False``."""
+        if not self.check_host_lengths:
+            return None
         return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,
                             self._host_slots[mode], self._host_seen[mode],
                             status=status)  # fmt: skip

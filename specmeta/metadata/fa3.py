@@ -182,6 +182,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         Check ``seq_lens_cpu`` and read its ``max L`` and ``ΣL`` in one compiled call where
         :func:`specmeta.warmup` built it (default; :mod:`specmeta.metadata.host_ops`), else
         with torch ops.
+    check_host_lengths : bool
+        Check on the device that ``seq_lens_cpu`` agrees with ``seq_lens`` (default; see
+        :class:`~specmeta.metadata.contract.MetadataBuilder`).
 
     Attributes
     ----------
@@ -212,8 +215,10 @@ class FA3MetadataBuilder(MetadataBuilder):
         modes: Iterable[str] | None = None,
         reference: bool = False,
         host_ops: bool = True,
+        check_host_lengths: bool = True,
     ):
-        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
+        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops,
+                         check_host_lengths=check_host_lengths)  # fmt: skip
         self.buffers = self.allocate_planned()
         k, n, bs = cfg.topk, cfg.num_draft_tokens, cfg.max_bs
         self._q: dict[str, UniformQueryLayout] = {}

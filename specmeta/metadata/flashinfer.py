@@ -201,6 +201,9 @@ class FlashInferBuilder(MetadataBuilder):
         Write the per-batch host mirrors with the compiled writers where
         :func:`specmeta.warmup` built them (default; :mod:`.host_ops`), else with the torch
         rules; both check every ``seq_lens_cpu`` value first and write the same integers.
+    check_host_lengths : bool
+        Check on the device that ``seq_lens_cpu`` agrees with ``seq_lens`` (default; see
+        :class:`~specmeta.metadata.contract.MetadataBuilder`).
 
     Attributes
     ----------
@@ -242,8 +245,9 @@ class FlashInferBuilder(MetadataBuilder):
     def __init__(self, cfg: SpecConfig, device: torch.device | str, *,
                  modes: Iterable[str] | None = None, reference: bool = False,
                  mirror_depth: int = 16, verify_mask: str = "both",
-                 host_ops: bool = True):  # fmt: skip
-        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops)
+                 host_ops: bool = True, check_host_lengths: bool = True):  # fmt: skip
+        super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops,
+                         check_host_lengths=check_host_lengths)  # fmt: skip
         self.verify_mask = verify_mask
         plan, pin = plan_buffers(cfg), self.device.type == "cuda"
         groups = {self.plan_groups.get(m, m) for m in self.modes}

@@ -181,6 +181,23 @@ def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed):
 
 
 @pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
+def test_a_builder_made_without_the_check_launches_none(device, gen, seed, backend):
+    """``check_host_lengths=False``: every stage has one launch fewer and a stale copy sets
+    nothing; the same builder with the check reports it."""
+    rpi, r2t, lens, lens_cpu = _batch(device, gen)
+    cls = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
+           "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+    counts = {}
+    for check in (True, False):
+        builder = cls(CFG, device, modes=["draft_extend"], check_host_lengths=check)
+        stage = builder.bind_draft_extend(rpi, r2t, lens)
+        counts[check] = len(stage.launches)
+        stage(lens_cpu - 1)
+        assert _word(builder.status) == (STALE if check else 0), f"{backend}, seed {seed}"
+    assert counts[True] == counts[False] + 1
+
+
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
 def test_eager_and_reference_builds_report_a_stale_copy(device, gen, seed, backend):
     """The eager call (binds and launches) and a reference builder report it too."""
     rpi, r2t, lens, lens_cpu = _batch(device, gen)
