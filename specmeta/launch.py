@@ -18,7 +18,8 @@ import torch
 import triton
 from triton.runtime import driver
 
-__all__ = ["Launch", "Launcher", "cdiv", "check_device", "interpreted", "next_power_of_2"]
+__all__ = ["Launch", "Launcher", "cdiv", "check_device", "interpreted", "interpreter_problem",
+           "next_power_of_2"]  # fmt: skip
 
 
 def cdiv(a: int, b: int) -> int:
@@ -148,5 +149,31 @@ def check_device(where: str, device: torch.device) -> None:
             "TRITON_INTERPRET=1 in the environment before importing specmeta (kernels are "
             "compiled for a GPU otherwise)"
         )
+    if device.type == "cpu" and (problem := interpreter_problem()) is not None:
+        raise ValueError(f"{where}: device cpu: {problem}")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{where}: device {device} is not supported; pass 'cuda' or 'cpu'")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"3.6.0"`` → ``(3, 6)``: the major and minor numbers of a version string."""
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run specmeta's kernels in this environment, or
+    ``None``. Triton before 3.7 turns a loop bound derived from ``tl.program_id`` into an int
+    through a one-element array, which NumPy 2.4 refuses."""
+    import numpy
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s CPU interpreter cannot run specmeta's kernels with "
+            f"NumPy {numpy.__version__} (it turns one-element arrays into loop bounds, which "
+            "NumPy 2.4 refuses); install triton>=3.7, or numpy<2.4"
+        )
+    return None

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from specmeta.launch import interpreter_problem
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
 STYLE = ROOT / "docs" / "style.md"
@@ -167,6 +169,7 @@ def test_readme_names_only_public_names_that_exist():
     assert not missing, f"README.md names specmeta.{missing}, which do not exist"
 
 
+@pytest.mark.skipif(interpreter_problem() is not None, reason=str(interpreter_problem()))
 def test_readme_quickstart_runs():
     """The quickstart block runs as it stands (on the CPU, under the interpreter), in a fresh
     process, and checks its status word."""

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs_ref
+from specmeta.launch import interpreter_problem
 from specmeta.testing.consumers import flashinfer, trtllm_mla
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import run_cascade
@@ -165,6 +166,8 @@ def test_script_exits_zero_from_the_command_line(device, seed, name):
     environment (the script switches Triton's interpreter on before Triton is imported)."""
     env = dict(os.environ)
     if device.type == "cpu":
+        if interpreter_problem() is not None:
+            pytest.skip(interpreter_problem())
         env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / f"{name}.py"), "--device", str(device),

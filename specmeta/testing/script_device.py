@@ -37,4 +37,8 @@ def parse_device(script: str, argv: list[str] | None = None) -> torch.device:
         if value in ("", "0"):
             sys.exit(f"{script}: --device cpu runs the kernels in Triton's interpreter, which "
                      f"TRITON_INTERPRET={value!r} turns off; unset it or set it to 1")  # fmt: skip
+        from ..launch import interpreter_problem  # imports Triton: the interpreter is on now
+
+        if (problem := interpreter_problem()) is not None:
+            sys.exit(f"{script}: --device cpu: {problem}")
     return device

@@ -197,3 +197,33 @@ def test_gpu_launch_keeps_the_tensors_it_was_bound_to_alive(gen):
     torch.cuda.synchronize()
     assert_equal(launch.args[_axpy.names.index("out_ptr")].cpu(), want, "out")
     assert all(bool((j == 99).all()) for j in junk), "the launch wrote memory it does not own"
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
+    """Triton before 3.7 with NumPy 2.4: the problem names both versions and the fix, and a
+    builder on the CPU (under the interpreter) refuses at construction with it, instead of
+    failing inside the first kernel."""
+    import numpy
+
+    from specmeta import SpecConfig
+    from specmeta.launch import _interpreting, interpreter_problem
+    from specmeta.metadata.fa3 import FA3MetadataBuilder
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    problem = (
+        "Triton 3.6.0's CPU interpreter cannot run specmeta's kernels with NumPy 2.4.6 (it "
+        "turns one-element arrays into loop bounds, which NumPy 2.4 refuses); install "
+        "triton>=3.7, or numpy<2.4"
+    )
+    assert interpreter_problem() == problem
+    if _interpreting():
+        cfg = SpecConfig(topk=2, num_steps=2, num_draft_tokens=3, page_size=4, max_bs=2,
+                         max_context_len=16)  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            FA3MetadataBuilder(cfg, "cpu")
+        assert str(info.value) == f"FA3MetadataBuilder: device cpu: {problem}"
+    for triton_v, numpy_v in (("3.7.0", "2.4.6"), ("3.6.0", "2.3.5"), ("3.10.0", "2.5.0")):
+        monkeypatch.setattr(triton, "__version__", triton_v)
+        monkeypatch.setattr(numpy, "__version__", numpy_v)
+        assert interpreter_problem() is None, (triton_v, numpy_v)
