@@ -65,9 +65,9 @@ def test_plan_knows_every_group_of_plan_keys():
     assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS)
 
 
-def test_plan_totals_are_what_the_builders_allocate():
-    """The device bytes per backend equal those of a builder created on the CPU: ``plan`` shows
-    what the builder allocates, neither more nor less."""
+def test_plan_totals_are_what_the_builders_allocate(device):
+    """The device bytes per backend equal those of a builder created on the device under test:
+    ``plan`` shows what the builder allocates, neither more nor less."""
     import torch
 
     from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
@@ -75,7 +75,7 @@ def test_plan_totals_are_what_the_builders_allocate():
     plan = plan_buffers(CFG)
     for backend, cls in (("fa3", FA3MetadataBuilder), ("flashinfer", FlashInferBuilder),
                          ("trtllm_mla", TrtllmMlaBuilder)):  # fmt: skip
-        builder = cls(CFG, "cpu")
+        builder = cls(CFG, device)
         got = [t for key, t in builder.buffers.items() if not key.endswith("_host")]
         assert isinstance(builder.status, torch.Tensor)
         got.append(builder.status)
@@ -269,7 +269,7 @@ def test_bench_from_json_of_several_days_names_each(tmp_path, capsys):
     assert "G, torch ?, triton ?, 2026-11-21, 2026-11-26. Copy" in capsys.readouterr().out
 
 
-def test_plan_for_the_modes_an_engine_uses(capsys):
+def test_plan_for_the_modes_an_engine_uses(capsys, device):
     """``--modes`` and ``--verify-mask`` narrow the plan to what a builder constructed with the
     same choice allocates: here FlashInfer's shared-prefix draft decode and a packed verify."""
     import torch
@@ -285,7 +285,7 @@ def test_plan_for_the_modes_an_engine_uses(capsys):
     assert not _rows(out, "flashinfer.target_verify.custom_mask")
     assert _rows(out, "flashinfer.target_verify.packed_custom_mask")
     assert _rows(out, "flashinfer.draft_decode_shared.prefix_kv_indices")
-    fi = FlashInferBuilder(CFG, "cpu", modes=modes, verify_mask="packed")
+    fi = FlashInferBuilder(CFG, device, modes=modes, verify_mask="packed")
     device = sum(t.nbytes for k, t in fi.buffers.items() if not k.endswith("_host"))
     device += fi.status.nbytes + fi.host_lengths_seen.nbytes
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
