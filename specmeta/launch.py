@@ -113,6 +113,9 @@ class Launcher:
         if num_stages is not None:
             options["num_stages"] = num_stages
         if interpreted(self.kernel):
+            problem = _interpreter_problem_here()
+            if problem is not None:
+                raise RuntimeError(f"{getattr(self.kernel, '__name__', 'kernel')}: {problem}")
             return functools.partial(self.kernel[grid], **args, **options)
         full = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled = self.kernel.warmup(grid=full, **args, **options)
@@ -162,6 +165,13 @@ def _release(version: str) -> tuple[int, ...]:
         digits = "".join(c for c in part if c.isdigit()) or "0"
         parts.append(int(digits))
     return tuple(parts)
+
+
+@functools.cache
+def _interpreter_problem_here() -> str | None:
+    """:func:`interpreter_problem` of this process, read once (a bind under the interpreter
+    asks on every call)."""
+    return interpreter_problem()
 
 
 def interpreter_problem() -> str | None:
