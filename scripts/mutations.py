@@ -566,7 +566,7 @@ MUTATIONS: list[Mutation] = [
        "specmeta/metadata/host_ops.py",
        "self.values = _positions(max_len + shift + 1)[shift:]",
        "self.values = _positions(max_len + shift + 2)[shift:]",
-       ["tests/metadata/test_builder_messages.py", "-k", "seq_lens_over_the_plan or exact_limits"]),
+       ["tests/metadata/test_host_ops.py", "-k", "out_of_range"]),
     _m("h-compiled-length-check", "host_check",
        "the compiled host-mirror writers accept a length one past max_context_len",
        "specmeta/metadata/host_ops.c",

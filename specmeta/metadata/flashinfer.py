@@ -45,7 +45,6 @@ from .capabilities import CAPABILITIES, PLAN_GROUPS, VERIFY_MASKS, verify_mask_k
 from .contract import DraftSteps, MetadataBuilder
 from .host_mirrors import HostMirrorRing
 from .host_ops import LengthTable
-from .inputs import host_lengths
 from .layout import UniformQueryLayout
 
 __all__ = ["FlashInferBuilder", "FlashInferDecodeStep", "FlashInferDraftDecode",
@@ -307,16 +306,16 @@ class FlashInferBuilder(MetadataBuilder):
     def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable,
                seq_lens: torch.Tensor, status: torch.Tensor | None) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
-        ``launches`` and the check of the host's lengths, and a host part that takes the ring's
-        turn, runs the writer of its set on ``seq_lens_cpu``, sends the lengths it read to the
-        check (:meth:`lengths`) and returns the set's result. ``make(B, *key, mirrors, compiled)``
-        makes a set's result and writer (compiled where :func:`specmeta.warmup` built the host
-        ops and :attr:`host_ops` asks for them) once, a slot per set in :meth:`views`. A length
-        the writer refuses (writing nothing) gets the builder's message; a missing
-        ``seq_lens_cpu`` is refused before the turn."""
+        ``launches`` and the check of the host's lengths, and a host part that checks
+        ``seq_lens_cpu`` (every value named in the builder's message before anything is
+        written) and publishes it for that check (:meth:`lengths`), takes the ring's turn, runs
+        the writer of its set and returns the set's result. ``make(B, *key, mirrors,
+        compiled)`` makes a set's result and writer (compiled where :func:`specmeta.warmup`
+        built the host ops and :attr:`host_ops` asks for them) once, a slot per set in
+        :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
-        sets, take, where, cfg = ring.sets, ring.take, self._where[mode], self.cfg
+        sets, take, where = ring.sets, ring.take, self._where[mode]
         compiled_module, builder, lengths = host_ops.compiled, self, self.lengths
         missing = (f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
@@ -326,18 +325,14 @@ class FlashInferBuilder(MetadataBuilder):
         def host(seq_lens_cpu: torch.Tensor | None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
+            lengths(mode, B, seq_lens_cpu)  # every check, named, before anything is written
             compiled = builder.host_ops and compiled_module() is not None
             slot = take()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
-            try:
-                entry[1](seq_lens_cpu)
-            except (TypeError, ValueError, IndexError):  # nothing was written
-                host_lengths(where, cfg, B, seq_lens_cpu)  # raises the message that names it
-                raise
-            lengths(mode, B, seq_lens_cpu)
+            entry[1](seq_lens_cpu)
             return entry[0]
 
         check = self.host_check(mode, seq_lens, self.status_word(status))
