@@ -11,7 +11,7 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
   :func:`chunk_programs`, :func:`vector_widths`, :func:`check_verify_lens`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
-  :func:`copy_row_prefix`, :func:`copy_ragged_list`, :func:`branch_page`,
+  :func:`copy_row_prefix`, :func:`copy_list_at`, :func:`copy_ragged_list`, :func:`branch_page`,
   :func:`load_verify_len`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
   :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`,
@@ -244,6 +244,19 @@ def copy_ragged_list(
     ``Σ_{b'<b} (L_b' + extra)``; with ``first_chunk == 0`` also ``kv_indptr[b + 1]`` (and entry
     0 from ``b == 0``). Returns the start (int64: ΣL passes 2**31)."""
     start = exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B)
+    copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
+                 kv_indptr_ptr, W_idx, first_chunk, chunk_step, BLOCK)  # fmt: skip
+    return start
+
+
+@triton.jit
+def copy_list_at(
+    req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr, kv_indptr_ptr,
+    W_idx, first_chunk, chunk_step, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Request ``b``'s list ``row_b[0:n]`` of a CSR, placed at ``start``: chunks
+    ``first_chunk, first_chunk + chunk_step, …`` of it; with ``first_chunk == 0`` also
+    ``kv_indptr[b + 1] = start + n`` (and entry 0 from ``b == 0``)."""
     copy_row_prefix(
         req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, first_chunk,
         chunk_step, BLOCK,
@@ -251,7 +264,6 @@ def copy_ragged_list(
     if first_chunk == 0:
         tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
         tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
-    return start
 
 
 @triton.jit

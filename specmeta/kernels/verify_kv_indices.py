@@ -36,8 +36,8 @@ from ._common import (
     check_batch,
     check_verify_lens,
     chunk_programs,
+    copy_list_at,
     copy_ragged_list,
-    copy_row_prefix,
     exclusive_length_sum,
     host_int,
     load_request,
@@ -116,13 +116,8 @@ def _verify_kv_indices_kernel(
         v, v_ok = load_verify_len(verify_lens_ptr, b, B, extra_tokens)
         n = tl.where(b < B, L + v, 0)
         start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
-        copy_row_prefix(
-            req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, c,
-            chunk_programs, BLOCK,
-        )  # fmt: skip
-        if c == 0:
-            tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
-            tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
+        copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
+                     kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK)  # fmt: skip
         L_ok = L_ok & v_ok
     else:
         start = copy_ragged_list(
