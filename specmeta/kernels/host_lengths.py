@@ -102,7 +102,7 @@ def _check(seq_lens: torch.Tensor, slot: torch.Tensor, seen: torch.Tensor,
     validate.at_least("slot", slot.shape[0], 8)
     if device.type == "cuda" and not (slot.is_cuda or slot.is_pinned()):
         raise ValueError("slot must be pinned host memory (or device memory) for a CUDA "
-                         "launch; allocate it with pin_memory=True")  # fmt: skip
+                         "launch, got pageable CPU memory; pass slot.pin_memory()")  # fmt: skip
     validate.tensor("seen", seen, dtypes=(torch.int64,), ndim=1, device=device)
     validate.at_least("seen", seen.shape[0], 1)
     return validate.status(status, device)

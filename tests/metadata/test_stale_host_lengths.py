@@ -254,3 +254,24 @@ def test_a_captured_graph_reports_a_stale_copy(gen, seed):
     device = torch.device("cuda")
     runner, fa3, inputs, lens_cpu = _runner_case(device, gen, graphs=True)
     _check_runner(runner, fa3, inputs, lens_cpu, f"captured graph, seed {seed}")
+
+
+def test_the_check_refuses_bad_slots_before_launching(device):
+    """A slot of the wrong dtype or too short, or a seen word of the wrong dtype: refused on
+    the host, naming the argument, with nothing written."""
+    lens = torch.tensor([5, 7], dtype=torch.int32, device=device)
+    seen = torch.zeros(1, dtype=torch.int64, device=device)
+    good = _slot(device, [1, 2, 12, 7, 0])
+    for check in (check_host_lengths, check_host_lengths_ref):
+        on = device if check is check_host_lengths else torch.device("cpu")
+        args = (lens.to(on), good.clone() if on.type == "cpu" else good, seen.to(on))
+        with pytest.raises(TypeError, match="slot must be int64, got int32"):
+            check(args[0], good.to(torch.int32), args[2])
+        with pytest.raises(ValueError, match="slot is too small: need 8 elements, have 5"):
+            check(args[0], good[:5], args[2])
+        with pytest.raises(TypeError, match="seen must be int64, got int32"):
+            check(args[0], args[1], args[2].to(torch.int32))
+        assert good.tolist() == [1, 2, 12, 7, 0, 0, 0, 0], "nothing written"
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="got pageable CPU memory; pass slot.pin_memory"):
+            check_host_lengths(lens, torch.tensor([1, 2, 12, 7, 0, 0, 0, 0]), seen)
