@@ -228,10 +228,21 @@ def _kv_indices_cases(b, g):
     kw = dict(_draft(b), seq_lens_sum=b.seq_lens_sum)
     out = {"kv_indices": _poison(b.num_steps, need, device=b.seq_lens.device, value=-1)}
     yield Case(b.describe(), _args(b), kw, out)
+    # The id-space form (design §2.10): a draft window over virtual ids, mapped onto a
+    # shuffled pool twice the size.
+    pages = int(b.req_to_token.max()) // b.page_size + 1
+    v2p = torch.randperm(2 * pages, generator=g)[:pages].to(b.seq_lens.device)
+    window = int(torch.randint(1, 3 * b.page_size + 8, (1,), generator=g))
+    kw = dict(kw, window_size=window, sink_size=window % 5, v2p=v2p)
+    out = {"kv_indices": _poison(b.num_steps, need, device=b.seq_lens.device, value=-1)}
+    yield Case(f"window={window} sink={window % 5} v2p {b.describe()}", _args(b), kw, out)
 
 
 def _kv_indices_written(case, result, outputs):
     B, K, total = case.args[0].shape[0], case.kwargs["topk"], case.kwargs["seq_lens_sum"]
+    if case.kwargs.get("window_size"):
+        cap = case.kwargs["window_size"] + case.kwargs["sink_size"]
+        total = int(case.args[2].clamp(0, cap).sum())
     got = {"kv_indptr": result[1]}
     for s in range(case.kwargs["num_steps"]):
         used = draft_decode_kv_indices_need(total, B, K, s + 1)
@@ -246,6 +257,13 @@ def _accept_cases(b, g):
     out = {k: _poison(size, device=b.seq_lens.device, value=-1, dtype=torch.int64)
            for k in ("tgt", "src")}  # fmt: skip
     yield Case(f"N={n} {b.describe()}", inputs, dict(num_draft_tokens=n), out)
+    # Virtual verify slots (design §2.10): the pairs through a shuffled page map.
+    pages = int(inputs[2].max()) // b.page_size + 1
+    v2p = torch.randperm(2 * pages, generator=g)[:pages].to(b.seq_lens.device)
+    kw = dict(num_draft_tokens=n, v2p=v2p, page_size=b.page_size)
+    out = {k: _poison(size, device=b.seq_lens.device, value=-1, dtype=torch.int64)
+           for k in ("tgt", "src")}  # fmt: skip
+    yield Case(f"N={n} v2p {b.describe()}", inputs, kw, out)
 
 
 def _move_cases(b, g):

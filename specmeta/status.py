@@ -43,6 +43,9 @@ class Status(enum.IntFlag):
     STALE_HOST_LENGTHS = 64
     """A build's ``seq_lens_cpu`` disagreed with the device's ``seq_lens`` (its host results,
     maxima and mirrors, were computed from other lengths than its lists)."""
+    BAD_KV_ID = 128
+    """A KV id read in another id space that does not map: a negative id, a page past the
+    ``v2p`` map or a page it marks unmapped (negative); the sink slot 0 was emitted instead."""
 
 
 _MESSAGES = {
@@ -59,6 +62,9 @@ _MESSAGES = {
     Status.STALE_HOST_LENGTHS: "seq_lens_cpu is stale: it disagreed with the device's seq_lens "
     "(the host maxima and plan() mirrors of that build do not match its lists); pass the CPU "
     "copy of this iteration's seq_lens, and run a stage's host part before its launches",
+    Status.BAD_KV_ID: "a KV id read through entry_page_size or v2p did not map (a negative id, "
+    "or a page past v2p or unmapped in it); the sink slot 0 was emitted instead: check that the "
+    "rows hold ids of the space the call was told (token or page ids, virtual or physical)",
 }
 
 

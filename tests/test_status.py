@@ -54,41 +54,41 @@ _UNKNOWN_FIX = (
 
 
 def test_an_unknown_bit_alone_is_named_with_its_value():
-    word = torch.tensor([128], dtype=torch.int32)
+    word = torch.tensor([256], dtype=torch.int32)
     with pytest.raises(SpecmetaStatusError) as info:
         check_status(word, where="draft step 2")
     assert str(info.value) == (
-        f"draft step 2: specmeta status 0x80: unknown bit 0x80 (no specmeta.Status flag has it: "
-        f"{_UNKNOWN_FIX}"
+        f"draft step 2: specmeta status 0x100: unknown bit 0x100 (no specmeta.Status flag has "
+        f"it: {_UNKNOWN_FIX}"
     )
-    assert int(info.value.bits) == 128 and info.value.unknown == 128
+    assert int(info.value.bits) == 256 and info.value.unknown == 256
     assert info.value.where == "draft step 2"
     assert int(word) == 0, "reset like any other bit"
 
 
 def test_unknown_bits_are_named_beside_the_known_causes():
     with pytest.raises(SpecmetaStatusError) as info:
-        check_status(torch.tensor([128 | int(Status.POS_OOB)], dtype=torch.int32))
+        check_status(torch.tensor([256 | int(Status.POS_OOB)], dtype=torch.int32))
     assert str(info.value) == (
-        f"specmeta status 0x82: {_POS_OOB}; unknown bit 0x80 (no specmeta.Status flag has it: "
+        f"specmeta status 0x102: {_POS_OOB}; unknown bit 0x100 (no specmeta.Status flag has it: "
         f"{_UNKNOWN_FIX}"
     )
     err = info.value
     assert Status.POS_OOB in err.bits and Status.ROW_OOB not in err.bits
-    assert int(err.bits) == 0x82, "bits keep every bit of the word"
-    assert err.unknown == 0x80
+    assert int(err.bits) == 0x102, "bits keep every bit of the word"
+    assert err.unknown == 0x100
 
 
 def test_several_unknown_bits_and_bit_31_of_a_negative_word():
     """An int32 word with bit 31 set reads negative; it is taken as 32 bits, not as -2**31."""
-    word = torch.tensor([-(2**31) | 0x100 | 0x80], dtype=torch.int32)
+    word = torch.tensor([-(2**31) | 0x200 | 0x100], dtype=torch.int32)
     with pytest.raises(SpecmetaStatusError) as info:
         check_status(word)
     assert str(info.value) == (
-        "specmeta status 0x80000180: unknown bits 0x80, 0x100, 0x80000000 (no specmeta.Status "
+        "specmeta status 0x80000300: unknown bits 0x100, 0x200, 0x80000000 (no specmeta.Status "
         f"flag has them: {_UNKNOWN_FIX}"
     )
-    assert info.value.unknown == 0x80000180 and int(info.value.bits) == 0x80000180
+    assert info.value.unknown == 0x80000300 and int(info.value.bits) == 0x80000300
 
 
 def test_decode_status_keeps_every_bit():
@@ -102,11 +102,11 @@ def test_decode_status_keeps_every_bit():
     every = 0
     for flag in Status:
         every |= int(flag)
-    assert every == 127, "the known flags are bits 0..6; a new flag changes this test on purpose"
+    assert every == 255, "the known flags are bits 0..7; a new flag changes this test on purpose"
     # An error made from an int (as the speculative loop does) says the same as check_status.
-    err = SpecmetaStatusError(int(Status.POS_OOB) | 128, where="iteration 3 (B=2)")
+    err = SpecmetaStatusError(int(Status.POS_OOB) | 256, where="iteration 3 (B=2)")
     assert str(err) == (
-        f"iteration 3 (B=2): specmeta status 0x82: {_POS_OOB}; unknown bit 0x80 (no "
+        f"iteration 3 (B=2): specmeta status 0x102: {_POS_OOB}; unknown bit 0x100 (no "
         f"specmeta.Status flag has it: {_UNKNOWN_FIX}"
     )
 

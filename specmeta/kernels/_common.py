@@ -8,14 +8,17 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
   :class:`specmeta.status.Status` by construction.
 * **Host checks, launch keywords and grid sizing**: :func:`check_batch`, :func:`check_steps`,
   :func:`host_int`, :func:`sizing_total`, :func:`batch_arguments`, :func:`target_programs`,
-  :func:`chunk_programs`, :func:`vector_widths`, :func:`check_verify_lens`.
+  :func:`chunk_programs`, :func:`vector_widths`, :func:`check_verify_lens`,
+  :func:`check_id_spaces`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
   :func:`copy_row_prefix`, :func:`copy_list_at`, :func:`copy_ragged_list`, :func:`branch_page`,
-  :func:`load_verify_len`).
+  :func:`load_verify_len`, and the id spaces of design §2.10: :func:`windowed_length`,
+  :func:`window_position`, :func:`load_kv_ids`, :func:`translate_ids`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
   :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`,
-  :func:`verify_lens_ref`).
+  :func:`verify_lens_ref`, :func:`windowed_length_ref`, :func:`load_kv_ids_ref`,
+  :func:`translate_ids_ref`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ POOL_OOB = tl.constexpr(int(Status.POOL_OOB))
 BAD_ACCEPT = tl.constexpr(int(Status.BAD_ACCEPT))
 BAD_PAGE = tl.constexpr(int(Status.BAD_PAGE))
 STALE_HOST_LENGTHS = tl.constexpr(int(Status.STALE_HOST_LENGTHS))
+BAD_KV_ID = tl.constexpr(int(Status.BAD_KV_ID))
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +165,20 @@ def check_verify_lens(where: str, verify_lens: object, batch: int,
 # --------------------------------------------------------------------------------------------
 # Device helpers.
 # --------------------------------------------------------------------------------------------
+def check_id_spaces(window_size: object, sink_size: object, entry_page_size: object,
+                    v2p: object, device: torch.device) -> tuple[int, int, int]:  # fmt: skip
+    """Check the id-space inputs of design §2.10: ``window_size ≥ 0``, ``sink_size ≥ 0`` (read
+    only with a window), ``entry_page_size ≥ 1`` and ``v2p``, when given, a 1-D int32 or int64
+    page map on ``device``. Returns ``(window, sink, entry_page_size)``, ``sink`` 0 without a
+    window."""
+    window = validate.positive("window_size", window_size, 0)
+    sink = validate.positive("sink_size", sink_size, 0)
+    entry = validate.positive("entry_page_size", entry_page_size)
+    if v2p is not None:
+        validate.tensor("v2p", v2p, ndim=1, device=device, contiguous_last=False)
+    return window, sink if window else 0, entry
+
+
 @triton.jit
 def row_offset(row, stride):
     """``row · stride`` in 64 bits: the element offset of row ``row`` of a strided tensor.
@@ -294,6 +312,61 @@ def load_verify_len(verify_lens_ptr, b, B, N):
     raw = tl.load(verify_lens_ptr + b, mask=b < B, other=0).to(tl.int64)
     v_ok = (raw >= 0) & (raw <= N)
     return tl.minimum(tl.maximum(raw, 0), N), v_ok
+
+
+@triton.jit
+def windowed_length(L, window, sink):
+    """The prefix entries a draft window keeps (design §2.10): ``min(L, window + sink)``, or
+    ``L`` without a window (``window == 0``)."""
+    return tl.where(window > 0, tl.minimum(L, window + sink), L)
+
+
+@triton.jit
+def window_position(k, L, Lw, sink):
+    """Row position of entry ``k < Lw`` of a prefix of ``L`` tokens that keeps ``Lw`` of them
+    (:func:`windowed_length`): the first ``min(sink, L)`` positions, then the most recent ones.
+    Without a window ``Lw == L`` and the position is ``k``."""
+    return tl.where(k < tl.minimum(sink, L), k, L - Lw + k)
+
+
+@triton.jit
+def load_kv_ids(row_ptr, pos, mask, W_row, v2p_ptr, num_pages, page_size,
+                ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr):  # fmt: skip
+    """``(ids, in_row, bad)`` at row positions ``pos ≥ 0`` of one ``req_to_token`` row
+    (design §2.10), lanes of ``mask`` only (the others give 0). A row holds token ids, or page
+    ids with ``ENTRY_PAGE_SIZE = E > 1`` (position ``p`` is ``row[p // E]·E + p mod E``); with
+    ``TRANSLATE`` each id is virtual and leaves as ``v2p[id // ps]·ps + id mod ps``. In either
+    form an id that does not map (negative, a page at or past ``num_pages``, a negative
+    ``v2p`` entry) gives the sink slot 0 and is ``bad``. ``in_row``: the position lies in the
+    row (``W_row`` entries); a lane outside it reads nothing."""
+    if ENTRY_PAGE_SIZE == 1:
+        in_row = pos < W_row
+        read = mask & in_row
+        ids = tl.load(row_ptr + pos, mask=read, other=0).to(tl.int64)
+    else:
+        in_row = pos // ENTRY_PAGE_SIZE < W_row
+        read = mask & in_row
+        page = tl.load(row_ptr + pos // ENTRY_PAGE_SIZE, mask=read, other=0).to(tl.int64)
+        ids = page * ENTRY_PAGE_SIZE + pos % ENTRY_PAGE_SIZE
+    if TRANSLATE:
+        ids, bad = translate_ids(ids, read, v2p_ptr, num_pages, page_size)
+    elif ENTRY_PAGE_SIZE > 1:
+        bad = read & (ids < 0)
+    else:
+        bad = tl.zeros_like(ids) != 0  # a plain row's ids pass as they are
+    return tl.where(read & ~bad, ids, 0), in_row, bad
+
+
+@triton.jit
+def translate_ids(ids, read, v2p_ptr, num_pages, page_size):
+    """``(ids, bad)``: virtual KV ids (int64) on the lanes of ``read`` as physical ones,
+    ``v2p[id // ps]·ps + id mod ps`` (design §2.10); ``bad`` where an id does not map (negative,
+    a page at or past ``num_pages``, a negative ``v2p`` entry), given as the sink slot 0. The
+    other lanes give 0."""
+    vpage = ids // page_size
+    phys = tl.load(v2p_ptr + vpage, mask=read & (ids >= 0) & (vpage < num_pages), other=-1)
+    bad = read & (phys < 0)
+    return tl.where(read & ~bad, phys.to(tl.int64) * page_size + ids % page_size, 0), bad
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,3 +511,49 @@ def verify_lens_ref(verify_lens: torch.Tensor, N: int) -> tuple[torch.Tensor, in
     raw = verify_lens.to(torch.int64)
     bad = bool(((raw < 0) | (raw > N)).any()) if raw.numel() else False
     return raw.clamp(0, N), int(Status.POS_OOB) if bad else 0
+
+
+def windowed_length_ref(seq_lens: torch.Tensor, window: int, sink: int) -> torch.Tensor:
+    """:func:`windowed_length` of every request, int64 (negative lengths read as 0)."""
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    return L.clamp_max(window + sink) if window > 0 else L
+
+
+def window_positions_ref(L: torch.Tensor, Lw: torch.Tensor, k: torch.Tensor,
+                         sink: int) -> torch.Tensor:  # fmt: skip
+    """:func:`window_position` of entries ``k`` (broadcast against ``L`` and ``Lw``)."""
+    return torch.where(k < L.clamp_max(sink), k, L - Lw + k)
+
+
+def load_kv_ids_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    positions: torch.Tensor, mask: torch.Tensor, *, entry_page_size: int = 1,
+                    v2p: torch.Tensor | None = None,
+                    page_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """:func:`load_kv_ids` for request ``b``'s positions ``positions[b, ...]`` (int64, ≥ 0)
+    where ``mask``: the ids (int64, 0 elsewhere), where an id did not map (``bad``: a kernel
+    reports ``BAD_KV_ID`` for the ids it emits, so the caller decides which count), and the
+    ``ROW_OOB`` and ``POS_OOB`` bits as :func:`gather_rows_ref` reads them."""
+    E = entry_page_size
+    entries = torch.where(mask, positions // E, 0)
+    vals, bits = gather_rows_ref(req_to_token, req_pool_indices, entries)
+    R, W = req_to_token.shape
+    rows = req_pool_indices.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
+    read = mask & (rows >= 0) & (rows < R) & (entries < W)
+    ids = vals.to(torch.int64) * E + positions % E if E > 1 else vals.to(torch.int64)
+    if v2p is not None:
+        ids, bad = translate_ids_ref(ids, read, v2p, page_size)
+    else:
+        bad = read & (ids < 0) if E > 1 else torch.zeros_like(read)
+    return torch.where(read & ~bad, ids, 0), bad, bits
+
+
+def translate_ids_ref(ids: torch.Tensor, read: torch.Tensor, v2p: torch.Tensor,
+                      page_size: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`translate_ids`: ``(ids, bad)``, the physical ids (0 off ``read`` and where
+    ``bad``)."""
+    ids = ids.to(torch.int64)
+    vpage = torch.div(ids, page_size, rounding_mode="floor")
+    mapped = read & (ids >= 0) & (vpage < v2p.shape[0])
+    phys = torch.where(mapped, v2p[torch.where(mapped, vpage, 0)].to(torch.int64), -1)
+    bad = read & (phys < 0)
+    return torch.where(read & ~bad, phys * page_size + ids % page_size, 0), bad

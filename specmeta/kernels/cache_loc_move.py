@@ -66,19 +66,19 @@ from ..config import kv_pool_table_shape
 from ..launch import Launcher, cdiv, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
-from ._common import BAD_ACCEPT, POOL_OOB, target_programs
+from ._common import (
+    BAD_ACCEPT,
+    BAD_KV_ID,
+    POOL_OOB,
+    check_id_spaces,
+    target_programs,
+    translate_ids,
+    translate_ids_ref,
+)
 
-__all__ = [
-    "bind_accept_cache_locs",
-    "bind_move_kv_cache",
-    "accept_cache_locs",
-    "accept_cache_locs_ref",
-    "KVPool",
-    "move_kv_cache",
-    "move_kv_cache_ref",
-    "MAX_OVERLAPPING_PAIRS",
-    "DISJOINT_BLOCK_N",
-]
+__all__ = ["bind_accept_cache_locs", "bind_move_kv_cache", "accept_cache_locs",
+           "accept_cache_locs_ref", "KVPool", "move_kv_cache", "move_kv_cache_ref",
+           "MAX_OVERLAPPING_PAIRS", "DISJOINT_BLOCK_N"]  # fmt: skip
 
 
 # accept_cache_locs: requests per iteration of the single program's scan (a [128, next_pow2(S+1)]
@@ -117,28 +117,33 @@ DISJOINT_BLOCK_N = 32
 # --------------------------------------------------------------------------------------------
 # accept_cache_locs
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["B", "N", "C", "stride_acc", "n_out"])
+@triton.jit(do_not_specialize=["B", "N", "C", "stride_acc", "n_out", "num_pages", "page_size"])
 def _accept_cache_locs_kernel(
     accept_index_ptr,  # [B, C] int32|int64, row stride stride_acc
     accept_lens_ptr,  # [B] int32|int64
     out_cache_loc_ptr,  # [≥ B*N] int32|int64
     tgt_ptr,  # [≥ B*C] int32|int64
     src_ptr,  # [≥ B*C] int32|int64
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     N,
     C,
     stride_acc,
     n_out,
+    num_pages,
+    page_size,
     BLOCK_B: tl.constexpr,
     BLOCK_C: tl.constexpr,  # next power of two ≥ C
     BLOCK_TAIL: tl.constexpr,
+    TRANSLATE: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
     """One program. It walks the requests in blocks of ``BLOCK_B``: one ``tl.cumsum`` per block
     plus a running carry is the whole O(B) prefix sum; then it zeroes ``[Σacc, B·C)``."""
     carry = tl.full([], 0, tl.int64)
     bad = tl.full([], 0, tl.int32)
+    unmapped = tl.full([], 0, tl.int32)
     k = tl.arange(0, BLOCK_C)
     col_live = k < C
     for start in range(0, B, BLOCK_B):
@@ -162,8 +167,15 @@ def _accept_cache_locs_kernel(
         # run that is not -1 (the -1 run is not a suffix, or accept_lens disagrees).
         wrong = (want & ~ok) | (live & ~want & (idx != -1))
         bad |= tl.max(tl.max(wrong.to(tl.int32), axis=1), axis=0)
-        tgt = tl.load(out_cache_loc_ptr + lo + k[None, :], mask=ok, other=0)
-        src = tl.load(out_cache_loc_ptr + idx, mask=ok, other=0)
+        tgt = tl.load(out_cache_loc_ptr + lo + k[None, :], mask=ok, other=0).to(tl.int64)
+        src = tl.load(out_cache_loc_ptr + idx, mask=ok, other=0).to(tl.int64)
+        if TRANSLATE:  # virtual slots leave as physical ones; a pair with one unmapped is (0, 0)
+            tgt, tgt_bad = translate_ids(tgt, ok, v2p_ptr, num_pages, page_size)
+            src, src_bad = translate_ids(src, ok, v2p_ptr, num_pages, page_size)
+            lost = tgt_bad | src_bad
+            unmapped |= tl.max(tl.max(lost.to(tl.int32), axis=1), axis=0)
+            tgt = tl.where(lost, 0, tgt)
+            src = tl.where(lost, 0, src)
         dst = first[:, None] + k[None, :]  # < Σacc ≤ B·C ≤ n_out
         tl.store(tgt_ptr + dst, tgt, mask=want)
         tl.store(src_ptr + dst, src, mask=want)
@@ -176,19 +188,22 @@ def _accept_cache_locs_kernel(
         tl.store(src_ptr + e, zero, mask=e < n_out)
 
     if HAS_STATUS:
-        bits = tl.where(bad != 0, BAD_ACCEPT, 0)
+        bits = tl.where(bad != 0, BAD_ACCEPT, 0) | tl.where(unmapped != 0, BAD_KV_ID, 0)
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
 _accept_cache_locs_launch = Launcher(_accept_cache_locs_kernel)
 
 
-def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status):
+def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, tgt, src, status,
+                    v2p, page_size):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. Returns ``N``, ``B``,
     ``C``, the pair count ``B·C``, ``tgt``, ``src`` and the status word."""
     n_draft = validate.positive("num_draft_tokens", num_draft_tokens)
     validate.tensor("accept_index", accept_index, ndim=2)
     device = accept_index.device
+    validate.positive("page_size", page_size)
+    check_id_spaces(0, 0, 1, v2p, device)
     B, C = accept_index.shape
     validate.tensor("accept_lens", accept_lens, ndim=1, device=device)
     validate.length("accept_lens", accept_lens, B)
@@ -205,7 +220,8 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
 def bind_accept_cache_locs(accept_index: torch.Tensor, accept_lens: torch.Tensor,
                            out_cache_loc: torch.Tensor, *, num_draft_tokens: int,
                            tgt: torch.Tensor | None = None, src: torch.Tensor | None = None,
-                           status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                           status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
+                           page_size: int = 1) -> Stage:  # fmt: skip
     """Bind once: compact the accepted verify slots into ``(tgt, src)`` move pairs (design §2.4).
 
     For request ``i`` with ``acc_i = accept_lens[i]`` and ``k < acc_i``::
@@ -234,7 +250,11 @@ def bind_accept_cache_locs(accept_index: torch.Tensor, accept_lens: torch.Tensor
         ``int32 [1]``; ``BAD_ACCEPT`` is ORed in when an accepted entry lies outside
         ``[i·N, (i+1)·N)`` (or ``k ≥ N``), an entry after the run is not ``-1``, or
         ``accept_lens`` is outside ``[0, C]`` (it is clamped). Such a pair is written ``(0, 0)``;
-        the others keep their positions.
+        the others keep their positions. ``BAD_KV_ID`` when a slot did not map through ``v2p``
+        (its pair is written ``(0, 0)``).
+    v2p, page_size : torch.Tensor, int, optional
+        A virtual → physical page map at page size ``page_size`` (design §2.10): the verify
+        slots are virtual, the pairs physical, ready for :func:`move_kv_cache`.
 
     Returns
     -------
@@ -253,15 +273,18 @@ def bind_accept_cache_locs(accept_index: torch.Tensor, accept_lens: torch.Tensor
     No host sync; ``B`` is a runtime argument.
     """
     N, B, C, n, tgt, src, status = _prepare_accept(accept_index, accept_lens, out_cache_loc,
-                                                   num_draft_tokens, tgt, src, status)  # fmt: skip
+                                                   num_draft_tokens, tgt, src, status, v2p,
+                                                   page_size)  # fmt: skip
     if n == 0:
         return Stage([], result=(tgt[:0], src[:0]))
     launch = _accept_cache_locs_launch.bind(
         (1,), accept_index_ptr=accept_index, accept_lens_ptr=accept_lens,
-        out_cache_loc_ptr=out_cache_loc, tgt_ptr=tgt, src_ptr=src, status_ptr=status,
+        out_cache_loc_ptr=out_cache_loc, tgt_ptr=tgt, src_ptr=src,
+        v2p_ptr=v2p if v2p is not None else tgt, status_ptr=status,
         B=B, N=N, C=C, stride_acc=accept_index.stride(0), n_out=n,
+        num_pages=v2p.shape[0] if v2p is not None else 0, page_size=page_size,
         BLOCK_B=_ACCEPT_BLOCK_B, BLOCK_C=next_power_of_2(C), BLOCK_TAIL=_ACCEPT_BLOCK_TAIL,
-        HAS_STATUS=True, num_warps=4,
+        TRANSLATE=v2p is not None, HAS_STATUS=True, num_warps=4,
     )  # fmt: skip
     return Stage([launch], result=(tgt[:n], src[:n]))
 
@@ -273,11 +296,12 @@ accept_cache_locs.kernels = (_accept_cache_locs_kernel,)  # for specmeta.registr
 def accept_cache_locs_ref(accept_index: torch.Tensor, accept_lens: torch.Tensor,
                           out_cache_loc: torch.Tensor, *, num_draft_tokens: int,
                           tgt: torch.Tensor | None = None, src: torch.Tensor | None = None,
-                          status: torch.Tensor | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                          status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
+                          page_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Pure-torch :func:`accept_cache_locs` (vectorised over the batch; syncs)."""
     N, B, C, n, tgt, src, status = _prepare_accept(accept_index, accept_lens, out_cache_loc,
-                                                   num_draft_tokens, tgt, src, status)  # fmt: skip
+                                                   num_draft_tokens, tgt, src, status, v2p,
+                                                   page_size)  # fmt: skip
     if n == 0:
         return tgt[:0], src[:0]
     device = accept_index.device
@@ -292,8 +316,15 @@ def accept_cache_locs_ref(accept_index: torch.Tensor, accept_lens: torch.Tensor,
     slots = out_cache_loc.to(torch.int64)
     dst = (torch.cumsum(acc, 0) - acc).view(-1, 1) + k
     pairs = torch.zeros(2, n, dtype=torch.int64, device=device)
-    for row, pick in zip(pairs, (lo + k, idx), strict=True):
-        row[dst[want]] = torch.where(ok, slots[torch.where(ok, pick, 0)], 0)[want]
+    ends = [torch.where(ok, slots[torch.where(ok, pick, 0)], 0) for pick in (lo + k, idx)]
+    if v2p is not None:  # a pair with an unmapped slot is (0, 0)
+        (t, t_bad), (s, s_bad) = (translate_ids_ref(e, ok, v2p, page_size) for e in ends)
+        lost = t_bad | s_bad
+        ends = [torch.where(lost, 0, t), torch.where(lost, 0, s)]
+        if bool(lost.any()):
+            status |= int(Status.BAD_KV_ID)
+    for row, end in zip(pairs, ends, strict=True):
+        row[dst[want]] = end[want]
     tgt[:n], src[:n] = pairs
     if bool(wrong.any()) or bool((acc != acc_in).any()):
         status |= int(Status.BAD_ACCEPT)

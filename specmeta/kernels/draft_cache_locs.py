@@ -24,14 +24,18 @@ from ..launch import Launcher, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     POS_OOB,
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_id_spaces,
     check_steps,
     draft_positions_ref,
     draft_slot_position,
     gather_rows_ref,
+    load_kv_ids,
+    load_kv_ids_ref,
     load_request,
     or_status,
 )
@@ -50,27 +54,32 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # assign_draft_cache_locs
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size"])
+@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size", "num_pages"])
 def _assign_draft_cache_locs_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     seq_lens_ptr,  # [B] int32|int64
     out_cache_loc_ptr,  # [B*K*S] int32|int64
     positions_ptr,  # [B*K] int32|int64 (unused unless WRITE_POSITIONS)
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
     W_row,
     stride_row,
     page_size,
+    num_pages,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr,
+    TRANSLATE: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two ≥ K*S
     WRITE_POSITIONS: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
-    """One program per request; the ``K·S`` slots of the request are one vector."""
+    """One program per request; the ``K·S`` slots of the request are one vector, each read
+    as its row and the id space say (:func:`~specmeta.kernels._common.load_kv_ids`)."""
     b = tl.program_id(0).to(tl.int64)
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
@@ -81,12 +90,11 @@ def _assign_draft_cache_locs_kernel(
     t = e // NUM_STEPS
     j = e % NUM_STEPS
     p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
-    in_row = p < W_row
     # A scalar condition joins a vector mask through tl.where: Triton 3.9's interpreter mistypes
     # a splatted scalar comparison in `vector & scalar`.
-    slot = tl.load(
-        req_to_token_ptr + row_base + p, mask=tl.where(row_ok, live & in_row, False), other=0
-    )
+    slot, in_row, bad = load_kv_ids(req_to_token_ptr + row_base, p, tl.where(row_ok, live, False),
+                                    W_row, v2p_ptr, num_pages, page_size, ENTRY_PAGE_SIZE,
+                                    TRANSLATE)  # fmt: skip
     tl.store(out_cache_loc_ptr + b * (TOPK * NUM_STEPS) + e, slot, mask=live)
 
     if WRITE_POSITIONS:
@@ -95,7 +103,11 @@ def _assign_draft_cache_locs_kernel(
 
     if HAS_STATUS:
         pos_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
-        bits = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
+        bits = (
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where(pos_bad != 0, POS_OOB, 0)
+            | tl.where(tl.max(bad.to(tl.int32), axis=0) != 0, BAD_KV_ID, 0)
+        )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -119,6 +131,8 @@ def bind_assign_draft_cache_locs(
     out_cache_loc: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: fill ``out_cache_loc`` with the draft KV slot of every (request, branch, step).
 
@@ -139,7 +153,12 @@ def bind_assign_draft_cache_locs(
         ``[≥ B·K]`` int32 or int64; when given, ``positions[b·K + t] = L_b``.
     status : torch.Tensor, optional
         ``int32 [1]``; ``ROW_OOB`` / ``POS_OOB`` are ORed in when a gather was masked (the slot
-        reads 0, the sink).
+        reads 0, the sink), ``BAD_KV_ID`` when a slot did not map (design §2.10).
+    entry_page_size : int
+        ``E > 1``: the rows hold page ids, position ``p`` being ``row[p // E]·E + p mod E``.
+    v2p : torch.Tensor, optional
+        ``[P]`` virtual → physical page map at page size ``page_size``: the slots are written
+        as physical ids, ``v2p[id // ps]·ps + id mod ps`` (design §2.10).
 
     Returns
     -------
@@ -157,6 +176,7 @@ def bind_assign_draft_cache_locs(
     """
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    _, _, entry = check_id_spaces(0, 0, entry_page_size, v2p, device)
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=device)
@@ -171,11 +191,15 @@ def bind_assign_draft_cache_locs(
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         out_cache_loc_ptr=out_cache_loc,
         positions_ptr=positions if positions is not None else out_cache_loc,
+        v2p_ptr=v2p if v2p is not None else out_cache_loc,
         status_ptr=status,
         page_size=page_size,
+        num_pages=v2p.shape[0] if v2p is not None else 0,
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
+        ENTRY_PAGE_SIZE=entry,
+        TRANSLATE=v2p is not None,
         BLOCK=next_power_of_2(topk * num_steps),
         WRITE_POSITIONS=positions is not None,
         HAS_STATUS=True,
@@ -341,17 +365,25 @@ def assign_draft_cache_locs_ref(
     out_cache_loc: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`assign_draft_cache_locs`."""
     status = validate.status(status, req_to_token.device)
+    check_id_spaces(0, 0, entry_page_size, v2p, req_to_token.device)
     B = req_pool_indices.shape[0]
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=req_to_token.device)
     pos = draft_positions_ref(seq_lens, topk, num_steps, page_size)
-    vals, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    vals, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos,
+                                      torch.ones_like(pos, dtype=torch.bool),
+                                      entry_page_size=entry_page_size, v2p=v2p,
+                                      page_size=page_size)  # fmt: skip
     if bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
+    if bool(bad.any()):
+        bits |= int(Status.BAD_KV_ID)
     out_cache_loc[:n] = vals.reshape(-1).to(out_cache_loc.dtype)
     if positions is not None:
         positions[: B * topk] = seq_lens.to(torch.int64).clamp_min(0).repeat_interleave(topk)

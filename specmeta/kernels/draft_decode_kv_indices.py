@@ -28,16 +28,20 @@ from ._common import (
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_id_spaces,
     check_steps,
     draft_positions_ref,
     draft_slot_position,
-    gather_rows_ref,
     host_int,
+    load_kv_ids_ref,
     load_request,
     offsets_out,
     sizing_total,
     target_programs,
+    window_positions_ref,
+    windowed_length_ref,
 )
+from .draft_decode_kv_ids import bind_draft_decode_kv_ids
 
 __all__ = [
     "DraftDecodeIndptr",
@@ -348,13 +352,14 @@ def _grid(
 
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-    kv_indices, kv_indptr, seq_lens_sum, status,
+    kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size, v2p,
 ):  # fmt: skip
     """Validate and allocate; shared by the kernel launcher and the reference."""
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    spaces = check_id_spaces(window_size, sink_size, entry_page_size, v2p, device)
     if kv_indices is None:
-        total = sizing_total(seq_lens_sum, B, req_to_token)
+        total = _windowed_total(sizing_total(seq_lens_sum, B, req_to_token), B, *spaces[:2])
         width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
         kv_indices = torch.empty((rows, width), dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
@@ -365,16 +370,19 @@ def _prepare(
     validate.at_least("kv_indptr", kv_indptr.shape[0], rows, "rows")
     validate.at_least("kv_indptr", kv_indptr.shape[1], B * topk + 1, "columns (B*topk + 1)")
     if seq_lens_sum is not None:
-        _check_total(seq_lens_sum, kv_indices, B, topk, rows)
+        host_int("seq_lens_sum", seq_lens_sum)
+        need = draft_decode_kv_indices_need(
+            _windowed_total(seq_lens_sum, B, *spaces[:2]), B, topk, rows
+        )
+        validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣLw + B*K*rows)")
     status = validate.status(status, device)
-    return topk, num_steps, rows, B, kv_indices, kv_indptr, status
+    return topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces
 
 
-def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, topk: int, rows: int):
-    """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    host_int("seq_lens_sum", seq_lens_sum)
-    need = draft_decode_kv_indices_need(seq_lens_sum, B, topk, rows)
-    validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣL + B*K*rows)")
+def _windowed_total(total: int, batch: int, window: int, sink: int) -> int:
+    """The most prefix entries a batch of ``ΣL = total`` lists per branch: ``ΣL``, at most
+    ``B·(window + sink)`` with a draft window."""
+    return min(total, batch * (window + sink)) if window else total
 
 
 def bind_draft_decode_kv_indices(
@@ -390,6 +398,10 @@ def bind_draft_decode_kv_indices(
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    window_size: int = 0,
+    sink_size: int = 0,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build the per-branch KV lists of every draft step in one launch.
 
@@ -417,7 +429,19 @@ def bind_draft_decode_kv_indices(
         Host-side ``ΣL``. When given, ``kv_indices`` is checked before launch and a
         ``ValueError`` names what is needed and what there is.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``, ``BAD_KV_ID``.
+    window_size, sink_size : int
+        A draft window (design §2.10): each prefix lists its first ``min(sink_size, L)``
+        tokens and then its most recent ones, ``min(L, window_size + sink_size)`` in all, and
+        every offset and bound uses that count in place of ``L``. ``window_size = 0`` (the
+        default) is no window, and ``sink_size`` is then not read.
+    entry_page_size : int
+        ``E > 1``: ``req_to_token`` rows hold page ids, position ``p`` being
+        ``row[p // E]·E + p mod E`` (default 1: token ids).
+    v2p : torch.Tensor, optional
+        ``[P]`` int32 or int64 virtual → physical page map at page size ``page_size``: every
+        id is emitted as ``v2p[id // ps]·ps + id mod ps``. Ids that do not map (negative, a
+        page past the map, an unmapped page) give the sink slot 0 and ``BAD_KV_ID``.
 
     Returns
     -------
@@ -429,19 +453,25 @@ def bind_draft_decode_kv_indices(
     --------
     ``seq_lens=[3, 1]``, ``K=2``, one row (``it=1``) → ``kv_indptr=[0, 4, 8, 10, 12]``.
 
-    Grid ``(chunk_programs, list_groups, max(B, 1))``: a program copies a few chunks of its
-    request's prefix into up to ``_LISTS_PER_PROGRAM`` of its lists, loading each chunk once;
-    the grid is sized from host-known sizes only, and every program computes its request's
-    offset from ``seq_lens`` with vector loads. Vector or scalar stores are a runtime choice
-    of the same compiled kernel. No host sync; ``B``, lengths and strides are runtime
-    arguments.
+    The grid is sized from host-known sizes only (no host sync); ``B``, lengths and strides
+    are runtime arguments. A window, ``E > 1`` or ``v2p`` launches the kernel of
+    :mod:`.draft_decode_kv_ids` instead of the bandwidth-tuned one.
     """
-    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        kv_indices, kv_indptr, seq_lens_sum, status,
+        kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size,
+        v2p,
     )  # fmt: skip
     if rows == 0:
         return Stage([], result=(kv_indices, kv_indptr))
+    window, sink, entry = spaces
+    if window or entry > 1 or v2p is not None:
+        launch = bind_draft_decode_kv_ids(
+            req_pool_indices, req_to_token, seq_lens, topk=topk, num_steps=num_steps,
+            page_size=page_size, rows=rows, kv_indices=kv_indices, kv_indptr=kv_indptr,
+            status=status, window=window, sink=sink, entry_page_size=entry, v2p=v2p,
+        )  # fmt: skip
+        return Stage([launch], result=(kv_indices, kv_indptr))
     device = req_to_token.device
     chunk_programs, groups, requests, lists_per_program = _grid(
         device, B, rows * topk, req_to_token.shape[1]
@@ -480,7 +510,10 @@ def bind_draft_decode_kv_indices(
 
 
 draft_decode_kv_indices = launcher(bind_draft_decode_kv_indices)
-draft_decode_kv_indices.kernels = (_draft_decode_kv_indices_kernel,)  # for specmeta.registry
+draft_decode_kv_indices.kernels = (  # for specmeta.registry
+    _draft_decode_kv_indices_kernel,
+    bind_draft_decode_kv_ids.kernel,
+)
 
 
 class DraftDecodeIndptr:
@@ -603,35 +636,47 @@ def draft_decode_kv_indices_ref(
     kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    window_size: int = 0,
+    sink_size: int = 0,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, kv_indices, kv_indptr, status = _prepare(
+    topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        kv_indices, kv_indptr, seq_lens_sum, status,
+        kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size,
+        v2p,
     )  # fmt: skip
     if rows == 0:
         return kv_indices, kv_indptr
+    window, sink, entry = spaces
     device = req_to_token.device
-    K = topk
+    K, W_idx = topk, kv_indices.shape[1]
     L = seq_lens.to(torch.int64).clamp_min(0)
-    total = int(L.sum())
-    # Prefix entry k lands at start + k >= k: none past the output's width is kept, so the
-    # work stops there whatever a garbage length says (design §2.5).
-    max_len = min(int(L.max()), kv_indices.shape[1]) if B else 0
-    W_idx = kv_indices.shape[1]
+    Lw = windowed_length_ref(seq_lens, window, sink)
+    total = int(Lw.sum())
+    # Prefix entry k lands at start + k >= k: none past the output's width is read or kept,
+    # so the work stops there whatever a garbage length says (design §2.5).
+    max_len = min(int(Lw.max()), W_idx) if B else 0
+    read = dict(entry_page_size=entry, v2p=v2p, page_size=page_size)
 
     k = torch.arange(max_len, device=device)
-    in_prefix = k.view(1, -1) < L.view(-1, 1)  # [B, maxL]
-    prefix, bits = gather_rows_ref(req_to_token, req_pool_indices, torch.where(in_prefix, k, 0))
+    in_prefix = k.view(1, -1) < Lw.view(-1, 1)  # [B, maxLw]
+    pos = window_positions_ref(L.view(-1, 1), Lw.view(-1, 1), k.view(1, -1), sink)
+    prefix, prefix_bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices,
+                                               torch.where(in_prefix, pos, 0), in_prefix, **read)  # fmt: skip
     chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
-    chain, chain_bits = gather_rows_ref(req_to_token, req_pool_indices, chain_pos)
+    chain, chain_bad, chain_bits = load_kv_ids_ref(req_to_token, req_pool_indices, chain_pos,
+                                                   torch.ones_like(chain_pos, dtype=torch.bool),
+                                                   **read)  # fmt: skip
     bits |= chain_bits
-    if bool((L > req_to_token.shape[1]).any()) or bool((seq_lens < 0).any()):
+    if bool((L > req_to_token.shape[1] * entry).any()) or bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
 
     bz = torch.arange(B * K, device=device) // K
-    offsets = draft_decode_kv_indptr(seq_lens, K, rows)
+    offsets = draft_decode_kv_indptr(Lw, K, rows)
     kv_indptr[:rows, : B * K + 1] = offsets.to(kv_indptr.dtype)
+    bad = False  # an id that did not map, among those a list keeps
     for s in range(rows):
         it = s + 1
         start = offsets[s, : B * K]
@@ -639,14 +684,17 @@ def draft_decode_kv_indices_ref(
         dst = start.view(-1, 1) + k.view(1, -1)
         keep = in_prefix[bz] & (dst < W_idx)
         kv_indices[s][dst[keep]] = prefix[bz][keep].to(kv_indices.dtype)
+        bad |= bool(prefix_bad[bz][keep].any())
         # own chain, j < it
         j = torch.arange(it, device=device)
-        dst = (start + L[bz]).view(-1, 1) + j.view(1, -1)
-        vals = chain.reshape(B * K, rows)[:, :it]
+        dst = (start + Lw[bz]).view(-1, 1) + j.view(1, -1)
         keep = dst < W_idx
-        kv_indices[s][dst[keep]] = vals[keep].to(kv_indices.dtype)
+        kv_indices[s][dst[keep]] = chain.reshape(B * K, rows)[:, :it][keep].to(kv_indices.dtype)
+        bad |= bool(chain_bad.reshape(B * K, rows)[:, :it][keep].any())
     if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
         bits |= int(Status.OUT_OF_CAPACITY)
+    if bad:
+        bits |= int(Status.BAD_KV_ID)
     if bits:
         status |= bits
     return kv_indices, kv_indptr

@@ -564,12 +564,13 @@ import specmeta.kernels.cache_loc_move as m
 target = GPUTarget("cuda", 90, 32)
 out = {}
 acc = {"accept_index_ptr": "*i32", "accept_lens_ptr": "*i64", "out_cache_loc_ptr": "*i64",
-       "tgt_ptr": "*i64", "src_ptr": "*i32", "status_ptr": "*i32", "B": "i32", "N": "i32",
-       "C": "i32", "stride_acc": "i32", "n_out": "i32", "BLOCK_B": "constexpr",
-       "BLOCK_C": "constexpr", "BLOCK_TAIL": "constexpr", "HAS_STATUS": "constexpr"}
-for status in (True, False):
+       "tgt_ptr": "*i64", "src_ptr": "*i32", "v2p_ptr": "*i64", "status_ptr": "*i32", "B": "i32",
+       "N": "i32", "C": "i32", "stride_acc": "i32", "n_out": "i32", "num_pages": "i32",
+       "page_size": "i32", "BLOCK_B": "constexpr", "BLOCK_C": "constexpr",
+       "BLOCK_TAIL": "constexpr", "TRANSLATE": "constexpr", "HAS_STATUS": "constexpr"}
+for status, translate in ((True, False), (False, False), (True, True)):
     consts = {"BLOCK_B": m._ACCEPT_BLOCK_B, "BLOCK_C": 8, "BLOCK_TAIL": m._ACCEPT_BLOCK_TAIL,
-              "HAS_STATUS": status}
+              "TRANSLATE": translate, "HAS_STATUS": status}
     triton.compile(ASTSource(m._accept_cache_locs_kernel, acc, consts), target=target)
 for table, word, vec, block_n, cols, warps in [(True, 8, 2, 256, 32, 8), (True, 8, 2, 4096, 2, 16),
                                                (True, 4, 1, 8192, 1, 16), (False, 8, 2, 64, 64, 8),
