@@ -62,6 +62,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 # ----------------------------------------------------------------------------------------------
 # specmeta check
 
@@ -202,7 +212,14 @@ def _unserved(backend: str, missing: list[str], cfg: SpecConfig) -> UsageError:
     them = "it" if len(missing) == 1 else "them"
     why = []
     for mode in missing:
-        if mode in modes:  # a mode of the builder, but not for a tree
+        if (
+            mode in modes
+            and cfg.draft_window_size
+            and mode.startswith("draft_decode")
+            and (mode not in CAPABILITIES[backend].draft_window)
+        ):
+            why.append(f"{mode} does not build a draft window (--draft-window-size) yet")
+        elif mode in modes:  # a mode of the builder, but not for a tree
             what = "verify" if mode == "target_verify" else "draft"
             why.append(f"{mode} with --topk {cfg.topk} needs a tree, which it cannot {what}")
     others = [b for b in BACKENDS
@@ -276,7 +293,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
     try:
         cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=args.page_size,
-                         max_bs=args.max_bs, max_context_len=args.max_context_len)  # fmt: skip
+                         max_bs=args.max_bs, max_context_len=args.max_context_len,
+                         draft_window_size=args.draft_window_size,
+                         draft_sink_size=args.draft_sink_size)  # fmt: skip
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid configuration: {err}") from None
     backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
@@ -293,9 +312,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_sizes(cfg)
     engine = [g for g in ENGINE_GROUPS if g in (args.with_ or ())]
 
+    window = (f" draft window {cfg.draft_window_size} + sink {cfg.draft_sink_size}"
+              if cfg.draft_window_size else "")  # fmt: skip
     print(f"specmeta plan: topk={cfg.topk} num_steps={cfg.num_steps} num_draft_tokens="
           f"{cfg.num_draft_tokens} page_size={cfg.page_size} max_bs={cfg.max_bs} "
-          f"max_context_len={cfg.max_context_len}")  # fmt: skip
+          f"max_context_len={cfg.max_context_len}{window}")  # fmt: skip
     print(f"  req_to_token_width={cfg.req_to_token_width} pool_size={cfg.pool_size} "
           f"slot layout {'B' if cfg.layout_b else 'A'}")  # fmt: skip
     for backend, missing in skipped:
@@ -554,6 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-context-len", type=_positive_int, required=True, metavar="L",
                       help="longest committed prefix of a request; draft and verify slots come "
                       "on top; required")  # fmt: skip
+    plan.add_argument("--draft-window-size", type=_non_negative_int, default=0, metavar="W",
+                      help="a bounded draft attention: each draft list keeps its first "
+                      "--draft-sink-size prefix tokens and its most recent ones, W + sink in "
+                      "all, and is sized for that (default: 0, no window)")  # fmt: skip
+    plan.add_argument("--draft-sink-size", type=_non_negative_int, default=0, metavar="SK",
+                      help="sink tokens of --draft-window-size (default: %(default)s)")  # fmt: skip
     plan.add_argument(
         "--backend",
         nargs="+",

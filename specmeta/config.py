@@ -180,6 +180,11 @@ class SpecConfig:
     pool_size : int, optional
         ``P``, KV slots in the pool, a multiple of ``page_size``; page 0 is the reserved sink.
         Defaults to ``(max_bs · W_row + page_size)`` rounded up to a page.
+    draft_window_size, draft_sink_size : int
+        A bounded draft attention (design §2.10): each draft list keeps ``min(L,
+        draft_window_size + draft_sink_size)`` prefix tokens, the first ``draft_sink_size``
+        and the most recent ones, and the draft-decode lists are sized for that
+        (:attr:`draft_prefix_cap`). ``draft_window_size = 0`` (the default) is no window.
     """
 
     topk: int
@@ -190,6 +195,8 @@ class SpecConfig:
     max_context_len: int = 1
     req_to_token_width: int | None = None
     pool_size: int | None = None
+    draft_window_size: int = 0
+    draft_sink_size: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -205,6 +212,12 @@ class SpecConfig:
                 raise TypeError(f"SpecConfig.{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"SpecConfig.{name} must be >= 1, got {value}")
+        for name in ("draft_window_size", "draft_sink_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SpecConfig.{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"SpecConfig.{name} must be >= 0 (0: no window), got {value}")
         k, s, n = self.topk, self.num_steps, self.num_draft_tokens
         if n > max_num_draft_tokens(k, s):
             raise ValueError(
@@ -232,6 +245,14 @@ class SpecConfig:
                 f"SpecConfig.pool_size={self.pool_size} must be a positive multiple of "
                 f"page_size={ps} (page 0 is the reserved sink)"
             )
+
+    @property
+    def draft_prefix_cap(self) -> int:
+        """Most prefix tokens a draft list holds: ``min(max_context_len, window + sink)`` with a
+        draft window, ``max_context_len`` without."""
+        if self.draft_window_size:
+            return min(self.max_context_len, self.draft_window_size + self.draft_sink_size)
+        return self.max_context_len
 
     @property
     def layout_b(self) -> bool:
@@ -307,10 +328,12 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     total = bs * cfg.max_context_len  # ΣL at full capacity
     i32 = "int32"
-    # Per-branch token lists: every step row holds K copies of every prefix (design §2.2).
+    # Per-branch token lists: every step row holds K copies of every prefix (design §2.2), or
+    # of its draft window (design §2.10).
     mode = "flashinfer.draft_decode"
-    add(f"{mode}.kv_indices", (s, draft_decode_kv_indices_need(total, bs, k, s)), i32,
-        "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step")  # fmt: skip
+    need = draft_decode_kv_indices_need(bs * cfg.draft_prefix_cap, bs, k, s)
+    add(f"{mode}.kv_indices", (s, need), i32,
+        "[S, K*ΣLw + B*K*S] per-branch KV slot lists, one row per draft step")  # fmt: skip
     add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets")
     add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror of kv_indptr")
     add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1)")
@@ -393,7 +416,6 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     """:func:`plan_buffers` without torch: the same keys in the same order, shapes and docs,
     each dtype by its name (``"int32"`` for ``torch.int32``); what ``specmeta plan`` reads."""
     k, s, ps, bs = cfg.topk, cfg.num_steps, cfg.page_size, cfg.max_bs
-    ctx = cfg.max_context_len
     plan: dict[str, BufferSize] = {}
 
     def add(name: str, shape: tuple[int, ...], dtype: str, doc: str) -> None:
@@ -421,9 +443,9 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     # of every prefix (the topk factor) plus the chains.
     add(
         "draft_decode.kv_indices",
-        (s, draft_decode_kv_indices_need(bs * ctx, bs, k, s)),
+        (s, draft_decode_kv_indices_need(bs * cfg.draft_prefix_cap, bs, k, s)),
         "int32",
-        "[S, K*ΣL + B*K*S] per-branch KV slot lists, one row per draft step",
+        "[S, K*ΣLw + B*K*S] per-branch KV slot lists (ΣLw: prefixes or their draft windows)",
     )
     add("draft_decode.kv_indptr", (s, bs * k + 1), "int32", "[S, B*K+1] CSR offsets")
     # Static inputs of the CUDA-graph runners (design §4): the engine's per-batch tensors, copied

@@ -467,3 +467,27 @@ def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
     ]
     assert main([*huge, "--backend", "fa3", "trtllm_mla"]) == 0
     assert "cannot be created" not in capsys.readouterr().out
+
+
+def test_plan_of_a_draft_window_sizes_the_lists_for_it_and_names_who_builds_it(capsys, device):
+    """--draft-window-size 100 --draft-sink-size 4: FlashInfer's per-branch lists are sized for
+    104 prefix tokens a branch, as the builder made for that config allocates them; a backend
+    whose draft decode builds no window is refused for --modes draft_decode, naming why."""
+    from specmeta import FlashInferBuilder
+
+    window = ["--draft-window-size", "100", "--draft-sink-size", "4"]
+    args = [*PLAN, *window, "--backend", "flashinfer", "--modes", "draft_decode"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "max_context_len=1024 draft window 100 + sink 4\n" in out
+    (row,) = _rows(out, "flashinfer.draft_decode.kv_indices")
+    assert row.split()[1:3] == ["[3,", f"{4 * 8 * 104 + 8 * 4 * 3}]"]
+    cfg = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
+                     max_context_len=1024, draft_window_size=100, draft_sink_size=4)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, modes=["draft_decode"])
+    assert tuple(fi.buffers["draft_decode.kv_indices"].shape) == (3, 4 * 8 * 104 + 8 * 4 * 3)
+    assert main([*PLAN, *window, "--backend", "fa3", "--modes", "draft_decode"]) == 2
+    err = capsys.readouterr().err
+    assert ("--backend fa3 (FA3MetadataBuilder) does not serve draft_decode (draft_decode does "
+            "not build a draft window (--draft-window-size) yet)") in err  # fmt: skip
+    assert "or pass --backend flashinfer, which serves it" in err

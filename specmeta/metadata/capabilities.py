@@ -36,6 +36,9 @@ class Capabilities:
     graph_safe : frozenset of str
         Modes whose build may be captured in a CUDA graph (the host mirrors, if any, are
         refreshed outside it with ``launch=False``).
+    draft_window : frozenset of str
+        Draft-decode modes that build a config's draft window (design §2.10); the others are
+        not served for a config with one.
     """
 
     modes: tuple[str, ...]
@@ -43,16 +46,24 @@ class Capabilities:
     tree_verify: bool
     page_sizes: str
     graph_safe: frozenset[str]
+    draft_window: frozenset[str] = frozenset()
+
+    def why_not(self, mode: str, cfg: SpecConfig) -> str | None:
+        """Why ``mode`` (one of :attr:`modes`) cannot be built for ``cfg``, or ``None``."""
+        if cfg.topk > 1 and mode == "target_verify" and not self.tree_verify:
+            return f"{mode} with topk={cfg.topk} needs a tree, which this backend cannot build"
+        if cfg.topk > 1 and mode.startswith("draft_decode") and not self.tree_draft:
+            return f"{mode} with topk={cfg.topk} needs a tree, which this backend cannot build"
+        windowed = cfg.draft_window_size and mode.startswith("draft_decode")
+        if windowed and mode not in self.draft_window:
+            return (f"{mode} does not build a draft window yet (draft_window_size="
+                    f"{cfg.draft_window_size}); it is built by "
+                    f"{', '.join(sorted(self.draft_window)) or 'none of its modes'}")  # fmt: skip
+        return None
 
     def serves(self, mode: str, cfg: SpecConfig) -> bool:
         """Whether ``mode`` can be built for ``cfg``."""
-        if mode not in self.modes:
-            return False
-        if cfg.topk > 1 and mode == "target_verify":
-            return self.tree_verify
-        if cfg.topk > 1 and mode.startswith("draft_decode"):
-            return self.tree_draft
-        return True
+        return mode in self.modes and self.why_not(mode, cfg) is None
 
     def served(self, cfg: SpecConfig) -> tuple[str, ...]:
         """Every mode that can be built for ``cfg``, in :attr:`modes` order."""
@@ -81,6 +92,7 @@ CAPABILITIES = {
         tree_verify=True,
         page_sizes="any",
         graph_safe=frozenset(MODES),
+        draft_window=frozenset({"draft_decode"}),
     ),
     "trtllm_mla": Capabilities(
         modes=_DECODE_VERIFY_EXTEND,

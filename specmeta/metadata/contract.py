@@ -190,11 +190,11 @@ class MetadataBuilder:
                 raise ValueError(
                     f"{name}: unknown mode {mode!r}; the modes are {', '.join(caps.modes)}"
                 )
-            if not caps.serves(mode, cfg):
+            why = caps.why_not(mode, cfg)
+            if why is not None:
                 raise ValueError(
-                    f"{name}: {mode} with topk={cfg.topk} needs a tree, which this backend "
-                    f"cannot build; drop {mode!r} from modes, or use a backend whose "
-                    "capabilities have it (FA3MetadataBuilder, FlashInferBuilder)"
+                    f"{name}: {why}; drop {mode!r} from modes, or use a backend whose "
+                    "capabilities have it (specmeta.metadata.capabilities.CAPABILITIES)"
                 )
         if not chosen:
             raise ValueError(f"{name}: modes is empty; name at least one of {caps.modes}")

@@ -296,6 +296,10 @@ class FlashInferBuilder(MetadataBuilder):
             mode: tables[n if mode in ("target_verify", "draft_extend") else 0]
             for mode in self.modes
         }
+        if "draft_decode" in self.modes and cfg.draft_window_size:
+            # A draft window's lists hold min(L, window + sink) prefix tokens (design §2.10).
+            self._length_tables["draft_decode"] = LengthTable(cfg.max_context_len, bs,
+                                                              cap=cfg.draft_prefix_cap)  # fmt: skip
         if "draft_decode_shared" in groups:
             # The chain level's offsets do not depend on the batch: z·(s + 1).
             z = torch.arange(bs * k + 1, dtype=torch.int32)
@@ -340,15 +344,16 @@ class FlashInferBuilder(MetadataBuilder):
 
     def _bind_draft(self, mode: str, bind: Callable, ref: Callable, tensors: tuple,
                     num_rows: int | None, status: torch.Tensor | None, outputs: tuple,
-                    make: Callable) -> Stage:  # fmt: skip
+                    make: Callable, **spaces: Any) -> Stage:  # fmt: skip
         """A draft-decode mode's stage: one launch of ``bind`` (``ref`` for a reference build)
-        on ``tensors`` over ``num_rows`` steps into the mode's buffers ``outputs``."""
+        on ``tensors`` over ``num_rows`` steps into the mode's buffers ``outputs``, with the
+        id-space keywords ``spaces`` (design §2.10) of the modes that take them."""
         cfg, group = self.cfg, self.plan_groups.get(mode, mode)
         rows = self.draft_rows(mode, num_rows)
         B = self.check(mode, *tensors, status=status)
         launch = self._launch(
             bind, ref, *tensors, topk=cfg.topk, num_steps=cfg.num_steps, page_size=cfg.page_size,
-            num_rows=rows, status=self.status_word(status),
+            num_rows=rows, status=self.status_word(status), **spaces,
             **{field: self.buffers[f"{group}.{field}"] for field in outputs},
         )  # fmt: skip
         return self._stage(mode, B, (rows,), [launch], make, tensors[2], status)
@@ -373,20 +378,24 @@ class FlashInferBuilder(MetadataBuilder):
     # -- draft decode: per-branch token lists ---------------------------------------------------
     def bind_draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, num_rows: int | None = None,
-                          status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                          status: torch.Tensor | None = None,
+                          v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()``; ``host(seq_lens_cpu)`` writes the host mirrors of the
         ring's next set and returns the :class:`FlashInferDraftDecode` that reads them."""
+        cfg = self.cfg
         return self._bind_draft(
             "draft_decode", bind_draft_decode_kv_indices, draft_decode_kv_indices_ref,
             (req_pool_indices, req_to_token, seq_lens), num_rows, status,
             ("kv_indices", "kv_indptr"), self._draft_decode_result,
+            window_size=cfg.draft_window_size, sink_size=cfg.draft_sink_size, v2p=v2p,
         )  # fmt: skip
 
     def draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                      num_rows: int | None = None, status: torch.Tensor | None = None,
-                     launch: bool = True) -> FlashInferDraftDecode:  # fmt: skip
+                     launch: bool = True,
+                     v2p: torch.Tensor | None = None) -> FlashInferDraftDecode:  # fmt: skip
         """Per-branch token lists of every draft-decode forward (page size 1, design §3.3).
 
         Parameters
@@ -406,9 +415,13 @@ class FlashInferBuilder(MetadataBuilder):
             ``False``: launch nothing, only refresh the host mirrors from ``seq_lens_cpu`` and
             return the views. For CUDA graphs: the kernels run inside the captured graph, the
             host mirrors for ``plan()`` are computed outside it, before each replay.
+        v2p : torch.Tensor, optional
+            ``[P]`` virtual → physical page map of a pool that hands out virtual KV ids
+            (design §2.10): the lists hold physical ids. A config's draft window
+            (``draft_window_size``, ``draft_sink_size``) bounds every list, mirrors included.
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens,
-                                       num_rows=num_rows, status=status)  # fmt: skip
+                                       num_rows=num_rows, status=status, v2p=v2p)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_decode_result(self, B: int, rows: int, mirrors: dict, compiled: bool):

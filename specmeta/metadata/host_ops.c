@@ -250,16 +250,17 @@ static inline void add_ramp(uint32_t *restrict dst, const uint32_t *restrict src
 /* Row 0 of draft decode's kv_indptr, `width` branches a request (draft_rows below). */
 #define ROW0(width)                                                                             \
   for (Py_ssize_t b = 0; b < batch; ++b, z += (width)) {                                        \
-    uint32_t L = (uint32_t)length_at(lens, b), start = acc + (uint32_t)z;                       \
+    int64_t full = length_at(lens, b);                                                          \
+    uint32_t L = (uint32_t)(full < cap ? full : cap), start = acc + (uint32_t)z;                \
     for (long long t = 0; t < (width); ++t) out[z + t] = start + (uint32_t)t * (L + 1);         \
     acc += L * (uint32_t)(width);                                                               \
   }
 
 /* DraftDecodeIndptr's rule: out[s * stride + z] = base[z] + z·(s + 1) for s < rows and
  * z ≤ batch·topk, base the cumulative sum of every branch's prefix length (branch z of
- * request z / topk holds L). */
+ * request z / topk holds min(L, cap): cap is a draft window's window + sink, or max_len). */
 static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk, long long rows,
-                       uint32_t *out, Py_ssize_t stride) {
+                       long long cap, uint32_t *out, Py_ssize_t stride) {
   /* row 0: base[z] + z; branch t of request b starts at acc_b + t·L, z = z_b + t */
   uint32_t acc = 0;
   Py_ssize_t z = 0;
@@ -275,19 +276,23 @@ static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk, lo
     add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
 }
 
-/* draft_decode(max_len, topk, batch, out, seq_lens_cpu) -> ΣL: draft_rows into `out`, an int32
- * buffer of shape [rows, batch·topk + 1]. */
+/* draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> ΣL: draft_rows into `out`, an
+ * int32 buffer of shape [rows, batch·topk + 1], each prefix length taken as min(L, cap). */
 static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[3];
+  long long a[4];
   View out;
   Lengths lens;
-  if (!ints(args, nargs, 3, 2, "draft_decode", a) || !sizes("draft_decode", a[2], a[1], "topk"))
+  if (!ints(args, nargs, 4, 2, "draft_decode", a) || !sizes("draft_decode", a[2], a[1], "topk"))
     return NULL;
-  long long max_len = a[0], topk = a[1], batch = a[2];
-  if (!int32_view(args[3], "out", -2, batch * topk + 1, &out)) return NULL;
+  long long max_len = a[0], topk = a[1], batch = a[2], cap = a[3];
+  if (cap < 0) {
+    PyErr_Format(PyExc_ValueError, "cap must be >= 0, got %lld", cap);
+    return NULL;
+  }
+  if (!int32_view(args[4], "out", -2, batch * topk + 1, &out)) return NULL;
   long long rows = out.buffer.shape[0], sum = -1;
-  if (lengths_of(args[4], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
-  if (sum >= 0 && rows > 0) draft_rows(&lens, batch, topk, rows, out.data, out.stride);
+  if (lengths_of(args[5], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (sum >= 0 && rows > 0) draft_rows(&lens, batch, topk, rows, cap, out.data, out.stride);
   PyBuffer_Release(&out.buffer);
   return sum < 0 ? NULL : PyLong_FromLongLong(sum);
 }
@@ -394,7 +399,7 @@ static PyMethodDef methods[] = {
     {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
      "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
-     "draft_decode(max_len, topk, batch, out, seq_lens_cpu) -> sum"},
+     "draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> sum"},
     {"prefix", (PyCFunction)(void (*)(void))prefix, METH_FASTCALL,
      "prefix(max_len, shift, scale, batch, out, scaled or None, seq_lens_cpu) -> sum"},
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,

@@ -141,14 +141,20 @@ class LengthTable:
         The plan's ``max_bs``: the gathered lengths go into a buffer of that size.
     shift : int
         Added to every length (``N`` for the prefill modes, whose lists hold ``L + N``).
+    cap : int, optional
+        Every length read as ``min(L, cap)``, ``cap`` a draft window's ``window + sink``
+        (design §2.10); the table is then its own, not a view of the shared ``arange``.
     """
 
-    def __init__(self, max_len: int, max_batch: int, shift: int = 0):
+    def __init__(self, max_len: int, max_batch: int, shift: int = 0, cap: int | None = None):
         validate.positive("max_len", max_len, 0)
         validate.positive("max_batch", max_batch, 0)
         validate.positive("shift", shift, 0)
         self.max_len, self.shift, self.max_batch = max_len, shift, max_batch
+        self.cap = max_len if cap is None else validate.positive("cap", cap, 0)
         self.values = _positions(max_len + shift + 1)[shift:]
+        if self.cap < max_len:
+            self.values = self.values.clamp_max(self.cap + shift)
         self._out = torch.empty(max_batch, dtype=torch.int32)
         self._views: dict[int, torch.Tensor] = {}
 
@@ -232,8 +238,8 @@ def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, 
                         out: torch.Tensor, *, use_compiled: bool = True) -> Writer:  # fmt: skip
     """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
     rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
-    requests; ``table`` of shift 0. Compiled where ``use_compiled`` and :func:`warmup` built
-    the module, else torch."""
+    requests; ``table`` of shift 0, its ``cap`` a draft window's (design §2.10). Compiled
+    where ``use_compiled`` and :func:`warmup` built the module, else torch."""
     validate.positive("topk", topk)
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
@@ -244,7 +250,7 @@ def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, 
     if op is None:
         views = rule.bind(batch, out)  # also checks out against the rule's maxima
         return functools.partial(_torch_draft_decode, table, batch, views, out)
-    return functools.partial(op.draft_decode, table.max_len, topk, batch, out.numpy())
+    return functools.partial(op.draft_decode, table.max_len, topk, batch, table.cap, out.numpy())
 
 
 def _torch_draft_decode(table, batch, views, out, seq_lens_cpu):

@@ -12,7 +12,7 @@ import torch
 
 from ..workloads import Batch
 
-__all__ = ["branch_sequences", "tree_sequences", "extend_sequences"]
+__all__ = ["branch_sequences", "window_sequences", "tree_sequences", "extend_sequences"]
 
 
 def _rows(batch: Batch) -> list[tuple[torch.Tensor, int]]:
@@ -31,6 +31,25 @@ def branch_sequences(batch: Batch, out_cache_loc: torch.Tensor, step: int) -> li
         for b, (row, L) in enumerate(_rows(batch))
         for t in range(K)
     ]
+
+
+def window_sequences(batch: Batch, out_cache_loc: torch.Tensor, step: int, window: int,
+                     sink: int, v2p: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """:func:`branch_sequences` under a draft window (design §2.10): the prefix keeps its first
+    ``min(sink, L)`` tokens and then its most recent ones, ``min(L, window + sink)`` in all;
+    with ``v2p`` every slot (prefix and draft, virtual) is read as ``v2p[id // ps]·ps +
+    id mod ps``."""
+    K, S, ps = batch.topk, batch.num_steps, batch.page_size
+    chains = out_cache_loc.cpu().long().view(-1, K, S)
+    table = v2p.cpu().long() if v2p is not None else None
+    out = []
+    for b, (row, L) in enumerate(_rows(batch)):
+        kept, head = min(L, window + sink), min(sink, L)
+        prefix = torch.cat([row[:head], row[L - (kept - head) : L]])
+        for t in range(K):
+            ids = torch.cat([prefix, chains[b, t, : step + 1]])
+            out.append(ids if table is None else table[ids // ps] * ps + ids % ps)
+    return out
 
 
 def tree_sequences(batch: Batch, tree_mask: torch.Tensor) -> list[torch.Tensor]:

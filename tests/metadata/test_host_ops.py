@@ -26,6 +26,7 @@ from specmeta.metadata.host_ops import LengthTable
 
 POISON = -7
 MAX_LEN, MAX_BS, TOPK, ROWS, PS, SHIFT = 50, 9, 3, 4, 4, 5
+CAP = 17  # a draft window's window + sink (design §2.10)
 
 
 def test_warmup_builds_the_compiled_host_ops_once(compiled_host_ops):
@@ -54,10 +55,10 @@ def _poisoned(*shape):
 def _writers(kind, batch, use_compiled):
     """(writer, buffers it writes into) for one mode's rule, the views cut from poisoned
     buffers of the plan's size."""
-    if kind == "draft_decode":
+    if kind in ("draft_decode", "draft_window"):
         out = _poisoned(ROWS, MAX_BS * TOPK + 1)
         rule = DraftDecodeIndptr(TOPK, ROWS, MAX_BS, torch.int32)
-        table = LengthTable(MAX_LEN, MAX_BS)
+        table = LengthTable(MAX_LEN, MAX_BS, cap=CAP if kind == "draft_window" else None)
         write = host_ops.draft_decode_writer(table, rule, TOPK, batch,
                                              out[:, : batch * TOPK + 1],
                                              use_compiled=use_compiled)  # fmt: skip
@@ -87,15 +88,17 @@ def _writers(kind, batch, use_compiled):
     return write, (out,)
 
 
-KINDS = ["draft_decode", "paged", "prefill", "cascade"]
+KINDS = ["draft_decode", "draft_window", "paged", "prefill", "cascade"]
 
 
 def _expected(kind, lens):
     """What each rule writes, from the library's torch rules on the same lengths."""
     B = lens.shape[0]
-    if kind == "draft_decode":
+    if kind in ("draft_decode", "draft_window"):
         out = _poisoned(ROWS, MAX_BS * TOPK + 1)
-        draft_decode_kv_indptr(lens, TOPK, ROWS, out=out)
+        # A window's lists hold min(L, window + sink) prefix tokens: its lengths capped.
+        capped = lens.clamp_max(CAP) if kind == "draft_window" else lens
+        draft_decode_kv_indptr(capped, TOPK, ROWS, out=out)
         return (out,)
     if kind == "paged":
         out, last = _poisoned(ROWS, MAX_BS * TOPK + 1), _poisoned(ROWS, MAX_BS * TOPK)
@@ -194,7 +197,7 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
     lens = torch.randint(2**30, 2**31 - 1, (5,), generator=gen, dtype=torch.int64)
     B, K, rows, n = 5, 4, 3, 7
     out = _poisoned(rows, B * K + 1)
-    assert op.draft_decode(big, K, B, out.numpy(), lens) == lens.sum()
+    assert op.draft_decode(big, K, B, big, out.numpy(), lens) == lens.sum()
     want = draft_decode_kv_indptr(lens, K, rows)  # int64, exact
     assert out.tolist() == [_wrapped(r) for r in want.tolist()]
     out, last = _poisoned(rows, B * K + 1), _poisoned(rows, B * K)
@@ -227,7 +230,7 @@ def test_every_width_and_page_size(gen, compiled_host_ops):
                 width = 37 * K + 1
                 out, want = _poisoned(ROWS, width), _poisoned(ROWS, width)
                 view = out[:, : B * K + 1]  # rows of the full width apart, as a mirror's
-                assert op.draft_decode(MAX_LEN, K, B, view.numpy(), lens) == int(lens.sum())
+                assert op.draft_decode(MAX_LEN, K, B, MAX_LEN, view.numpy(), lens) == int(lens.sum())
                 draft_decode_kv_indptr(lens, K, ROWS, out=want[:, : B * K + 1])
                 where = f"K={K} B={B} {dtype} lens={lens.tolist()}"
                 assert torch.equal(out, want), f"draft_decode {where}"
@@ -334,8 +337,9 @@ def test_without_the_compiled_module_the_torch_writers_serve():
 def _compiled_call(op, kind, batch, view, second, lens):
     """The compiled writer of ``kind`` on ``view`` (its ``out``), ``second`` (``last`` or
     ``scaled``; none for the others) and ``lens``."""
-    if kind == "draft_decode":
-        return op.draft_decode(MAX_LEN, TOPK, batch, view, lens)
+    if kind in ("draft_decode", "draft_window"):
+        return op.draft_decode(MAX_LEN, TOPK, batch, CAP if kind == "draft_window" else MAX_LEN,
+                               view, lens)  # fmt: skip
     if kind == "paged":
         return op.paged(MAX_LEN, TOPK, PS, batch, view, second, lens)
     if kind == "prefill":
@@ -352,7 +356,7 @@ def test_a_compiled_writer_checks_its_views_on_every_call(kind, gen, compiled_ho
     refuses write nothing either."""
     op, B = compiled_host_ops, 4
     lens = _lengths(gen, B, torch.int64)
-    rows_of = kind in ("draft_decode", "paged")
+    rows_of = kind in ("draft_decode", "draft_window", "paged")
     width = B * TOPK + 1
     good = _poisoned(ROWS, width) if rows_of else _poisoned(B + 1)
     second = {"paged": _poisoned(ROWS, width - 1), "prefill": _poisoned(B + 1)}.get(kind)

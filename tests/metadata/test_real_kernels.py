@@ -32,7 +32,12 @@ from specmeta.runners import GraphRunner, padding
 from specmeta.stage import Stage
 from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
+from specmeta.testing.sequences import (
+    branch_sequences,
+    extend_sequences,
+    tree_sequences,
+    window_sequences,
+)
 from specmeta.workloads import make_batch, random_tree_mask
 from tests._support import no_host_sync
 
@@ -72,10 +77,11 @@ class _Case:
     """A batch, a bf16 KV pool with the draft slots' prefix-tail copies in place (slot layout
     B), a verify tree, and the float64 copies of the pool for the oracle."""
 
-    def __init__(self, gen, k, ps, batch_size, *, n=None, min_len=0):
+    def __init__(self, gen, k, ps, batch_size, *, n=None, min_len=0, window=(0, 0)):
         self.n = n if n is not None else (S + 1 if k == 1 else 8)
         self.cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=self.n, page_size=ps,
-                              max_bs=8, max_context_len=3 * ps + 150)  # fmt: skip
+                              max_bs=8, max_context_len=3 * ps + 150,
+                              draft_window_size=window[0], draft_sink_size=window[1])  # fmt: skip
         self.batch = make_batch("random", batch_size=batch_size, topk=k, num_steps=S,
                                 page_size=ps, row_width=self.cfg.req_to_token_width,
                                 generator=gen, device="cuda", extra_tokens=self.n,
@@ -160,6 +166,24 @@ def test_gpu_flashinfer_metadata_through_flashinfer(gen, flashinfer_attn, mode, 
     else:
         c.check(flashinfer_attn, fi.draft_extend(*c.args, **kw), extend_sequences(c.batch, c.n),
                 what)  # fmt: skip
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("translate", [False, True], ids=["token_ids", "virtual_ids"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_draft_window_through_flashinfer(gen, flashinfer_attn, k, ps, translate):
+    """A config's draft window (sink 4 + the 37 most recent prefix tokens), over token ids or
+    over virtual ids and a shuffled page map (design §2.10): what FlashInfer's decode reads."""
+    c = _Case(gen, k, ps, 5, window=(37, 4))
+    pages = c.batch.pool_size // ps
+    v2p = torch.randperm(pages, generator=gen).cuda() if translate else None
+    fi = FlashInferBuilder(c.cfg, "cuda", modes=("draft_decode",))
+    what = f"flashinfer draft window k={k} ps={ps} {'v2p' if translate else 'token ids'}"
+    steps = fi.draft_decode(*c.args, num_rows=S, seq_lens_cpu=c.batch.seq_lens_cpu, v2p=v2p)
+    for s, step in enumerate(steps.steps):
+        want = window_sequences(c.batch, c.slots, s, 37, 4, v2p)
+        c.check(flashinfer_attn, step, want, f"{what} [{s}]")
     assert int(fi.status) == 0
 
 

@@ -1,0 +1,102 @@
+"""A config's draft window and a pool's virtual ids through the builders (design §2.10): what
+a FlashInfer draft decode attends to, read from the rules; the capacity plan of a window; and
+the builders' modes that do not build a window yet refuse a config with one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, plan_buffers
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+from specmeta.metadata.fa3 import FA3MetadataBuilder
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+from specmeta.testing.consumers import flashinfer as consumer
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.sequences import window_sequences
+from specmeta.workloads import make_batch
+from tests.guard_bands import assert_equal
+
+H, H_KV, D = 4, 2, 8
+ATOL = 1e-9
+
+
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps", [(1, 3, 1), (2, 3, 4), (4, 2, 1)])
+@pytest.mark.parametrize("translate", [False, True], ids=["token_ids", "virtual_ids"])
+def test_flashinfer_draft_decode_attends_to_the_window(k, s, ps, translate, host_ops, gen,
+                                                       device, request):  # fmt: skip
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    window = int(torch.randint(3, 12, (1,), generator=gen))
+    sink = int(torch.randint(0, 4, (1,), generator=gen))
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(1 + k, 4), page_size=ps,
+                     max_bs=8, max_context_len=40, draft_window_size=window,
+                     draft_sink_size=sink)  # fmt: skip
+    batch = make_batch("random", batch_size=6, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       max_len=40)  # fmt: skip
+    pages = batch.pool_size // ps
+    v2p = torch.randperm(pages, generator=gen) if translate else None
+    fi = FlashInferBuilder(cfg, device, modes=("draft_decode",), host_ops=host_ops)
+    meta = fi.draft_decode(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                           seq_lens_cpu=batch.seq_lens_cpu, num_rows=s,
+                           v2p=v2p.to(device) if translate else None)  # fmt: skip
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                                    topk=k, num_steps=s, page_size=ps)  # fmt: skip
+    for i, step in enumerate(meta.steps):
+        want = window_sequences(batch, slots, i, window, sink, v2p)
+        assert_equal(step.kv_indptr_host, step.kv_indptr, "kv_indptr_host")
+        o, lse = consumer.decode(q, kc, vc, step)
+        o_ref, lse_ref = dense_attention(q, kc, vc, want)
+        assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), "outputs"
+        assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), "log-sum-exps"
+    assert int(fi.status) == 0
+
+
+def test_the_plan_sizes_the_draft_lists_for_the_window():
+    """K·B·min(ctx, window + sink) + B·K·S entries a step row, against K·B·ctx without."""
+    kw = dict(topk=4, num_steps=3, num_draft_tokens=8, max_bs=16, max_context_len=4096)
+    plain = plan_buffers(SpecConfig(**kw))
+    windowed = plan_buffers(SpecConfig(**kw, draft_window_size=500, draft_sink_size=12))
+    for key in ("flashinfer.draft_decode.kv_indices", "draft_decode.kv_indices"):
+        assert plain[key].shape == (3, 4 * 16 * 4096 + 16 * 4 * 3), key
+        assert windowed[key].shape == (3, 4 * 16 * 512 + 16 * 4 * 3), key
+    # A window wider than the context bounds nothing.
+    wide = plan_buffers(SpecConfig(**kw, draft_window_size=9000))
+    assert wide["draft_decode.kv_indices"].shape == plain["draft_decode.kv_indices"].shape
+
+
+@pytest.mark.parametrize(
+    "builder,mode",
+    [
+        (FA3MetadataBuilder, "draft_decode"),
+        (TrtllmMlaBuilder, "draft_decode"),
+        (FlashInferBuilder, "draft_decode_shared_prefix"),
+        (FlashInferBuilder, "draft_decode_paged"),
+    ],
+)
+def test_a_mode_that_builds_no_window_refuses_a_config_with_one(builder, mode, device):
+    cfg = SpecConfig(topk=2, num_steps=2, num_draft_tokens=3, page_size=4, max_bs=4,
+                     max_context_len=64, draft_window_size=16, draft_sink_size=4)  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        builder(cfg, device, modes=(mode,))
+    assert str(info.value) == (
+        f"{builder.__name__}: {mode} does not build a draft window yet (draft_window_size=16); "
+        f"it is built by {'draft_decode' if builder is FlashInferBuilder else 'none of its modes'}"
+        f"; drop {mode!r} from modes, or use a backend whose capabilities have it "
+        "(specmeta.metadata.capabilities.CAPABILITIES)"
+    )
+    # Without modes= the builder serves what it can: every mode but the draft ones.
+    served = builder(cfg, device).modes
+    assert mode not in served and "draft_extend" in served
+
+
+@pytest.mark.parametrize("name,value", [("draft_window_size", -1), ("draft_sink_size", -3)])
+def test_a_negative_window_is_refused_by_the_config(name, value):
+    with pytest.raises(ValueError, match=f"SpecConfig.{name} must be >= 0 \\(0: no window\\)"):
+        SpecConfig(topk=1, num_steps=1, num_draft_tokens=1, **{name: value})
