@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+import specmeta.launch as launch_module
 from specmeta import new_status
 from specmeta.kernels.verify_expand_page_table import (
     bind_verify_expand_page_table,
@@ -83,7 +84,13 @@ def test_check_device_names_what_is_missing(monkeypatch):
         with pytest.raises(ValueError, match=r"^there: device cpu needs Triton's interpreter"):
             check_device("there", torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # The interpreter is on: the CPU is served where the interpreter can run the kernels, and
+    # refused, naming why, where it cannot (Triton < 3.7 with NumPy 2.4, the GPU host's).
+    monkeypatch.setattr(launch_module, "interpreter_problem", lambda: None)
     check_device("there", torch.device("cpu"))
+    monkeypatch.setattr(launch_module, "interpreter_problem", lambda: "Triton 3.6.0 cannot")
+    with pytest.raises(ValueError, match=r"^there: device cpu: Triton 3.6.0 cannot$"):
+        check_device("there", torch.device("cpu"))
     with pytest.raises(ValueError, match=r"^elsewhere: device meta is not supported"):
         check_device("elsewhere", torch.device("meta"))
 
