@@ -33,7 +33,6 @@ from ._common import (
     check_steps,
     draft_positions_ref,
     draft_slot_position,
-    gather_rows_ref,
     load_kv_ids,
     load_kv_ids_ref,
     load_request,
@@ -214,21 +213,25 @@ assign_draft_cache_locs.kernels = (_assign_draft_cache_locs_kernel,)  # for spec
 # --------------------------------------------------------------------------------------------
 # prefix_tail_copy_pairs
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size"])
+@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size", "num_pages"])
 def _prefix_tail_copy_pairs_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     seq_lens_ptr,  # [B] int32|int64
     tgt_ptr,  # [B*(K-1)*(ps-1)] int32|int64
     src_ptr,  # [B*(K-1)*(ps-1)] int32|int64
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
     status_ptr,  # [1] int32
     B,
     R,
     W_row,
     stride_row,
     page_size,
+    num_pages,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr,
+    TRANSLATE: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two ≥ (K-1)*(ps-1)
     HAS_STATUS: tl.constexpr,
 ):
@@ -252,15 +255,24 @@ def _prefix_tail_copy_pairs_kernel(
     used = live & (u < lpl)
     src_pos = base + u
     tgt_pos = base + t * nnp * page_size + u
-    ok = tl.where(row_ok, used & (tgt_pos < W_row), False)  # src_pos < L ≤ tgt_pos
-    src = tl.load(req_to_token_ptr + row_base + src_pos, mask=ok, other=0)
-    tgt = tl.load(req_to_token_ptr + row_base + tgt_pos, mask=ok, other=0)
-    tl.store(src_ptr + b * width + e, src, mask=live)
-    tl.store(tgt_ptr + b * width + e, tgt, mask=live)
+    tokens = W_row * ENTRY_PAGE_SIZE  # positions a row covers
+    ok = tl.where(row_ok, used & (tgt_pos < tokens), False)  # src_pos < L ≤ tgt_pos
+    row = req_to_token_ptr + row_base
+    src, _, src_bad = load_kv_ids(row, src_pos, ok, W_row, v2p_ptr, num_pages, page_size,
+                                  ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    tgt, _, tgt_bad = load_kv_ids(row, tgt_pos, ok, W_row, v2p_ptr, num_pages, page_size,
+                                  ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    lost = src_bad | tgt_bad  # a pair with an id that did not map is (0, 0)
+    tl.store(src_ptr + b * width + e, tl.where(lost, 0, src), mask=live)
+    tl.store(tgt_ptr + b * width + e, tl.where(lost, 0, tgt), mask=live)
 
     if HAS_STATUS:
-        pos_bad = tl.max((used & (tgt_pos >= W_row)).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
-        bits = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
+        pos_bad = tl.max((used & (tgt_pos >= tokens)).to(tl.int32), axis=0) | (~L_ok).to(tl.int32)
+        bits = (
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where(pos_bad != 0, POS_OOB, 0)
+            | tl.where(tl.max(lost.to(tl.int32), axis=0) != 0, BAD_KV_ID, 0)
+        )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -290,6 +302,8 @@ def bind_prefix_tail_copy_pairs(
     tgt: torch.Tensor | None = None,
     src: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: slot pairs that copy each request's prefix tail into branches ``1 … K−1`` (layout
     B).
@@ -309,7 +323,11 @@ def bind_prefix_tail_copy_pairs(
     tgt, src : torch.Tensor, optional
         ``[≥ B·(K−1)·(ps−1)]`` int32 or int64 each; allocated as int64 when omitted.
     status : torch.Tensor, optional
-        ``int32 [1]``; ``ROW_OOB`` / ``POS_OOB`` when a gather was masked (the pair reads (0, 0)).
+        ``int32 [1]``; ``ROW_OOB`` / ``POS_OOB`` when a gather was masked (the pair reads (0, 0)),
+        ``BAD_KV_ID`` when a slot did not map (the pair is (0, 0)).
+    entry_page_size, v2p
+        The rows' id space, as in :func:`assign_draft_cache_locs` (design §2.10): the pairs
+        leave as physical slots, ready for ``move_kv_cache``.
 
     Returns
     -------
@@ -324,6 +342,7 @@ def bind_prefix_tail_copy_pairs(
     """
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    _, _, entry = check_id_spaces(0, 0, entry_page_size, v2p, device)
     width, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
@@ -335,10 +354,14 @@ def bind_prefix_tail_copy_pairs(
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
         tgt_ptr=tgt,
         src_ptr=src,
+        v2p_ptr=v2p if v2p is not None else tgt,
         status_ptr=status,
         page_size=page_size,
+        num_pages=v2p.shape[0] if v2p is not None else 0,
         TOPK=topk,
         NUM_STEPS=num_steps,
+        ENTRY_PAGE_SIZE=entry,
+        TRANSLATE=v2p is not None,
         BLOCK=next_power_of_2(max(width, 1)),
         HAS_STATUS=True,
     )
@@ -402,10 +425,13 @@ def prefix_tail_copy_pairs_ref(
     tgt: torch.Tensor | None = None,
     src: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_tail_copy_pairs`."""
     device = req_to_token.device
     status = validate.status(status, device)
+    check_id_spaces(0, 0, entry_page_size, v2p, device)
     B = req_pool_indices.shape[0]
     _, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     if n == 0:
@@ -427,19 +453,20 @@ def prefix_tail_copy_pairs_ref(
     used = (u < lpl).expand(B, topk - 1, page_size - 1)
     src_pos = (base + u).expand_as(used)
     tgt_pos = base + t * nnp * page_size + u
-    W = req_to_token.shape[1]
-    in_row = tgt_pos < W
-    src_vals, bits_s = gather_rows_ref(
-        req_to_token, req_pool_indices, torch.where(used, src_pos, 0)
-    )
-    tgt_vals, bits_t = gather_rows_ref(
-        req_to_token, req_pool_indices, torch.where(used & in_row, tgt_pos, 0)
-    )
+    in_row = tgt_pos < req_to_token.shape[1] * entry_page_size
     keep = used & in_row
+    read = dict(entry_page_size=entry_page_size, v2p=v2p, page_size=page_size)
+    src_vals, src_bad, bits_s = load_kv_ids_ref(req_to_token, req_pool_indices,
+                                                torch.where(keep, src_pos, 0), keep, **read)  # fmt: skip
+    tgt_vals, tgt_bad, bits_t = load_kv_ids_ref(req_to_token, req_pool_indices,
+                                                torch.where(keep, tgt_pos, 0), keep, **read)  # fmt: skip
+    lost = src_bad | tgt_bad  # a pair with an id that did not map is (0, 0)
     bits = (bits_s | bits_t) & int(Status.ROW_OOB)
     if bool((used & ~in_row).any()) or bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
-    src[:n] = torch.where(keep, src_vals, 0).reshape(-1).to(src.dtype)
-    tgt[:n] = torch.where(keep, tgt_vals, 0).reshape(-1).to(tgt.dtype)
+    if bool(lost.any()):
+        bits |= int(Status.BAD_KV_ID)
+    src[:n] = torch.where(keep & ~lost, src_vals, 0).reshape(-1).to(src.dtype)
+    tgt[:n] = torch.where(keep & ~lost, tgt_vals, 0).reshape(-1).to(tgt.dtype)
     or_status(status, bits)
     return tgt, src

@@ -1,5 +1,6 @@
 """The id spaces of design §2.10 (draft windows, page-granular rows, virtual ids) in
-draft_decode_kv_indices, assign_draft_cache_locs and accept_cache_locs. Each output is checked against the rules
+draft_decode_kv_indices, assign_draft_cache_locs, prefix_tail_copy_pairs and
+accept_cache_locs. Each output is checked against the rules
 read directly (a Python loop per list, no shared helper), and each kernel against its torch
 reference, on fresh random inputs."""
 
@@ -10,7 +11,12 @@ import torch
 
 from specmeta import Status, new_status
 from specmeta.kernels.cache_loc_move import accept_cache_locs, accept_cache_locs_ref
-from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, assign_draft_cache_locs_ref
+from specmeta.kernels.draft_cache_locs import (
+    assign_draft_cache_locs,
+    assign_draft_cache_locs_ref,
+    prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs_ref,
+)
 from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
@@ -312,3 +318,43 @@ def test_accept_pairs_leave_as_physical_slots(unmapped, gen, device):
                       num_draft_tokens=N, v2p=v2p.to(device), page_size=ps, status=status)  # fmt: skip
         assert tgt.tolist() == want_tgt and src.tolist() == want_src, fn.__name__
         assert int(status) == (int(Status.BAD_KV_ID) if unmapped else 0), fn.__name__
+
+
+@pytest.mark.parametrize("form", ["page_rows", "virtual", "all"])
+def test_prefix_tail_pairs_are_read_and_translated_as_the_rules_say(form, gen, device):
+    """Layout B (K = 3, ps = 4): branch t ≥ 1 copies the prefix tail u < lpl from
+    ``base + u`` to ``base + t·nnp·ps + u``, both ids read and translated; the unused pairs and
+    a pair with an unmapped slot are (0, 0), the latter with BAD_KV_ID."""
+    f, K, S, ps = FORMS[form], 3, 2, 4
+    B = int(torch.randint(1, 5, (1,), generator=gen))
+    rpi, r2t, lengths, v2p = _draw(gen, B=B, K=K, S=S, ps=ps, E=f["E"], translate=f["translate"])
+    lengths[0] = 10  # lpl = 2: request 0 copies two tail tokens to each branch
+    if f["translate"]:  # the page of request 0's first tail token is unmapped
+        row, E = r2t[int(rpi[0])], f["E"]
+        v2p[(int(row[8 // E]) * E + 8 % E) // ps] = -1
+    want_tgt, want_src, bad = [], [], False
+    for b in range(B):
+        row, L = r2t[int(rpi[b])], int(lengths[b])
+        lpl, base = L % ps, L - L % ps
+        nnp = -(-(lpl + S) // ps)
+        for t in range(1, K):
+            for u in range(ps - 1):
+                pair = (0, 0)
+                if u < lpl:
+                    pair = (_emit(row, base + t * nnp * ps + u, v2p, E=f["E"], ps=ps),
+                            _emit(row, base + u, v2p, E=f["E"], ps=ps))  # fmt: skip
+                    lost = v2p is not None and any(
+                        int(v2p[(int(row[p // f["E"]]) * f["E"] + p % f["E"]) // ps]) < 0
+                        for p in (base + u, base + t * nnp * ps + u)
+                    )
+                    pair = (0, 0) if lost else pair
+                    bad |= lost
+                want_tgt.append(pair[0])
+                want_src.append(pair[1])
+    for fn in (prefix_tail_copy_pairs, prefix_tail_copy_pairs_ref):
+        status = new_status(device)
+        tgt, src = fn(rpi.to(device), r2t.to(device), lengths.to(device), topk=K, num_steps=S,
+                      page_size=ps, status=status, entry_page_size=f["E"],
+                      v2p=v2p.to(device) if v2p is not None else None)  # fmt: skip
+        assert tgt.tolist() == want_tgt and src.tolist() == want_src, fn.__name__
+        assert int(status) == (int(Status.BAD_KV_ID) if bad else 0), fn.__name__
