@@ -544,6 +544,22 @@ MUTATIONS: list[Mutation] = [
        "    tl.store(tgt_ptr + b * width + e, tl.where(lost, 0, tgt), mask=live)",
        "    tl.store(tgt_ptr + b * width + e, tgt, mask=live)",
        ["tests/kernels/test_kv_id_spaces.py", "-k", "prefix_tail"]),
+    _m("k-verify-bad-kv-id-bit", "kernel", "verify_kv_indices drops BAD_KV_ID",
+       K + "verify_kv_indices.py",
+       "        bits = tl.where(bad != 0, BAD_KV_ID, 0)",
+       "        bits = tl.where(bad != 0, 0, 0)",
+       ["tests/kernels/test_kv_id_spaces.py", "-k", "verify_lists"]),
+    _m("s-copy-row-page-rows", "shared",
+       "the ragged list copy reads a page-granular row as token ids (entry_page_size ignored), "
+       "in the device helper and its torch twin",
+       K + "_common.py",
+       "                                  W_row, v2p_ptr, num_pages, page_size, ENTRY_PAGE_SIZE,\n"
+       "                                  TRANSLATE)  # fmt: skip",
+       "                                  W_row, v2p_ptr, num_pages, page_size, 1,\n"
+       "                                  TRANSLATE)  # fmt: skip",
+       ["tests/kernels/test_kv_id_spaces.py", "-k", "verify_lists and page_rows"],
+       also=((K + "_common.py", "                                   entry_page_size=entry_page_size, v2p=v2p,\n",
+              "                                   entry_page_size=1, v2p=v2p,\n"),)),
     _m("r-bad-kv-id-unread", "reference",
        "the draft-lists reference reports BAD_KV_ID for ids dropped for capacity (never read)",
        K + "draft_decode_kv_indices.py",

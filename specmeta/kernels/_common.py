@@ -233,23 +233,28 @@ def exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B: tl.constexpr):
 @triton.jit
 def copy_row_prefix(
     req_to_token_ptr, row_base, row_ok, n, W_row, dst_ptr, dst_start, W_dst, first_chunk,
-    chunk_step, BLOCK: tl.constexpr,
+    chunk_step, v2p_ptr, num_pages, page_size, BLOCK: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
 ):  # fmt: skip
-    """Copy ``row[0:n]`` to ``dst[dst_start : dst_start + n]``, chunks ``first_chunk,
-    first_chunk + chunk_step, …``; gathers past ``W_row`` read 0, stores past ``W_dst`` drop.
-    The loop covers only what ``dst`` can hold: a garbage ``n`` costs no more than a full
-    buffer (the caller reports it)."""
+    """Copy the ids of row positions ``[0, n)`` (read as :func:`load_kv_ids` reads them) to
+    ``dst[dst_start : dst_start + n]``, chunks ``first_chunk, first_chunk + chunk_step, …``;
+    gathers past the row read 0, stores past ``W_dst`` drop. The loop covers only what ``dst``
+    can hold: a garbage ``n`` costs no more than a full buffer (the caller reports it).
+    Returns whether an id it stored did not map (design §2.10)."""
     n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_dst - dst_start, 0), W_dst))
     k0 = tl.arange(0, BLOCK).to(tl.int64)
+    bad = first_chunk * 0
     for chunk in range(first_chunk, tl.cdiv(n_fit, BLOCK), chunk_step):
         k = k0 + chunk * BLOCK
-        m = k < n
-        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
-        v = tl.load(
-            req_to_token_ptr + row_base + k, mask=tl.where(row_ok, m & (k < W_row), False), other=0
-        )
         dst = dst_start + k
-        tl.store(dst_ptr + dst, v, mask=m & (dst < W_dst))
+        m = (k < n) & (dst < W_dst)
+        # A scalar condition joins a vector mask through tl.where (Triton 3.9 interpreter).
+        v, _, wrong = load_kv_ids(req_to_token_ptr + row_base, k, tl.where(row_ok, m, False),
+                                  W_row, v2p_ptr, num_pages, page_size, ENTRY_PAGE_SIZE,
+                                  TRANSLATE)  # fmt: skip
+        tl.store(dst_ptr + dst, v, mask=m)
+        bad |= tl.max(wrong.to(tl.int32), axis=0)
+    return bad
 
 
 @triton.jit
@@ -260,28 +265,32 @@ def copy_ragged_list(
     """Request ``b``'s list ``row_b[0:n]`` of a ragged CSR whose lists are ``L_b' + extra``
     entries long: chunks ``first_chunk, first_chunk + chunk_step, …`` of it, copied to its start
     ``Σ_{b'<b} (L_b' + extra)``; with ``first_chunk == 0`` also ``kv_indptr[b + 1]`` (and entry
-    0 from ``b == 0``). Returns the start (int64: ΣL passes 2**31)."""
+    0 from ``b == 0``). Returns the start (int64: ΣL passes 2**31). Token-id rows only."""
     start = exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B)
     copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
-                 kv_indptr_ptr, W_idx, first_chunk, chunk_step, BLOCK)  # fmt: skip
+                 kv_indptr_ptr, W_idx, first_chunk, chunk_step, kv_indptr_ptr, 0, 1, BLOCK, 1,
+                 False)  # fmt: skip
     return start
 
 
 @triton.jit
 def copy_list_at(
     req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr, kv_indptr_ptr,
-    W_idx, first_chunk, chunk_step, BLOCK: tl.constexpr,
+    W_idx, first_chunk, chunk_step, v2p_ptr, num_pages, page_size, BLOCK: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
 ):  # fmt: skip
-    """Request ``b``'s list ``row_b[0:n]`` of a CSR, placed at ``start``: chunks
-    ``first_chunk, first_chunk + chunk_step, …`` of it; with ``first_chunk == 0`` also
-    ``kv_indptr[b + 1] = start + n`` (and entry 0 from ``b == 0``)."""
-    copy_row_prefix(
+    """Request ``b``'s list ``row_b[0:n]`` of a CSR, placed at ``start``, ids read as
+    :func:`copy_row_prefix` reads them: chunks ``first_chunk, first_chunk + chunk_step, …`` of
+    it; with ``first_chunk == 0`` also ``kv_indptr[b + 1] = start + n`` (and entry 0 from
+    ``b == 0``). Returns whether an id it stored did not map."""
+    bad = copy_row_prefix(
         req_to_token_ptr, row_base, row_ok, n, W_row, kv_indices_ptr, start, W_idx, first_chunk,
-        chunk_step, BLOCK,
+        chunk_step, v2p_ptr, num_pages, page_size, BLOCK, ENTRY_PAGE_SIZE, TRANSLATE,
     )  # fmt: skip
     if first_chunk == 0:
         tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
         tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
+    return bad
 
 
 @triton.jit
@@ -450,25 +459,32 @@ def ragged_prefix_ref(
     lengths: torch.Tensor,
     out: torch.Tensor,
     start: torch.Tensor,
+    *,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> int:
-    """``out[start[b] + k] = row_b[k]`` for ``k < lengths[b]`` (stores past ``out`` dropped),
-    vectorised; returns the gather status bits (``ROW_OOB``/``POS_OOB``)."""
+    """``out[start[b] + k] = id(row_b, k)`` for ``k < lengths[b]`` (stores past ``out``
+    dropped; ids read as :func:`load_kv_ids_ref` reads them), vectorised; returns the status
+    bits (``ROW_OOB``, ``POS_OOB``, ``BAD_KV_ID`` for an id stored that did not map)."""
     B = lengths.shape[0]
     if B == 0:
         return 0
     # Entry k of a list lands at start + k >= k: none past the output's end is kept, so the
     # work stops there whatever a garbage length says (design §2.5).
     max_len = min(int(lengths.max()), out.shape[0])
-    k = torch.arange(max_len, device=lengths.device)
-    live = k.view(1, -1) < lengths.view(-1, 1)
-    vals, _ = gather_rows_ref(req_to_token, req_pool_indices, torch.where(live, k, 0))
-    dst = start.view(-1, 1) + k.view(1, -1)
-    keep = live & (dst < out.shape[0])
+    k = torch.arange(max_len, device=lengths.device).view(1, -1)
+    dst = start.view(-1, 1) + k
+    keep = (k < lengths.view(-1, 1)) & (dst < out.shape[0])
+    vals, bad, _ = load_kv_ids_ref(req_to_token, req_pool_indices,
+                                   torch.where(keep, k, 0).expand_as(keep), keep,
+                                   entry_page_size=entry_page_size, v2p=v2p,
+                                   page_size=page_size)  # fmt: skip
     out[dst[keep]] = vals[keep].to(out.dtype)
     # Only positions inside a list count as gathers (the masked-out tail reads nothing), and a
     # bad row counts even for an empty list, as in the kernel.
-    bits = 0
-    if bool((lengths > req_to_token.shape[1]).any()):  # a list reads past its row
+    bits = int(Status.BAD_KV_ID) if bool(bad.any()) else 0
+    if bool((lengths > req_to_token.shape[1] * entry_page_size).any()):  # past its row
         bits |= int(Status.POS_OOB)
     rows = req_pool_indices.to(torch.int64)
     if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):

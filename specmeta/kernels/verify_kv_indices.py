@@ -29,15 +29,16 @@ from ..launch import Launcher
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     OUT_OF_CAPACITY,
     POS_OOB,
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_id_spaces,
     check_verify_lens,
     chunk_programs,
     copy_list_at,
-    copy_ragged_list,
     exclusive_length_sum,
     host_int,
     load_request,
@@ -79,15 +80,17 @@ def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.const
 
 
 @triton.jit(
-    do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs"]
-)
+    do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs",
+                       "num_pages", "page_size"]
+)  # fmt: skip
 def _verify_kv_indices_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     seq_lens_ptr,  # [B] int32|int64
     verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request reads extra_tokens)
     kv_indices_ptr,  # [W_idx] int32|int64
     kv_indptr_ptr,  # [≥B+1] int32|int64
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -96,9 +99,13 @@ def _verify_kv_indices_kernel(
     extra_tokens,
     W_idx,
     chunk_programs,
+    num_pages,
+    page_size,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: lists of L_b + v_b entries
+    ENTRY_PAGE_SIZE: tl.constexpr,
+    TRANSLATE: tl.constexpr,
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies chunks ``c, c +
@@ -116,20 +123,21 @@ def _verify_kv_indices_kernel(
         v, v_ok = load_verify_len(verify_lens_ptr, b, B, extra_tokens)
         n = tl.where(b < B, L + v, 0)
         start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
-        copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
-                     kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK)  # fmt: skip
         L_ok = L_ok & v_ok
     else:
-        start = copy_ragged_list(
-            req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra_tokens, W_row,
-            kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, BLOCK, BLOCK_B,
-        )  # fmt: skip
-    if c == 0 and HAS_STATUS:
-        bits = (
-            tl.where(row_ok, 0, ROW_OOB)
-            | tl.where((n > W_row) | ~L_ok, POS_OOB, 0)
-            | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
-        )
+        start = exclusive_length_sum(seq_lens_ptr, b, extra_tokens, BLOCK_B)
+    # Ids read as the row and the id space say (design §2.10).
+    bad = copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
+                       kv_indptr_ptr, W_idx, c, chunk_programs, v2p_ptr, num_pages, page_size,
+                       BLOCK, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    if HAS_STATUS:
+        bits = tl.where(bad != 0, BAD_KV_ID, 0)
+        if c == 0:
+            bits |= (
+                tl.where(row_ok, 0, ROW_OOB)
+                | tl.where((n > W_row * ENTRY_PAGE_SIZE) | ~L_ok, POS_OOB, 0)
+                | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
+            )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -137,9 +145,12 @@ _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
 
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
-             kv_indptr, seq_lens_sum, verify_lens, status):  # fmt: skip
+             kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p,
+             page_size):  # fmt: skip
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    check_id_spaces(0, 0, entry_page_size, v2p, device)
+    validate.positive("page_size", page_size)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
     if kv_indices is None:
@@ -175,6 +186,9 @@ def bind_verify_kv_indices(
     seq_lens_sum: int | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> Stage:
     """Bind once: build every request's list ``row_b[0 : L_b + extra]`` and its CSR offsets, in one
     launch.
@@ -207,7 +221,10 @@ def bind_verify_kv_indices(
         ``extra_tokens`` slots, as without ragged verify.
     status : torch.Tensor, optional
         ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a list runs past ``W_row``, ``L < 0``, or a
-        ``v_b`` outside ``[0, extra_tokens]``), ``OUT_OF_CAPACITY``.
+        ``v_b`` outside ``[0, extra_tokens]``), ``OUT_OF_CAPACITY``, ``BAD_KV_ID``.
+    entry_page_size, v2p, page_size
+        The rows' id space (design §2.10): page ids with ``entry_page_size > 1``, virtual ids
+        emitted through the page map ``v2p`` at page size ``page_size``.
 
     Returns
     -------
@@ -233,7 +250,7 @@ def bind_verify_kv_indices(
     """
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         "verify_kv_indices", req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
-        kv_indptr, seq_lens_sum, verify_lens, status,
+        kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p, page_size,
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
@@ -243,13 +260,18 @@ def bind_verify_kv_indices(
         verify_lens_ptr=verify_lens,
         kv_indices_ptr=kv_indices,
         kv_indptr_ptr=kv_indptr,
+        v2p_ptr=v2p if v2p is not None else kv_indptr,
         status_ptr=status,
         extra_tokens=extra_tokens,
         W_idx=kv_indices.shape[0],
         chunk_programs=grid[1],
+        num_pages=v2p.shape[0] if v2p is not None else 0,
+        page_size=page_size,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
         HAS_VERIFY_LENS=verify_lens is not None,
+        ENTRY_PAGE_SIZE=entry_page_size,
+        TRANSLATE=v2p is not None,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -271,11 +293,15 @@ def verify_kv_indices_ref(
     seq_lens_sum: int | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_kv_indices` (vectorised over the batch; syncs)."""
     extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
         "verify_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, extra_tokens,
-        kv_indices, kv_indptr, seq_lens_sum, verify_lens, status,
+        kv_indices, kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p,
+        page_size,
     )  # fmt: skip
     n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens
     bits = 0
@@ -285,7 +311,8 @@ def verify_kv_indices_ref(
     end = torch.cumsum(n, 0)
     kv_indptr[0] = 0
     kv_indptr[1 : B + 1] = end.to(kv_indptr.dtype)
-    bits |= ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n)
+    bits |= ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n,
+                              entry_page_size=entry_page_size, v2p=v2p, page_size=page_size)  # fmt: skip
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     if B and int(end[-1]) > kv_indices.shape[0]:

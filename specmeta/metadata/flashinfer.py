@@ -533,18 +533,22 @@ class FlashInferBuilder(MetadataBuilder):
         return steps, write
 
     # -- target verify and draft extend ---------------------------------------------------------
-    def _bind_prefill_kv(self, mode: str, req_pool_indices, req_to_token, seq_lens, status):
-        """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``)."""
+    def _bind_prefill_kv(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
+                         v2p):  # fmt: skip
+        """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``), ids
+        through the page map ``v2p`` when given (design §2.10)."""
         buf = self.buffers
         return self._launch(
             bind_verify_kv_indices, verify_kv_indices_ref, req_pool_indices, req_to_token,
             seq_lens, extra_tokens=self.cfg.num_draft_tokens, kv_indices=buf[f"{mode}.kv_indices"],
-            kv_indptr=buf[f"{mode}.kv_indptr"], status=self.status_word(status),
+            kv_indptr=buf[f"{mode}.kv_indptr"], status=self.status_word(status), v2p=v2p,
+            page_size=self.cfg.page_size,
         )  # fmt: skip
 
     def bind_target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, tree_mask: torch.Tensor, *, packed: bool = False,
-                           status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                           status: torch.Tensor | None = None,
+                           v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`target_verify` bound once to these tensors (arguments as there): two
         launches, the KV lists and the mask; ``host(seq_lens_cpu)`` returns the
         :class:`FlashInferPrefill`."""
@@ -565,7 +569,7 @@ class FlashInferBuilder(MetadataBuilder):
                        status=status)  # fmt: skip
         form = "packed_" if packed else ""
         launches = [
-            self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status),
+            self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p),
             self._launch(
                 bind_tree_custom_mask, tree_custom_mask_ref, seq_lens, tree_mask, packed=packed,
                 custom_mask=self.buffers[f"{mode}.{form}custom_mask"],
@@ -578,8 +582,8 @@ class FlashInferBuilder(MetadataBuilder):
     def target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                       seq_lens: torch.Tensor, tree_mask: torch.Tensor, *,
                       seq_lens_cpu: torch.Tensor | None = None, packed: bool = False,
-                      status: torch.Tensor | None = None,
-                      launch: bool = True) -> FlashInferPrefill:  # fmt: skip
+                      status: torch.Tensor | None = None, launch: bool = True,
+                      v2p: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
         """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
 
         Parameters
@@ -591,30 +595,33 @@ class FlashInferBuilder(MetadataBuilder):
             Build ``packed_custom_mask`` (FlashInfer's packed-bit form) instead of the bool
             ``custom_mask``.
 
-        Other arguments as in :meth:`draft_decode`. Two launches: the KV lists and the mask.
+        Other arguments as in :meth:`draft_decode` (``v2p``: the lists hold physical ids). Two
+        launches: the KV lists and the mask.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
-                                        packed=packed, status=status)  # fmt: skip
+                                        packed=packed, status=status, v2p=v2p)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                          seq_lens: torch.Tensor, *,
-                          status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                          seq_lens: torch.Tensor, *, status: torch.Tensor | None = None,
+                          v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_extend` bound once to these tensors (arguments as there);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`."""
         mode = "draft_extend"
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
-        launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status)
+        launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status,
+                                       v2p)  # fmt: skip
         return self._stage(mode, B, (None,), [launch], self._prefill_result, seq_lens, status)
 
     def draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
-                     status: torch.Tensor | None = None,
-                     launch: bool = True) -> FlashInferPrefill:  # fmt: skip
+                     status: torch.Tensor | None = None, launch: bool = True,
+                     v2p: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
-        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status)
+        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
+                                       v2p=v2p)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _prefill_result(self, B: int, form: str | None, mirrors: dict, compiled: bool):

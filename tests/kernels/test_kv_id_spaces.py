@@ -1,6 +1,6 @@
 """The id spaces of design §2.10 (draft windows, page-granular rows, virtual ids) in
-draft_decode_kv_indices, assign_draft_cache_locs, prefix_tail_copy_pairs and
-accept_cache_locs. Each output is checked against the rules
+draft_decode_kv_indices, verify_kv_indices, assign_draft_cache_locs, prefix_tail_copy_pairs
+and accept_cache_locs. Each output is checked against the rules
 read directly (a Python loop per list, no shared helper), and each kernel against its torch
 reference, on fresh random inputs."""
 
@@ -21,6 +21,7 @@ from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
+from specmeta.kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from tests.guard_bands import Guarded, assert_equal
 
 MAX_L = 40
@@ -357,4 +358,39 @@ def test_prefix_tail_pairs_are_read_and_translated_as_the_rules_say(form, gen, d
                       page_size=ps, status=status, entry_page_size=f["E"],
                       v2p=v2p.to(device) if v2p is not None else None)  # fmt: skip
         assert tgt.tolist() == want_tgt and src.tolist() == want_src, fn.__name__
+        assert int(status) == (int(Status.BAD_KV_ID) if bad else 0), fn.__name__
+
+
+@pytest.mark.parametrize("form", ["page_rows", "virtual", "all"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_verify_lists_are_read_and_translated_as_the_rules_say(form, ragged, gen, device):
+    """Target verify and draft extend lists ``id(row_b, k)`` for ``k < L_b + n_b`` (``n_b = N``,
+    or the ragged ``v_b``), CSR offsets from those lengths; with ``v2p`` the page of request
+    0's first token unmapped: the sink slot 0 there and BAD_KV_ID."""
+    f, N, ps = FORMS[form], 4, 4
+    B = int(torch.randint(1, 5, (1,), generator=gen))
+    rpi, r2t, lengths, v2p = _draw(gen, B=B, K=2, S=3, ps=ps, E=f["E"], translate=f["translate"])
+    lengths[0] = max(int(lengths[0]), 1)
+    if f["translate"]:  # the page of request 0's first token is unmapped
+        v2p[int(r2t[int(rpi[0]), 0]) * f["E"] // ps] = -1
+    v = torch.randint(0, N + 1, (B,), generator=gen) if ragged else None
+    E, want, ptr, bad = f["E"], [], [0], False
+    for b in range(B):
+        row, L = r2t[int(rpi[b])], int(lengths[b])
+        n = L + (int(v[b]) if ragged else N)
+        for k in range(n):
+            want.append(_emit(row, k, v2p, E=E, ps=ps))
+            tid = int(row[k // E]) * E + k % E
+            bad |= v2p is not None and int(v2p[tid // ps]) < 0
+        ptr.append(len(want))
+    for fn in (verify_kv_indices, verify_kv_indices_ref):
+        status = new_status(device)
+        idx = Guarded((len(want) + 3,), torch.int64, device)
+        kw = dict(verify_lens=v.to(device)) if ragged else {}
+        _, got_ptr = fn(rpi.to(device), r2t.to(device), lengths.to(device), extra_tokens=N,
+           kv_indices=idx.view, status=status, entry_page_size=E, page_size=ps,
+           v2p=v2p.to(device) if v2p is not None else None, **kw)  # fmt: skip
+        idx.assert_intact(fn.__name__)
+        assert idx.view[: len(want)].tolist() == want, fn.__name__
+        assert got_ptr[: B + 1].tolist() == ptr, f"{fn.__name__} kv_indptr"
         assert int(status) == (int(Status.BAD_KV_ID) if bad else 0), fn.__name__

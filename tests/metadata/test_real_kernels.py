@@ -187,6 +187,26 @@ def test_gpu_flashinfer_draft_window_through_flashinfer(gen, flashinfer_attn, k,
     assert int(fi.status) == 0
 
 
+@pytest.mark.parametrize("mode", ["target_verify_packed", "draft_extend"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_virtual_ids_through_flashinfer(gen, flashinfer_attn, mode, k, ps):
+    """Target verify and draft extend over virtual ids and a shuffled page map (design
+    §2.10): FlashInfer reads the physical slots of every logical sequence."""
+    c = _Case(gen, k, ps, 5)
+    v2p = torch.randperm(c.batch.pool_size // ps, generator=gen)
+    fi = FlashInferBuilder(c.cfg, "cuda", modes=(mode.removesuffix("_packed"),))
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=v2p.cuda())
+    if mode == "draft_extend":
+        meta, virtual = fi.draft_extend(*c.args, **kw), extend_sequences(c.batch, c.n)
+    else:
+        meta = fi.target_verify(*c.args, c.tree, packed=True, **kw)
+        virtual = tree_sequences(c.batch, c.tree)
+    want = [v2p[ids // ps] * ps + ids % ps for ids in virtual]
+    c.check(flashinfer_attn, meta, want, f"flashinfer {mode} v2p k={k} ps={ps}")
+    assert int(fi.status) == 0
+
+
 @pytest.mark.parametrize("batch_size", BATCHES)
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("k", TOPKS)

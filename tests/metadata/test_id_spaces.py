@@ -1,6 +1,7 @@
 """A config's draft window and a pool's virtual ids through the builders (design §2.10): what
-a FlashInfer draft decode attends to, read from the rules; the capacity plan of a window; and
-the builders' modes that do not build a window yet refuse a config with one."""
+FlashInfer's draft decode, target verify and draft extend attend to, read from the rules; the
+capacity plan of a window; and the builders' modes that do not build a window yet refuse a
+config with one."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.testing.sequences import window_sequences
-from specmeta.workloads import make_batch
+from specmeta.testing.sequences import extend_sequences, tree_sequences, window_sequences
+from specmeta.workloads import make_batch, random_tree_mask
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -55,6 +56,39 @@ def test_flashinfer_draft_decode_attends_to_the_window(k, s, ps, translate, host
         o_ref, lse_ref = dense_attention(q, kc, vc, want)
         assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), "outputs"
         assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), "log-sum-exps"
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("mode", ["target_verify", "target_verify_packed", "draft_extend"])
+@pytest.mark.parametrize("k,ps", [(1, 4), (4, 16)])
+def test_flashinfer_verify_and_extend_read_physical_ids(mode, k, ps, gen, device):
+    """``v2p=`` on target verify and draft extend: every query row attends to the physical
+    slots of its logical sequence (the virtual ones through the page map)."""
+    n = 1 + k if k > 1 else 4
+    cfg = SpecConfig(topk=k, num_steps=3, num_draft_tokens=n, page_size=ps, max_bs=8,
+                     max_context_len=40)  # fmt: skip
+    batch = make_batch("random", batch_size=5, topk=k, num_steps=3, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=40)  # fmt: skip
+    v2p = torch.randperm(batch.pool_size // ps, generator=gen)
+    fi = FlashInferBuilder(cfg, device)
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    kw = dict(seq_lens_cpu=batch.seq_lens_cpu, v2p=v2p.to(device))
+    if mode.startswith("target_verify"):
+        tree = random_tree_mask(5, k, 3, n, gen).to(device)
+        meta = fi.target_verify(*args, tree, packed=mode.endswith("packed"), **kw)
+        virtual = tree_sequences(batch, tree)
+    else:
+        meta = fi.draft_extend(*args, **kw)
+        virtual = extend_sequences(batch, n)
+    want = [v2p[ids // ps] * ps + ids % ps for ids in virtual]
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(len(want), H, D, generator=gen, dtype=torch.float64)
+    o, lse = consumer.prefill(q, kc, vc, meta)
+    o_ref, lse_ref = dense_attention(q, kc, vc, want)
+    assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), "outputs"
+    assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), "log-sum-exps"
     assert int(fi.status) == 0
 
 
