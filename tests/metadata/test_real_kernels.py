@@ -191,8 +191,8 @@ def test_gpu_flashinfer_draft_window_through_flashinfer(gen, flashinfer_attn, k,
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("k", TOPKS)
 def test_gpu_flashinfer_virtual_ids_through_flashinfer(gen, flashinfer_attn, mode, k, ps):
-    """Target verify and draft extend over virtual ids and a shuffled page map (design
-    §2.10): FlashInfer reads the physical slots of every logical sequence."""
+    """Target verify and draft extend over virtual ids and a shuffled page map, design §2.10:
+    FlashInfer reads the physical slots of every logical sequence."""
     c = _Case(gen, k, ps, 5)
     v2p = torch.randperm(c.batch.pool_size // ps, generator=gen)
     fi = FlashInferBuilder(c.cfg, "cuda", modes=(mode.removesuffix("_packed"),))
