@@ -13,12 +13,12 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
   :func:`copy_row_prefix`, :func:`copy_list_at`, :func:`copy_ragged_list`, :func:`branch_page`,
-  :func:`load_verify_len`, and the id spaces of design §2.10: :func:`windowed_length`,
-  :func:`window_position`, :func:`load_kv_ids`, :func:`translate_ids`).
+  :func:`load_verify_len`, :func:`load_verify_rows`, and the id spaces of design §2.10:
+  :func:`windowed_length`, :func:`window_position`, :func:`load_kv_ids`, :func:`translate_ids`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
   :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`,
-  :func:`verify_lens_ref`, :func:`windowed_length_ref`, :func:`load_kv_ids_ref`,
-  :func:`translate_ids_ref`).
+  :func:`verify_lens_ref`, :func:`verify_rows_ref`, :func:`windowed_length_ref`,
+  :func:`load_kv_ids_ref`, :func:`translate_ids_ref`).
 """
 
 from __future__ import annotations
@@ -314,6 +314,17 @@ def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
 
 
 @triton.jit
+def load_verify_rows(verify_lens_ptr, b, B, N):
+    """``(rows, v, ok)`` of request ``b`` of a ragged target verify as FlashInfer's lists and
+    masks read it (design §2.9): its query rows ``max(v_b, 0)`` (a padded length may pass
+    ``N``: the rows past ``N`` are filler rows), the tree nodes it verifies ``min(rows, N)``,
+    and whether ``v_b ≥ 0``. ``b ≥ B`` gives 0 rows, reported as fine."""
+    raw = tl.load(verify_lens_ptr + b, mask=b < B, other=0).to(tl.int64)
+    rows = tl.maximum(raw, 0)
+    return rows, tl.minimum(rows, N), raw >= 0
+
+
+@triton.jit
 def load_verify_len(verify_lens_ptr, b, B, N):
     """``(v, v_ok)`` of request ``b`` of a ragged target verify (design §3.2, §3.3): its
     verify length ``verify_lens[b]`` clamped to ``[0, N]`` (int64), and whether it was in that
@@ -519,6 +530,15 @@ def branch_pages_ref(
     slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
     pages = torch.where(used, slots // ps, 0)
     return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
+
+
+def verify_rows_ref(verify_lens: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The torch side of :func:`load_verify_rows`: the ``[B]`` rows ``max(v, 0)`` and nodes
+    ``min(rows, N)`` (int64), and ``POS_OOB`` when any ``v_b < 0`` (0 otherwise)."""
+    raw = verify_lens.to(torch.int64)
+    rows = raw.clamp_min(0)
+    bad = bool((raw < 0).any()) if raw.numel() else False
+    return rows, rows.clamp_max(N), int(Status.POS_OOB) if bad else 0
 
 
 def verify_lens_ref(verify_lens: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:

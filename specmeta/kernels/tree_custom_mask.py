@@ -26,7 +26,8 @@ throughout (rows, tree columns, segment sizes and starts)::
     custom_mask[mask_indptr[i] + j·(L_i + v_i) + c]  = 1                    for j < v_i, c < L_i
     custom_mask[mask_indptr[i] + j·(L_i + v_i) + L_i + c'] = tree_mask[i, j, c']   for c' < v_i
 
-and the packed rule is the same: segment ``i`` is its ``v_i·(L_i + v_i)`` elements packed
+(a padded ``v_i`` past ``N`` keeps ``N`` tree columns and adds filler rows, 1 in every
+column: design §2.9), and the packed rule is the same: segment ``i`` is its elements packed
 eight a byte, zero bits to a whole byte, starting at byte ``mask_indptr[i]`` (the element
 offset, now of the ragged blocks: what ``plan()`` computes from the ragged ``qo_indptr`` and
 ``kv_indptr``). A request with ``v_i = 0`` has an empty segment: nothing is written for it.
@@ -48,9 +49,9 @@ from ._common import (
     POS_OOB,
     check_verify_lens,
     host_int,
-    load_verify_len,
+    load_verify_rows,
     target_programs,
-    verify_lens_ref,
+    verify_rows_ref,
 )
 
 __all__ = ["bind_tree_custom_mask", "tree_custom_mask", "tree_custom_mask_ref"]
@@ -79,25 +80,26 @@ def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
 
 @triton.jit
 def _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.constexpr):
-    """Σ_{i<b} v_i·(L_i + v_i), each ``v_i`` clamped to ``[0, N]`` as
-    :func:`~specmeta.kernels._common.load_verify_len` reads it: a ragged segment's start in
+    """Σ_{i<b} r_i·(L_i + min(r_i, N)), ``r_i = max(v_i, 0)`` the rows of request ``i`` as
+    :func:`~specmeta.kernels._common.load_verify_rows` reads them: a ragged segment's start in
     elements, and in bytes when packed (int64)."""
     cum = b * 0
     for start in range(0, b, BLOCK_B):
         offs = start + tl.arange(0, BLOCK_B)
         before = offs < b
         L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
-        v = tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64)
-        v = tl.minimum(tl.maximum(v, 0), N)
-        cum += tl.sum(tl.where(before, v * (L + v), 0), axis=0)
+        rows = tl.maximum(tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        cum += tl.sum(tl.where(before, rows * (L + tl.minimum(rows, N)), 0), axis=0)
     return cum
 
 
 @triton.jit
-def _mask_value(tree_ptr, live, j, col, L, stride_mj):
+def _mask_value(tree_ptr, live, j, col, L, Nt, stride_mj):
     """The mask elements at row ``j``, column ``col`` of a request's block (any shape): 1 in the
-    prefix columns, the tree mask's ``[j, col − L]`` after them; 0 where not ``live``."""
-    in_tree = col >= L
+    prefix columns, the tree mask's ``[j, col − L]`` after them; a filler row ``j ≥ Nt`` (a
+    ragged request's rows past its ``Nt`` tree nodes) is 1 in every column; 0 where not
+    ``live``."""
+    in_tree = (col >= L) & (j < Nt)
     m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)
     return (live & (~in_tree | (m != 0))).to(tl.int32)
 
@@ -120,11 +122,11 @@ def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_m
         col = col0 + offs
         wrap = col >= cols
         v = _mask_value(tree_ptr, live, j0 + wrap.to(tl.int64), tl.where(wrap, col - cols, col),
-                        L, stride_mj)  # fmt: skip
+                        L, N, stride_mj)  # fmt: skip
     else:
         j = (bit.to(tl.float64) * inv_cols).to(tl.int64)
         j += (bit - j * cols >= cols).to(tl.int64)
-        v = _mask_value(tree_ptr, live, j, bit - j * cols, L, stride_mj)
+        v = _mask_value(tree_ptr, live, j, bit - j * cols, L, N, stride_mj)
     return v
 
 
@@ -150,8 +152,9 @@ def _tree_custom_mask_kernel(
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes chunks ``c, c +
     chunk_programs, …`` of request ``b``'s segment; ``(b, 0)`` also writes ``mask_indptr[b + 1]``
-    (entry 0 from ``b = 0``) and the status. ``Nb``, the request's rows and tree columns, is
-    ``N``, or its clamped ``v_b`` in a ragged verify."""
+    (entry 0 from ``b = 0``) and the status. A request has ``rows`` query rows over ``Nb``
+    tree columns: ``N`` and ``N``, or in a ragged verify ``max(v_b, 0)`` and ``min(rows, N)``
+    (a padded length past ``N`` adds filler rows, 1 in every column)."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     valid = b < B
@@ -159,15 +162,17 @@ def _tree_custom_mask_kernel(
     L_ok = L >= 0
     L = tl.maximum(L, 0)
     if HAS_VERIFY_LENS:
-        # Ragged verify: the first v_b ≤ N nodes; a v_b outside [0, N] is read clamped and
-        # reported (POS_OOB, below).
-        Nb, v_ok = load_verify_len(verify_lens_ptr, b, B, N)
+        # Ragged verify: v_b rows over the first Nb = min(v_b, N) nodes; the rows past N of a
+        # padded length are filler rows (design §2.9); a v_b < 0 reads as 0 and is reported
+        # (POS_OOB, below).
+        rows, Nb, v_ok = load_verify_rows(verify_lens_ptr, b, B, N)
         L_ok = L_ok & v_ok
         start = _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B)
     else:
+        rows = N
         Nb = N
         start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
-    n_bits = tl.where(valid, Nb * (L + Nb), 0)
+    n_bits = tl.where(valid, rows * (L + Nb), 0)
     n = n_bits
     if PACKED:
         n = (n_bits + 7) // 8
@@ -185,7 +190,7 @@ def _tree_custom_mask_kernel(
         bit0 = first * 8 if PACKED else first  # and its first mask element
         j0 = bit0 // cols  # one scalar division a chunk
         col0 = bit0 - j0 * cols
-        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < Nb):
+        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < rows):
             # Inside one row's prefix columns: every element 1, nothing to compute.
             v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
         elif PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
@@ -294,8 +299,8 @@ def bind_tree_custom_mask(
         (whole bytes, at that element offset read as a byte offset). In a captured bucket, the
         padded lengths of ``pad_verify_lens_to_bucket``. ``None`` (the default): ``v_i = N``.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens``, read as 0; a ``v_i`` outside
-        ``[0, N]``, read clamped to it), ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens`` or ``v_i``, read as 0),
+        ``OUT_OF_CAPACITY``.
 
     Returns
     -------
@@ -312,9 +317,11 @@ def bind_tree_custom_mask(
     ``[1, 1, 1, 1]``: ``mask_indptr=[0, 2, 10]``; packed: ``3`` at byte 0, ``0b11110111 = 247``
     at byte 2.
 
-    A ``v_i`` outside ``[0, N]`` is a fault: it is read clamped to that range (the block, the
-    segment and every later start follow from the clamped lengths) and ``POS_OOB`` is set;
-    nothing is written past ``custom_mask[W_mask − 1]`` or ``mask_indptr[B]``.
+    A padded ``v_i`` past ``N`` (a bucket's leftover, design §2.9) has ``v_i`` rows over its
+    ``N`` nodes: block ``v_i × (L_i + N)``, rows ``j ≥ N`` filler rows, 1 in every column (they
+    see what the request holds, so their attention stays finite). A ``v_i < 0`` is a fault,
+    read as 0 and reported (``POS_OOB``); nothing is written past ``custom_mask[W_mask − 1]``
+    or ``mask_indptr[B]``.
 
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
@@ -372,10 +379,10 @@ def tree_custom_mask_ref(
     device = seq_lens.device
     L = seq_lens.to(torch.int64).clamp_min(0)
     bits = 0
-    V = torch.full_like(L, N)  # rows and tree columns of each block
-    if verify_lens is not None:  # ragged verify: v_i, clamped to [0, N]
-        V, bits = verify_lens_ref(verify_lens, N)
-    n_bits = V * (L + V)
+    rows = V = torch.full_like(L, N)  # rows and tree columns of each block
+    if verify_lens is not None:  # ragged verify: max(v_i, 0) rows over min(rows, N) nodes
+        rows, V, bits = verify_rows_ref(verify_lens, N)
+    n_bits = rows * (L + V)
     n = (n_bits + 7) // 8 if packed else n_bits  # elements written per request
     start = torch.cumsum(n_bits, 0) - n_bits
     mask_indptr[0] = 0
@@ -400,7 +407,8 @@ def tree_custom_mask_ref(
         prefix_len = L[req_b]
         live = bit < n_bits[req_b]
         tree = tree_mask[req_b, j.clamp_max(N - 1), (col - prefix_len).clamp(0, N - 1)]
-        val = live & ((col < prefix_len) | tree)
+        filler = j >= V[req_b]  # a padded request's rows past its nodes: every column
+        val = live & ((col < prefix_len) | filler | tree)
         if packed:
             val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
         custom_mask[start[req] + e] = val.to(custom_mask.dtype)

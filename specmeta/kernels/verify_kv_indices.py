@@ -42,10 +42,10 @@ from ._common import (
     exclusive_length_sum,
     host_int,
     load_request,
-    load_verify_len,
+    load_verify_rows,
     ragged_prefix_ref,
     sizing_total,
-    verify_lens_ref,
+    verify_rows_ref,
 )
 
 __all__ = [
@@ -66,7 +66,7 @@ _BLOCK_B = 1024
 @triton.jit
 def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.constexpr):
     """``Σ_{b'<b} (max(L_b', 0) + v_b')`` in int64, each ``v_b'`` clamped to ``[0, N]`` as
-    :func:`~specmeta.kernels._common.load_verify_len` reads it: the start of request ``b``'s
+    :func:`~specmeta.kernels._common.load_verify_rows` reads it: the start of request ``b``'s
     list in a ragged verify, from whole-vector loads of both length arrays."""
     cum = b * 0
     for start in range(0, b, BLOCK_B):
@@ -118,9 +118,10 @@ def _verify_kv_indices_kernel(
     )
     n = tl.where(b < B, L + extra_tokens, 0)
     if HAS_VERIFY_LENS:
-        # Ragged verify: request b reads the first v_b ≤ N (= extra_tokens) window slots; a
-        # v_b outside [0, N] is read clamped and reported (POS_OOB, below).
-        v, v_ok = load_verify_len(verify_lens_ptr, b, B, extra_tokens)
+        # Ragged verify: request b reads the first min(v_b, N) window slots (N = extra_tokens;
+        # a padded length past N adds filler query rows, no slots); v_b < 0 reads as 0 and is
+        # reported (POS_OOB, below).
+        _, v, v_ok = load_verify_rows(verify_lens_ptr, b, B, extra_tokens)
         n = tl.where(b < B, L + v, 0)
         start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
         L_ok = L_ok & v_ok
@@ -220,8 +221,8 @@ def bind_verify_kv_indices(
         ``pad_verify_lens_to_bucket``. ``None`` (the default): every request reads
         ``extra_tokens`` slots, as without ragged verify.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a list runs past ``W_row``, ``L < 0``, or a
-        ``v_b`` outside ``[0, extra_tokens]``), ``OUT_OF_CAPACITY``, ``BAD_KV_ID``.
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a list runs past ``W_row``, ``L < 0`` or
+        ``v_b < 0``), ``OUT_OF_CAPACITY``, ``BAD_KV_ID``.
     entry_page_size, v2p, page_size
         The rows' id space (design §2.10): page ids with ``entry_page_size > 1``, virtual ids
         emitted through the page map ``v2p`` at page size ``page_size``.
@@ -234,9 +235,11 @@ def bind_verify_kv_indices(
 
     Notes
     -----
-    A ``v_b`` outside ``[0, extra_tokens]`` is a fault: it is read clamped to that range (the
-    list is ``row_b[0 : L_b + clamp(v_b)]``, every offset follows from the clamped lengths) and
-    ``POS_OOB`` is set; nothing is written past ``kv_indices[W_idx − 1]`` or ``kv_indptr[B]``.
+    A padded ``v_b`` past ``N = extra_tokens`` (a bucket's leftover, design §2.9) lists the
+    request's ``N`` window slots: its rows past ``N`` are filler queries over the same keys
+    (``tree_custom_mask`` gives them every column). A ``v_b < 0`` is a fault, read as 0 and
+    reported (``POS_OOB``); nothing is written past ``kv_indices[W_idx − 1]`` or
+    ``kv_indptr[B]``.
 
     Examples
     --------
@@ -305,8 +308,8 @@ def verify_kv_indices_ref(
     )  # fmt: skip
     n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens
     bits = 0
-    if verify_lens is not None:  # ragged verify: v_b window slots, clamped to [0, N]
-        v, bits = verify_lens_ref(verify_lens, extra_tokens)
+    if verify_lens is not None:  # ragged verify: min(max(v_b, 0), N) window slots
+        _, v, bits = verify_rows_ref(verify_lens, extra_tokens)
         n = n - extra_tokens + v
     end = torch.cumsum(n, 0)
     kv_indptr[0] = 0

@@ -55,6 +55,7 @@ def _pad_verify_lens_to_bucket_kernel(
     B,
     B_pad,
     T,
+    N,  # the tree's nodes, each real v_b's bound; 0: not checked
     BLOCK: tl.constexpr,  # next_pow2(B_pad + 1), clamped to [256, 1024]
 ):
     """One program, two passes over ``verify_lens`` in blocks of ``BLOCK``: the first sums the
@@ -62,13 +63,14 @@ def _pad_verify_lens_to_bucket_kernel(
     still overflows the bucket), the second writes ``out`` and ``qo_indptr`` with a carried
     prefix; the pads' lengths and offsets are closed forms of their index."""
     T64 = T.to(tl.int64)
+    top = tl.where(N > 0, N.to(tl.int64), T64 + 1)  # a real length's bound
     total = tl.full([], 0, tl.int64)
     negative = tl.full([], 0, tl.int32)
     for start in range(0, B, BLOCK):
         i = start + tl.arange(0, BLOCK)
         v = tl.load(verify_lens_ptr + i, mask=i < B, other=0).to(tl.int64)
-        negative |= tl.max((v < 0).to(tl.int32), axis=0)
-        total += tl.sum(tl.minimum(tl.maximum(v, 0), T64 + 1), axis=0)
+        negative |= tl.max(((v < 0) | ((N > 0) & (v > N))).to(tl.int32), axis=0)
+        total += tl.sum(tl.minimum(tl.maximum(v, 0), top), axis=0)
 
     filled = tl.minimum(total, T64)  # tokens the real requests keep
     leftover = T64 - filled  # tokens the pad requests (or, without one, the last request) take
@@ -83,7 +85,7 @@ def _pad_verify_lens_to_bucket_kernel(
         i = start + tl.arange(0, BLOCK)
         real = i < B
         v = tl.load(verify_lens_ptr + i, mask=real, other=0).to(tl.int64)
-        v = tl.minimum(tl.maximum(v, 0), T64 + 1)
+        v = tl.minimum(tl.maximum(v, 0), top)
         before = carry + tl.cumsum(v, axis=0) - v  # Σ_{b'<b} v_b'
         carry += tl.sum(v, axis=0)
         # A real request keeps what still fits the bucket (all of it unless Σv > T).
@@ -103,10 +105,15 @@ def _pad_verify_lens_to_bucket_kernel(
 _pad_verify_lens_to_bucket_launch = Launcher(_pad_verify_lens_to_bucket_kernel)
 
 
-def _prepare(where, verify_lens, num_tokens, padded_batch, out, qo_indptr, status):
+def _prepare(where, verify_lens, num_tokens, padded_batch, out, qo_indptr, status,
+             num_draft_tokens):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``T``,
-    ``Bp``, ``out``, ``qo_indptr`` and the status word. Every message names ``where``."""
+    ``Bp``, ``out``, ``qo_indptr``, the status word and ``N`` (0 when not given). Every message
+    names ``where``."""
     try:
+        N = 0
+        if num_draft_tokens is not None:
+            N = validate.positive("num_draft_tokens", num_draft_tokens)
         T = host_int("num_tokens", num_tokens)
         Bp = host_int("padded_batch", padded_batch)
         validate.tensor("verify_lens", verify_lens, ndim=1)
@@ -148,7 +155,7 @@ def _prepare(where, verify_lens, num_tokens, padded_batch, out, qo_indptr, statu
             validate.at_least(name, buf.shape[0], need, what)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-    return B, T, Bp, out, qo_indptr, status
+    return B, T, Bp, out, qo_indptr, status, N
 
 
 def bind_pad_verify_lens_to_bucket(
@@ -159,6 +166,7 @@ def bind_pad_verify_lens_to_bucket(
     out: torch.Tensor | None = None,
     qo_indptr: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    num_draft_tokens: int | None = None,
 ) -> Stage:
     """Bind once: pad ``B`` verify lengths to a bucket of ``Bp`` requests and ``T`` tokens, with
     the query offsets, in one launch.
@@ -181,7 +189,12 @@ def bind_pad_verify_lens_to_bucket(
         ``[Bp + 1]`` when omitted.
     status : torch.Tensor, optional
         ``int32 [1]``: ``OUT_OF_CAPACITY`` when ``Σv > T`` (the lengths do not fit the
-        bucket), ``POS_OOB`` when some ``v_b < 0`` (read as 0).
+        bucket), ``POS_OOB`` when some ``v_b < 0`` (read as 0) or, with ``num_draft_tokens``,
+        ``v_b > N`` (read as ``N``).
+    num_draft_tokens : int, optional
+        ``N``, the tree's nodes: a real request verifies at most ``N``, so a longer ``v_b`` is
+        a fault, read as ``N`` and reported. Only the padding may give a request more than
+        ``N`` rows (filler rows, design §2.9). Not given: the lengths are not bounded above.
 
     Returns
     -------
@@ -203,7 +216,8 @@ def bind_pad_verify_lens_to_bucket(
     * ``Σv > T`` (``OUT_OF_CAPACITY``): the real lengths are taken in order until the bucket is
       full, ``out[b] = min(v_b, max(T − Σ_{b'<b} v_b', 0))`` (the request that crosses ``T`` is
       cut, later ones get 0), and the pads get 0.
-    * ``v_b < 0`` (``POS_OOB``): ``v_b`` reads as 0, everywhere (the leftover included).
+    * ``v_b < 0`` (``POS_OOB``): ``v_b`` reads as 0, everywhere (the leftover included); with
+      ``num_draft_tokens``, ``v_b > N`` (``POS_OOB``) reads as ``N`` alike.
 
     Examples
     --------
@@ -216,9 +230,10 @@ def bind_pad_verify_lens_to_bucket(
     (clamped to [256, 1024]), twice (the total first). No host sync; ``B``, ``Bp`` and ``T``
     are runtime arguments.
     """
-    B, T, Bp, out, qo_indptr, status = _prepare(
-        "pad_verify_lens_to_bucket", verify_lens, num_tokens, padded_batch, out, qo_indptr, status
-    )
+    B, T, Bp, out, qo_indptr, status, N = _prepare(
+        "pad_verify_lens_to_bucket", verify_lens, num_tokens, padded_batch, out, qo_indptr, status,
+        num_draft_tokens,
+    )  # fmt: skip
     launch = _pad_verify_lens_to_bucket_launch.bind(
         (1,),
         verify_lens_ptr=verify_lens,
@@ -228,6 +243,7 @@ def bind_pad_verify_lens_to_bucket(
         B=B,
         B_pad=Bp,
         T=T,
+        N=N,
         BLOCK=_block(Bp),
         num_warps=4,
     )
@@ -246,15 +262,16 @@ def pad_verify_lens_to_bucket_ref(
     out: torch.Tensor | None = None,
     qo_indptr: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    num_draft_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`pad_verify_lens_to_bucket` (vectorised; syncs)."""
-    B, T, Bp, out, qo_indptr, status = _prepare(
+    B, T, Bp, out, qo_indptr, status, N = _prepare(
         "pad_verify_lens_to_bucket_ref", verify_lens, num_tokens, padded_batch, out, qo_indptr,
-        status,
+        status, num_draft_tokens,
     )  # fmt: skip
     device = verify_lens.device
     v_in = verify_lens.to(torch.int64)
-    v = v_in.clamp(0, T + 1)  # as the kernel: the int64 sum cannot overflow
+    v = v_in.clamp(0, N if N else T + 1)  # as the kernel: the int64 sum cannot overflow
     before = torch.cumsum(v, 0) - v
     lengths = torch.zeros(Bp, dtype=torch.int64, device=device)
     lengths[:B] = torch.minimum(v, (T - before).clamp_min(0))
@@ -271,7 +288,7 @@ def pad_verify_lens_to_bucket_ref(
     qo_indptr[0] = 0
     qo_indptr[1 : Bp + 1] = torch.cumsum(lengths, 0).to(qo_indptr.dtype)
     bits = 0
-    if bool((v_in < 0).any()):
+    if bool((v_in < 0).any()) or (N and bool((v_in > N).any())):
         bits |= int(Status.POS_OOB)
     if total > T:
         bits |= int(Status.OUT_OF_CAPACITY)

@@ -9,8 +9,9 @@ Each op is run into guarded, poisoned buffers and compared exactly, whole buffer
 reference run into poisoned buffers; then the rule is read directly (python loops over the
 inputs, nothing from the code under test) on random and adversarial splits: ``v_b = 0`` for some
 and for all, every ``v_b = N`` (which must equal the uniform call byte for byte), one request,
-an empty batch, pad requests of a captured bucket, and a ``v_b`` out of ``[0, N]`` (``POS_OOB``
-alone, read clamped). Three small examples are worked by hand.
+an empty batch, pad requests of a captured bucket, a ``v_b < 0`` (``POS_OOB`` alone, read as 0)
+and a ``v_b`` past ``N`` (a bucket's leftover: filler rows in FlashInfer's masks, reported by the
+FA3 expand pass). Three small examples are worked by hand.
 """
 
 from __future__ import annotations
@@ -105,7 +106,13 @@ def _run(op, batch, tree, verify_lens, device, what, *, idx_dtype=torch.int32):
         guarded = {"kv_indices": idx, "kv_indptr": ptr}
     elif op in ("mask", "packed"):
         packed = op == "packed"
-        buf = _Bytes(tree_custom_mask_need(total, B, N, packed) + 9, device)
+        # A padded length past N (filler rows, design §2.9) can need more than the uniform
+        # bound: Σ rows·(L + nodes) elements hold every segment, packed ones included.
+        rows = verify_lens.cpu().long().clamp_min(0) if verify_lens is not None else None
+        filler = 0 if rows is None else int(
+            (rows * (batch.seq_lens.cpu().long().clamp_min(0) + rows.clamp_max(N))).sum()
+        )  # fmt: skip
+        buf = _Bytes(max(tree_custom_mask_need(total, B, N, packed), filler) + 9, device)
         out = buf.view if packed else buf.view.view(torch.bool)
         ptr = Guarded((B + 1,), torch.int64, device)
         kw = dict(packed=packed, seq_lens_sum=total, verify_lens=verify_lens)
@@ -145,10 +152,12 @@ def _clamped(verify_lens, N):
 
 
 def _check_rule(op, batch, tree, verify_lens, got, what):
-    """The rules of design §3.2–§3.3 with ``v_b`` (clamped to ``[0, N]``) read directly,
-    request by request."""
+    """The rules of design §2.9 and §3.2–§3.3 read directly, request by request: ``v_b``
+    clamped to ``[0, N]`` for the lists and the FA3 rows; the masks keep ``max(v_b, 0)`` rows,
+    those past ``N`` filler rows (1 in every column)."""
     B, N = tree.shape[0], tree.shape[1]
     V = _clamped(verify_lens, N)
+    R = [max(int(v), 0) for v in verify_lens.cpu().tolist()]
     Ls = [max(int(x), 0) for x in batch.seq_lens.cpu().tolist()]
     r2t, rpi = batch.req_to_token.cpu().long(), batch.req_pool_indices.cpu().tolist()
     m = tree.cpu().bool()
@@ -167,10 +176,12 @@ def _check_rule(op, batch, tree, verify_lens, got, what):
         start = 0
         assert int(ptr[0]) == 0, what
         for b in range(B):
-            v, L = V[b], Ls[b]
-            block = torch.cat([torch.ones(v, L, dtype=torch.bool), m[b, :v, :v]], 1).reshape(-1)
-            assert int(ptr[b + 1]) - int(ptr[b]) == v * (L + v), f"request {b} [{what}]"
-            assert int(ptr[b]) == start, f"request {b} starts at Σ v·(L + v) [{what}]"
+            v, L, r = V[b], Ls[b], R[b]
+            block = torch.cat([torch.ones(v, L, dtype=torch.bool), m[b, :v, :v]], 1)
+            fillers = torch.ones(r - v, L + v, dtype=torch.bool)  # rows past N: every column
+            block = torch.cat([block, fillers], 0).reshape(-1)
+            assert int(ptr[b + 1]) - int(ptr[b]) == r * (L + v), f"request {b} [{what}]"
+            assert int(ptr[b]) == start, f"request {b} starts at Σ r·(L + v) [{what}]"
             if op == "packed":  # at the element offset, read as a byte offset
                 want = torch.from_numpy(np.packbits(block.numpy(), bitorder="little"))
                 assert torch.equal(out[start : start + want.numel()], want), f"{b} [{what}]"
@@ -249,14 +260,10 @@ def test_adversarial_splits(device, seed, gen, op, split):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize(
-    "bad,dtype",
-    [(-1, torch.int32), (6, torch.int32), (2**31 - 1, torch.int32), (-(2**40), torch.int64)],
-)
-def test_out_of_range_length_sets_pos_oob_alone(device, seed, gen, op, bad, dtype):
-    """A ``v_b`` outside ``[0, N]`` (N = 5): ``POS_OOB`` alone, the length read clamped (the
-    outputs equal those of the clamped lengths, which report nothing), nothing written outside
-    the buffers (the guard bands) or past the rows."""
+@pytest.mark.parametrize("bad,dtype", [(-1, torch.int32), (-(2**40), torch.int64)])
+def test_negative_length_sets_pos_oob_alone(device, seed, gen, op, bad, dtype):
+    """A ``v_b < 0``: ``POS_OOB`` alone, the length read as 0 (the outputs equal those of
+    ``v_b = 0``, which report nothing), nothing written outside the buffers (the guard bands)."""
     n = 5
     batch, tree = _batch(gen, device, n=n, batch_size=4)
     v = torch.randint(0, n + 1, (4,), generator=gen, dtype=dtype)
@@ -267,8 +274,49 @@ def test_out_of_range_length_sets_pos_oob_alone(device, seed, gen, op, bad, dtyp
     clamped, ok = _run(op, batch, tree, v.clamp(0, n).to(device), device, what)
     assert ok == Status.OK
     for name, value in clamped.items():
-        assert_equal(got[name], value, f"{name}: out of range vs clamped [{what}]")
+        assert_equal(got[name], value, f"{name}: negative vs 0 [{what}]")
     _check_rule(op, batch, tree, v, got, what)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("over,dtype", [(6, torch.int32), (13, torch.int64)])
+def test_length_past_n(device, seed, gen, op, over, dtype):
+    """A ``v_b`` past ``N`` (N = 5), as a bucket's leftover gives a pad or the last request:
+    FlashInfer's lists keep the request's ``N`` window slots (those of ``v_b = N``) and its
+    mask ``v_b`` rows, the rows past ``N`` filler rows, and nothing is reported; the FA3
+    expand pass has no rows past ``N`` (its ``B·N`` layout), so there it is read clamped and
+    reported (``POS_OOB``)."""
+    n = 5
+    batch, tree = _batch(gen, device, n=n, batch_size=4)
+    v = torch.randint(0, n + 1, (4,), generator=gen, dtype=dtype)
+    v[1] = over
+    what = f"seed={seed} verify_lens={v.tolist()}"
+    got, status = _run(op, batch, tree, v.to(device), device, what)
+    assert status == (Status.POS_OOB if op == "expand" else Status.OK), f"{status!r} [{what}]"
+    _check_rule(op, batch, tree, v, got, what)
+    if op in ("kv", "expand"):
+        clamped, _ = _run(op, batch, tree, v.clamp(0, n).to(device), device, what)
+        for name, value in clamped.items():
+            assert_equal(got[name], value, f"{name}: past N vs N [{what}]")
+
+
+@pytest.mark.parametrize("op", ["mask", "packed"])
+def test_a_garbage_length_is_caught_by_capacity(device, seed, gen, op):
+    """``v_b = 2**31 − 1``: its filler rows pass any buffer; the stores past the buffer are
+    dropped and reported (``OUT_OF_CAPACITY`` alone), nothing written outside it."""
+    n = 5
+    batch, tree = _batch(gen, device, n=n, batch_size=3)
+    v = torch.tensor([2, 2**31 - 1, 1], dtype=torch.int64)
+    batch.seq_lens[:] = 4
+    batch.seq_lens_cpu[:] = 4
+    width = 64
+    buf = _Bytes(width, device)
+    out = buf.view if op == "packed" else buf.view.view(torch.bool)
+    status = new_status(device)
+    tree_custom_mask(batch.seq_lens, tree, custom_mask=out, packed=op == "packed",
+                     verify_lens=v.to(device), status=status)  # fmt: skip
+    buf.assert_intact(f"custom_mask seed={seed}")
+    assert Status(int(status)) == Status.OUT_OF_CAPACITY, f"{Status(int(status))!r}"
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -294,6 +342,31 @@ def test_bucket_with_pad_requests(device, seed, gen, op):
         assert not got["kv_indices"][int(ptr[B]) : int(ptr[Bp])].any(), what
     elif op == "expand":
         assert not got["page_table"][B * n : Bp * n].any(), what
+
+
+@pytest.mark.parametrize("op", ["kv", "mask", "packed"])
+@pytest.mark.parametrize("pads", [0, 1])
+def test_a_bucket_leftover_past_n_is_filler_rows(device, seed, gen, op, pads):
+    """A bucket of ``T = Bp·N`` tokens over short real lengths: the leftover gives the pad
+    (``pads = 1``) or, without one, the last real request more than ``N`` rows. Every token of
+    the bucket is a query row of some request (the masks' rows sum to ``T``), nothing is
+    reported, and the rules hold with the filler rows."""
+    n, B = 4, 3
+    Bp = B + pads
+    batch, tree = _batch(gen, device, n=n, batch_size=Bp)
+    if pads:
+        batch.req_pool_indices[B:] = 0
+        batch.seq_lens[B:] = n
+        batch.seq_lens_cpu[B:] = n
+        tree[B:] = True
+    real = torch.randint(0, 3, (B,), generator=gen, dtype=torch.int32)
+    T = Bp * n
+    lens, _ = pad_verify_lens_to_bucket_ref(real.to(device), T, Bp)
+    assert int(lens.max()) > n and int(lens.sum()) == T, f"{lens.tolist()}: no row past N"
+    what = f"seed={seed} verify_lens={lens.tolist()} T={T}"
+    got, status = _run(op, batch, tree, lens, device, what)
+    assert status == Status.OK, f"{status!r} [{what}]"
+    _check_rule(op, batch, tree, lens, got, what)
 
 
 @pytest.mark.parametrize("op", ["kv", "mask", "packed"])

@@ -22,7 +22,7 @@ from tests.guard_bands import Guarded, assert_equal
 MODULE = importlib.import_module("specmeta.kernels.verify_lens")
 
 
-def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note=""):
+def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note="", n=None):
     """Kernel into guarded, poisoned buffers; reference into plain poisoned ones; outputs and
     status words compared exactly, the kernel's canaries checked. Returns the kernel's outputs
     (on the CPU) and its status."""
@@ -30,12 +30,15 @@ def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note=
     out = Guarded((Bp,), out_dtype, device)
     qo = Guarded((Bp + 1,), out_dtype, device)
     status = new_status(device)
-    got = pad_verify_lens_to_bucket(v, T, Bp, out=out.view, qo_indptr=qo.view, status=status)
+    kw = {} if n is None else {"num_draft_tokens": n}
+    got = pad_verify_lens_to_bucket(v, T, Bp, out=out.view, qo_indptr=qo.view, status=status,
+                                    **kw)  # fmt: skip
     assert got[0] is out.view and got[1] is qo.view
     ref_out = torch.full((Bp,), -3, dtype=out_dtype, device=device)
     ref_qo = torch.full((Bp + 1,), -3, dtype=out_dtype, device=device)
     ref_status = new_status(device)
-    pad_verify_lens_to_bucket_ref(v, T, Bp, out=ref_out, qo_indptr=ref_qo, status=ref_status)
+    pad_verify_lens_to_bucket_ref(v, T, Bp, out=ref_out, qo_indptr=ref_qo, status=ref_status,
+                                  **kw)  # fmt: skip
     what = f"verify_lens={list(lens)[:16]} T={T} Bp={Bp} {note}"
     out.assert_intact(f"out [{what}]")
     qo.assert_intact(f"qo_indptr [{what}]")
@@ -202,6 +205,26 @@ def test_negative_length_sets_pos_oob_alone(device, lens, T, Bp):
     _check_bucket(read, T, Bp, out, qo, f"verify_lens={lens} T={T} Bp={Bp}")
     negative = [b for b, v in enumerate(lens) if v < 0 and b < len(lens) - (Bp == len(lens))]
     assert all(int(out[b]) == 0 for b in negative), out.tolist()
+
+
+@pytest.mark.parametrize(
+    "lens,T,Bp",
+    [
+        ([3, 9, 1], 12, 5),  # 9 > N = 4 reads as 4; the pads take the leftover of 3 + 4 + 1
+        ([3, 9, 1], 12, 3),  # no pad: the last request takes it
+        ([2**31 - 1], 4, 1),
+    ],
+)
+def test_a_real_length_past_n_sets_pos_oob_alone(device, lens, T, Bp):
+    """With ``num_draft_tokens = N`` a real ``v_b > N`` is a fault: read as ``N``, reported;
+    without it the same lengths are only bounded by the bucket."""
+    out, qo, status = _run(device, lens, T, Bp, n=4)
+    assert status == Status.POS_OOB
+    read = [min(v, 4) for v in lens]
+    _check_bucket(read, T, Bp, out, qo, f"verify_lens={lens} T={T} Bp={Bp}")
+    assert all(int(out[b]) == read[b] for b in range(len(lens) - (Bp == len(lens))))
+    same, _, clean = _run(device, read, T, Bp, n=4)
+    assert clean == Status.OK and torch.equal(out, same), (out.tolist(), same.tolist())
 
 
 def test_both_faults_set_both_bits(device):

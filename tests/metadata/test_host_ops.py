@@ -230,7 +230,9 @@ def test_every_width_and_page_size(gen, compiled_host_ops):
                 width = 37 * K + 1
                 out, want = _poisoned(ROWS, width), _poisoned(ROWS, width)
                 view = out[:, : B * K + 1]  # rows of the full width apart, as a mirror's
-                assert op.draft_decode(MAX_LEN, K, B, MAX_LEN, view.numpy(), lens) == int(lens.sum())
+                assert op.draft_decode(MAX_LEN, K, B, MAX_LEN, view.numpy(), lens) == int(
+                    lens.sum()
+                )
                 draft_decode_kv_indptr(lens, K, ROWS, out=want[:, : B * K + 1])
                 where = f"K={K} B={B} {dtype} lens={lens.tolist()}"
                 assert torch.equal(out, want), f"draft_decode {where}"
