@@ -162,23 +162,32 @@ def check_verify_lens(where: str, verify_lens: object, batch: int,
     return verify_lens
 
 
-# --------------------------------------------------------------------------------------------
-# Device helpers.
-# --------------------------------------------------------------------------------------------
-def check_id_spaces(window_size: object, sink_size: object, entry_page_size: object,
-                    v2p: object, device: torch.device) -> tuple[int, int, int]:  # fmt: skip
+def check_id_spaces(where: str, window_size: object, sink_size: object,
+                    entry_page_size: object, v2p: object,
+                    device: torch.device) -> tuple[int, int, int]:  # fmt: skip
     """Check the id-space inputs of design §2.10: ``window_size ≥ 0``, ``sink_size ≥ 0`` (read
     only with a window), ``entry_page_size ≥ 1`` and ``v2p``, when given, a 1-D int32 or int64
     page map on ``device``. Returns ``(window, sink, entry_page_size)``, ``sink`` 0 without a
-    window."""
-    window = validate.positive("window_size", window_size, 0)
-    sink = validate.positive("sink_size", sink_size, 0)
-    entry = validate.positive("entry_page_size", entry_page_size)
-    if v2p is not None:
-        validate.tensor("v2p", v2p, ndim=1, device=device, contiguous_last=False)
+    window. Host metadata only: an id that does not map is the kernels' to mask and report.
+    Messages name ``where`` and the fix."""
+    fix = ("(design §2.10: window_size 0 is no window, entry_page_size 1 rows of token ids, v2p "
+           "the pool's [P] int32 or int64 virtual -> physical page map on the call's device)")  # fmt: skip
+    try:
+        window = validate.positive("window_size", window_size, 0)
+        sink = validate.positive("sink_size", sink_size, 0)
+        entry = validate.positive("entry_page_size", entry_page_size)
+        if v2p is not None:
+            validate.tensor("v2p", v2p, ndim=1, device=device, contiguous_last=False)
+    except TypeError as err:
+        raise TypeError(f"{where}: {err} {fix}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: {err} {fix}") from None
     return window, sink if window else 0, entry
 
 
+# --------------------------------------------------------------------------------------------
+# Device helpers.
+# --------------------------------------------------------------------------------------------
 @triton.jit
 def row_offset(row, stride):
     """``row · stride`` in 64 bits: the element offset of row ``row`` of a strided tensor.

@@ -203,7 +203,7 @@ def _prepare_accept(accept_index, accept_lens, out_cache_loc, num_draft_tokens, 
     validate.tensor("accept_index", accept_index, ndim=2)
     device = accept_index.device
     validate.positive("page_size", page_size)
-    check_id_spaces(0, 0, 1, v2p, device)
+    check_id_spaces("accept_cache_locs", 0, 0, 1, v2p, device)
     B, C = accept_index.shape
     validate.tensor("accept_lens", accept_lens, ndim=1, device=device)
     validate.length("accept_lens", accept_lens, B)

@@ -175,7 +175,7 @@ def bind_assign_draft_cache_locs(
     """
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    _, _, entry = check_id_spaces(0, 0, entry_page_size, v2p, device)
+    _, _, entry = check_id_spaces("assign_draft_cache_locs", 0, 0, entry_page_size, v2p, device)
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=device)
@@ -342,7 +342,7 @@ def bind_prefix_tail_copy_pairs(
     """
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    _, _, entry = check_id_spaces(0, 0, entry_page_size, v2p, device)
+    _, _, entry = check_id_spaces("prefix_tail_copy_pairs", 0, 0, entry_page_size, v2p, device)
     width, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     _check_out("tgt", tgt, n, device)
     _check_out("src", src, n, device)
@@ -393,7 +393,7 @@ def assign_draft_cache_locs_ref(
 ) -> torch.Tensor:
     """Pure-torch :func:`assign_draft_cache_locs`."""
     status = validate.status(status, req_to_token.device)
-    check_id_spaces(0, 0, entry_page_size, v2p, req_to_token.device)
+    check_id_spaces("assign_draft_cache_locs_ref", 0, 0, entry_page_size, v2p, req_to_token.device)
     B = req_pool_indices.shape[0]
     n = B * topk * num_steps
     if out_cache_loc is None:
@@ -431,7 +431,7 @@ def prefix_tail_copy_pairs_ref(
     """Pure-torch :func:`prefix_tail_copy_pairs`."""
     device = req_to_token.device
     status = validate.status(status, device)
-    check_id_spaces(0, 0, entry_page_size, v2p, device)
+    check_id_spaces("prefix_tail_copy_pairs_ref", 0, 0, entry_page_size, v2p, device)
     B = req_pool_indices.shape[0]
     _, n, tgt, src = _pair_buffers(B, topk, page_size, tgt, src, device)
     if n == 0:

@@ -357,7 +357,8 @@ def _prepare(
     """Validate and allocate; shared by the kernel launcher and the reference."""
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    spaces = check_id_spaces(window_size, sink_size, entry_page_size, v2p, device)
+    spaces = check_id_spaces("draft_decode_kv_indices", window_size, sink_size, entry_page_size,
+                             v2p, device)  # fmt: skip
     if kv_indices is None:
         total = _windowed_total(sizing_total(seq_lens_sum, B, req_to_token), B, *spaces[:2])
         width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
@@ -649,8 +650,7 @@ def draft_decode_kv_indices_ref(
     )  # fmt: skip
     if rows == 0:
         return kv_indices, kv_indptr
-    window, sink, entry = spaces
-    device = req_to_token.device
+    (window, sink, entry), device = spaces, req_to_token.device
     K, W_idx = topk, kv_indices.shape[1]
     L = seq_lens.to(torch.int64).clamp_min(0)
     Lw = windowed_length_ref(seq_lens, window, sink)

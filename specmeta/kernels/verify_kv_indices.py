@@ -150,7 +150,7 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_i
              page_size):  # fmt: skip
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    check_id_spaces(0, 0, entry_page_size, v2p, device)
+    check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     validate.positive("page_size", page_size)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
