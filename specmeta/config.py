@@ -381,6 +381,11 @@ def _plan_flashinfer(cfg: SpecConfig, add) -> None:
         "uint8", "packed-bit mask, little-endian, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    # Ragged verify (design §2.9): the lengths padded to the bucket and their offsets.
+    add(f"{mode}.verify_lens", (bs,), i32, "[Bp] verify lengths padded to the bucket")
+    add(f"{mode}.verify_lens_host", (bs,), i32, "[Bp] CPU mirror")
+    add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of verify_lens")
+    add(f"{mode}.ragged_qo_indptr_host", (bs + 1,), i32, "[Bp+1] CPU mirror")
 
 
 def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
@@ -425,14 +430,15 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
 
     add("status", (1,), "int32", "status word (specmeta.Status bits)")
     # A builder's seq_lens_cpu check (design §3): its host slots and the device's last read.
-    modes = len(MODES)
+    # One slot a mode, and one more for a ragged target verify's verify_lens_cpu.
+    slots = len(MODES) + 1
     add(
         "host_lengths_host",
-        (modes, 8),
+        (slots, 8),
         "int64",
-        "per mode: seq, n, ΣL, max L, consumed (64 bytes: one load)",
+        "per mode, then verify_lens: seq, n, ΣL, max L, consumed (64 bytes: one load)",
     )
-    add("host_lengths_seen", (modes,), "int64", "per mode: the last seq the device checked")
+    add("host_lengths_seen", (slots,), "int64", "per slot: the last seq the device checked")
     # Draft slots (design §1, §2.1).
     add("draft.out_cache_loc", (bs * k * s,), "int64", "[B, K, S] draft KV slots")
     add("draft.positions", (bs * k,), "int64", "[B*K] position of each branch's first token")

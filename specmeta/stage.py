@@ -59,16 +59,17 @@ class Stage:
         for launch in self.launches:
             launch()
 
-    def host(self, seq_lens_cpu: torch.Tensor | None = None) -> Any:
-        """The host part on ``seq_lens_cpu`` (checked before anything is written), and the
-        result; a stage without one returns :attr:`result`."""
+    def host(self, seq_lens_cpu: torch.Tensor | None = None, **host_inputs: Any) -> Any:
+        """The host part on ``seq_lens_cpu`` and the other host values it reads
+        (``verify_lens_cpu`` of a ragged target verify), each checked before anything is
+        written, and the result; a stage without one returns :attr:`result`."""
         if self._host is None:
             return self.result
-        return self._host(seq_lens_cpu)
+        return self._host(seq_lens_cpu, **host_inputs)
 
-    def __call__(self, seq_lens_cpu: torch.Tensor | None = None) -> Any:
+    def __call__(self, seq_lens_cpu: torch.Tensor | None = None, **host_inputs: Any) -> Any:
         """:meth:`host`, then :meth:`launch`; returns the result."""
-        result = self.host(seq_lens_cpu)
+        result = self.host(seq_lens_cpu, **host_inputs)
         for launch in self.launches:
             launch()
         return result

@@ -145,3 +145,33 @@ def draft_stage_runner(build, bufs, cfg, device, req_to_token, buckets, *, graph
     runner.add_guard("req_to_token", req_to_token)
     runner.capture()
     return runner
+
+
+# Ragged target verify (design §2.9): the issue's padding rule and the splits the tests draw.
+def padded_lengths(real: list[int], T: int, Bp: int) -> list[int]:
+    """The issue's padding rule, read directly: real requests keep ``v_b``; the leftover goes
+    to the pads, ``⌊leftover / pads⌋`` each and one more for the first ``leftover mod pads``;
+    without a pad the last request takes it."""
+    leftover, pads = T - sum(real), Bp - len(real)
+    if pads == 0:
+        return real[:-1] + [real[-1] + leftover] if real else []
+    return real + [leftover // pads + (j < leftover % pads) for j in range(pads)]
+
+
+def verify_split(gen, Bp: int, n: int, how: str) -> tuple[list[int], int]:
+    """Real lengths and a bucket ``T``: random, or one of the adversarial splits."""
+    draw = lambda hi: int(torch.randint(0, hi + 1, (1,), generator=gen))  # noqa: E731
+    if how == "random":
+        real = [draw(n) for _ in range(draw(Bp))]
+        return real, sum(real) + draw(Bp * n - sum(real))
+    if how == "zeros":  # every real request verifies nothing
+        return [0] * draw(Bp), draw(Bp * n)
+    if how == "one_takes_all":  # one real request, the whole window; T exactly its length
+        return [n], n
+    if how == "full":  # B' = Bp, Σv = T exactly: no leftover
+        real = [draw(n) for _ in range(Bp)]
+        return real, sum(real)
+    if how == "no_pad_leftover":  # B' = Bp and a leftover: the last request's filler rows
+        real = [draw(n) for _ in range(Bp)]
+        return real, Bp * n
+    raise AssertionError(how)

@@ -460,7 +460,7 @@ def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
         "  cannot be created: FlashInferBuilder: flashinfer.draft_decode.kv_indices of shape "
         "[5, 20480010240] has rows of 20,480,010,240 elements, more than the 2,147,483,647 "
         "(2**31 - 1) its int32 kv_indptr can address; it alone is 409,600,204,800 bytes "
-        "(381.5 GiB) of 793,603,089,452 bytes (739.1 GiB) planned; 5 other buffers have such "
+        "(381.5 GiB) of 793,603,093,628 bytes (739.1 GiB) planned; 5 other buffers have such "
         "rows; shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a "
         "builder's modes=, allocate_buffers' names=)",
         "FlashInferBuilder: cannot be created for this config (see above); exit status 1",

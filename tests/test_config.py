@@ -116,7 +116,9 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
         f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
     )
-    assert total == 1_211_529_947_264  # + the 360 bytes of host_lengths_host and _seen
+    # + 72 bytes of the ragged verify's host_lengths slot, and its four flashinfer buffers at
+    # max_bs 256: verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4.
+    assert total == 1_211_529_947_264 + 72 + 2 * 256 * 4 + 2 * 257 * 4
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):
@@ -296,7 +298,8 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
     names = ["status", "host_lengths_host", "host_lengths_seen",
              *FlashInferBuilder.plan_keys(HUGE)]  # fmt: skip
     total = sum(plan[name].nbytes for name in names)
-    assert (len(names), total) == (45, 793_603_089_452)
+    # + the ragged verify's four buffers (max_bs 256: 2·256·4 + 2·257·4 bytes) and its slot
+    assert (len(names), total) == (49, 793_603_089_452 + 2 * 256 * 4 + 2 * 257 * 4 + 72)
     with pytest.raises(ValueError) as info:
         FlashInferBuilder(HUGE, "cpu")
     assert str(info.value) == (
@@ -310,7 +313,7 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
     names = ["status", "host_lengths_host", "host_lengths_seen",
              *FA3MetadataBuilder.plan_keys(CFG_B)]  # fmt: skip
     total = sum(plan_buffers(CFG_B)[name].nbytes for name in names)
-    assert (len(names), total) == (23, 12_380)
+    assert (len(names), total) == (23, 12_380 + 72)  # + the ragged verify's host slot
     with pytest.raises(ValueError) as info:
         FA3MetadataBuilder(CFG_B, "cpu")
     assert str(info.value) == (

@@ -254,6 +254,21 @@ pad_verify_lens_to_bucket = launcher(bind_pad_verify_lens_to_bucket)
 pad_verify_lens_to_bucket.kernels = (_pad_verify_lens_to_bucket_kernel,)  # for specmeta.registry
 
 
+def fill_bucket(lengths: torch.Tensor, count: int, leftover: int) -> torch.Tensor:
+    """The padding rule on ``lengths`` (``[Bp]``, its first ``count`` the real lengths, in
+    place): the ``leftover`` tokens go to the pad requests ``count … Bp − 1``,
+    ``⌊leftover / pads⌋`` each and one more for the first ``leftover mod pads``, or, without a
+    pad, to the last request. Returns ``lengths``."""
+    pads = lengths.shape[0] - count
+    if pads:
+        share, spare = divmod(leftover, pads)
+        lengths[count:] = share
+        lengths[count : count + spare] += 1
+    elif count:
+        lengths[count - 1] += leftover
+    return lengths
+
+
 def pad_verify_lens_to_bucket_ref(
     verify_lens: torch.Tensor,
     num_tokens: int,
@@ -276,14 +291,7 @@ def pad_verify_lens_to_bucket_ref(
     lengths = torch.zeros(Bp, dtype=torch.int64, device=device)
     lengths[:B] = torch.minimum(v, (T - before).clamp_min(0))
     total = int(v.sum())
-    leftover = T - min(total, T)
-    pads = Bp - B
-    if pads:
-        share, spare = divmod(leftover, pads)
-        lengths[B:] = share
-        lengths[B : B + spare] += 1
-    elif B:
-        lengths[B - 1] += leftover
+    fill_bucket(lengths, B, T - min(total, T))
     out[:Bp] = lengths.to(out.dtype)
     qo_indptr[0] = 0
     qo_indptr[1 : Bp + 1] = torch.cumsum(lengths, 0).to(qo_indptr.dtype)

@@ -37,6 +37,7 @@ called at once: it checks and binds on every call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
@@ -55,7 +56,7 @@ from ..stage import Stage
 from . import capabilities as _capabilities
 from . import host_ops as host_ops_module
 from .capabilities import MODES, Capabilities
-from .inputs import check_build_tensors, check_num_rows, host_lengths
+from .inputs import check_build_tensors, check_num_rows, check_verify_lens_cpu, host_lengths
 
 _MODE_INDEX = {mode: i for i, mode in enumerate(MODES)}  # a mode's row of host_lengths
 
@@ -163,6 +164,9 @@ class MetadataBuilder:
         self._host_slots = {m: self.host_lengths[i] for m, i in rows.items()}
         self._host_seen = {m: self.host_lengths_seen[i : i + 1] for m, i in rows.items()}
         self._host_published = {m: self.host_lengths[i].numpy() for m, i in rows.items()}
+        # The last slot: a ragged target verify's verify_lens_cpu (design §2.9).
+        self._verify_slot, self._verify_seen = self.host_lengths[-1], self.host_lengths_seen[-1:]
+        self._verify_published = self.host_lengths[-1].numpy()
         self._views: dict = {}  # (mode, B, ...) -> the views of the builder's own buffers
         self.host_ops = bool(host_ops)
         self.check_host_lengths = bool(check_host_lengths)
@@ -273,6 +277,32 @@ class MetadataBuilder:
         return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,
                             self._host_slots[mode], self._host_seen[mode],
                             status=status)  # fmt: skip
+
+    def verify_lengths(self, mode: str, count: int, num_tokens: int,
+                       verify_lens_cpu: Any) -> None:  # fmt: skip
+        """The checks of a ragged call's ``verify_lens_cpu`` (:func:`.inputs.check_verify_lens_cpu`),
+        made on every call of the stage's host part; what it read is sent to the device for
+        :meth:`verify_check`."""
+        found, stats, n = None, self._stats, self.cfg.num_draft_tokens
+        if stats is not None and verify_lens_cpu is not None:
+            # Every value in [0, N], max and sum, in one compiled call; what it refuses is
+            # named by the checks below.
+            with contextlib.suppress(TypeError, ValueError, IndexError):
+                found = stats(n, count, verify_lens_cpu)
+        if found is None or found[1] > num_tokens:
+            found = check_verify_lens_cpu(self._where[mode], verify_lens_cpu, count, num_tokens,
+                                          n)  # fmt: skip
+        if self.check_host_lengths:
+            publish_host_lengths(self._verify_published, count, found[1], found[0])
+
+    def verify_check(self, verify_lens: torch.Tensor, status: torch.Tensor) -> Any:
+        """The launch that checks what the host part last read of ``verify_lens_cpu`` against
+        ``verify_lens`` (``Status.STALE_HOST_LENGTHS``, the check of :meth:`host_check`);
+        ``None`` for a builder made with ``check_host_lengths=False``."""
+        if not self.check_host_lengths:
+            return None
+        return self._launch(bind_check_host_lengths, check_host_lengths_ref, verify_lens,
+                            self._verify_slot, self._verify_seen, status=status)  # fmt: skip
 
     def _launch(self, bind: Callable[..., Stage], ref: Callable[..., Any], *args: Any,
                 **kwargs: Any) -> Stage | functools.partial:  # fmt: skip

@@ -20,13 +20,14 @@ per-branch token lists, planned with page size 1 (``S·K·ΣL`` prefix entries a
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..config import SpecConfig, plan_buffers
+from ..kernels._common import check_verify_lens
 from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
 from ..kernels.draft_decode_kv_indices import (
     DraftDecodeIndptr,
@@ -39,10 +40,18 @@ from ..kernels.shared_prefix_kv_indices import (
 )
 from ..kernels.tree_custom_mask import bind_tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import bind_verify_kv_indices, verify_kv_indices_ref
+from ..kernels.verify_lens import bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
 from ..stage import Stage
 from . import host_ops
 from .capabilities import CAPABILITIES, PLAN_GROUPS, VERIFY_MASKS, verify_mask_keys
-from .contract import DraftSteps, MetadataBuilder
+from .contract import MetadataBuilder
+from .flashinfer_results import (
+    FlashInferCascadeDecode,
+    FlashInferCascadeStep,
+    FlashInferDecodeStep,
+    FlashInferDraftDecode,
+    FlashInferPrefill,
+)
 from .host_mirrors import HostMirrorRing
 from .host_ops import LengthTable
 from .layout import UniformQueryLayout
@@ -57,7 +66,13 @@ _PER_BATCH_MIRRORS = {
     "draft_decode": ("kv_indptr_host",),
     "draft_decode_shared": ("prefix_kv_indptr_host",),
     "draft_decode_paged": ("kv_indptr_host", "kv_last_page_len_host"),
-    "target_verify": ("kv_indptr_host", "mask_indptr_host", "packed_mask_indptr_host"),
+    "target_verify": (
+        "kv_indptr_host",
+        "mask_indptr_host",
+        "packed_mask_indptr_host",
+        "verify_lens_host",
+        "ragged_qo_indptr_host",
+    ),
     "draft_extend": ("kv_indptr_host",),
 }
 # The result fields a host call writes from seq_lens_cpu, by mode (named by its refusal).
@@ -68,106 +83,6 @@ _HOST_FIELDS = {
     "target_verify": "kv_indptr_host, mask_indptr_host",
     "draft_extend": "kv_indptr_host",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashInferDecodeStep:
-    """One draft-decode forward for ``BatchDecodeWithPagedKVCacheWrapper.plan()``."""
-
-    kv_indptr: torch.Tensor
-    """``[B·K + 1]`` int32, device; exact."""
-    kv_indices: torch.Tensor
-    """``[W]`` int32, device; an upper bound: entries ``[0, kv_indptr[-1])`` are this step's."""
-    kv_last_page_len: torch.Tensor
-    """``[B·K]`` int32, device; exact (all 1 with page size 1)."""
-    kv_indptr_host: torch.Tensor
-    """``[B·K + 1]`` int32 on the CPU, equal to ``kv_indptr``, written from ``seq_lens_cpu``
-    by the host part."""
-    kv_last_page_len_host: torch.Tensor
-    """``[B·K]`` int32 on the CPU, equal to ``kv_last_page_len`` (ones with page size 1,
-    written from ``seq_lens_cpu`` by the host part for page lists)."""
-    page_size: int
-    """The page size to plan with: 1 for token lists, the pool's for page lists."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashInferDraftDecode(DraftSteps):
-    """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
-
-    steps: tuple[FlashInferDecodeStep, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashInferCascadeStep:
-    """One draft-decode forward for ``MultiLevelCascadeAttentionWrapper.plan()`` (two levels).
-
-    Level 0 is the shared prefix: request ``b``'s ``K`` branch rows (query stride ``K``) read
-    ``row_b[0:L_b]``. Level 1 is the chains: branch row ``z`` (stride 1) reads its ``s + 1``
-    draft slots. Query rows are ordered ``[b, t]`` in both levels.
-    """
-
-    qo_indptr_arr: tuple[torch.Tensor, torch.Tensor]
-    """``([B + 1], [B·K + 1])`` int32, device: ``K·arange`` and ``arange``; exact."""
-    paged_kv_indptr_arr: tuple[torch.Tensor, torch.Tensor]
-    """``([B + 1], [B·K + 1])`` int32, device: ``[0, cumsum(L)]`` and ``z·(s + 1)``; exact."""
-    paged_kv_indices_arr: tuple[torch.Tensor, torch.Tensor]
-    """``([W0], [W1])`` int32, device; upper bounds (``ΣL`` and ``B·K·(s+1)`` entries used)."""
-    paged_kv_last_page_len: tuple[torch.Tensor, torch.Tensor]
-    """``([B], [B·K])`` int32 ones, device; exact."""
-    qo_indptr_host_arr: tuple[torch.Tensor, torch.Tensor]
-    """CPU mirrors of ``qo_indptr_arr`` (batch independent, always present)."""
-    paged_kv_indptr_host_arr: tuple[torch.Tensor, torch.Tensor]
-    """CPU mirrors of ``paged_kv_indptr_arr`` (the prefix level's written from
-    ``seq_lens_cpu`` by the host part, the chain level's batch independent)."""
-    paged_kv_last_page_len_host_arr: tuple[torch.Tensor, torch.Tensor]
-    """CPU mirrors of ``paged_kv_last_page_len`` (ones, always present)."""
-    page_size: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashInferCascadeDecode(DraftSteps):
-    """Every cascade draft-decode forward of one draft iteration, step ``s`` at ``steps[s]``."""
-
-    steps: tuple[FlashInferCascadeStep, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashInferPrefill:
-    """Target verify or draft extend for ``BatchPrefillWithPagedKVCacheWrapper.plan()``."""
-
-    qo_indptr: torch.Tensor
-    """``[B + 1]`` int32, device: ``N·arange`` (uniform stride, design §3.1); exact."""
-    kv_indptr: torch.Tensor
-    """``[B + 1]`` int32, device: ``[0, cumsum(L + N)]``; exact."""
-    kv_indices: torch.Tensor
-    """``[W]`` int32, device; upper bound: ``ΣL + B·N`` entries used."""
-    kv_last_page_len: torch.Tensor
-    """``[B]`` int32 ones, device; exact."""
-    custom_mask: torch.Tensor | None
-    """Flat bool, device, request ``i`` an ``N × (L_i + N)`` block; upper bound (``None`` for
-    draft extend or when ``packed_custom_mask`` is given)."""
-    packed_custom_mask: torch.Tensor | None
-    """uint8, device: ``custom_mask`` packed little-endian, each request's segment padded to a
-    byte and starting at byte ``mask_indptr[i]`` (the layout FlashInfer 0.7's ``plan()`` reads;
-    see :mod:`specmeta.kernels.tree_custom_mask`)."""
-    mask_indptr: torch.Tensor | None
-    """``[B + 1]`` int32, device: segment starts, in elements (read as bytes for the packed
-    form). ``plan()`` computes the same offsets itself; it is not passed."""
-    causal: bool
-    """``False`` for target verify (the mask decides), ``True`` for draft extend."""
-    qo_indptr_host: torch.Tensor
-    """``[B + 1]`` int32 on the CPU (batch independent, always present)."""
-    kv_indptr_host: torch.Tensor
-    """``[B + 1]`` int32 on the CPU, equal to ``kv_indptr``, written from ``seq_lens_cpu``
-    by the host part."""
-    kv_last_page_len_host: torch.Tensor
-    """``[B]`` int32 ones on the CPU (always present)."""
-    mask_indptr_host: torch.Tensor | None
-    """``[B + 1]`` int32 on the CPU, equal to ``mask_indptr``; ``None`` without a mask
-    (draft extend)."""
-    max_q_len: int
-    """``N``, the same at capture and at replay."""
-    page_size: int = 1
 
 
 class FlashInferBuilder(MetadataBuilder):
@@ -308,7 +223,8 @@ class FlashInferBuilder(MetadataBuilder):
 
     # -- the stages -----------------------------------------------------------------------------
     def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable,
-               seq_lens: torch.Tensor, status: torch.Tensor | None) -> Stage:  # fmt: skip
+               seq_lens: torch.Tensor, status: torch.Tensor | None,
+               verify: Callable | None = None) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
         ``launches`` and the check of the host's lengths, and a host part that checks
         ``seq_lens_cpu`` (every value named in the builder's message before anything is
@@ -316,7 +232,9 @@ class FlashInferBuilder(MetadataBuilder):
         the writer of its set and returns the set's result. ``make(B, *key, mirrors,
         compiled)`` makes a set's result and writer (compiled where :func:`specmeta.warmup`
         built the host ops and :attr:`host_ops` asks for them) once, a slot per set in
-        :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn."""
+        :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn. A ragged verify
+        passes ``verify(verify_lens_cpu)``, its checks, and its writer takes both host
+        tensors; any other stage refuses a ``verify_lens_cpu``."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         sets, take, where = ring.sets, ring.take, self._where[mode]
@@ -325,18 +243,28 @@ class FlashInferBuilder(MetadataBuilder):
                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
                    "the CPU copy of seq_lens the engine already holds (a copy of seq_lens made "
                    "here would sync with the device)")  # fmt: skip
+        unbound = (f"{where}: verify_lens_cpu was given, but this stage was bound without "
+                   "verify_lens (a uniform layout); bind it with verify_lens= and num_tokens= "
+                   "for a ragged verify, or drop verify_lens_cpu")  # fmt: skip
 
-        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+        def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
             lengths(mode, B, seq_lens_cpu)  # every check, named, before anything is written
+            if verify is not None:
+                verify(verify_lens_cpu)
+            elif verify_lens_cpu is not None:
+                raise ValueError(unbound)
             compiled = builder.host_ops and compiled_module() is not None
             slot = take()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
-            entry[1](seq_lens_cpu)
+            if verify is None:
+                entry[1](seq_lens_cpu)
+            else:
+                entry[1](seq_lens_cpu, verify_lens_cpu)
             return entry[0]
 
         check = self.host_check(mode, seq_lens, self.status_word(status))
@@ -534,24 +462,51 @@ class FlashInferBuilder(MetadataBuilder):
 
     # -- target verify and draft extend ---------------------------------------------------------
     def _bind_prefill_kv(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
-                         v2p):  # fmt: skip
-        """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``), ids
-        through the page map ``v2p`` when given (design §2.10)."""
+                         v2p, verify_lens=None):  # fmt: skip
+        """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``, or
+        ``L + min(v, N)`` with ``verify_lens``), ids through the page map ``v2p`` when given
+        (design §2.10)."""
         buf = self.buffers
         return self._launch(
             bind_verify_kv_indices, verify_kv_indices_ref, req_pool_indices, req_to_token,
             seq_lens, extra_tokens=self.cfg.num_draft_tokens, kv_indices=buf[f"{mode}.kv_indices"],
             kv_indptr=buf[f"{mode}.kv_indptr"], status=self.status_word(status), v2p=v2p,
-            page_size=self.cfg.page_size,
+            page_size=self.cfg.page_size, verify_lens=verify_lens,
         )  # fmt: skip
+
+    def _bind_bucket(self, where: str, B: int, verify_lens: Any, num_tokens: Any,
+                     status: torch.Tensor | None) -> tuple[Any, torch.Tensor, int]:  # fmt: skip
+        """A ragged verify's padding of ``verify_lens`` to the bucket of ``B`` requests and
+        ``num_tokens`` (design §2.9), into the builder's buffers: the launch, the padded
+        lengths the other launches read, and ``T``."""
+        n, buf = self.cfg.num_draft_tokens, self.buffers
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(
+                f"{where}: num_tokens must be a host int, got {type(num_tokens).__name__}; "
+                "pass the token count T of the captured bucket with verify_lens"
+            )
+        if not 0 <= num_tokens <= B * n:
+            raise ValueError(
+                f"{where}: num_tokens = {num_tokens}, outside [0, B·N = {B * n}] for B = {B} "
+                f"requests of N = {n} nodes; a bucket of B requests holds at most B·N tokens"
+            )
+        padded = buf["target_verify.verify_lens"][:B]
+        launch = self._launch(
+            bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref, verify_lens,
+            num_tokens, B, out=padded, qo_indptr=buf["target_verify.ragged_qo_indptr"][: B + 1],
+            status=self.status_word(status), num_draft_tokens=n,
+        )  # fmt: skip
+        return launch, padded, num_tokens
 
     def bind_target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, tree_mask: torch.Tensor, *, packed: bool = False,
-                           status: torch.Tensor | None = None,
-                           v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                           status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
+                           verify_lens: torch.Tensor | None = None,
+                           num_tokens: int | None = None) -> Stage:  # fmt: skip
         """:meth:`target_verify` bound once to these tensors (arguments as there): two
-        launches, the KV lists and the mask; ``host(seq_lens_cpu)`` returns the
-        :class:`FlashInferPrefill`."""
+        launches, the KV lists and the mask (three for a ragged verify: the padding first);
+        ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`
+        (``host(seq_lens_cpu, verify_lens_cpu=...)`` for a ragged verify)."""
         n, mode = self.cfg.num_draft_tokens, "target_verify"
         where = self.require(mode)
         if self.verify_mask not in ("packed" if packed else "bool", "both"):
@@ -567,23 +522,47 @@ class FlashInferBuilder(MetadataBuilder):
             )
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
                        status=status)  # fmt: skip
-        form = "packed_" if packed else ""
+        form, pad, padded, T, verify = "packed_" if packed else "", None, None, None, None
+        if verify_lens is not None:
+            check_verify_lens(where, verify_lens, verify_lens.shape[0] if isinstance(
+                verify_lens, torch.Tensor) else 0, self.device)  # fmt: skip
+            if verify_lens.shape[0] > B:
+                raise ValueError(
+                    f"{where}: verify_lens has {verify_lens.shape[0]} entries, more than the "
+                    f"batch's B = {B} requests; pass the real requests' lengths (at most B)"
+                )
+            pad, padded, T = self._bind_bucket(where, B, verify_lens, num_tokens, status)
+            count = verify_lens.shape[0]
+            verify = functools.partial(self.verify_lengths, mode, count, T)
+        elif num_tokens is not None:
+            raise ValueError(
+                f"{where}: num_tokens={num_tokens!r} was given without verify_lens; pass "
+                "verify_lens= too for a ragged verify, or drop num_tokens"
+            )
         launches = [
-            self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p),
+            pad,
+            self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
+                                  padded),  # fmt: skip
             self._launch(
                 bind_tree_custom_mask, tree_custom_mask_ref, seq_lens, tree_mask, packed=packed,
                 custom_mask=self.buffers[f"{mode}.{form}custom_mask"],
                 mask_indptr=self.buffers[f"{mode}.{form}mask_indptr"],
-                status=self.status_word(status),
+                status=self.status_word(status), verify_lens=padded,
             ),
         ]  # fmt: skip
-        return self._stage(mode, B, (form,), launches, self._prefill_result, seq_lens, status)
+        if verify is not None:
+            launches.append(self.verify_check(verify_lens, self.status_word(status)))
+        count = None if verify_lens is None else verify_lens.shape[0]
+        return self._stage(mode, B, (form, T, count), launches, self._prefill_result, seq_lens,
+                           status, verify)  # fmt: skip
 
     def target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                       seq_lens: torch.Tensor, tree_mask: torch.Tensor, *,
                       seq_lens_cpu: torch.Tensor | None = None, packed: bool = False,
                       status: torch.Tensor | None = None, launch: bool = True,
-                      v2p: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
+                      v2p: torch.Tensor | None = None, verify_lens: torch.Tensor | None = None,
+                      verify_lens_cpu: torch.Tensor | None = None,
+                      num_tokens: int | None = None) -> FlashInferPrefill:  # fmt: skip
         """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
 
         Parameters
@@ -594,13 +573,31 @@ class FlashInferBuilder(MetadataBuilder):
         packed : bool
             Build ``packed_custom_mask`` (FlashInfer's packed-bit form) instead of the bool
             ``custom_mask``.
+        verify_lens : torch.Tensor, optional
+            A ragged verify (design §2.9): ``[B' ≤ B]`` int32 or int64 on the device, real
+            request ``b`` verifies its first ``v_b ≤ N`` nodes. The batch (``B``, every other
+            tensor's) is the captured bucket's ``Bp`` requests; the lengths are padded to the
+            bucket of ``num_tokens`` on the device (:func:`specmeta.pad_verify_lens_to_bucket`,
+            leftover tokens to the pad requests ``B' … B − 1``) and request ``i`` gets ``v_i``
+            query rows over ``row_i[0 : L_i + min(v_i, N)]``, its mask ``v_i × (L_i +
+            min(v_i, N))`` (rows past ``N`` are filler rows, 1 in every column). A length
+            outside ``[0, N]``, or a sum over ``num_tokens``, sets a status bit.
+        verify_lens_cpu : torch.Tensor, optional
+            ``[B']`` on the CPU, equal to ``verify_lens``; required with it (``plan()`` reads
+            ``qo_indptr_host``, which is written from it). Checked on the host: each in
+            ``[0, N]``, the sum at most ``num_tokens``.
+        num_tokens : int, optional
+            ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
 
         Other arguments as in :meth:`draft_decode` (``v2p``: the lists hold physical ids). Two
-        launches: the KV lists and the mask.
+        launches: the KV lists and the mask; a ragged verify pads the lengths first.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
-                                        packed=packed, status=status, v2p=v2p)  # fmt: skip
-        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+                                        packed=packed, status=status, v2p=v2p,
+                                        verify_lens=verify_lens, num_tokens=num_tokens)  # fmt: skip
+        if launch:
+            return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
+        return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, status: torch.Tensor | None = None,
@@ -611,7 +608,8 @@ class FlashInferBuilder(MetadataBuilder):
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
         launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status,
                                        v2p)  # fmt: skip
-        return self._stage(mode, B, (None,), [launch], self._prefill_result, seq_lens, status)
+        return self._stage(mode, B, (None, None, None), [launch], self._prefill_result,
+                           seq_lens, status)  # fmt: skip
 
     def draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
@@ -624,17 +622,23 @@ class FlashInferBuilder(MetadataBuilder):
                                        v2p=v2p)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
-    def _prefill_result(self, B: int, form: str | None, mirrors: dict, compiled: bool):
-        """The result of target verify (mask ``form`` ``""``, bool, or ``"packed_"``) or draft
-        extend (``form`` None) over the ring's set ``mirrors``, and the writer of its host
-        offsets: ``kv_indptr = [0, cumsum(L + N)]`` and the mask's element offsets in both
-        forms (the packed segments start there, read as bytes): request ``i``'s mask is
-        ``N × (L_i + N)`` elements, so ``mask_indptr = N · kv_indptr``."""
+    def _prefill_result(self, B: int, form: str | None, T: int | None, count: int | None,
+                        mirrors: dict, compiled: bool):  # fmt: skip
+        """The result of target verify (mask ``form`` ``""``, bool, or ``"packed_"``; ragged
+        over a bucket of ``T`` tokens, or uniform for ``T`` None) or draft extend (``form``
+        None) over the ring's set ``mirrors``, and the writer of its host offsets. Uniform:
+        ``kv_indptr = [0, cumsum(L + N)]`` and the mask's element offsets in both forms (the
+        packed segments start there, read as bytes): request ``i``'s mask is ``N × (L_i + N)``
+        elements, so ``mask_indptr = N · kv_indptr``. Ragged: the offsets of the padded
+        lengths (:func:`.host_ops.ragged_verify_writer`)."""
         buf, n, masked = self.buffers, self.cfg.num_draft_tokens, form is not None
         mode = "target_verify" if masked else "draft_extend"
         kv_host = mirrors["kv_indptr_host"][: B + 1]
         mask = buf[f"{mode}.{form}custom_mask"] if masked else None
         mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1] if masked else None
+        if T is not None:
+            return self._ragged_result(B, form, T, count, mirrors, kv_host, mask, mask_host,
+                                       compiled)  # fmt: skip
         result = FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
@@ -652,6 +656,37 @@ class FlashInferBuilder(MetadataBuilder):
         )
         write = host_ops.prefix_writer(self._length_tables[mode], B, kv_host, mask_host,
                                        n if masked else 0, use_compiled=compiled)  # fmt: skip
+        return result, write
+
+    def _ragged_result(self, B: int, form: str, T: int, count: int, mirrors: dict,
+                       kv_host: torch.Tensor, mask: torch.Tensor, mask_host: torch.Tensor,
+                       compiled: bool):  # fmt: skip
+        """A ragged target verify's result over a bucket of ``B`` requests (``count`` of them
+        real) and ``T`` tokens, and the writer of its host mirrors from ``seq_lens_cpu`` and
+        ``verify_lens_cpu``."""
+        buf, mode = self.buffers, "target_verify"
+        verify_host = mirrors["verify_lens_host"][:B]
+        qo_host = mirrors["ragged_qo_indptr_host"][: B + 1]
+        result = FlashInferPrefill(
+            qo_indptr=buf[f"{mode}.ragged_qo_indptr"][: B + 1],
+            kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
+            kv_indices=buf[f"{mode}.kv_indices"],
+            kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
+            custom_mask=mask if form == "" else None,
+            packed_custom_mask=mask if form else None,
+            mask_indptr=buf[f"{mode}.{form}mask_indptr"][: B + 1],
+            causal=False,
+            qo_indptr_host=qo_host,
+            kv_indptr_host=kv_host,
+            kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
+            mask_indptr_host=mask_host,
+            max_q_len=T,
+            verify_lens=buf[f"{mode}.verify_lens"][:B],
+            verify_lens_host=verify_host,
+        )
+        write = host_ops.ragged_verify_writer(self._length_tables[mode], B, count, T,
+                                              self.cfg.num_draft_tokens, verify_host, qo_host,
+                                              kv_host, mask_host, use_compiled=compiled)  # fmt: skip
         return result, write
 
 

@@ -33,9 +33,10 @@ import torch
 from .. import validate
 from ..kernels.branch_kv_indices import branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
+from ..kernels.verify_lens import fill_bucket
 
 __all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "draft_decode_writer",
-           "prefix_writer", "paged_writer"]  # fmt: skip
+           "prefix_writer", "paged_writer", "ragged_verify_writer"]  # fmt: skip
 
 #: ``writer(seq_lens_cpu) -> ΣL`` (``None`` when the torch writer leaves it to the caller).
 Writer = Callable[[torch.Tensor], "int | None"]
@@ -308,3 +309,45 @@ def _torch_paged(table, batch, topk, page_size, out, last, seq_lens_cpu):
     _check_lengths(seq_lens_cpu, batch)
     lens = table.gather(seq_lens_cpu)
     branch_kv_indptr(lens, topk, out.shape[0], page_size, out, last)
+
+
+def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens: int,
+                         num_draft_tokens: int, verify_out: torch.Tensor, qo_out: torch.Tensor,
+                         kv_out: torch.Tensor, mask_out: torch.Tensor, *,
+                         use_compiled: bool = True) -> Callable[[torch.Tensor, torch.Tensor], int]:  # fmt: skip
+    """The host mirrors of a ragged target verify (design §2.9) over ``batch`` requests (the
+    bucket's ``Bp``), ``count`` of them real, and ``num_tokens`` (its ``T``): ``verify_out`` ←
+    the padded lengths ``v_b`` (the rule of
+    :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket_ref` on checked lengths,
+    :func:`~specmeta.kernels.verify_lens.fill_bucket`), ``qo_out`` ← their offsets, ``kv_out``
+    ← ``[0, cumsum(L + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L + min(v, N)))]``.
+    ``table`` has shift ``N``. ``write(seq_lens_cpu, verify_lens_cpu)``: every length checked
+    before anything is written (the builder checks ``verify_lens_cpu`` first, naming it)."""
+    n = num_draft_tokens
+    if table.shift != n:
+        raise ValueError(f"ragged_verify_writer: the table's shift is {table.shift}; pass one "
+                         f"made with shift=N={n}")  # fmt: skip
+    _int32_view("verify_out", verify_out, (batch,))
+    for name, out in (("qo_out", qo_out), ("kv_out", kv_out), ("mask_out", mask_out)):
+        _int32_view(name, out, (batch + 1,))
+    op = _module_for(use_compiled)
+    if op is not None:
+        return functools.partial(op.ragged, table.max_len, n, num_tokens, batch, count,
+                                 verify_out.numpy(), qo_out.numpy(), kv_out.numpy(),
+                                 mask_out.numpy())  # fmt: skip
+    cols = torch.empty(batch, dtype=torch.int32)
+    return functools.partial(_torch_ragged, table, batch, count, num_tokens, n, verify_out,
+                             qo_out[1:], kv_out[1:], mask_out[1:], cols)  # fmt: skip
+
+
+def _torch_ragged(table, batch, count, T, N, verify_out, qo_tail, kv_tail, mask_tail, cols,
+                  seq_lens_cpu, verify_lens_cpu):  # fmt: skip
+    _check_lengths(seq_lens_cpu, batch)
+    lens = table.gather(seq_lens_cpu)  # L + N, every length checked
+    verify_out[:count] = verify_lens_cpu
+    fill_bucket(verify_out, count, T - int(verify_lens_cpu.sum()))
+    # Entry 0 of every offset mirror stays the zero the ring's buffers were allocated with.
+    torch.cumsum(verify_out, 0, out=qo_tail)
+    torch.sub(lens, (N - verify_out).clamp_min_(0), out=cols)  # L + min(v, N)
+    torch.cumsum(cols, 0, out=kv_tail)
+    torch.cumsum(cols.mul_(verify_out), 0, out=mask_tail)

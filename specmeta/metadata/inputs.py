@@ -23,7 +23,8 @@ import torch
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["check_build_tensors", "check_length_values", "check_num_rows", "host_lengths"]
+__all__ = ["check_build_tensors", "check_length_values", "check_num_rows", "check_verify_lens_cpu",
+           "host_lengths"]  # fmt: skip
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -235,3 +236,42 @@ def check_length_values(where: str, cfg: SpecConfig,
                 f"max_context_len >= {high}"
             )
     return high, values
+
+
+def check_verify_lens_cpu(where: str, verify_lens_cpu: object, count: int, num_tokens: int,
+                          num_draft_tokens: int) -> tuple[int, int]:  # fmt: skip
+    """Check a ragged target verify's host lengths (design §2.9), on every call: a ``[count]``
+    integer CPU tensor (``count`` the entries of the device ``verify_lens``), each ``v_b`` in
+    ``[0, N]``, summing to at most ``num_tokens``. Returns ``(max v, Σv)`` (``(0, 0)`` for
+    none). The host sees these values, so a bad one is refused here, naming it; the device
+    copy's faults are the kernels' to mask and report."""
+    if verify_lens_cpu is None:
+        raise ValueError(
+            f"{where}: verify_lens_cpu is None, but this stage was bound with verify_lens: the "
+            "host mirrors plan() reads (qo_indptr_host, kv_indptr_host, mask_indptr_host) are "
+            "written from it; pass verify_lens_cpu=, the CPU copy of verify_lens the engine "
+            "holds (a copy made here would sync with the device)"
+        )
+    cpu = _tensor(where, "verify_lens_cpu", verify_lens_cpu, _CPU, ndim=1)
+    if cpu.shape[0] != count:
+        raise ValueError(
+            f"{where}: verify_lens_cpu has {cpu.shape[0]} entries but verify_lens has {count}; "
+            "pass the CPU copy of this call's verify_lens"
+        )
+    values = cpu.tolist()
+    n = num_draft_tokens
+    bad = values and not 0 <= min(values) <= max(values) <= n
+    for b, v in enumerate(values if bad else ()):
+        if not 0 <= v <= n:
+            raise ValueError(
+                f"{where}: verify_lens_cpu[{b}] = {v}, outside [0, N = {n}]; a request "
+                "verifies at most the N nodes of its tree (pass the real lengths: the bucket's "
+                "padding is made here)"
+            )
+    total = sum(values)
+    if total > num_tokens:
+        raise ValueError(
+            f"{where}: verify_lens_cpu sums to {total}, over num_tokens = {num_tokens}; pick "
+            f"a bucket of at least {total} tokens"
+        )
+    return (max(values) if values else 0), total

@@ -12,7 +12,8 @@ import torch
 
 from ..workloads import Batch
 
-__all__ = ["branch_sequences", "window_sequences", "tree_sequences", "extend_sequences"]
+__all__ = ["branch_sequences", "window_sequences", "tree_sequences", "ragged_tree_sequences",
+           "extend_sequences"]  # fmt: skip
 
 
 def _rows(batch: Batch) -> list[tuple[torch.Tensor, int]]:
@@ -62,6 +63,22 @@ def tree_sequences(batch: Batch, tree_mask: torch.Tensor) -> list[torch.Tensor]:
         for i, (row, L) in enumerate(_rows(batch))
         for j in range(n)
     ]
+
+
+def ragged_tree_sequences(batch: Batch, tree_mask: torch.Tensor,
+                          verify_lens: list[int]) -> list[torch.Tensor]:  # fmt: skip
+    """A ragged target verify (design §2.9), request ``i`` verifying ``v_i`` rows (the lengths
+    padded to the bucket): row ``j < min(v_i, N)`` reads its prefix and its ancestors among the
+    first ``min(v_i, N)`` nodes; a filler row ``j ≥ N`` reads the prefix and those nodes."""
+    tree = tree_mask.cpu()
+    n = tree.shape[-1]
+    out = []
+    for i, ((row, L), v) in enumerate(zip(_rows(batch), verify_lens, strict=True)):
+        nodes = row[L : L + min(v, n)]
+        for j in range(v):
+            seen = tree[i, j, : nodes.numel()] if j < n else torch.ones(nodes.numel(), dtype=bool)
+            out.append(torch.cat([row[:L], nodes[seen]]))
+    return out
 
 
 def extend_sequences(batch: Batch, num_tokens: int) -> list[torch.Tensor]:

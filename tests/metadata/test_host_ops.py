@@ -483,3 +483,49 @@ def test_warmup_honours_the_switch_and_keeps_a_failure(unbuilt, monkeypatch):
     assert host_ops.warmup() == want and host_ops.warmup() == want
     assert unbuilt == ["broken"] and host_ops.compiled() is None
     assert host_ops.unavailable() == "RuntimeError: no compiler here"
+
+
+def _ragged_expected(lens, real, T, n):
+    """The ragged mirrors read from the rule (issue 40): padded lengths, then the three
+    cumulative sums, as Python ints."""
+    from tests._support import padded_lengths
+
+    v = padded_lengths(real, T, lens.shape[0])
+    cols = [int(L) + min(x, n) for L, x in zip(lens.tolist(), v, strict=True)]
+    acc = lambda xs: [sum(xs[:i]) for i in range(len(xs) + 1)]  # noqa: E731
+    return v, acc(v), acc(cols), acc([x * c for x, c in zip(v, cols, strict=True)])
+
+
+def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
+    """A ragged verify's mirrors (design §2.9), compiled and torch, at every bucket size and
+    real count, with T from Σv (no leftover) to B·N: exactly the rule's values, nothing
+    outside the views; a real length over N or a sum over T raises and writes nothing
+    (compiled: the builder names the value first)."""
+    n = SHIFT
+    table = LengthTable(MAX_LEN, MAX_BS, n)
+    for B in range(1, MAX_BS + 1):
+        lens = _lengths(gen, B, torch.int64)
+        count = int(torch.randint(0, B + 1, (1,), generator=gen))
+        real = torch.randint(0, n + 1, (count,), generator=gen, dtype=torch.int32)
+        low = int(real.sum())
+        T = low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
+        want = _ragged_expected(lens, real.tolist(), T, n)
+        for use_compiled in (True, False):
+            bufs = [_poisoned(MAX_BS + (i > 0)) for i in range(4)]
+            for buf in bufs[1:]:
+                buf[0] = 0  # the ring's buffers are allocated zeroed
+            views = [bufs[0][:B], *(b[: B + 1] for b in bufs[1:])]
+            write = host_ops.ragged_verify_writer(table, B, count, T, n, *views,
+                                                  use_compiled=use_compiled)  # fmt: skip
+            write(lens, real)
+            for name, buf, exp in zip(("verify", "qo", "kv", "mask"), bufs, want, strict=True):
+                size = len(exp)
+                assert buf[:size].tolist() == exp, (name, use_compiled, lens, real, T)
+                assert buf[size:].eq(POISON).all(), (name, use_compiled, "written past")
+    for bad in ("over_n", "over_t"):
+        real = torch.tensor([n + 1 if bad == "over_n" else n, n], dtype=torch.int32)
+        bufs = [_poisoned(3), _poisoned(4), _poisoned(4), _poisoned(4)]
+        write = host_ops.ragged_verify_writer(table, 3, 2, 2 * n - 1, n, *bufs)
+        with pytest.raises((IndexError, ValueError)):
+            write(torch.tensor([1, 2, 3]), real)
+        assert all(b.eq(POISON).all() for b in bufs), bad

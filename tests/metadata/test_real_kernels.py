@@ -35,11 +35,12 @@ from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import (
     branch_sequences,
     extend_sequences,
+    ragged_tree_sequences,
     tree_sequences,
     window_sequences,
 )
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import no_host_sync
+from tests._support import no_host_sync, padded_lengths, verify_split
 
 pytestmark = pytest.mark.gpu
 
@@ -204,6 +205,28 @@ def test_gpu_flashinfer_virtual_ids_through_flashinfer(gen, flashinfer_attn, mod
         virtual = tree_sequences(c.batch, c.tree)
     want = [v2p[ids // ps] * ps + ids % ps for ids in virtual]
     c.check(flashinfer_attn, meta, want, f"flashinfer {mode} v2p k={k} ps={ps}")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_ragged_verify_through_flashinfer(gen, flashinfer_attn, k, ps, packed,
+                                                         how):  # fmt: skip
+    """A ragged target verify over a bucket of 5 requests (design §2.9): FlashInfer planned
+    from the host mirrors of verify_lens_cpu reads every row of the bucket, filler rows too."""
+    c = _Case(gen, k, ps, 5)
+    real, T = verify_split(gen, 5, c.n, how)
+    fi = FlashInferBuilder(c.cfg, "cuda", modes=("target_verify",))
+    meta = fi.target_verify(
+        *c.args, c.tree, seq_lens_cpu=c.batch.seq_lens_cpu, packed=packed,
+        verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"),
+        verify_lens_cpu=torch.tensor(real, dtype=torch.int32), num_tokens=T,
+    )  # fmt: skip
+    want = ragged_tree_sequences(c.batch, c.tree, padded_lengths(real, T, 5))
+    what = f"flashinfer ragged verify k={k} ps={ps} {how} {real} T={T}"
+    c.check(flashinfer_attn, meta, want, what)
     assert int(fi.status) == 0
 
 
