@@ -317,7 +317,7 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
     with pytest.raises(ValueError) as info:
         FA3MetadataBuilder(CFG_B, "cpu")
     assert str(info.value) == (
-        f"FA3MetadataBuilder: the {len(names)} planned buffers need {total:,} bytes (12.1 KiB) "
+        f"FA3MetadataBuilder: the {len(names)} planned buffers need {total:,} bytes (12.2 KiB) "
         "on cpu, more than its 4,096 bytes (4.0 KiB) of physical memory; the largest is "
         "fa3.draft_decode.page_table of shape [8, 71], 2,272 bytes (2.2 KiB); " + _FIX
     )
