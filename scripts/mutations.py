@@ -428,8 +428,8 @@ MUTATIONS: list[Mutation] = [
        "pad_verify_lens_to_bucket_ref: with no pad request the last request does not take the "
        "leftover",
        K + "verify_lens.py",
-       "        lengths[B - 1] += leftover",
-       "        lengths[B - 1] += 0",
+       "        lengths[count - 1] += leftover",
+       "        lengths[count - 1] += 0",
        ["tests/kernels/test_verify_lens.py", "-k", "hand_worked"]),
     # ---------------------------------------------------------------- ragged verify lists
     _m("k-ragged-kv-length", "kernel", "ragged verify_kv_indices: a list one entry longer than L + v",
@@ -662,8 +662,8 @@ MUTATIONS: list[Mutation] = [
     _m("s-stale-opt-out-ignored", "stage",
        "a builder made with check_host_lengths=False still launches the check in every stage",
        "specmeta/metadata/contract.py",
-       "        if not self.check_host_lengths:\n            return None\n",
-       "",
+       "        if not self.check_host_lengths:\n            return None\n        return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,",
+       "        return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,",
        ["tests/metadata/test_stale_host_lengths.py", "-k", "without_the_check"]),
     _m("r-stale-total", "reference",
        "check_host_lengths_ref compares the maximum only",
@@ -849,10 +849,10 @@ MUTATIONS: list[Mutation] = [
        "calling a stage launches before its host part: a refused seq_lens_cpu raises after the "
        "outputs were written",
        "specmeta/stage.py",
-       "        result = self.host(seq_lens_cpu)\n        for launch in self.launches:\n"
+       "        result = self.host(seq_lens_cpu, **host_inputs)\n        for launch in self.launches:\n"
        "            launch()\n        return result\n",
        "        for launch in self.launches:\n            launch()\n"
-       "        return self.host(seq_lens_cpu)\n",
+       "        return self.host(seq_lens_cpu, **host_inputs)\n",
        ["tests/test_stage.py", "tests/metadata/test_builder_messages.py", "-k",
         "refused_length or host_part_before or bound_stage_refuses"]),
     _m("st-views-keyed-by-mode", "stage",
