@@ -348,6 +348,19 @@ MUTATIONS: list[Mutation] = [
        "    bad = values and not 0 <= min(values) <= max(values) <= n",
        "    bad = values and not 0 <= min(values)",
        ["tests/metadata/test_ragged_verify_builders.py", "-k", "refused"]),
+    _m("rn-ragged-host-pad", "runner",
+       "the ragged runner pads the host inputs with 0, not their inputs' pads: the host mirrors "
+       "of the pad requests disagree with what the device reads",
+       "specmeta/runners/ragged_runner.py",
+       "        copy[n:m] = spec.pad",
+       "        copy[n:m] = 0",
+       ["tests/runners/test_ragged_runner.py", "-k", "every_split"]),
+    _m("rn-ragged-bucket-tokens", "runner",
+       "the ragged runner picks a bucket by requests only: too few tokens for the batch",
+       "specmeta/runners/ragged_runner.py",
+       "            if T >= t and bp >= B:",
+       "            if bp >= B:",
+       ["tests/runners/test_ragged_runner.py", "-k", "bucket_choice"]),
     # ---------------------------------------------------------------- FlashInfer's host part
     _m("h-mirror-set-stale", "host_mirror",
        "FlashInfer's results are all made over the ring's first set: build i + 1 rewrites the "

@@ -461,6 +461,7 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     add("runner.seq_lens", (bs,), "int64", "[B] committed prefix lengths L_b")
     add("runner.verify_out_cache_loc", (bs * nd,), "int64", "[B*N] verify-window KV slots")
     add("runner.tree_mask", (bs, nd, nd), "bool", "[B, N, N] draft-tree ancestor mask")
+    add("runner.verify_lens", (bs,), "int32", "[B] verify tokens of each request (ragged)")
     add("runner.accept_index", (bs, s + 1), "int32", "[B, S+1] accepted node ids, -1 after")
     add("runner.accept_lens", (bs,), "int32", "[B] accepted nodes per request")
     # Relocation after verify (design §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.

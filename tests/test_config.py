@@ -116,9 +116,10 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
         f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
     )
-    # + 72 bytes of the ragged verify's host_lengths slot, and its four flashinfer buffers at
-    # max_bs 256: verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4.
-    assert total == 1_211_529_947_264 + 72 + 2 * 256 * 4 + 2 * 257 * 4
+    # + 72 bytes of the ragged verify's host_lengths slot, and its five buffers at max_bs 256:
+    # verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4, and the
+    # runner's verify_lens 256·4.
+    assert total == 1_211_529_947_264 + 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):

@@ -98,9 +98,10 @@ class StaticInput:
         Written into rows ``[B·per_request, Bp·per_request)`` before every replay.
     per_request : int
         Rows of ``buffer`` one request owns (``K·S`` for draft slots, ``N`` for a verify window).
-    host_mirror : bool
-        Whether :meth:`GraphRunner.run` takes the input's CPU values too (for the stage's host
-        part: ``seq_lens_cpu``).
+    host_mirror : str or None
+        The keyword of the stage's host part that the input's CPU values go to
+        (``"seq_lens_cpu"``, its first argument; ``"verify_lens_cpu"`` of a ragged verify), or
+        ``None``: :meth:`GraphRunner.run` takes them as ``host_inputs[name]``.
     probe : callable or None
         ``probe(raw, label=...)``, run on the raw input when probes are enabled.
     """
@@ -109,7 +110,7 @@ class StaticInput:
     buffer: torch.Tensor
     pad: int | float
     per_request: int
-    host_mirror: bool
+    host_mirror: str | None
     probe: Probe | None
 
 
@@ -209,7 +210,7 @@ class GraphRunner:
             raise ValueError(f"{what}: the runner is captured; build a new runner to change it")
 
     def add_input(self, name: str, buffer: torch.Tensor, *, pad: int | float | bool,
-                  per_request: int = 1, host_mirror: bool = False,
+                  per_request: int = 1, host_mirror: bool | str = False,
                   probe: Probe | None = None) -> torch.Tensor:  # fmt: skip
         """Register a static input buffer with its **required** pad value.
 
@@ -225,10 +226,11 @@ class GraphRunner:
             only, no default: a buffer without a pad policy cannot be registered.
         per_request : int
             Rows of ``buffer`` per request.
-        host_mirror : bool
+        host_mirror : bool or str
             :meth:`run` and :meth:`replay` also take the input's CPU values
-            (``host_inputs[name]``), passed to the stage's host part (``seq_lens_cpu``); at most
-            one input has one.
+            (``host_inputs[name]``), passed to the stage's host part: ``True`` as
+            ``seq_lens_cpu``, a str as that keyword (``"verify_lens_cpu"``); one input a
+            keyword.
         probe : callable, optional
             ``probe(raw, label=...)`` (e.g. ``functools.partial(probes.detect_oob, lo=0,
             hi=R)``), run on the raw input when probes are enabled.
@@ -253,12 +255,15 @@ class GraphRunner:
                           f"rows ({self.max_batch_size} requests x {per_request})")  # fmt: skip
         if probe is not None and not callable(probe):
             raise TypeError(f"{name}: probe must be callable, got {type(probe).__name__}")
-        if host_mirror and any(s.host_mirror for s in self._inputs.values()):
-            first = next(n for n, s in self._inputs.items() if s.host_mirror)
-            raise ValueError(f"{name}: host_mirror=True, but {first!r} has the host mirror "
-                             "already; a stage's host part reads one (seq_lens_cpu)")  # fmt: skip
-        self._inputs[name] = StaticInput(name, buffer, value, per_request, bool(host_mirror),
-                                         probe)  # fmt: skip
+        keyword = ("seq_lens_cpu" if host_mirror is True else host_mirror) or None
+        if keyword is not None and not isinstance(keyword, str):
+            raise TypeError(f"{name}: host_mirror must be a bool or a keyword str, got "
+                            f"{type(host_mirror).__name__}")  # fmt: skip
+        first = next((n for n, s in self._inputs.items() if s.host_mirror == keyword), None)
+        if keyword is not None and first is not None:
+            raise ValueError(f"{name}: host_mirror={host_mirror!r}, but {first!r} is the host "
+                             f"part's {keyword} already; one input a keyword")  # fmt: skip
+        self._inputs[name] = StaticInput(name, buffer, value, per_request, keyword, probe)
         return buffer
 
     def add_guard(self, name: str, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> None:
@@ -332,28 +337,30 @@ class GraphRunner:
             raise ValueError("capture() was already called")
         if not self._inputs:
             raise ValueError("register at least one input (add_input) before capture()")
-        self._host_name = next((n for n, s in self._inputs.items() if s.host_mirror), None)
+        mirrors = {n: s.host_mirror for n, s in self._inputs.items() if s.host_mirror}
+        self._host_name = next((n for n, k in mirrors.items() if k == "seq_lens_cpu"), None)
+        self._host_extra = {n: k for n, k in mirrors.items() if k != "seq_lens_cpu"}
         self._buffers = tuple(s.buffer for s in self._inputs.values())
         self._expected = [
             (n, s.buffer.dtype, s.per_request, tuple(s.buffer.shape[1:]))
             for n, s in self._inputs.items()
         ]
         self._layout = self._held()
-        for bp in reversed(self.batch_sizes):
-            self._pad(0, bp, {})
-            stage = self._stage_fn(types.MappingProxyType(self._views_of(bp)))
+        for key in reversed(self._bucket_keys()):
+            self._pad(0, self._rows(key), {})
+            stage = self._bind_bucket(key)
             if not isinstance(stage, Stage):
                 raise TypeError(f"stage must return a specmeta.Stage (bind its work with the "
                                 f"builders' bind_<mode>), got {type(stage).__name__}")  # fmt: skip
-            self._buckets[bp] = stage
+            self._buckets[key] = stage
         self._dirty = 0
         if not self.graphs:
             return
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         with collector_off():
-            for bp in reversed(self.batch_sizes):
-                stage = self._buckets[bp]
+            for key in reversed(self._bucket_keys()):
+                stage = self._buckets[key]
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     stage.launch()  # warm-up: loads the kernels outside the capture
@@ -361,7 +368,7 @@ class GraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     stage.launch()
-                self._graphs[bp] = graph
+                self._graphs[key] = graph
         torch.cuda.synchronize(self.device)  # set-up, not a build path
 
     def bucket(self, batch_size: int) -> int:
@@ -405,10 +412,10 @@ class GraphRunner:
         B = batch_size
         self._check_held()
         raw = self._check_inputs(B, inputs)
-        values = self._host_value(host_inputs)
+        values, extra = self._host_values(host_inputs)
         if probes.enabled():
             self._probe(raw)
-        results = self._host(B)[0].host(values)
+        results = self._host(B)[0].host(values, **extra)
         self._pad(B, bp, raw)
         self._dirty = B if self._dirty <= bp else self._dirty
         self._launch(bp)
@@ -440,20 +447,17 @@ class GraphRunner:
         stage, bp = entry
         if self._held() != self._layout:
             self._check_held()  # raises, naming what changed
-        if host_inputs is None and self._host_name is None:
-            values = None
-        elif host_inputs is None:
-            values = self._host_value(None)  # raises: the host mirror is missing
-        else:
-            try:  # the usual call: the one host input, by name
-                values = host_inputs[self._host_name] if len(host_inputs) == 1 else None
-            except (KeyError, TypeError):
-                values = None
-            if values is None:
-                values = self._host_value(host_inputs)  # raises, naming what is wrong
+        values, extra = None, {}
+        try:  # the usual call: seq_lens_cpu alone, by name
+            if self._host_extra or len(host_inputs) != 1:
+                raise KeyError
+            values = host_inputs[self._host_name]
+        except (KeyError, TypeError):
+            if host_inputs is not None or self._host_name or self._host_extra:
+                values, extra = self._host_values(host_inputs)  # raises, naming what is wrong
         if probes.enabled():
             self._probe(self._views_of(batch_size))
-        results = stage.host(values)
+        results = stage.host(values, **extra)
         if self._dirty > batch_size:
             # Rows [B, dirty) were a larger batch's: back to their pads, in one launch.
             self._pad(batch_size, self._dirty, None)
@@ -483,23 +487,37 @@ class GraphRunner:
             entry = self._hosts[B] = (stage, bp)
         return entry
 
-    def _host_value(self, host_inputs: Mapping[str, torch.Tensor] | None) -> torch.Tensor | None:
-        """The CPU values of the host-mirrored input (``None`` without one)."""
+    def _host_values(self, host_inputs: Mapping[str, torch.Tensor] | None) -> tuple:
+        """The CPU values of the host-mirrored inputs: ``seq_lens_cpu`` (``None`` without one)
+        and the host part's other keywords."""
         given = dict(host_inputs or {})
-        expected = [self._host_name] if self._host_name is not None else []
+        named = [self._host_name] if self._host_name is not None else []
+        expected = sorted([*named, *self._host_extra])
         if sorted(given) != expected:
             missing = [n for n in expected if n not in given]
             unknown = [n for n in given if n not in expected]
             raise ValueError(f"host_inputs: missing {missing}, unexpected {unknown}; expected "
                              f"exactly {expected} (the inputs registered with "
-                             "host_mirror=True)")  # fmt: skip
-        return given.get(self._host_name) if self._host_name is not None else None
+                             "host_mirror)")  # fmt: skip
+        extra = {keyword: given[n] for n, keyword in self._host_extra.items()}
+        return given.get(self._host_name) if named else None, extra
 
-    def _launch(self, bp: int) -> None:
+    # A bucket: its key (Bp here; a ragged runner's (T, Bp)), the requests it holds, and the
+    # stage bound on its views.
+    def _bucket_keys(self) -> tuple:
+        return self.batch_sizes
+
+    def _rows(self, key) -> int:
+        return key
+
+    def _bind_bucket(self, key) -> Stage:
+        return self._stage_fn(types.MappingProxyType(self._views_of(key)))
+
+    def _launch(self, key) -> None:
         if self.graphs:
-            self._graphs[bp].replay()
+            self._graphs[key].replay()
         else:
-            self._buckets[bp].launch()
+            self._buckets[key].launch()
 
     def _probe(self, raw: Mapping[str, torch.Tensor]) -> None:
         for name, spec in self._inputs.items():

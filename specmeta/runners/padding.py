@@ -15,6 +15,7 @@ float inputs                :data:`FLOAT` (0.0)
                             length is valid and every gather reads row 0, i.e. the sink)
 ``accept_index``            :data:`NO_ACCEPT` (−1: nothing accepted, a −1 run that is a suffix)
 ``accept_lens``             :data:`NOTHING_ACCEPTED` (0)
+``verify_lens``             :data:`NOT_VERIFIED` (0: a pad request verifies no token of its own)
 tree mask (bool)            :data:`TREE_MASK` (True: a padded node sees its whole window, all
                             on the sink, so no attention row is empty)
 ==========================  ====================================================================
@@ -43,6 +44,7 @@ __all__ = [
     "FLOAT",
     "NO_ACCEPT",
     "NOTHING_ACCEPTED",
+    "NOT_VERIFIED",
     "TREE_MASK",
     "seq_lens_fill",
     "check_pad",
@@ -67,6 +69,9 @@ NO_ACCEPT = -1
 """``accept_index`` pad: a row of −1, i.e. no accepted node (design §2.4)."""
 NOTHING_ACCEPTED = 0
 """``accept_lens`` pad."""
+NOT_VERIFIED = 0
+"""``verify_lens`` pad of a ragged verify (design §2.9): a pad request verifies no token of its
+own; the bucket's leftover goes to its last request."""
 TREE_MASK = True
 """Tree-mask pad: every padded node attends to its whole (sink) window, never to nothing."""
 
