@@ -146,11 +146,18 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         "flashinfer.target_verify": (fi, "target_verify", (*t, tree), {"packed": True}),
         "trtllm_mla.draft_decode": (mla, "draft_decode", t, {}),
     }
+    host_kw = {name: {} for name in calls}
+    if new and hasattr(specmeta, "pad_verify_lens_to_bucket"):
+        # A ragged verify (design §2.9): B − 1 real requests of random lengths, a full bucket.
+        real_cpu = torch.randint(0, N + 1, (bs - 1,), generator=g, dtype=torch.int32)
+        ragged = {"packed": True, "verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
+        calls["flashinfer.target_verify.ragged"] = (fi, "target_verify", (*t, tree), ragged)
+        host_kw["flashinfer.target_verify.ragged"] = {"verify_lens_cpu": real_cpu}
     for name, (b, mode, args, kw) in calls.items():
-        eager = getattr(b, mode)
+        eager, hk = getattr(b, mode), host_kw[name]
         if bs != 256:
-            measure(f"eager.{name}", lambda e=eager, a=args, k=kw: e(*a, seq_lens_cpu=lens,
-                                                                      **k),
+            measure(f"eager.{name}", lambda e=eager, a=args, k=kw, h=hk: e(*a, seq_lens_cpu=lens,
+                                                                            **k, **h),
                     kind="eager", budget=15.0, **case)  # fmt: skip
         if new:
             stage = b.bind(mode, *args, **kw)
@@ -160,7 +167,7 @@ def measure_case(bs: int, k: int, new: bool) -> None:
                 b.host_ops = compiled
                 budget = (3.0 if bs <= 64 else 8.0) * (1 if compiled else 2)
                 measure(f"host.{name}" + ("" if compiled else ".python"),
-                        lambda s=stage: s.host(lens), kind="host", budget=budget,
+                        lambda s=stage, h=hk: s.host(lens, **h), kind="host", budget=budget,
                         launches=0, **case)  # fmt: skip
             b.host_ops = True
         else:
