@@ -493,12 +493,15 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
         add(f"fa3.{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths")
         add(f"fa3.{mode}.cu_seqlens_k", (bs + 1,), i32, "[B+1] Σ cache_seqlens")
         add(f"fa3.{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange(B+1)")
-    if k > 1:
-        bn = bs * n_draft
-        add("fa3.target_verify.expand_page_table", (bn, n_draft), i32, "[B*N, N] ancestor slots")
-        add("fa3.target_verify.expand_cache_seqlens", (bn,), i32, "[B*N] ancestors per node")
-        add("fa3.target_verify.expand_cu_seqlens_k", (bn + 1,), i32, "[B*N+1] Σ lengths")
-        add("fa3.target_verify.expand_cu_seqlens_q", (bn + 1,), i32, "[B*N+1] arange(B*N+1)")
+    # The verify cascade's expand pass: K > 1, and a ragged verify for every K (design §2.9),
+    # one row a node or, ragged, a query token (T ≤ B·N).
+    bn = bs * n_draft
+    add("fa3.target_verify.expand_page_table", (bn, n_draft), i32, "[B*N, N] ancestor slots")
+    add("fa3.target_verify.expand_cache_seqlens", (bn,), i32, "[B*N] ancestors per node")
+    add("fa3.target_verify.expand_cu_seqlens_k", (bn + 1,), i32, "[B*N+1] Σ lengths")
+    add("fa3.target_verify.expand_cu_seqlens_q", (bn + 1,), i32, "[B*N+1] arange(B*N+1)")
+    add("fa3.target_verify.verify_lens", (bs,), i32, "[Bp] ragged verify lengths, padded")
+    add("fa3.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of them")
     _plan_flashinfer(cfg, add)
     _plan_trtllm_mla(cfg, add)
     return plan

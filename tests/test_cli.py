@@ -93,7 +93,7 @@ def test_plan_for_one_backend_shows_only_its_buffers(capsys):
     assert "shared-prefix" not in out and "FlashInferBuilder  " not in out
     # The engine buffers are listed, not counted: the grand total is the FA3 builder's.
     fa3 = sum(spec.nbytes for name, spec in plan_buffers(CFG).items() if name.startswith("fa3."))
-    fa3 += 4 + 5 * 8  # its status word and host_lengths_seen (int64 [5 modes])
+    fa3 += 4 + 6 * 8  # its status word and host_lengths_seen (int64 [5 modes + ragged])
     grand = next(ln for ln in out.splitlines() if ln.startswith("grand total"))
     assert grand.split()[2:4] == _human(fa3).split()
     assert "draft_decode.kv_indices" not in out  # the free kernel's list: listed as a group only

@@ -116,10 +116,11 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
         f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
     )
-    # + 72 bytes of the ragged verify's host_lengths slot, and its five buffers at max_bs 256:
-    # verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4, and the
-    # runner's verify_lens 256·4.
-    assert total == 1_211_529_947_264 + 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4
+    # + 72 bytes of the ragged verify's host_lengths slot, and its buffers at max_bs 256:
+    # FlashInfer's verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4,
+    # the runner's verify_lens 256·4, FA3's verify_lens 256·4 and ragged_qo_indptr 257·4.
+    ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 256 * 4 + 257 * 4
+    assert total == 1_211_529_947_264 + ragged
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):
@@ -314,7 +315,8 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
     names = ["status", "host_lengths_host", "host_lengths_seen",
              *FA3MetadataBuilder.plan_keys(CFG_B)]  # fmt: skip
     total = sum(plan_buffers(CFG_B)[name].nbytes for name in names)
-    assert (len(names), total) == (23, 12_380 + 72)  # + the ragged verify's host slot
+    # + the ragged verify's host slot (72 bytes), verify_lens (8·4) and ragged_qo_indptr (9·4)
+    assert (len(names), total) == (25, 12_380 + 72 + 8 * 4 + 9 * 4)
     with pytest.raises(ValueError) as info:
         FA3MetadataBuilder(CFG_B, "cpu")
     assert str(info.value) == (

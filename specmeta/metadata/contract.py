@@ -46,11 +46,13 @@ import torch
 
 from .. import validate
 from ..config import SpecConfig, check_fits, plan_buffers, plan_sizes
+from ..kernels._common import check_verify_lens
 from ..kernels.host_lengths import (
     bind_check_host_lengths,
     check_host_lengths_ref,
     publish_host_lengths,
 )
+from ..kernels.verify_lens import bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
 from ..launch import check_device
 from ..stage import Stage
 from . import capabilities as _capabilities
@@ -277,6 +279,50 @@ class MetadataBuilder:
         return self._launch(bind_check_host_lengths, check_host_lengths_ref, seq_lens,
                             self._host_slots[mode], self._host_seen[mode],
                             status=status)  # fmt: skip
+
+    def bind_bucket(self, mode: str, B: int, verify_lens: Any, num_tokens: Any,
+                    status: torch.Tensor | None) -> tuple:  # fmt: skip
+        """A ragged target verify's arguments (design §2.9), checked on the host: without
+        ``verify_lens`` (and ``num_tokens``) ``(None, None, None, None)``; with them, the
+        launch padding ``verify_lens`` (``[B' ≤ B]``) to the bucket of the batch's ``B``
+        requests and ``num_tokens`` into the builder's ``target_verify.verify_lens`` and
+        ``ragged_qo_indptr``, those padded lengths, ``T``, and the host part's check of
+        ``verify_lens_cpu`` (:meth:`verify_lengths`)."""
+        where, n = self.require(mode), self.cfg.num_draft_tokens
+        if verify_lens is None:
+            if num_tokens is not None:
+                raise ValueError(
+                    f"{where}: num_tokens={num_tokens!r} was given without verify_lens; pass "
+                    "verify_lens= too for a ragged verify, or drop num_tokens"
+                )
+            return None, None, None, None
+        check_verify_lens(where, verify_lens, getattr(verify_lens, "shape", (0,))[0],
+                          self.device)  # fmt: skip
+        count = verify_lens.shape[0]
+        if count > B:
+            raise ValueError(
+                f"{where}: verify_lens has {count} entries, more than the batch's B = {B} "
+                "requests; pass the real requests' lengths (at most B)"
+            )
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(
+                f"{where}: num_tokens must be a host int, got {type(num_tokens).__name__}; "
+                "pass the token count T of the captured bucket with verify_lens"
+            )
+        if not 0 <= num_tokens <= B * n:
+            raise ValueError(
+                f"{where}: num_tokens = {num_tokens}, outside [0, B·N = {B * n}] for B = {B} "
+                f"requests of N = {n} nodes; a bucket of B requests holds at most B·N tokens"
+            )
+        padded = self.buffers["target_verify.verify_lens"][:B]
+        launch = self._launch(
+            bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref, verify_lens,
+            num_tokens, B, out=padded,
+            qo_indptr=self.buffers["target_verify.ragged_qo_indptr"][: B + 1],
+            status=self.status_word(status), num_draft_tokens=n,
+        )  # fmt: skip
+        verify = functools.partial(self.verify_lengths, mode, count, num_tokens)
+        return launch, padded, num_tokens, verify
 
     def verify_lengths(self, mode: str, count: int, num_tokens: int,
                        verify_lens_cpu: Any) -> None:  # fmt: skip

@@ -40,6 +40,7 @@ from ..kernels.verify_expand_page_table import (
     bind_verify_expand_page_table,
     verify_expand_page_table_ref,
 )
+from ..kernels.verify_expand_ragged import bind_verify_expand_ragged, verify_expand_ragged_ref
 from ..stage import Stage
 from .capabilities import CAPABILITIES
 from .contract import DraftSteps, MetadataBuilder
@@ -228,7 +229,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             self._q[mode] = UniformQueryLayout.create(
                 widths[mode][0], bs, self.device, out=self.buffers[f"{mode}.cu_seqlens_q"]
             )
-            if k > 1 and len(widths[mode]) == 3:
+            if (k > 1 or mode == "target_verify") and len(widths[mode]) == 3:
                 self._q[f"{mode}.expand"] = UniformQueryLayout.create(
                     1, bs * widths[mode][2], self.device,
                     out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
@@ -242,18 +243,29 @@ class FA3MetadataBuilder(MetadataBuilder):
         )
 
     def _stage(self, mode: str, B: int, launches: list, result: Any, maxima: list,
-               *, whole_pages: bool = False) -> Stage:  # fmt: skip
+               *, whole_pages: bool = False, verify: Any = None) -> Stage:  # fmt: skip
         """The stage of ``mode``: ``launches``, and the host part that checks ``seq_lens_cpu``
         and writes the normal passes' ``max_seqlen_k``: ``top + extra`` for each
         ``(meta, extra)`` of ``maxima``, ``top`` the exact ``max L`` (rounded down to whole pages
         with ``whole_pages``: ``max L − lpl``, as rounding keeps the order of lengths), or the
         planned ``max_context_len`` without ``seq_lens_cpu``. An expand pass's maximum is its
         bound (``ps − 1 + s + 1`` in draft decode, ``N`` in target verify): it reads at most a
-        page and the steps, so an exact one would change no tile count."""
+        page and the steps, so an exact one would change no tile count. A ragged verify passes
+        ``verify``, the check of the optional ``verify_lens_cpu`` (FA3 reads its query offsets
+        on the device: the host copy is only checked, and published for the stale check)."""
         ps, bound = self.cfg.page_size, self.cfg.max_context_len
+        where = self.require(mode)
 
-        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+        def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             found = self.lengths(mode, B, seq_lens_cpu)
+            if verify_lens_cpu is not None:
+                if verify is None:
+                    raise ValueError(
+                        f"{where}: verify_lens_cpu was given, but this stage was bound without "
+                        "verify_lens (a uniform layout); bind it with verify_lens= and "
+                        "num_tokens= for a ragged verify, or drop verify_lens_cpu"
+                    )
+                verify(verify_lens_cpu)
             if found is None:
                 top = bound
             else:
@@ -429,10 +441,13 @@ class FA3MetadataBuilder(MetadataBuilder):
         tree_mask: torch.Tensor | None = None,
         *,
         status: torch.Tensor | None = None,
+        verify_lens: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there): the stage
         launches with ``launch()`` and returns the :class:`FA3Cascade` from
-        ``host(seq_lens_cpu)``."""
+        ``host(seq_lens_cpu)`` (``host(seq_lens_cpu, verify_lens_cpu=...)``, the copy
+        optional, for a ragged verify)."""
         cfg = self.cfg
         K, N, ps = cfg.topk, cfg.num_draft_tokens, cfg.page_size
         where = self.require("target_verify")
@@ -443,6 +458,10 @@ class FA3MetadataBuilder(MetadataBuilder):
             )
         B = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
                        tree_mask=tree_mask if K > 1 else None, status=status)  # fmt: skip
+        if verify_lens is not None or num_tokens is not None:
+            return self._bind_ragged_verify(B, (req_pool_indices, req_to_token, seq_lens),
+                                            tree_mask if K > 1 else None, verify_lens,
+                                            num_tokens, status)  # fmt: skip
         status = self.status_word(status)
         out, result = self.views(("target_verify", B), self._verify_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
@@ -456,6 +475,53 @@ class FA3MetadataBuilder(MetadataBuilder):
         launches.append(self.host_check("target_verify", seq_lens, status))
         return self._stage("target_verify", B, launches, result, [(result.normal, extra)])
 
+    def _bind_ragged_verify(self, B: int, args: tuple, tree_mask: torch.Tensor | None,
+                            verify_lens: Any, num_tokens: Any,
+                            status: torch.Tensor | None) -> Stage:  # fmt: skip
+        """A ragged target verify (design §2.9): a cascade for every ``K``. The padding of
+        ``verify_lens`` to the bucket, the normal pass (each request's prefix, ``L`` keys, for
+        its ``v_i`` query rows at ``qo_indptr[i]``) and the expand pass (one row a query token:
+        :func:`~specmeta.kernels.verify_expand_ragged.verify_expand_ragged`)."""
+        N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
+        pad, _, T, verify = self.bind_bucket("target_verify", B, verify_lens, num_tokens, status)
+        status = self.status_word(status)
+        out, result = self.views(("target_verify.ragged", B, T), self._ragged_views, B, T)
+        qo = self.buffers["target_verify.ragged_qo_indptr"][: B + 1]
+        launches = [
+            pad,
+            self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, page_size=ps,
+                         extra_tokens=0, status=status, **out["normal"]),
+            self._launch(bind_verify_expand_ragged, verify_expand_ragged_ref, *args, tree_mask,
+                         qo, num_rows=T, num_draft_tokens=N, status=status, **out["expand"]),
+            self.host_check("target_verify", args[2], status),
+            self.verify_check(verify_lens, status),
+        ]  # fmt: skip
+        return self._stage("target_verify", B, launches, result, [(result.normal, 0)],
+                           verify=verify)  # fmt: skip
+
+    def _ragged_views(self, B: int, T: int) -> tuple[dict, FA3Cascade]:
+        """The output views of a ragged target verify over a bucket of ``B`` requests and
+        ``T`` tokens, and the :class:`FA3Cascade` that reads them."""
+        N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
+        pt, cs, cu = self._tables("target_verify")
+        ept, ecs, ecu = self._tables("target_verify", "expand_")
+        out = {"normal": dict(page_table=pt[:B], cache_seqlens=cs[:B], cu_seqlens_k=cu[: B + 1]),
+               "expand": dict(page_table=ept[:T], cache_seqlens=ecs[:T],
+                              cu_seqlens_k=ecu[: T + 1])}  # fmt: skip
+        normal = FA3Metadata(
+            cache_seqlens=cs[:B], page_table=pt[:B],
+            cu_seqlens_q=self.buffers["target_verify.ragged_qo_indptr"][: B + 1],
+            cu_seqlens_k_new=cu[: B + 1], max_seqlen_q=T, causal=False, return_softmax_lse=True,
+            page_size=ps, max_seqlen_k=0,  # written by the stage's host part
+        )  # fmt: skip
+        expand = FA3Metadata(
+            cache_seqlens=ecs[:T], page_table=ept[:T],
+            cu_seqlens_q=self._q["target_verify.expand"].cu_seqlens_q(T),
+            cu_seqlens_k_new=ecu[: T + 1], max_seqlen_q=1, causal=False, return_softmax_lse=True,
+            page_size=1, max_seqlen_k=N,  # a row lists at most the window's N nodes
+        )  # fmt: skip
+        return out, FA3Cascade(normal=normal, expand=expand)
+
     def target_verify(
         self,
         req_pool_indices: torch.Tensor,
@@ -466,6 +532,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        verify_lens: torch.Tensor | None = None,
+        verify_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> FA3Cascade:
         """Metadata of target verify over the ``N``-token window ``row_i[L_i : L_i + N]``.
 
@@ -478,6 +547,17 @@ class FA3MetadataBuilder(MetadataBuilder):
             the chain is the causal mask).
         seq_lens_cpu, status, launch
             As in :meth:`draft_decode`.
+        verify_lens : torch.Tensor, optional
+            A ragged verify (design §2.9): ``[B' ≤ B]`` int32 or int64 on the device, real
+            request ``b`` verifies its first ``v_b ≤ N`` nodes; the batch is the captured
+            bucket's ``B`` requests, and the lengths are padded on the device to the bucket of
+            ``num_tokens`` (:func:`specmeta.pad_verify_lens_to_bucket`).
+        verify_lens_cpu : torch.Tensor, optional
+            ``[B']`` on the CPU, equal to ``verify_lens``: optional (FA3 reads the query
+            offsets on the device); when given it is checked on the host (each in ``[0, N]``,
+            the sum at most ``num_tokens``) and on the device against ``verify_lens``.
+        num_tokens : int, optional
+            ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
 
         Returns
         -------
@@ -485,11 +565,16 @@ class FA3MetadataBuilder(MetadataBuilder):
             ``K == 1``: ``normal`` only, ``cache_seqlens = L + N``, stride ``N``, causal.
             ``K > 1``: ``normal`` (``cache_seqlens = L``, stride ``N``, non-causal) and
             ``expand`` (one row per node ``i·N + j`` listing its ancestors' slots,
-            ``page_size = 1``, stride 1).
+            ``page_size = 1``, stride 1). Ragged, every ``K``: ``normal`` over the prefix
+            (``cu_seqlens_q`` the padded lengths' offsets, ``max_seqlen_q = T``) and ``expand``
+            (one row a query token, ``T`` rows).
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
-                                        status=status)  # fmt: skip
-        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+                                        status=status, verify_lens=verify_lens,
+                                        num_tokens=num_tokens)  # fmt: skip
+        if launch:
+            return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
+        return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
 
     def _verify_views(self, B: int) -> tuple[dict, FA3Cascade]:
         """The launches' output views of target verify for ``B`` requests (``normal``,

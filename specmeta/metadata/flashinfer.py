@@ -20,14 +20,12 @@ per-branch token lists, planned with page size 1 (``S·K·ΣL`` prefix entries a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..config import SpecConfig, plan_buffers
-from ..kernels._common import check_verify_lens
 from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
 from ..kernels.draft_decode_kv_indices import (
     DraftDecodeIndptr,
@@ -40,7 +38,6 @@ from ..kernels.shared_prefix_kv_indices import (
 )
 from ..kernels.tree_custom_mask import bind_tree_custom_mask, tree_custom_mask_ref
 from ..kernels.verify_kv_indices import bind_verify_kv_indices, verify_kv_indices_ref
-from ..kernels.verify_lens import bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
 from ..stage import Stage
 from . import host_ops
 from .capabilities import CAPABILITIES, PLAN_GROUPS, VERIFY_MASKS, verify_mask_keys
@@ -474,30 +471,6 @@ class FlashInferBuilder(MetadataBuilder):
             page_size=self.cfg.page_size, verify_lens=verify_lens,
         )  # fmt: skip
 
-    def _bind_bucket(self, where: str, B: int, verify_lens: Any, num_tokens: Any,
-                     status: torch.Tensor | None) -> tuple[Any, torch.Tensor, int]:  # fmt: skip
-        """A ragged verify's padding of ``verify_lens`` to the bucket of ``B`` requests and
-        ``num_tokens`` (design §2.9), into the builder's buffers: the launch, the padded
-        lengths the other launches read, and ``T``."""
-        n, buf = self.cfg.num_draft_tokens, self.buffers
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise TypeError(
-                f"{where}: num_tokens must be a host int, got {type(num_tokens).__name__}; "
-                "pass the token count T of the captured bucket with verify_lens"
-            )
-        if not 0 <= num_tokens <= B * n:
-            raise ValueError(
-                f"{where}: num_tokens = {num_tokens}, outside [0, B·N = {B * n}] for B = {B} "
-                f"requests of N = {n} nodes; a bucket of B requests holds at most B·N tokens"
-            )
-        padded = buf["target_verify.verify_lens"][:B]
-        launch = self._launch(
-            bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref, verify_lens,
-            num_tokens, B, out=padded, qo_indptr=buf["target_verify.ragged_qo_indptr"][: B + 1],
-            status=self.status_word(status), num_draft_tokens=n,
-        )  # fmt: skip
-        return launch, padded, num_tokens
-
     def bind_target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, tree_mask: torch.Tensor, *, packed: bool = False,
                            status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
@@ -522,23 +495,8 @@ class FlashInferBuilder(MetadataBuilder):
             )
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
                        status=status)  # fmt: skip
-        form, pad, padded, T, verify = "packed_" if packed else "", None, None, None, None
-        if verify_lens is not None:
-            check_verify_lens(where, verify_lens, verify_lens.shape[0] if isinstance(
-                verify_lens, torch.Tensor) else 0, self.device)  # fmt: skip
-            if verify_lens.shape[0] > B:
-                raise ValueError(
-                    f"{where}: verify_lens has {verify_lens.shape[0]} entries, more than the "
-                    f"batch's B = {B} requests; pass the real requests' lengths (at most B)"
-                )
-            pad, padded, T = self._bind_bucket(where, B, verify_lens, num_tokens, status)
-            count = verify_lens.shape[0]
-            verify = functools.partial(self.verify_lengths, mode, count, T)
-        elif num_tokens is not None:
-            raise ValueError(
-                f"{where}: num_tokens={num_tokens!r} was given without verify_lens; pass "
-                "verify_lens= too for a ragged verify, or drop num_tokens"
-            )
+        form = "packed_" if packed else ""
+        pad, padded, T, verify = self.bind_bucket(mode, B, verify_lens, num_tokens, status)
         launches = [
             pad,
             self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
@@ -552,7 +510,7 @@ class FlashInferBuilder(MetadataBuilder):
         ]  # fmt: skip
         if verify is not None:
             launches.append(self.verify_check(verify_lens, self.status_word(status)))
-        count = None if verify_lens is None else verify_lens.shape[0]
+        count = None if verify is None else verify_lens.shape[0]
         return self._stage(mode, B, (form, T, count), launches, self._prefill_result, seq_lens,
                            status, verify)  # fmt: skip
 

@@ -29,6 +29,10 @@ H, H_KV, D = 4, 2, 8
 ATOL = 1e-9
 
 
+def _args(batch):
+    return batch.req_pool_indices, batch.req_to_token, batch.seq_lens
+
+
 def _setup(gen, device, *, k=2, s=3, n=6, ps=1, batch_size=5, ctx=40, shape="random"):
     cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=8,
                      max_context_len=ctx)  # fmt: skip
@@ -156,3 +160,57 @@ def test_bad_ragged_inputs_are_refused_naming_the_call_argument_and_value(device
         message = _refusal(fi, batch, tree, **kw)
         assert message.startswith(where) and words in message, (kw.keys(), message)
         assert_equal(fi.status, status_before, "nothing reported for a refused call")
+
+
+# ------------------------------------------------------------------------------------ FA3
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
+def test_fa3_ragged_verify_cascade_reads_as_the_rule(device, gen, how, k, ps):
+    """FA3's ragged verify is a cascade for every K: the normal pass lists each prefix for the
+    request's rows at the padded offsets, the expand pass one row a query token; merged by LSE
+    they give every row of the bucket its logical sequence. No host copy is needed."""
+    from specmeta.metadata.fa3 import FA3MetadataBuilder
+    from specmeta.testing.consumers import fa3 as fa3_consumer
+
+    cfg, batch, tree = _setup(gen, device, k=k, ps=ps, n=6 if k > 1 else 4, s=3 if k > 1 else 5)
+    n, Bp = cfg.num_draft_tokens, batch.batch_size
+    real, T = verify_split(gen, Bp, n, how)
+    fa3 = FA3MetadataBuilder(cfg, device, modes=("target_verify",))
+    dev = torch.tensor(real, dtype=torch.int32, device=device)
+    meta = fa3.target_verify(*_args(batch), tree if k > 1 else None,
+                             seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev, num_tokens=T)  # fmt: skip
+    lens = padded_lengths(real, T, Bp)
+    assert meta.normal.cu_seqlens_q.tolist() == [sum(lens[:i]) for i in range(Bp + 1)]
+    assert meta.normal.max_seqlen_q == T and meta.expand.cu_seqlens_q.tolist() == list(range(T + 1))
+    assert meta.normal.max_seqlen_k == int(batch.seq_lens_cpu.max())
+    chain = torch.ones(n, n, dtype=torch.bool).tril().expand(Bp, n, n)
+    want_rows = ragged_tree_sequences(batch, tree if k > 1 else chain, lens)
+    q = torch.randn(T, H, D, generator=gen, dtype=torch.float64)
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    got = fa3_consumer.run_cascade(q, kc, vc, meta)
+    want, _ = dense_attention(q, kc, vc, want_rows)
+    assert torch.allclose(got, want, atol=ATOL, rtol=0), f"outputs differ ({real}, T={T})"
+    assert int(fa3.status) == 0
+
+
+def test_fa3_ragged_verify_checks_a_host_copy_when_given(device, gen):
+    from specmeta.metadata.fa3 import FA3MetadataBuilder
+
+    cfg, batch, tree = _setup(gen, device)
+    fa3 = FA3MetadataBuilder(cfg, device, modes=("target_verify",))
+    dev = torch.tensor([2, 1], dtype=torch.int32, device=device)
+    args = (*_args(batch), tree)
+    fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
+                      verify_lens_cpu=torch.tensor([2, 1]), num_tokens=9)  # fmt: skip
+    assert int(fa3.status) == 0
+    fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
+                      verify_lens_cpu=torch.tensor([3, 1]), num_tokens=9)  # a stale copy
+    assert int(fa3.status) == int(Status.STALE_HOST_LENGTHS)
+    with pytest.raises(ValueError, match=r"FA3MetadataBuilder.target_verify: verify_lens_cpu\[0\]"):
+        fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
+                          verify_lens_cpu=torch.tensor([9, 1]), num_tokens=9)  # fmt: skip
+    with pytest.raises(ValueError, match=r"FA3MetadataBuilder.target_verify: verify_lens_cpu was"):
+        fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu,
+                          verify_lens_cpu=torch.tensor([2, 1]))  # fmt: skip

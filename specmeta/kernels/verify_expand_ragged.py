@@ -1,0 +1,410 @@
+"""The FA3 expand pass of a ragged target verify (design §2.9, §3.2): one row per query token.
+
+In a ragged verify the query tokens of request ``i`` are rows ``qo_indptr[i] + j``,
+``j < v_i = qo_indptr[i + 1] − qo_indptr[i]`` (the lengths padded to the bucket, so
+``qo_indptr[B] = T``); its tree nodes are its first ``V_i = min(v_i, N)`` rows, and rows
+``j ≥ N`` are filler rows of the bucket's padding. Every query row is its own sequence of the
+expand pass, listing the verify-window slots it may see beyond the shared prefix::
+
+    r = qo_indptr[i] + j
+    page_table[r, k]   = row_i[L_i + c_k]   j < V_i: c_0 < c_1 < … the columns c < V_i with
+                                            m[i, j, c] (ancestors and itself), then the other
+                                            columns c < V_i
+                                            j ≥ N (filler): c_k = k for k < V_i
+    page_table[r, k]   = 0                  V_i ≤ k < W
+    cache_seqlens[r]   = Σ_{c<V_i} m[i, j, c]    (V_i for a filler row)
+    cu_seqlens_k[r]    = Σ_{r'<r} cache_seqlens[r']         r in [0, T]
+
+The tree is ``tree_mask`` (``[B, N, N]``), or a chain (``m[i, j, c] = c ≤ j``) when it is
+``None``: a ragged verify is a cascade for every ``K``, since a causal pass over ``L + v``
+keys would shift the real rows of a request with filler rows. Rows ``[qo_indptr[B], T)``
+belong to no request and are written empty, so every row of the bucket is defined. The table
+holds token slots: the consumer reads it with a page-size-1 view of the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..launch import Launcher, next_power_of_2
+from ..stage import Stage, launcher
+from ..status import Status
+from ._common import (
+    OUT_OF_CAPACITY,
+    POOL_OOB,
+    POS_OOB,
+    ROW_OOB,
+    batch_arguments,
+    check_batch,
+    gather_rows_ref,
+    host_int,
+    load_request,
+)
+from .verify_expand_page_table import _inclusive_sums_kernel, _inclusive_sums_launch
+
+__all__ = ["bind_verify_expand_ragged", "verify_expand_ragged", "verify_expand_ragged_ref"]
+
+# Filler rows (or rows of no request) written per loop iteration.
+_BLOCK_F = 16
+_SUMS_BLOCK = 1024
+
+
+@triton.jit
+def _empty_rows(page_table_ptr, cache_seqlens_ptr, first, last, T, W, stride_pt,
+                BLOCK_F: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    """Rows ``[first, last)`` within ``[0, T)``: an empty list (``cache_seqlens`` 0, every
+    column 0, the sink)."""
+    for f0 in range(first, last, BLOCK_F):
+        r = f0 + tl.arange(0, BLOCK_F)[:, None]
+        ok = (r < last) & (r >= 0) & (r < T)
+        for w0 in range(0, W, BLOCK_W):
+            k = w0 + tl.arange(0, BLOCK_W)[None, :]
+            tl.store(page_table_ptr + r * stride_pt + k, 0 * r + 0 * k, mask=ok & (k < W))
+        tl.store(cache_seqlens_ptr + r, 0 * r, mask=ok)
+
+
+@triton.jit(
+    do_not_specialize=["B", "R", "W_row", "stride_row", "N", "W", "T", "stride_pt", "stride_mb",
+                       "stride_mj"]
+)  # fmt: skip
+def _verify_expand_ragged_kernel(
+    req_pool_indices_ptr,  # [B] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64
+    seq_lens_ptr,  # [B] int32|int64
+    qo_indptr_ptr,  # [B + 1] int32|int64: request i's rows qo_indptr[i] … qo_indptr[i+1] − 1
+    tree_mask_ptr,  # [B, N, N] uint8 (bool viewed as bytes), or unused for a chain
+    page_table_ptr,  # [≥ T, W] int32|int64, row stride stride_pt
+    cache_seqlens_ptr,  # [≥ T] int32|int64
+    cu_seqlens_k_ptr,  # [≥ T + 1] int32|int64: entry 0 only (unless WRITE_CU0)
+    status_ptr,  # [1] int32
+    B,
+    R,
+    W_row,
+    stride_row,
+    N,
+    W,
+    T,  # rows of the bucket: every row [0, T) is written, none past it
+    stride_pt,
+    stride_mb,
+    stride_mj,
+    BLOCK_N: tl.constexpr,  # next power of two ≥ N
+    BLOCK_W: tl.constexpr,  # columns per store tile past the window
+    BLOCK_F: tl.constexpr,  # filler rows per iteration
+    CHAIN: tl.constexpr,  # no tree mask: node j's ancestors are the nodes c ≤ j
+    WRITE_CU0: tl.constexpr,
+):
+    """Grid ``(B + 1,)``: program ``i < B`` writes request ``i``'s rows (its ``V × V`` tile of
+    the mask, then its filler rows); program ``B`` writes the rows of no request,
+    ``[qo_indptr[B], T)``."""
+    i = tl.program_id(0).to(tl.int64)
+    start = tl.load(qo_indptr_ptr + i).to(tl.int64)
+    if i == B:  # the rows after the last request's
+        _empty_rows(page_table_ptr, cache_seqlens_ptr, tl.maximum(start, 0), T, T, W, stride_pt,
+                    BLOCK_F, BLOCK_W)  # fmt: skip
+        if WRITE_CU0:
+            tl.store(cu_seqlens_k_ptr + i * 0, i * 0)
+        bad_end = tl.where(start > T, OUT_OF_CAPACITY, 0) | tl.where(start < 0, POS_OOB, 0)
+        tl.atomic_or(status_ptr, bad_end, mask=bad_end != 0, sem="relaxed")
+    else:
+        end = tl.load(qo_indptr_ptr + i + 1).to(tl.int64)
+        _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
+                      page_table_ptr, cache_seqlens_ptr, status_ptr, i, start, end, B, R, W_row,
+                      stride_row, N, W, T, stride_pt, stride_mb, stride_mj, BLOCK_N, BLOCK_W,
+                      BLOCK_F, CHAIN)  # fmt: skip
+
+
+@triton.jit
+def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
+                  page_table_ptr, cache_seqlens_ptr, status_ptr, i, start, end, B, R, W_row,
+                  stride_row, N, W, T, stride_pt, stride_mb, stride_mj, BLOCK_N: tl.constexpr,
+                  BLOCK_W: tl.constexpr, BLOCK_F: tl.constexpr, CHAIN: tl.constexpr):  # fmt: skip
+    """Request ``i``'s rows ``start … end − 1``: its ``V × V`` tile of the mask, then its
+    filler rows, and its status bits."""
+    rows = tl.maximum(end - start, 0)
+    V = tl.minimum(rows, N)  # the tree nodes this request verifies
+    row_base, L, row_ok, L_ok = load_request(
+        req_pool_indices_ptr, seq_lens_ptr, i, B, R, stride_row
+    )
+    jj = tl.arange(0, BLOCK_N)[:, None]  # node j: query row
+    cc = tl.arange(0, BLOCK_N)[None, :]  # column c: tree node whose slot may be read
+    in_tile = (jj < V) & (cc < V)
+    if CHAIN:
+        m = in_tile & (cc <= jj)
+    else:
+        m = tl.load(tree_mask_ptr + i * stride_mb + jj * stride_mj + cc, mask=in_tile, other=0)
+        m = in_tile & (m != 0)
+    incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
+    cnt = tl.sum(m.to(tl.int32), axis=1)  # [BLOCK_N]: keys of node j
+    pos = tl.where(m, incl - 1, cnt[:, None] + cc - incl)  # rank of column c in row j
+
+    c = tl.arange(0, BLOCK_N)
+    p = L + c
+    want = c < V  # the window slots read
+    slot = tl.load(
+        req_to_token_ptr + row_base + p,
+        mask=tl.where(row_ok, want & (p < W_row), False),
+        other=0,
+    ).to(tl.int64)
+    neg = want & (slot < 0)
+    slot = tl.where(neg, 0, slot)
+
+    r = start + jj  # the node rows
+    ok = (jj < V) & (r >= 0) & (r < T)
+    tl.store(page_table_ptr + r * stride_pt + pos, slot[None, :] + 0 * pos, mask=ok & in_tile)
+    for w0 in range(0, W, BLOCK_W):  # columns [V, W) of the node rows
+        k = w0 + tl.arange(0, BLOCK_W)[None, :]
+        tl.store(page_table_ptr + r * stride_pt + k, 0 * r + 0 * k,
+                 mask=ok & (k >= V) & (k < W))  # fmt: skip
+    rc = start + c
+    tl.store(cache_seqlens_ptr + rc, cnt, mask=(c < V) & (rc >= 0) & (rc < T))
+
+    # Filler rows j ≥ N: every node of the window, in order.
+    for f0 in range(N, rows, BLOCK_F):
+        jf = f0 + tl.arange(0, BLOCK_F)[:, None]
+        rf = start + jf
+        okf = (jf < rows) & (rf >= 0) & (rf < T)
+        tl.store(page_table_ptr + rf * stride_pt + cc, slot[None, :] + 0 * rf,
+                 mask=okf & (cc < V))  # fmt: skip
+        for w0 in range(0, W, BLOCK_W):
+            k = w0 + tl.arange(0, BLOCK_W)[None, :]
+            tl.store(page_table_ptr + rf * stride_pt + k, 0 * rf + 0 * k,
+                     mask=okf & (k >= V) & (k < W))  # fmt: skip
+        tl.store(cache_seqlens_ptr + rf, V + 0 * rf, mask=okf)
+
+    pos_bad = tl.max((want & (p >= W_row)).to(tl.int32), axis=0) != 0
+    bits = (
+        tl.where(row_ok, 0, ROW_OOB)
+        | tl.where(pos_bad | ~L_ok | (start < 0) | (end < start), POS_OOB, 0)
+        | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, POOL_OOB, 0)
+        | tl.where(start + rows > T, OUT_OF_CAPACITY, 0)
+    )
+    tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
+
+
+_verify_expand_ragged_launch = Launcher(_verify_expand_ragged_kernel)
+
+
+def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr, num_rows,
+             num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status):  # fmt: skip
+    """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``N``,
+    ``T`` and the outputs; every message names ``where``."""
+    try:
+        B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+        T = host_int("num_rows", num_rows)
+        validate.tensor("qo_indptr", qo_indptr, ndim=1, device=device)
+        validate.at_least("qo_indptr", qo_indptr.shape[0], B + 1, "entries (B + 1)")
+        if tree_mask is None:
+            N = validate.positive("num_draft_tokens", num_draft_tokens)
+        else:
+            validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
+                            device=device)  # fmt: skip
+            N = tree_mask.shape[1]
+            if tree_mask.shape != (B, N, N) or N < 1:
+                raise ValueError(f"tree_mask must have shape [B, N, N] = [{B}, N, N] with "
+                                 f"N >= 1, got {tuple(tree_mask.shape)}")  # fmt: skip
+            if num_draft_tokens is not None and num_draft_tokens != N:
+                raise ValueError(f"num_draft_tokens={num_draft_tokens} disagrees with the "
+                                 f"tree_mask's N = {N}; pass one of them")  # fmt: skip
+        if T < 0:
+            raise ValueError(f"num_rows must be >= 0, got {T}; pass the bucket's tokens T")
+        if page_table is None:
+            page_table = torch.empty((T, N), dtype=torch.int32, device=device)
+        if cache_seqlens is None:
+            cache_seqlens = torch.empty(T, dtype=torch.int32, device=device)
+        validate.tensor("page_table", page_table, ndim=2, device=device)
+        validate.at_least("page_table", page_table.shape[0], T, "rows (num_rows)")
+        validate.at_least("page_table", page_table.shape[1], N, "columns (N)")
+        validate.tensor("cache_seqlens", cache_seqlens, ndim=1, device=device)
+        validate.at_least("cache_seqlens", cache_seqlens.shape[0], T)
+        if cu_seqlens_k is not None:
+            validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
+            validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], T + 1)
+        status = validate.status(status, device)
+    except TypeError as err:
+        raise TypeError(f"{where}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    return B, N, T, page_table, cache_seqlens, status
+
+
+def bind_verify_expand_ragged(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    qo_indptr: torch.Tensor,
+    *,
+    num_rows: int,
+    num_draft_tokens: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> Stage:
+    """Bind once: the expand pass of a ragged verify, one token-slot list per query row.
+
+    Parameters
+    ----------
+    req_pool_indices, req_to_token, seq_lens : torch.Tensor
+        ``[B]``, ``[R, W_row]``, ``[B]`` int32 or int64; node ``j``'s KV slot is
+        ``row_i[L_i + j]``.
+    tree_mask : torch.Tensor or None
+        ``[B, N, N]`` bool (or uint8) ancestor mask, unit stride in the last dimension; ``None``
+        for a chain (``num_draft_tokens`` then gives ``N``).
+    qo_indptr : torch.Tensor
+        ``[≥ B + 1]`` int32 or int64 on the device: the query offsets of the padded lengths
+        (:func:`specmeta.pad_verify_lens_to_bucket`).
+    num_rows : int
+        ``T``, the bucket's query tokens (a host int): rows ``[0, T)`` are written.
+    num_draft_tokens : int, optional
+        ``N``; required without ``tree_mask``.
+    page_table : torch.Tensor, optional
+        ``[≥ T, W ≥ N]`` int32 or int64; rows ``[:T]`` written entirely. Allocated int32
+        ``[T, N]`` when omitted.
+    cache_seqlens : torch.Tensor, optional
+        ``[≥ T]`` int32 or int64. Allocated int32 when omitted.
+    cu_seqlens_k : torch.Tensor, optional
+        ``[≥ T + 1]``: its exclusive prefix sum over the rows, when given.
+    status : torch.Tensor, optional
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a slot past ``W_row`` or a negative
+        ``seq_lens``, read 0; a negative or decreasing ``qo_indptr``), ``POOL_OOB`` (a negative
+        slot id, read 0), ``OUT_OF_CAPACITY`` (a request's rows past ``T``: not written).
+
+    Returns
+    -------
+    Stage
+        Its result is ``(page_table, cache_seqlens)``, what the eager
+        :func:`verify_expand_ragged` returns.
+
+    Examples
+    --------
+    ``N=2``, a chain, ``L=[3, 1]``, rows ``r0 = […, 30, 31]`` at positions 3, 4 and
+    ``r1 = […, 10, 11]`` at positions 1, 2, ``qo_indptr=[0, 1, 4]``, ``T=5`` → rows
+    ``[30, 0]`` (request 0 verifies one node), ``[10, 11]`` (node 0: its own slot, then the
+    other node's, not read), ``[10, 11]``, ``[10, 11]`` (a filler row), ``[0, 0]`` (no
+    request); ``cache_seqlens=[1, 1, 2, 2, 0]``.
+
+    Grid ``(B + 1,)``, then ``(1,)`` for ``cu_seqlens_k``. No host sync: ``T`` is the host's.
+    """
+    B, N, T, page_table, cache_seqlens, status = _prepare(
+        "verify_expand_ragged", req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr,
+        num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
+    )  # fmt: skip
+    chain = tree_mask is None
+    mask = page_table if chain else (
+        tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask)  # fmt: skip
+    W = page_table.shape[1]
+    launches = [
+        _verify_expand_ragged_launch.bind(
+            (B + 1,),
+            **batch_arguments(req_pool_indices, req_to_token, seq_lens),
+            qo_indptr_ptr=qo_indptr,
+            tree_mask_ptr=mask,
+            page_table_ptr=page_table,
+            cache_seqlens_ptr=cache_seqlens,
+            cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
+            status_ptr=status,
+            N=N,
+            W=W,
+            T=T,
+            stride_pt=page_table.stride(0),
+            stride_mb=0 if chain else mask.stride(0),
+            stride_mj=0 if chain else mask.stride(1),
+            BLOCK_N=next_power_of_2(N),
+            BLOCK_W=min(next_power_of_2(max(W, 1)), 64),
+            BLOCK_F=_BLOCK_F,
+            CHAIN=chain,
+            WRITE_CU0=cu_seqlens_k is not None,
+        )
+    ]
+    if cu_seqlens_k is not None and T:
+        launches.append(_inclusive_sums_launch.bind(
+            (1,), src_ptr=cache_seqlens, dst_ptr=cu_seqlens_k, n=T, BLOCK=_SUMS_BLOCK
+        ))  # fmt: skip
+    return Stage(launches, result=(page_table, cache_seqlens))
+
+
+verify_expand_ragged = launcher(bind_verify_expand_ragged)
+verify_expand_ragged.kernels = (_verify_expand_ragged_kernel, _inclusive_sums_kernel)
+
+
+def verify_expand_ragged_ref(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    qo_indptr: torch.Tensor,
+    *,
+    num_rows: int,
+    num_draft_tokens: int | None = None,
+    page_table: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`verify_expand_ragged` (a loop over the requests; syncs)."""
+    B, N, T, page_table, cache_seqlens, status = _prepare(
+        "verify_expand_ragged_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
+        qo_indptr, num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
+    )  # fmt: skip
+    device = req_to_token.device
+    qo = qo_indptr[: B + 1].to(torch.int64).tolist()
+    L = seq_lens.to(torch.int64)
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
+    c = torch.arange(N, device=device)
+    slots, _ = gather_rows_ref(
+        req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c
+    )  # [B, N]: every window slot; the bits are those of the first V_i, below
+    table = torch.zeros(T, page_table.shape[1], dtype=torch.int64, device=device)
+    counts = torch.zeros(T, dtype=torch.int64, device=device)
+    chain = torch.ones(N, N, dtype=torch.bool, device=device).tril()
+    for i in range(B):
+        start, end = qo[i], qo[i + 1]
+        rows = max(end - start, 0)
+        V = min(rows, N)
+        if start < 0 or end < start:
+            bits |= int(Status.POS_OOB)
+        if start + rows > T:
+            bits |= int(Status.OUT_OF_CAPACITY)
+        bits |= gather_bits_of(req_to_token, req_pool_indices, L, i, V)
+        s = slots[i, :V].to(torch.int64)
+        if bool((s < 0).any()):
+            bits |= int(Status.POOL_OOB)
+        s = s.clamp_min(0)
+        m = (chain if tree_mask is None else tree_mask[i].to(torch.bool))[:V, :V]
+        for j in range(rows):
+            r = start + j
+            if not 0 <= r < T:
+                continue
+            if j < N:
+                order = torch.argsort(torch.where(m[j], c[:V], N + c[:V]))
+                table[r, :V] = s[order]
+                counts[r] = int(m[j].sum())
+            else:
+                table[r, :V] = s
+                counts[r] = V
+    if qo[B] > T:
+        bits |= int(Status.OUT_OF_CAPACITY)
+    if qo[B] < 0:
+        bits |= int(Status.POS_OOB)
+    page_table[:T] = table.to(page_table.dtype)
+    cache_seqlens[:T] = counts.to(cache_seqlens.dtype)
+    if cu_seqlens_k is not None:
+        cu_seqlens_k[0] = 0
+        cu_seqlens_k[1 : T + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.dtype)
+    if bits:
+        status |= bits
+    return page_table, cache_seqlens
+
+
+def gather_bits_of(req_to_token, req_pool_indices, L, i, V) -> int:
+    """The bits of reading request ``i``'s first ``V`` window slots (the kernel reads only
+    those): ``ROW_OOB`` for a row outside ``req_to_token``, ``POS_OOB`` past its width."""
+    _, bits = gather_rows_ref(
+        req_to_token, req_pool_indices[i : i + 1],
+        L[i : i + 1].clamp_min(0).view(1, 1) + torch.arange(V, device=L.device).view(1, -1),
+    )  # fmt: skip
+    return bits
