@@ -27,8 +27,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".kernels": ("assign_draft_cache_locs", "assign_draft_cache_locs_ref",
                  "prefix_tail_copy_pairs", "prefix_tail_copy_pairs_ref",
                  "draft_decode_kv_indices", "draft_decode_kv_indices_ref"),
-    ".kernels.cache_loc_move": ("accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache",
-                                "move_kv_cache_ref", "KVPool"),
+    ".kernels.accept_cache_locs": ("accept_cache_locs", "accept_cache_locs_ref"),
+    ".kernels.cache_loc_move": ("move_kv_cache", "move_kv_cache_ref", "KVPool"),
     ".kernels.merge_state": ("merge_state", "merge_state_ref"),
     ".kernels.verify_lens": ("pad_verify_lens_to_bucket", "pad_verify_lens_to_bucket_ref"),
     ".metadata.fa3": ("FA3MetadataBuilder", "FA3Metadata", "FA3Cascade"),
@@ -36,7 +36,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".metadata.trtllm_mla": ("TrtllmMlaBuilder",),
     ".metadata.host_ops": ("warmup",),
     ".probes": ("probes",),
-    ".runners": ("GraphRunner", "RunResult"),
+    ".runners": ("GraphRunner", "RaggedGraphRunner", "RunResult"),
     ".stage": ("Stage",),
 }  # fmt: skip
 _SOURCES = {name: module for module, names in _MODULES.items() for name in names}
@@ -51,8 +51,8 @@ __all__ = [
     "accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache", "move_kv_cache_ref", "KVPool",
     "merge_state", "merge_state_ref", "pad_verify_lens_to_bucket",
     "pad_verify_lens_to_bucket_ref", "FA3MetadataBuilder", "FA3Metadata", "FA3Cascade",
-    "FlashInferBuilder", "TrtllmMlaBuilder", "warmup", "probes", "GraphRunner", "RunResult",
-    "Stage",
+    "FlashInferBuilder", "TrtllmMlaBuilder", "warmup", "probes", "GraphRunner",
+    "RaggedGraphRunner", "RunResult", "Stage",
 ]  # fmt: skip
 
 
@@ -87,19 +87,14 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
         prefix_tail_copy_pairs,
         prefix_tail_copy_pairs_ref,
     )
-    from .kernels.cache_loc_move import (
-        KVPool,
-        accept_cache_locs,
-        accept_cache_locs_ref,
-        move_kv_cache,
-        move_kv_cache_ref,
-    )
+    from .kernels.accept_cache_locs import accept_cache_locs, accept_cache_locs_ref
+    from .kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache_ref
     from .kernels.merge_state import merge_state, merge_state_ref
     from .kernels.verify_lens import pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
     from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
     from .metadata.flashinfer import FlashInferBuilder
     from .metadata.host_ops import warmup
     from .metadata.trtllm_mla import TrtllmMlaBuilder
-    from .runners import GraphRunner, RunResult
+    from .runners import GraphRunner, RaggedGraphRunner, RunResult
     from .stage import Stage
     from .status import SpecmetaStatusError, Status, check_status, default_status, new_status

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .config import draft_decode_kv_indices_need, uses_layout_b
+from .kernels.accept_cache_locs import accept_cache_locs, accept_cache_locs_ref
 from .kernels.branch_kv_indices import (
     branch_kv_indices,
     branch_kv_indices_ref,
@@ -28,13 +29,7 @@ from .kernels.branch_page_table import (
     branch_page_table,
     branch_page_table_ref,
 )
-from .kernels.cache_loc_move import (
-    KVPool,
-    accept_cache_locs,
-    accept_cache_locs_ref,
-    move_kv_cache,
-    move_kv_cache_ref,
-)
+from .kernels.cache_loc_move import KVPool, move_kv_cache, move_kv_cache_ref
 from .kernels.draft_cache_locs import (
     assign_draft_cache_locs,
     assign_draft_cache_locs_ref,
@@ -70,6 +65,7 @@ from .kernels.verify_expand_page_table import (
     verify_expand_page_table,
     verify_expand_page_table_ref,
 )
+from .kernels.verify_expand_ragged import verify_expand_ragged, verify_expand_ragged_ref
 from .kernels.verify_kv_indices import (
     verify_kv_indices,
     verify_kv_indices_ref,
@@ -258,12 +254,37 @@ def _accept_cases(b, g):
            for k in ("tgt", "src")}  # fmt: skip
     yield Case(f"N={n} {b.describe()}", inputs, dict(num_draft_tokens=n), out)
     # Virtual verify slots (design §2.10): the pairs through a shuffled page map.
-    pages = int(inputs[2].max()) // b.page_size + 1
+    pages = (int(inputs[2].max()) if inputs[2].numel() else 0) // b.page_size + 1
     v2p = torch.randperm(2 * pages, generator=g)[:pages].to(b.seq_lens.device)
     kw = dict(num_draft_tokens=n, v2p=v2p, page_size=b.page_size)
     out = {k: _poison(size, device=b.seq_lens.device, value=-1, dtype=torch.int64)
            for k in ("tgt", "src")}  # fmt: skip
     yield Case(f"N={n} v2p {b.describe()}", inputs, kw, out)
+    # A ragged verify (design §2.9): the same paths over windows packed at qo_indptr.
+    qo_indptr, inputs = _ragged_accept(n, inputs, g)
+    out = {k: _poison(size, device=b.seq_lens.device, value=-1, dtype=torch.int64)
+           for k in ("tgt", "src")}  # fmt: skip
+    kw = dict(num_draft_tokens=n, qo_indptr=qo_indptr)
+    yield Case(f"N={n} ragged {b.describe()}", inputs, kw, out)
+
+
+def _ragged_accept(n: int, inputs: tuple, g: torch.Generator) -> tuple[torch.Tensor, tuple]:
+    """``qo_indptr`` and the accept inputs of the same accepted paths in a ragged verify: request
+    ``i`` verifies a random ``v_i`` of its ``N`` nodes, never fewer than its path needs, and the
+    last request two filler rows past ``N`` (their slots the sink)."""
+    accept_index, accept_lens, window = (t.cpu().to(torch.int64) for t in inputs)
+    B = accept_index.shape[0]
+    node = torch.where(accept_index >= 0, accept_index - n * torch.arange(B).view(-1, 1), -1)
+    need = node.max(1).values + 1  # the rows a path needs: 0 for an empty one
+    lens = need + (torch.rand(B, generator=g) * (n + 1 - need)).to(torch.int64)
+    lens[-1:] = n + 2
+    qo_indptr = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    rows = [window[i * n : i * n + min(int(lens[i]), n)] for i in range(B)]
+    slots = torch.cat(rows + [window.new_zeros(2 if B else 0)])
+    index = torch.where(node >= 0, node + qo_indptr[:-1].view(-1, 1), -1)
+    device = inputs[0].device
+    return qo_indptr.to(device), (index.to(inputs[0].dtype).to(device), inputs[1],
+                                  slots.to(device))  # fmt: skip
 
 
 def _move_cases(b, g):
@@ -416,6 +437,24 @@ def _verify_expand_cases(b, g):
                {name: t.clone() for name, t in out.items()})  # fmt: skip
 
 
+def _verify_expand_ragged_cases(b, g):
+    """A ragged verify's expand pass: the batch's random verify lengths padded to a bucket with
+    room to spare (the last request's filler rows), over the tree, then over a chain."""
+    from .kernels.verify_lens import pad_verify_lens_to_bucket_ref
+
+    n, B, device = tree_width(b.topk, b.num_steps), b.batch_size, b.seq_lens.device
+    tree = random_tree_mask(B, b.topk, b.num_steps, n, g).to(device)
+    lens = torch.randint(0, n + 1, (B,), generator=g, dtype=torch.int64)
+    T = int(lens.sum()) + (2 if B else 0)
+    _, qo = pad_verify_lens_to_bucket_ref(lens, T, B)
+    out = {"cu_seqlens_k": _poison(T + 1, device=device)}
+    for mask in (tree, None):
+        kw = dict(num_rows=T, num_draft_tokens=n)
+        yield Case(f"T={T} {'tree' if mask is not None else 'chain'} {b.describe()}",
+                   (*_args(b), mask, qo.to(device)), kw,
+                   {name: t.clone() for name, t in out.items()})  # fmt: skip
+
+
 # ------------------------------------------------------------------------- the verify bucket
 # Verify lengths are drawn in [0, _VERIFY_WIDTH] (a tree of up to 8 nodes, as tree_width).
 _VERIFY_WIDTH = 8
@@ -490,6 +529,9 @@ OPS: tuple[Op, ...] = (
     Op("verify_expand_page_table", verify_expand_page_table,
        verify_expand_page_table_ref, verify_expand_page_table.kernels,
        _verify_expand_cases, _named(*_TABLES), extra_tokens=8),
+    Op("verify_expand_ragged", verify_expand_ragged, verify_expand_ragged_ref,
+       verify_expand_ragged.kernels, _verify_expand_ragged_cases, _named(*_TABLES),
+       extra_tokens=8),
     Op("check_host_lengths", check_host_lengths, check_host_lengths_ref,
        check_host_lengths.kernels, _host_lengths_cases, lambda case, result, outputs: outputs),
     # Whole buffers compared: the poisoned entries past Bp and Bp + 1 must be left alone.

@@ -9,17 +9,10 @@ called without ``status=``, into :func:`specmeta.default_status` of its device (
 :func:`specmeta.check_status`). What the ops share lives in :mod:`specmeta.kernels._common`.
 """
 
+from .accept_cache_locs import accept_cache_locs, accept_cache_locs_ref, bind_accept_cache_locs
 from .branch_kv_indices import bind_branch_kv_indices, branch_kv_indices, branch_kv_indices_ref
 from .branch_page_table import bind_branch_page_table, branch_page_table, branch_page_table_ref
-from .cache_loc_move import (
-    KVPool,
-    accept_cache_locs,
-    accept_cache_locs_ref,
-    bind_accept_cache_locs,
-    bind_move_kv_cache,
-    move_kv_cache,
-    move_kv_cache_ref,
-)
+from .cache_loc_move import KVPool, bind_move_kv_cache, move_kv_cache, move_kv_cache_ref
 from .draft_cache_locs import (
     assign_draft_cache_locs,
     assign_draft_cache_locs_ref,

@@ -39,9 +39,11 @@ from ._common import (
     POS_OOB,
     ROW_OOB,
     batch_arguments,
+    bind_inclusive_sums,
     check_batch,
     check_verify_lens,
     gather_rows_ref,
+    inclusive_sums_kernel,
     load_request,
     load_verify_len,
     verify_lens_ref,
@@ -145,24 +147,6 @@ def _verify_expand_page_table_kernel(
 
 
 _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
-
-
-@triton.jit(do_not_specialize=["n"])
-def _inclusive_sums_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """``dst[1 + r] = Σ_{r' ≤ r} src[r']`` for ``r < n``: one program, ``BLOCK`` entries a
-    step, the running total carried in 64 bits. ``n`` is the host's ``B·N`` (the buffers'
-    size), never a device value, so the loop is bounded by capacity."""
-    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
-    for start in range(0, n, BLOCK):
-        r = start + tl.arange(0, BLOCK)
-        v = tl.load(src_ptr + r, mask=r < n, other=0).to(tl.int64)
-        tl.store(dst_ptr + 1 + r, (tl.cumsum(v, 0) + carry).to(dst_ptr.dtype.element_ty),
-                 mask=r < n)  # fmt: skip
-        carry += tl.sum(v, 0)
-
-
-_inclusive_sums_launch = Launcher(_inclusive_sums_kernel)
-_SUMS_BLOCK = 1024
 
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
@@ -289,9 +273,7 @@ def bind_verify_expand_page_table(
     ]
     if cu_seqlens_k is not None and B * N:
         # Entry 0 is the kernel's; the rest are the nodes' inclusive sums.
-        launches.append(_inclusive_sums_launch.bind(
-            (1,), src_ptr=cache_seqlens, dst_ptr=cu_seqlens_k, n=B * N, BLOCK=_SUMS_BLOCK
-        ))  # fmt: skip
+        launches.append(bind_inclusive_sums(cache_seqlens, cu_seqlens_k, B * N))
     return Stage(launches, result=(page_table, cache_seqlens))
 
 
@@ -299,7 +281,7 @@ verify_expand_page_table = launcher(bind_verify_expand_page_table)
 
 
 # for specmeta.registry
-verify_expand_page_table.kernels = (_verify_expand_page_table_kernel, _inclusive_sums_kernel)
+verify_expand_page_table.kernels = (_verify_expand_page_table_kernel, inclusive_sums_kernel)
 
 
 def verify_expand_page_table_ref(

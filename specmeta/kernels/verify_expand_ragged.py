@@ -38,18 +38,18 @@ from ._common import (
     POS_OOB,
     ROW_OOB,
     batch_arguments,
+    bind_inclusive_sums,
     check_batch,
     gather_rows_ref,
     host_int,
+    inclusive_sums_kernel,
     load_request,
 )
-from .verify_expand_page_table import _inclusive_sums_kernel, _inclusive_sums_launch
 
 __all__ = ["bind_verify_expand_ragged", "verify_expand_ragged", "verify_expand_ragged_ref"]
 
 # Filler rows (or rows of no request) written per loop iteration.
 _BLOCK_F = 16
-_SUMS_BLOCK = 1024
 
 
 @triton.jit
@@ -321,14 +321,12 @@ def bind_verify_expand_ragged(
         )
     ]
     if cu_seqlens_k is not None and T:
-        launches.append(_inclusive_sums_launch.bind(
-            (1,), src_ptr=cache_seqlens, dst_ptr=cu_seqlens_k, n=T, BLOCK=_SUMS_BLOCK
-        ))  # fmt: skip
+        launches.append(bind_inclusive_sums(cache_seqlens, cu_seqlens_k, T))
     return Stage(launches, result=(page_table, cache_seqlens))
 
 
 verify_expand_ragged = launcher(bind_verify_expand_ragged)
-verify_expand_ragged.kernels = (_verify_expand_ragged_kernel, _inclusive_sums_kernel)
+verify_expand_ragged.kernels = (_verify_expand_ragged_kernel, inclusive_sums_kernel)
 
 
 def verify_expand_ragged_ref(

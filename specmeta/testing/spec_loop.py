@@ -68,12 +68,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from ..config import SpecConfig, allocate_buffers, draft_row_need
-from ..kernels.cache_loc_move import (
-    accept_cache_locs_ref,
-    bind_accept_cache_locs,
-    bind_move_kv_cache,
-    move_kv_cache_ref,
-)
+from ..kernels.accept_cache_locs import accept_cache_locs_ref, bind_accept_cache_locs
+from ..kernels.cache_loc_move import bind_move_kv_cache, move_kv_cache_ref
 from ..kernels.draft_cache_locs import (
     assign_draft_cache_locs_ref,
     bind_assign_draft_cache_locs,

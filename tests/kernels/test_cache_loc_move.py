@@ -555,23 +555,29 @@ def test_pool_keeps_its_buffers_and_picks_the_widest_word(device):
 # globals, pointer casts): compile every variant for sm_90 ahead of time, with no GPU, in a
 # process where the interpreter is off, and check that aligned rows get 16-byte vector accesses.
 _AOT = r"""
-import json, re, sys
+import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import specmeta.kernels.cache_loc_move as m
 
+a = importlib.import_module("specmeta.kernels.accept_cache_locs")  # the package's name is the op
+
 target = GPUTarget("cuda", 90, 32)
 out = {}
-acc = {"accept_index_ptr": "*i32", "accept_lens_ptr": "*i64", "out_cache_loc_ptr": "*i64",
-       "tgt_ptr": "*i64", "src_ptr": "*i32", "v2p_ptr": "*i64", "status_ptr": "*i32", "B": "i32",
-       "N": "i32", "C": "i32", "stride_acc": "i32", "n_out": "i32", "num_pages": "i32",
-       "page_size": "i32", "BLOCK_B": "constexpr", "BLOCK_C": "constexpr",
-       "BLOCK_TAIL": "constexpr", "TRANSLATE": "constexpr", "HAS_STATUS": "constexpr"}
-for status, translate in ((True, False), (False, False), (True, True)):
-    consts = {"BLOCK_B": m._ACCEPT_BLOCK_B, "BLOCK_C": 8, "BLOCK_TAIL": m._ACCEPT_BLOCK_TAIL,
+for status, translate, ragged in ((True, False, False), (False, False, False), (True, True, False),
+                                  (True, False, True), (True, True, True)):
+    acc = {"accept_index_ptr": "*i32", "accept_lens_ptr": "*i64", "out_cache_loc_ptr": "*i64",
+           "qo_indptr_ptr": "*i32" if ragged else "constexpr", "tgt_ptr": "*i64", "src_ptr": "*i32",
+           "v2p_ptr": "*i64", "status_ptr": "*i32", "B": "i32", "N": "i32", "C": "i32",
+           "stride_acc": "i32", "n_out": "i32", "n_slots": "i32" if ragged else "constexpr",
+           "num_pages": "i32", "page_size": "i32", "BLOCK_B": "constexpr", "BLOCK_C": "constexpr",
+           "BLOCK_TAIL": "constexpr", "RAGGED": "constexpr", "TRANSLATE": "constexpr",
+           "HAS_STATUS": "constexpr"}
+    consts = {"BLOCK_B": a._BLOCK_B, "BLOCK_C": 8, "BLOCK_TAIL": a._BLOCK_TAIL, "RAGGED": ragged,
               "TRANSLATE": translate, "HAS_STATUS": status}
-    triton.compile(ASTSource(m._accept_cache_locs_kernel, acc, consts), target=target)
+    consts.update({} if ragged else {"qo_indptr_ptr": None, "n_slots": None})
+    triton.compile(ASTSource(a._accept_cache_locs_kernel, acc, consts), target=target)
 for table, word, vec, block_n, cols, warps in [(True, 8, 2, 256, 32, 8), (True, 8, 2, 4096, 2, 16),
                                                (True, 4, 1, 8192, 1, 16), (False, 8, 2, 64, 64, 8),
                                                (False, 1, 1, 32, 256, 8), (True, 2, 1, 1024, 8, 8)]:

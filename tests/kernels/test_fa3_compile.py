@@ -33,6 +33,8 @@ _CASCADE = dict(extra_tokens=None, fill_value=None, num_rows=None, stride_cs=Non
 # the uniform launch passes verify_lens_ptr None, so its signature is the one before them.
 _UNIFORM = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)
 _RAGGED = dict(HAS_VERIFY_LENS=True)
+# Accept compaction over uniform windows passes qo_indptr_ptr and n_slots None (design §2.4).
+_UNIFORM_ACCEPT = dict(qo_indptr_ptr=None, n_slots=None, RAGGED=False)
 KERNELS = [
     ("host_lengths", "_check_host_lengths_kernel", dict(BLOCK=1024), dict(slot_ptr="i64")),
     ("verify_lens", "_pad_verify_lens_to_bucket_kernel", dict(BLOCK=256),
@@ -115,11 +117,17 @@ KERNELS = [
     ("verify_expand_page_table", "_verify_expand_page_table_kernel",
      dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_RAGGED),
      dict(tree_mask_ptr="u8", verify_lens_ptr="i64")),
-    ("cache_loc_move", "_accept_cache_locs_kernel",
-     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=False, HAS_STATUS=True), {}),
-    ("cache_loc_move", "_accept_cache_locs_kernel",
-     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=True, HAS_STATUS=True),
+    ("accept_cache_locs", "_accept_cache_locs_kernel",
+     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=False, HAS_STATUS=True,
+          **_UNIFORM_ACCEPT), {}),
+    ("accept_cache_locs", "_accept_cache_locs_kernel",
+     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=True, HAS_STATUS=True,
+          **_UNIFORM_ACCEPT),
      dict(v2p_ptr="i64", out_cache_loc_ptr="i64", tgt_ptr="i64", src_ptr="i64")),
+    ("accept_cache_locs", "_accept_cache_locs_kernel",
+     dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=True, HAS_STATUS=True,
+          RAGGED=True),
+     dict(v2p_ptr="i64", qo_indptr_ptr="i64", tgt_ptr="i64", src_ptr="i64")),
     ("cache_loc_move", "_move_kv_cache_kernel",
      dict(BLOCK_N=64, COLS=64, TABLE=True, WORD_BYTES=8, VEC=2, HAS_STATUS=True),
      dict(table_ptr="i64", buf_ptr="i64", tgt_ptr="i64", src_ptr="i64")),
@@ -134,7 +142,13 @@ KERNELS = [
     ("runners.padding", "_copy_pad_many_kernel", dict(NBUF=3, BLOCK=1024),
      dict(src0="i64", dst0="i64", src1="i32", dst1="i32", src2="u8", dst2="u8", src3="i64",
           dst3="i64")),
-    ("verify_expand_page_table", "_inclusive_sums_kernel", dict(BLOCK=1024), {}),
+    ("_common", "inclusive_sums_kernel", dict(BLOCK=1024), {}),
+    ("verify_expand_ragged", "_verify_expand_ragged_kernel",
+     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=False, WRITE_CU0=True),
+     dict(tree_mask_ptr="u8", qo_indptr_ptr="i32")),
+    ("verify_expand_ragged", "_verify_expand_ragged_kernel",
+     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=True, WRITE_CU0=True),
+     dict(tree_mask_ptr="i32", qo_indptr_ptr="i32")),
 ]  # fmt: skip
 
 #: Compiles every kernel of ``KERNELS`` (argv[1], JSON) for sm_90, from the package under

@@ -205,8 +205,13 @@ def test_fa3_ragged_verify_checks_a_host_copy_when_given(device, gen):
     fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
                       verify_lens_cpu=torch.tensor([2, 1]), num_tokens=9)  # fmt: skip
     assert int(fa3.status) == 0
-    fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
-                      verify_lens_cpu=torch.tensor([3, 1]), num_tokens=9)  # a stale copy
+    fa3.target_verify(
+        *args,
+        seq_lens_cpu=batch.seq_lens_cpu,
+        verify_lens=dev,
+        verify_lens_cpu=torch.tensor([3, 1]),
+        num_tokens=9,
+    )  # a stale copy
     assert int(fa3.status) == int(Status.STALE_HOST_LENGTHS)
     with pytest.raises(ValueError, match=r"FA3MetadataBuilder.target_verify: verify_lens_cpu\[0\]"):
         fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,

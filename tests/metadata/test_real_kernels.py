@@ -142,6 +142,24 @@ def test_gpu_fa3_metadata_through_flash_attn_cute(gen, cute, mode, k, ps, batch_
     assert int(status) == 0
 
 
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_fa3_ragged_verify_through_flash_attn_cute(gen, cute, k, ps, how):
+    """A ragged target verify over a bucket of 5 requests (design §2.9): the cascade of every
+    K, its query offsets on the device only (no host copy of the lengths)."""
+    c = _Case(gen, k, ps, 5)
+    real, T = verify_split(gen, 5, c.n, how)
+    fa3 = FA3MetadataBuilder(c.cfg, "cuda", modes=("target_verify",))
+    meta = fa3.target_verify(*c.args, c.tree if k > 1 else None,
+                             seq_lens_cpu=c.batch.seq_lens_cpu, num_tokens=T,
+                             verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"))  # fmt: skip
+    tree = c.tree if k > 1 else torch.ones(c.n, c.n, dtype=torch.bool).tril().expand(5, -1, -1)
+    want = ragged_tree_sequences(c.batch, tree, padded_lengths(real, T, 5))
+    c.check(cute, meta, want, f"fa3 ragged verify k={k} ps={ps} {how} {real} T={T}")
+    assert int(fa3.status) == 0
+
+
 _FI_MODES = ["draft_decode", "draft_decode_paged", "draft_decode_shared_prefix",
              "target_verify", "target_verify_packed", "draft_extend"]  # fmt: skip
 
