@@ -57,8 +57,10 @@ def _rule(batch, tree, qo, T, n, width):
     return table, counts
 
 
-def _run(batch, tree, qo, T, n, device, width=None):
-    """Kernel into guarded buffers, reference into poisoned ones; both compared whole."""
+def _run(batch, tree, qo, T, n, device, width=None, compare=True):
+    """Kernel into guarded buffers, reference into poisoned ones; both compared whole (only
+    the guards and the status words with ``compare=False``: rows that two requests' faulty
+    offsets share are written by both, in an order the device does not fix)."""
     width = n + 3 if width is None else width
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens, tree,
             torch.tensor(qo, dtype=torch.int32, device=device))  # fmt: skip
@@ -74,7 +76,8 @@ def _run(batch, tree, qo, T, n, device, width=None):
     for got, want, name in zip((pt, cs, cu), ref, ("page_table", "cache_seqlens", "cu_seqlens_k"),
                                strict=True):  # fmt: skip
         got.assert_intact(name)
-        assert_equal(got.view, want, f"{name} vs reference (qo={qo}, T={T})")
+        if compare:
+            assert_equal(got.view, want, f"{name} vs reference (qo={qo}, T={T})")
     assert_equal(status, ref_status, "status vs reference")
     return pt.view.cpu(), cs.view.cpu(), cu.view.cpu(), int(status)
 
@@ -125,7 +128,7 @@ def test_a_bad_offset_sets_its_bit_alone(device, gen, fault):
         "decreasing": ([0, 3, 2, 6], 6, Status.POS_OOB),
         "negative_start": ([0, 2, -1, 3], 3, Status.POS_OOB),
     }[fault]
-    _, _, _, status = _run(batch, tree, qo, T, n, device)
+    _, _, _, status = _run(batch, tree, qo, T, n, device, compare=False)
     assert status == int(bit), Status(status)
 
 
