@@ -24,6 +24,7 @@ work sets its pace when called back to back is timed 3 calls a round after a syn
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -147,7 +148,7 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         "trtllm_mla.draft_decode": (mla, "draft_decode", t, {}),
     }
     host_kw = {name: {} for name in calls}
-    if new and hasattr(specmeta, "pad_verify_lens_to_bucket"):
+    if "verify_lens" in inspect.signature(FlashInferBuilder.target_verify).parameters:
         # A ragged verify (design §2.9): B − 1 real requests of random lengths, a full bucket.
         real_cpu = torch.randint(0, N + 1, (bs - 1,), generator=g, dtype=torch.int32)
         ragged = {"packed": True, "verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
