@@ -1001,6 +1001,16 @@ MUTATIONS: list[Mutation] = [
        ["tests/kernels/test_launch.py", "-k", "keeps_the_tensors"],
        gpu=True),
     # ---------------------------------------------------------------- end to end (lossless)
+    _m("e-ragged-chain-ancestors", "e2e",
+       "FA3's ragged expand pass (kernel and reference alike) reads a chain node's ancestors "
+       "without the node itself: lossless decoding breaks with a ragged verify",
+       K + "verify_expand_ragged.py",
+       "        m = in_tile & (cc <= jj)",
+       "        m = in_tile & (cc < jj)",
+       [LOSSLESS, "-k", "ragged and self"],
+       also=((K + "verify_expand_ragged.py",
+              "chain = torch.ones(N, N, dtype=torch.bool, device=device).tril()",
+              "chain = torch.ones(N, N, dtype=torch.bool, device=device).tril(-1)"),)),
     _m("e-verify-mask-transposed", "e2e", "verify mask reads the tree columns transposed",
        K + "tree_custom_mask.py",
        "m = tl.load(tree_ptr + j * stride_mj + (col - L), mask=live & in_tree, other=0)",

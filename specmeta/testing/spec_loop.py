@@ -61,28 +61,15 @@ extend) reads its keys through a builder's metadata and an attention backend of
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..config import SpecConfig, allocate_buffers, draft_row_need
-from ..kernels.accept_cache_locs import accept_cache_locs_ref, bind_accept_cache_locs
-from ..kernels.cache_loc_move import bind_move_kv_cache, move_kv_cache_ref
-from ..kernels.draft_cache_locs import (
-    assign_draft_cache_locs_ref,
-    bind_assign_draft_cache_locs,
-    bind_prefix_tail_copy_pairs,
-    prefix_tail_copy_pairs_ref,
-)
-from ..metadata.fa3 import FA3MetadataBuilder
-from ..metadata.flashinfer import FlashInferBuilder
-from ..metadata.trtllm_mla import TrtllmMlaBuilder
-from ..runners import GraphRunner, padding
-from ..stage import Stage
+from ..config import SpecConfig, draft_row_need
 from ..status import SpecmetaStatusError, decode_status, new_status
 from .attention import TorchAttention
+from .loop_stages import BACKENDS, DRAFT_FORMS, MetadataStages
 from .speculation import (
     DraftTree,
     GreedyAgreement,
@@ -118,28 +105,6 @@ __all__ = [
     "make_requests",
 ]
 
-BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
-DRAFT_FORMS = ("decode", "shared_prefix", "paged")
-"""FlashInfer's draft-decode forms: per-branch token lists, the shared-prefix cascade, per-branch
-pages (:class:`~specmeta.FlashInferBuilder`)."""
-STAGES = ("draft", "verify", "accept", "extend")
-"""specmeta's stages of an iteration, in order (:class:`MetadataStages`)."""
-
-# The free launchers a stage binds: the kernels' bound launches, or (a reference build) the
-# pure-torch references called as launches.
-_BINDS = {
-    "assign_draft_cache_locs": bind_assign_draft_cache_locs,
-    "prefix_tail_copy_pairs": bind_prefix_tail_copy_pairs,
-    "accept_cache_locs": bind_accept_cache_locs,
-    "move_kv_cache": bind_move_kv_cache,
-}
-_REFERENCES = {
-    "assign_draft_cache_locs": assign_draft_cache_locs_ref,
-    "prefix_tail_copy_pairs": prefix_tail_copy_pairs_ref,
-    "accept_cache_locs": accept_cache_locs_ref,
-    "move_kv_cache": move_kv_cache_ref,
-}
-
 
 # ------------------------------------------------------------------------------------------------
 # Timing
@@ -174,206 +139,6 @@ class StageTimer:
             out = {k: sum(v) for k, v in self._spans.items()}
         self._spans = {}
         return out
-
-
-# ------------------------------------------------------------------------------------------------
-# specmeta's part of an iteration
-# ------------------------------------------------------------------------------------------------
-class MetadataStages:
-    """specmeta's part of an iteration as four stage functions, ``inputs -> Stage``: each binds
-    its work to the tensors it is given, the raw batch (an eager iteration calls the stage at
-    once) or a :class:`GraphRunner`'s static views (the runner captures and replays it).
-
-    ========  =====================================================  ==========================
-    stage     builds                                                 inputs
-    ========  =====================================================  ==========================
-    draft     draft slots, layout-B prefix-tail KV copies (draft     ``req_pool_indices``,
-              pool), draft-decode metadata of the ``S − 1`` forwards  ``seq_lens`` (``L + 1``)
-    verify    target-verify metadata of the tree                     ``req_pool_indices``,
-                                                                     ``seq_lens`` (``L``),
-                                                                     ``tree_mask``
-    accept    accepted-KV move pairs, their move (target pool)       ``accept_index``,
-                                                                     ``accept_lens``,
-                                                                     ``verify_out_cache_loc``
-    extend    draft-extend metadata                                  ``req_pool_indices``,
-                                                                     ``seq_lens`` (``L + 1``)
-    ========  =====================================================  ==========================
-
-    Parameters
-    ----------
-    cfg : SpecConfig
-        ``K, S, N, ps``, ``max_bs`` and the capacity every buffer is planned for.
-    backend : str
-        ``"fa3"``, ``"flashinfer"`` or ``"trtllm_mla"`` (``topk == 1`` only: it verifies
-        chains).
-    draft_form : str
-        FlashInfer's draft-decode form, one of :data:`DRAFT_FORMS`.
-    device : torch.device
-        Where the metadata lives.
-    req_to_token : torch.Tensor
-        The persistent table (the graphs read it).
-    draft_cache, target_cache : KVCache
-        The models' pools (the KV moves run on them).
-    status : torch.Tensor
-        The status word every launch reports into.
-    reference : bool
-        Bind specmeta's pure-torch references (``*_ref`` ops as the launches, builders with
-        ``reference=True``) instead of the kernels; they synchronise, so their runners never
-        capture graphs.
-    """
-
-    def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
-                 req_to_token: torch.Tensor, draft_cache: KVCache, target_cache: KVCache,
-                 status: torch.Tensor, reference: bool = False):  # fmt: skip
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if draft_form not in DRAFT_FORMS:
-            raise ValueError(f"draft_form must be one of {DRAFT_FORMS}, got {draft_form!r}")
-        if backend == "trtllm_mla" and cfg.topk > 1:
-            raise ValueError(f"backend 'trtllm_mla' verifies chains only (no custom mask): "
-                             f"use topk=1, got topk={cfg.topk}")  # fmt: skip
-        self.cfg, self.backend, self.draft_form = cfg, backend, draft_form
-        self.req_to_token, self.status = req_to_token, status
-        self.draft_cache, self.target_cache = draft_cache, target_cache
-        self.reference = reference
-        builder = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-                   "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
-        self.builder = builder(cfg, device, reference=reference)
-        self.bufs = allocate_buffers(cfg, device, [
-            "draft.out_cache_loc", "draft.positions", "draft.prefix_tail_tgt",
-            "draft.prefix_tail_src", "verify.tgt_cache_loc", "verify.src_cache_loc",
-            "runner.req_pool_indices", "runner.seq_lens", "runner.tree_mask",
-            "runner.accept_index", "runner.accept_lens", "runner.verify_out_cache_loc",
-        ])  # fmt: skip
-        self.runners: dict[str, GraphRunner] = {}
-
-    # --------------------------------------------------------------------------------------------
-    # The stages: each binds its work to the tensors it is given (a runner's static views, or
-    # the raw batch of an eager iteration)
-    # --------------------------------------------------------------------------------------------
-    def _bind(self, op: str, *args, **kwargs) -> Stage:
-        """One launcher's work bound to its arguments: ``bind_<op>`` of the kernels, or the
-        pure-torch ``<op>_ref`` as the launch of a reference build."""
-        if self.reference:
-            return Stage([functools.partial(_REFERENCES[op], *args, **kwargs)])
-        return _BINDS[op](*args, **kwargs)
-
-    def draft(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
-        """Draft slots, prefix-tail copies (layout B) and the draft-decode metadata per step;
-        the host part is the draft-decode mode's (it returns the builder's result)."""
-        c, b, r2t, st = self.cfg, self.bufs, self.req_to_token, self.status
-        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
-        B = rpi.shape[0]
-        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
-        launches = [self._bind("assign_draft_cache_locs", rpi, r2t, lens,
-                               out_cache_loc=b["draft.out_cache_loc"],
-                               positions=b["draft.positions"], **kw)]  # fmt: skip
-        if c.layout_b:
-            # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
-            # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
-            # sources before it, so the pairs are disjoint.
-            tgt, src = b["draft.prefix_tail_tgt"], b["draft.prefix_tail_src"]
-            n = B * (c.topk - 1) * (c.page_size - 1)
-            launches.append(self._bind("prefix_tail_copy_pairs", rpi, r2t, lens, tgt=tgt,
-                                       src=src, **kw))  # fmt: skip
-            launches.append(self._bind("move_kv_cache", self.draft_cache.pool, tgt[:n], src[:n],
-                                       disjoint=True, status=st))  # fmt: skip
-        slots = b["draft.out_cache_loc"][: B * c.topk * c.num_steps]
-        decode = self._draft_decode(rpi, lens, slots)
-        return Stage([*launches, decode], host=decode.host)
-
-    def verify(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
-        """Target-verify metadata of the tree over the window ``L … L + N − 1``."""
-        kw = dict(status=self.status)
-        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
-        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
-            return self.builder.bind_target_verify(rpi, self.req_to_token, lens, **kw)
-        return self.builder.bind_target_verify(rpi, self.req_to_token, lens,
-                                               inputs["tree_mask"], **kw)  # fmt: skip
-
-    def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
-        """Move pairs of the accepted nodes and their move, all layers of the target pool: free
-        launchers only, so no host part (the stage's result is ``None``)."""
-        b, c = self.bufs, self.cfg
-        tgt, src = b["verify.tgt_cache_loc"], b["verify.src_cache_loc"]
-        n = inputs["accept_index"].numel()  # B·(S + 1) pairs
-        pairs = self._bind("accept_cache_locs", inputs["accept_index"], inputs["accept_lens"],
-                           inputs["verify_out_cache_loc"], num_draft_tokens=c.num_draft_tokens,
-                           tgt=tgt, src=src, status=self.status)  # fmt: skip
-        # Accepted paths list node ids in increasing order: no pair reads a slot that an
-        # earlier pair writes.
-        move = self._bind("move_kv_cache", self.target_cache.pool, tgt[:n], src[:n],
-                          ordered=True, status=self.status)  # fmt: skip
-        return Stage([pairs, move])
-
-    def extend(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
-        """Draft-extend metadata: ``N`` query rows a request after the draft's prefix."""
-        return self.builder.bind_draft_extend(inputs["req_pool_indices"], self.req_to_token,
-                                              inputs["seq_lens"], status=self.status)  # fmt: skip
-
-    # --------------------------------------------------------------------------------------------
-    # Per backend
-    # --------------------------------------------------------------------------------------------
-    def _draft_decode(self, rpi, lens, slots) -> Stage:
-        """Per draft forward ``s < S − 1``: the metadata the attention backend reads, the
-        builder's own result (indexed by step). Every builder takes the same keywords
-        (:mod:`specmeta.metadata.contract`); FA3 also reads the draft slots."""
-        kw = dict(num_rows=self.cfg.num_steps - 1, status=self.status)
-        args = (rpi, self.req_to_token, lens)
-        if self.backend == "fa3":
-            return self.builder.bind_draft_decode(*args, slots, **kw)
-        if self.backend == "flashinfer":
-            bind = {"decode": self.builder.bind_draft_decode,
-                    "shared_prefix": self.builder.bind_draft_decode_shared_prefix,
-                    "paged": self.builder.bind_draft_decode_paged}[self.draft_form]  # fmt: skip
-            return bind(*args, **kw)
-        return self.builder.bind_draft_decode(*args, **kw)
-
-    # --------------------------------------------------------------------------------------------
-    # The runners
-    # --------------------------------------------------------------------------------------------
-    def build_runners(self, buckets: Sequence[int], device: torch.device,
-                      graphs: bool | None = None) -> None:  # fmt: skip
-        """One captured :class:`GraphRunner` per stage; every static input with its design §4 pad
-        (padded requests read and write only the sinks). ``graphs``: as the runner's (default:
-        CUDA graphs on a CUDA device); the references synchronise, so they never capture."""
-        graphs = False if self.reference else graphs
-        c, b = self.cfg, self.bufs
-        fill = padding.seq_lens_fill(c.topk, c.num_draft_tokens)
-        for stage in STAGES:
-            # Each stage returns its builder's own result for the batch (accept: None).
-            runner = GraphRunner(getattr(self, stage), batch_sizes=buckets, device=device,
-                                 graphs=graphs)  # fmt: skip
-            if stage == "accept":
-                runner.add_input("accept_index", b["runner.accept_index"], pad=padding.NO_ACCEPT)
-                runner.add_input("accept_lens", b["runner.accept_lens"],
-                                 pad=padding.NOTHING_ACCEPTED)  # fmt: skip
-                runner.add_input("verify_out_cache_loc", b["runner.verify_out_cache_loc"],
-                                 pad=padding.SINK_SLOT, per_request=c.num_draft_tokens)  # fmt: skip
-            else:
-                runner.add_input("req_pool_indices", b["runner.req_pool_indices"],
-                                 pad=padding.SINK_ROW)  # fmt: skip
-                runner.add_input("seq_lens", b["runner.seq_lens"], pad=fill, host_mirror=True)
-            if stage == "verify":
-                runner.add_input("tree_mask", b["runner.tree_mask"], pad=padding.TREE_MASK)
-            # What the graphs read and write beyond the runner's inputs: a replay after one of
-            # them was reallocated or reshaped raises instead of touching stale memory.
-            runner.add_guard("req_to_token", lambda: self.req_to_token)
-            for which, cache in (("draft", self.draft_cache), ("target", self.target_cache)):
-                for i, layer in enumerate((*cache.k, *cache.v)):
-                    runner.add_guard(f"{which} KV buffer {i}", layer)
-            runner.capture()
-            self.runners[stage] = runner
-
-    def run(self, stage: str, batch_size: int, inputs: dict[str, torch.Tensor],
-            seq_lens_cpu: torch.Tensor | None, graph: bool) -> object:  # fmt: skip
-        """Run ``stage`` for the batch, through its runner or eagerly (bound to the raw inputs
-        and called at once: host part, then launches): the stage's metadata for the
-        ``batch_size`` requests (``None`` for accept)."""
-        if graph:
-            host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else None
-            return self.runners[stage].run(batch_size, inputs, host_inputs=host).results
-        return getattr(self, stage)(inputs)(seq_lens_cpu)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,7 +185,7 @@ class SpeculativeLoop:
                  backend: str = "fa3", attention=None, draft_form: str = "decode",
                  mode: str = "auto", buckets: Sequence[int] = (1, 2, 4),
                  reference: bool = False, seed: int = 0, timing: bool = False,
-                 raise_on_status: bool = True):  # fmt: skip
+                 raise_on_status: bool = True, ragged_verify: bool = False):  # fmt: skip
         if mode not in ("eager", "graph", "auto"):
             raise ValueError(f"mode must be 'eager', 'graph' or 'auto', got {mode!r}")
         if mode != "eager" and (not buckets or max(buckets) > cfg.max_bs):
@@ -448,7 +213,8 @@ class SpeculativeLoop:
         self.status = new_status(self.device)
         self.stages = MetadataStages(cfg, backend, draft_form, self.device,
                                      self.slots.req_to_token, self.draft_cache, self.target_cache,
-                                     self.status, reference=reference)  # fmt: skip
+                                     self.status, reference=reference,
+                                     ragged_verify=ragged_verify)  # fmt: skip
         if mode != "eager":
             self.stages.build_runners(buckets, self.device)
         self.max_bucket = max(buckets, default=0)
@@ -510,9 +276,17 @@ class SpeculativeLoop:
             # 2. Draft decode: the tree.
             tree = self._draft(batch, rpi, draft_lens, draft_lens_cpu, graph)
             # 3. Target verify and greedy acceptance.
-            window, logits = self._verify(rpi, seq_lens, seq_lens_cpu, tree, graph)
-            bp = self.stages.runners["verify"].bucket(B) if graph else B
-            path, accept_lens, bonus = greedy_accept(tree.tokens, tree.parents, logits,
+            window, logits, verified = self._verify(rpi, seq_lens, seq_lens_cpu, tree, graph,
+                                                    index)  # fmt: skip
+            bp = B
+            if graph and self.stages.ragged_verify:
+                bp = self.stages.runners["verify"].bucket(B, B * c.num_draft_tokens)[1]
+            elif graph:
+                bp = self.stages.runners["verify"].bucket(B)
+            # Only the verified nodes (a ragged verify's first ones) can be accepted.
+            node = torch.arange(c.num_draft_tokens, device=dev).view(1, -1)
+            tokens_verified = torch.where(node < verified.view(-1, 1), tree.tokens, -1)
+            path, accept_lens, bonus = greedy_accept(tokens_verified, tree.parents, logits,
                                                      c.num_steps)  # fmt: skip
             # 4. Move the accepted nodes' target KV to the front of the window.
             index_global = torch.where(path >= 0, path + c.num_draft_tokens *
@@ -531,10 +305,11 @@ class SpeculativeLoop:
             records = []
             acc_cpu, tokens_cpu = accept_lens.cpu().tolist(), tokens.cpu().tolist()
             tree_tokens, tree_parents = tree.tokens.cpu().tolist(), tree.parents.cpu().tolist()
+            verified_cpu = verified.cpu().tolist()
             for i, r in enumerate(batch):
-                acc = acc_cpu[i]
-                records.append(NodeRecord(r.rid, len(r.output), tuple(tree_tokens[i]),
-                                          tuple(tree_parents[i]), acc))  # fmt: skip
+                acc, v = acc_cpu[i], verified_cpu[i]  # the record's tree: the verified nodes
+                records.append(NodeRecord(r.rid, len(r.output), tuple(tree_tokens[i][:v]),
+                                          tuple(tree_parents[i][:v]), acc))  # fmt: skip
                 r.output.extend(tokens_cpu[i][:acc])
                 r.seq_len += acc
                 r.root_logprobs = next_logprobs[i]
@@ -552,11 +327,11 @@ class SpeculativeLoop:
         return Iteration(index, B, "graph" if graph else "eager", bp, tuple(records), bits,
                          seconds)  # fmt: skip
 
-    def _specmeta(self, stage, B, inputs, lens_cpu, graph):
+    def _specmeta(self, stage, B, inputs, lens_cpu, graph, verify_lens_cpu=None):
         """specmeta's build of ``stage`` (timed as ``metadata``)."""
         ctx = self.timer("metadata") if self.timer else contextlib.nullcontext()
         with ctx:
-            return self.stages.run(stage, B, inputs, lens_cpu, graph)
+            return self.stages.run(stage, B, inputs, lens_cpu, graph, verify_lens_cpu)
 
     def _forward(self, model: TinyModel, cache: KVCache, meta, tokens, positions, slots):
         """One decode-time forward: the backend plans once, then every layer stores its KV at
@@ -591,18 +366,57 @@ class SpeculativeLoop:
             selection.expand(torch.log_softmax(logits, -1).view(B, K, vocab))
         return selection.tree(N)
 
-    def _verify(self, rpi, seq_lens, seq_lens_cpu, tree: DraftTree, graph):
-        """Target verify of the tree; returns the window's slots and the logits."""
+    def _verify(self, rpi, seq_lens, seq_lens_cpu, tree: DraftTree, graph, index: int = 0):
+        """Target verify of the tree; returns the window's slots, the logits at every node and
+        the nodes verified per request (``N``, or a ragged verify's first ones)."""
         c, dev = self.cfg, self.device
         B, N = rpi.shape[0], c.num_draft_tokens
         pos = seq_lens.view(-1, 1) + torch.arange(N, device=dev)
         window = self.slots.req_to_token[rpi.view(-1, 1), pos].long()  # [B, N], node j at L + j
         inputs = {"req_pool_indices": rpi, "seq_lens": seq_lens, "tree_mask": tree.mask}
+        if self.stages.ragged_verify:
+            return self._verify_ragged(inputs, window, seq_lens_cpu, tree, graph, index)
         meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph)
         logits = self._forward(self.target, self.target_cache, meta, tree.tokens.reshape(-1),
                                (seq_lens.view(-1, 1) + tree.depth).reshape(-1),
                                window.reshape(-1))  # fmt: skip
-        return window, logits.view(B, N, logits.shape[-1])
+        return window, logits.view(B, N, logits.shape[-1]), torch.full((B,), N, device=dev)
+
+    def _verify_ragged(self, inputs, window, seq_lens_cpu, tree: DraftTree, graph, index):
+        """A ragged target verify: request ``b`` verifies its first ``v_b`` nodes, decided on
+        the device (a stand-in for a draft-confidence rule: ``1 + (Σ tree tokens + iteration)
+        mod N``, the root always), in a bucket of ``B·N`` tokens (``Bp·N`` through a runner).
+        Query row ``qo_indptr[b] + j`` is node ``j`` while ``j < min(v_b, N)`` (its KV at the
+        window slot, as in the uniform verify), a filler row past ``N`` (its KV at the sink
+        slot 0), or a pad request's row (the sink)."""
+        c, dev = self.cfg, self.device
+        B, N = window.shape[0], c.num_draft_tokens
+        seq_lens = inputs["seq_lens"]
+        v = (1 + (tree.tokens.sum(1) + index) % N).to(torch.int32)
+        inputs = {**inputs, "verify_lens": v}
+        # FlashInfer plans on the host: its lengths' CPU copy is one more read-back there.
+        v_cpu = v.cpu() if self.stages.backend == "flashinfer" else None
+        meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph, v_cpu)
+        qo = (meta.qo_indptr if self.stages.backend == "flashinfer"
+              else meta.normal.cu_seqlens_q).long()  # fmt: skip
+        T = (qo.shape[0] - 1) * N  # the bucket: B·N eager, Bp·N through the runner
+        r = torch.arange(T, device=dev)
+        owner = torch.searchsorted(qo[1:], r, right=True)  # the request of each row
+        real = owner < B
+        b = owner.clamp_max(max(B - 1, 0))
+        j = r - qo[owner.clamp_max(qo.shape[0] - 2)]
+        node = real & (j < N)
+        jc = j.clamp(0, N - 1)
+        if B:
+            tokens = torch.where(node, tree.tokens[b, jc], torch.where(real, tree.tokens[b, 0], 0))
+            positions = torch.where(real, seq_lens[b] + torch.where(node, tree.depth[b, jc], 0), 0)
+            slots = torch.where(node, window[b, jc], 0)
+        else:
+            tokens = positions = slots = torch.zeros(T, dtype=torch.int64, device=dev)
+        logits = self._forward(self.target, self.target_cache, meta, tokens, positions, slots)
+        verified = (qo[1 : B + 1] - qo[:B]).clamp_max(N)
+        rows = (qo[:B].view(-1, 1) + torch.arange(N, device=dev)).clamp_max(max(T - 1, 0))
+        return window, logits[rows], verified
 
     def _extend(self, rpi, draft_lens, draft_lens_cpu, tokens, accept_lens, graph):
         """Draft extend: ``N`` rows a request at positions ``L + 1 …``; returns the draft's

@@ -74,12 +74,13 @@ class Case:
     page_size: int
     form: str = "decode"  # FlashInfer's draft-decode form
     mode: str = "auto"  # "auto": runners while the batch fits a bucket, eager beyond
+    ragged: bool = False  # a ragged verify: each request verifies its first v_b nodes
 
     @property
     def id(self) -> str:
         form = f"-{self.form}" if self.backend == "flashinfer" else ""
         return (f"{self.backend}{form}-k{self.topk}s{self.steps}n{self.draft_tokens}"
-                f"-ps{self.page_size}-{self.mode}")  # fmt: skip
+                f"-ps{self.page_size}-{self.mode}{'-ragged' if self.ragged else ''}")  # fmt: skip
 
 
 # The CPU test's configurations: per backend, one for each draft. On the CPU tier only the
@@ -110,6 +111,10 @@ FULL = [
         (4, 5, 12, 1, "decode", "auto"), (4, 2, 8, 16, "paged", "graph"))),
     *(Case("trtllm_mla", 1, s, s + 1, ps, mode=m) for s, ps, m in (
         (5, 16, "auto"), (3, 1, "graph"), (2, 16, "eager"))),
+    # A ragged verify on both backends that have one.
+    Case("fa3", 2, 4, 8, 16, mode="graph", ragged=True),
+    Case("fa3", 1, 5, 6, 1, mode="auto", ragged=True),
+    Case("flashinfer", 4, 3, 10, 1, form="decode", mode="auto", ragged=True),
 ]  # fmt: skip
 DRAFTS = ("self", "perturbed")
 
@@ -152,6 +157,7 @@ def _serve(case: Case, draft_kind: str, gen, device, *, model_cfg: TinyConfig, d
         draft_form=case.form,
         seed=seed,
         raise_on_status=False,
+        ragged_verify=case.ragged,
     )
     # "auto": buckets below the largest batch, so both paths run; "graph": every batch fits.
     buckets = tuple(b for b in BUCKETS if b < cfg.max_bs)
@@ -206,14 +212,16 @@ def _check_acceptance(s: Served, draft_kind: str, continuation_of: dict[int, lis
     ``near_tie(rid, position)`` (GPU) excuses a self-speculation rejection at a step whose
     reference lead is within the margin; returns how many were excused."""
     case = s.case
-    S, N = case.steps, case.draft_tokens
-    deepest = min(S, N - 1) + 1  # every draft token of the deepest path, and the root
+    S = case.steps
     rejected = excused = 0
     for it in s.history:
         assert it.status == 0, (
             f"{case.id} {draft_kind}: iteration {it.index} status 0x{it.status:x}"
         )
         for n in it.requests:
+            # Every draft token of the deepest verified path, and the root (a ragged verify's
+            # tree is its first verified nodes).
+            deepest = min(S, len(n.tree_tokens) - 1) + 1
             g = continuation_of[n.rid][n.start : n.start + S + 1]
             want = _accepted_on_greedy(n.tree_tokens, n.tree_parents, g)
             assert n.accepted == want, (
@@ -293,6 +301,26 @@ def _cpu_params():
     on_gpu = torch.cuda.is_available() and os.environ.get("SPECMETA_TEST_DEVICE") != "cpu"
     return [(b, d) for b in ("fa3", "flashinfer", "trtllm_mla") for d in DRAFTS
             if on_gpu or d == CPU_DRAFT[b]]  # fmt: skip
+
+
+# A ragged verify (issue 40): each request verifies its first v_b nodes, v_b decided on the
+# device every iteration; eager and runner iterations (one graph per bucket of Bp·N tokens).
+RAGGED = [
+    (Case("fa3", 2, 3, 6, 16, ragged=True), "perturbed"),
+    (Case("flashinfer", 2, 3, 6, 16, form="paged", ragged=True), "perturbed"),
+    (Case("fa3", 1, 4, 5, 1, ragged=True), "self"),  # a chain: every verified token accepted
+]
+
+
+@pytest.mark.parametrize("case, draft_kind", RAGGED, ids=[f"{c.id}-{d}" for c, d in RAGGED])
+def test_lossless_ragged_verify_cpu(case, draft_kind, gen, device):
+    tokens = CPU_TOKENS if device.type == "cpu" else GPU_MACHINE_TOKENS
+    s = _serve(case, draft_kind, gen, device, model_cfg=CPU_MODEL, dtype=torch.float64,
+               new_tokens=tokens, waves=CPU_WAVES, spread=CPU_SPREAD)  # fmt: skip
+    _check_cpu(s, draft_kind, tokens)
+    # The lengths were ragged: some request verified fewer nodes than the tree has.
+    verified = {len(n.tree_tokens) for it in s.history for n in it.requests}
+    assert len(verified) > 1 and min(verified) < case.draft_tokens, verified
 
 
 @pytest.mark.parametrize("backend, draft_kind", _cpu_params())

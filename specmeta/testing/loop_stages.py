@@ -1,0 +1,284 @@
+"""specmeta's part of one speculative-decoding iteration as four stage functions (design §4):
+draft, verify, accept and extend, each binding its work to the tensors it is given, the raw
+batch of an eager iteration or a runner's static views (:mod:`specmeta.testing.spec_loop`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..config import SpecConfig, allocate_buffers
+from ..kernels.accept_cache_locs import accept_cache_locs_ref, bind_accept_cache_locs
+from ..kernels.cache_loc_move import bind_move_kv_cache, move_kv_cache_ref
+from ..kernels.draft_cache_locs import (
+    assign_draft_cache_locs_ref,
+    bind_assign_draft_cache_locs,
+    bind_prefix_tail_copy_pairs,
+    prefix_tail_copy_pairs_ref,
+)
+from ..metadata.fa3 import FA3MetadataBuilder
+from ..metadata.flashinfer import FlashInferBuilder
+from ..metadata.trtllm_mla import TrtllmMlaBuilder
+from ..runners import GraphRunner, RaggedGraphRunner, padding
+from ..stage import Stage
+from .tiny_model import KVCache
+
+__all__ = ["BACKENDS", "DRAFT_FORMS", "STAGES", "MetadataStages"]
+
+BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
+DRAFT_FORMS = ("decode", "shared_prefix", "paged")
+"""FlashInfer's draft-decode forms: per-branch token lists, the shared-prefix cascade, per-branch
+pages (:class:`~specmeta.FlashInferBuilder`)."""
+STAGES = ("draft", "verify", "accept", "extend")
+"""specmeta's stages of an iteration, in order (:class:`MetadataStages`)."""
+
+# The free launchers a stage binds: the kernels' bound launches, or (a reference build) the
+# pure-torch references called as launches.
+_BINDS = {
+    "assign_draft_cache_locs": bind_assign_draft_cache_locs,
+    "prefix_tail_copy_pairs": bind_prefix_tail_copy_pairs,
+    "accept_cache_locs": bind_accept_cache_locs,
+    "move_kv_cache": bind_move_kv_cache,
+}
+_REFERENCES = {
+    "assign_draft_cache_locs": assign_draft_cache_locs_ref,
+    "prefix_tail_copy_pairs": prefix_tail_copy_pairs_ref,
+    "accept_cache_locs": accept_cache_locs_ref,
+    "move_kv_cache": move_kv_cache_ref,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# specmeta's part of an iteration
+# ------------------------------------------------------------------------------------------------
+class MetadataStages:
+    """specmeta's part of an iteration as four stage functions, ``inputs -> Stage``: each binds
+    its work to the tensors it is given, the raw batch (an eager iteration calls the stage at
+    once) or a :class:`GraphRunner`'s static views (the runner captures and replays it).
+
+    ========  =====================================================  ==========================
+    stage     builds                                                 inputs
+    ========  =====================================================  ==========================
+    draft     draft slots, layout-B prefix-tail KV copies (draft     ``req_pool_indices``,
+              pool), draft-decode metadata of the ``S − 1`` forwards  ``seq_lens`` (``L + 1``)
+    verify    target-verify metadata of the tree                     ``req_pool_indices``,
+                                                                     ``seq_lens`` (``L``),
+                                                                     ``tree_mask``
+    accept    accepted-KV move pairs, their move (target pool)       ``accept_index``,
+                                                                     ``accept_lens``,
+                                                                     ``verify_out_cache_loc``
+    extend    draft-extend metadata                                  ``req_pool_indices``,
+                                                                     ``seq_lens`` (``L + 1``)
+    ========  =====================================================  ==========================
+
+    Parameters
+    ----------
+    cfg : SpecConfig
+        ``K, S, N, ps``, ``max_bs`` and the capacity every buffer is planned for.
+    backend : str
+        ``"fa3"``, ``"flashinfer"`` or ``"trtllm_mla"`` (``topk == 1`` only: it verifies
+        chains).
+    draft_form : str
+        FlashInfer's draft-decode form, one of :data:`DRAFT_FORMS`.
+    device : torch.device
+        Where the metadata lives.
+    req_to_token : torch.Tensor
+        The persistent table (the graphs read it).
+    draft_cache, target_cache : KVCache
+        The models' pools (the KV moves run on them).
+    status : torch.Tensor
+        The status word every launch reports into.
+    reference : bool
+        Bind specmeta's pure-torch references (``*_ref`` ops as the launches, builders with
+        ``reference=True``) instead of the kernels; they synchronise, so their runners never
+        capture graphs.
+    """
+
+    def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
+                 req_to_token: torch.Tensor, draft_cache: KVCache, target_cache: KVCache,
+                 status: torch.Tensor, reference: bool = False,
+                 ragged_verify: bool = False):  # fmt: skip
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if draft_form not in DRAFT_FORMS:
+            raise ValueError(f"draft_form must be one of {DRAFT_FORMS}, got {draft_form!r}")
+        if backend == "trtllm_mla" and cfg.topk > 1:
+            raise ValueError(f"backend 'trtllm_mla' verifies chains only (no custom mask): "
+                             f"use topk=1, got topk={cfg.topk}")  # fmt: skip
+        self.cfg, self.backend, self.draft_form = cfg, backend, draft_form
+        self.req_to_token, self.status = req_to_token, status
+        self.draft_cache, self.target_cache = draft_cache, target_cache
+        self.reference = reference
+        if ragged_verify and backend == "trtllm_mla":
+            raise ValueError("ragged_verify: TRT-LLM MLA has no ragged verify; use 'fa3' or "
+                             "'flashinfer'")  # fmt: skip
+        self.ragged_verify = ragged_verify
+        builder = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
+                   "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+        self.builder = builder(cfg, device, reference=reference)
+        self.bufs = allocate_buffers(cfg, device, [
+            "draft.out_cache_loc", "draft.positions", "draft.prefix_tail_tgt",
+            "draft.prefix_tail_src", "verify.tgt_cache_loc", "verify.src_cache_loc",
+            "runner.req_pool_indices", "runner.seq_lens", "runner.tree_mask",
+            "runner.accept_index", "runner.accept_lens", "runner.verify_out_cache_loc",
+            "runner.verify_lens",
+        ])  # fmt: skip
+        self.runners: dict[str, GraphRunner] = {}
+
+    # --------------------------------------------------------------------------------------------
+    # The stages: each binds its work to the tensors it is given (a runner's static views, or
+    # the raw batch of an eager iteration)
+    # --------------------------------------------------------------------------------------------
+    def _bind(self, op: str, *args, **kwargs) -> Stage:
+        """One launcher's work bound to its arguments: ``bind_<op>`` of the kernels, or the
+        pure-torch ``<op>_ref`` as the launch of a reference build."""
+        if self.reference:
+            return Stage([functools.partial(_REFERENCES[op], *args, **kwargs)])
+        return _BINDS[op](*args, **kwargs)
+
+    def draft(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Draft slots, prefix-tail copies (layout B) and the draft-decode metadata per step;
+        the host part is the draft-decode mode's (it returns the builder's result)."""
+        c, b, r2t, st = self.cfg, self.bufs, self.req_to_token, self.status
+        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
+        B = rpi.shape[0]
+        kw = dict(topk=c.topk, num_steps=c.num_steps, page_size=c.page_size, status=st)
+        launches = [self._bind("assign_draft_cache_locs", rpi, r2t, lens,
+                               out_cache_loc=b["draft.out_cache_loc"],
+                               positions=b["draft.positions"], **kw)]  # fmt: skip
+        if c.layout_b:
+            # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
+            # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
+            # sources before it, so the pairs are disjoint.
+            tgt, src = b["draft.prefix_tail_tgt"], b["draft.prefix_tail_src"]
+            n = B * (c.topk - 1) * (c.page_size - 1)
+            launches.append(self._bind("prefix_tail_copy_pairs", rpi, r2t, lens, tgt=tgt,
+                                       src=src, **kw))  # fmt: skip
+            launches.append(self._bind("move_kv_cache", self.draft_cache.pool, tgt[:n], src[:n],
+                                       disjoint=True, status=st))  # fmt: skip
+        slots = b["draft.out_cache_loc"][: B * c.topk * c.num_steps]
+        decode = self._draft_decode(rpi, lens, slots)
+        return Stage([*launches, decode], host=decode.host)
+
+    def verify(self, inputs: Mapping[str, torch.Tensor], num_tokens: int | None = None) -> Stage:
+        """Target-verify metadata of the tree over the window ``L … L + N − 1``; with a ragged
+        verify, of each request's first ``verify_lens`` nodes in a bucket of ``num_tokens``."""
+        kw = dict(status=self.status)
+        if self.ragged_verify:
+            tree = inputs["tree_mask"] if self.cfg.topk > 1 or self.backend != "fa3" else None
+            return self.builder.bind_target_verify(
+                inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"], tree,
+                verify_lens=inputs["verify_lens"], num_tokens=num_tokens, **kw,
+            )  # fmt: skip
+        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
+        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
+            return self.builder.bind_target_verify(rpi, self.req_to_token, lens, **kw)
+        return self.builder.bind_target_verify(rpi, self.req_to_token, lens,
+                                               inputs["tree_mask"], **kw)  # fmt: skip
+
+    def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Move pairs of the accepted nodes and their move, all layers of the target pool: free
+        launchers only, so no host part (the stage's result is ``None``)."""
+        b, c = self.bufs, self.cfg
+        tgt, src = b["verify.tgt_cache_loc"], b["verify.src_cache_loc"]
+        n = inputs["accept_index"].numel()  # B·(S + 1) pairs
+        pairs = self._bind("accept_cache_locs", inputs["accept_index"], inputs["accept_lens"],
+                           inputs["verify_out_cache_loc"], num_draft_tokens=c.num_draft_tokens,
+                           tgt=tgt, src=src, status=self.status)  # fmt: skip
+        # Accepted paths list node ids in increasing order: no pair reads a slot that an
+        # earlier pair writes.
+        move = self._bind("move_kv_cache", self.target_cache.pool, tgt[:n], src[:n],
+                          ordered=True, status=self.status)  # fmt: skip
+        return Stage([pairs, move])
+
+    def extend(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
+        """Draft-extend metadata: ``N`` query rows a request after the draft's prefix."""
+        return self.builder.bind_draft_extend(inputs["req_pool_indices"], self.req_to_token,
+                                              inputs["seq_lens"], status=self.status)  # fmt: skip
+
+    # --------------------------------------------------------------------------------------------
+    # Per backend
+    # --------------------------------------------------------------------------------------------
+    def _draft_decode(self, rpi, lens, slots) -> Stage:
+        """Per draft forward ``s < S − 1``: the metadata the attention backend reads, the
+        builder's own result (indexed by step). Every builder takes the same keywords
+        (:mod:`specmeta.metadata.contract`); FA3 also reads the draft slots."""
+        kw = dict(num_rows=self.cfg.num_steps - 1, status=self.status)
+        args = (rpi, self.req_to_token, lens)
+        if self.backend == "fa3":
+            return self.builder.bind_draft_decode(*args, slots, **kw)
+        if self.backend == "flashinfer":
+            bind = {"decode": self.builder.bind_draft_decode,
+                    "shared_prefix": self.builder.bind_draft_decode_shared_prefix,
+                    "paged": self.builder.bind_draft_decode_paged}[self.draft_form]  # fmt: skip
+            return bind(*args, **kw)
+        return self.builder.bind_draft_decode(*args, **kw)
+
+    # --------------------------------------------------------------------------------------------
+    # The runners
+    # --------------------------------------------------------------------------------------------
+    def build_runners(self, buckets: Sequence[int], device: torch.device,
+                      graphs: bool | None = None) -> None:  # fmt: skip
+        """One captured :class:`GraphRunner` per stage; every static input with its design §4 pad
+        (padded requests read and write only the sinks). ``graphs``: as the runner's (default:
+        CUDA graphs on a CUDA device); the references synchronise, so they never capture."""
+        graphs = False if self.reference else graphs
+        c, b = self.cfg, self.bufs
+        fill = padding.seq_lens_fill(c.topk, c.num_draft_tokens)
+        for stage in STAGES:
+            # Each stage returns its builder's own result for the batch (accept: None). A
+            # ragged verify: one graph a bucket of Bp requests and Bp·N tokens, every split.
+            if stage == "verify" and self.ragged_verify:
+                runner = RaggedGraphRunner(self.verify, device=device, graphs=graphs,
+                                           buckets=[(b * c.num_draft_tokens, b) for b in buckets])  # fmt: skip
+            else:
+                runner = GraphRunner(getattr(self, stage), batch_sizes=buckets, device=device,
+                                     graphs=graphs)  # fmt: skip
+            if stage == "accept":
+                runner.add_input("accept_index", b["runner.accept_index"], pad=padding.NO_ACCEPT)
+                runner.add_input("accept_lens", b["runner.accept_lens"],
+                                 pad=padding.NOTHING_ACCEPTED)  # fmt: skip
+                runner.add_input("verify_out_cache_loc", b["runner.verify_out_cache_loc"],
+                                 pad=padding.SINK_SLOT, per_request=c.num_draft_tokens)  # fmt: skip
+            else:
+                runner.add_input("req_pool_indices", b["runner.req_pool_indices"],
+                                 pad=padding.SINK_ROW)  # fmt: skip
+                runner.add_input("seq_lens", b["runner.seq_lens"], pad=fill, host_mirror=True)
+            if stage == "verify":
+                runner.add_input("tree_mask", b["runner.tree_mask"], pad=padding.TREE_MASK)
+            if stage == "verify" and self.ragged_verify:
+                # FlashInfer plans on the host: its host part reads the lengths' CPU copy.
+                host = "verify_lens_cpu" if self.backend == "flashinfer" else False
+                runner.add_input("verify_lens", b["runner.verify_lens"],
+                                 pad=padding.NOT_VERIFIED, host_mirror=host)  # fmt: skip
+            # What the graphs read and write beyond the runner's inputs: a replay after one of
+            # them was reallocated or reshaped raises instead of touching stale memory.
+            runner.add_guard("req_to_token", lambda: self.req_to_token)
+            for which, cache in (("draft", self.draft_cache), ("target", self.target_cache)):
+                for i, layer in enumerate((*cache.k, *cache.v)):
+                    runner.add_guard(f"{which} KV buffer {i}", layer)
+            runner.capture()
+            self.runners[stage] = runner
+
+    def run(self, stage: str, batch_size: int, inputs: dict[str, torch.Tensor],
+            seq_lens_cpu: torch.Tensor | None, graph: bool,
+            verify_lens_cpu: torch.Tensor | None = None) -> object:  # fmt: skip
+        """Run ``stage`` for the batch, through its runner or eagerly (bound to the raw inputs
+        and called at once: host part, then launches): the stage's metadata for the
+        ``batch_size`` requests (``None`` for accept). A ragged verify takes the bucket of
+        ``B·N`` tokens (the host does not read the lengths to pick it), and the result is the
+        whole bucket's."""
+        host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else None
+        if stage == "verify" and self.ragged_verify:
+            T = batch_size * self.cfg.num_draft_tokens
+            if graph:
+                if verify_lens_cpu is not None:
+                    host = {**(host or {}), "verify_lens": verify_lens_cpu}
+                return self.runners[stage].run(batch_size, inputs, num_tokens=T,
+                                               host_inputs=host).results  # fmt: skip
+            return self.verify(inputs, T)(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
+        if graph:
+            return self.runners[stage].run(batch_size, inputs, host_inputs=host).results
+        return getattr(self, stage)(inputs)(seq_lens_cpu)
