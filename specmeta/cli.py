@@ -71,6 +71,21 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _bucket(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``T:BP``, a ragged verify's bucket of ``T ≥ 0`` tokens over
+    ``BP ≥ 1`` requests."""
+    tokens, _, requests = text.partition(":")
+    try:
+        pair = (int(tokens), int(requests))
+    except ValueError:
+        pair = None
+    if pair is None or pair[0] < 0 or pair[1] < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be T:BP, T >= 0 tokens over BP >= 1 requests (e.g. 256:32), got {text!r}"
+        )
+    return pair
+
+
 # ----------------------------------------------------------------------------------------------
 # specmeta check
 
@@ -386,11 +401,40 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print()
     for line in _table(summary, right={1, 2}, indent=""):
         print(line)
+    misfits = _print_buckets(cfg, args.verify_buckets or ())
     if unbuildable:
         print(f"\n{', '.join(unbuildable)}: cannot be created for this config (see above); exit "
               "status 1")  # fmt: skip
-        return 1
-    return 0
+    if misfits:
+        print(f"\nverify buckets {', '.join(misfits)}: do not fit this plan (see above); exit "
+              "status 1")  # fmt: skip
+    return 1 if unbuildable or misfits else 0
+
+
+def _print_buckets(cfg, buckets) -> list[str]:
+    """The ragged verify's buckets (design §2.9) against the plan: a bucket of ``T`` tokens over
+    ``Bp`` requests fits when ``Bp ≤ max_bs`` and ``T ≤ Bp·N`` (every list, mask and expand
+    row a ragged build writes then lies within what the plan sizes for the uniform verify).
+    Returns the buckets that do not fit."""
+    if not buckets:
+        return []
+    n, misfits = cfg.num_draft_tokens, []
+    print("\nragged verify buckets (T tokens over Bp requests, design §2.9): the builders' "
+          "buffers serve every\nbucket with Bp <= max_bs and T <= Bp·N")  # fmt: skip
+    rows = [("bucket", "fits", "why")]
+    for T, bp in buckets:
+        why = []
+        if bp > cfg.max_bs:
+            why.append(f"Bp > max_bs = {cfg.max_bs}")
+        if T > bp * n:
+            why.append(f"T > Bp·N = {bp * n}")
+        rows.append((f"{T}:{bp}", "no" if why else "yes",
+                     "; ".join(why) or f"T <= Bp·N = {bp * n}, Bp <= max_bs"))  # fmt: skip
+        if why:
+            misfits.append(f"{T}:{bp}")
+    for line in _table(rows, right=set()):
+        print(line)
+    return misfits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,6 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "all, and is sized for that (default: 0, no window)")  # fmt: skip
     plan.add_argument("--draft-sink-size", type=_non_negative_int, default=0, metavar="SK",
                       help="sink tokens of --draft-window-size (default: %(default)s)")  # fmt: skip
+    plan.add_argument("--verify-buckets", nargs="+", type=_bucket, metavar="T:BP",
+                      help="a ragged verify's captured buckets, T tokens over BP requests "
+                      "(design §2.9): each is checked against the plan (BP <= --max-bs, "
+                      "T <= BP·N); exit status 1 when one does not fit")  # fmt: skip
     plan.add_argument(
         "--backend",
         nargs="+",

@@ -491,3 +491,20 @@ def test_plan_of_a_draft_window_sizes_the_lists_for_it_and_names_who_builds_it(c
     assert ("--backend fa3 (FA3MetadataBuilder) does not serve draft_decode (draft_decode does "
             "not build a draft window (--draft-window-size) yet)") in err  # fmt: skip
     assert "or pass --backend flashinfer, which serves it" in err
+
+
+def test_plan_checks_a_ragged_verify_bucket_set(capsys):
+    """``--verify-buckets T:BP``: a bucket fits the plan when BP <= max_bs and T <= BP·N (N = 8
+    here); one that does not is named with its reason and the exit status is 1."""
+    assert main([*PLAN, "--backend", "fa3", "--verify-buckets", "64:8", "0:1", "17:2"]) == 1
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if re.match(r"  \d+:\d+ ", ln)}
+    assert rows == {"64:8": "yes", "0:1": "yes", "17:2": "no"}, out
+    assert "17:2    no    T > Bp·N = 16" in out
+    assert "verify buckets 17:2: do not fit this plan" in out
+    assert main([*PLAN, "--backend", "fa3", "--verify-buckets", "8:9"]) == 1
+    assert "Bp > max_bs = 8" in capsys.readouterr().out
+    assert main([*PLAN, "--backend", "fa3", "--verify-buckets", "64:8", "16:2"]) == 0
+    with pytest.raises(SystemExit):
+        main([*PLAN, "--verify-buckets", "64"])
+    assert "must be T:BP" in capsys.readouterr().err
