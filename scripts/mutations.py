@@ -348,6 +348,12 @@ MUTATIONS: list[Mutation] = [
        "    bad = values and not 0 <= min(values) <= max(values) <= n",
        "    bad = values and not 0 <= min(values)",
        ["tests/metadata/test_ragged_verify_builders.py", "-k", "refused"]),
+    _m("c-plan-bucket-tokens", "config",
+       "specmeta plan --verify-buckets lets a bucket of more than Bp·N tokens through",
+       "specmeta/cli.py",
+       "        if T > bp * n:",
+       "        if T > bp * n + 1:",
+       ["tests/test_cli.py", "-k", "ragged_verify_bucket"]),
     _m("rn-ragged-host-pad", "runner",
        "the ragged runner pads the host inputs with 0, not their inputs' pads: the host mirrors "
        "of the pad requests disagree with what the device reads",
