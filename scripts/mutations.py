@@ -336,6 +336,21 @@ MUTATIONS: list[Mutation] = [
        "                status=self.status_word(status), verify_lens=padded,",
        "                status=self.status_word(status), verify_lens=None,",
        ["tests/metadata/test_ragged_verify_builders.py", "-k", "reads_as_the_rule"]),
+    _m("c-page-rows-width", "host_check",
+       "the builders' host check counts a row of page ids as token positions (a valid page row "
+       "is refused as too narrow)",
+       "specmeta/metadata/inputs.py",
+       "    need = -(-cfg.row_width_need // entry_page_size)",
+       "    need = cfg.row_width_need",
+       ["tests/metadata/test_id_spaces.py", "-k", "page_rows"]),
+    _m("st-page-rows-unread", "stage",
+       "FlashInfer's verify and extend lists read rows of page ids as token ids",
+       "specmeta/metadata/flashinfer.py",
+       "            page_size=self.cfg.page_size, verify_lens=verify_lens,\n"
+       "            entry_page_size=entry_page_size,",
+       "            page_size=self.cfg.page_size, verify_lens=verify_lens,\n"
+       "            entry_page_size=1,",
+       ["tests/metadata/test_id_spaces.py", "-k", "page_rows"]),
     _m("c-ragged-verify-stale-unchecked", "host_check",
        "a ragged verify's verify_lens_cpu is never published for the device's stale check",
        "specmeta/metadata/contract.py",

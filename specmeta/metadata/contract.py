@@ -252,12 +252,14 @@ class MetadataBuilder:
         tree_mask: Any = None,
         out_cache_loc: Any = None,
         status: Any = None,
+        entry_page_size: Any = 1,
     ) -> int:
         """Every host check of one bind's tensors, before anything is bound
         (:func:`.inputs.check_build_tensors`); returns ``B``."""
         return check_build_tensors(self.require(mode), self.cfg, self.device, req_pool_indices,
                                    req_to_token, seq_lens, tree_mask=tree_mask,
-                                   out_cache_loc=out_cache_loc, status=status)  # fmt: skip
+                                   out_cache_loc=out_cache_loc, status=status,
+                                   entry_page_size=entry_page_size)  # fmt: skip
 
     def lengths(self, mode: str, B: int, seq_lens_cpu: Any) -> tuple[int, int] | None:
         """The checks of a call's ``seq_lens_cpu`` (``[B]`` integer CPU tensor, every value in

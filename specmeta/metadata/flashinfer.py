@@ -275,7 +275,8 @@ class FlashInferBuilder(MetadataBuilder):
         id-space keywords ``spaces`` (design §2.10) of the modes that take them."""
         cfg, group = self.cfg, self.plan_groups.get(mode, mode)
         rows = self.draft_rows(mode, num_rows)
-        B = self.check(mode, *tensors, status=status)
+        B = self.check(mode, *tensors, status=status,
+                       entry_page_size=spaces.get("entry_page_size", 1))  # fmt: skip
         launch = self._launch(
             bind, ref, *tensors, topk=cfg.topk, num_steps=cfg.num_steps, page_size=cfg.page_size,
             num_rows=rows, status=self.status_word(status), **spaces,
@@ -303,8 +304,8 @@ class FlashInferBuilder(MetadataBuilder):
     # -- draft decode: per-branch token lists ---------------------------------------------------
     def bind_draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, num_rows: int | None = None,
-                          status: torch.Tensor | None = None,
-                          v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                          status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
+                          entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()``; ``host(seq_lens_cpu)`` writes the host mirrors of the
         ring's next set and returns the :class:`FlashInferDraftDecode` that reads them."""
@@ -314,13 +315,14 @@ class FlashInferBuilder(MetadataBuilder):
             (req_pool_indices, req_to_token, seq_lens), num_rows, status,
             ("kv_indices", "kv_indptr"), self._draft_decode_result,
             window_size=cfg.draft_window_size, sink_size=cfg.draft_sink_size, v2p=v2p,
+            entry_page_size=entry_page_size,
         )  # fmt: skip
 
     def draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                      num_rows: int | None = None, status: torch.Tensor | None = None,
-                     launch: bool = True,
-                     v2p: torch.Tensor | None = None) -> FlashInferDraftDecode:  # fmt: skip
+                     launch: bool = True, v2p: torch.Tensor | None = None,
+                     entry_page_size: int = 1) -> FlashInferDraftDecode:  # fmt: skip
         """Per-branch token lists of every draft-decode forward (page size 1, design §3.3).
 
         Parameters
@@ -344,9 +346,14 @@ class FlashInferBuilder(MetadataBuilder):
             ``[P]`` virtual → physical page map of a pool that hands out virtual KV ids
             (design §2.10): the lists hold physical ids. A config's draft window
             (``draft_window_size``, ``draft_sink_size``) bounds every list, mirrors included.
+        entry_page_size : int
+            ``E``: ``req_to_token`` rows hold page ids of ``E`` positions each (position ``p``
+            is ``row[p // E]·E + p mod E``, design §2.10), so a row needs only
+            ``ceil(row_width_need / E)`` entries; 1 (the default): rows of token ids.
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens,
-                                       num_rows=num_rows, status=status, v2p=v2p)  # fmt: skip
+                                       num_rows=num_rows, status=status, v2p=v2p,
+                                       entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_decode_result(self, B: int, rows: int, mirrors: dict, compiled: bool):
@@ -459,7 +466,7 @@ class FlashInferBuilder(MetadataBuilder):
 
     # -- target verify and draft extend ---------------------------------------------------------
     def _bind_prefill_kv(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
-                         v2p, verify_lens=None):  # fmt: skip
+                         v2p, verify_lens=None, entry_page_size=1):  # fmt: skip
         """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``, or
         ``L + min(v, N)`` with ``verify_lens``), ids through the page map ``v2p`` when given
         (design §2.10)."""
@@ -469,13 +476,15 @@ class FlashInferBuilder(MetadataBuilder):
             seq_lens, extra_tokens=self.cfg.num_draft_tokens, kv_indices=buf[f"{mode}.kv_indices"],
             kv_indptr=buf[f"{mode}.kv_indptr"], status=self.status_word(status), v2p=v2p,
             page_size=self.cfg.page_size, verify_lens=verify_lens,
+            entry_page_size=entry_page_size,
         )  # fmt: skip
 
     def bind_target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, tree_mask: torch.Tensor, *, packed: bool = False,
                            status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
                            verify_lens: torch.Tensor | None = None,
-                           num_tokens: int | None = None) -> Stage:  # fmt: skip
+                           num_tokens: int | None = None,
+                           entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`target_verify` bound once to these tensors (arguments as there): two
         launches, the KV lists and the mask (three for a ragged verify: the padding first);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`
@@ -494,13 +503,13 @@ class FlashInferBuilder(MetadataBuilder):
                 f"bool ancestor mask of the draft tree (N = {n}; a chain is the lower triangle)"
             )
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
-                       status=status)  # fmt: skip
+                       status=status, entry_page_size=entry_page_size)  # fmt: skip
         form = "packed_" if packed else ""
         pad, padded, T, verify = self.bind_bucket(mode, B, verify_lens, num_tokens, status)
         launches = [
             pad,
             self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
-                                  padded),  # fmt: skip
+                                  padded, entry_page_size),  # fmt: skip
             self._launch(
                 bind_tree_custom_mask, tree_custom_mask_ref, seq_lens, tree_mask, packed=packed,
                 custom_mask=self.buffers[f"{mode}.{form}custom_mask"],
@@ -520,7 +529,8 @@ class FlashInferBuilder(MetadataBuilder):
                       status: torch.Tensor | None = None, launch: bool = True,
                       v2p: torch.Tensor | None = None, verify_lens: torch.Tensor | None = None,
                       verify_lens_cpu: torch.Tensor | None = None,
-                      num_tokens: int | None = None) -> FlashInferPrefill:  # fmt: skip
+                      num_tokens: int | None = None,
+                      entry_page_size: int = 1) -> FlashInferPrefill:  # fmt: skip
         """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
 
         Parameters
@@ -547,37 +557,42 @@ class FlashInferBuilder(MetadataBuilder):
         num_tokens : int, optional
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
 
-        Other arguments as in :meth:`draft_decode` (``v2p``: the lists hold physical ids). Two
+        Other arguments as in :meth:`draft_decode` (``v2p``: the lists hold physical ids;
+        ``entry_page_size``: rows of page ids). Two
         launches: the KV lists and the mask; a ragged verify pads the lengths first.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         packed=packed, status=status, v2p=v2p,
-                                        verify_lens=verify_lens, num_tokens=num_tokens)  # fmt: skip
+                                        verify_lens=verify_lens, num_tokens=num_tokens,
+                                        entry_page_size=entry_page_size)  # fmt: skip
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
         return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, status: torch.Tensor | None = None,
-                          v2p: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                          v2p: torch.Tensor | None = None,
+                          entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`draft_extend` bound once to these tensors (arguments as there);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`."""
         mode = "draft_extend"
-        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
         launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status,
-                                       v2p)  # fmt: skip
+                                       v2p, entry_page_size=entry_page_size)  # fmt: skip
         return self._stage(mode, B, (None, None, None), [launch], self._prefill_result,
                            seq_lens, status)  # fmt: skip
 
     def draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                      status: torch.Tensor | None = None, launch: bool = True,
-                     v2p: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
+                     v2p: torch.Tensor | None = None,
+                     entry_page_size: int = 1) -> FlashInferPrefill:  # fmt: skip
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
-                                       v2p=v2p)  # fmt: skip
+                                       v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _prefill_result(self, B: int, form: str | None, T: int | None, count: int | None,

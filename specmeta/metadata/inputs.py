@@ -102,6 +102,7 @@ def check_build_tensors(
     tree_mask: object = None,
     out_cache_loc: object = None,
     status: object = None,
+    entry_page_size: object = 1,
 ) -> int:
     """Check one build's tensors on the host, before anything is launched; returns ``B``.
 
@@ -123,7 +124,16 @@ def check_build_tensors(
         ``[≥ B·K·S]`` integer draft slots on ``device`` (checked when given).
     status : torch.Tensor, optional
         ``int32 [1]`` on ``device`` (checked when given).
+    entry_page_size : int
+        ``E ≥ 1``: ``req_to_token`` rows hold page ids of ``E`` positions each (design §2.10),
+        so a row needs ``ceil(cfg.row_width_need / E)`` entries.
     """
+    if isinstance(entry_page_size, bool) or not isinstance(entry_page_size, int) or (
+            entry_page_size < 1):  # fmt: skip
+        raise ValueError(
+            f"{where}: entry_page_size={entry_page_size!r}; pass an int >= 1 (1: rows of token "
+            "ids, E > 1: rows of page ids of E positions each, design §2.10)"
+        )
     rpi = _tensor(where, "req_pool_indices", req_pool_indices, device, ndim=1)
     table = _tensor(where, "req_to_token", req_to_token, device, ndim=2)
     lens = _tensor(where, "seq_lens", seq_lens, device, ndim=1)
@@ -138,13 +148,21 @@ def check_build_tensors(
             f"{where}: the batch has {B} requests, over the plan's max_bs={cfg.max_bs}; "
             f"build the SpecConfig with max_bs >= {B}"
         )
-    need = cfg.row_width_need
-    if table.shape[1] < need:
+    need = -(-cfg.row_width_need // entry_page_size)
+    if table.shape[1] < need and entry_page_size == 1:
         raise ValueError(
             f"{where}: req_to_token is {table.shape[1]} positions wide, but the plan needs "
             f"{need} (a prefix of max_context_len={cfg.max_context_len} plus its draft and "
             f"verify slots); allocate req_to_token with at least {need} columns, e.g. "
             f"SpecConfig.req_to_token_width={cfg.req_to_token_width}"
+        )
+    if table.shape[1] < need:
+        raise ValueError(
+            f"{where}: req_to_token is {table.shape[1]} page ids wide (entry_page_size="
+            f"{entry_page_size}: {table.shape[1] * entry_page_size} positions), but the plan "
+            f"needs {cfg.row_width_need} positions (a prefix of max_context_len="
+            f"{cfg.max_context_len} plus its draft and verify slots); allocate req_to_token "
+            f"with at least {need} columns"
         )
     if tree_mask is not None:
         n = cfg.num_draft_tokens

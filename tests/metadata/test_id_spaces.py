@@ -134,3 +134,56 @@ def test_a_mode_that_builds_no_window_refuses_a_config_with_one(builder, mode, d
 def test_a_negative_window_is_refused_by_the_config(name, value):
     with pytest.raises(ValueError, match=f"SpecConfig.{name} must be >= 0 \\(0: no window\\)"):
         SpecConfig(topk=1, num_steps=1, num_draft_tokens=1, **{name: value})
+
+
+def _fields(meta):
+    """What a FlashInfer build writes that plan() and the kernels read: every step's offsets
+    and the used part of its lists (and of a verify's mask), host mirrors included."""
+    steps = meta.steps if hasattr(meta, "steps") else (meta,)
+    out = {}
+    for i, step in enumerate(steps):
+        end = int(step.kv_indptr_host[-1])
+        out |= {f"{i}.kv_indptr": step.kv_indptr, f"{i}.kv_indptr_host": step.kv_indptr_host,
+                f"{i}.kv_indices": step.kv_indices[:end]}  # fmt: skip
+        mask = getattr(step, "custom_mask", None)
+        if mask is not None:
+            out[f"{i}.custom_mask"] = mask[: int(step.mask_indptr_host[-1])]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "draft_extend"])
+@pytest.mark.parametrize("E", [4, 16])
+def test_flashinfer_page_rows_build_what_token_rows_build(mode, E, gen, device):
+    """``entry_page_size=E`` (design §2.10): rows of page ids build, byte for byte, what the
+    rows of token ids they stand for (position ``p`` at ``row[p // E]·E + p mod E``) build;
+    the host counts a row's width in pages, and refuses one too narrow, naming it."""
+    k, s, n = 2, 3, 4
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=E, max_bs=8,
+                     max_context_len=40)  # fmt: skip
+    batch = make_batch("random", batch_size=5, topk=k, num_steps=s, page_size=E,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=40)  # fmt: skip
+    pages = torch.div(batch.req_to_token[:, ::E], E, rounding_mode="floor")  # [R, W / E]
+    tokens = (pages.repeat_interleave(E, 1) * E
+              + torch.arange(E, device=device).repeat(pages.shape[1]))  # fmt: skip
+    tree = random_tree_mask(5, k, s, n, gen).to(device)
+    got = {}
+    for rows, e in ((tokens, 1), (pages, E)):
+        fi = FlashInferBuilder(cfg, device, modes=(mode,))
+        args = (batch.req_pool_indices, rows, batch.seq_lens)
+        kw = dict(seq_lens_cpu=batch.seq_lens_cpu, entry_page_size=e)
+        if mode == "target_verify":
+            got[e] = fi.target_verify(*args, tree, **kw)
+        else:
+            got[e] = getattr(fi, mode)(*args, **kw)
+        assert int(fi.status) == 0
+    want = _fields(got[1])
+    for name, value in _fields(got[E]).items():
+        assert_equal(value, want[name], f"{mode} E={E}: {name}")
+    narrow = pages[:, : -(-cfg.row_width_need // E) - 1]
+    with pytest.raises(ValueError, match=rf"FlashInferBuilder.{mode}: req_to_token is \d+ page ids"):
+        fi.target_verify(batch.req_pool_indices, narrow, batch.seq_lens, tree,
+                         seq_lens_cpu=batch.seq_lens_cpu, entry_page_size=E) if (
+            mode == "target_verify") else getattr(fi, mode)(
+            batch.req_pool_indices, narrow, batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+            entry_page_size=E)  # fmt: skip
