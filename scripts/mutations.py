@@ -336,6 +336,14 @@ MUTATIONS: list[Mutation] = [
        "                status=self.status_word(status), verify_lens=padded,",
        "                status=self.status_word(status), verify_lens=None,",
        ["tests/metadata/test_ragged_verify_builders.py", "-k", "reads_as_the_rule"]),
+    _m("k-shared-chain-untranslated", "kernel",
+       "the shared-prefix cascade's chain level leaves its ids virtual (v2p not applied)",
+       K + "shared_prefix_kv_indices.py",
+       "            req_to_token_ptr + row_base, p, tl.where(row_ok, live, False), W_row, v2p_ptr,\n"
+       "            num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE,",
+       "            req_to_token_ptr + row_base, p, tl.where(row_ok, live, False), W_row, v2p_ptr,\n"
+       "            num_pages, page_size, ENTRY_PAGE_SIZE, False,",
+       ["tests/kernels/test_kv_id_spaces.py", "-k", "shared_prefix"]),
     _m("c-page-rows-width", "host_check",
        "the builders' host check counts a row of page ids as token positions (a valid page row "
        "is refused as too narrow)",

@@ -267,22 +267,6 @@ def copy_row_prefix(
 
 
 @triton.jit
-def copy_ragged_list(
-    req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, extra, W_row, kv_indices_ptr,
-    kv_indptr_ptr, W_idx, first_chunk, chunk_step, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
-    """Request ``b``'s list ``row_b[0:n]`` of a ragged CSR whose lists are ``L_b' + extra``
-    entries long: chunks ``first_chunk, first_chunk + chunk_step, …`` of it, copied to its start
-    ``Σ_{b'<b} (L_b' + extra)``; with ``first_chunk == 0`` also ``kv_indptr[b + 1]`` (and entry
-    0 from ``b == 0``). Returns the start (int64: ΣL passes 2**31). Token-id rows only."""
-    start = exclusive_length_sum(seq_lens_ptr, b, extra, BLOCK_B)
-    copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
-                 kv_indptr_ptr, W_idx, first_chunk, chunk_step, kv_indptr_ptr, 0, 1, BLOCK, 1,
-                 False)  # fmt: skip
-    return start
-
-
-@triton.jit
 def copy_list_at(
     req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr, kv_indptr_ptr,
     W_idx, first_chunk, chunk_step, v2p_ptr, num_pages, page_size, BLOCK: tl.constexpr,

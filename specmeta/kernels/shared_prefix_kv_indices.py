@@ -32,18 +32,22 @@ from ..launch import Launcher, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     OUT_OF_CAPACITY,
     POS_OOB,
     ROW_OOB,
     batch_arguments,
     check_batch,
+    check_id_spaces,
     check_steps,
     chunk_programs,
-    copy_ragged_list,
+    copy_list_at,
     draft_positions_ref,
     draft_slot_position,
-    gather_rows_ref,
+    exclusive_length_sum,
     host_int,
+    load_kv_ids,
+    load_kv_ids_ref,
     load_request,
     ragged_prefix_ref,
     row_offset,
@@ -66,7 +70,7 @@ _BLOCK_B = 1024
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
-        "W_chain", "stride_chain", "stride_chain_ptr", "chunk_programs",
+        "W_chain", "stride_chain", "stride_chain_ptr", "chunk_programs", "num_pages",
     ]
 )  # fmt: skip
 def _shared_prefix_kv_indices_kernel(
@@ -77,6 +81,7 @@ def _shared_prefix_kv_indices_kernel(
     prefix_kv_indptr_ptr,  # [≥B+1] int32|int64
     chain_kv_indices_ptr,  # [≥rows, W_chain] int32|int64, row stride stride_chain
     chain_kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_chain_ptr
+    v2p_ptr,  # [num_pages] int32|int64: virtual → physical pages (read only with TRANSLATE)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -89,6 +94,7 @@ def _shared_prefix_kv_indices_kernel(
     stride_chain,
     stride_chain_ptr,
     chunk_programs,
+    num_pages,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
@@ -97,6 +103,8 @@ def _shared_prefix_kv_indices_kernel(
     BLOCK_CHAIN: tl.constexpr,  # next power of two ≥ S*K*S
     BLOCK_PTR: tl.constexpr,  # next power of two ≥ S*K
     BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
+    ENTRY_PAGE_SIZE: tl.constexpr,  # rows of page ids of E positions (1: token ids)
+    TRANSLATE: tl.constexpr,  # ids through v2p (design §2.10)
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies prefix chunks ``c, c +
@@ -108,10 +116,15 @@ def _shared_prefix_kv_indices_kernel(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
     n = tl.where(b < B, L, 0)
-    start = copy_ragged_list(
-        req_to_token_ptr, seq_lens_ptr, row_base, row_ok, n, b, B, 0, W_row,
-        prefix_kv_indices_ptr, prefix_kv_indptr_ptr, W_prefix, c, chunk_programs, BLOCK, BLOCK_B,
+    start = exclusive_length_sum(seq_lens_ptr, b, 0, BLOCK_B)
+    prefix_bad = copy_list_at(
+        req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, prefix_kv_indices_ptr,
+        prefix_kv_indptr_ptr, W_prefix, c, chunk_programs, v2p_ptr, num_pages, page_size,
+        BLOCK, ENTRY_PAGE_SIZE, TRANSLATE,
     )  # fmt: skip
+    if HAS_STATUS:  # every program reports the ids of its own chunks
+        unmapped_prefix = tl.where(prefix_bad != 0, BAD_KV_ID, 0)
+        tl.atomic_or(status_ptr, unmapped_prefix, mask=unmapped_prefix != 0, sem="relaxed")
 
     if c == 0:
         # Own chains: entry (s, t, j) for j ≤ s < rows.
@@ -121,11 +134,10 @@ def _shared_prefix_kv_indices_kernel(
         j = e % NUM_STEPS
         live = tl.where(b < B, (s < num_rows) & (j <= s), False)
         p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
-        v = tl.load(
-            req_to_token_ptr + row_base + p,
-            mask=tl.where(row_ok, live & (p < W_row), False),
-            other=0,
-        )
+        v, in_row, chain_unmapped = load_kv_ids(
+            req_to_token_ptr + row_base, p, tl.where(row_ok, live, False), W_row, v2p_ptr,
+            num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE,
+        )  # fmt: skip
         dst = (b * TOPK + t) * (s + 1) + j  # int64 (b is): B·K·S stays small, but cheap
         tl.store(
             chain_kv_indices_ptr + row_offset(s, stride_chain) + dst,
@@ -152,12 +164,15 @@ def _shared_prefix_kv_indices_kernel(
         )
 
         if HAS_STATUS:
-            chain_bad = tl.max((live & (p >= W_row)).to(tl.int32), axis=0) != 0
+            chain_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) != 0
             over = (start + n > W_prefix) | ((b + 1) * TOPK * num_rows > W_chain)
+            # Only the chain ids stored count as unmapped (the prefix's are reported above).
+            unmapped = (chain_unmapped & live & (dst < W_chain)).to(tl.int32)
             bits = (
                 tl.where(row_ok, 0, ROW_OOB)
-                | tl.where(chain_bad | (n > W_row) | ~L_ok, POS_OOB, 0)
+                | tl.where(chain_bad | (n > W_row * ENTRY_PAGE_SIZE) | ~L_ok, POS_OOB, 0)
                 | tl.where(over & (b < B), OUT_OF_CAPACITY, 0)
+                | tl.where(tl.max(unmapped, axis=0) != 0, BAD_KV_ID, 0)
             )
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -166,11 +181,13 @@ _shared_prefix_kv_indices_launch = Launcher(_shared_prefix_kv_indices_kernel)
 
 
 def _prepare(
-    req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+    where, req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
+    entry_page_size, v2p,
 ):  # fmt: skip
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    _, _, entry_page_size = check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     if prefix_kv_indices is None:
         total = sizing_total(seq_lens_sum, B, req_to_token)
         prefix_kv_indices = torch.empty(
@@ -204,7 +221,7 @@ def _prepare(
         _check_total(seq_lens_sum, prefix_kv_indices)
     status = validate.status(status, device)
     out = (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
-    return topk, num_steps, rows, B, out, status
+    return topk, num_steps, rows, B, out, status, entry_page_size
 
 
 def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
@@ -229,6 +246,8 @@ def bind_shared_prefix_kv_indices(
     chain_kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build both levels of the cascade draft decode, all steps, in one launch.
 
@@ -257,7 +276,11 @@ def bind_shared_prefix_kv_indices(
     seq_lens_sum : int, optional
         Host-side ``ΣL``; when given, ``prefix_kv_indices`` is checked before launch.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``, ``BAD_KV_ID`` (an id
+        stored that did not map: written as the sink slot 0).
+    entry_page_size, v2p : int, torch.Tensor, optional
+        The id space of the rows (design §2.10): rows of page ids of ``E`` positions each,
+        and a virtual → physical page map at page size ``ps``; both levels hold physical ids.
 
     Returns
     -------
@@ -275,10 +298,10 @@ def bind_shared_prefix_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
     ``B``, lengths and strides are runtime arguments.
     """
-    topk, num_steps, rows, B, out, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
-        status,
+    topk, num_steps, rows, B, out, status, E = _prepare(
+        "shared_prefix_kv_indices", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
+        page_size, num_rows, prefix_kv_indices, prefix_kv_indptr, chain_kv_indices,
+        chain_kv_indptr, seq_lens_sum, status, entry_page_size, v2p,
     )  # fmt: skip
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
@@ -290,6 +313,7 @@ def bind_shared_prefix_kv_indices(
         prefix_kv_indptr_ptr=prefix_kv_indptr,
         chain_kv_indices_ptr=chain_kv_indices,
         chain_kv_indptr_ptr=chain_kv_indptr,
+        v2p_ptr=v2p,
         status_ptr=status,
         page_size=page_size,
         num_rows=rows,
@@ -298,6 +322,7 @@ def bind_shared_prefix_kv_indices(
         stride_chain=chain_kv_indices.stride(0),
         stride_chain_ptr=chain_kv_indptr.stride(0),
         chunk_programs=grid[1],
+        num_pages=v2p.shape[0] if v2p is not None else 0,
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
@@ -306,6 +331,8 @@ def bind_shared_prefix_kv_indices(
         BLOCK_CHAIN=next_power_of_2(num_steps * topk * num_steps),
         BLOCK_PTR=next_power_of_2(num_steps * topk),
         BLOCK_ROWS=next_power_of_2(num_steps),
+        ENTRY_PAGE_SIZE=E,
+        TRANSLATE=v2p is not None,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -331,13 +358,16 @@ def shared_prefix_kv_indices_ref(
     chain_kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`shared_prefix_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, out, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum,
-        status,
+    topk, num_steps, rows, B, out, status, E = _prepare(
+        "shared_prefix_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, topk,
+        num_steps, page_size, num_rows, prefix_kv_indices, prefix_kv_indptr, chain_kv_indices,
+        chain_kv_indptr, seq_lens_sum, status, entry_page_size, v2p,
     )  # fmt: skip
+    spaces = dict(entry_page_size=E, v2p=v2p, page_size=page_size)
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
     K = topk
@@ -345,15 +375,18 @@ def shared_prefix_kv_indices_ref(
     end = torch.cumsum(L, 0)
     prefix_kv_indptr[0] = 0
     prefix_kv_indptr[1 : B + 1] = end.to(prefix_kv_indptr.dtype)
-    bits = ragged_prefix_ref(req_pool_indices, req_to_token, L, prefix_kv_indices, end - L)
+    bits = ragged_prefix_ref(req_pool_indices, req_to_token, L, prefix_kv_indices, end - L,
+                             **spaces)  # fmt: skip
     if B and int(end[-1]) > prefix_kv_indices.shape[0]:
         bits |= int(Status.OUT_OF_CAPACITY)
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
 
     chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
-    chain, chain_bits = gather_rows_ref(req_to_token, req_pool_indices, chain_pos)
-    bits |= chain_bits
+    read = torch.ones_like(chain_pos, dtype=torch.bool)
+    chain, unmapped, chain_bits = load_kv_ids_ref(req_to_token, req_pool_indices, chain_pos,
+                                                  read, **spaces)  # fmt: skip
+    bits |= chain_bits | (int(Status.BAD_KV_ID) if bool(unmapped.any()) else 0)
     chain = chain.reshape(B * K, rows)
     z = torch.arange(B * K + 1, device=device)
     for s in range(rows):

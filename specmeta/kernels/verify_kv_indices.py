@@ -14,7 +14,8 @@ each window, ``extra`` becoming the per-request ``v_b``::
 For target verify the extra slots are the verify window (node ``j`` at ``row_b[L_b + j]``); for
 draft extend they are the extend tokens. With ``extra_tokens=0`` the same lists are the shared
 level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`); both
-kernels copy their lists with :func:`~specmeta.kernels._common.copy_ragged_list`.
+kernels copy their lists with :func:`~specmeta.kernels._common.copy_list_at`, ids read in the
+row's id space (design §2.10).
 """
 
 from __future__ import annotations

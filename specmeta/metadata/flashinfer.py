@@ -373,26 +373,32 @@ class FlashInferBuilder(MetadataBuilder):
     def bind_draft_decode_shared_prefix(self, req_pool_indices: torch.Tensor,
                                         req_to_token: torch.Tensor, seq_lens: torch.Tensor, *,
                                         num_rows: int | None = None,
-                                        status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                                        status: torch.Tensor | None = None,
+                                        v2p: torch.Tensor | None = None,
+                                        entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`draft_decode_shared_prefix` bound once to these tensors (arguments as
         there); ``host(seq_lens_cpu)`` returns the :class:`FlashInferCascadeDecode`."""
         return self._bind_draft(
             "draft_decode_shared_prefix", bind_shared_prefix_kv_indices,
             shared_prefix_kv_indices_ref, (req_pool_indices, req_to_token, seq_lens), num_rows,
             status, ("prefix_kv_indices", "prefix_kv_indptr", "chain_kv_indices",
-                     "chain_kv_indptr"), self._shared_result,
+                     "chain_kv_indptr"), self._shared_result, v2p=v2p,
+            entry_page_size=entry_page_size,
         )  # fmt: skip
 
     def draft_decode_shared_prefix(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                                    seq_lens: torch.Tensor, *,
                                    seq_lens_cpu: torch.Tensor | None = None,
                                    num_rows: int | None = None, status: torch.Tensor | None = None,
-                                   launch: bool = True) -> FlashInferCascadeDecode:  # fmt: skip
+                                   launch: bool = True, v2p: torch.Tensor | None = None,
+                                   entry_page_size: int = 1) -> FlashInferCascadeDecode:  # fmt: skip
         """Cascade draft decode: each prefix once, each branch's chain a second level; one
         launch builds both levels of every step, the consumer merges the two levels' outputs by
-        log-sum-exp. Arguments as in :meth:`draft_decode`."""
+        log-sum-exp. Arguments as in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the
+        id space of the rows; a draft window is not built here)."""
         stage = self.bind_draft_decode_shared_prefix(req_pool_indices, req_to_token, seq_lens,
-                                                     num_rows=num_rows, status=status)  # fmt: skip
+                                                     num_rows=num_rows, status=status, v2p=v2p,
+                                                     entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _shared_result(self, B: int, rows: int, mirrors: dict, compiled: bool):

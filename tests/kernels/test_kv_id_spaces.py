@@ -21,6 +21,10 @@ from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
+from specmeta.kernels.shared_prefix_kv_indices import (
+    shared_prefix_kv_indices,
+    shared_prefix_kv_indices_ref,
+)
 from specmeta.kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from tests.guard_bands import Guarded, assert_equal
 
@@ -399,3 +403,44 @@ def test_verify_lists_are_read_and_translated_as_the_rules_say(form, ragged, gen
         assert idx.view[: len(want)].tolist() == want, fn.__name__
         assert got_ptr[: B + 1].tolist() == ptr, f"{fn.__name__} kv_indptr"
         assert int(status) == (int(Status.BAD_KV_ID) if bad else 0), fn.__name__
+
+
+@pytest.mark.parametrize("form", ["page_rows", "virtual", "all"])
+@pytest.mark.parametrize("K,S,ps", [(2, 3, 4), (4, 2, 1)])
+def test_shared_prefix_levels_are_read_and_translated_as_the_rules_say(form, K, S, ps, gen,
+                                                                        device):  # fmt: skip
+    """The shared-prefix cascade's two levels (FlashInfer's second draft form): the prefix
+    level ``id(row_b, k)`` for ``k < L_b``, the chain level branch ``(b, t)``'s slots of steps
+    ``0 … s`` at row ``s``, every id read in the row's id space; with ``v2p`` the page of
+    request 0's first token unmapped: the sink slot 0 there and BAD_KV_ID alone."""
+    f = FORMS[form]
+    E = f["E"]
+    B = int(torch.randint(1, 5, (1,), generator=gen))
+    rpi, r2t, lengths, v2p = _draw(gen, B=B, K=K, S=S, ps=ps, E=E, translate=f["translate"])
+    lengths[0] = max(int(lengths[0]), 1)
+    if f["translate"]:
+        v2p[int(r2t[int(rpi[0]), 0]) * E // ps] = -1
+    prefix, chains, bad = [], [[] for _ in range(S)], False
+    for b in range(B):
+        row, L = r2t[int(rpi[b])], int(lengths[b])
+        ids = [_emit(row, k, v2p, E=E, ps=ps) for k in range(L)]
+        prefix += ids
+        bad |= f["translate"] and b == 0  # request 0's first token (L ≥ 1) is unmapped
+        for t in range(K):
+            slots = [_emit(row, p, v2p, E=E, ps=ps) for p in _chain(L, t, S, ps, K, S)]
+            for s in range(S):
+                chains[s] += slots[: s + 1]
+    ptr = [0] + [int(x) for x in torch.cumsum(lengths[:B], 0)]
+    for fn in (shared_prefix_kv_indices, shared_prefix_kv_indices_ref):
+        status = new_status(device)
+        pre = Guarded((len(prefix) + 3,), torch.int64, device)
+        got = fn(rpi.to(device), r2t.to(device), lengths.to(device), topk=K, num_steps=S,
+                 page_size=ps, prefix_kv_indices=pre.view, status=status, entry_page_size=E,
+                 v2p=v2p.to(device) if v2p is not None else None)  # fmt: skip
+        pre.assert_intact(fn.__name__)
+        assert pre.view[: len(prefix)].tolist() == prefix, fn.__name__
+        assert got[1][: B + 1].tolist() == ptr, f"{fn.__name__} prefix_kv_indptr"
+        for s in range(S):
+            assert got[2][s, : len(chains[s])].tolist() == chains[s], f"{fn.__name__} chain {s}"
+        want = int(Status.BAD_KV_ID) if bad else 0
+        assert int(status) == want, (fn.__name__, Status(int(status)))

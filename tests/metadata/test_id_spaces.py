@@ -15,7 +15,12 @@ from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.testing.sequences import extend_sequences, tree_sequences, window_sequences
+from specmeta.testing.sequences import (
+    branch_sequences,
+    extend_sequences,
+    tree_sequences,
+    window_sequences,
+)
 from specmeta.workloads import make_batch, random_tree_mask
 from tests.guard_bands import assert_equal
 
@@ -142,6 +147,13 @@ def _fields(meta):
     steps = meta.steps if hasattr(meta, "steps") else (meta,)
     out = {}
     for i, step in enumerate(steps):
+        if hasattr(step, "paged_kv_indptr_arr"):  # the cascade: both levels
+            for lvl, (ptr, host, idx) in enumerate(zip(step.paged_kv_indptr_arr,
+                                                       step.paged_kv_indptr_host_arr,
+                                                       step.paged_kv_indices_arr, strict=True)):  # fmt: skip
+                out |= {f"{i}.{lvl}.kv_indptr": ptr, f"{i}.{lvl}.kv_indptr_host": host,
+                        f"{i}.{lvl}.kv_indices": idx[: int(host[-1])]}  # fmt: skip
+            continue
         end = int(step.kv_indptr_host[-1])
         out |= {f"{i}.kv_indptr": step.kv_indptr, f"{i}.kv_indptr_host": step.kv_indptr_host,
                 f"{i}.kv_indices": step.kv_indices[:end]}  # fmt: skip
@@ -151,7 +163,8 @@ def _fields(meta):
     return out
 
 
-@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "draft_extend"])
+@pytest.mark.parametrize("mode", ["draft_decode", "draft_decode_shared_prefix", "target_verify",
+                                  "draft_extend"])  # fmt: skip
 @pytest.mark.parametrize("E", [4, 16])
 def test_flashinfer_page_rows_build_what_token_rows_build(mode, E, gen, device):
     """``entry_page_size=E`` (design §2.10): rows of page ids build, byte for byte, what the
@@ -187,3 +200,33 @@ def test_flashinfer_page_rows_build_what_token_rows_build(mode, E, gen, device):
             mode == "target_verify") else getattr(fi, mode)(
             batch.req_pool_indices, narrow, batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
             entry_page_size=E)  # fmt: skip
+
+
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (4, 2, 1)])
+def test_flashinfer_shared_prefix_reads_physical_ids(k, s, ps, gen, device):
+    """``v2p=`` on the shared-prefix cascade: every branch attends, over both levels merged,
+    to the physical slots of its logical sequence."""
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(1 + k, 4), page_size=ps,
+                     max_bs=8, max_context_len=40)  # fmt: skip
+    batch = make_batch("random", batch_size=5, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       max_len=40)  # fmt: skip
+    batch.seq_lens.clamp_(min=1)  # a request being drafted has a prefix
+    batch.seq_lens_cpu = batch.seq_lens.cpu()
+    v2p = torch.randperm(batch.pool_size // ps, generator=gen)
+    fi = FlashInferBuilder(cfg, device, modes=("draft_decode_shared_prefix",))
+    meta = fi.draft_decode_shared_prefix(batch.req_pool_indices, batch.req_to_token,
+                                         batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                         num_rows=s, v2p=v2p.to(device))  # fmt: skip
+    slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                                    topk=k, num_steps=s, page_size=ps)  # fmt: skip
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    for i, step in enumerate(meta.steps):
+        want = [v2p[ids // ps] * ps + ids % ps for ids in branch_sequences(batch, slots, i)]
+        o, lse = consumer.cascade(q, kc, vc, step)
+        o_ref, lse_ref = dense_attention(q, kc, vc, want)
+        assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"step {i}: outputs"
+        assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"step {i}: log-sum-exps"
+    assert int(fi.status) == 0
