@@ -194,7 +194,9 @@ def test_flashinfer_page_rows_build_what_token_rows_build(mode, E, gen, device):
     for name, value in _fields(got[E]).items():
         assert_equal(value, want[name], f"{mode} E={E}: {name}")
     narrow = pages[:, : -(-cfg.row_width_need // E) - 1]
-    with pytest.raises(ValueError, match=rf"FlashInferBuilder.{mode}: req_to_token is \d+ page ids"):
+    with pytest.raises(
+        ValueError, match=rf"FlashInferBuilder.{mode}: req_to_token is \d+ page ids"
+    ):
         fi.target_verify(batch.req_pool_indices, narrow, batch.seq_lens, tree,
                          seq_lens_cpu=batch.seq_lens_cpu, entry_page_size=E) if (
             mode == "target_verify") else getattr(fi, mode)(
