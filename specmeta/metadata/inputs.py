@@ -149,14 +149,14 @@ def check_build_tensors(
             f"build the SpecConfig with max_bs >= {B}"
         )
     need = -(-cfg.row_width_need // entry_page_size)
-    if table.shape[1] < need and entry_page_size == 1:
-        raise ValueError(
-            f"{where}: req_to_token is {table.shape[1]} positions wide, but the plan needs "
-            f"{need} (a prefix of max_context_len={cfg.max_context_len} plus its draft and "
-            f"verify slots); allocate req_to_token with at least {need} columns, e.g. "
-            f"SpecConfig.req_to_token_width={cfg.req_to_token_width}"
-        )
     if table.shape[1] < need:
+        if entry_page_size == 1:
+            raise ValueError(
+                f"{where}: req_to_token is {table.shape[1]} positions wide, but the plan needs "
+                f"{need} (a prefix of max_context_len={cfg.max_context_len} plus its draft and "
+                f"verify slots); allocate req_to_token with at least {need} columns, e.g. "
+                f"SpecConfig.req_to_token_width={cfg.req_to_token_width}"
+            )
         raise ValueError(
             f"{where}: req_to_token is {table.shape[1]} page ids wide (entry_page_size="
             f"{entry_page_size}: {table.shape[1] * entry_page_size} positions), but the plan "
