@@ -267,6 +267,33 @@ def copy_row_prefix(
 
 
 @triton.jit
+def ancestor_order(m, cc):
+    """``(pos, cnt)`` of a tree-mask tile ``m`` (row ``j`` a node, column ``c`` a node it may
+    see; ``cc`` the column indices ``[1, BLOCK]``): the rank of column ``c`` in row ``j``'s
+    list, its ancestor columns first in increasing ``c``, then the other columns, and each
+    row's ancestor count (its keys). The FA3 verify expand passes' order (design §3.2)."""
+    incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
+    cnt = tl.sum(m.to(tl.int32), axis=1)
+    return tl.where(m, incl - 1, cnt[:, None] + cc - incl), cnt
+
+
+@triton.jit
+def window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK: tl.constexpr):
+    """``(slot, p, neg)``: the verify-window slots ``row[L + c]``, ``c < BLOCK``, on the lanes
+    of ``want`` (0 elsewhere and past the row), their positions ``p``, and where a slot read
+    negative (given as 0, the sink)."""
+    c = tl.arange(0, BLOCK)
+    p = L + c
+    slot = tl.load(
+        req_to_token_ptr + row_base + p,
+        mask=tl.where(row_ok, want & (p < W_row), False),
+        other=0,
+    ).to(tl.int64)
+    neg = want & (slot < 0)
+    return tl.where(neg, 0, slot), p, neg
+
+
+@triton.jit
 def copy_list_at(
     req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr, kv_indptr_ptr,
     W_idx, first_chunk, chunk_step, v2p_ptr, num_pages, page_size, BLOCK: tl.constexpr,

@@ -38,6 +38,7 @@ from ._common import (
     POOL_OOB,
     POS_OOB,
     ROW_OOB,
+    ancestor_order,
     batch_arguments,
     bind_inclusive_sums,
     check_batch,
@@ -47,6 +48,7 @@ from ._common import (
     load_request,
     load_verify_len,
     verify_lens_ref,
+    window_slots,
 )
 
 __all__ = [
@@ -106,20 +108,11 @@ def _verify_expand_page_table_kernel(
     in_tile = tl.where(live, (jj < V) & (cc < V), False)
     m = tl.load(tree_mask_ptr + i * stride_mb + jj * stride_mj + cc, mask=in_tile, other=0)
     m = in_tile & (m != 0)
-    incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
-    cnt = tl.sum(m.to(tl.int32), axis=1)  # [BLOCK_N]: keys of node j
-    pos = tl.where(m, incl - 1, cnt[:, None] + cc - incl)  # rank of column c in row j
+    pos, cnt = ancestor_order(m, cc)  # rank of column c in row j; keys of node j
 
     c = tl.arange(0, BLOCK_N)
-    p = L + c
     want = tl.where(live, c < V, False)  # the window slots read
-    slot = tl.load(
-        req_to_token_ptr + row_base + p,
-        mask=tl.where(row_ok, want & (p < W_row), False),
-        other=0,
-    ).to(tl.int64)
-    neg = want & (slot < 0)
-    slot = tl.where(neg, 0, slot)
+    slot, p, neg = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK_N)
 
     rows = i * N + jj  # int64: B·N·W passes 2**31 only for huge tables, but costs nothing
     tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)

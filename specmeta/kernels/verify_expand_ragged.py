@@ -37,6 +37,7 @@ from ._common import (
     POOL_OOB,
     POS_OOB,
     ROW_OOB,
+    ancestor_order,
     batch_arguments,
     bind_inclusive_sums,
     check_batch,
@@ -44,6 +45,7 @@ from ._common import (
     host_int,
     inclusive_sums_kernel,
     load_request,
+    window_slots,
 )
 
 __all__ = ["bind_verify_expand_ragged", "verify_expand_ragged", "verify_expand_ragged_ref"]
@@ -136,20 +138,11 @@ def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mas
     else:
         m = tl.load(tree_mask_ptr + i * stride_mb + jj * stride_mj + cc, mask=in_tile, other=0)
         m = in_tile & (m != 0)
-    incl = tl.cumsum(m.to(tl.int32), axis=1)  # ancestor columns up to and including c
-    cnt = tl.sum(m.to(tl.int32), axis=1)  # [BLOCK_N]: keys of node j
-    pos = tl.where(m, incl - 1, cnt[:, None] + cc - incl)  # rank of column c in row j
+    pos, cnt = ancestor_order(m, cc)  # rank of column c in row j; keys of node j
 
     c = tl.arange(0, BLOCK_N)
-    p = L + c
     want = c < V  # the window slots read
-    slot = tl.load(
-        req_to_token_ptr + row_base + p,
-        mask=tl.where(row_ok, want & (p < W_row), False),
-        other=0,
-    ).to(tl.int64)
-    neg = want & (slot < 0)
-    slot = tl.where(neg, 0, slot)
+    slot, p, neg = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK_N)
 
     r = start + jj  # the node rows
     ok = (jj < V) & (r >= 0) & (r < T)
