@@ -154,6 +154,10 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         ragged = {"packed": True, "verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
         calls["flashinfer.target_verify.ragged"] = (fi, "target_verify", (*t, tree), ragged)
         host_kw["flashinfer.target_verify.ragged"] = {"verify_lens_cpu": real_cpu}
+        # FA3 reads the query offsets on the device: no host copy of the lengths.
+        fa3_ragged = {"verify_lens": ragged["verify_lens"], "num_tokens": bs * N}
+        calls["fa3.target_verify.ragged"] = (fa3, "target_verify", (*t, tree), fa3_ragged)
+        host_kw["fa3.target_verify.ragged"] = {}
     for name, (b, mode, args, kw) in calls.items():
         eager, hk = getattr(b, mode), host_kw[name]
         if bs != 256:
