@@ -162,6 +162,28 @@ def check_verify_lens(where: str, verify_lens: object, batch: int,
     return verify_lens
 
 
+def check_expand_outputs(page_table: object, cache_seqlens: object, cu_seqlens_k: object,
+                         rows: int, N: int, device: torch.device,
+                         what: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The outputs of an FA3 verify expand pass of ``rows`` rows (``what`` names the count in
+    messages) and ``N`` nodes: ``page_table [≥ rows, ≥ N]``, ``cache_seqlens [≥ rows]``
+    (each allocated int32 when ``None``) and the optional ``cu_seqlens_k [≥ rows + 1]``, all
+    on ``device``. Returns the first two."""
+    if page_table is None:
+        page_table = torch.empty((rows, N), dtype=torch.int32, device=device)
+    if cache_seqlens is None:
+        cache_seqlens = torch.empty(rows, dtype=torch.int32, device=device)
+    validate.tensor("page_table", page_table, ndim=2, device=device)
+    validate.at_least("page_table", page_table.shape[0], rows, f"rows ({what})")
+    validate.at_least("page_table", page_table.shape[1], N, "columns (N)")
+    validate.tensor("cache_seqlens", cache_seqlens, ndim=1, device=device)
+    validate.at_least("cache_seqlens", cache_seqlens.shape[0], rows)
+    if cu_seqlens_k is not None:
+        validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
+        validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], rows + 1)
+    return page_table, cache_seqlens
+
+
 def check_id_spaces(where: str, window_size: object, sink_size: object,
                     entry_page_size: object, v2p: object,
                     device: torch.device) -> tuple[int, int, int]:  # fmt: skip

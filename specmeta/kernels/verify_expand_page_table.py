@@ -42,6 +42,7 @@ from ._common import (
     batch_arguments,
     bind_inclusive_sums,
     check_batch,
+    check_expand_outputs,
     check_verify_lens,
     gather_rows_ref,
     inclusive_sums_kernel,
@@ -156,19 +157,8 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_ta
             f"tree_mask must have shape [B, N, N] = [{B}, N, N] with N >= 1, "
             f"got {tuple(tree_mask.shape)}"
         )
-    BN = B * N
-    if page_table is None:
-        page_table = torch.empty((BN, N), dtype=torch.int32, device=device)
-    if cache_seqlens is None:
-        cache_seqlens = torch.empty(BN, dtype=torch.int32, device=device)
-    validate.tensor("page_table", page_table, ndim=2, device=device)
-    validate.at_least("page_table", page_table.shape[0], BN, "rows (B*N)")
-    validate.at_least("page_table", page_table.shape[1], N, "columns (N)")
-    validate.tensor("cache_seqlens", cache_seqlens, ndim=1, device=device)
-    validate.at_least("cache_seqlens", cache_seqlens.shape[0], BN)
-    if cu_seqlens_k is not None:
-        validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
-        validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], BN + 1)
+    page_table, cache_seqlens = check_expand_outputs(page_table, cache_seqlens, cu_seqlens_k,
+                                                     B * N, N, device, "B*N")  # fmt: skip
     status = validate.status(status, device)
     return B, N, page_table, cache_seqlens, status
 

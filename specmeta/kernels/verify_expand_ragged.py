@@ -41,6 +41,7 @@ from ._common import (
     batch_arguments,
     bind_inclusive_sums,
     check_batch,
+    check_expand_outputs,
     gather_rows_ref,
     host_int,
     inclusive_sums_kernel,
@@ -203,18 +204,8 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indp
                                  f"tree_mask's N = {N}; pass one of them")  # fmt: skip
         if T < 0:
             raise ValueError(f"num_rows must be >= 0, got {T}; pass the bucket's tokens T")
-        if page_table is None:
-            page_table = torch.empty((T, N), dtype=torch.int32, device=device)
-        if cache_seqlens is None:
-            cache_seqlens = torch.empty(T, dtype=torch.int32, device=device)
-        validate.tensor("page_table", page_table, ndim=2, device=device)
-        validate.at_least("page_table", page_table.shape[0], T, "rows (num_rows)")
-        validate.at_least("page_table", page_table.shape[1], N, "columns (N)")
-        validate.tensor("cache_seqlens", cache_seqlens, ndim=1, device=device)
-        validate.at_least("cache_seqlens", cache_seqlens.shape[0], T)
-        if cu_seqlens_k is not None:
-            validate.tensor("cu_seqlens_k", cu_seqlens_k, ndim=1, device=device)
-            validate.at_least("cu_seqlens_k", cu_seqlens_k.shape[0], T + 1)
+        page_table, cache_seqlens = check_expand_outputs(page_table, cache_seqlens,
+                                                         cu_seqlens_k, T, N, device, "num_rows")  # fmt: skip
         status = validate.status(status, device)
     except TypeError as err:
         raise TypeError(f"{where}: {err}") from None
