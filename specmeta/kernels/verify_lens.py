@@ -11,6 +11,8 @@ complete batch whose query lengths sum to exactly ``T``::
     qo_indptr[b]     = Σ_{b'<b} out[b']                          for b in [0, Bp], entry 0 included
 
 Request ``b``'s query rows are ``qo_indptr[b] … qo_indptr[b + 1]``; ``qo_indptr[Bp] = T``.
+With ``cap = C`` (a consumer that scatters each request's rows into a dense ``[Bp, C]`` query)
+every ``out[b]`` is ``min(·, C)`` and ``qo_indptr`` their sum, ending at ``≤ T``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _block(padded_batch: int) -> int:
     return min(max(next_power_of_2(padded_batch + 1), _MIN_BLOCK), _MAX_BLOCK)
 
 
-@triton.jit(do_not_specialize=["B", "B_pad", "T"])
+@triton.jit(do_not_specialize=["B", "B_pad", "T", "CAP"])
 def _pad_verify_lens_to_bucket_kernel(
     verify_lens_ptr,  # [B] int32|int64
     out_ptr,  # [≥ B_pad] int32|int64
@@ -56,12 +58,14 @@ def _pad_verify_lens_to_bucket_kernel(
     B_pad,
     T,
     N,  # the tree's nodes, each real v_b's bound; 0: not checked
+    CAP,  # each padded length's bound (a dense consumer's N); 0: none
     BLOCK: tl.constexpr,  # next_pow2(B_pad + 1), clamped to [256, 1024]
 ):
     """One program, two passes over ``verify_lens`` in blocks of ``BLOCK``: the first sums the
     lengths (each clamped to ``[0, T + 1]``: a garbage length cannot overflow the int64 sum and
-    still overflows the bucket), the second writes ``out`` and ``qo_indptr`` with a carried
-    prefix; the pads' lengths and offsets are closed forms of their index."""
+    still overflows the bucket), the second writes ``out`` (the pads' lengths closed forms of
+    their index, every length clamped to ``CAP`` when given) and ``qo_indptr``, the carried
+    prefix sum of what it wrote."""
     T64 = T.to(tl.int64)
     top = tl.where(N > 0, N.to(tl.int64), T64 + 1)  # a real length's bound
     total = tl.full([], 0, tl.int64)
@@ -81,6 +85,7 @@ def _pad_verify_lens_to_bucket_kernel(
     absorb = tl.where(has_pads, 0, leftover)  # B == B_pad: request B − 1 takes the leftover
 
     carry = tl.full([], 0, tl.int64)  # Σ of the clamped lengths before the block
+    start_row = tl.full([], 0, tl.int64)  # Σ of the written lengths before the block
     for start in range(0, B_pad + 1, BLOCK):
         i = start + tl.arange(0, BLOCK)
         real = i < B
@@ -92,9 +97,10 @@ def _pad_verify_lens_to_bucket_kernel(
         kept = tl.minimum(v, tl.maximum(T64 - before, 0)) + tl.where(i == B - 1, absorb, 0)
         j = (i - B).to(tl.int64)  # pad index (i ≥ B)
         pad_len = share + (j < spare).to(tl.int64)
-        pad_start = filled + absorb + j * share + tl.minimum(j, spare)
-        length = tl.where(real, kept, pad_len)
-        row = tl.where(real, tl.minimum(before, T64), pad_start)
+        length = tl.where(real, kept, tl.where(i < B_pad, pad_len, 0))
+        length = tl.where(CAP > 0, tl.minimum(length, CAP), length)
+        row = start_row + tl.cumsum(length, axis=0) - length
+        start_row += tl.sum(length, axis=0)
         tl.store(out_ptr + i, length.to(out_ptr.dtype.element_ty), mask=i < B_pad)
         tl.store(qo_indptr_ptr + i, row.to(qo_indptr_ptr.dtype.element_ty), mask=i <= B_pad)
 
@@ -106,14 +112,16 @@ _pad_verify_lens_to_bucket_launch = Launcher(_pad_verify_lens_to_bucket_kernel)
 
 
 def _prepare(where, verify_lens, num_tokens, padded_batch, out, qo_indptr, status,
-             num_draft_tokens):  # fmt: skip
+             num_draft_tokens, cap):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``T``,
-    ``Bp``, ``out``, ``qo_indptr``, the status word and ``N`` (0 when not given). Every message
-    names ``where``."""
+    ``Bp``, ``out``, ``qo_indptr``, the status word, ``N`` and the cap (0 when not given).
+    Every message names ``where``."""
     try:
-        N = 0
+        N = cap_ = 0
         if num_draft_tokens is not None:
             N = validate.positive("num_draft_tokens", num_draft_tokens)
+        if cap is not None:
+            cap_ = validate.positive("cap", cap)
         T = host_int("num_tokens", num_tokens)
         Bp = host_int("padded_batch", padded_batch)
         validate.tensor("verify_lens", verify_lens, ndim=1)
@@ -155,7 +163,7 @@ def _prepare(where, verify_lens, num_tokens, padded_batch, out, qo_indptr, statu
             validate.at_least(name, buf.shape[0], need, what)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-    return B, T, Bp, out, qo_indptr, status, N
+    return B, T, Bp, out, qo_indptr, status, N, cap_
 
 
 def bind_pad_verify_lens_to_bucket(
@@ -167,6 +175,7 @@ def bind_pad_verify_lens_to_bucket(
     qo_indptr: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
     num_draft_tokens: int | None = None,
+    cap: int | None = None,
 ) -> Stage:
     """Bind once: pad ``B`` verify lengths to a bucket of ``Bp`` requests and ``T`` tokens, with
     the query offsets, in one launch.
@@ -195,6 +204,12 @@ def bind_pad_verify_lens_to_bucket(
         ``N``, the tree's nodes: a real request verifies at most ``N``, so a longer ``v_b`` is
         a fault, read as ``N`` and reported. Only the padding may give a request more than
         ``N`` rows (filler rows, design §2.9). Not given: the lengths are not bounded above.
+    cap : int, optional
+        ``≥ 1``: every padded length is clamped to ``cap`` and ``qo_indptr`` is the prefix sum
+        of the clamped lengths, so it may end short of ``T``: the layout of a consumer that
+        scatters each request's rows into a dense ``[Bp, cap]`` query (TRT-LLM MLA, ``cap =
+        N``); the tokens past ``qo_indptr[Bp]`` are filler no request reads. Not given: no
+        clamp, ``qo_indptr[Bp] = T``.
 
     Returns
     -------
@@ -209,8 +224,8 @@ def bind_pad_verify_lens_to_bucket(
     a pad request (``B == Bp``) the last real request takes the leftover; ``B == Bp == 0``
     writes ``qo_indptr[0] = 0`` only.
 
-    Faults keep the output a valid bucket (lengths ≥ 0 summing to exactly ``T``, offsets
-    non-decreasing from 0 to ``T``), and nothing is written past ``out[Bp − 1]`` or
+    Faults keep the output a valid bucket (lengths ≥ 0 summing to exactly ``T``, or at most
+    ``T`` with ``cap``, offsets non-decreasing from 0), and nothing is written past ``out[Bp − 1]`` or
     ``qo_indptr[Bp]``:
 
     * ``Σv > T`` (``OUT_OF_CAPACITY``): the real lengths are taken in order until the bucket is
@@ -223,16 +238,16 @@ def bind_pad_verify_lens_to_bucket(
     --------
     ``verify_lens=[3, 1]``, ``T=8``, ``Bp=4`` → ``out=[3, 1, 2, 2]``,
     ``qo_indptr=[0, 3, 4, 6, 8]``; ``T=9`` → ``[3, 1, 3, 2]``, ``[0, 3, 4, 7, 9]``; ``T=8``,
-    ``Bp=2`` → ``[3, 5]``, ``[0, 3, 8]``; ``verify_lens=[3, 4, 2]``, ``T=5``, ``Bp=4`` →
+    ``Bp=2`` → ``[3, 5]``, ``[0, 3, 8]``, with ``cap=4`` ``[3, 4]``, ``[0, 3, 7]``; ``verify_lens=[3, 4, 2]``, ``T=5``, ``Bp=4`` →
     ``[3, 2, 0, 0]``, ``[0, 3, 5, 5, 5]`` and ``OUT_OF_CAPACITY``.
 
     Grid ``(1,)``: one program loops over the requests in blocks of ``next_pow2(Bp + 1)``
     (clamped to [256, 1024]), twice (the total first). No host sync; ``B``, ``Bp`` and ``T``
     are runtime arguments.
     """
-    B, T, Bp, out, qo_indptr, status, N = _prepare(
+    B, T, Bp, out, qo_indptr, status, N, cap = _prepare(
         "pad_verify_lens_to_bucket", verify_lens, num_tokens, padded_batch, out, qo_indptr, status,
-        num_draft_tokens,
+        num_draft_tokens, cap,
     )  # fmt: skip
     launch = _pad_verify_lens_to_bucket_launch.bind(
         (1,),
@@ -244,6 +259,7 @@ def bind_pad_verify_lens_to_bucket(
         B_pad=Bp,
         T=T,
         N=N,
+        CAP=cap,
         BLOCK=_block(Bp),
         num_warps=4,
     )
@@ -278,11 +294,12 @@ def pad_verify_lens_to_bucket_ref(
     qo_indptr: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
     num_draft_tokens: int | None = None,
+    cap: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`pad_verify_lens_to_bucket` (vectorised; syncs)."""
-    B, T, Bp, out, qo_indptr, status, N = _prepare(
+    B, T, Bp, out, qo_indptr, status, N, cap = _prepare(
         "pad_verify_lens_to_bucket_ref", verify_lens, num_tokens, padded_batch, out, qo_indptr,
-        status, num_draft_tokens,
+        status, num_draft_tokens, cap,
     )  # fmt: skip
     device = verify_lens.device
     v_in = verify_lens.to(torch.int64)
@@ -292,6 +309,8 @@ def pad_verify_lens_to_bucket_ref(
     lengths[:B] = torch.minimum(v, (T - before).clamp_min(0))
     total = int(v.sum())
     fill_bucket(lengths, B, T - min(total, T))
+    if cap:
+        lengths.clamp_(max=cap)
     out[:Bp] = lengths.to(out.dtype)
     qo_indptr[0] = 0
     qo_indptr[1 : Bp + 1] = torch.cumsum(lengths, 0).to(qo_indptr.dtype)

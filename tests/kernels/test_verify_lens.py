@@ -22,7 +22,8 @@ from tests.guard_bands import Guarded, assert_equal
 MODULE = importlib.import_module("specmeta.kernels.verify_lens")
 
 
-def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note="", n=None):
+def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note="", n=None,
+         cap=None):  # fmt: skip
     """Kernel into guarded, poisoned buffers; reference into plain poisoned ones; outputs and
     status words compared exactly, the kernel's canaries checked. Returns the kernel's outputs
     (on the CPU) and its status."""
@@ -31,6 +32,8 @@ def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note=
     qo = Guarded((Bp + 1,), out_dtype, device)
     status = new_status(device)
     kw = {} if n is None else {"num_draft_tokens": n}
+    if cap is not None:
+        kw["cap"] = cap
     got = pad_verify_lens_to_bucket(v, T, Bp, out=out.view, qo_indptr=qo.view, status=status,
                                     **kw)  # fmt: skip
     assert got[0] is out.view and got[1] is qo.view
@@ -39,7 +42,7 @@ def _run(device, lens, T, Bp, *, dtype=torch.int32, out_dtype=torch.int32, note=
     ref_status = new_status(device)
     pad_verify_lens_to_bucket_ref(v, T, Bp, out=ref_out, qo_indptr=ref_qo, status=ref_status,
                                   **kw)  # fmt: skip
-    what = f"verify_lens={list(lens)[:16]} T={T} Bp={Bp} {note}"
+    what = f"verify_lens={list(lens)[:16]} T={T} Bp={Bp} cap={cap} {note}"
     out.assert_intact(f"out [{what}]")
     qo.assert_intact(f"qo_indptr [{what}]")
     assert_equal(out.view, ref_out, f"out [{what}]")
@@ -105,6 +108,74 @@ def test_loops_over_several_blocks(device, seed, monkeypatch, overflow):
     want = Status.OUT_OF_CAPACITY if overflow and total > T else Status.OK
     assert status == want, f"{status!r} [{what}]"
     _check_bucket(lens, T, 36, out, qo, what)
+
+
+# -------------------------------------------------------------------------- capped (dense)
+def _check_capped(lens, T, Bp, cap, out, qo, what):
+    """The capped layout read against the uncapped one: each length min(·, cap) of the padded
+    length, qo_indptr their exclusive prefix sum from 0 (ending at most at T)."""
+    full = torch.tensor(lens + [0] * (Bp - len(lens)), dtype=torch.int64)
+    full[: len(lens)] = torch.tensor(lens, dtype=torch.int64)
+    # The uncapped padding of a valid split, from the contract: pads share the leftover.
+    left, pads = T - sum(lens), Bp - len(lens)
+    if pads:
+        full[len(lens):] = left // pads
+        full[len(lens) : len(lens) + left % pads] += 1
+    elif lens:
+        full[len(lens) - 1] += left
+    want = full.clamp(max=cap)
+    assert torch.equal(out, want), f"lengths {out.tolist()}, want {want.tolist()} [{what}]"
+    assert int(qo[0]) == 0 and torch.equal(qo[1:], out.cumsum(0)), f"{qo.tolist()} [{what}]"
+    assert int(qo[-1]) <= T, f"qo_indptr ends past T: {qo.tolist()} [{what}]"
+
+
+@pytest.mark.parametrize("B,pads", [(1, 0), (5, 0), (6, 3), (0, 4), (11, 21)])
+def test_capped_matches_reference_and_the_contract(device, seed, B, pads):
+    """A dense consumer's layout (cap = N): every padded length clamped to N, the offsets of
+    the clamped lengths; the real requests' lengths are as without a cap."""
+    rng = random.Random(seed)
+    N = rng.randint(1, 8)
+    lens = [rng.randint(0, N) for _ in range(B)]
+    Bp = B + pads
+    T = sum(lens) + rng.randint(0, max(Bp * N - sum(lens), 0))
+    what = f"seed={seed}"
+    out, qo, status = _run(device, lens, T, Bp, note=what, n=N, cap=N)
+    assert status == Status.OK, f"{status!r} [{what}]"
+    _check_capped(lens, T, Bp, N, out, qo, what)
+
+
+def test_capped_loops_over_several_blocks(device, seed, monkeypatch):
+    """Blocks of 4: the clamped lengths' carried sum crosses block boundaries."""
+    monkeypatch.setattr(MODULE, "_MIN_BLOCK", 1)
+    monkeypatch.setattr(MODULE, "_MAX_BLOCK", 4)
+    rng = random.Random(seed)
+    lens = [rng.randint(0, 5) for _ in range(9)]
+    T = sum(lens) + rng.randint(0, 70)
+    what = f"seed={seed}"
+    out, qo, status = _run(device, lens, T, 17, note=what, cap=5)
+    assert status == Status.OK, f"{status!r} [{what}]"
+    _check_capped(lens, T, 17, 5, out, qo, what)
+
+
+@pytest.mark.parametrize("fn", [pad_verify_lens_to_bucket_ref, pad_verify_lens_to_bucket])
+@pytest.mark.parametrize(
+    "lens,T,Bp,cap,want_out,want_qo",
+    [
+        # no pad: the last request's 5 is clamped to 4, the offsets end at 7 < T
+        ([3, 1], 8, 2, 4, [3, 4], [0, 3, 7]),
+        # leftover 9 over 2 pads: 5 and 4, the first clamped to 4
+        ([3, 1], 13, 4, 4, [3, 1, 4, 4], [0, 3, 4, 8, 12]),
+        # nothing to clamp: as without a cap
+        ([3, 1], 8, 4, 4, [3, 1, 2, 2], [0, 3, 4, 6, 8]),
+    ],
+)
+def test_hand_worked_capped_buckets(device, fn, lens, T, Bp, cap, want_out, want_qo):
+    v = torch.tensor(lens, dtype=torch.int32, device=device)
+    status = new_status(device)
+    out, qo = fn(v, T, Bp, status=status, cap=cap)
+    assert out.cpu().tolist() == want_out
+    assert qo.cpu().tolist() == want_qo
+    assert int(status) == 0
 
 
 # -------------------------------------------------------------------- worked by hand (design)
@@ -263,6 +334,8 @@ def test_bad_arguments_name_the_call_argument_and_value(device, fn):
         (ValueError, (v, 8, 4), {"out": i32[:3]}, ["out is too small", "need 4", "have 3"]),
         (ValueError, (v, 8, 4), {"qo_indptr": i32[:4]}, ["qo_indptr", "need 5", "have 4"]),
         (ValueError, (v, 8, 4), {"status": i32[:2]}, ["status", "(2,)"]),
+        (ValueError, (v, 8, 4), {"cap": 0}, ["cap", ">= 1", "got 0"]),
+        (TypeError, (v, 8, 4), {"cap": 2.0}, ["cap", "float"]),
     ]
     for exc, args, kwargs, words in cases:
         with pytest.raises(exc) as info:
