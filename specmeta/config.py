@@ -402,6 +402,9 @@ def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.block_kv_indices", (bs, maxblk), i32, "[B, maxblk] page ids, -1 beyond use")
         add(f"{mode}.seq_lens_k", (bs,), i32, "[B] L_b + N")
         add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
+    # A ragged verify (design §2.9) in the dense query layout: lengths padded and capped at N.
+    add("trtllm_mla.target_verify.verify_lens", (bs,), i32, "[Bp] ragged lengths, padded, ≤ N")
+    add("trtllm_mla.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum")
 
 
 def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:

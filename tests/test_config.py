@@ -118,8 +118,9 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
     )
     # + 72 bytes of the ragged verify's host_lengths slot, and its buffers at max_bs 256:
     # FlashInfer's verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4,
-    # the runner's verify_lens 256·4, FA3's verify_lens 256·4 and ragged_qo_indptr 257·4.
-    ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 256 * 4 + 257 * 4
+    # the runner's verify_lens 256·4, FA3's and TRT-LLM MLA's verify_lens 256·4 and
+    # ragged_qo_indptr 257·4 each.
+    ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 2 * (256 * 4 + 257 * 4)
     assert total == 1_211_529_947_264 + ragged
 
 

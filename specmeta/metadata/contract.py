@@ -283,13 +283,14 @@ class MetadataBuilder:
                             status=status)  # fmt: skip
 
     def bind_bucket(self, mode: str, B: int, verify_lens: Any, num_tokens: Any,
-                    status: torch.Tensor | None) -> tuple:  # fmt: skip
+                    status: torch.Tensor | None, *, cap: int | None = None) -> tuple:  # fmt: skip
         """A ragged target verify's arguments (design §2.9), checked on the host: without
         ``verify_lens`` (and ``num_tokens``) ``(None, None, None, None)``; with them, the
         launch padding ``verify_lens`` (``[B' ≤ B]``) to the bucket of the batch's ``B``
         requests and ``num_tokens`` into the builder's ``target_verify.verify_lens`` and
         ``ragged_qo_indptr``, those padded lengths, ``T``, and the host part's check of
-        ``verify_lens_cpu`` (:meth:`verify_lengths`)."""
+        ``verify_lens_cpu`` (:meth:`verify_lengths`). ``cap``: each padded length clamped to
+        it (a dense query layout, :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket`)."""
         where, n = self.require(mode), self.cfg.num_draft_tokens
         if verify_lens is None:
             if num_tokens is not None:
@@ -321,7 +322,7 @@ class MetadataBuilder:
             bind_pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref, verify_lens,
             num_tokens, B, out=padded,
             qo_indptr=self.buffers["target_verify.ragged_qo_indptr"][: B + 1],
-            status=self.status_word(status), num_draft_tokens=n,
+            status=self.status_word(status), num_draft_tokens=n, cap=cap,
         )  # fmt: skip
         verify = functools.partial(self.verify_lengths, mode, count, num_tokens)
         return launch, padded, num_tokens, verify
@@ -342,6 +343,20 @@ class MetadataBuilder:
                                           n)  # fmt: skip
         if self.check_host_lengths:
             publish_host_lengths(self._verify_published, count, found[1], found[0])
+
+    def verify_host(self, mode: str, verify: Any, verify_lens_cpu: Any) -> None:
+        """A stage's host part given ``verify_lens_cpu`` (optional where the backend reads its
+        query offsets on the device): checked by ``verify``, the check :meth:`bind_bucket`
+        returned, or refused for a stage bound without ``verify_lens`` (``verify`` None)."""
+        if verify_lens_cpu is None:
+            return
+        if verify is None:
+            raise ValueError(
+                f"{self.require(mode)}: verify_lens_cpu was given, but this stage was bound "
+                "without verify_lens (a uniform layout); bind it with verify_lens= and "
+                "num_tokens= for a ragged verify, or drop verify_lens_cpu"
+            )
+        verify(verify_lens_cpu)
 
     def verify_check(self, verify_lens: torch.Tensor, status: torch.Tensor) -> Any:
         """The launch that checks what the host part last read of ``verify_lens_cpu`` against

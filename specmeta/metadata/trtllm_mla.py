@@ -13,7 +13,12 @@ page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and it
   through ``move_kv_cache`` first). Both cases are one kernel, :func:`branch_page_table`;
 * target verify and draft extend (chains): ``seq_lens_k = L_b + N``, ``cu_seqlens_q = N·arange``,
   ``max_seq_len_q = N``, ``sum_seq_lens_q = Bp·N``: the same values at capture and at replay
-  (a layout built from ``accept_length`` at replay would not match the captured one).
+  (a layout built from ``accept_length`` at replay would not match the captured one);
+* a ragged target verify (design §2.9) keeps that dense kernel layout, ``[Bp, N]`` query rows
+  over ``L_b + N`` keys: the bucket's lengths are padded and capped at ``N`` (``seq_lens_q``),
+  and ``cu_seqlens_q`` says where each request's rows lie among the bucket's ``T`` tokens, for
+  the engine's scatter of the query into the dense rows (real rows first) and the gather of the
+  output (tokens no request covers read 0).
 
 A :class:`TrtllmMlaBuilder` allocates every buffer from :func:`~specmeta.plan_buffers` (keys
 ``trtllm_mla.<mode>.<field>``) once; its methods write into them without allocating or
@@ -80,6 +85,11 @@ class TrtllmMlaPrefill:
     """``B·N`` (padded rows keep their full width)."""
     max_seq_len_k: int
     """Host upper bound of ``seq_lens_k``: ``max_context_len + N``."""
+    seq_lens_q: torch.Tensor | None = None
+    """A ragged verify only: ``[B]`` int32, device, the query rows of each request, its padded
+    verify length capped at ``N``; the kernel reads request ``b``'s dense rows ``0 … N − 1``
+    (causal over ``L_b + N`` keys), of which the first ``seq_lens_q[b]`` are tokens
+    ``cu_seqlens_q[b] …`` of the bucket. ``None``: every request has ``N`` rows."""
 
 
 class TrtllmMlaBuilder(MetadataBuilder):
@@ -152,21 +162,23 @@ class TrtllmMlaBuilder(MetadataBuilder):
         return spec.shape[1]
 
     # -- the stages -----------------------------------------------------------------------------
-    def _stage(self, mode: str, B: int, launch: Any, result: Any, seq_lens: torch.Tensor,
-               status: torch.Tensor | None) -> Stage:  # fmt: skip
-        """The stage of ``mode``: ``launch`` and the check of the host's lengths, and the host
+    def _stage(self, mode: str, B: int, launches: list, result: Any, seq_lens: torch.Tensor,
+               status: torch.Tensor | None, verify: Any = None) -> Stage:  # fmt: skip
+        """The stage of ``mode``: ``launches`` and the check of the host's lengths, and the host
         part that checks ``seq_lens_cpu`` when it is given (every value in
-        ``[0, max_context_len]``) and returns ``result``. No host scalar of a result reads the
-        lengths: ``max_seq_len_k`` is the plan's bound, the same at every replay."""
-        lengths = self.lengths
+        ``[0, max_context_len]``) and, for a ragged verify, the optional ``verify_lens_cpu``
+        (``verify``), and returns ``result``. No host scalar of a result reads the lengths:
+        ``max_seq_len_k`` is the plan's bound, the same at every replay."""
+        lengths, verify_host = self.lengths, self.verify_host
 
-        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+        def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             if seq_lens_cpu is not None:
                 lengths(mode, B, seq_lens_cpu)
+            verify_host(mode, verify, verify_lens_cpu)
             return result
 
         check = self.host_check(mode, seq_lens, self.status_word(status))
-        return Stage([launch, check], host=host)
+        return Stage([*launches, check], host=host)
 
     def _max_seq_len(self, mode: str, max_seq_len: object) -> None:
         """Check the eager methods' ``max_seq_len=`` (a host ``max L_b``) against the plan,
@@ -208,7 +220,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
             seq_lens_k=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
         )  # fmt: skip
         result = self.views((mode, B, rows), self._draft_result, B, rows)
-        return self._stage(mode, B, launch, result, seq_lens, status)
+        return self._stage(mode, B, [launch], result, seq_lens, status)
 
     def draft_decode(
         self,
@@ -260,31 +272,43 @@ class TrtllmMlaBuilder(MetadataBuilder):
             for s in range(rows)
         ))  # fmt: skip
 
-    def _bind_prefill(self, mode: str, req_pool_indices, req_to_token, seq_lens, status) -> Stage:
+    def _bind_prefill(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
+                      verify_lens: Any = None, num_tokens: Any = None) -> Stage:  # fmt: skip
         """The stage of target verify or draft extend: the request's pages over ``L + N``
-        tokens and ``seq_lens_k = L + N``, one launch."""
+        tokens and ``seq_lens_k = L + N``, one launch; a ragged verify (``verify_lens``) adds
+        the padding of its lengths to the bucket, capped at ``N`` (and the check of the
+        lengths' host copy)."""
         cfg, buf = self.cfg, self.buffers
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        pad, _, T, verify = self.bind_bucket(mode, B, verify_lens, num_tokens, status,
+                                             cap=cfg.num_draft_tokens)  # fmt: skip
         launch = self._launch(
             bind_prefix_page_table, prefix_page_table_ref, req_pool_indices, req_to_token,
             seq_lens, page_size=cfg.page_size, extra_tokens=cfg.num_draft_tokens,
             fill_value=_UNUSED_BLOCK, page_table=buf[f"{mode}.block_kv_indices"],
             cache_seqlens=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
         )  # fmt: skip
-        result = self.views((mode, B), self._prefill_result, mode, B)
-        return self._stage(mode, B, launch, result, seq_lens, status)
+        result = self.views((mode, B, T), self._prefill_result, mode, B, T)
+        if pad is None:
+            return self._stage(mode, B, [launch], result, seq_lens, status)
+        check = self.verify_check(verify_lens, self.status_word(status))
+        return self._stage(mode, B, [pad, launch, check], result, seq_lens, status, verify)
 
-    def _prefill_result(self, mode: str, B: int) -> TrtllmMlaPrefill:
-        """The target-verify or draft-extend result of ``B`` requests."""
-        buf, layout = self.buffers, self._layouts[mode]
+    def _prefill_result(self, mode: str, B: int, T: int | None) -> TrtllmMlaPrefill:
+        """The target-verify or draft-extend result of ``B`` requests (a ragged verify's over
+        a bucket of ``T`` tokens)."""
+        buf, layout, n = self.buffers, self._layouts[mode], self.cfg.num_draft_tokens
+        ragged = T is not None
         return TrtllmMlaPrefill(
             block_kv_indices=buf[f"{mode}.block_kv_indices"][:B],
             seq_lens_k=buf[f"{mode}.seq_lens_k"][:B],
-            cu_seqlens_q=layout.cu_seqlens_q(B),
+            cu_seqlens_q=buf[f"{mode}.ragged_qo_indptr"][: B + 1] if ragged
+            else layout.cu_seqlens_q(B),
             max_seq_len_q=layout.max_seqlen_q,
-            sum_seq_lens_q=layout.sum_seqlens_q(B),
-            max_seq_len_k=self.cfg.max_context_len + self.cfg.num_draft_tokens,
-        )
+            sum_seq_lens_q=T if ragged else layout.sum_seqlens_q(B),
+            max_seq_len_k=self.cfg.max_context_len + n,
+            seq_lens_q=buf[f"{mode}.verify_lens"][:B] if ragged else None,
+        )  # fmt: skip
 
     def bind_target_verify(
         self,
@@ -293,9 +317,12 @@ class TrtllmMlaBuilder(MetadataBuilder):
         seq_lens: torch.Tensor,
         *,
         status: torch.Tensor | None = None,
+        verify_lens: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there); the stage's
-        ``host(seq_lens_cpu)`` returns the :class:`TrtllmMlaPrefill`."""
+        ``host(seq_lens_cpu)`` (``host(seq_lens_cpu, verify_lens_cpu=...)``, the copy optional,
+        for a ragged verify) returns the :class:`TrtllmMlaPrefill`."""
         if self.cfg.topk > 1:
             raise ValueError(
                 f"TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree "
@@ -303,7 +330,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
                 "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
             )
         return self._bind_prefill("target_verify", req_pool_indices, req_to_token, seq_lens,
-                                  status)  # fmt: skip
+                                  status, verify_lens, num_tokens)  # fmt: skip
 
     def target_verify(
         self,
@@ -315,16 +342,36 @@ class TrtllmMlaBuilder(MetadataBuilder):
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        verify_lens: torch.Tensor | None = None,
+        verify_lens_cpu: torch.Tensor | None = None,
+        num_tokens: int | None = None,
     ) -> TrtllmMlaPrefill:
         """Target verify of an ``N``-token chain: ``seq_lens_k = L_b + N``, stride ``N``, causal.
 
         TRT-LLM MLA has no custom mask, so a tree (``topk > 1``) cannot be verified with it:
         that raises ``ValueError`` (verify trees with FlashInfer or FA3). Arguments as in
-        :meth:`draft_decode`.
+        :meth:`draft_decode`, and for a ragged verify (design §2.9):
+
+        verify_lens : torch.Tensor, optional
+            ``[B' ≤ B]`` int32 or int64 on the device, real request ``b`` verifies the first
+            ``v_b ≤ N`` tokens of its chain; the batch is the captured bucket's ``B``
+            requests. The lengths are padded to the bucket of ``num_tokens`` and capped at
+            ``N`` (:func:`specmeta.pad_verify_lens_to_bucket` with ``cap=N``) into the
+            result's ``seq_lens_q`` and ``cu_seqlens_q``; the kernel's layout stays the dense
+            one (``[B, N]`` query rows, ``seq_lens_k = L_b + N``).
+        verify_lens_cpu : torch.Tensor, optional
+            ``[B']`` CPU copy of ``verify_lens``: optional (nothing on the host reads the
+            offsets); when given it is checked on the host (each in ``[0, N]``, the sum at
+            most ``num_tokens``) and on the device against ``verify_lens``.
+        num_tokens : int, optional
+            ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
         """
-        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, status=status)
+        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, status=status,
+                                        verify_lens=verify_lens, num_tokens=num_tokens)  # fmt: skip
         self._max_seq_len("target_verify", max_seq_len)
-        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+        if launch:
+            return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
+        return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
 
     def bind_draft_extend(
         self,

@@ -115,6 +115,13 @@ class CuteFlashAttention:
                 )
             return _Paged(meta.block_kv_indices, meta.seq_lens_k, self._aranges[key], 1, False,
                           self.page_size)  # fmt: skip
+        if isinstance(meta, TrtllmMlaPrefill) and meta.seq_lens_q is not None:
+            # A ragged verify: the kernel runs the dense [B, N] rows (an engine scatters the
+            # bucket's tokens into them and gathers the output back, __call__ here).
+            n, B = meta.max_seq_len_q, meta.seq_lens_k.shape[0]
+            dense = torch.arange(B + 1, dtype=torch.int32, device=meta.seq_lens_k.device) * n
+            return _Paged(meta.block_kv_indices, meta.seq_lens_k, dense, n, True, self.page_size,
+                          (meta.seq_lens_q, meta.cu_seqlens_q, meta.sum_seq_lens_q))  # fmt: skip
         if isinstance(meta, TrtllmMlaPrefill):
             return _Paged(meta.block_kv_indices, meta.seq_lens_k, meta.cu_seqlens_q,
                           meta.max_seq_len_q, True, self.page_size)  # fmt: skip
@@ -130,6 +137,18 @@ class CuteFlashAttention:
         return self._fn(q, k_cache, v_cache, **meta.varlen_kwargs(), softmax_scale=scale)
 
     def __call__(self, meta, q, k_pool, v_pool) -> torch.Tensor:
+        if isinstance(meta, _Paged) and meta.scatter is not None:
+            lens, cu, total = meta.scatter
+            n, B = meta.max_seqlen_q, lens.shape[0]
+            lens, cu = lens.tolist(), cu.tolist()
+            pairs = [(cu[i] + j, i * n + j) for i in range(B) for j in range(lens[i])]
+            idx = torch.tensor(pairs, dtype=torch.int64, device=q.device).view(-1, 2)
+            token, row = idx[:, 0], idx[:, 1]  # a covered token and its dense row
+            dense = q.new_zeros(B * n, *q.shape[1:])
+            dense[row] = q[token]
+            out = q.new_zeros(total, *q.shape[1:])
+            out[token] = self._pass(meta, dense, k_pool, v_pool)[0][row]
+            return out
         if isinstance(meta, FA3Metadata | _Paged):
             return self._pass(meta, q, k_pool, v_pool)[0]
         out, lse = self._pass(meta.normal, q, k_pool, v_pool)
@@ -150,6 +169,8 @@ class _Paged:
     max_seqlen_q: int
     causal: bool
     page_size: int
+    # A ragged verify's (seq_lens_q, cu_seqlens_q, T): the bucket's tokens in the dense rows.
+    scatter: tuple | None = None
 
     def varlen_kwargs(self) -> dict[str, Any]:
         return {

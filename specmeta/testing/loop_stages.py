@@ -111,9 +111,6 @@ class MetadataStages:
         self.req_to_token, self.status = req_to_token, status
         self.draft_cache, self.target_cache = draft_cache, target_cache
         self.reference = reference
-        if ragged_verify and backend == "trtllm_mla":
-            raise ValueError("ragged_verify: TRT-LLM MLA has no ragged verify; use 'fa3' or "
-                             "'flashinfer'")  # fmt: skip
         self.ragged_verify = ragged_verify
         builder = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
                    "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
@@ -167,16 +164,13 @@ class MetadataStages:
         verify, of each request's first ``verify_lens`` nodes in a bucket of ``num_tokens``."""
         kw = dict(status=self.status)
         if self.ragged_verify:
-            tree = inputs["tree_mask"] if self.cfg.topk > 1 or self.backend != "fa3" else None
-            return self.builder.bind_target_verify(
-                inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"], tree,
-                verify_lens=inputs["verify_lens"], num_tokens=num_tokens, **kw,
-            )  # fmt: skip
-        rpi, lens = inputs["req_pool_indices"], inputs["seq_lens"]
+            kw.update(verify_lens=inputs["verify_lens"], num_tokens=num_tokens)
+        args = (inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"])
         if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
-            return self.builder.bind_target_verify(rpi, self.req_to_token, lens, **kw)
-        return self.builder.bind_target_verify(rpi, self.req_to_token, lens,
-                                               inputs["tree_mask"], **kw)  # fmt: skip
+            return self.builder.bind_target_verify(*args, **kw)
+        if self.backend == "fa3" and self.cfg.topk == 1:  # FA3 reads no mask for a chain
+            return self.builder.bind_target_verify(*args, None, **kw)
+        return self.builder.bind_target_verify(*args, inputs["tree_mask"], **kw)
 
     def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Move pairs of the accepted nodes and their move, all layers of the target pool: free

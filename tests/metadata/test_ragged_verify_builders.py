@@ -219,3 +219,78 @@ def test_fa3_ragged_verify_checks_a_host_copy_when_given(device, gen):
     with pytest.raises(ValueError, match=r"FA3MetadataBuilder.target_verify: verify_lens_cpu was"):
         fa3.target_verify(*args, seq_lens_cpu=batch.seq_lens_cpu,
                           verify_lens_cpu=torch.tensor([2, 1]))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- TRT-LLM MLA
+def _trtllm_call(mla, batch, real, T, **kw):
+    dev = torch.tensor(real, dtype=torch.int32, device=batch.seq_lens.device)
+    return mla.target_verify(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu, verify_lens=dev,
+                             num_tokens=T, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
+def test_trtllm_mla_ragged_verify_keeps_the_dense_kernel_layout(device, gen, how, ps):
+    """TRT-LLM MLA's kernel reads a dense [B, N] query over L + N keys: a ragged verify keeps
+    that layout, its lengths padded and capped at N (seq_lens_q) with their offsets among the
+    bucket's tokens (cu_seqlens_q). Read as an engine runs it (the tokens scattered into the
+    dense rows, the output gathered back), every covered token gets its chain's attention and
+    a token no request covers reads 0."""
+    from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+    from specmeta.testing.consumers import trtllm_mla as mla_consumer
+
+    cfg, batch, _ = _setup(gen, device, k=1, s=5, n=4, ps=ps)
+    n, Bp = cfg.num_draft_tokens, batch.batch_size
+    real, T = verify_split(gen, Bp, n, how)
+    mla = TrtllmMlaBuilder(cfg, device, modes=("target_verify",))
+    uniform = mla.target_verify(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu)
+    tables = uniform.block_kv_indices.clone(), uniform.seq_lens_k.clone()
+    meta = _trtllm_call(mla, batch, real, T)
+    capped = [min(v, n) for v in padded_lengths(real, T, Bp)]
+    what = f"verify_lens={real} T={T}"
+    assert meta.seq_lens_q.tolist() == capped, what
+    assert meta.cu_seqlens_q.tolist() == [sum(capped[:i]) for i in range(Bp + 1)], what
+    assert (meta.max_seq_len_q, meta.sum_seq_lens_q) == (n, T), what
+    assert_equal(meta.block_kv_indices, tables[0], f"block_kv_indices [{what}]")
+    assert_equal(meta.seq_lens_k, tables[1], f"seq_lens_k [{what}]")
+    chain = torch.ones(n, n, dtype=torch.bool).tril().expand(Bp, n, n)
+    want_rows = ragged_tree_sequences(batch, chain, capped)
+    want_rows += [torch.zeros(0, dtype=torch.int64)] * (T - sum(capped))  # uncovered: 0
+    q = torch.randn(T, H, D, generator=gen, dtype=torch.float64)
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    got, _ = mla_consumer.prefill(q, kc, vc, meta, ps)
+    want, _ = dense_attention(q, kc, vc, want_rows)
+    assert torch.allclose(got, want, atol=ATOL, rtol=0), f"outputs differ [{what}]"
+    assert int(mla.status) == 0
+
+
+def test_trtllm_mla_ragged_verify_checks_a_host_copy_when_given(device, gen):
+    from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+
+    cfg, batch, _ = _setup(gen, device, k=1, s=5, n=4)
+    mla = TrtllmMlaBuilder(cfg, device, modes=("target_verify",))
+    _trtllm_call(mla, batch, [2, 1], 9, verify_lens_cpu=torch.tensor([2, 1]))
+    assert int(mla.status) == 0
+    _trtllm_call(mla, batch, [2, 1], 9, verify_lens_cpu=torch.tensor([3, 1]))  # a stale copy
+    assert int(mla.status) == int(Status.STALE_HOST_LENGTHS)
+    where = "TrtllmMlaBuilder.target_verify"
+    with pytest.raises(ValueError, match=rf"{where}: verify_lens_cpu\[0\] = 9"):
+        _trtllm_call(mla, batch, [2, 1], 9, verify_lens_cpu=torch.tensor([9, 1]))
+    with pytest.raises(ValueError, match=rf"{where}: verify_lens_cpu was given"):
+        mla.target_verify(*_args(batch), verify_lens_cpu=torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match=rf"{where}: num_tokens=9 was given without"):
+        mla.target_verify(*_args(batch), num_tokens=9)
+    with pytest.raises(TypeError, match=rf"{where}: num_tokens must be a host int"):
+        mla.target_verify(*_args(batch), verify_lens=torch.tensor([2, 1], device=device))
+
+
+def test_trtllm_mla_ragged_verify_reports_a_length_past_n(device, gen):
+    """A device length the host never saw (past N): read as N, reported by its bit alone."""
+    from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
+
+    cfg, batch, _ = _setup(gen, device, k=1, s=5, n=4)
+    mla = TrtllmMlaBuilder(cfg, device, modes=("target_verify",), check_host_lengths=False)
+    meta = _trtllm_call(mla, batch, [5, 1], 9)
+    assert int(mla.status) == int(Status.POS_OOB)
+    assert meta.seq_lens_q.tolist()[:2] == [4, 1]

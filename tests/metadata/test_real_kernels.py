@@ -270,6 +270,26 @@ def test_gpu_trtllm_mla_block_tables_through_flash_attn_cute(gen, k, ps, batch_s
     assert int(mla.status) == 0
 
 
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_gpu_trtllm_mla_ragged_verify_through_flash_attn_cute(gen, ps, how):
+    """A ragged chain verify over a bucket of 5 requests in TRT-LLM MLA's dense query layout
+    (lengths capped at N): the bucket's tokens scattered into the dense rows, read by the CuTe
+    kernel as plain paged causal attention, gathered back; uncovered tokens read 0."""
+    c = _Case(gen, 1, ps, 5)
+    real, T = verify_split(gen, 5, c.n, how)
+    mla = TrtllmMlaBuilder(c.cfg, "cuda", modes=("target_verify",))
+    meta = mla.target_verify(*c.args, seq_lens_cpu=c.batch.seq_lens_cpu, num_tokens=T,
+                             verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"))  # fmt: skip
+    capped = [min(v, c.n) for v in padded_lengths(real, T, 5)]
+    chain = torch.ones(c.n, c.n, dtype=torch.bool).tril().expand(5, -1, -1)
+    want = ragged_tree_sequences(c.batch, chain, capped)
+    want += [torch.zeros(0, dtype=torch.int64)] * (T - sum(capped))
+    c.check(CuteFlashAttention(page_size=ps), meta, want,
+            f"trtllm_mla ragged verify ps={ps} {how} {real} T={T}")
+    assert int(mla.status) == 0
+
+
 # --------------------------------------------------------------------------------------------
 # One CUDA graph per bucket captures the metadata build and the attention together.
 # --------------------------------------------------------------------------------------------

@@ -111,10 +111,11 @@ FULL = [
         (4, 5, 12, 1, "decode", "auto"), (4, 2, 8, 16, "paged", "graph"))),
     *(Case("trtllm_mla", 1, s, s + 1, ps, mode=m) for s, ps, m in (
         (5, 16, "auto"), (3, 1, "graph"), (2, 16, "eager"))),
-    # A ragged verify on both backends that have one.
+    # A ragged verify on every backend.
     Case("fa3", 2, 4, 8, 16, mode="graph", ragged=True),
     Case("fa3", 1, 5, 6, 1, mode="auto", ragged=True),
     Case("flashinfer", 4, 3, 10, 1, form="decode", mode="auto", ragged=True),
+    Case("trtllm_mla", 1, 5, 6, 16, mode="graph", ragged=True),
 ]  # fmt: skip
 DRAFTS = ("self", "perturbed")
 
@@ -309,6 +310,8 @@ RAGGED = [
     (Case("fa3", 2, 3, 6, 16, ragged=True), "perturbed"),
     (Case("flashinfer", 2, 3, 6, 16, form="paged", ragged=True), "perturbed"),
     (Case("fa3", 1, 4, 5, 1, ragged=True), "self"),  # a chain: every verified token accepted
+    # TRT-LLM MLA's dense query layout: the lengths capped at N, the leftover uncovered.
+    (Case("trtllm_mla", 1, 3, 4, 4, ragged=True), "self"),
 ]
 
 
