@@ -13,10 +13,12 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
   :func:`copy_row_prefix`, :func:`copy_list_at`, :func:`copy_ragged_list`, :func:`branch_page`,
+  :func:`branch_position`,
   :func:`load_verify_len`, :func:`load_verify_rows`, and the id spaces of design §2.10:
   :func:`windowed_length`, :func:`window_position`, :func:`load_kv_ids`, :func:`translate_ids`).
 * **Torch helpers** the references share (:func:`gather_rows_ref`, :func:`draft_positions_ref`,
-  :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`or_status`,
+  :func:`ragged_prefix_ref`, :func:`branch_pages_ref`, :func:`branch_positions_ref`,
+  :func:`or_status`,
   :func:`verify_lens_ref`, :func:`verify_rows_ref`, :func:`windowed_length_ref`,
   :func:`load_kv_ids_ref`, :func:`translate_ids_ref`).
 """
@@ -336,18 +338,25 @@ def copy_list_at(
 
 
 @triton.jit
+def branch_position(L, t, c, page_size, NUM_STEPS: tl.constexpr):
+    """``(pos, used)``: the row position of the first token of column ``c`` (any shape) of
+    branch ``t``'s page row (design §1 over pages): the request's ``L // ps`` full prefix
+    pages, then the ``nnp`` pages of the branch's region; ``used`` is ``c < full + nnp``."""
+    lpl = L % page_size
+    base = L - lpl
+    full = base // page_size
+    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
+    pos = tl.where(c < full, c * page_size, base + (t * nnp + (c - full)) * page_size)
+    return pos, c < full + nnp
+
+
+@triton.jit
 def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
                 NUM_STEPS: tl.constexpr):  # fmt: skip
     """Page of column ``c`` (any shape) of branch ``t``'s page row (design §1 over pages):
     ``(page, used, pos_bad)``; ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where
     unused or out of the row."""
-    lpl = L % page_size
-    base = L - lpl
-    full = base // page_size
-    nnp = (lpl + NUM_STEPS + page_size - 1) // page_size
-    in_prefix = c < full
-    used = c < full + nnp
-    pos = tl.where(in_prefix, c * page_size, base + (t * nnp + (c - full)) * page_size)
+    pos, used = branch_position(L, t, c, page_size, NUM_STEPS)
     in_row = pos < W_row
     slot = tl.load(
         req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
@@ -545,6 +554,23 @@ def ragged_prefix_ref(
     return bits
 
 
+def branch_positions_ref(seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int,
+                         width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`branch_position` of columns ``[0, width)`` of every branch: ``[B, K, width]``
+    int64 positions (0 where unused) and the "used" mask (negative lengths read as 0)."""
+    ps = page_size
+    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
+    lpl = L % ps
+    base = L - lpl
+    full = base // ps
+    nnp = (lpl + num_steps + ps - 1) // ps
+    t = torch.arange(topk, device=seq_lens.device).view(1, -1, 1)
+    c = torch.arange(width, device=seq_lens.device).view(1, 1, -1)
+    used = (c < full + nnp).expand(L.shape[0], topk, width)
+    pos = torch.where(c < full, c * ps, base + (t * nnp + (c - full)) * ps)
+    return torch.where(used, pos, 0), used
+
+
 def branch_pages_ref(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -557,18 +583,8 @@ def branch_pages_ref(
     """``[B, K, width]`` pages of every branch row (0 where unused), the ``[B, K, width]``
     "used" mask, the mask of used columns whose position fell past ``W_row``, and the
     ``ROW_OOB`` bit; vectorised. The torch side of :func:`branch_page`."""
-    device = req_to_token.device
     ps = page_size
-    L = seq_lens.to(torch.int64).clamp_min(0).view(-1, 1, 1)
-    lpl = L % ps
-    base = L - lpl
-    full = base // ps
-    nnp = (lpl + num_steps + ps - 1) // ps
-    t = torch.arange(topk, device=device).view(1, -1, 1)
-    c = torch.arange(width, device=device).view(1, 1, -1)
-    used = (c < full + nnp).expand(L.shape[0], topk, width)
-    pos = torch.where(c < full, c * ps, base + (t * nnp + (c - full)) * ps)
-    pos = torch.where(used, pos, 0)
+    pos, used = branch_positions_ref(seq_lens, topk, num_steps, ps, width)
     slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
     pages = torch.where(used, slots // ps, 0)
     return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)

@@ -10,7 +10,10 @@ pages, the first ``n_{b,s}`` columns of its per-branch page row (see
     kv_indices[s, kv_indptr[s,z] + c] = page c of branch (b, t)              c < n_{b,s}
     kv_last_page_len[s, z]          = (L_b + s) mod ps + 1
 
-With ``ps == 1`` the rows equal :func:`draft_decode_kv_indices`' (layout A).
+With ``ps == 1`` the rows equal :func:`draft_decode_kv_indices`' (layout A). The rows may be in
+another id space (design §2.10): page ids of ``E`` positions each (``entry_page_size``) and
+virtual ids through a page map (``v2p``); page ``c`` is then the physical page of the id its
+first position names, and an id that does not map gives page 0 and ``BAD_KV_ID``.
 """
 
 from __future__ import annotations
@@ -25,20 +28,23 @@ from ..launch import Launcher, cdiv, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     OUT_OF_CAPACITY,
     POS_OOB,
     ROW_OOB,
     batch_arguments,
-    branch_page,
-    branch_pages_ref,
+    branch_position,
+    branch_positions_ref,
     check_batch,
+    check_id_spaces,
     check_steps,
     chunk_programs,
     host_int,
     list_offsets,
+    load_kv_ids,
+    load_kv_ids_ref,
     load_request,
     row_offset,
-    sizing_total,
 )
 
 __all__ = [
@@ -63,7 +69,7 @@ _CHUNK_COLUMNS = 1024
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_idx",
-        "stride_idx", "stride_ptr", "stride_lpl", "chunk_programs",
+        "stride_idx", "stride_ptr", "stride_lpl", "chunk_programs", "num_pages",
     ]
 )  # fmt: skip
 def _branch_kv_indices_kernel(
@@ -73,6 +79,7 @@ def _branch_kv_indices_kernel(
     kv_indices_ptr,  # [≥rows, W_idx] int32|int64, row stride stride_idx
     kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ptr
     kv_last_page_len_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_lpl
+    v2p_ptr,  # [num_pages] int32|int64: virtual → physical pages (read only with TRANSLATE)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -85,12 +92,15 @@ def _branch_kv_indices_kernel(
     stride_ptr,
     stride_lpl,
     chunk_programs,
+    num_pages,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,  # next power of two ≥ S
     BLOCK_K: tl.constexpr,  # next power of two ≥ K
+    ENTRY_PAGE_SIZE: tl.constexpr,  # rows of page ids of E positions (1: token ids)
+    TRANSLATE: tl.constexpr,  # ids through v2p (design §2.10)
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies page chunks ``c, c +
@@ -116,6 +126,7 @@ def _branch_kv_indices_kernel(
 
     n_last = tl.where(valid, (L + num_rows - 1 + page_size) // page_size, 0)
     pos_bad = (b * 0).to(tl.int32)  # a scalar tensor: the loops OR into it
+    unmapped = pos_bad  # an id stored that did not map
     c0 = tl.arange(0, BLOCK).to(tl.int64)
     # Columns past W_idx can hold nothing (every entry lands at or after its column), so the
     # loop stops there: a garbage length costs no more than a full buffer. The last used
@@ -128,22 +139,24 @@ def _branch_kv_indices_kernel(
     pos_last = tl.where(
         c_last < full, c_last * page_size, L - lpl + ((TOPK - 1) * nnp + c_last - full) * page_size
     )
-    pos_bad |= ((n_last > 0) & (pos_last >= W_row)).to(tl.int32)
+    pos_bad |= ((n_last > 0) & (pos_last >= W_row * ENTRY_PAGE_SIZE)).to(tl.int32)
     for chunk in range(pid_c, tl.cdiv(tl.minimum(n_last, W_idx), BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK
         for t in tl.static_range(TOPK):
-            page, used, bad = branch_page(
-                req_to_token_ptr, row_base, row_ok, L, t, col, W_row, page_size, NUM_STEPS
-            )
-            pos_bad |= tl.max((bad & (col < n_last)).to(tl.int32), axis=0)
+            pos, used = branch_position(L, t, col, page_size, NUM_STEPS)
+            need = used & (col < n_last)
+            slot, in_row, wrong = load_kv_ids(
+                req_to_token_ptr + row_base, pos, tl.where(row_ok, need, False), W_row, v2p_ptr,
+                num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE,
+            )  # fmt: skip
+            page = slot // page_size
+            pos_bad |= tl.max((need & ~in_row).to(tl.int32), axis=0)
             for s in range(0, num_rows):
                 n_s = (L + s + page_size) // page_size
                 dst = tl.sum(tl.where(r == s, heads, 0), axis=0) + t * n_s + col
-                tl.store(
-                    kv_indices_ptr + row_offset(s, stride_idx) + dst,
-                    page,
-                    mask=(col < n_s) & (dst < W_idx),
-                )
+                stored = (col < n_s) & (dst < W_idx)
+                tl.store(kv_indices_ptr + row_offset(s, stride_idx) + dst, page, mask=stored)
+                unmapped |= tl.max((wrong & stored).to(tl.int32), axis=0)
 
     if pid_c == 0:
         tt = tl.arange(0, BLOCK_K)
@@ -172,7 +185,11 @@ def _branch_kv_indices_kernel(
             flags = tl.where(~L_ok, POS_OOB, 0) | tl.where(over, OUT_OF_CAPACITY, 0)
             tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
     if HAS_STATUS:
-        flags = tl.where(row_ok, 0, ROW_OOB) | tl.where(pos_bad != 0, POS_OOB, 0)
+        flags = (
+            tl.where(row_ok, 0, ROW_OOB)
+            | tl.where(pos_bad != 0, POS_OOB, 0)
+            | tl.where(unmapped != 0, BAD_KV_ID, 0)
+        )
         tl.atomic_or(status_ptr, flags, mask=flags != 0, sem="relaxed")
 
 
@@ -180,13 +197,15 @@ _branch_kv_indices_launch = Launcher(_branch_kv_indices_kernel)
 
 
 def _prepare(
-    req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows, kv_indices,
-    kv_indptr, kv_last_page_len, seq_lens_sum, status,
+    where, req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
+    kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status, entry_page_size, v2p,
 ):  # fmt: skip
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    _, _, E = check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     if kv_indices is None:
-        total = sizing_total(seq_lens_sum, B, req_to_token)
+        # Without the host's ΣL, full rows: W_row entries of E positions each.
+        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1] * E
         width = max(1, branch_kv_indices_need(total, B, topk, rows, page_size))
         kv_indices = torch.empty((rows, width), dtype=torch.int32, device=device)
     if kv_indptr is None:
@@ -207,7 +226,8 @@ def _prepare(
         validate.at_least("kv_indices", kv_indices.shape[1], need,
                           "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
     status = validate.status(status, device)
-    return topk, num_steps, page_size, rows, B, (kv_indices, kv_indptr, kv_last_page_len), status
+    out = (kv_indices, kv_indptr, kv_last_page_len)
+    return topk, num_steps, page_size, rows, B, out, status, E
 
 
 def bind_branch_kv_indices(
@@ -224,6 +244,8 @@ def bind_branch_kv_indices(
     kv_last_page_len: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build the per-branch page lists of every draft step in CSR form, in one launch.
 
@@ -250,7 +272,12 @@ def bind_branch_kv_indices(
         Host-side ``ΣL``; when given, ``kv_indices`` is checked (against an upper bound)
         before launch.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``.
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``, ``BAD_KV_ID`` (a page
+        stored whose id did not map: written as page 0).
+    entry_page_size, v2p : int, torch.Tensor, optional
+        The id space of the rows (design §2.10): rows of page ids of ``E`` positions each,
+        and a ``[P]`` virtual → physical page map at page size ``ps``; the lists hold
+        physical pages.
 
     Returns
     -------
@@ -267,15 +294,16 @@ def bind_branch_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, page_size, rows, B, out, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+    topk, num_steps, page_size, rows, B, out, status, E = _prepare(
+        "branch_kv_indices", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
+        page_size, num_rows, kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+        entry_page_size, v2p,
     )  # fmt: skip
     if rows == 0:
         return Stage([], result=out)
     kv_indices, kv_indptr, kv_last_page_len = out
     device = req_to_token.device
-    pages = cdiv(req_to_token.shape[1], page_size)
+    pages = cdiv(req_to_token.shape[1] * E, page_size)
     grid = (max(B, 1), chunk_programs(device, B, pages, _CHUNK_COLUMNS))
     launch = _branch_kv_indices_launch.bind(
         grid,
@@ -283,6 +311,7 @@ def bind_branch_kv_indices(
         kv_indices_ptr=kv_indices,
         kv_indptr_ptr=kv_indptr,
         kv_last_page_len_ptr=kv_last_page_len,
+        v2p_ptr=v2p,
         status_ptr=status,
         page_size=page_size,
         num_rows=rows,
@@ -291,12 +320,15 @@ def bind_branch_kv_indices(
         stride_ptr=kv_indptr.stride(0),
         stride_lpl=kv_last_page_len.stride(0),
         chunk_programs=grid[1],
+        num_pages=v2p.shape[0] if v2p is not None else 0,
         TOPK=topk,
         NUM_STEPS=num_steps,
         BLOCK=_BLOCK,
         BLOCK_B=_BLOCK_B,
         BLOCK_ROWS=next_power_of_2(num_steps),
         BLOCK_K=next_power_of_2(topk),
+        ENTRY_PAGE_SIZE=E,
+        TRANSLATE=v2p is not None,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -347,11 +379,14 @@ def branch_kv_indices_ref(
     kv_last_page_len: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, page_size, rows, B, out, status = _prepare(
-        req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
-        kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+    topk, num_steps, page_size, rows, B, out, status, E = _prepare(
+        "branch_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
+        page_size, num_rows, kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
+        entry_page_size, v2p,
     )  # fmt: skip
     if rows == 0:
         return out
@@ -362,15 +397,19 @@ def branch_kv_indices_ref(
     # Page c of a list lands at start + c >= c: none past the output's width is kept, so the
     # work stops there whatever a garbage length says (design §2.5).
     width = min(int(n_last.max()), kv_indices.shape[1]) if B else 0
-    pages, _, bad, bits = branch_pages_ref(
-        req_pool_indices, req_to_token, seq_lens, K, num_steps, ps, width
-    )
+    pos, used = branch_positions_ref(seq_lens, K, num_steps, ps, width)
     c = torch.arange(width, device=L.device).view(1, 1, -1)
-    if bool((bad & (c < n_last.view(-1, 1, 1))).any()) or bool((seq_lens < 0).any()):
+    need = used & (c < n_last.view(-1, 1, 1))
+    slots, unmapped, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, need,
+                                            entry_page_size=E, v2p=v2p, page_size=ps)  # fmt: skip
+    pages = torch.where(need, slots // ps, 0)
+    bits &= int(Status.ROW_OOB)
+    if bool((need & (pos >= req_to_token.shape[1] * E)).any()) or bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     W_idx = kv_indices.shape[1]
     zb = torch.arange(B * K, device=L.device) // K
     pages = pages.reshape(B * K, width)
+    unmapped = unmapped.reshape(B * K, width)
     offsets = branch_kv_indptr(seq_lens, K, rows, ps, None, kv_last_page_len)
     kv_indptr[:rows, : B * K + 1] = offsets
     for s in range(rows):
@@ -379,6 +418,8 @@ def branch_kv_indices_ref(
         dst = start.view(-1, 1) + c.view(1, -1)
         keep = (c.view(1, -1) < n[zb].view(-1, 1)) & (dst < W_idx)
         kv_indices[s][dst[keep]] = pages[keep].to(kv_indices.dtype)
+        if bool((unmapped & keep).any()):
+            bits |= int(Status.BAD_KV_ID)
         if B and K * int(n.sum()) > W_idx:
             bits |= int(Status.OUT_OF_CAPACITY)
     if bits:

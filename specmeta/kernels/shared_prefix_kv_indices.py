@@ -18,6 +18,11 @@ attention passes merged by log-sum-exp) needs each prefix once:
       chain_kv_indices[s, z·it + j]               = row_b[p(b, t, j)]      j < it
 
 ``ΣL + B·K·S·(S+1)/2`` entries in all instead of ``S·(K·ΣL + B·K·(S+1)/2)``.
+
+With a draft window (``window_size = W > 0``, ``sink_size = Sk``, design §2.10) the prefix
+level lists ``Lw_b = min(L_b, W + Sk)`` tokens, the first ``min(Sk, L_b)`` positions then the
+most recent ones, and its offsets are ``Σ_{b'<b} Lw_b'``; the chains are those of the full
+``L_b``. Ids are read in the rows' id space (``entry_page_size``, ``v2p``) at both levels.
 """
 
 from __future__ import annotations
@@ -41,17 +46,17 @@ from ._common import (
     check_id_spaces,
     check_steps,
     chunk_programs,
-    copy_list_at,
     draft_positions_ref,
     draft_slot_position,
-    exclusive_length_sum,
     host_int,
     load_kv_ids,
     load_kv_ids_ref,
     load_request,
-    ragged_prefix_ref,
     row_offset,
-    sizing_total,
+    window_position,
+    window_positions_ref,
+    windowed_length,
+    windowed_length_ref,
 )
 
 __all__ = [
@@ -71,6 +76,7 @@ _BLOCK_B = 1024
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_prefix",
         "W_chain", "stride_chain", "stride_chain_ptr", "chunk_programs", "num_pages",
+        "window", "sink",
     ]
 )  # fmt: skip
 def _shared_prefix_kv_indices_kernel(
@@ -95,6 +101,8 @@ def _shared_prefix_kv_indices_kernel(
     stride_chain_ptr,
     chunk_programs,
     num_pages,
+    window,
+    sink,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
@@ -115,18 +123,37 @@ def _shared_prefix_kv_indices_kernel(
     row_base, L, row_ok, L_ok = load_request(
         req_pool_indices_ptr, seq_lens_ptr, b, B, R, stride_row
     )
-    n = tl.where(b < B, L, 0)
-    start = exclusive_length_sum(seq_lens_ptr, b, 0, BLOCK_B)
-    prefix_bad = copy_list_at(
-        req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, prefix_kv_indices_ptr,
-        prefix_kv_indptr_ptr, W_prefix, c, chunk_programs, v2p_ptr, num_pages, page_size,
-        BLOCK, ENTRY_PAGE_SIZE, TRANSLATE,
-    )  # fmt: skip
+    # The prefix level: Lw = min(L, window + sink) tokens (L without a window), placed after
+    # the windowed lengths of the requests before b.
+    Lw = windowed_length(L, window, sink)
+    n = tl.where(b < B, Lw, 0)
+    start = b * 0
+    for first in range(0, b, BLOCK_B):
+        offs = first + tl.arange(0, BLOCK_B)
+        before = tl.load(seq_lens_ptr + offs, mask=offs < b, other=0).to(tl.int64)
+        start += tl.sum(windowed_length(tl.maximum(before, 0), window, sink), axis=0)
+    # Entries past W_prefix are never stored, so the loop stops there: a garbage length costs
+    # no more than a full buffer (the status reports it).
+    kept = tl.minimum(n, tl.maximum(W_prefix - start, 0))
+    lane = tl.arange(0, BLOCK)
+    prefix_bad = c * 0
+    for chunk in range(c, tl.cdiv(kept, BLOCK), chunk_programs):
+        k = tl.cast(chunk, tl.int64) * BLOCK + lane
+        m = k < kept
+        ids, _, wrong = load_kv_ids(
+            req_to_token_ptr + row_base, window_position(k, L, Lw, sink),
+            tl.where(row_ok, m, False), W_row, v2p_ptr, num_pages, page_size, ENTRY_PAGE_SIZE,
+            TRANSLATE,
+        )  # fmt: skip
+        tl.store(prefix_kv_indices_ptr + start + k, ids, mask=m)
+        prefix_bad |= tl.max(wrong.to(tl.int32), axis=0)
     if HAS_STATUS:  # every program reports the ids of its own chunks
         unmapped_prefix = tl.where(prefix_bad != 0, BAD_KV_ID, 0)
         tl.atomic_or(status_ptr, unmapped_prefix, mask=unmapped_prefix != 0, sem="relaxed")
 
     if c == 0:
+        tl.store(prefix_kv_indptr_ptr + b + 1, start + n, mask=b < B)
+        tl.store(prefix_kv_indptr_ptr + b, start * 0, mask=b == 0)
         # Own chains: entry (s, t, j) for j ≤ s < rows.
         e = tl.arange(0, BLOCK_CHAIN)
         s = e // (TOPK * NUM_STEPS)
@@ -165,12 +192,14 @@ def _shared_prefix_kv_indices_kernel(
 
         if HAS_STATUS:
             chain_bad = tl.max((live & ~in_row).to(tl.int32), axis=0) != 0
+            # The prefix level reads positions below L whether or not a window keeps them all.
+            n_read = tl.where(b < B, L, 0)
             over = (start + n > W_prefix) | ((b + 1) * TOPK * num_rows > W_chain)
             # Only the chain ids stored count as unmapped (the prefix's are reported above).
             unmapped = (chain_unmapped & live & (dst < W_chain)).to(tl.int32)
             bits = (
                 tl.where(row_ok, 0, ROW_OOB)
-                | tl.where(chain_bad | (n > W_row * ENTRY_PAGE_SIZE) | ~L_ok, POS_OOB, 0)
+                | tl.where(chain_bad | (n_read > W_row * ENTRY_PAGE_SIZE) | ~L_ok, POS_OOB, 0)
                 | tl.where(over & (b < B), OUT_OF_CAPACITY, 0)
                 | tl.where(tl.max(unmapped, axis=0) != 0, BAD_KV_ID, 0)
             )
@@ -183,16 +212,21 @@ _shared_prefix_kv_indices_launch = Launcher(_shared_prefix_kv_indices_kernel)
 def _prepare(
     where, req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr, seq_lens_sum, status,
-    entry_page_size, v2p,
+    window_size, sink_size, entry_page_size, v2p,
 ):  # fmt: skip
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    _, _, entry_page_size = check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
+    window, sink, E = check_id_spaces(where, window_size, sink_size, entry_page_size, v2p,
+                                      device)  # fmt: skip
+    if seq_lens_sum is not None:
+        host_int("seq_lens_sum", seq_lens_sum)
     if prefix_kv_indices is None:
-        total = sizing_total(seq_lens_sum, B, req_to_token)
+        # Without the host's ΣL, full rows: W_row entries of E positions each.
+        total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1] * E
         prefix_kv_indices = torch.empty(
-            max(1, verify_kv_indices_need(total, B, 0)), dtype=req_to_token.dtype, device=device
-        )
+            max(1, _prefix_need(total, B, window, sink)), dtype=req_to_token.dtype,
+            device=device,
+        )  # fmt: skip
     if prefix_kv_indptr is None:
         prefix_kv_indptr = torch.empty(B + 1, dtype=torch.int32, device=device)
     if chain_kv_indices is None:
@@ -218,17 +252,20 @@ def _prepare(
         "columns (B*topk*rows)",
     )  # fmt: skip
     if seq_lens_sum is not None:
-        _check_total(seq_lens_sum, prefix_kv_indices)
+        validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0],
+                          _prefix_need(seq_lens_sum, B, window, sink),
+                          "entries (min(ΣL, B*(window_size + sink_size)) with a draft window, "
+                          "else ΣL)")  # fmt: skip
     status = validate.status(status, device)
     out = (prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr)
-    return topk, num_steps, rows, B, out, status, entry_page_size
+    return topk, num_steps, rows, B, out, status, (window, sink, E)
 
 
-def _check_total(seq_lens_sum: object, prefix_kv_indices: torch.Tensor) -> None:
-    """``prefix_kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
-    host_int("seq_lens_sum", seq_lens_sum)
-    validate.at_least("prefix_kv_indices", prefix_kv_indices.shape[0], seq_lens_sum,
-                      "entries (ΣL)")  # fmt: skip
+def _prefix_need(seq_lens_sum: int, batch: int, window: int, sink: int) -> int:
+    """Entries of the prefix level for a host ``ΣL``: ``ΣL``, bounded by ``B·(W + Sk)`` with a
+    draft window (each list keeps at most ``W + Sk`` tokens, design §2.10)."""
+    total = verify_kv_indices_need(seq_lens_sum, batch, 0)
+    return min(total, batch * (window + sink)) if window else total
 
 
 def bind_shared_prefix_kv_indices(
@@ -246,6 +283,8 @@ def bind_shared_prefix_kv_indices(
     chain_kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    window_size: int = 0,
+    sink_size: int = 0,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
 ) -> Stage:
@@ -265,8 +304,8 @@ def bind_shared_prefix_kv_indices(
         Chain rows (steps) to build, ``0 ≤ rows ≤ S`` (default ``S``). The prefix level is
         built whatever ``rows`` is.
     prefix_kv_indices : torch.Tensor, optional
-        ``[W_prefix]`` int32 or int64; ``ΣL`` entries are written, stores past ``W_prefix``
-        are dropped and reported.
+        ``[W_prefix]`` int32 or int64; ``ΣL`` entries are written (``ΣLw`` with a window),
+        stores past ``W_prefix`` are dropped and reported.
     prefix_kv_indptr : torch.Tensor, optional
         ``[≥ B + 1]`` int32 or int64; entries ``0 … B`` (entry 0 included).
     chain_kv_indices : torch.Tensor, optional
@@ -274,10 +313,16 @@ def bind_shared_prefix_kv_indices(
     chain_kv_indptr : torch.Tensor, optional
         ``[≥ rows, ≥ B·K + 1]`` int32 or int64; entries ``[s, 0 … B·K]``.
     seq_lens_sum : int, optional
-        Host-side ``ΣL``; when given, ``prefix_kv_indices`` is checked before launch.
+        Host-side ``ΣL``; when given, ``prefix_kv_indices`` is checked before launch (against
+        ``min(ΣL, B·(W + Sk))`` with a window).
     status : torch.Tensor, optional
         ``int32 [1]``: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``, ``BAD_KV_ID`` (an id
         stored that did not map: written as the sink slot 0).
+    window_size, sink_size : int, optional
+        A draft window (design §2.10): the prefix level lists ``Lw = min(L, W + Sk)`` tokens
+        of each request, its first ``min(Sk, L)`` then its most recent ones, and
+        ``prefix_kv_indptr`` sums the ``Lw``. ``window_size = 0`` (the default) is no window;
+        ``sink_size`` is then not read.
     entry_page_size, v2p : int, torch.Tensor, optional
         The id space of the rows (design §2.10): rows of page ids of ``E`` positions each,
         and a virtual → physical page map at page size ``ps``; both levels hold physical ids.
@@ -298,14 +343,16 @@ def bind_shared_prefix_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``, as :func:`draft_decode_kv_indices`. No host sync;
     ``B``, lengths and strides are runtime arguments.
     """
-    topk, num_steps, rows, B, out, status, E = _prepare(
+    topk, num_steps, rows, B, out, status, (window, sink, E) = _prepare(
         "shared_prefix_kv_indices", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
         page_size, num_rows, prefix_kv_indices, prefix_kv_indptr, chain_kv_indices,
-        chain_kv_indptr, seq_lens_sum, status, entry_page_size, v2p,
+        chain_kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size, v2p,
     )  # fmt: skip
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
-    grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
+    tokens = req_to_token.shape[1] * E
+    width = min(tokens, window + sink) if window else tokens
+    grid = (max(B, 1), chunk_programs(device, B, width, _BLOCK))
     launch = _shared_prefix_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -323,6 +370,8 @@ def bind_shared_prefix_kv_indices(
         stride_chain_ptr=chain_kv_indptr.stride(0),
         chunk_programs=grid[1],
         num_pages=v2p.shape[0] if v2p is not None else 0,
+        window=window,
+        sink=sink,
         TOPK=topk,
         NUM_STEPS=num_steps,
         LAYOUT_B=uses_layout_b(topk, page_size),
@@ -358,28 +407,42 @@ def shared_prefix_kv_indices_ref(
     chain_kv_indptr: torch.Tensor | None = None,
     seq_lens_sum: int | None = None,
     status: torch.Tensor | None = None,
+    window_size: int = 0,
+    sink_size: int = 0,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`shared_prefix_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, rows, B, out, status, E = _prepare(
+    topk, num_steps, rows, B, out, status, (window, sink, E) = _prepare(
         "shared_prefix_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, topk,
         num_steps, page_size, num_rows, prefix_kv_indices, prefix_kv_indptr, chain_kv_indices,
-        chain_kv_indptr, seq_lens_sum, status, entry_page_size, v2p,
+        chain_kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size, v2p,
     )  # fmt: skip
     spaces = dict(entry_page_size=E, v2p=v2p, page_size=page_size)
     prefix_kv_indices, prefix_kv_indptr, chain_kv_indices, chain_kv_indptr = out
     device = req_to_token.device
     K = topk
     L = seq_lens.to(torch.int64).clamp_min(0)
-    end = torch.cumsum(L, 0)
+    Lw = windowed_length_ref(seq_lens, window, sink)
+    end = torch.cumsum(Lw, 0)
     prefix_kv_indptr[0] = 0
     prefix_kv_indptr[1 : B + 1] = end.to(prefix_kv_indptr.dtype)
-    bits = ragged_prefix_ref(req_pool_indices, req_to_token, L, prefix_kv_indices, end - L,
-                             **spaces)  # fmt: skip
-    if B and int(end[-1]) > prefix_kv_indices.shape[0]:
+    # Entry k of request b lands at end_b − Lw_b + k ≥ k: none past the buffer is kept, so the
+    # work stops there whatever a garbage length says.
+    W_prefix = prefix_kv_indices.shape[0]
+    width = min(int(Lw.max()), W_prefix) if B else 0
+    k = torch.arange(width, device=device).view(1, -1)
+    dst = (end - Lw).view(-1, 1) + k
+    keep = (k < Lw.view(-1, 1)) & (dst < W_prefix)
+    pos = torch.where(keep, window_positions_ref(L.view(-1, 1), Lw.view(-1, 1), k, sink), 0)
+    ids, unmapped, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, keep, **spaces)
+    prefix_kv_indices[dst[keep]] = ids[keep].to(prefix_kv_indices.dtype)
+    bits &= int(Status.ROW_OOB)
+    if bool(unmapped.any()):
+        bits |= int(Status.BAD_KV_ID)
+    if B and int(end[-1]) > W_prefix:
         bits |= int(Status.OUT_OF_CAPACITY)
-    if B and bool((seq_lens < 0).any()):
+    if B and bool(((seq_lens < 0) | (L > req_to_token.shape[1] * E)).any()):
         bits |= int(Status.POS_OOB)
 
     chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
