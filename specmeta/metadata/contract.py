@@ -266,6 +266,8 @@ class MetadataBuilder:
         ``[0, max_context_len]``), made on every call of a stage's host part, and its
         ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`). What it
         read is sent to the device for the mode's check (:meth:`host_check`)."""
+        if seq_lens_cpu is None:
+            return None
         found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
         if found is not None and self.check_host_lengths:
             publish_host_lengths(self._host_published[mode], B, found[1], found[0])

@@ -448,13 +448,14 @@ class GraphRunner:
         if self._held() != self._layout:
             self._check_held()  # raises, naming what changed
         values, extra = None, {}
-        try:  # the usual call: seq_lens_cpu alone, by name
-            if self._host_extra or len(host_inputs) != 1:
-                raise KeyError
+        if host_inputs is None and self._host_name is None and not self._host_extra:
+            pass  # no host inputs, none registered
+        elif (self._host_name is not None and not self._host_extra
+              and type(host_inputs) is dict and len(host_inputs) == 1
+              and self._host_name in host_inputs):  # the usual call: seq_lens_cpu alone
             values = host_inputs[self._host_name]
-        except (KeyError, TypeError):
-            if host_inputs is not None or self._host_name or self._host_extra:
-                values, extra = self._host_values(host_inputs)  # raises, naming what is wrong
+        else:
+            values, extra = self._host_values(host_inputs)  # raises, naming what is wrong
         if probes.enabled():
             self._probe(self._views_of(batch_size))
         results = stage.host(values, **extra)
