@@ -9,7 +9,7 @@ private names (``tests/kernels/test_structure.py`` checks the imports).
 * **Host checks, launch keywords and grid sizing**: :func:`check_batch`, :func:`check_steps`,
   :func:`host_int`, :func:`sizing_total`, :func:`batch_arguments`, :func:`target_programs`,
   :func:`chunk_programs`, :func:`vector_widths`, :func:`check_verify_lens`,
-  :func:`check_id_spaces`.
+  :func:`check_id_spaces`, :func:`id_space_arguments`.
 * **Device helpers**: one ``@triton.jit`` function per rule several kernels apply
   (:func:`load_request`, :func:`draft_slot_position`, :func:`exclusive_length_sum`,
   :func:`copy_row_prefix`, :func:`copy_list_at`, :func:`copy_ragged_list`, :func:`branch_page`,
@@ -209,6 +209,15 @@ def check_id_spaces(where: str, window_size: object, sink_size: object,
     return window, sink if window else 0, entry
 
 
+def id_space_arguments(entry_page_size: int, v2p: torch.Tensor | None) -> dict:
+    """The launch keywords of a row's id space (design §2.10) for a kernel reading rows with
+    :func:`load_kv_ids`. Without ``v2p`` the map and its size are ``None`` (constants to Triton):
+    a plain row's launch passes no argument it does not read."""
+    translate = v2p is not None
+    return dict(v2p_ptr=v2p, num_pages=v2p.shape[0] if translate else None,
+                ENTRY_PAGE_SIZE=entry_page_size, TRANSLATE=translate)  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------
 # Device helpers.
 # --------------------------------------------------------------------------------------------
@@ -302,19 +311,28 @@ def ancestor_order(m, cc):
 
 
 @triton.jit
-def window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK: tl.constexpr):
-    """``(slot, p, neg)``: the verify-window slots ``row[L + c]``, ``c < BLOCK``, on the lanes
-    of ``want`` (0 elsewhere and past the row), their positions ``p``, and where a slot read
-    negative (given as 0, the sink)."""
-    c = tl.arange(0, BLOCK)
-    p = L + c
-    slot = tl.load(
-        req_to_token_ptr + row_base + p,
-        mask=tl.where(row_ok, want & (p < W_row), False),
-        other=0,
-    ).to(tl.int64)
-    neg = want & (slot < 0)
-    return tl.where(neg, 0, slot), p, neg
+def window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, v2p_ptr, num_pages,
+                 page_size, BLOCK: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
+                 TRANSLATE: tl.constexpr):  # fmt: skip
+    """``(slot, past, neg, bad)``: the verify-window ids at row positions ``L + c``, ``c <
+    BLOCK``, on the lanes of ``want`` (0 elsewhere), where a position lies past the row, where
+    a plain row's slot read negative, and where an id of another id space did not map
+    (:func:`load_kv_ids`, design §2.10); the last two are given as 0, the sink."""
+    p = L + tl.arange(0, BLOCK)
+    if ENTRY_PAGE_SIZE == 1 and not TRANSLATE:
+        slot = tl.load(
+            req_to_token_ptr + row_base + p,
+            mask=tl.where(row_ok, want & (p < W_row), False),
+            other=0,
+        ).to(tl.int64)
+        neg = want & (slot < 0)
+        slot, bad, past = tl.where(neg, 0, slot), neg & False, want & (p >= W_row)
+    else:
+        slot, in_row, bad = load_kv_ids(req_to_token_ptr + row_base, p,
+                                        tl.where(row_ok, want, False), W_row, v2p_ptr,
+                                        num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+        neg, past = bad & False, want & ~in_row
+    return slot, past, neg, bad
 
 
 @triton.jit

@@ -23,11 +23,14 @@ import triton.language as tl
 
 from ..launch import Launch, Launcher, next_power_of_2
 from ._common import (
+    BAD_KV_ID,
     BAD_PAGE,
     OUT_OF_CAPACITY,
     POOL_OOB,
     POS_OOB,
     ROW_OOB,
+    id_space_arguments,
+    load_kv_ids,
     load_request,
     row_offset,
     vector_widths,
@@ -103,6 +106,33 @@ def _gather_pages(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, 
             neg = ((slot < 0) & (col < readable)).to(tl.int32)
             neg = tl.max(tl.reshape(neg, (BLOCK // VEC_IN, VEC_IN)), axis=1)
             tl.atomic_or(status_ptr + 0 * neg, POOL_OOB, mask=neg != 0, sem="relaxed")
+
+
+@triton.jit
+def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, filled, W,
+                     W_row, fill_value, first_chunk, chunk_step, status_ptr, v2p_ptr, num_pages,
+                     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
+                     ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr):  # fmt: skip
+    """:func:`_gather_pages` over a row in another id space (design §2.10): column ``col``
+    holds the page of the id emitted at the page's first position, ``id(row, col·ps) // ps``
+    (:func:`~specmeta.kernels._common.load_kv_ids`: a row of page ids, a virtual id through
+    ``v2p``), for ``col < filled``, then ``fill_value``; an id that does not map is the sink
+    page 0 and sets ``BAD_KV_ID``. Scalar loads: a page row's positions are not consecutive
+    entries, and a translated id needs its map entry."""
+    filled = filled.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
+    row_ptr = req_to_token_ptr + row_base
+    out_ptr = page_table_ptr + out_base  # int64: B·W passes 2**31 at page size 1
+    col0 = tl.arange(0, BLOCK)
+    for chunk in range(first_chunk, tl.cdiv(W, BLOCK), chunk_step):
+        col = col0 + chunk * BLOCK
+        ids, _, bad = load_kv_ids(row_ptr, col.to(tl.int64) * PAGE_SIZE,
+                                  tl.where(row_ok, col < filled, False), W_row, v2p_ptr,
+                                  num_pages, PAGE_SIZE, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+        tl.store(out_ptr + col, tl.where(col < filled, ids // PAGE_SIZE, fill_value),
+                 mask=col < W)  # fmt: skip
+        if HAS_STATUS:
+            bad_any = tl.max(bad.to(tl.int32), axis=0)
+            tl.atomic_or(status_ptr, BAD_KV_ID, mask=bad_any != 0, sem="relaxed")
 
 
 @triton.jit
@@ -210,8 +240,8 @@ def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.const
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows", "W",
-        "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "expand_rows", "W_expand",
-        "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
+        "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "expand_rows",
+        "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
     ]
 )  # fmt: skip
 def page_tables_kernel(
@@ -221,10 +251,11 @@ def page_tables_kernel(
     B,
     # normal pass
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     page_table_ptr,  # [≥B, W] int32|int64, row stride stride_pt
     cache_seqlens_ptr,  # [≥rows, ≥B] int32|int64, row stride stride_cs
     cu_seqlens_k_ptr,  # [≥rows, ≥B+1] int32|int64, row stride stride_cu (unless WRITE_CU)
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE), or None
     R,
     W_row,
     stride_row,
@@ -236,6 +267,7 @@ def page_tables_kernel(
     stride_cs,
     stride_cu,
     chunk_programs,
+    num_pages,  # v2p's pages (None unless TRANSLATE)
     # expand pass
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
@@ -261,6 +293,8 @@ def page_tables_kernel(
     VEC_IN: tl.constexpr,  # req_to_token entries per 16 B when rows allow vector loads, else 1
     VEC_OUT: tl.constexpr,  # page_table entries per 16 B when rows allow vector stores, else 1
     WRITE_CU: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
+    TRANSLATE: tl.constexpr,  # ids leave through v2p, at the pool's page size PAGE_SIZE
     # expand pass
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
@@ -320,18 +354,26 @@ def page_tables_kernel(
             pages = tl.minimum(pages_wanted, W)
             # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
             cap = W.to(tl.int64) * PAGE_SIZE
-            _gather_pages(
-                req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages, W,
-                W_row, fill_value, c, chunk_programs, status_ptr, PAGED, PAGE_SIZE, BLOCK,
-                VEC_IN, VEC_OUT, HAS_STATUS,
-            )  # fmt: skip
+            if ENTRY_PAGE_SIZE == 1 and not TRANSLATE:
+                _gather_pages(
+                    req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
+                    W, W_row, fill_value, c, chunk_programs, status_ptr, PAGED, PAGE_SIZE,
+                    BLOCK, VEC_IN, VEC_OUT, HAS_STATUS,
+                )  # fmt: skip
+            else:
+                _gather_page_ids(
+                    req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
+                    W, W_row, fill_value, c, chunk_programs, status_ptr, v2p_ptr, num_pages,
+                    PAGE_SIZE, BLOCK, HAS_STATUS, ENTRY_PAGE_SIZE, TRANSLATE,
+                )  # fmt: skip
             if c == 0:
                 for r in range(0, num_rows):
                     tl.store(cache_seqlens_ptr + row_offset(r, stride_cs) + req,
                              tl.minimum(length + r, cap))  # fmt: skip
                 if HAS_STATUS:
                     last_pos = (pages - 1) * PAGE_SIZE
-                    pos_bad = ((pages > 0) & (last_pos >= W_row)) | ~L_ok
+                    # A row of W_row entries holds W_row·E positions (design §2.10).
+                    pos_bad = ((pages > 0) & (last_pos >= W_row * ENTRY_PAGE_SIZE)) | ~L_ok
                     bits = (
                         tl.where(row_ok, 0, ROW_OOB)
                         | tl.where(pos_bad, POS_OOB, 0)
@@ -422,7 +464,8 @@ NO_NORMAL = dict(
     cache_seqlens_ptr=None, cu_seqlens_k_ptr=None, R=None, W_row=None, stride_row=None,
     extra_tokens=None, fill_value=None, num_rows=None, W=None, stride_pt=None, stride_cs=None,
     stride_cu=None, chunk_programs=None, NORMAL=False, EXCLUDE_LAST_PARTIAL=None, BLOCK=None,
-    VEC_IN=None, VEC_OUT=None, WRITE_CU=None,
+    VEC_IN=None, VEC_OUT=None, WRITE_CU=None, v2p_ptr=None, num_pages=None,
+    ENTRY_PAGE_SIZE=None, TRANSLATE=None,
 )  # fmt: skip
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
@@ -436,11 +479,12 @@ def normal_pass(
     req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, page_table: torch.Tensor,
     cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, *, page_size: int,
     exclude_last_partial: bool, extra_tokens, fill_value, num_rows, stride_cs, stride_cu,
-    chunk_programs: int, block: int,
+    chunk_programs: int, block: int, entry_page_size: int = 1, v2p: torch.Tensor | None = None,
 ) -> dict:  # fmt: skip
     """The normal pass's launch keywords (the launcher checked the buffers). ``extra_tokens``,
     ``fill_value``, ``num_rows``, ``stride_cs`` and ``stride_cu`` are ``None`` in the cascade,
-    whose normal pass has them as literals."""
+    whose normal pass has them as literals. ``entry_page_size`` and ``v2p``: the rows' id space
+    (design §2.10), ``v2p`` at the pool's page size ``page_size``."""
     return dict(
         req_pool_indices_ptr=req_pool_indices,
         req_to_token_ptr=req_to_token,
@@ -463,6 +507,7 @@ def normal_pass(
         BLOCK=block,
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
+        **id_space_arguments(entry_page_size, v2p),
     )
 
 

@@ -6,7 +6,7 @@ writes, so one grid runs both::
 
     normal pass  (as prefix_page_table, extra_tokens = 0, fill 0, one row)
         len_b               = L_b            (L_b − lpl_b with exclude_last_partial)
-        page_table[b, c]    = row_b[c·ps] // ps     for c < ceil(len_b / ps), else 0
+        page_table[b, c]    = id(row_b, c·ps) // ps for c < ceil(len_b / ps), else 0
         cache_seqlens[b]    = len_b,  cu_seqlens_k[b] = Σ_{b'<b} len_b'
     expand pass  (as expand_page_table), step s, branch row r = b·K + t, dl = s + 1
         expand_page_table[s, r, :u]   the u = ceil((lpl_b + dl) / ps) distinct pages of
@@ -19,6 +19,11 @@ Each pass alone costs little more than a launch (an empty kernel takes about 0.8
 H200), so running the cascade's two passes in one launch is the point of this op: the first
 ``chunk_programs`` columns of the grid are the normal pass's programs, the last column the
 expand pass's.
+
+The normal pass reads the rows in their id space (``entry_page_size``, ``v2p``, design §2.10:
+``id(row_b, p)`` as in :mod:`specmeta.kernels.prefix_page_table`). The expand pass reads the
+draft slots ``out_cache_loc`` as they are: :func:`specmeta.assign_draft_cache_locs` emits
+them in the pool's physical ids already, whatever the rows' id space.
 """
 
 from __future__ import annotations
@@ -54,13 +59,13 @@ _BLOCK_B = 1024
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
     exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k, expand_page_table,
-    expand_cache_seqlens, expand_cu_seqlens_k, status,
+    expand_cache_seqlens, expand_cu_seqlens_k, status, where, entry_page_size, v2p,
 ):  # fmt: skip
     """Validate both passes (each with its own op's checks) and allocate what is missing, before
     anything is written; shared by the launcher and the reference."""
     page_size, _, _, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
-        page_table, cache_seqlens, cu_seqlens_k, status,
+        page_table, cache_seqlens, cu_seqlens_k, status, where, entry_page_size, v2p,
     )  # fmt: skip
     topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens, status = (
         prepare_expand_page_table(
@@ -90,6 +95,8 @@ def bind_draft_decode_page_tables(
     expand_cache_seqlens: torch.Tensor | None = None,
     expand_cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one
     launch.
@@ -135,8 +142,13 @@ def bind_draft_decode_page_tables(
     status : torch.Tensor, optional
         ``int32 [1]``, ORed by both passes: ``ROW_OOB``, ``POS_OOB``, ``OUT_OF_CAPACITY``,
         ``POOL_OOB`` (normal pass, as :func:`~specmeta.kernels.prefix_page_table`);
+        ``BAD_KV_ID`` (normal pass, an id of a row in another id space that does not map);
         ``BAD_PAGE``, ``POOL_OOB``, ``POS_OOB`` (expand pass, as
         :func:`~specmeta.kernels.expand_page_table`).
+    entry_page_size, v2p
+        The rows' id space for the normal pass (design §2.10), as in
+        :func:`~specmeta.kernels.prefix_page_table`; ``v2p`` maps pages of ``page_size``.
+        ``out_cache_loc`` is read as it is (physical draft slots).
 
     Returns
     -------
@@ -164,6 +176,7 @@ def bind_draft_decode_page_tables(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+        "draft_decode_page_tables", entry_page_size, v2p,
     )  # fmt: skip
     W = page_table.shape[1]
     normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
@@ -176,6 +189,7 @@ def bind_draft_decode_page_tables(
         page_size=page_size, exclude_last_partial=exclude_last_partial, extra_tokens=None,
         fill_value=None, num_rows=None, stride_cs=None, stride_cu=None,
         chunk_programs=normal_programs, block=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
+        entry_page_size=entry_page_size, v2p=v2p,
     )  # fmt: skip
     expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
                          expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
@@ -208,6 +222,8 @@ def draft_decode_page_tables_ref(
     expand_cache_seqlens: torch.Tensor | None = None,
     expand_cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
     (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
@@ -215,10 +231,12 @@ def draft_decode_page_tables_ref(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+        "draft_decode_page_tables_ref", entry_page_size, v2p,
     )  # fmt: skip
     prefix_page_table_ref(req_pool_indices, req_to_token, seq_lens, page_size=page_size,
                           exclude_last_partial=exclude_last_partial, page_table=page_table,
-                          cache_seqlens=cache_seqlens, cu_seqlens_k=cu_seqlens_k, status=status)  # fmt: skip
+                          cache_seqlens=cache_seqlens, cu_seqlens_k=cu_seqlens_k, status=status,
+                          entry_page_size=entry_page_size, v2p=v2p)  # fmt: skip
     expand_page_table_ref(out_cache_loc, seq_lens, topk=topk, num_steps=num_steps,
                           page_size=page_size, num_rows=rows, page_table=expand_page_table,
                           cache_seqlens=expand_cache_seqlens, cu_seqlens_k=expand_cu_seqlens_k,

@@ -4,7 +4,7 @@ Request ``b`` covers ``len_b`` tokens of its ``req_to_token`` row::
 
     len_b               = L_b + extra_tokens            (or L_b − lpl_b + extra_tokens
                                                           with exclude_last_partial)
-    page_table[b, c]    = row_b[c·ps] // ps             for c < ceil(len_b / ps)
+    page_table[b, c]    = id(row_b, c·ps) // ps         for c < ceil(len_b / ps)
     page_table[b, c]    = fill_value                    for ceil(len_b / ps) ≤ c < W
     cache_seqlens[b]    = len_b
     cu_seqlens_k[b]     = Σ_{b'<b} cache_seqlens[b']    for b in [0, B], entry 0 included
@@ -14,6 +14,11 @@ One op serves every page-table consumer that reads a request's own row: the FA3 
 (``extra_tokens=1, num_rows=rows``: one table, ``cache_seqlens[s] = L + s + 1``), target verify
 and draft extend (``extra_tokens=N``), and TRT-LLM MLA's ``block_kv_indices``
 (``fill_value=-1``).
+
+``id(row_b, p)`` is the KV id the row names at position ``p`` in its id space (design §2.10):
+``row_b[p]`` for a plain row; ``row_b[p // E]·E + p mod E`` for a row of page ids
+(``entry_page_size=E``); through the page map, ``v2p[id // ps]·ps + id mod ps``, with ``v2p``.
+An id that does not map gives the sink page 0 and ``BAD_KV_ID``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from .. import validate
 from ..config import page_table_width
 from ..stage import Stage, launcher
 from ..status import Status
-from ._common import check_batch, chunk_programs, gather_rows_ref
+from ._common import check_batch, check_id_spaces, chunk_programs, load_kv_ids_ref
 from ._page_tables import bind_page_tables, normal_pass, page_tables_kernel
 
 __all__ = ["bind_prefix_page_table", "prefix_page_table", "prefix_page_table_ref"]
@@ -39,9 +44,11 @@ _BLOCK_B = 1024
 
 def prepare_prefix_page_table(
     req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
-    fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+    fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status, where="",
+    entry_page_size=1, v2p=None,
 ):  # fmt: skip
-    """Validate and allocate; shared by the launcher and the reference."""
+    """Validate and allocate; shared by the launcher and the reference. ``where`` names the
+    call in the id-space checks' messages."""
     page_size = validate.positive("page_size", page_size)
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     if not isinstance(exclude_last_partial, bool):
@@ -52,8 +59,10 @@ def prepare_prefix_page_table(
         raise TypeError(f"fill_value must be an int, got {type(fill_value).__name__}")
     rows = 1 if num_rows is None else validate.positive("num_rows", num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     if page_table is None:
-        width = page_table_width(req_to_token.shape[1], page_size)
+        # A row of W_row entries covers W_row·E positions (design §2.10).
+        width = page_table_width(req_to_token.shape[1] * entry_page_size, page_size)
         page_table = torch.empty((B, width), dtype=torch.int32, device=device)
     validate.tensor("page_table", page_table, ndim=2, device=device)
     validate.at_least("page_table", page_table.shape[0], B, "rows")
@@ -93,6 +102,8 @@ def bind_prefix_page_table(
     status: torch.Tensor | None = None,
     num_rows: int | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: page table and KV lengths of every request over its own ``req_to_token`` row.
 
@@ -101,7 +112,8 @@ def bind_prefix_page_table(
     req_pool_indices : torch.Tensor
         ``[B]`` int32 or int64, the row of each request; row 0 reserved.
     req_to_token : torch.Tensor
-        ``[R, W_row]`` int32 or int64, row → position → KV slot.
+        ``[R, W_row]`` int32 or int64, row → position → KV slot (in the id space of
+        ``entry_page_size`` and ``v2p``).
     seq_lens : torch.Tensor
         ``[B]`` int32 or int64, committed prefix lengths ``L_b``.
     page_size : int
@@ -118,7 +130,7 @@ def bind_prefix_page_table(
     page_table : torch.Tensor, optional
         ``[≥ B, W]`` int32 or int64 (unit column stride); rows ``[:B]`` are written entirely.
         Pages past column ``W`` are dropped (``OUT_OF_CAPACITY``). Allocated int32
-        ``[B, ceil(W_row / ps)]`` when omitted.
+        ``[B, ceil(W_row·E / ps)]`` when omitted.
     cache_seqlens : torch.Tensor, optional
         int32 or int64. ``[≥ B]`` with ``len_b`` when ``num_rows`` is None; ``[≥ rows, ≥ B]``
         with ``cache_seqlens[s, b] = len_b + s`` otherwise. Clamped to ``W·ps`` (a consumer
@@ -126,14 +138,23 @@ def bind_prefix_page_table(
     status : torch.Tensor, optional
         ``int32 [1]``: ``ROW_OOB`` (bad ``req_pool_indices``: the row reads as the sink),
         ``POS_OOB`` (a page start at or past ``W_row``, or a negative ``seq_lens``),
-        ``OUT_OF_CAPACITY`` (more pages than ``W``), ``POOL_OOB`` (a negative slot id in the
-        row; its page reads 0).
+        ``OUT_OF_CAPACITY`` (more pages than ``W``), ``POOL_OOB`` (a negative slot id in a
+        plain row; its page reads 0), ``BAD_KV_ID`` (an id of a row in another id space that
+        does not map, at a page's first position: the sink page 0).
     num_rows : int, optional
         ``rows ≥ 1``: build ``rows`` consecutive steps at once — ``len_b + s`` for ``s < rows``
         — sharing one table that covers the longest (draft decode with ``K == 1``).
     cu_seqlens_k : torch.Tensor, optional
         Shaped like ``cache_seqlens`` with one more entry per row; when given,
         ``cu_seqlens_k[..., b] = Σ_{b'<b} cache_seqlens[..., b']`` for ``b ∈ [0, B]``.
+    entry_page_size : int
+        ``E ≥ 1``: with ``E > 1`` the rows hold page ids, position ``p`` at
+        ``row[p // E]·E + p mod E``, and a row of ``W_row`` entries covers ``W_row·E``
+        positions (design §2.10). Default 1, rows of token ids.
+    v2p : torch.Tensor, optional
+        ``[P]`` int32 or int64 virtual → physical page map at page size ``ps``: each id read
+        is emitted as ``v2p[id // ps]·ps + id mod ps``, so column ``c`` holds
+        ``v2p[id(row_b, c·ps) // ps]``. Default ``None``: ids as they are.
 
     Returns
     -------
@@ -155,6 +176,7 @@ def bind_prefix_page_table(
     page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+        "prefix_page_table", entry_page_size, v2p,
     )  # fmt: skip
     W = page_table.shape[1]
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
@@ -166,7 +188,7 @@ def bind_prefix_page_table(
         fill_value=fill_value, num_rows=rows,
         stride_cs=cache_seqlens.stride(0) if two_d else 0,
         stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
-        chunk_programs=grid[1], block=_BLOCK,
+        chunk_programs=grid[1], block=_BLOCK, entry_page_size=entry_page_size, v2p=v2p,
     )  # fmt: skip
     launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
                               num_warps=4, normal=normal)  # fmt: skip
@@ -191,11 +213,14 @@ def prefix_page_table_ref(
     status: torch.Tensor | None = None,
     num_rows: int | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
     page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
+        "prefix_page_table_ref", entry_page_size, v2p,
     )  # fmt: skip
     device = req_to_token.device
     W = page_table.shape[1]
@@ -210,10 +235,14 @@ def prefix_page_table_ref(
     col = torch.arange(W, device=device)
     need = col.view(1, -1) < pages.view(-1, 1)  # [B, W]
     pos = torch.where(need, col * page_size, 0)
-    slots, gather_bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
+    # The id at each page's first position, in the rows' id space (design §2.10).
+    slots, bad, gather_bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, need,
+                                              entry_page_size=entry_page_size, v2p=v2p,
+                                              page_size=page_size)  # fmt: skip
     bits |= gather_bits
-    slots = torch.where(need, slots.to(torch.int64), 0)
-    if bool((slots < 0).any()):
+    if bool(bad.any()):
+        bits |= int(Status.BAD_KV_ID)
+    if bool((slots < 0).any()):  # a plain row's negative slot
         bits |= int(Status.POOL_OOB)
     pages_of = slots.clamp_min(0) // page_size
     page_table[:B] = torch.where(need, pages_of, fill_value).to(page_table.dtype)

@@ -35,6 +35,7 @@ from ..launch import Launcher, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     POOL_OOB,
     POS_OOB,
     ROW_OOB,
@@ -43,9 +44,11 @@ from ._common import (
     bind_inclusive_sums,
     check_batch,
     check_expand_outputs,
+    check_id_spaces,
     check_verify_lens,
-    gather_rows_ref,
+    id_space_arguments,
     inclusive_sums_kernel,
+    load_kv_ids_ref,
     load_request,
     load_verify_len,
     verify_lens_ref,
@@ -62,17 +65,19 @@ __all__ = [
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj",
+        "num_pages", "page_size",
     ]
 )  # fmt: skip
 def _verify_expand_page_table_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     seq_lens_ptr,  # [B] int32|int64
     verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request verifies N nodes)
     tree_mask_ptr,  # [B, N, N] uint8 (bool viewed as bytes), strides (stride_mb, stride_mj, 1)
     page_table_ptr,  # [≥B*N, W] int32|int64, row stride stride_pt
     cache_seqlens_ptr,  # [≥B*N] int32|int64
     cu_seqlens_k_ptr,  # [≥B*N+1] int32|int64: entry 0 only (unless WRITE_CU0)
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE), or None
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -83,11 +88,15 @@ def _verify_expand_page_table_kernel(
     stride_pt,
     stride_mb,
     stride_mj,
+    num_pages,  # v2p's pages (None unless TRANSLATE)
+    page_size,  # the pool's page size v2p maps (None unless TRANSLATE)
     BLOCK_N: tl.constexpr,  # next power of two ≥ N
     BLOCK_T: tl.constexpr,  # tail columns per store tile
     WRITE_CU0: tl.constexpr,
     HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: nodes j ≥ v_i get no keys
     HAS_STATUS: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
+    TRANSLATE: tl.constexpr,  # ids leave through v2p
 ):
     """Grid ``(max(B, 1),)``: program ``i`` orders the ``V × V`` tile of request ``i``'s mask
     (``V = N``, or its clamped ``v_i`` in a ragged verify) and scatters its verify slots into
@@ -113,7 +122,10 @@ def _verify_expand_page_table_kernel(
 
     c = tl.arange(0, BLOCK_N)
     want = tl.where(live, c < V, False)  # the window slots read
-    slot, p, neg = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK_N)
+    # The slots in the row's id space (design §2.10); the table lists each translated id.
+    slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row,
+                                        v2p_ptr, num_pages, page_size, BLOCK_N,
+                                        ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
 
     rows = i * N + jj  # int64: B·N·W passes 2**31 only for huge tables, but costs nothing
     tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)
@@ -131,11 +143,12 @@ def _verify_expand_page_table_kernel(
         tl.store(cu_seqlens_k_ptr + i, i * 0, mask=i == 0)
 
     if HAS_STATUS:
-        pos_bad = tl.max((want & (p >= W_row)).to(tl.int32), axis=0) != 0
+        pos_bad = tl.max(past.to(tl.int32), axis=0) != 0
         bits = (
             tl.where(row_ok, 0, ROW_OOB)
             | tl.where(pos_bad | ~L_ok, POS_OOB, 0)
             | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, POOL_OOB, 0)
+            | tl.where(tl.max(bad.to(tl.int32), axis=0) != 0, BAD_KV_ID, 0)
         )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -144,9 +157,12 @@ _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
 
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
-             cache_seqlens, cu_seqlens_k, verify_lens, status):  # fmt: skip
+             cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
+             page_size):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference."""
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+    check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
+    validate.positive("page_size", page_size)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
@@ -174,6 +190,9 @@ def bind_verify_expand_page_table(
     cu_seqlens_k: torch.Tensor | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> Stage:
     """Bind once: token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
 
@@ -203,9 +222,16 @@ def bind_verify_expand_page_table(
         bucket, the padded lengths of ``pad_verify_lens_to_bucket``. ``None`` (the default):
         ``v_i = N``.
     status : torch.Tensor, optional
-        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N > W_row`` (``L_i + v_i`` when
-        ragged) or negative ``seq_lens``, those slots read 0; a ``v_i`` outside ``[0, N]``,
-        read clamped to it), ``POOL_OOB`` (a negative slot id reads 0).
+        ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (``L_i + N`` past the row's positions
+        (``L_i + v_i`` when ragged) or negative ``seq_lens``, those slots read 0; a ``v_i``
+        outside ``[0, N]``, read clamped to it), ``POOL_OOB`` (a negative slot id of a plain
+        row reads 0), ``BAD_KV_ID`` (an id of a row in another id space that does not map:
+        the sink slot 0).
+    entry_page_size, v2p, page_size
+        The rows' id space (design §2.10): page ids of ``entry_page_size`` positions each
+        (a row of ``W_row`` entries holds ``W_row·entry_page_size`` positions), virtual ids
+        emitted through the page map ``v2p`` at the pool's page size ``page_size``; the
+        table lists each slot as emitted. Defaults: rows of token ids, as they are.
 
     Returns
     -------
@@ -228,7 +254,8 @@ def bind_verify_expand_page_table(
     """
     B, N, page_table, cache_seqlens, status = _prepare(
         "verify_expand_page_table", req_pool_indices, req_to_token, seq_lens, tree_mask,
-        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status,
+        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
+        page_size,
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
@@ -252,6 +279,8 @@ def bind_verify_expand_page_table(
             WRITE_CU0=cu_seqlens_k is not None,
             HAS_VERIFY_LENS=verify_lens is not None,
             HAS_STATUS=True,
+            page_size=page_size if v2p is not None else None,
+            **id_space_arguments(entry_page_size, v2p),
         )
     ]
     if cu_seqlens_k is not None and B * N:
@@ -278,11 +307,15 @@ def verify_expand_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
     B, N, page_table, cache_seqlens, status = _prepare(
         "verify_expand_page_table_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
-        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status,
+        page_table, cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
+        page_size,
     )  # fmt: skip
     device = req_to_token.device
     BN = B * N
@@ -294,12 +327,14 @@ def verify_expand_page_table_ref(
         v, v_bits = verify_lens_ref(verify_lens, N)
         V, bits = v.view(B, 1), bits | v_bits
     read = c < V  # [B, N]: the window slots read (position 0 stands in for the others)
-    slots, gather_bits = gather_rows_ref(
-        req_to_token, req_pool_indices, torch.where(read, L.clamp_min(0).view(-1, 1) + c, 0)
-    )  # [B, N]
+    slots, bad, gather_bits = load_kv_ids_ref(
+        req_to_token, req_pool_indices, torch.where(read, L.clamp_min(0).view(-1, 1) + c, 0),
+        read, entry_page_size=entry_page_size, v2p=v2p, page_size=page_size,
+    )  # [B, N], in the rows' id space (design §2.10)
     bits |= gather_bits
-    slots = torch.where(read, slots.to(torch.int64), 0)
-    if bool((slots < 0).any()):
+    if bool(bad.any()):
+        bits |= int(Status.BAD_KV_ID)
+    if bool((slots < 0).any()):  # a plain row's negative slot
         bits |= int(Status.POOL_OOB)
     slots = slots.clamp_min(0)
     node = read.view(B, N, 1)  # node j is verified

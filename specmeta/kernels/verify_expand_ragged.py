@@ -33,6 +33,7 @@ from ..launch import Launcher, next_power_of_2
 from ..stage import Stage, launcher
 from ..status import Status
 from ._common import (
+    BAD_KV_ID,
     OUT_OF_CAPACITY,
     POOL_OOB,
     POS_OOB,
@@ -42,9 +43,12 @@ from ._common import (
     bind_inclusive_sums,
     check_batch,
     check_expand_outputs,
+    check_id_spaces,
     gather_rows_ref,
     host_int,
+    id_space_arguments,
     inclusive_sums_kernel,
+    load_kv_ids_ref,
     load_request,
     window_slots,
 )
@@ -71,17 +75,18 @@ def _empty_rows(page_table_ptr, cache_seqlens_ptr, first, last, T, W, stride_pt,
 
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "N", "W", "T", "stride_pt", "stride_mb",
-                       "stride_mj"]
+                       "stride_mj", "num_pages", "page_size"]
 )  # fmt: skip
 def _verify_expand_ragged_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
-    req_to_token_ptr,  # [R, W_row] int32|int64
+    req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
     seq_lens_ptr,  # [B] int32|int64
     qo_indptr_ptr,  # [B + 1] int32|int64: request i's rows qo_indptr[i] … qo_indptr[i+1] − 1
     tree_mask_ptr,  # [B, N, N] uint8 (bool viewed as bytes), or unused for a chain
     page_table_ptr,  # [≥ T, W] int32|int64, row stride stride_pt
     cache_seqlens_ptr,  # [≥ T] int32|int64
     cu_seqlens_k_ptr,  # [≥ T + 1] int32|int64: entry 0 only (unless WRITE_CU0)
+    v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE), or None
     status_ptr,  # [1] int32
     B,
     R,
@@ -93,11 +98,15 @@ def _verify_expand_ragged_kernel(
     stride_pt,
     stride_mb,
     stride_mj,
+    num_pages,  # v2p's pages (None unless TRANSLATE)
+    page_size,  # the pool's page size v2p maps (None unless TRANSLATE)
     BLOCK_N: tl.constexpr,  # next power of two ≥ N
     BLOCK_W: tl.constexpr,  # columns per store tile past the window
     BLOCK_F: tl.constexpr,  # filler rows per iteration
     CHAIN: tl.constexpr,  # no tree mask: node j's ancestors are the nodes c ≤ j
     WRITE_CU0: tl.constexpr,
+    ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
+    TRANSLATE: tl.constexpr,  # ids leave through v2p
 ):
     """Grid ``(B + 1,)``: program ``i < B`` writes request ``i``'s rows (its ``V × V`` tile of
     the mask, then its filler rows); program ``B`` writes the rows of no request,
@@ -114,16 +123,18 @@ def _verify_expand_ragged_kernel(
     else:
         end = tl.load(qo_indptr_ptr + i + 1).to(tl.int64)
         _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
-                      page_table_ptr, cache_seqlens_ptr, status_ptr, i, start, end, B, R, W_row,
-                      stride_row, N, W, T, stride_pt, stride_mb, stride_mj, BLOCK_N, BLOCK_W,
-                      BLOCK_F, CHAIN)  # fmt: skip
+                      page_table_ptr, cache_seqlens_ptr, v2p_ptr, status_ptr, i, start, end, B,
+                      R, W_row, stride_row, N, W, T, stride_pt, stride_mb, stride_mj, num_pages,
+                      page_size, BLOCK_N, BLOCK_W, BLOCK_F, CHAIN, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
 
 
 @triton.jit
 def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
-                  page_table_ptr, cache_seqlens_ptr, status_ptr, i, start, end, B, R, W_row,
-                  stride_row, N, W, T, stride_pt, stride_mb, stride_mj, BLOCK_N: tl.constexpr,
-                  BLOCK_W: tl.constexpr, BLOCK_F: tl.constexpr, CHAIN: tl.constexpr):  # fmt: skip
+                  page_table_ptr, cache_seqlens_ptr, v2p_ptr, status_ptr, i, start, end, B, R,
+                  W_row, stride_row, N, W, T, stride_pt, stride_mb, stride_mj, num_pages,
+                  page_size, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_F: tl.constexpr, CHAIN: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
+                  TRANSLATE: tl.constexpr):  # fmt: skip
     """Request ``i``'s rows ``start … end − 1``: its ``V × V`` tile of the mask, then its
     filler rows, and its status bits."""
     rows = tl.maximum(end - start, 0)
@@ -143,7 +154,10 @@ def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mas
 
     c = tl.arange(0, BLOCK_N)
     want = c < V  # the window slots read
-    slot, p, neg = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row, BLOCK_N)
+    # The slots in the row's id space (design §2.10); the table lists each translated id.
+    slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row,
+                                        v2p_ptr, num_pages, page_size, BLOCK_N,
+                                        ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
 
     r = start + jj  # the node rows
     ok = (jj < V) & (r >= 0) & (r < T)
@@ -168,12 +182,17 @@ def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mas
                      mask=okf & (k >= V) & (k < W))  # fmt: skip
         tl.store(cache_seqlens_ptr + rf, V + 0 * rf, mask=okf)
 
-    pos_bad = tl.max((want & (p >= W_row)).to(tl.int32), axis=0) != 0
+    pos_bad = tl.max(past.to(tl.int32), axis=0) != 0
+    # Only emitted ids count (design §2.10): the slots reach the table only when a row of
+    # the request lies in [0, T).
+    emitted = (start < T) & (start + rows > 0)
+    bad_id = tl.max(bad.to(tl.int32), axis=0) != 0
     bits = (
         tl.where(row_ok, 0, ROW_OOB)
         | tl.where(pos_bad | ~L_ok | (start < 0) | (end < start), POS_OOB, 0)
         | tl.where(tl.max(neg.to(tl.int32), axis=0) != 0, POOL_OOB, 0)
         | tl.where(start + rows > T, OUT_OF_CAPACITY, 0)
+        | tl.where(bad_id & emitted, BAD_KV_ID, 0)
     )
     tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -182,11 +201,14 @@ _verify_expand_ragged_launch = Launcher(_verify_expand_ragged_kernel)
 
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr, num_rows,
-             num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status):  # fmt: skip
+             num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status, entry_page_size,
+             v2p, page_size):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``N``,
     ``T`` and the outputs; every message names ``where``."""
+    check_id_spaces(where, 0, 0, entry_page_size, v2p, getattr(req_to_token, "device", None))
     try:
         B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
+        validate.positive("page_size", page_size)
         T = host_int("num_rows", num_rows)
         validate.tensor("qo_indptr", qo_indptr, ndim=1, device=device)
         validate.at_least("qo_indptr", qo_indptr.shape[0], B + 1, "entries (B + 1)")
@@ -227,6 +249,9 @@ def bind_verify_expand_ragged(
     cache_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> Stage:
     """Bind once: the expand pass of a ragged verify, one token-slot list per query row.
 
@@ -255,7 +280,13 @@ def bind_verify_expand_ragged(
     status : torch.Tensor, optional
         ``int32 [1]``: ``ROW_OOB``, ``POS_OOB`` (a slot past ``W_row`` or a negative
         ``seq_lens``, read 0; a negative or decreasing ``qo_indptr``), ``POOL_OOB`` (a negative
-        slot id, read 0), ``OUT_OF_CAPACITY`` (a request's rows past ``T``: not written).
+        slot id of a plain row, read 0), ``OUT_OF_CAPACITY`` (a request's rows past ``T``:
+        not written), ``BAD_KV_ID`` (an id of a row in another id space that does not map,
+        listed as the sink slot 0, of a request with a row in ``[0, T)``).
+    entry_page_size, v2p, page_size
+        The rows' id space (design §2.10): page ids of ``entry_page_size`` positions each,
+        virtual ids emitted through the page map ``v2p`` at the pool's page size
+        ``page_size``; the table lists each slot as emitted. Defaults: rows of token ids.
 
     Returns
     -------
@@ -276,6 +307,7 @@ def bind_verify_expand_ragged(
     B, N, T, page_table, cache_seqlens, status = _prepare(
         "verify_expand_ragged", req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr,
         num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
+        entry_page_size, v2p, page_size,
     )  # fmt: skip
     chain = tree_mask is None
     mask = page_table if chain else (
@@ -302,6 +334,8 @@ def bind_verify_expand_ragged(
             BLOCK_F=_BLOCK_F,
             CHAIN=chain,
             WRITE_CU0=cu_seqlens_k is not None,
+            page_size=page_size if v2p is not None else None,
+            **id_space_arguments(entry_page_size, v2p),
         )
     ]
     if cu_seqlens_k is not None and T:
@@ -326,20 +360,26 @@ def verify_expand_ragged_ref(
     cache_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_ragged` (a loop over the requests; syncs)."""
     B, N, T, page_table, cache_seqlens, status = _prepare(
         "verify_expand_ragged_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
         qo_indptr, num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
+        entry_page_size, v2p, page_size,
     )  # fmt: skip
     device = req_to_token.device
     qo = qo_indptr[: B + 1].to(torch.int64).tolist()
     L = seq_lens.to(torch.int64)
     bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     c = torch.arange(N, device=device)
-    slots, _ = gather_rows_ref(
-        req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c
-    )  # [B, N]: every window slot; the bits are those of the first V_i, below
+    slots, bad, _ = load_kv_ids_ref(
+        req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c,
+        torch.ones(B, N, dtype=torch.bool, device=device), entry_page_size=entry_page_size,
+        v2p=v2p, page_size=page_size,
+    )  # [B, N]: every window slot in the rows' id space; the bits are those of the first V_i
     table = torch.zeros(T, page_table.shape[1], dtype=torch.int64, device=device)
     counts = torch.zeros(T, dtype=torch.int64, device=device)
     chain = torch.ones(N, N, dtype=torch.bool, device=device).tril()
@@ -351,7 +391,9 @@ def verify_expand_ragged_ref(
             bits |= int(Status.POS_OOB)
         if start + rows > T:
             bits |= int(Status.OUT_OF_CAPACITY)
-        bits |= gather_bits_of(req_to_token, req_pool_indices, L, i, V)
+        bits |= gather_bits_of(req_to_token, req_pool_indices, L, i, V, entry_page_size)
+        if bool(bad[i, :V].any()) and start < T and start + rows > 0:  # emitted ids only
+            bits |= int(Status.BAD_KV_ID)
         s = slots[i, :V].to(torch.int64)
         if bool((s < 0).any()):
             bits |= int(Status.POOL_OOB)
@@ -382,11 +424,10 @@ def verify_expand_ragged_ref(
     return page_table, cache_seqlens
 
 
-def gather_bits_of(req_to_token, req_pool_indices, L, i, V) -> int:
+def gather_bits_of(req_to_token, req_pool_indices, L, i, V, entry_page_size=1) -> int:
     """The bits of reading request ``i``'s first ``V`` window slots (the kernel reads only
-    those): ``ROW_OOB`` for a row outside ``req_to_token``, ``POS_OOB`` past its width."""
-    _, bits = gather_rows_ref(
-        req_to_token, req_pool_indices[i : i + 1],
-        L[i : i + 1].clamp_min(0).view(1, 1) + torch.arange(V, device=L.device).view(1, -1),
-    )  # fmt: skip
+    those): ``ROW_OOB`` for a row outside ``req_to_token``, ``POS_OOB`` past its width (its
+    entries, each ``entry_page_size`` positions)."""
+    pos = L[i : i + 1].clamp_min(0).view(1, 1) + torch.arange(V, device=L.device).view(1, -1)
+    _, bits = gather_rows_ref(req_to_token, req_pool_indices[i : i + 1], pos // entry_page_size)
     return bits

@@ -33,6 +33,11 @@ _CASCADE = dict(extra_tokens=None, fill_value=None, num_rows=None, stride_cs=Non
 # the uniform launch passes verify_lens_ptr None, so its signature is the one before them.
 _UNIFORM = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)
 _RAGGED = dict(HAS_VERIFY_LENS=True)
+# The id spaces of design §2.10 in the FA3 page-table kernels: a plain row passes no map (its
+# arguments None); rows of page ids read through a virtual -> physical map.
+_PLAIN_ROWS = dict(v2p_ptr=None, num_pages=None, ENTRY_PAGE_SIZE=1, TRANSLATE=False)
+_PAGE_ROWS = dict(ENTRY_PAGE_SIZE=16, TRANSLATE=True)
+_PLAIN_SLOTS = dict(page_size=None, **_PLAIN_ROWS)
 # Accept compaction over uniform windows passes qo_indptr_ptr and n_slots None (design §2.4).
 _UNIFORM_ACCEPT = dict(qo_indptr_ptr=None, n_slots=None, RAGGED=False)
 KERNELS = [
@@ -101,10 +106,14 @@ KERNELS = [
      dict(tree_mask_ptr="u8", custom_mask_ptr="u8")),
     ("_page_tables", "page_tables_kernel",
      dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1,
-          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **NO_EXPAND), {}),
+          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **_PLAIN_ROWS, **NO_EXPAND), {}),
     ("_page_tables", "page_tables_kernel",
      dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024, BLOCK_B=1024, VEC_IN=4,
-          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **NO_EXPAND), {}),
+          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **_PLAIN_ROWS, **NO_EXPAND), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXCLUDE_LAST_PARTIAL=False, **_PAGED, BLOCK=1024, BLOCK_B=1024, VEC_IN=1,
+          VEC_OUT=4, WRITE_CU=True, HAS_STATUS=True, **_PAGE_ROWS, **NO_EXPAND),
+     dict(v2p_ptr="i64", req_to_token_ptr="i64")),
     ("_page_tables", "page_tables_kernel",
      dict(EXPAND=True, TOPK=4, NUM_STEPS=5, **_PAGED, BLOCK_K=4, BLOCK_S=8, BLOCK_W=8,
           BLOCK_B=1024, WRITE_EXPAND_CU=True, HAS_STATUS=True, **NO_NORMAL), {}),
@@ -114,17 +123,27 @@ KERNELS = [
     ("_page_tables", "page_tables_kernel",
      dict(NORMAL=True, EXPAND=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024,
           BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=1,
-          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE), {}),
+          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE,
+          **_PLAIN_ROWS), {}),
     ("_page_tables", "page_tables_kernel",
      dict(NORMAL=True, EXPAND=True, EXCLUDE_LAST_PARTIAL=True, **_FLAT, BLOCK=1024,
           BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=4,
-          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE), {}),
+          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE,
+          **_PLAIN_ROWS), {}),
+    ("_page_tables", "page_tables_kernel",
+     dict(NORMAL=True, EXPAND=True, EXCLUDE_LAST_PARTIAL=True, **_PAGED, BLOCK=1024,
+          BLOCK_B=1024, TOPK=8, NUM_STEPS=5, BLOCK_K=8, BLOCK_S=8, BLOCK_W=8, VEC_IN=1,
+          VEC_OUT=4, WRITE_CU=True, WRITE_EXPAND_CU=True, HAS_STATUS=True, **_CASCADE,
+          **_PAGE_ROWS), dict(v2p_ptr="i64")),
     ("verify_expand_page_table", "_verify_expand_page_table_kernel",
-     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_UNIFORM),
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_UNIFORM, **_PLAIN_SLOTS),
      dict(tree_mask_ptr="u8")),
     ("verify_expand_page_table", "_verify_expand_page_table_kernel",
-     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_RAGGED),
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_RAGGED, **_PLAIN_SLOTS),
      dict(tree_mask_ptr="u8", verify_lens_ptr="i64")),
+    ("verify_expand_page_table", "_verify_expand_page_table_kernel",
+     dict(BLOCK_N=8, BLOCK_T=4, WRITE_CU0=True, HAS_STATUS=True, **_RAGGED, **_PAGE_ROWS),
+     dict(tree_mask_ptr="u8", verify_lens_ptr="i64", v2p_ptr="i64")),
     ("accept_cache_locs", "_accept_cache_locs_kernel",
      dict(BLOCK_B=128, BLOCK_C=8, BLOCK_TAIL=1024, TRANSLATE=False, HAS_STATUS=True,
           **_UNIFORM_ACCEPT), {}),
@@ -152,11 +171,14 @@ KERNELS = [
           dst3="i64")),
     ("_common", "inclusive_sums_kernel", dict(BLOCK=1024), {}),
     ("verify_expand_ragged", "_verify_expand_ragged_kernel",
-     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=False, WRITE_CU0=True),
+     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=False, WRITE_CU0=True, **_PLAIN_SLOTS),
      dict(tree_mask_ptr="u8", qo_indptr_ptr="i32")),
     ("verify_expand_ragged", "_verify_expand_ragged_kernel",
-     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=True, WRITE_CU0=True),
+     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=True, WRITE_CU0=True, **_PLAIN_SLOTS),
      dict(tree_mask_ptr="i32", qo_indptr_ptr="i32")),
+    ("verify_expand_ragged", "_verify_expand_ragged_kernel",
+     dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=False, WRITE_CU0=True, **_PAGE_ROWS),
+     dict(tree_mask_ptr="u8", qo_indptr_ptr="i32", v2p_ptr="i64")),
 ]  # fmt: skip
 
 #: Compiles every kernel of ``KERNELS`` (argv[1], JSON) for sm_90, from the package under
