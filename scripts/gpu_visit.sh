@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
-# Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]] [targets]
+# Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]] [targets[=<regex>]]
 #                             [startup]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
 #                             [lossless[=<pytest -k expr>]] [mutations-gpu]
@@ -122,13 +122,16 @@ PY
       tail -n 15 "$OUT/sanitize.log"
       summary+=("compute-sanitizer memcheck: rc=$rc; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -n 1) $(grep -E 'passed|failed' "$OUT/sanitize.log" | tail -n 1)")
       ;;
-    targets)
+    targets|targets=*)
       # The host targets (design §2.8) of this tree and of the base commit's package unpacked
-      # into .before/ (carried), in one visit: two tables side by side.
+      # into .before/ (carried), in one visit: two tables side by side. targets=<regex>: only
+      # the rows whose names match.
+      only=(); [[ $stage == targets=* ]] && only=(--only "${stage#targets=}")
       (cd .before && PYTHONPATH=$PWD timeout 280 python3 ../scripts/host_targets.py \
-        --label before --out "$OUT/targets_before.json" > "$OUT/targets_before.log" 2>&1)
+        --label before --out "$OUT/targets_before.json" "${only[@]}" \
+        > "$OUT/targets_before.log" 2>&1)
       timeout 280 python3 scripts/host_targets.py --label after \
-        --out "$OUT/targets_after.json" > "$OUT/targets_after.log" 2>&1
+        --out "$OUT/targets_after.json" "${only[@]}" > "$OUT/targets_after.log" 2>&1
       python3 scripts/host_targets.py --table "$OUT/targets_before.json" \
         "$OUT/targets_after.json" | tee "$OUT/targets.md" | tail -n 45
       summary+=("host targets: $(tail -n 1 "$OUT/targets.md")")

@@ -52,6 +52,7 @@ def device_us(fn, calls: int = 20) -> float:
 
 
 ROWS: list[dict] = []
+ONLY: list = []  # --only: a compiled pattern; rows whose names it does not match are not timed
 
 
 def measure(name: str, fn, *, kind: str, budget: float, launches: int | None = None,
@@ -59,6 +60,8 @@ def measure(name: str, fn, *, kind: str, budget: float, launches: int | None = N
     from bench.bench_host import count_launches
     from bench.harness import paired_host_us
 
+    if ONLY and not ONLY[0].search(name):
+        return
     n = count_launches(fn) if launches is None else launches
     dev = device_us(fn) if n or kind == "replay" else 0.0
     back = paired_host_us(fn, *args)
@@ -158,6 +161,15 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         fa3_ragged = {"verify_lens": ragged["verify_lens"], "num_tokens": bs * N}
         calls["fa3.target_verify.ragged"] = (fa3, "target_verify", (*t, tree), fa3_ragged)
         host_kw["fa3.target_verify.ragged"] = {}
+    if k == 1:  # TRT-LLM MLA verifies chains only: this case times its verify alone
+        mla_tv = TrtllmMlaBuilder(cfg, "cuda", modes=("target_verify",))
+        calls = {"trtllm_mla.target_verify": (mla_tv, "target_verify", t, {})}
+        host_kw = {"trtllm_mla.target_verify": {}}
+        if "verify_lens" in inspect.signature(TrtllmMlaBuilder.target_verify).parameters:
+            real_cpu = torch.randint(0, N + 1, (bs - 1,), generator=g, dtype=torch.int32)
+            mla_ragged = {"verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
+            calls["trtllm_mla.target_verify.ragged"] = (mla_tv, "target_verify", t, mla_ragged)
+            host_kw["trtllm_mla.target_verify.ragged"] = {}
     for name, (b, mode, args, kw) in calls.items():
         eager, hk = getattr(b, mode), host_kw[name]
         if bs != 256:
@@ -187,7 +199,7 @@ def measure_case(bs: int, k: int, new: bool) -> None:
                 launches=0,
                 **case,
             )
-    if bs == 256:
+    if bs == 256 or k == 1:
         return
     status = new_status("cuda")
     kw = dict(topk=k, num_steps=S, page_size=ps, status=status)
@@ -245,6 +257,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label")
     p.add_argument("--out")
+    p.add_argument("--only", help="time only the rows whose names match this regular expression")
     p.add_argument("--table", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="print the two runs' rows side by side, and exit")  # fmt: skip
     a = p.parse_args()
@@ -260,7 +273,11 @@ def main() -> None:
     if new:
         built = specmeta.warmup()
         print("warmup:", built, flush=True)
-    for bs, k in ((64, 8), (1, 4), (256, 8)):
+    if a.only:
+        import re
+
+        ONLY.append(re.compile(a.only))
+    for bs, k in ((64, 8), (1, 4), (256, 8), (64, 1)):
         measure_case(bs, k, new)
     import triton
 
