@@ -92,7 +92,7 @@ CAPABILITIES = {
         tree_verify=True,
         page_sizes="any",
         graph_safe=frozenset(MODES),
-        draft_window=frozenset({"draft_decode"}),
+        draft_window=frozenset({"draft_decode", "draft_decode_shared_prefix"}),
     ),
     "trtllm_mla": Capabilities(
         modes=_DECODE_VERIFY_EXTEND,

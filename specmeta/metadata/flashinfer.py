@@ -208,10 +208,11 @@ class FlashInferBuilder(MetadataBuilder):
             mode: tables[n if mode in ("target_verify", "draft_extend") else 0]
             for mode in self.modes
         }
-        if "draft_decode" in self.modes and cfg.draft_window_size:
-            # A draft window's lists hold min(L, window + sink) prefix tokens (design §2.10).
-            self._length_tables["draft_decode"] = LengthTable(cfg.max_context_len, bs,
-                                                              cap=cfg.draft_prefix_cap)  # fmt: skip
+        for mode in ("draft_decode", "draft_decode_shared_prefix"):
+            if mode in self.modes and cfg.draft_window_size:
+                # A draft window's prefix lists hold min(L, window + sink) tokens (§2.10).
+                self._length_tables[mode] = LengthTable(cfg.max_context_len, bs,
+                                                        cap=cfg.draft_prefix_cap)  # fmt: skip
         if "draft_decode_shared" in groups:
             # The chain level's offsets do not depend on the batch: z·(s + 1).
             z = torch.arange(bs * k + 1, dtype=torch.int32)
@@ -378,12 +379,14 @@ class FlashInferBuilder(MetadataBuilder):
                                         entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`draft_decode_shared_prefix` bound once to these tensors (arguments as
         there); ``host(seq_lens_cpu)`` returns the :class:`FlashInferCascadeDecode`."""
+        cfg = self.cfg
         return self._bind_draft(
             "draft_decode_shared_prefix", bind_shared_prefix_kv_indices,
             shared_prefix_kv_indices_ref, (req_pool_indices, req_to_token, seq_lens), num_rows,
             status, ("prefix_kv_indices", "prefix_kv_indptr", "chain_kv_indices",
                      "chain_kv_indptr"), self._shared_result, v2p=v2p,
-            entry_page_size=entry_page_size,
+            entry_page_size=entry_page_size, window_size=cfg.draft_window_size,
+            sink_size=cfg.draft_sink_size,
         )  # fmt: skip
 
     def draft_decode_shared_prefix(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
@@ -395,7 +398,8 @@ class FlashInferBuilder(MetadataBuilder):
         """Cascade draft decode: each prefix once, each branch's chain a second level; one
         launch builds both levels of every step, the consumer merges the two levels' outputs by
         log-sum-exp. Arguments as in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the
-        id space of the rows; a draft window is not built here)."""
+        id space of the rows; a config's draft window bounds the prefix level, mirrors
+        included, to ``min(L, W + Sk)`` tokens a request)."""
         stage = self.bind_draft_decode_shared_prefix(req_pool_indices, req_to_token, seq_lens,
                                                      num_rows=num_rows, status=status, v2p=v2p,
                                                      entry_page_size=entry_page_size)  # fmt: skip
@@ -432,29 +436,35 @@ class FlashInferBuilder(MetadataBuilder):
     # -- draft decode: per-branch page lists ----------------------------------------------------
     def bind_draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                                 seq_lens: torch.Tensor, *, num_rows: int | None = None,
-                                status: torch.Tensor | None = None) -> Stage:  # fmt: skip
+                                status: torch.Tensor | None = None,
+                                v2p: torch.Tensor | None = None,
+                                entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`draft_decode_paged` bound once to these tensors (arguments as there);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferDraftDecode`."""
         return self._bind_draft(
             "draft_decode_paged", bind_branch_kv_indices, branch_kv_indices_ref,
             (req_pool_indices, req_to_token, seq_lens), num_rows, status,
-            ("kv_indices", "kv_indptr", "kv_last_page_len"), self._paged_result,
+            ("kv_indices", "kv_indptr", "kv_last_page_len"), self._paged_result, v2p=v2p,
+            entry_page_size=entry_page_size,
         )  # fmt: skip
 
     def draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                            num_rows: int | None = None, status: torch.Tensor | None = None,
-                           launch: bool = True) -> FlashInferDraftDecode:  # fmt: skip
+                           launch: bool = True, v2p: torch.Tensor | None = None,
+                           entry_page_size: int = 1) -> FlashInferDraftDecode:  # fmt: skip
         """Per-branch page lists with the pool's page size (plan with ``cfg.page_size``).
 
         Branch ``b·K + t`` at step ``s`` reads the request's full prefix pages, then its own
         region's pages, ``L_b + s + 1`` tokens. In slot layout B the regions of branches
         ``t ≥ 1`` start with a copy of the prefix tail: run the pairs of
         ``prefix_tail_copy_pairs`` through ``move_kv_cache`` before the forward. Arguments as
-        in :meth:`draft_decode`.
+        in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the id space of the rows, the
+        lists hold physical pages). A draft window is not built here (design §2.10).
         """
         stage = self.bind_draft_decode_paged(req_pool_indices, req_to_token, seq_lens,
-                                             num_rows=num_rows, status=status)  # fmt: skip
+                                             num_rows=num_rows, status=status, v2p=v2p,
+                                             entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _paged_result(self, B: int, rows: int, mirrors: dict, compiled: bool):

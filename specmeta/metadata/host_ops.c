@@ -297,31 +297,37 @@ static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
   return sum < 0 ? NULL : PyLong_FromLongLong(sum);
 }
 
-/* prefix(max_len, shift, scale, batch, out, scaled, seq_lens_cpu) -> ΣL
+/* prefix(max_len, shift, scale, cap, batch, out, scaled, seq_lens_cpu) -> ΣL
  *
- * The prefill modes' and the cascade's rule: out[0] = 0, out[i + 1] = out[i] + L_i + shift
- * (the cumulative sum of L + shift), and, when `scaled` is not None, scaled[i] = scale·out[i]
- * (target verify's mask offsets, N·kv_indptr); both int32 buffers of shape [batch + 1]. */
+ * The prefill modes' and the cascade's rule: out[0] = 0, out[i + 1] = out[i] + min(L_i, cap)
+ * + shift (the cumulative sum of L + shift; cap is a draft window's window + sink, or
+ * max_len), and, when `scaled` is not None, scaled[i] = scale·out[i] (target verify's mask
+ * offsets, N·kv_indptr); both int32 buffers of shape [batch + 1]. */
 static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[4];
+  long long a[5];
   View out, scaled;
   Lengths lens;
-  if (!ints(args, nargs, 4, 3, "prefix", a) || !sizes("prefix", a[3], 1, "width")) return NULL;
-  long long max_len = a[0], batch = a[3];
+  if (!ints(args, nargs, 5, 3, "prefix", a) || !sizes("prefix", a[4], 1, "width")) return NULL;
+  long long max_len = a[0], cap = a[3], batch = a[4];
   uint32_t shift = (uint32_t)a[1], scale = (uint32_t)a[2];
-  int has_scaled = args[5] != Py_None;
-  if (!int32_view(args[4], "out", -1, batch + 1, &out)) return NULL;
-  if (has_scaled && !int32_view(args[5], "scaled", -1, batch + 1, &scaled)) {
+  if (cap < 0) {
+    PyErr_Format(PyExc_ValueError, "cap must be >= 0, got %lld", cap);
+    return NULL;
+  }
+  int has_scaled = args[6] != Py_None;
+  if (!int32_view(args[5], "out", -1, batch + 1, &out)) return NULL;
+  if (has_scaled && !int32_view(args[6], "scaled", -1, batch + 1, &scaled)) {
     PyBuffer_Release(&out.buffer);
     return NULL;
   }
   long long sum = -1;
-  if (lengths_of(args[6], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (lengths_of(args[7], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
   if (sum >= 0) {
     uint32_t acc = 0, *o = out.data;
     o[0] = 0;
     for (Py_ssize_t i = 0; i < batch; ++i) {
-      acc += (uint32_t)length_at(&lens, i) + shift;
+      int64_t full = length_at(&lens, i);
+      acc += (uint32_t)(full < cap ? full : cap) + shift;
       o[i + 1] = acc;
     }
     if (has_scaled)
@@ -456,7 +462,7 @@ static PyMethodDef methods[] = {
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
      "draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> sum"},
     {"prefix", (PyCFunction)(void (*)(void))prefix, METH_FASTCALL,
-     "prefix(max_len, shift, scale, batch, out, scaled or None, seq_lens_cpu) -> sum"},
+     "prefix(max_len, shift, scale, cap, batch, out, scaled or None, seq_lens_cpu) -> sum"},
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
      "paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> sum"},
     {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,

@@ -262,9 +262,10 @@ def _torch_draft_decode(table, batch, views, out, seq_lens_cpu):
 def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
                   scaled: torch.Tensor | None = None, scale: int = 0, *,
                   use_compiled: bool = True) -> Writer:  # fmt: skip
-    """``out`` (``[batch + 1]``) ← ``[0, cumsum(L + table.shift)]``, and ``scaled`` ←
-    ``scale · out`` when given: the cascade's prefix offsets (shift 0), the prefill modes'
-    ``kv_indptr`` (shift ``N``) and target verify's mask offsets (scale ``N``). ``out[0]`` and
+    """``out`` (``[batch + 1]``) ← ``[0, cumsum(min(L, table.cap) + table.shift)]``, and
+    ``scaled`` ← ``scale · out`` when given: the cascade's prefix offsets (shift 0; the cap a
+    draft window's, design §2.10), the prefill modes' ``kv_indptr`` (shift ``N``) and target
+    verify's mask offsets (scale ``N``). ``out[0]`` and
     ``scaled[0]`` must hold 0 already (the ring allocates its buffers zeroed); the torch
     writer leaves them, the compiled one writes the 0 again."""
     validate.positive("scale", scale, 0)
@@ -276,8 +277,8 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     if op is None:
         tail = scaled[1:] if scaled is not None else None
         return functools.partial(_torch_prefix, table, batch, out[1:], tail, scale)
-    return functools.partial(op.prefix, table.max_len, table.shift, scale, batch, out.numpy(),
-                             scaled.numpy() if scaled is not None else None)  # fmt: skip
+    return functools.partial(op.prefix, table.max_len, table.shift, scale, table.cap, batch,
+                             out.numpy(), scaled.numpy() if scaled is not None else None)  # fmt: skip
 
 
 def _torch_prefix(table, batch, out_tail, scaled_tail, scale, seq_lens_cpu):

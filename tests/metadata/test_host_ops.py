@@ -79,7 +79,7 @@ def _writers(kind, batch, use_compiled):
     out, scaled = _poisoned(MAX_BS + 1), _poisoned(MAX_BS + 1)
     out[0] = scaled[0] = 0  # the ring's buffers are allocated zeroed
     shift = SHIFT if kind == "prefill" else 0
-    table = LengthTable(MAX_LEN, MAX_BS, shift)
+    table = LengthTable(MAX_LEN, MAX_BS, shift, cap=CAP if kind == "cascade_window" else None)
     if kind == "prefill":
         write = host_ops.prefix_writer(table, batch, out[: batch + 1], scaled[: batch + 1],
                                        3, use_compiled=use_compiled)  # fmt: skip
@@ -88,7 +88,7 @@ def _writers(kind, batch, use_compiled):
     return write, (out,)
 
 
-KINDS = ["draft_decode", "draft_window", "paged", "prefill", "cascade"]
+KINDS = ["draft_decode", "draft_window", "paged", "prefill", "cascade", "cascade_window"]
 
 
 def _expected(kind, lens):
@@ -106,9 +106,11 @@ def _expected(kind, lens):
         return out, last
     out = _poisoned(MAX_BS + 1)
     shift = SHIFT if kind == "prefill" else 0
+    # A window's prefix level lists min(L, window + sink) tokens: its lengths capped.
+    capped = lens.clamp_max(CAP) if kind == "cascade_window" else lens
     out[: B + 1] = torch.cat([torch.zeros(1, dtype=torch.int64),
-                              torch.cumsum(lens.to(torch.int64) + shift, 0)])  # fmt: skip
-    if kind == "cascade":
+                              torch.cumsum(capped.to(torch.int64) + shift, 0)])  # fmt: skip
+    if kind in ("cascade", "cascade_window"):
         return (out,)
     scaled = _poisoned(MAX_BS + 1)
     scaled[: B + 1] = out[: B + 1] * 3
@@ -207,7 +209,7 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
     assert out.tolist() == [_wrapped(r) for r in want.tolist()]
     assert torch.equal(last, want_last.to(torch.int32))
     out, scaled = _poisoned(B + 1), _poisoned(B + 1)
-    op.prefix(big, n, 6, B, out.numpy(), scaled.numpy(), lens)
+    op.prefix(big, n, 6, big, B, out.numpy(), scaled.numpy(), lens)
     sums = [0] + torch.cumsum(lens + n, 0).tolist()
     assert out.tolist() == _wrapped(sums)
     assert scaled.tolist() == _wrapped([6 * v for v in sums])
@@ -349,8 +351,9 @@ def _compiled_call(op, kind, batch, view, second, lens):
     if kind == "paged":
         return op.paged(MAX_LEN, TOPK, PS, batch, view, second, lens)
     if kind == "prefill":
-        return op.prefix(MAX_LEN, SHIFT, 3, batch, view, second, lens)
-    return op.prefix(MAX_LEN, 0, 0, batch, view, None, lens)
+        return op.prefix(MAX_LEN, SHIFT, 3, MAX_LEN, batch, view, second, lens)
+    cap = CAP if kind == "cascade_window" else MAX_LEN
+    return op.prefix(MAX_LEN, 0, 0, cap, batch, view, None, lens)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -419,7 +422,7 @@ def test_a_compiled_writer_keeps_its_mirror_alive():
     for _ in range(3):
         gc.collect()
         assert write(torch.tensor([1, 0, 7])) == 8
-    view = write.args[4]
+    view = write.args[5]
     assert view.tolist() == [0, 1 + SHIFT, 1 + 2 * SHIFT, 8 + 3 * SHIFT]
     assert isinstance(view.base, torch.Tensor)  # the mirror tensor, kept alive by its view
 

@@ -115,19 +115,20 @@ def test_the_plan_sizes_the_draft_lists_for_the_window():
     [
         (FA3MetadataBuilder, "draft_decode"),
         (TrtllmMlaBuilder, "draft_decode"),
-        (FlashInferBuilder, "draft_decode_shared_prefix"),
         (FlashInferBuilder, "draft_decode_paged"),
     ],
 )
 def test_a_mode_that_builds_no_window_refuses_a_config_with_one(builder, mode, device):
     cfg = SpecConfig(topk=2, num_steps=2, num_draft_tokens=3, page_size=4, max_bs=4,
                      max_context_len=64, draft_window_size=16, draft_sink_size=4)  # fmt: skip
+    built = ("draft_decode, draft_decode_shared_prefix" if builder is FlashInferBuilder
+             else "none of its modes")  # fmt: skip
     with pytest.raises(ValueError) as info:
         builder(cfg, device, modes=(mode,))
     assert str(info.value) == (
         f"{builder.__name__}: {mode} does not build a draft window yet (draft_window_size=16); "
-        f"it is built by {'draft_decode' if builder is FlashInferBuilder else 'none of its modes'}"
-        f"; drop {mode!r} from modes, or use a backend whose capabilities have it "
+        f"it is built by {built}; drop {mode!r} from modes, or use a backend whose capabilities "
+        "have it "
         "(specmeta.metadata.capabilities.CAPABILITIES)"
     )
     # Without modes= the builder serves what it can: every mode but the draft ones.
@@ -163,8 +164,8 @@ def _fields(meta):
     return out
 
 
-@pytest.mark.parametrize("mode", ["draft_decode", "draft_decode_shared_prefix", "target_verify",
-                                  "draft_extend"])  # fmt: skip
+@pytest.mark.parametrize("mode", ["draft_decode", "draft_decode_shared_prefix",
+                                  "draft_decode_paged", "target_verify", "draft_extend"])  # fmt: skip
 @pytest.mark.parametrize("E", [4, 16])
 def test_flashinfer_page_rows_build_what_token_rows_build(mode, E, gen, device):
     """``entry_page_size=E`` (design §2.10): rows of page ids build, byte for byte, what the
@@ -232,3 +233,78 @@ def test_flashinfer_shared_prefix_reads_physical_ids(k, s, ps, gen, device):
         assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"step {i}: outputs"
         assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"step {i}: log-sum-exps"
     assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps", [(1, 3, 1), (2, 3, 4), (4, 2, 1)])
+@pytest.mark.parametrize("translate", [False, True], ids=["token_ids", "virtual_ids"])
+def test_flashinfer_shared_prefix_attends_to_the_window(k, s, ps, translate, host_ops, gen,
+                                                        device, request):  # fmt: skip
+    """The config's draft window in the shared-prefix cascade: every branch attends, over both
+    levels merged, to its window (sink, then the most recent tokens) and its chain, the prefix
+    level's plan() mirror equal to the device's offsets."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    window = int(torch.randint(3, 12, (1,), generator=gen))
+    sink = int(torch.randint(0, 4, (1,), generator=gen))
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(1 + k, 4), page_size=ps,
+                     max_bs=8, max_context_len=40, draft_window_size=window,
+                     draft_sink_size=sink)  # fmt: skip
+    batch = make_batch("random", batch_size=6, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       max_len=40)  # fmt: skip
+    batch.seq_lens.clamp_(min=1)  # a request being drafted has a prefix
+    batch.seq_lens_cpu = batch.seq_lens.cpu()
+    v2p = torch.randperm(batch.pool_size // ps, generator=gen) if translate else None
+    fi = FlashInferBuilder(cfg, device, modes=("draft_decode_shared_prefix",),
+                           host_ops=host_ops)  # fmt: skip
+    meta = fi.draft_decode_shared_prefix(batch.req_pool_indices, batch.req_to_token,
+                                         batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                         num_rows=s,
+                                         v2p=v2p.to(device) if translate else None)  # fmt: skip
+    slots = assign_draft_cache_locs(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                                    topk=k, num_steps=s, page_size=ps)  # fmt: skip
+    kc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(batch.pool_size, H_KV, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    kept = batch.seq_lens_cpu.clamp_max(window + sink)
+    want_ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(kept, 0)])
+    for i, step in enumerate(meta.steps):
+        want = window_sequences(batch, slots, i, window, sink, v2p)
+        for lvl in (0, 1):
+            assert_equal(step.paged_kv_indptr_host_arr[lvl], step.paged_kv_indptr_arr[lvl],
+                         f"level {lvl} kv_indptr_host")  # fmt: skip
+        assert_equal(step.paged_kv_indptr_host_arr[0], want_ptr, "prefix level: cumsum(Lw)")
+        o, lse = consumer.cascade(q, kc, vc, step)
+        o_ref, lse_ref = dense_attention(q, kc, vc, want)
+        assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"step {i}: outputs"
+        assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"step {i}: log-sum-exps"
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 4), (4, 2, 16), (1, 3, 4)])
+def test_flashinfer_paged_draft_lists_physical_pages(k, s, ps, gen, device):
+    """``v2p=`` on the paged draft form builds, byte for byte, what the same rows already
+    translated (every id ``v2p[id // ps]·ps + id mod ps``) build without it; an identity map
+    builds what no map builds."""
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=min(1 + k, 4), page_size=ps,
+                     max_bs=8, max_context_len=40)  # fmt: skip
+    batch = make_batch("random", batch_size=5, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       max_len=40)  # fmt: skip
+    pages = batch.pool_size // ps
+    v2p = torch.randperm(pages, generator=gen).to(device)
+    r2t = batch.req_to_token
+    physical = v2p[torch.div(r2t, ps, rounding_mode="floor")] * ps + r2t % ps
+    identity = torch.arange(pages, device=device)
+    got = {}
+    for name, rows, table in (("mapped", r2t, v2p), ("translated", physical, None),
+                              ("plain", r2t, None), ("identity", r2t, identity)):  # fmt: skip
+        fi = FlashInferBuilder(cfg, device, modes=("draft_decode_paged",))
+        got[name] = _fields(fi.draft_decode_paged(batch.req_pool_indices, rows, batch.seq_lens,
+                                                  seq_lens_cpu=batch.seq_lens_cpu, num_rows=s,
+                                                  v2p=table))  # fmt: skip
+        assert int(fi.status) == 0, name
+    for a, b in (("mapped", "translated"), ("identity", "plain")):
+        for field, value in got[a].items():
+            assert_equal(value, got[b][field], f"{a} vs {b}: {field}")
