@@ -210,7 +210,7 @@ class FlashInferBuilder(MetadataBuilder):
         }
         for mode in ("draft_decode", "draft_decode_shared_prefix"):
             if mode in self.modes and cfg.draft_window_size:
-                # A draft window's prefix lists hold min(L, window + sink) tokens (§2.10).
+                # A window's prefix lists hold min(L, window + sink) tokens (design §2.10).
                 self._length_tables[mode] = LengthTable(cfg.max_context_len, bs,
                                                         cap=cfg.draft_prefix_cap)  # fmt: skip
         if "draft_decode_shared" in groups:
