@@ -24,13 +24,13 @@ builder's buffers: the next build of the same mode overwrites them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..config import SpecConfig
+from ..kernels._common import check_id_spaces
 from ..kernels.draft_decode_page_tables import (
     bind_draft_decode_page_tables,
     draft_decode_page_tables_ref,
@@ -43,120 +43,13 @@ from ..kernels.verify_expand_page_table import (
 from ..kernels.verify_expand_ragged import bind_verify_expand_ragged, verify_expand_ragged_ref
 from ..stage import Stage
 from .capabilities import CAPABILITIES
-from .contract import DraftSteps, MetadataBuilder
+from .contract import MetadataBuilder
+from .fa3_results import FA3Cascade, FA3DraftDecode, FA3Metadata
 from .layout import UniformQueryLayout
 
 __all__ = ["FA3Metadata", "FA3Cascade", "FA3DraftDecode", "FA3MetadataBuilder"]
 
 _PREFIX = "fa3."
-_KEYWORDS = (
-    "cache_seqlens",
-    "page_table",
-    "cu_seqlens_q",
-    "cu_seqlens_k_new",
-    "max_seqlen_q",
-    "causal",
-    "return_softmax_lse",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class FA3Metadata:
-    """The metadata keywords of one ``flash_attn_with_kvcache`` call; ``B'`` is its batch of
-    sequences (requests, branches or tree nodes).
-
-    Attributes
-    ----------
-    cache_seqlens : torch.Tensor
-        ``[B']`` int32, exact KV length of each sequence.
-    page_table : torch.Tensor
-        ``[B', W]`` int32 page ids of pages of ``page_size`` tokens; only the first
-        ``ceil(cache_seqlens / page_size)`` columns are meaningful, the rest are 0 (the sink).
-    cu_seqlens_q : torch.Tensor
-        ``[B' + 1]`` int32, ``max_seqlen_q · arange(B' + 1)``: uniform stride, the same at
-        capture and replay (design §3.1).
-    cu_seqlens_k_new : torch.Tensor
-        ``[B' + 1]`` int32, ``[0, cumsum(cache_seqlens)]``, exact.
-    max_seqlen_q : int
-        Query rows of every sequence (exact; padded sequences keep the full width).
-    causal : bool
-        Bottom-right causal mask (verify and extend with ``K == 1``) or none.
-    return_softmax_lse : bool
-        True for both passes of a cascade, whose outputs are merged by log-sum-exp.
-    page_size : int
-        Not a keyword: the page size ``page_table`` indexes. View the KV cache as
-        ``[-1, page_size, H_kv, D]`` (1 for the verify expand pass, which lists token slots).
-    max_seqlen_k : int
-        Not a keyword of ``flash_attn_with_kvcache`` (it is one of ``get_scheduler_metadata``):
-        ``max(cache_seqlens)``, exact when the build was given ``seq_lens_cpu``, otherwise an
-        upper bound from the config (``max_context_len``, ``page_size``, ``N``).
-    """
-
-    cache_seqlens: torch.Tensor
-    page_table: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k_new: torch.Tensor
-    max_seqlen_q: int
-    causal: bool
-    return_softmax_lse: bool
-    page_size: int
-    max_seqlen_k: int
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keywords of FA3's ``flash_attn_with_kvcache`` (``flash_attn_interface``, sgl-kernel):
-        ``flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs(), softmax_scale=…)``."""
-        return {name: getattr(self, name) for name in _KEYWORDS}
-
-    def varlen_kwargs(self) -> dict[str, Any]:
-        """Keywords of FlashAttention's CuTe ``flash_attn.cute.flash_attn_varlen_func``:
-        ``out, lse = flash_attn_varlen_func(q, k_cache, v_cache, **meta.varlen_kwargs(),
-        softmax_scale=…)``.
-
-        The KV lengths go in as ``seqused_k`` (with a page table that kernel takes no
-        ``cu_seqlens_k``, so ``cu_seqlens_k_new`` is left out) and ``return_lse`` replaces
-        ``return_softmax_lse``. Its LSE is ``[H, total_q]`` float32, natural log, and ``−inf``
-        for a sequence with no keys (a layout-B normal pass whose prefix is shorter than a
-        page): :func:`specmeta.merge_state` takes ``lse.t()`` and handles it.
-        """
-        return {
-            "cu_seqlens_q": self.cu_seqlens_q,
-            "seqused_k": self.cache_seqlens,
-            "page_table": self.page_table,
-            "max_seqlen_q": self.max_seqlen_q,
-            "causal": self.causal,
-            "return_lse": self.return_softmax_lse,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class FA3Cascade:
-    """One attention of a mode: ``normal`` alone, or ``normal`` + ``expand`` merged by LSE.
-
-    Attributes
-    ----------
-    normal : FA3Metadata
-        The shared prefix of each request (its whole sequence when there is no cascade).
-    expand : FA3Metadata or None
-        ``K > 1`` only: each branch's (draft decode) or tree node's (target verify) own keys,
-        one query row per sequence, over the same query rows as ``normal``.
-    """
-
-    normal: FA3Metadata
-    expand: FA3Metadata | None
-
-    @property
-    def is_cascade(self) -> bool:
-        return self.expand is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class FA3DraftDecode(DraftSteps):
-    """Every draft-decode forward of one draft iteration, step ``s`` at ``steps[s]`` (the
-    result is also the sequence of its steps)."""
-
-    steps: tuple[FA3Cascade, ...]
-
-
 def _set_max(meta: FA3Metadata, value: int) -> None:
     """Rewrite ``meta.max_seqlen_k``, the one host scalar of a result that a stage's host part
     writes on every call (design §3.2). A result is frozen for its readers; the builder that
@@ -235,6 +128,13 @@ class FA3MetadataBuilder(MetadataBuilder):
                     out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
                 )  # fmt: skip
 
+    def _id_spaces(self, mode: str, v2p: Any, entry_page_size: int) -> dict:
+        """The kernels' id-space keywords of a build (design §2.10), ``v2p`` checked on the
+        host first: the rows' page ids of ``entry_page_size`` positions, ids through the page
+        map ``v2p`` at the config's page size (``check`` has counted the rows in pages)."""
+        check_id_spaces(self.require(mode), 0, 0, entry_page_size, v2p, self.device)
+        return dict(entry_page_size=entry_page_size, v2p=v2p)
+
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
         """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
         return tuple(
@@ -286,6 +186,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         *,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()`` and returns the :class:`FA3DraftDecode` from
@@ -300,7 +202,9 @@ class FA3MetadataBuilder(MetadataBuilder):
                 "out_cache_loc of assign_draft_cache_locs"
             )
         B = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
-                       out_cache_loc=out_cache_loc, status=status)  # fmt: skip
+                       out_cache_loc=out_cache_loc, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
+        spaces = self._id_spaces("draft_decode", v2p, entry_page_size)
         status = self.status_word(status)
         check = self.host_check("draft_decode", seq_lens, status)
         if rows == 0:
@@ -309,7 +213,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         args = (req_pool_indices, req_to_token, seq_lens)
         if K == 1:
             # One table over L + rows tokens serves every step; lengths L + s + 1 per step.
-            kw = dict(page_size=ps, extra_tokens=1, num_rows=rows, status=status, **out)
+            kw = dict(page_size=ps, extra_tokens=1, num_rows=rows, status=status, **spaces, **out)
             launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
             maxima = [(step.normal, s + 1) for s, step in enumerate(result.steps)]
             return self._stage("draft_decode", B, [launch, check], result, maxima)
@@ -317,7 +221,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         # B (the last partial page is the start of every branch's region, read by the expand
         # pass). Expand pass: every step's own chain of every branch.
         kw = dict(topk=K, num_steps=S, page_size=ps, exclude_last_partial=cfg.layout_b,
-                  num_rows=rows, status=status, **out)  # fmt: skip
+                  num_rows=rows, status=status, **spaces, **out)  # fmt: skip
         launch = self._launch(bind_draft_decode_page_tables, draft_decode_page_tables_ref, *args,
                               out_cache_loc, **kw)  # fmt: skip
         return self._stage("draft_decode", B, [launch, check], result,
@@ -335,6 +239,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> FA3DraftDecode:
         """Metadata of every draft-decode step (design §3.2), one :class:`FA3Cascade` per step.
 
@@ -357,6 +263,15 @@ class FA3MetadataBuilder(MetadataBuilder):
         launch : bool
             ``False``: launch nothing (the kernels run inside a captured graph); the host
             scalars (``max_seqlen_k``) still follow ``seq_lens_cpu``.
+        v2p : torch.Tensor, optional
+            ``[P]`` int32 or int64 virtual → physical page map at the config's page size
+            (design §2.10): ``req_to_token`` holds virtual ids, and the page tables the
+            physical pages (an id that does not map: the sink page 0 and ``BAD_KV_ID``). The
+            expand pass reads ``out_cache_loc`` as it is: physical draft slots, as
+            ``assign_draft_cache_locs(v2p=...)`` emits them.
+        entry_page_size : int
+            ``E ≥ 1``: with ``E > 1`` the rows hold page ids of ``E`` positions each (design
+            §2.10), and a row needs ``ceil(row_width_need / E)`` entries.
 
         Returns
         -------
@@ -369,7 +284,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             it, ``max_seqlen_k`` included.
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens, out_cache_loc,
-                                       num_rows=num_rows, status=status)  # fmt: skip
+                                       num_rows=num_rows, status=status, v2p=v2p,
+                                       entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_views(self, B: int, rows: int) -> tuple[dict, FA3DraftDecode]:
@@ -443,6 +359,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         status: torch.Tensor | None = None,
         verify_lens: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there): the stage
         launches with ``launch()`` and returns the :class:`FA3Cascade` from
@@ -457,27 +375,30 @@ class FA3MetadataBuilder(MetadataBuilder):
                 f"pass the [B, N, N] bool ancestor mask of the draft tree (N = {N})"
             )
         B = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
-                       tree_mask=tree_mask if K > 1 else None, status=status)  # fmt: skip
+                       tree_mask=tree_mask if K > 1 else None, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
+        spaces = self._id_spaces("target_verify", v2p, entry_page_size)
         if verify_lens is not None or num_tokens is not None:
             return self._bind_ragged_verify(B, (req_pool_indices, req_to_token, seq_lens),
                                             tree_mask if K > 1 else None, verify_lens,
-                                            num_tokens, status)  # fmt: skip
+                                            num_tokens, status, spaces)  # fmt: skip
         status = self.status_word(status)
         out, result = self.views(("target_verify", B), self._verify_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
         extra = N if K == 1 else 0
-        kw = dict(page_size=ps, extra_tokens=extra, status=status, **out["normal"])
+        kw = dict(page_size=ps, extra_tokens=extra, status=status, **spaces, **out["normal"])
         launches = [self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)]
         if K > 1:
-            kw = dict(status=status, **out["expand"])
+            # The expand pass lists token slots: each the id emitted at its window position.
+            kw = dict(status=status, page_size=ps, **spaces, **out["expand"])
             launches.append(self._launch(bind_verify_expand_page_table,
                                          verify_expand_page_table_ref, *args, tree_mask, **kw))  # fmt: skip
         launches.append(self.host_check("target_verify", seq_lens, status))
         return self._stage("target_verify", B, launches, result, [(result.normal, extra)])
 
     def _bind_ragged_verify(self, B: int, args: tuple, tree_mask: torch.Tensor | None,
-                            verify_lens: Any, num_tokens: Any,
-                            status: torch.Tensor | None) -> Stage:  # fmt: skip
+                            verify_lens: Any, num_tokens: Any, status: torch.Tensor | None,
+                            spaces: dict) -> Stage:  # fmt: skip
         """A ragged target verify (design §2.9): a cascade for every ``K``. The padding of
         ``verify_lens`` to the bucket, the normal pass (each request's prefix, ``L`` keys, for
         its ``v_i`` query rows at ``qo_indptr[i]``) and the expand pass (one row a query token:
@@ -487,12 +408,14 @@ class FA3MetadataBuilder(MetadataBuilder):
         status = self.status_word(status)
         out, result = self.views(("target_verify.ragged", B, T), self._ragged_views, B, T)
         qo = self.buffers["target_verify.ragged_qo_indptr"][: B + 1]
+        pages = dict(page_size=ps, **spaces)  # the rows' id space (design §2.10)
         launches = [
             pad,
-            self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, page_size=ps,
+            self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **pages,
                          extra_tokens=0, status=status, **out["normal"]),
             self._launch(bind_verify_expand_ragged, verify_expand_ragged_ref, *args, tree_mask,
-                         qo, num_rows=T, num_draft_tokens=N, status=status, **out["expand"]),
+                         qo, num_rows=T, num_draft_tokens=N, status=status, **pages,
+                         **out["expand"]),
             self.host_check("target_verify", args[2], status),
             self.verify_check(verify_lens, status),
         ]  # fmt: skip
@@ -535,6 +458,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         verify_lens: torch.Tensor | None = None,
         verify_lens_cpu: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> FA3Cascade:
         """Metadata of target verify over the ``N``-token window ``row_i[L_i : L_i + N]``.
 
@@ -558,6 +483,9 @@ class FA3MetadataBuilder(MetadataBuilder):
             the sum at most ``num_tokens``) and on the device against ``verify_lens``.
         num_tokens : int, optional
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
+        v2p, entry_page_size
+            The rows' id space, as in :meth:`draft_decode`: the normal pass's pages and the
+            expand pass's token slots are those of the ids emitted.
 
         Returns
         -------
@@ -571,7 +499,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         status=status, verify_lens=verify_lens,
-                                        num_tokens=num_tokens)  # fmt: skip
+                                        num_tokens=num_tokens, v2p=v2p,
+                                        entry_page_size=entry_page_size)  # fmt: skip
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
         return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
@@ -620,14 +549,18 @@ class FA3MetadataBuilder(MetadataBuilder):
         seq_lens: torch.Tensor,
         *,
         status: torch.Tensor | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`draft_extend` bound once to these tensors (arguments as there)."""
         N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
-        B = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens, status=status)
+        B = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
+        spaces = self._id_spaces("draft_extend", v2p, entry_page_size)
         out, result = self.views(("draft_extend", B), self._extend_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
         status = self.status_word(status)
-        kw = dict(page_size=ps, extra_tokens=N, status=status, **out)
+        kw = dict(page_size=ps, extra_tokens=N, status=status, **spaces, **out)
         launch = self._launch(bind_prefix_page_table, prefix_page_table_ref, *args, **kw)
         check = self.host_check("draft_extend", seq_lens, status)
         return self._stage("draft_extend", B, [launch, check], result, [(result, N)])
@@ -641,13 +574,17 @@ class FA3MetadataBuilder(MetadataBuilder):
         seq_lens_cpu: torch.Tensor | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> FA3Metadata:
         """Metadata of draft extend: ``N`` query rows per request (design §3.1),
         ``cache_seqlens = L + N``, causal bottom-right, row pages over ``L + N`` tokens.
 
-        Parameters are those of :meth:`draft_decode`.
+        Parameters are those of :meth:`draft_decode` (``v2p``, ``entry_page_size``: the rows'
+        id space).
         """
-        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status)
+        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
+                                       v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _extend_views(self, B: int) -> tuple[dict, FA3Metadata]:
