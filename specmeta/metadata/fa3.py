@@ -270,8 +270,8 @@ class FA3MetadataBuilder(MetadataBuilder):
             expand pass reads ``out_cache_loc`` as it is: physical draft slots, as
             ``assign_draft_cache_locs(v2p=...)`` emits them.
         entry_page_size : int
-            ``E ≥ 1``: with ``E > 1`` the rows hold page ids of ``E`` positions each (design
-            §2.10), and a row needs ``ceil(row_width_need / E)`` entries.
+            ``E ≥ 1``: with ``E > 1`` the rows hold page ids of ``E`` positions each
+            (design §2.10), and a row needs ``ceil(row_width_need / E)`` entries.
 
         Returns
         -------
