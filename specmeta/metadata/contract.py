@@ -261,14 +261,18 @@ class MetadataBuilder:
                                    out_cache_loc=out_cache_loc, status=status,
                                    entry_page_size=entry_page_size)  # fmt: skip
 
-    def lengths(self, mode: str, B: int, seq_lens_cpu: Any) -> tuple[int, int] | None:
+    def lengths(self, mode: str, B: int, seq_lens_cpu: Any,
+                found: tuple[int, int] | None = None) -> tuple[int, int] | None:  # fmt: skip
         """The checks of a call's ``seq_lens_cpu`` (``[B]`` integer CPU tensor, every value in
         ``[0, max_context_len]``), made on every call of a stage's host part, and its
         ``(max L, ΣL)``; ``None`` when it is ``None`` (:func:`.inputs.host_lengths`). What it
-        read is sent to the device for the mode's check (:meth:`host_check`)."""
+        read is sent to the device for the mode's check (:meth:`host_check`). ``found``: the
+        ``(max L, ΣL)`` a compiled host op returned after making these checks itself."""
         if seq_lens_cpu is None:
             return None
-        found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu, stats=self._stats)
+        if found is None:
+            found = host_lengths(self._where[mode], self.cfg, B, seq_lens_cpu,
+                                 stats=self._stats)  # fmt: skip
         if found is not None and self.check_host_lengths:
             publish_host_lengths(self._host_published[mode], B, found[1], found[0])
         return found
@@ -329,13 +333,14 @@ class MetadataBuilder:
         verify = functools.partial(self.verify_lengths, mode, count, num_tokens)
         return launch, padded, num_tokens, verify
 
-    def verify_lengths(self, mode: str, count: int, num_tokens: int,
-                       verify_lens_cpu: Any) -> None:  # fmt: skip
+    def verify_lengths(self, mode: str, count: int, num_tokens: int, verify_lens_cpu: Any,
+                       found: tuple[int, int] | None = None) -> None:  # fmt: skip
         """The checks of a ragged call's ``verify_lens_cpu`` (:func:`.inputs.check_verify_lens_cpu`),
         made on every call of the stage's host part; what it read is sent to the device for
-        :meth:`verify_check`."""
-        found, stats, n = None, self._stats, self.cfg.num_draft_tokens
-        if stats is not None and verify_lens_cpu is not None:
+        :meth:`verify_check`. ``found``: the ``(max v, Σv)`` a compiled host op returned after
+        making these checks itself."""
+        stats, n = self._stats, self.cfg.num_draft_tokens
+        if found is None and stats is not None and verify_lens_cpu is not None:
             # Every value in [0, N], max and sum, in one compiled call; what it refuses is
             # named by the checks below.
             with contextlib.suppress(TypeError, ValueError, IndexError):

@@ -227,7 +227,8 @@ class FlashInferBuilder(MetadataBuilder):
         ``launches`` and the check of the host's lengths, and a host part that checks
         ``seq_lens_cpu`` (every value named in the builder's message before anything is
         written) and publishes it for that check (:meth:`lengths`), takes the ring's turn, runs
-        the writer of its set and returns the set's result. ``make(B, *key, mirrors,
+        the writer of its set and returns the set's result (the compiled writer checks the
+        lengths itself: one call). ``make(B, *key, mirrors,
         compiled)`` makes a set's result and writer (compiled where :func:`specmeta.warmup`
         built the host ops and :attr:`host_ops` asks for them) once, a slot per set in
         :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn. A ragged verify
@@ -235,7 +236,7 @@ class FlashInferBuilder(MetadataBuilder):
         tensors; any other stage refuses a ``verify_lens_cpu``."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
-        sets, take, where = ring.sets, ring.take, self._where[mode]
+        sets, claim, advance, where = ring.sets, ring.claim, ring.advance, self._where[mode]
         compiled_module, builder, lengths = host_ops.compiled, self, self.lengths
         missing = (f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
@@ -245,24 +246,35 @@ class FlashInferBuilder(MetadataBuilder):
                    "verify_lens (a uniform layout); bind it with verify_lens= and num_tokens= "
                    "for a ragged verify, or drop verify_lens_cpu")  # fmt: skip
 
+        def checks(seq_lens_cpu: torch.Tensor, verify_lens_cpu: Any, found: Any = None) -> None:
+            """Every check of the host inputs, each fault named, and their publication for the
+            device's check; ``found``: what a compiled writer read, its checks made."""
+            lengths(mode, B, seq_lens_cpu, found and found[:2])
+            if verify is not None:
+                verify(verify_lens_cpu, found and found[2:])
+
         def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
-            lengths(mode, B, seq_lens_cpu)  # every check, named, before anything is written
-            if verify is not None:
-                verify(verify_lens_cpu)
-            elif verify_lens_cpu is not None:
+            if verify is None and verify_lens_cpu is not None:
                 raise ValueError(unbound)
             compiled = builder.host_ops and compiled_module() is not None
-            slot = take()
+            if not compiled:
+                checks(seq_lens_cpu, verify_lens_cpu)  # named, before anything is written
+            slot = claim()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
-            if verify is None:
-                entry[1](seq_lens_cpu)
-            else:
-                entry[1](seq_lens_cpu, verify_lens_cpu)
+            inputs = (seq_lens_cpu,) if verify is None else (seq_lens_cpu, verify_lens_cpu)
+            try:  # compiled: one call makes every check, writes, and returns what it read
+                found = entry[1](*inputs)
+            except (TypeError, ValueError, IndexError, OverflowError):
+                checks(seq_lens_cpu, verify_lens_cpu)  # nothing was written: name the fault
+                raise
+            if compiled:
+                checks(seq_lens_cpu, verify_lens_cpu, found)
+            advance()
             return entry[0]
 
         check = self.host_check(mode, seq_lens, self.status_word(status))

@@ -85,11 +85,22 @@ class HostMirrorRing:
         return self.sets[self.take()]
 
     def take(self) -> int:
-        """This build's turn: build ``j`` takes set ``j % depth``, its index in :attr:`sets`.
-        Every ``E``-th build first records the event that covers the ``E`` builds before it
-        (their ``plan()`` copies), and a build whose set was last used by the first build of a
-        covered group waits for that group's event. The count moves on only once the record
-        and the wait are done (a failed one raises and takes no turn)."""
+        """This build's turn: :meth:`claim`, then :meth:`advance`."""
+        slot = self.claim()
+        self.builds += 1
+        return slot
+
+    def advance(self) -> None:
+        """End the turn :meth:`claim` began: the next build takes the next set."""
+        self.builds += 1
+
+    def claim(self) -> int:
+        """The set of build ``j`` (``builds``), ``j % depth``, its index in :attr:`sets`, safe
+        to write once this returns; the turn ends with :meth:`advance` (a build refused before
+        it takes no turn, and claiming again is the same claim). Every ``E``-th build first
+        records the event that covers the ``E`` builds before it (their ``plan()`` copies; a
+        second record of it covers them too), and a build whose set was last used by the first
+        build of a covered group waits for that group's event."""
         j = self.builds
         events = self._events
         if events:
@@ -100,7 +111,6 @@ class HostMirrorRing:
                 event = events[((j - self._depth) // every + 1) % len(events)]
                 if not event.query():  # the host is half a ring ahead of the device
                     event.synchronize()
-        self.builds = j + 1
         return j % self._depth
 
     def _current_stream(self):

@@ -2,9 +2,10 @@
  * length, and FlashInfer's host mirrors (design §3.3).
  *
  * Each function reads the engine's seq_lens_cpu and checks every length against
- * [0, max_len] before writing anything. stats() returns max L and the sum; the mirror writers
+ * [0, max_len] before writing anything. stats() returns (max L, ΣL); the mirror writers
  * write the index pointers that plan() reads into the host buffers they are given, and return
- * the sum. A length outside the range raises IndexError and writes nothing; the caller names
+ * the same pair (ragged() the pair of the verify lengths too), so a builder's host part makes
+ * one call. A length outside the range raises IndexError and writes nothing; the caller names
  * the value in its message.
  *
  * The rules are those of the torch functions the Python side names beside each entry point;
@@ -276,8 +277,9 @@ static void draft_rows(const Lengths *lens, Py_ssize_t batch, long long topk, lo
     add_ramp(out + s * stride, out, z + 1, (uint32_t)s);
 }
 
-/* draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> ΣL: draft_rows into `out`, an
- * int32 buffer of shape [rows, batch·topk + 1], each prefix length taken as min(L, cap). */
+/* draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> (max L, ΣL): draft_rows into
+ * `out`, an int32 buffer of shape [rows, batch·topk + 1], each prefix length taken as
+ * min(L, cap). */
 static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[4];
   View out;
@@ -290,14 +292,15 @@ static PyObject *draft_decode(PyObject *self, PyObject *const *args, Py_ssize_t 
     return NULL;
   }
   if (!int32_view(args[4], "out", -2, batch * topk + 1, &out)) return NULL;
-  long long rows = out.buffer.shape[0], sum = -1;
-  if (lengths_of(args[5], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  long long rows = out.buffer.shape[0], sum = -1, high = 0;
+  if (lengths_of(args[5], (Py_ssize_t)batch, &lens))
+    sum = checked_sum(&lens, batch, max_len, &high);
   if (sum >= 0 && rows > 0) draft_rows(&lens, batch, topk, rows, cap, out.data, out.stride);
   PyBuffer_Release(&out.buffer);
-  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
+  return sum < 0 ? NULL : Py_BuildValue("(LL)", high, sum);
 }
 
-/* prefix(max_len, shift, scale, cap, batch, out, scaled, seq_lens_cpu) -> ΣL
+/* prefix(max_len, shift, scale, cap, batch, out, scaled, seq_lens_cpu) -> (max L, ΣL)
  *
  * The prefill modes' and the cascade's rule: out[0] = 0, out[i + 1] = out[i] + min(L_i, cap)
  * + shift (the cumulative sum of L + shift; cap is a draft window's window + sink, or
@@ -320,8 +323,9 @@ static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&out.buffer);
     return NULL;
   }
-  long long sum = -1;
-  if (lengths_of(args[7], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  long long sum = -1, high = 0;
+  if (lengths_of(args[7], (Py_ssize_t)batch, &lens))
+    sum = checked_sum(&lens, batch, max_len, &high);
   if (sum >= 0) {
     uint32_t acc = 0, *o = out.data;
     o[0] = 0;
@@ -335,7 +339,7 @@ static PyObject *prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   }
   if (has_scaled) PyBuffer_Release(&scaled.buffer);
   PyBuffer_Release(&out.buffer);
-  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
+  return sum < 0 ? NULL : Py_BuildValue("(LL)", high, sum);
 }
 
 /* Row s of the paged rule (paged_rows below), a page count and last-page length of `tokens`
@@ -373,8 +377,9 @@ static void paged_rows(const Lengths *lens, Py_ssize_t batch, long long topk, lo
   }
 }
 
-/* paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> ΣL: paged_rows into
- * `out` and `last`, int32 buffers of shapes [rows, batch·topk + 1] and [rows, batch·topk]. */
+/* paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> (max L, ΣL): paged_rows
+ * into `out` and `last`, int32 buffers of shapes [rows, batch·topk + 1] and
+ * [rows, batch·topk]. */
 static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   long long a[4];
   View out, last;
@@ -386,21 +391,22 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return NULL;
   }
   if (!int32_view(args[4], "out", -2, batch * topk + 1, &out)) return NULL;
-  long long rows = out.buffer.shape[0], sum = -1;
+  long long rows = out.buffer.shape[0], sum = -1, high = 0;
   if (!int32_view(args[5], "last", rows, batch * topk, &last)) {
     PyBuffer_Release(&out.buffer);
     return NULL;
   }
-  if (lengths_of(args[6], (Py_ssize_t)batch, &lens)) sum = checked_sum(&lens, batch, max_len, NULL);
+  if (lengths_of(args[6], (Py_ssize_t)batch, &lens))
+    sum = checked_sum(&lens, batch, max_len, &high);
   if (sum >= 0)
     paged_rows(&lens, batch, topk, rows, page_size, out.data, out.stride, last.data, last.stride);
   PyBuffer_Release(&last.buffer);
   PyBuffer_Release(&out.buffer);
-  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
+  return sum < 0 ? NULL : Py_BuildValue("(LL)", high, sum);
 }
 
 /* ragged(max_len, N, T, batch, count, verify_out, qo_out, kv_out, mask_out, seq_lens_cpu,
- *        verify_lens_cpu) -> ΣL
+ *        verify_lens_cpu) -> (max L, ΣL, max v, Σv)
  *
  * A ragged target verify's mirrors over a bucket of `batch` requests and T tokens (the rule of
  * pad_verify_lens_to_bucket_ref on lengths the host checked): the `count` real lengths v_b,
@@ -424,9 +430,9 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   int views = 0;
   for (; views < 4; ++views)
     if (!int32_view(args[5 + views], names[views], -1, batch + (views > 0), &out[views])) break;
-  long long sum = -1, high = 0;
+  long long sum = -1, high = 0, top = 0;
   if (views == 4 && lengths_of(args[9], (Py_ssize_t)batch, &lens))
-    sum = checked_sum(&lens, batch, max_len, NULL);
+    sum = checked_sum(&lens, batch, max_len, &top);
   if (sum >= 0 && !lengths_of(args[10], (Py_ssize_t)count, &verify)) sum = -1;
   long long total = sum >= 0 ? checked_sum(&verify, count, n, &high) : -1;
   if (sum >= 0 && total < 0) sum = -1;
@@ -451,7 +457,7 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
   }
   while (views-- > 0) PyBuffer_Release(&out[views].buffer);
-  return sum < 0 ? NULL : PyLong_FromLongLong(sum);
+  return sum < 0 ? NULL : Py_BuildValue("(LLLL)", top, sum, high, total);
 }
 
 static PyMethodDef methods[] = {
@@ -460,14 +466,15 @@ static PyMethodDef methods[] = {
     {"stats", (PyCFunction)(void (*)(void))stats, METH_FASTCALL,
      "stats(max_len, batch, seq_lens_cpu) -> (max L, sum)"},
     {"draft_decode", (PyCFunction)(void (*)(void))draft_decode, METH_FASTCALL,
-     "draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> sum"},
+     "draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu) -> (max L, sum)"},
     {"prefix", (PyCFunction)(void (*)(void))prefix, METH_FASTCALL,
-     "prefix(max_len, shift, scale, cap, batch, out, scaled or None, seq_lens_cpu) -> sum"},
+     "prefix(max_len, shift, scale, cap, batch, out, scaled or None, seq_lens_cpu) -> "
+     "(max L, sum)"},
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
-     "paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> sum"},
+     "paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> (max L, sum)"},
     {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,
      "ragged(max_len, N, T, batch, count, verify_out, qo_out, kv_out, mask_out, seq_lens_cpu, "
-     "verify_lens_cpu) -> sum"},
+     "verify_lens_cpu) -> (max L, sum, max v, sum of v)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",

@@ -6,7 +6,8 @@ on the host, so a FlashInfer build also writes those **host mirrors**. In torch 
 four CPU ops of a microsecond or more. Here each is one call: ``stats`` (the check, ``max L``
 and ``ΣL``) and a **writer** per mirror rule (:func:`draft_decode_writer`,
 :func:`prefix_writer`, :func:`paged_writer`): ``writer(seq_lens_cpu)`` checks every length
-before it writes anything (``IndexError``, which the builder names), then writes the mirrors.
+before it writes anything (``IndexError``, which the builder names), then writes the mirrors
+and returns what ``stats`` would have (so a compiled host part is one call).
 
 * **compiled**: the C module ``host_ops.c``, built only by :func:`warmup` (exported as
   :func:`specmeta.warmup`) with Triton's own C build helper, never inside a build's call. It
@@ -38,8 +39,9 @@ from ..kernels.verify_lens import fill_bucket
 __all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "draft_decode_writer",
            "prefix_writer", "paged_writer", "ragged_verify_writer"]  # fmt: skip
 
-#: ``writer(seq_lens_cpu) -> ΣL`` (``None`` when the torch writer leaves it to the caller).
-Writer = Callable[[torch.Tensor], "int | None"]
+#: ``writer(seq_lens_cpu) -> (max L, ΣL)``, what ``stats`` returns, so one compiled call is
+#: a host part's check and its write (``None`` from a torch writer: its caller checked first).
+Writer = Callable[[torch.Tensor], "tuple[int, int] | None"]
 
 _SOURCE = Path(__file__).with_name("host_ops.c")
 _SWITCH = "SPECMETA_HOST_OPS"
@@ -323,7 +325,8 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     :func:`~specmeta.kernels.verify_lens.fill_bucket`), ``qo_out`` ← their offsets, ``kv_out``
     ← ``[0, cumsum(L + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L + min(v, N)))]``.
     ``table`` has shift ``N``. ``write(seq_lens_cpu, verify_lens_cpu)``: every length checked
-    before anything is written (the builder checks ``verify_lens_cpu`` first, naming it)."""
+    before anything is written (the builder names what it refuses); compiled, it returns
+    ``(max L, ΣL, max v, Σv)``."""
     n = num_draft_tokens
     if table.shift != n:
         raise ValueError(f"ragged_verify_writer: the table's shift is {table.shift}; pass one "

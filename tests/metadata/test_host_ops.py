@@ -120,7 +120,7 @@ def _expected(kind, lens):
 @pytest.mark.parametrize("kind", KINDS)
 def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compiled_host_ops):
     """Both writers, at every batch size from 0 to max_bs, int32 and int64 lengths drawn fresh,
-    return ΣL (the torch writer leaves it to the caller) and write exactly the rule's values
+    return (max L, ΣL) (the torch writer leaves them to the caller) and write exactly the rule's values
     inside their views and nothing outside them."""
     for B in range(MAX_BS + 1):
         for dtype in (torch.int32, torch.int64):
@@ -129,7 +129,8 @@ def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compil
             for use_compiled in (True, False):
                 write, bufs = _writers(kind, B, use_compiled)
                 total = write(lens)
-                assert total == (int(lens.sum()) if use_compiled else None)
+                want_stats = (int(lens.max()) if B else 0, int(lens.sum()))
+                assert total == (want_stats if use_compiled else None)
                 for got, exp in zip(bufs, want, strict=True):
                     mismatch = (got != exp).nonzero()
                     assert mismatch.numel() == 0, (
@@ -199,7 +200,7 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
     lens = torch.randint(2**30, 2**31 - 1, (5,), generator=gen, dtype=torch.int64)
     B, K, rows, n = 5, 4, 3, 7
     out = _poisoned(rows, B * K + 1)
-    assert op.draft_decode(big, K, B, big, out.numpy(), lens) == lens.sum()
+    assert op.draft_decode(big, K, B, big, out.numpy(), lens) == (lens.max(), lens.sum())
     want = draft_decode_kv_indptr(lens, K, rows)  # int64, exact
     assert out.tolist() == [_wrapped(r) for r in want.tolist()]
     out, last = _poisoned(rows, B * K + 1), _poisoned(rows, B * K)
@@ -232,16 +233,15 @@ def test_every_width_and_page_size(gen, compiled_host_ops):
                 width = 37 * K + 1
                 out, want = _poisoned(ROWS, width), _poisoned(ROWS, width)
                 view = out[:, : B * K + 1]  # rows of the full width apart, as a mirror's
-                assert op.draft_decode(MAX_LEN, K, B, MAX_LEN, view.numpy(), lens) == int(
-                    lens.sum()
-                )
+                stats = (int(lens.max()) if B else 0, int(lens.sum()))
+                assert op.draft_decode(MAX_LEN, K, B, MAX_LEN, view.numpy(), lens) == stats
                 draft_decode_kv_indptr(lens, K, ROWS, out=want[:, : B * K + 1])
                 where = f"K={K} B={B} {dtype} lens={lens.tolist()}"
                 assert torch.equal(out, want), f"draft_decode {where}"
                 out, last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
                 want, want_last = _poisoned(ROWS, width), _poisoned(ROWS, width - 1)
                 views = out[:, : B * K + 1].numpy(), last[:, : B * K].numpy()
-                assert op.paged(MAX_LEN, K, ps, B, *views, lens) == int(lens.sum())
+                assert op.paged(MAX_LEN, K, ps, B, *views, lens) == stats
                 branch_kv_indptr(lens, K, ROWS, ps, want[:, : B * K + 1], want_last)
                 assert torch.equal(out, want), f"paged offsets ps={ps} {where}"
                 assert torch.equal(last, want_last), f"paged last pages ps={ps} {where}"
@@ -403,7 +403,7 @@ def test_a_compiled_writer_checks_its_views_on_every_call(kind, gen, compiled_ho
             _compiled_call(op, kind, B, view, second[..., :-1], lens)
         assert (view == POISON).all(), f"{kind}: out written before {name} was refused"
     view = good.numpy()
-    assert _compiled_call(op, kind, B, view, second, lens) == int(lens.sum())
+    assert _compiled_call(op, kind, B, view, second, lens) == (int(lens.max()), int(lens.sum()))
     before = view.copy()
     with pytest.raises(IndexError):
         _compiled_call(op, kind, B, view, second, torch.tensor([1, 2, MAX_LEN + 1, 0]))
@@ -421,7 +421,7 @@ def test_a_compiled_writer_keeps_its_mirror_alive():
     gc.collect()
     for _ in range(3):
         gc.collect()
-        assert write(torch.tensor([1, 0, 7])) == 8
+        assert write(torch.tensor([1, 0, 7])) == (7, 8)
     view = write.args[5]
     assert view.tolist() == [0, 1 + SHIFT, 1 + 2 * SHIFT, 8 + 3 * SHIFT]
     assert isinstance(view.base, torch.Tensor)  # the mirror tensor, kept alive by its view
@@ -524,7 +524,10 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
             views = [bufs[0][:B], *(b[: B + 1] for b in bufs[1:])]
             write = host_ops.ragged_verify_writer(table, B, count, T, n, *views,
                                                   use_compiled=use_compiled)  # fmt: skip
-            write(lens, real)
+            found = write(lens, real)
+            if use_compiled:  # what it checked: (max L, ΣL, max v, Σv)
+                assert found == (int(lens.max()), int(lens.sum()),
+                                 int(real.max()) if count else 0, low), (lens, real)  # fmt: skip
             for name, buf, exp in zip(("verify", "qo", "kv", "mask"), bufs, want, strict=True):
                 size = len(exp)
                 assert buf[:size].tolist() == exp, (name, use_compiled, lens, real, T)
