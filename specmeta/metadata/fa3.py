@@ -154,18 +154,11 @@ class FA3MetadataBuilder(MetadataBuilder):
         ``verify``, the check of the optional ``verify_lens_cpu`` (FA3 reads its query offsets
         on the device: the host copy is only checked, and published for the stale check)."""
         ps, bound = self.cfg.page_size, self.cfg.max_context_len
-        where = self.require(mode)
+        self.require(mode)
 
         def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             found = self.lengths(mode, B, seq_lens_cpu)
-            if verify_lens_cpu is not None:
-                if verify is None:
-                    raise ValueError(
-                        f"{where}: verify_lens_cpu was given, but this stage was bound without "
-                        "verify_lens (a uniform layout); bind it with verify_lens= and "
-                        "num_tokens= for a ragged verify, or drop verify_lens_cpu"
-                    )
-                verify(verify_lens_cpu)
+            self.verify_host(mode, verify, verify_lens_cpu)
             if found is None:
                 top = bound
             else:
