@@ -120,6 +120,22 @@ class _Case:
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
 
 
+def _page_map(gen, pages: int) -> torch.Tensor:
+    """A shuffled virtual → physical page map (CPU) that keeps the sink page 0 in place, as a
+    pool that never hands its sink out."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(pages - 1, generator=gen)])
+
+
+def _copy_prefix_tails(c: _Case, v2p: torch.Tensor) -> None:
+    """The case's pools with the prefix-tail copies of slot layout B made at physical slots
+    (``prefix_tail_copy_pairs(v2p=)``), and the oracle's float64 copies read again."""
+    tgt, src = prefix_tail_copy_pairs(*c.args, topk=c.cfg.topk, num_steps=S,
+                                      page_size=c.cfg.page_size, v2p=v2p)  # fmt: skip
+    for pool in (c.k_pool, c.v_pool):
+        pool[tgt.long()] = pool[src.long()].clone()
+    c.k64, c.v64 = c.k_pool.double().cpu(), c.v_pool.double().cpu()
+
+
 @pytest.mark.parametrize("batch_size", BATCHES)
 @pytest.mark.parametrize("ps", PAGE_SIZES)
 @pytest.mark.parametrize("k", TOPKS)
@@ -226,6 +242,85 @@ def test_gpu_flashinfer_virtual_ids_through_flashinfer(gen, flashinfer_attn, mod
     assert int(fi.status) == 0
 
 
+@pytest.mark.parametrize("translate", [False, True], ids=["token_ids", "virtual_ids"])
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_shared_prefix_window_through_flashinfer(gen, flashinfer_attn, k, ps,
+                                                                translate):  # fmt: skip
+    """The shared-prefix cascade of a config's draft window (design §2.10): each request's
+    sink and recent tokens listed once at the prefix level, over token ids or virtual ids and a
+    shuffled page map; FlashInfer's cascade reads each branch's window and chain."""
+    c = _Case(gen, k, ps, 5, window=(37, 4))
+    v2p = _page_map(gen, c.batch.pool_size // ps).cuda() if translate else None
+    fi = FlashInferBuilder(c.cfg, "cuda", modes=("draft_decode_shared_prefix",))
+    steps = fi.draft_decode_shared_prefix(*c.args, num_rows=S, v2p=v2p,
+                                          seq_lens_cpu=c.batch.seq_lens_cpu)  # fmt: skip
+    what = f"flashinfer shared-prefix window k={k} ps={ps} {'v2p' if translate else 'tokens'}"
+    for s, step in enumerate(steps.steps):
+        want = window_sequences(c.batch, c.slots, s, 37, 4, v2p)
+        c.check(flashinfer_attn, step, want, f"{what} [{s}]")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_paged_draft_over_virtual_ids_through_flashinfer(gen, flashinfer_attn,
+                                                                        k, ps):  # fmt: skip
+    """FlashInfer's paged draft form over virtual ids and a shuffled page map (design §2.10):
+    each page list holds the physical pages of its branch's logical sequence."""
+    c = _Case(gen, k, ps, 5)
+    v2p = _page_map(gen, c.batch.pool_size // ps)
+    _copy_prefix_tails(c, v2p.cuda())
+    fi = FlashInferBuilder(c.cfg, "cuda", modes=("draft_decode_paged",))
+    steps = fi.draft_decode_paged(*c.args, num_rows=S, v2p=v2p.cuda(),
+                                  seq_lens_cpu=c.batch.seq_lens_cpu)  # fmt: skip
+    for s, step in enumerate(steps.steps):
+        want = [v2p[ids // ps] * ps + ids % ps for ids in branch_sequences(c.batch, c.slots, s)]
+        c.check(flashinfer_attn, step, want, f"flashinfer paged draft v2p k={k} ps={ps} [{s}]")
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("mode", ["draft_decode", "target_verify", "ragged_verify",
+                                  "draft_extend"])  # fmt: skip
+@pytest.mark.parametrize("k,ps", [(1, 1), (1, 16), (2, 1), (2, 16), (4, 64), (8, 1)])
+def test_gpu_fa3_virtual_ids_through_flash_attn_cute(gen, cute, mode, k, ps):
+    """FA3's page tables and expand passes over virtual ids and a shuffled page map (design
+    §2.10): CuTe reads the physical slots of every logical sequence. A cascade's draft slots
+    are physical already (assign_draft_cache_locs(v2p=) gives them): the expand pass reads
+    them as they are, and the prefix tails of slot layout B are copied at physical slots."""
+    c = _Case(gen, k, ps, 5)
+    v2p = _page_map(gen, c.batch.pool_size // ps)
+    maps = {"cpu": v2p, "cuda": v2p.cuda()}
+    _copy_prefix_tails(c, maps["cuda"])
+
+    def phys(ids):
+        return maps[ids.device.type][ids // ps] * ps + ids % ps
+
+    fa3 = FA3MetadataBuilder(c.cfg, "cuda")
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=maps["cuda"])
+    what = f"fa3 {mode} v2p k={k} ps={ps}"
+    if mode == "draft_decode":
+        steps = fa3.draft_decode(*c.args, phys(c.slots), num_rows=S, **kw)
+        for s, cascade in enumerate(steps):
+            want = [phys(ids) for ids in branch_sequences(c.batch, c.slots, s)]
+            c.check(cute, cascade, want, f"{what} step {s}")
+    elif mode == "target_verify":
+        meta = fa3.target_verify(*c.args, c.tree, **kw)
+        c.check(cute, meta, [phys(ids) for ids in tree_sequences(c.batch, c.tree)], what)
+    elif mode == "ragged_verify":
+        real, T = verify_split(gen, 5, c.n, "no_pad_leftover")
+        meta = fa3.target_verify(*c.args, c.tree if k > 1 else None, num_tokens=T,
+                                 verify_lens=torch.tensor(real, dtype=torch.int32,
+                                                          device="cuda"), **kw)  # fmt: skip
+        tree = c.tree if k > 1 else torch.ones(c.n, c.n, dtype=torch.bool).tril().expand(5, -1, -1)
+        want = ragged_tree_sequences(c.batch, tree, padded_lengths(real, T, 5))
+        c.check(cute, meta, [phys(ids) for ids in want], f"{what} {real} T={T}")
+    else:
+        meta = fa3.draft_extend(*c.args, **kw)
+        c.check(cute, meta, [phys(ids) for ids in extend_sequences(c.batch, c.n)], what)
+    assert int(fa3.status) == 0
+
+
 @pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "full", "no_pad_leftover"])
 @pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
 @pytest.mark.parametrize("ps", PAGE_SIZES)
@@ -286,7 +381,7 @@ def test_gpu_trtllm_mla_ragged_verify_through_flash_attn_cute(gen, ps, how):
     want = ragged_tree_sequences(c.batch, chain, capped)
     want += [torch.zeros(0, dtype=torch.int64)] * (T - sum(capped))
     c.check(CuteFlashAttention(page_size=ps), meta, want,
-            f"trtllm_mla ragged verify ps={ps} {how} {real} T={T}")
+            f"trtllm_mla ragged verify ps={ps} {how} {real} T={T}")  # fmt: skip
     assert int(mla.status) == 0
 
 
