@@ -249,8 +249,9 @@ def test_gpu_flashinfer_shared_prefix_window_through_flashinfer(gen, flashinfer_
                                                                 translate):  # fmt: skip
     """The shared-prefix cascade of a config's draft window (design §2.10): each request's
     sink and recent tokens listed once at the prefix level, over token ids or virtual ids and a
-    shuffled page map; FlashInfer's cascade reads each branch's window and chain."""
-    c = _Case(gen, k, ps, 5, window=(37, 4))
+    shuffled page map; FlashInfer's cascade reads each branch's window and chain (every
+    ``L ≥ 1``: the cascade wrapper gives wrong rows for an empty prefix, design §8)."""
+    c = _Case(gen, k, ps, 5, min_len=1, window=(37, 4))
     v2p = _page_map(gen, c.batch.pool_size // ps).cuda() if translate else None
     fi = FlashInferBuilder(c.cfg, "cuda", modes=("draft_decode_shared_prefix",))
     steps = fi.draft_decode_shared_prefix(*c.args, num_rows=S, v2p=v2p,
