@@ -285,8 +285,8 @@ def test_gpu_flashinfer_paged_draft_over_virtual_ids_through_flashinfer(gen, fla
                                   "draft_extend"])  # fmt: skip
 @pytest.mark.parametrize("k,ps", [(1, 1), (1, 16), (2, 1), (2, 16), (4, 64), (8, 1)])
 def test_gpu_fa3_virtual_ids_through_flash_attn_cute(gen, cute, mode, k, ps):
-    """FA3's page tables and expand passes over virtual ids and a shuffled page map (design
-    §2.10): CuTe reads the physical slots of every logical sequence. A cascade's draft slots
+    """FA3's page tables and expand passes over virtual ids and a shuffled page map
+    (design §2.10): CuTe reads the physical slots of every logical sequence. A cascade's draft slots
     are physical already (assign_draft_cache_locs(v2p=) gives them): the expand pass reads
     them as they are, and the prefix tails of slot layout B are copied at physical slots."""
     c = _Case(gen, k, ps, 5)
