@@ -118,7 +118,8 @@ def table(before_path: str, after_path: str) -> str:
 
 
 def measure_case(bs: int, k: int, new: bool) -> None:
-    """Every row of one (B, K) case (page size 16, S, N, CTX above)."""
+    """Every row of one (B, K) case (page size 16, S, N, CTX above; a chain's tree has at
+    most S + 1 nodes)."""
     import specmeta
     from specmeta import SpecConfig, new_status
     from specmeta.kernels import assign_draft_cache_locs, draft_decode_kv_indices
@@ -128,14 +129,14 @@ def measure_case(bs: int, k: int, new: bool) -> None:
     from specmeta.runners import GraphRunner, padding
     from specmeta.workloads import make_batch, random_tree_mask
 
-    ps = 16
-    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=N, page_size=ps, max_bs=bs,
+    ps, n = 16, N if k > 1 else S + 1
+    cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=n, page_size=ps, max_bs=bs,
                      max_context_len=CTX)  # fmt: skip
     g = torch.Generator().manual_seed(bs * 100 + k)
     batch = make_batch("random", batch_size=bs, topk=k, num_steps=S, page_size=ps,
                        row_width=cfg.req_to_token_width, generator=g, device="cuda",
-                       extra_tokens=N, max_len=CTX)  # fmt: skip
-    tree = random_tree_mask(bs, k, S, N, g).cuda()
+                       extra_tokens=n, max_len=CTX)  # fmt: skip
+    tree = random_tree_mask(bs, k, S, n, g).cuda()
     t = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
     lens = batch.seq_lens_cpu
     case = dict(bs=bs, topk=k, page_size=ps)
@@ -153,12 +154,12 @@ def measure_case(bs: int, k: int, new: bool) -> None:
     host_kw = {name: {} for name in calls}
     if "verify_lens" in inspect.signature(FlashInferBuilder.target_verify).parameters:
         # A ragged verify (design §2.9): B − 1 real requests of random lengths, a full bucket.
-        real_cpu = torch.randint(0, N + 1, (bs - 1,), generator=g, dtype=torch.int32)
-        ragged = {"packed": True, "verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
+        real_cpu = torch.randint(0, n + 1, (bs - 1,), generator=g, dtype=torch.int32)
+        ragged = {"packed": True, "verify_lens": real_cpu.cuda(), "num_tokens": bs * n}
         calls["flashinfer.target_verify.ragged"] = (fi, "target_verify", (*t, tree), ragged)
         host_kw["flashinfer.target_verify.ragged"] = {"verify_lens_cpu": real_cpu}
         # FA3 reads the query offsets on the device: no host copy of the lengths.
-        fa3_ragged = {"verify_lens": ragged["verify_lens"], "num_tokens": bs * N}
+        fa3_ragged = {"verify_lens": ragged["verify_lens"], "num_tokens": bs * n}
         calls["fa3.target_verify.ragged"] = (fa3, "target_verify", (*t, tree), fa3_ragged)
         host_kw["fa3.target_verify.ragged"] = {}
     if k == 1:  # TRT-LLM MLA verifies chains only: this case times its verify alone
@@ -166,8 +167,8 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         calls = {"trtllm_mla.target_verify": (mla_tv, "target_verify", t, {})}
         host_kw = {"trtllm_mla.target_verify": {}}
         if "verify_lens" in inspect.signature(TrtllmMlaBuilder.target_verify).parameters:
-            real_cpu = torch.randint(0, N + 1, (bs - 1,), generator=g, dtype=torch.int32)
-            mla_ragged = {"verify_lens": real_cpu.cuda(), "num_tokens": bs * N}
+            real_cpu = torch.randint(0, n + 1, (bs - 1,), generator=g, dtype=torch.int32)
+            mla_ragged = {"verify_lens": real_cpu.cuda(), "num_tokens": bs * n}
             calls["trtllm_mla.target_verify.ragged"] = (mla_tv, "target_verify", t, mla_ragged)
             host_kw["trtllm_mla.target_verify.ragged"] = {}
     for name, (b, mode, args, kw) in calls.items():
@@ -242,7 +243,7 @@ def measure_case(bs: int, k: int, new: bool) -> None:
             runner.add_input("req_pool_indices", bufs["runner.req_pool_indices"],
                              pad=padding.SINK_ROW)  # fmt: skip
             runner.add_input("seq_lens", bufs["runner.seq_lens"],
-                             pad=padding.seq_lens_fill(k, N), host_mirror=host)  # fmt: skip
+                             pad=padding.seq_lens_fill(k, n), host_mirror=host)  # fmt: skip
             runner.capture()
             views = runner.static_inputs(bs)
             views["req_pool_indices"].copy_(batch.req_pool_indices)
@@ -277,14 +278,14 @@ def main() -> None:
         import re
 
         ONLY.append(re.compile(a.only))
-    for bs, k in ((64, 8), (1, 4), (256, 8), (64, 1)):
-        measure_case(bs, k, new)
     import triton
 
     meta = dict(label=a.label, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, date=time.strftime("%Y-%m-%d"))  # fmt: skip
-    with open(a.out, "w") as f:
-        json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
+    for bs, k in ((64, 8), (1, 4), (256, 8), (64, 1)):
+        measure_case(bs, k, new)
+        with open(a.out, "w") as f:  # after every case: a later failure keeps these rows
+            json.dump({"meta": meta, "rows": ROWS}, f, indent=1)
     print(f"{sum(r['met'] for r in ROWS)} of {len(ROWS)} met", file=sys.stderr)
 
 

@@ -48,7 +48,7 @@ def _block(padded_batch: int) -> int:
     return min(max(next_power_of_2(padded_batch + 1), _MIN_BLOCK), _MAX_BLOCK)
 
 
-@triton.jit(do_not_specialize=["B", "B_pad", "T", "CAP"])
+@triton.jit(do_not_specialize=["B", "B_pad", "T", "N", "CAP"])
 def _pad_verify_lens_to_bucket_kernel(
     verify_lens_ptr,  # [B] int32|int64
     out_ptr,  # [≥ B_pad] int32|int64
