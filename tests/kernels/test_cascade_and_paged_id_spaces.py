@@ -180,7 +180,11 @@ def test_cascade_window_an_unmapped_id_is_the_sink_and_bad_kv_id_only_if_kept(wh
     # entries 6 and 7); entry 3 (positions 12-15) is dropped. Each entry has its own page.
     r2t[row] = torch.arange(r2t.shape[1]) + 16
     entry = {"sink": 0, "recent": 7, "dropped": 3}[where]
-    v2p[int(r2t[row, entry])] = -1  # E == ps: page entry e holds virtual page r2t[row, e]
+    planted = int(r2t[row, entry])
+    v2p[planted] = -1  # E == ps: page entry e holds virtual page r2t[row, e]
+    # Request 0's random row must not name the planted page: only request 1 reads it.
+    others = torch.arange(r2t.shape[0]) != row
+    r2t[others] = torch.where(r2t[others] == planted, planted + 1, r2t[others])
     spec = _cascade_spec(*args, E=E, K=K, S=S, ps=ps, window=window, sink=sink)
     assert spec[3] == (where != "dropped")
     kernel, ref = _cascade(args, device, K=K, S=S, ps=ps, width=len(spec[1]),
