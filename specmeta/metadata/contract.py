@@ -339,8 +339,8 @@ class MetadataBuilder:
         made on every call of the stage's host part; what it read is sent to the device for
         :meth:`verify_check`. ``found``: the ``(max v, Σv)`` a compiled host op returned after
         making these checks itself."""
-        stats, n = self._stats, self.cfg.num_draft_tokens
-        if found is None and stats is not None and verify_lens_cpu is not None:
+        n = self.cfg.num_draft_tokens
+        if found is None and verify_lens_cpu is not None and (stats := self._stats) is not None:
             # Every value in [0, N], max and sum, in one compiled call; what it refuses is
             # named by the checks below.
             with contextlib.suppress(TypeError, ValueError, IndexError):
