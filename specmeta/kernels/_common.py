@@ -369,17 +369,27 @@ def branch_position(L, t, c, page_size, NUM_STEPS: tl.constexpr):
 
 
 @triton.jit
-def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size,
-                NUM_STEPS: tl.constexpr):  # fmt: skip
+def branch_page(req_to_token_ptr, row_base, row_ok, L, t, c, W_row, page_size, v2p_ptr, num_pages,
+                NUM_STEPS: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
+                TRANSLATE: tl.constexpr):  # fmt: skip
     """Page of column ``c`` (any shape) of branch ``t``'s page row (design §1 over pages):
-    ``(page, used, pos_bad)``; ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0 where
-    unused or out of the row."""
+    ``(page, used, pos_bad, bad)``; ``used`` is ``c < ceil((L + S) / ps)``, ``page`` is 0
+    where unused or out of the row. The page is that of the id the row names at the column's
+    first position (:func:`branch_position`): the slot itself in a plain row, else the id
+    :func:`load_kv_ids` emits in the rows' id space (design §2.10), where ``bad`` marks an id
+    that did not map (the sink page 0); a plain row's ``bad`` is all false."""
     pos, used = branch_position(L, t, c, page_size, NUM_STEPS)
-    in_row = pos < W_row
-    slot = tl.load(
-        req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
-    )
-    return slot // page_size, used, used & ~in_row
+    if ENTRY_PAGE_SIZE == 1 and not TRANSLATE:
+        in_row = pos < W_row
+        slot = tl.load(
+            req_to_token_ptr + row_base + pos, mask=tl.where(row_ok, used & in_row, False), other=0
+        )
+        bad = used & False
+    else:
+        slot, in_row, bad = load_kv_ids(req_to_token_ptr + row_base, pos,
+                                        tl.where(row_ok, used, False), W_row, v2p_ptr,
+                                        num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    return slot // page_size, used, used & ~in_row, bad
 
 
 @triton.jit
@@ -597,15 +607,22 @@ def branch_pages_ref(
     num_steps: int,
     page_size: int,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    *,
+    entry_page_size: int = 1,
+    v2p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``[B, K, width]`` pages of every branch row (0 where unused), the ``[B, K, width]``
-    "used" mask, the mask of used columns whose position fell past ``W_row``, and the
-    ``ROW_OOB`` bit; vectorised. The torch side of :func:`branch_page`."""
+    "used" mask, the mask of used columns whose position fell past the row (``W_row·E``
+    positions), the mask of used columns whose id did not map (design §2.10: page 0 there),
+    and the ``ROW_OOB`` bit; vectorised. The torch side of :func:`branch_page`."""
     ps = page_size
     pos, used = branch_positions_ref(seq_lens, topk, num_steps, ps, width)
-    slots, bits = gather_rows_ref(req_to_token, req_pool_indices, pos)
-    pages = torch.where(used, slots // ps, 0)
-    return pages, used, used & (pos >= req_to_token.shape[1]), bits & int(Status.ROW_OOB)
+    slots, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, used,
+                                       entry_page_size=entry_page_size, v2p=v2p,
+                                       page_size=ps)  # fmt: skip
+    pages = torch.where(used, torch.div(slots, ps, rounding_mode="floor"), 0)
+    past = used & (pos >= req_to_token.shape[1] * entry_page_size)
+    return pages, used, past, bad, bits & int(Status.ROW_OOB)
 
 
 def verify_rows_ref(verify_lens: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, int]:
