@@ -20,6 +20,10 @@ page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and it
   the engine's scatter of the query into the dense rows (real rows first) and the gather of the
   output (tokens no request covers read 0).
 
+Every mode reads its rows in the id space a call names (design §2.10): ``entry_page_size=`` (rows
+of page ids) and ``v2p=`` (virtual ids through the pool's page map); the block tables hold the
+physical pages.
+
 A :class:`TrtllmMlaBuilder` allocates every buffer from :func:`~specmeta.plan_buffers` (keys
 ``trtllm_mla.<mode>.<field>``) once; its methods write into them without allocating or
 synchronising and return frozen dataclasses of views named as the consumer's arguments.
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 
 from ..config import SpecConfig, plan_buffers
+from ..kernels._common import check_id_spaces
 from ..kernels.branch_page_table import bind_branch_page_table, branch_page_table_ref
 from ..kernels.prefix_page_table import bind_prefix_page_table, prefix_page_table_ref
 from ..stage import Stage
@@ -198,6 +203,16 @@ class TrtllmMlaBuilder(MetadataBuilder):
                 f"max_context_len >= {max_seq_len}"
             )
 
+    def _spaces(self, mode: str, req_pool_indices: Any, req_to_token: Any, seq_lens: Any,
+                status: Any, v2p: Any, entry_page_size: Any) -> tuple[int, dict]:  # fmt: skip
+        """The host checks of one bind, before anything is bound: the tensors, the row width
+        counted in pages of ``entry_page_size`` positions and the page map ``v2p`` (the id
+        spaces of design §2.10). Returns ``B`` and the kernels' id-space keywords."""
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
+        check_id_spaces(self.require(mode), 0, 0, entry_page_size, v2p, self.device)
+        return B, dict(entry_page_size=entry_page_size, v2p=v2p)
+
     def bind_draft_decode(
         self,
         req_pool_indices: torch.Tensor,
@@ -206,18 +221,21 @@ class TrtllmMlaBuilder(MetadataBuilder):
         *,
         num_rows: int | None = None,
         status: torch.Tensor | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()``; ``host(seq_lens_cpu)`` checks the lengths (when given) and
         returns the :class:`TrtllmMlaDraftDecode`."""
         cfg, buf, mode = self.cfg, self.buffers, "draft_decode"
         rows = self.draft_rows(mode, num_rows)
-        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        B, spaces = self._spaces(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
+                                 entry_page_size)  # fmt: skip
         launch = self._launch(
             bind_branch_page_table, branch_page_table_ref, req_pool_indices, req_to_token,
             seq_lens, topk=cfg.topk, num_steps=cfg.num_steps, page_size=cfg.page_size,
             num_rows=rows, fill_value=_UNUSED_BLOCK, page_table=buf[f"{mode}.block_kv_indices"],
-            seq_lens_k=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
+            seq_lens_k=buf[f"{mode}.seq_lens_k"], status=self.status_word(status), **spaces,
         )  # fmt: skip
         result = self.views((mode, B, rows), self._draft_result, B, rows)
         return self._stage(mode, B, [launch], result, seq_lens, status)
@@ -233,6 +251,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> TrtllmMlaDraftDecode:
         """Draft decode, ``K == 1`` (chains) or ``K > 1`` (per-branch page tables), one launch.
 
@@ -252,9 +272,19 @@ class TrtllmMlaBuilder(MetadataBuilder):
             Status word; default :attr:`status`.
         launch : bool
             ``False``: launch nothing, return the views (the kernels run in a captured graph).
+        v2p : torch.Tensor, optional
+            ``[P]`` int32 or int64 virtual → physical page map at the config's page size, on
+            the device: the rows hold virtual ids, every page read through them (the prefix
+            and the branch regions' draft slots, design §2.10) is listed physical, a page whose
+            id does not map as the sink page 0 with ``BAD_KV_ID``.
+        entry_page_size : int
+            ``E ≥ 1``: with ``E > 1`` the rows hold page ids of ``E`` positions each (position
+            ``p`` at ``row[p // E]·E + p mod E``), and ``req_to_token`` needs
+            ``ceil(row_width_need / E)`` entries. Default 1, rows of token ids.
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens,
-                                       num_rows=num_rows, status=status)  # fmt: skip
+                                       num_rows=num_rows, status=status, v2p=v2p,
+                                       entry_page_size=entry_page_size)  # fmt: skip
         self._max_seq_len("draft_decode", max_seq_len)
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
@@ -273,20 +303,22 @@ class TrtllmMlaBuilder(MetadataBuilder):
         ))  # fmt: skip
 
     def _bind_prefill(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
-                      verify_lens: Any = None, num_tokens: Any = None) -> Stage:  # fmt: skip
+                      verify_lens: Any = None, num_tokens: Any = None, v2p: Any = None,
+                      entry_page_size: Any = 1) -> Stage:  # fmt: skip
         """The stage of target verify or draft extend: the request's pages over ``L + N``
         tokens and ``seq_lens_k = L + N``, one launch; a ragged verify (``verify_lens``) adds
         the padding of its lengths to the bucket, capped at ``N`` (and the check of the
-        lengths' host copy)."""
+        lengths' host copy). ``v2p``, ``entry_page_size``: the rows' id space."""
         cfg, buf = self.cfg, self.buffers
-        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status)
+        B, spaces = self._spaces(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
+                                 entry_page_size)  # fmt: skip
         pad, _, T, verify = self.bind_bucket(mode, B, verify_lens, num_tokens, status,
                                              cap=cfg.num_draft_tokens)  # fmt: skip
         launch = self._launch(
             bind_prefix_page_table, prefix_page_table_ref, req_pool_indices, req_to_token,
             seq_lens, page_size=cfg.page_size, extra_tokens=cfg.num_draft_tokens,
             fill_value=_UNUSED_BLOCK, page_table=buf[f"{mode}.block_kv_indices"],
-            cache_seqlens=buf[f"{mode}.seq_lens_k"], status=self.status_word(status),
+            cache_seqlens=buf[f"{mode}.seq_lens_k"], status=self.status_word(status), **spaces,
         )  # fmt: skip
         result = self.views((mode, B, T), self._prefill_result, mode, B, T)
         if pad is None:
@@ -319,6 +351,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
         status: torch.Tensor | None = None,
         verify_lens: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there); the stage's
         ``host(seq_lens_cpu)`` (``host(seq_lens_cpu, verify_lens_cpu=...)``, the copy optional,
@@ -330,7 +364,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
                 "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
             )
         return self._bind_prefill("target_verify", req_pool_indices, req_to_token, seq_lens,
-                                  status, verify_lens, num_tokens)  # fmt: skip
+                                  status, verify_lens, num_tokens, v2p,
+                                  entry_page_size)  # fmt: skip
 
     def target_verify(
         self,
@@ -345,12 +380,15 @@ class TrtllmMlaBuilder(MetadataBuilder):
         verify_lens: torch.Tensor | None = None,
         verify_lens_cpu: torch.Tensor | None = None,
         num_tokens: int | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> TrtllmMlaPrefill:
         """Target verify of an ``N``-token chain: ``seq_lens_k = L_b + N``, stride ``N``, causal.
 
         TRT-LLM MLA has no custom mask, so a tree (``topk > 1``) cannot be verified with it:
         that raises ``ValueError`` (verify trees with FlashInfer or FA3). Arguments as in
-        :meth:`draft_decode`, and for a ragged verify (design §2.9):
+        :meth:`draft_decode` (``v2p``, ``entry_page_size``: the rows' id space), and for a
+        ragged verify (design §2.9):
 
         verify_lens : torch.Tensor, optional
             ``[B' ≤ B]`` int32 or int64 on the device, real request ``b`` verifies the first
@@ -367,7 +405,8 @@ class TrtllmMlaBuilder(MetadataBuilder):
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, status=status,
-                                        verify_lens=verify_lens, num_tokens=num_tokens)  # fmt: skip
+                                        verify_lens=verify_lens, num_tokens=num_tokens, v2p=v2p,
+                                        entry_page_size=entry_page_size)  # fmt: skip
         self._max_seq_len("target_verify", max_seq_len)
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
@@ -380,11 +419,13 @@ class TrtllmMlaBuilder(MetadataBuilder):
         seq_lens: torch.Tensor,
         *,
         status: torch.Tensor | None = None,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> Stage:
         """:meth:`draft_extend` bound once to these tensors (arguments as there); the stage's
         ``host(seq_lens_cpu)`` returns the :class:`TrtllmMlaPrefill`."""
         return self._bind_prefill("draft_extend", req_pool_indices, req_to_token, seq_lens,
-                                  status)  # fmt: skip
+                                  status, v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
 
     def draft_extend(
         self,
@@ -396,9 +437,13 @@ class TrtllmMlaBuilder(MetadataBuilder):
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
+        v2p: torch.Tensor | None = None,
+        entry_page_size: int = 1,
     ) -> TrtllmMlaPrefill:
         """Draft extend: ``seq_lens_k = L_b + N``, stride ``N``, causal; the same fixed query
-        layout at capture and at replay. Arguments as in :meth:`draft_decode`."""
-        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status)
+        layout at capture and at replay. Arguments as in :meth:`draft_decode` (``v2p``,
+        ``entry_page_size``: the rows' id space)."""
+        stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
+                                       v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         self._max_seq_len("draft_extend", max_seq_len)
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
