@@ -386,6 +386,53 @@ def test_gpu_trtllm_mla_ragged_verify_through_flash_attn_cute(gen, ps, how):
     assert int(mla.status) == 0
 
 
+# TRT-LLM MLA verifies chains only: its verify modes over virtual ids take K = 1.
+_MLA_VIRTUAL = [(mode, k, ps)
+                for mode in ("draft_decode", "target_verify", "ragged_verify", "draft_extend")
+                for k, ps in ((1, 1), (1, 16), (2, 1), (2, 16), (4, 64), (8, 1))
+                if k == 1 or mode in ("draft_decode", "draft_extend")]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode,k,ps", _MLA_VIRTUAL)
+def test_gpu_trtllm_mla_virtual_ids_through_flash_attn_cute(gen, mode, k, ps):
+    """TRT-LLM MLA's block tables over virtual ids and a shuffled page map (design §2.10),
+    read by the CuTe kernel as plain paged attention: every logical sequence's physical slots.
+    A branch's region is read through the row, so its draft slots are virtual there and the
+    table translates them; the prefix tails of slot layout B are copied at physical slots."""
+    c = _Case(gen, k, ps, 5)
+    v2p = _page_map(gen, c.batch.pool_size // ps)
+    maps = {"cpu": v2p, "cuda": v2p.cuda()}
+    _copy_prefix_tails(c, maps["cuda"])
+
+    def phys(ids):
+        return maps[ids.device.type][ids // ps] * ps + ids % ps
+
+    cute = CuteFlashAttention(page_size=ps)
+    mla = TrtllmMlaBuilder(c.cfg, "cuda")
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=maps["cuda"])
+    what = f"trtllm_mla {mode} v2p k={k} ps={ps}"
+    if mode == "draft_decode":
+        for s, step in enumerate(mla.draft_decode(*c.args, num_rows=S, **kw).steps):
+            want = [phys(ids) for ids in branch_sequences(c.batch, c.slots, s)]
+            c.check(cute, step, want, f"{what} step {s}")
+    elif mode == "target_verify":
+        meta = mla.target_verify(*c.args, **kw)
+        c.check(cute, meta, [phys(ids) for ids in extend_sequences(c.batch, c.n)], what)
+    elif mode == "ragged_verify":
+        real, T = verify_split(gen, 5, c.n, "random")
+        meta = mla.target_verify(*c.args, num_tokens=T, **kw,
+                                 verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"))  # fmt: skip
+        capped = [min(v, c.n) for v in padded_lengths(real, T, 5)]
+        chain = torch.ones(c.n, c.n, dtype=torch.bool).tril().expand(5, -1, -1)
+        want = [phys(ids) for ids in ragged_tree_sequences(c.batch, chain, capped)]
+        want += [torch.zeros(0, dtype=torch.int64)] * (T - sum(capped))
+        c.check(cute, meta, want, f"{what} {real} T={T}")
+    else:
+        meta = mla.draft_extend(*c.args, **kw)
+        c.check(cute, meta, [phys(ids) for ids in extend_sequences(c.batch, c.n)], what)
+    assert int(mla.status) == 0
+
+
 # --------------------------------------------------------------------------------------------
 # One CUDA graph per bucket captures the metadata build and the attention together.
 # --------------------------------------------------------------------------------------------
