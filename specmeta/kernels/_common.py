@@ -617,9 +617,8 @@ def branch_pages_ref(
     and the ``ROW_OOB`` bit; vectorised. The torch side of :func:`branch_page`."""
     ps = page_size
     pos, used = branch_positions_ref(seq_lens, topk, num_steps, ps, width)
-    slots, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, used,
-                                       entry_page_size=entry_page_size, v2p=v2p,
-                                       page_size=ps)  # fmt: skip
+    slots, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, used, v2p=v2p,
+                                       entry_page_size=entry_page_size, page_size=ps)  # fmt: skip
     pages = torch.where(used, torch.div(slots, ps, rounding_mode="floor"), 0)
     past = used & (pos >= req_to_token.shape[1] * entry_page_size)
     return pages, used, past, bad, bits & int(Status.ROW_OOB)
