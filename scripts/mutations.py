@@ -191,7 +191,7 @@ MUTATIONS: list[Mutation] = [
        ["tests/kernels/test_draft_decode_kv_indices.py", "-k", "too_small"]),
     _m("k-verify-sums-carry", "kernel",
        "verify expand cu_seqlens_k drops the running total between blocks",
-       K + "_common.py",
+       K + "verify_expand_page_table.py",
        "        carry += tl.sum(v, 0)",
        "        carry += tl.sum(v, 0) * 0",
        ["tests/kernels/test_verify_expand_page_table.py"]),

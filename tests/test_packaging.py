@@ -18,3 +18,11 @@ def test_long_description_has_no_relative_links():
     text = (ROOT / path).read_text()
     targets = re.findall(r"\]\(([^)]*)\)", text) + re.findall(r"src=\"([^\"]*)\"", text)
     assert [t for t in targets if not re.match(r"https?://", t)] == []
+
+
+def test_no_source_file_of_the_package_passes_700_lines():
+    """The size limit of the house style: a module that grows past it is split by what it does
+    (a newcomer reads the architecture from the folder tree)."""
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "specmeta").rglob("*"))
+            if p.suffix in (".py", ".c") and (n := len(p.read_text().splitlines())) > 700}  # fmt: skip
+    assert long == {}, f"over 700 lines: {long}"

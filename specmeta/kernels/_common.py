@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .. import validate
 from ..config import uses_layout_b
-from ..launch import Launcher, cdiv
+from ..launch import cdiv
 from ..status import Status
 
 # --------------------------------------------------------------------------------------------
@@ -685,27 +685,3 @@ def translate_ids_ref(ids: torch.Tensor, read: torch.Tensor, v2p: torch.Tensor,
     phys = torch.where(mapped, v2p[torch.where(mapped, vpage, 0)].to(torch.int64), -1)
     bad = read & (phys < 0)
     return torch.where(read & ~bad, phys * page_size + ids % page_size, 0), bad
-
-
-@triton.jit(do_not_specialize=["n"])
-def inclusive_sums_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """``dst[1 + r] = Σ_{r' ≤ r} src[r']`` for ``r < n``: one program, ``BLOCK`` entries a
-    step, the running total carried in 64 bits. ``n`` is the host's row count (the buffers'
-    size), never a device value, so the loop is bounded by capacity."""
-    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
-    for start in range(0, n, BLOCK):
-        r = start + tl.arange(0, BLOCK)
-        v = tl.load(src_ptr + r, mask=r < n, other=0).to(tl.int64)
-        tl.store(dst_ptr + 1 + r, (tl.cumsum(v, 0) + carry).to(dst_ptr.dtype.element_ty),
-                 mask=r < n)  # fmt: skip
-        carry += tl.sum(v, 0)
-
-
-_INCLUSIVE_SUMS = Launcher(inclusive_sums_kernel)
-
-
-def bind_inclusive_sums(src: torch.Tensor, dst: torch.Tensor, n: int):
-    """The bound launch of :func:`inclusive_sums_kernel` over ``n`` entries: the
-    ``cu_seqlens_k`` of an FA3 expand pass from its ``cache_seqlens`` (``dst[0]`` is the
-    caller's)."""
-    return _INCLUSIVE_SUMS.bind((1,), src_ptr=src, dst_ptr=dst, n=n, BLOCK=1024)

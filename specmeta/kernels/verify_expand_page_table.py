@@ -41,13 +41,11 @@ from ._common import (
     ROW_OOB,
     ancestor_order,
     batch_arguments,
-    bind_inclusive_sums,
     check_batch,
     check_expand_outputs,
     check_id_spaces,
     check_verify_lens,
     id_space_arguments,
-    inclusive_sums_kernel,
     load_kv_ids_ref,
     load_request,
     load_verify_len,
@@ -60,6 +58,30 @@ __all__ = [
     "verify_expand_page_table",
     "verify_expand_page_table_ref",
 ]
+
+
+@triton.jit(do_not_specialize=["n"])
+def inclusive_sums_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """``dst[1 + r] = Σ_{r' ≤ r} src[r']`` for ``r < n``: one program, ``BLOCK`` entries a
+    step, the running total carried in 64 bits. ``n`` is the host's row count (the buffers'
+    size), never a device value, so the loop is bounded by capacity."""
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
+    for start in range(0, n, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        v = tl.load(src_ptr + r, mask=r < n, other=0).to(tl.int64)
+        tl.store(dst_ptr + 1 + r, (tl.cumsum(v, 0) + carry).to(dst_ptr.dtype.element_ty),
+                 mask=r < n)  # fmt: skip
+        carry += tl.sum(v, 0)
+
+
+_INCLUSIVE_SUMS = Launcher(inclusive_sums_kernel)
+
+
+def bind_inclusive_sums(src: torch.Tensor, dst: torch.Tensor, n: int):
+    """The bound launch of :func:`inclusive_sums_kernel` over ``n`` entries: the
+    ``cu_seqlens_k`` of an FA3 expand pass from its ``cache_seqlens`` (``dst[0]`` is the
+    caller's)."""
+    return _INCLUSIVE_SUMS.bind((1,), src_ptr=src, dst_ptr=dst, n=n, BLOCK=1024)
 
 
 @triton.jit(

@@ -40,18 +40,17 @@ from ._common import (
     ROW_OOB,
     ancestor_order,
     batch_arguments,
-    bind_inclusive_sums,
     check_batch,
     check_expand_outputs,
     check_id_spaces,
     gather_rows_ref,
     host_int,
     id_space_arguments,
-    inclusive_sums_kernel,
     load_kv_ids_ref,
     load_request,
     window_slots,
 )
+from .verify_expand_page_table import bind_inclusive_sums, inclusive_sums_kernel
 
 __all__ = ["bind_verify_expand_ragged", "verify_expand_ragged", "verify_expand_ragged_ref"]
 

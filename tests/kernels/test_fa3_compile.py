@@ -172,7 +172,7 @@ KERNELS = [
     ("runners.padding", "_copy_pad_many_kernel", dict(NBUF=3, BLOCK=1024),
      dict(src0="i64", dst0="i64", src1="i32", dst1="i32", src2="u8", dst2="u8", src3="i64",
           dst3="i64")),
-    ("_common", "inclusive_sums_kernel", dict(BLOCK=1024), {}),
+    ("verify_expand_page_table", "inclusive_sums_kernel", dict(BLOCK=1024), {}),
     ("verify_expand_ragged", "_verify_expand_ragged_kernel",
      dict(BLOCK_N=8, BLOCK_W=8, BLOCK_F=16, CHAIN=False, WRITE_CU0=True, **_PLAIN_SLOTS),
      dict(tree_mask_ptr="u8", qo_indptr_ptr="i32")),
