@@ -175,3 +175,26 @@ def verify_split(gen, Bp: int, n: int, how: str) -> tuple[list[int], int]:
         real = [draw(n) for _ in range(Bp)]
         return real, Bp * n
     raise AssertionError(how)
+
+
+def emitted_id(row, p: int, v2p, *, E: int, ps: int) -> int:
+    """The id row ``row`` names at position ``p`` as a kernel emits it (design §2.10), read from
+    the rules: a token entry, or a page entry's token; then through the page map ``v2p``; 0
+    (the sink) where it does not map."""
+    tid = int(row[p]) if E == 1 else int(row[p // E]) * E + p % E
+    if E > 1 and tid < 0:
+        return 0
+    if v2p is None:
+        return tid
+    page = tid // ps
+    if tid < 0 or page >= v2p.shape[0] or int(v2p[page]) < 0:
+        return 0
+    return int(v2p[page]) * ps + tid % ps
+
+
+def physical_rows(rows, v2p, *, E: int, ps: int) -> torch.Tensor:
+    """The plain rows (one token id a position) that ``rows`` of entry size ``E`` through the
+    page map ``v2p`` stand for."""
+    R, W = rows.shape
+    return torch.tensor([[emitted_id(rows[r], p, v2p, E=E, ps=ps) for p in range(W * E)]
+                         for r in range(R)], dtype=torch.int64)  # fmt: skip

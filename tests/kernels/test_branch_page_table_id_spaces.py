@@ -14,6 +14,7 @@ import torch
 
 from specmeta import Status, new_status
 from specmeta.kernels.branch_page_table import branch_page_table, branch_page_table_ref
+from tests._support import emitted_id, physical_rows
 from tests.guard_bands import Guarded, assert_equal
 
 POOL_PAGES = 48  # virtual pages of the pool (v2p's length)
@@ -32,27 +33,6 @@ CONFIGS = [(1, 3, 4), (3, 2, 4), (2, 3, 1)]
 # --------------------------------------------------------------------------------------------
 # The rules, read directly (design §1, §2.10).
 # --------------------------------------------------------------------------------------------
-def _emit(row, p, v2p, *, E, ps):
-    """The id row ``row`` names at position ``p`` as emitted: a token entry, or a page entry's
-    token; then through the page map; 0 where it does not map."""
-    tid = int(row[p]) if E == 1 else int(row[p // E]) * E + p % E
-    if E > 1 and tid < 0:
-        return 0
-    if v2p is None:
-        return tid
-    page = tid // ps
-    if tid < 0 or page >= v2p.shape[0] or int(v2p[page]) < 0:
-        return 0
-    return int(v2p[page]) * ps + tid % ps
-
-
-def _physical_rows(rows, v2p, *, E, ps):
-    """The plain rows (one token id a position) that ``rows`` stand for."""
-    R, W = rows.shape
-    return torch.tensor([[_emit(rows[r], p, v2p, E=E, ps=ps) for p in range(W * E)]
-                         for r in range(R)], dtype=torch.int64)  # fmt: skip
-
-
 def _column(L, t, c, *, S, ps):
     """``(position, used)`` of column ``c`` of branch ``t``: the ``L // ps`` full prefix pages,
     then the ``ceil((L mod ps + S) / ps)`` pages of the branch's region (design §1)."""
@@ -74,7 +54,7 @@ def _expected(rows, rpi, L, v2p, *, K, S, ps, E, width):
                 p, used = _column(int(L[b]), t, c, S=S, ps=ps)
                 if used:
                     inside = p < rows.shape[1] * E
-                    out[b * K + t, c] = _emit(row, p, v2p, E=E, ps=ps) // ps if inside else 0
+                    out[b * K + t, c] = emitted_id(row, p, v2p, E=E, ps=ps) // ps if inside else 0
     return out
 
 
@@ -137,7 +117,7 @@ def test_id_space_rows_build_what_their_physical_rows_build(form, k, s, ps, gen,
     B = int(torch.randint(1, 5, (1,), generator=gen))
     rpi, rows, L, v2p = _draw(gen, B=B, E=E, ps=ps, translate=translate,
                               positions=_positions(k, s, ps))  # fmt: skip
-    phys = _physical_rows(rows, v2p, E=E, ps=ps)
+    phys = physical_rows(rows, v2p, E=E, ps=ps)
     rows_k = int(torch.randint(0, s + 1, (1,), generator=gen))
     kw = dict(K=k, S=s, ps=ps, device=device, width=_width(k, s, ps), rows_k=rows_k)
     kernel = _build(branch_page_table, rpi, rows, L, v2p=v2p, E=E, **kw)
@@ -197,7 +177,7 @@ def test_an_id_that_does_not_map_is_page_0_and_bad_kv_id_alone(fault, where, gen
     L[0] = 9
     entry = 1 if where == "prefix" else (8 + 2 * ps) // E  # region of branch 2: 8 + 2·1·4
     _plant(fault, rows, v2p, int(rpi[0]), entry, E=E, ps=ps)
-    phys = _physical_rows(rows, v2p, E=E, ps=ps)
+    phys = physical_rows(rows, v2p, E=E, ps=ps)
     assert int(phys[int(rpi[0]), entry * E]) == 0, "the planted id does not map"
     kw = dict(K=K, S=S, ps=ps, device=device, width=_width(K, S, ps))
     kernel = _build(branch_page_table, rpi, rows, L, v2p=v2p, E=E, **kw)
@@ -265,7 +245,7 @@ def test_a_page_row_just_wide_enough_and_one_entry_short(k, E, gen, device):
         want = _expected(rows, rpi, L, v2p, K=k, S=S, ps=ps, E=E, width=8)
         assert_equal(kernel[0][0], want, f"{entries} entries: page_table against the rules")
         if bits == 0:  # the plain rows they stand for build the same
-            phys = _physical_rows(rows, v2p, E=E, ps=ps)
+            phys = physical_rows(rows, v2p, E=E, ps=ps)
             plain = _build(branch_page_table, rpi, phys, L, K=k, S=S, ps=ps, device=device,
                            width=8)  # fmt: skip
             _assert_same(kernel, plain, "physical rows")

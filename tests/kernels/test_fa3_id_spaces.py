@@ -24,6 +24,7 @@ from specmeta.kernels.verify_expand_page_table import (
 )
 from specmeta.kernels.verify_expand_ragged import verify_expand_ragged, verify_expand_ragged_ref
 from specmeta.workloads import random_tree_mask
+from tests._support import emitted_id, physical_rows
 from tests.guard_bands import Guarded, assert_equal
 
 POOL_PAGES = 24  # virtual pages of the pool (v2p's length)
@@ -47,27 +48,6 @@ def _draw(gen, *, B, E, ps, translate, positions):
     L = torch.randint(0, MAX_L + 1, (B,), generator=gen)
     v2p = torch.randperm(3 * POOL_PAGES, generator=gen)[:POOL_PAGES] if translate else None
     return rpi, rows, L, v2p
-
-
-def _emit(row, p, v2p, *, E, ps):
-    """The id row ``row`` names at position ``p`` (design §2.10), read from the rules: a token
-    entry, or a page entry's token; then through the page map; 0 where it does not map."""
-    tid = int(row[p]) if E == 1 else int(row[p // E]) * E + p % E
-    if E > 1 and tid < 0:
-        return 0
-    if v2p is None:
-        return tid
-    page = tid // ps
-    if tid < 0 or page >= v2p.shape[0] or int(v2p[page]) < 0:
-        return 0
-    return int(v2p[page]) * ps + tid % ps
-
-
-def _physical_rows(rows, v2p, *, E, ps):
-    """The plain rows (one token id a position) that ``rows`` stand for."""
-    R, W = rows.shape
-    return torch.tensor([[_emit(rows[r], p, v2p, E=E, ps=ps) for p in range(W * E)]
-                         for r in range(R)], dtype=torch.int64)  # fmt: skip
 
 
 def _layout_slots(L, *, K, S, ps):
@@ -163,7 +143,7 @@ def _builds(op, gen, *, form, ps, K=2, S=3, N=4, device):
     positions = MAX_L + K * (S + ps) + ps + N + 8  # every position any op reads fits
     rpi, rows, L, v2p = _draw(gen, B=B, E=E, ps=ps, translate=f["translate"],
                               positions=positions)  # fmt: skip
-    phys = _physical_rows(rows, v2p, E=E, ps=ps)
+    phys = physical_rows(rows, v2p, E=E, ps=ps)
     spaces = _spaces(E, v2p, device)
     if op == "prefix":
         extra = int(torch.randint(0, 5, (1,), generator=gen))
@@ -276,7 +256,7 @@ def test_an_id_that_does_not_map_is_the_sink_and_bad_kv_id_alone(op, fault, gen,
     else:
         L[0] = 13  # whole pages 0, 4, 8 (and 12) of the prefix
     _plant(fault, rows, v2p, int(rpi[0]), 2, E=E, ps=ps)
-    phys = _physical_rows(rows, v2p, E=E, ps=ps)
+    phys = physical_rows(rows, v2p, E=E, ps=ps)
     assert int(phys[int(rpi[0]), 8]) == 0, "the planted id does not map"
     sp = _spaces(E, v2p, device)
     tree = random_tree_mask(B, K, S, N, gen)
@@ -350,7 +330,7 @@ def test_a_page_row_just_wide_enough_and_one_entry_short(E, gen, device):
     for width, bits in ((-(-need // E), 0), (-(-need // E) - 1, int(Status.POS_OOB))):
         rpi, rows, _, v2p = _draw(gen, B=4, E=E, ps=ps, translate=True, positions=width * E)
         rows = rows[:, :width]
-        phys = _physical_rows(rows, v2p, E=E, ps=ps)
+        phys = physical_rows(rows, v2p, E=E, ps=ps)
         sp = _spaces(E, v2p, device)
         kernel = _prefix(prefix_page_table, (rpi, rows, L), ps=ps, device=device, extra=extra,
                          width=8, **sp)  # fmt: skip
@@ -363,7 +343,7 @@ def test_a_page_row_just_wide_enough_and_one_entry_short(E, gen, device):
             n = int(L[b]) + extra
             for c in range(-(-n // ps)):
                 p = c * ps
-                want = _emit(rows[int(rpi[b])], p, v2p, E=E, ps=ps) // ps if p < width * E else 0
+                want = emitted_id(rows[int(rpi[b])], p, v2p, E=E, ps=ps) // ps if p < width * E else 0
                 assert int(table[b, c]) == want, (width, b, c)
             assert all(int(x) == 0 for x in table[b, -(-n // ps):]), (width, b)
         assert_equal(kernel[0][1], (L + extra).to(torch.int32), "cache_seqlens")

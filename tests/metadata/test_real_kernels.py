@@ -126,6 +126,21 @@ def _page_map(gen, pages: int) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(pages - 1, generator=gen)])
 
 
+def _virtual_case(gen, k: int, ps: int):
+    """A case of 5 requests over virtual ids: the case, its page map on the GPU (the prefix
+    tails of slot layout B copied at physical slots) and ``phys(ids)``, the physical ids of
+    virtual ones on either device."""
+    c = _Case(gen, k, ps, 5)
+    v2p = _page_map(gen, c.batch.pool_size // ps)
+    maps = {"cpu": v2p, "cuda": v2p.cuda()}
+    _copy_prefix_tails(c, maps["cuda"])
+
+    def phys(ids):
+        return maps[ids.device.type][ids // ps] * ps + ids % ps
+
+    return c, maps["cuda"], phys
+
+
 def _copy_prefix_tails(c: _Case, v2p: torch.Tensor) -> None:
     """The case's pools with the prefix-tail copies of slot layout B made at physical slots
     (``prefix_tail_copy_pairs(v2p=)``), and the oracle's float64 copies read again."""
@@ -289,16 +304,10 @@ def test_gpu_fa3_virtual_ids_through_flash_attn_cute(gen, cute, mode, k, ps):
     (design §2.10): CuTe reads the physical slots of every logical sequence. A cascade's draft slots
     are physical already (assign_draft_cache_locs(v2p=) gives them): the expand pass reads
     them as they are, and the prefix tails of slot layout B are copied at physical slots."""
-    c = _Case(gen, k, ps, 5)
-    v2p = _page_map(gen, c.batch.pool_size // ps)
-    maps = {"cpu": v2p, "cuda": v2p.cuda()}
-    _copy_prefix_tails(c, maps["cuda"])
-
-    def phys(ids):
-        return maps[ids.device.type][ids // ps] * ps + ids % ps
+    c, v2p, phys = _virtual_case(gen, k, ps)
 
     fa3 = FA3MetadataBuilder(c.cfg, "cuda")
-    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=maps["cuda"])
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=v2p)
     what = f"fa3 {mode} v2p k={k} ps={ps}"
     if mode == "draft_decode":
         steps = fa3.draft_decode(*c.args, phys(c.slots), num_rows=S, **kw)
@@ -399,17 +408,11 @@ def test_gpu_trtllm_mla_virtual_ids_through_flash_attn_cute(gen, mode, k, ps):
     read by the CuTe kernel as plain paged attention: every logical sequence's physical slots.
     A branch's region is read through the row, so its draft slots are virtual there and the
     table translates them; the prefix tails of slot layout B are copied at physical slots."""
-    c = _Case(gen, k, ps, 5)
-    v2p = _page_map(gen, c.batch.pool_size // ps)
-    maps = {"cpu": v2p, "cuda": v2p.cuda()}
-    _copy_prefix_tails(c, maps["cuda"])
-
-    def phys(ids):
-        return maps[ids.device.type][ids // ps] * ps + ids % ps
+    c, v2p, phys = _virtual_case(gen, k, ps)
 
     cute = CuteFlashAttention(page_size=ps)
     mla = TrtllmMlaBuilder(c.cfg, "cuda")
-    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=maps["cuda"])
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu, v2p=v2p)
     what = f"trtllm_mla {mode} v2p k={k} ps={ps}"
     if mode == "draft_decode":
         for s, step in enumerate(mla.draft_decode(*c.args, num_rows=S, **kw).steps):
