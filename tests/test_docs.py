@@ -185,5 +185,5 @@ def test_readme_quickstart_runs():
 def test_readme_commands_are_the_ci_commands():
     """The two commands the README gives are the ones .ci/run runs."""
     text, ci = README.read_text(encoding="utf-8"), (ROOT / ".ci" / "run").read_text()
-    assert "python3 -m pytest -q" in text and "python3 -m pytest -q" in ci
+    assert "python3 -m pytest -q -n 2\n" in text and "python3 -m pytest -q -n 2\n" in ci
     assert "pip install torch==2.13.0" in text and "pip install torch==2.13.0" in ci
