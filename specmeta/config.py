@@ -507,6 +507,9 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     add("fa3.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of them")
     _plan_flashinfer(cfg, add)
     _plan_trtllm_mla(cfg, add)
+    from .metadata.flashinfer_mla_plan import plan_flashinfer_mla  # torch-free, like this one
+
+    plan_flashinfer_mla(cfg, add)
     return plan
 
 

@@ -1,6 +1,7 @@
 """What each builder serves and which planned buffers it allocates, as plain data (design §3).
 
-The builders (:mod:`.contract`, :mod:`.fa3`, :mod:`.flashinfer`, :mod:`.trtllm_mla`) read their
+The builders (:mod:`.contract`, :mod:`.fa3`, :mod:`.flashinfer`, :mod:`.trtllm_mla`,
+:mod:`.flashinfer_mla`) read their
 capabilities, plan groups and FlashInfer's mask fields from here, and so does ``specmeta plan``,
 which sizes a configuration without importing torch or Triton (seconds): this module imports
 neither.
@@ -72,7 +73,7 @@ class Capabilities:
 
 #: The builder class of each backend, by the backend's plan prefix (``"<backend>.<group>.…"``).
 BUILDERS = {"fa3": "FA3MetadataBuilder", "flashinfer": "FlashInferBuilder",
-            "trtllm_mla": "TrtllmMlaBuilder"}  # fmt: skip
+            "trtllm_mla": "TrtllmMlaBuilder", "flashinfer_mla": "FlashInferMLABuilder"}  # fmt: skip
 #: Every mode of any builder, in the order the builders list them.
 MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged", "target_verify",
          "draft_extend")  # fmt: skip
@@ -101,12 +102,22 @@ CAPABILITIES = {
         page_sizes="any",
         graph_safe=frozenset(_DECODE_VERIFY_EXTEND),
     ),
+    "flashinfer_mla": Capabilities(
+        modes=_DECODE_VERIFY_EXTEND,
+        tree_draft=True,  # a cascade: each prefix once, then each branch's own chain
+        # plan() reads every row's KV length on the host, and a tree's ancestor counts live
+        # on the device (design §3.5)
+        tree_verify=False,
+        page_sizes="any",
+        graph_safe=frozenset(_DECODE_VERIFY_EXTEND),
+    ),
 }
 #: The plan group (``"<backend>.<group>.<field>"``) of each mode whose group differs from it.
 PLAN_GROUPS: dict[str, dict[str, str]] = {
     "fa3": {},
     "flashinfer": {"draft_decode_shared_prefix": "draft_decode_shared"},
     "trtllm_mla": {},
+    "flashinfer_mla": {},
 }
 #: FlashInfer's target-verify mask forms: the bool ``custom_mask``, the packed-bit one, or both.
 VERIFY_MASKS = ("bool", "packed", "both")
