@@ -47,8 +47,11 @@ PY
       ;;
     real|real=*)
       sel=${stage#real}; sel=${sel#=}
+      # test_real_kernels.py and every tests/metadata/test_*_real.py (one per kernel family)
+      real_files=$(ls tests/metadata/test_real_kernels.py tests/metadata/test_*_real.py 2>/dev/null)
       SPECMETA_REAL_KERNEL_LOG="$OUT/real_errors.json" timeout 540 python3 -m pytest -q -rs \
-        tests/metadata/test_real_kernels.py ${sel:+-k "$sel"} --junitxml="$OUT/real.xml" 2>&1 \
+        $real_files ${sel:+-k "$sel"} \
+        --junitxml="$OUT/real.xml" 2>&1 \
         | tee "$OUT/real.log" | tail -n 25
       n_skip=$(skips "$OUT/real.xml")
       verdict=""
@@ -76,7 +79,7 @@ PY
       timeout 480 python3 -m pytest -q -rs ${paths:-tests} -k "not test_lossless_gpu" \
         --junitxml="$OUT/tests.xml" 2>&1 \
         | tee "$OUT/tests.log" | tail -n 25
-      n_real=$(grep -cE "SKIPPED.*test_real_kernels" "$OUT/tests.log")
+      n_real=$(grep -cE "SKIPPED.*(test_real_kernels|_real\.py)" "$OUT/tests.log")
       verdict=""
       [ "$kernels" = 1 ] && [ "$n_real" != 0 ] && verdict=" FAILED: real-kernel tests skipped"
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")$verdict")
