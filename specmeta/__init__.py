@@ -34,6 +34,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ".metadata.fa3": ("FA3MetadataBuilder", "FA3Metadata", "FA3Cascade"),
     ".metadata.flashinfer": ("FlashInferBuilder",),
     ".metadata.trtllm_mla": ("TrtllmMlaBuilder",),
+    ".metadata.flashinfer_mla": ("FlashInferMLABuilder",),
     ".metadata.host_ops": ("warmup",),
     ".probes": ("probes",),
     ".runners": ("GraphRunner", "RaggedGraphRunner", "RunResult"),
@@ -51,7 +52,7 @@ __all__ = [
     "accept_cache_locs", "accept_cache_locs_ref", "move_kv_cache", "move_kv_cache_ref", "KVPool",
     "merge_state", "merge_state_ref", "pad_verify_lens_to_bucket",
     "pad_verify_lens_to_bucket_ref", "FA3MetadataBuilder", "FA3Metadata", "FA3Cascade",
-    "FlashInferBuilder", "TrtllmMlaBuilder", "warmup", "probes", "GraphRunner",
+    "FlashInferBuilder", "TrtllmMlaBuilder", "FlashInferMLABuilder", "warmup", "probes", "GraphRunner",
     "RaggedGraphRunner", "RunResult", "Stage",
 ]  # fmt: skip
 
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports each
     from .kernels.verify_lens import pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref
     from .metadata.fa3 import FA3Cascade, FA3Metadata, FA3MetadataBuilder
     from .metadata.flashinfer import FlashInferBuilder
+    from .metadata.flashinfer_mla import FlashInferMLABuilder
     from .metadata.host_ops import warmup
     from .metadata.trtllm_mla import TrtllmMlaBuilder
     from .runners import GraphRunner, RaggedGraphRunner, RunResult

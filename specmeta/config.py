@@ -522,6 +522,7 @@ INT32_OFFSET_FIELDS: dict[str, str] = {
     "kv_indices": "kv_indptr",
     "prefix_kv_indices": "prefix_kv_indptr",
     "chain_kv_indices": "chain_kv_indptr",
+    "ancestor_kv_indices": "ancestor_kv_indptr",
     "custom_mask": "mask_indptr",
     "packed_custom_mask": "packed_mask_indptr",
 }

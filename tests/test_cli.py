@@ -20,9 +20,9 @@ def _rows(out: str, prefix: str) -> list[str]:
     return [ln for ln in out.splitlines() if ln.split() and ln.split()[0].startswith(prefix)]
 
 
-# TRT-LLM MLA cannot verify a tree: with topk = 4 its builder serves no target_verify and
-# allocates none of its buffers.
-_NOT_SERVED = "trtllm_mla.target_verify."
+# TRT-LLM MLA and FlashInfer MLA cannot verify a tree: with topk = 4 their builders serve no
+# target_verify and allocate none of its buffers.
+_NOT_SERVED = ("trtllm_mla.target_verify.", "flashinfer_mla.target_verify.")
 
 
 def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
@@ -33,7 +33,7 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
     for name, spec in plan.items():
         line = next((ln for ln in out.splitlines() if ln.split()[:1] == [name]), None)
         if name.startswith(_NOT_SERVED):
-            assert line is None, f"{name} is not allocated by a topk=4 TRT-LLM MLA builder"
+            assert line is None, f"{name} is not allocated by a topk=4 MLA builder"
             continue
         assert line is not None, f"{name} missing from the plan output"
         assert str(list(spec.shape)) in line and _human(spec.nbytes) in line
@@ -70,11 +70,17 @@ def test_plan_totals_are_what_the_builders_allocate(device):
     ``plan`` shows what the builder allocates, neither more nor less."""
     import torch
 
-    from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
+    from specmeta import (
+        FA3MetadataBuilder,
+        FlashInferBuilder,
+        FlashInferMLABuilder,
+        TrtllmMlaBuilder,
+    )
 
     plan = plan_buffers(CFG)
     for backend, cls in (("fa3", FA3MetadataBuilder), ("flashinfer", FlashInferBuilder),
-                         ("trtllm_mla", TrtllmMlaBuilder)):  # fmt: skip
+                         ("trtllm_mla", TrtllmMlaBuilder),
+                         ("flashinfer_mla", FlashInferMLABuilder)):  # fmt: skip
         builder = cls(CFG, device)
         got = [t for key, t in builder.buffers.items() if not key.endswith("_host")]
         assert isinstance(builder.status, torch.Tensor)
@@ -315,7 +321,12 @@ def test_plan_keys_are_the_builders_own(topk, ps):
     ``plan`` lists must be those each builder allocates, for every choice of modes and mask."""
     from itertools import combinations
 
-    from specmeta import FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder
+    from specmeta import (
+        FA3MetadataBuilder,
+        FlashInferBuilder,
+        FlashInferMLABuilder,
+        TrtllmMlaBuilder,
+    )
     from specmeta.config import plan_sizes
     from specmeta.metadata import capabilities
 
@@ -323,7 +334,8 @@ def test_plan_keys_are_the_builders_own(topk, ps):
                      max_context_len=40)  # fmt: skip
     keys = list(plan_sizes(cfg))
     classes = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-               "trtllm_mla": TrtllmMlaBuilder}  # fmt: skip
+               "trtllm_mla": TrtllmMlaBuilder,
+               "flashinfer_mla": FlashInferMLABuilder}  # fmt: skip
     assert {b: cls.__name__ for b, cls in classes.items()} == capabilities.BUILDERS == BUILDERS
     for backend, cls in classes.items():
         assert cls.plan_prefix == backend + "."
@@ -448,8 +460,9 @@ def test_check_on_cpu_switches_the_interpreter_on_itself():
 
 
 def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
-    """A ten-million-token context for 256 requests: FlashInfer's kv_indices rows pass what
-    their int32 kv_indptr can address on any device; FA3 and TRT-LLM MLA hold dense tables only.
+    """A ten-million-token context for 256 requests: FlashInfer's and FlashInfer MLA's
+    kv_indices rows pass what their int32 kv_indptr can address on any device; FA3 and TRT-LLM
+    MLA hold dense tables only.
     The plan is still printed, with the reason under the builder's totals."""
     huge = ["plan", "--topk", "8", "--num-steps", "5", "--num-draft-tokens", "64", "--page-size",
             "16", "--max-bs", "256", "--max-context-len", "10000000"]  # fmt: skip
@@ -463,7 +476,14 @@ def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
         "(381.5 GiB) of 793,603,093,628 bytes (739.1 GiB) planned; 5 other buffers have such "
         "rows; shrink SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a "
         "builder's modes=, allocate_buffers' names=)",
-        "FlashInferBuilder: cannot be created for this config (see above); exit status 1",
+        "  cannot be created: FlashInferMLABuilder: flashinfer_mla.draft_extend.kv_indices of "
+        "shape [2560016384] has rows of 2,560,016,384 elements, more than the 2,147,483,647 "
+        "(2**31 - 1) its int32 kv_indptr can address; it alone is 10,240,065,536 bytes (9.5 GiB) "
+        "of 20,480,420,356 bytes (19.1 GiB) planned; 1 other buffer has such rows; shrink "
+        "SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a builder's modes=, "
+        "allocate_buffers' names=)",
+        "FlashInferBuilder, FlashInferMLABuilder: cannot be created for this config (see above); "
+        "exit status 1",
     ]
     assert main([*huge, "--backend", "fa3", "trtllm_mla"]) == 0
     assert "cannot be created" not in capsys.readouterr().out

@@ -234,9 +234,9 @@ def test_plan_modes_that_no_backend_serves(capsys, monkeypatch):
     assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--modes",
                "draft_decode_paged") == (
         2,
-        "specmeta plan: --modes draft_decode_paged: --backend trtllm_mla (TrtllmMlaBuilder) "
-        "does not serve draft_decode_paged; it serves draft_decode, draft_extend for this "
-        "config; drop it from --modes\n",
+        "specmeta plan: --modes draft_decode_paged: --backend flashinfer_mla "
+        "(FlashInferMLABuilder) does not serve draft_decode_paged; it serves draft_decode, "
+        "draft_extend for this config; drop it from --modes\n",
     )  # fmt: skip
 
 

@@ -109,19 +109,23 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
     with pytest.raises(ValueError) as info:
         allocate_buffers(HUGE, "cpu")
     # One row is K·ΣL + B·K·S = 8·256·10^7 + 256·8·5 = 20,480,010,240 entries; five rows of
-    # int32 are 409,600,204,800 bytes = 381.47 GiB (the request torch's allocator saw).
+    # int32 are 409,600,204,800 bytes = 381.47 GiB (the request torch's allocator saw). The 9
+    # others: FlashInfer's six, FlashInfer MLA's prefix list and its verify and extend lists.
     assert str(info.value) == (
         "allocate_buffers: draft_decode.kv_indices of shape [5, 20480010240] has rows of "
         "20,480,010,240 elements, more than the 2,147,483,647 (2**31 - 1) its int32 kv_indptr "
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
-        f"(1.1 TiB) planned; 6 other buffers have such rows; {_FIX}"
+        f"(1.1 TiB) planned; 9 other buffers have such rows; {_FIX}"
     )
     # + 72 bytes of the ragged verify's host_lengths slot, and its buffers at max_bs 256:
     # FlashInfer's verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4,
     # the runner's verify_lens 256·4, FA3's and TRT-LLM MLA's verify_lens 256·4 and
     # ragged_qo_indptr 257·4 each.
     ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 2 * (256 * 4 + 257 * 4)
-    assert total == 1_211_529_947_264 + ragged
+    # FlashInfer MLA: its prefix list ΣL and its verify and extend lists ΣL + B·N, int32, then
+    # 359,520 bytes of ancestor lists (B·K·S a step), offsets and mirrors.
+    mla = 4 * (256 * 10**7 + 2 * (256 * 10**7 + 256 * 64)) + 359_520
+    assert total == 1_211_529_947_264 + ragged + mla
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):
