@@ -14,6 +14,13 @@ three ways:
 * :class:`DensePrefill`: causal attention inside one sequence that also stores its keys and
   values into the pool: prompt prefill, which is outside specmeta's scope.
 
+A hybrid model (``window_layers``, ``sliding_window_size = w``) has sliding-window layers beside
+its full ones: there a query at position ``p`` attends to positions ``(p − w, p]`` only, and
+the layer keeps its KV in a second, smaller pool (the window pool) whose slots the engine maps
+from the full pool's (``full_to_swa``, design §2.10). The dense references apply the window;
+:class:`PagedAttention` stores a window layer's KV at the forward's window-pool slots and reads
+it through the window layers' metadata.
+
 Margins. Greedy decoding is compared token for token, so a near-tie between the two largest
 logits is where two correct implementations may disagree (bf16 kernels against a float32
 reference). The logits are ``logit_scale · W_out · rmsnorm(h)``: at the default scale the top
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,6 +47,7 @@ __all__ = [
     "PagedAttention",
     "DenseCache",
     "DensePrefill",
+    "DenseDraftWindow",
     "Attention",
 ]
 
@@ -70,6 +78,11 @@ class TinyConfig:
         Rotary base.
     logit_scale : float
         Multiplies the output logits: sets how far the top logit leads (see the module).
+    window_layers : tuple of int
+        The sliding-window layers (a hybrid model); the others attend to the whole prefix.
+    sliding_window_size : int
+        ``w`` of the window layers: a query at position ``p`` attends to ``(p − w, p]``; 0
+        (required without window layers) is no window.
     """
 
     vocab_size: int = 64
@@ -81,6 +94,8 @@ class TinyConfig:
     intermediate_size: int = 128
     rope_theta: float = 10000.0
     logit_scale: float = 4.0
+    window_layers: tuple[int, ...] = ()
+    sliding_window_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -93,6 +108,23 @@ class TinyConfig:
                              f"num_kv_heads={self.num_kv_heads}")  # fmt: skip
         if self.head_dim % 2:
             raise ValueError(f"TinyConfig.head_dim={self.head_dim} must be even (rotary pairs)")
+        layers, w = tuple(self.window_layers), self.sliding_window_size
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
+               for i in layers) or len(set(layers)) != len(layers):  # fmt: skip
+            raise ValueError(f"TinyConfig.window_layers must name distinct layers in "
+                             f"[0, {self.num_layers}), got {self.window_layers!r}")  # fmt: skip
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0 or bool(layers) != bool(w):
+            raise ValueError(f"TinyConfig.sliding_window_size must be an int >= 1 with window "
+                             f"layers and 0 without, got {w!r} for window_layers={layers!r}")  # fmt: skip
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model has sliding-window layers."""
+        return bool(self.window_layers)
+
+    def layer_window(self, layer: int) -> int:
+        """``w`` of a window layer, 0 for a full layer."""
+        return self.sliding_window_size if layer in self.window_layers else 0
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -112,40 +144,61 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def _causal_attention(q, k, v, first: int) -> torch.Tensor:
+def _causal_attention(q, k, v, first: int, window: int = 0,
+                      visible: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``q [T, H, D]`` at sequence positions ``first … first+T−1`` over ``k, v [first+T, H_kv, D]``
-    (positions ``0 …``), causal; computed in ``q``'s dtype."""
+    (positions ``0 …``), causal; with ``window = w > 0`` a query at ``p`` sees ``(p − w, p]``
+    only; ``visible [T, first+T]``, if given, replaces both. Computed in ``q``'s dtype."""
     T, H, D = q.shape
     group = H // k.shape[1]
     kk = k.repeat_interleave(group, 1)
     vv = v.repeat_interleave(group, 1)
     scores = torch.einsum("thd,nhd->htn", q, kk) / math.sqrt(D)
-    qpos = first + torch.arange(T, device=q.device).view(-1, 1)
-    visible = torch.arange(k.shape[0], device=q.device).view(1, -1) <= qpos
+    if visible is None:
+        qpos = first + torch.arange(T, device=q.device).view(-1, 1)
+        kpos = torch.arange(k.shape[0], device=q.device).view(1, -1)
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("htn,nhd->thd", scores.softmax(-1), vv)
 
 
 class KVCache:
-    """One model's paged KV pool: per layer ``k, v [P, H_kv, D]``; slot ``s`` is row ``s``
-    (page ``s // page_size``), slot 0 the reserved sink.
+    """One model's paged KV pools: per layer ``k, v [P, H_kv, D]``; slot ``s`` is row ``s``
+    (page ``s // page_size``), slot 0 the reserved sink. A hybrid model's window layers keep
+    theirs in the window pool, ``[P_swa, H_kv, D]`` (slot 0 its sink too).
 
     Attributes
     ----------
     k, v : list of torch.Tensor
         Per layer.
     pool : KVPool
-        Every K and V buffer, for :func:`specmeta.move_kv_cache` (one launch for all layers).
+        The full layers' K and V buffers, for :func:`specmeta.move_kv_cache` (one launch for
+        all of them).
+    window_pool : KVPool or None
+        The window layers' (a hybrid model), moved with window-pool slots.
     """
 
-    def __init__(self, cfg: TinyConfig, pool_size: int, dtype: torch.dtype, device):
-        shape = (pool_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.pool = KVPool([*self.k, *self.v])
+    def __init__(self, cfg: TinyConfig, pool_size: int, dtype: torch.dtype, device,
+                 window_pool_size: int | None = None):  # fmt: skip
+        if cfg.hybrid and not window_pool_size:
+            raise ValueError("a hybrid model's cache needs window_pool_size (its window pool)")
+        self.window_layers = cfg.window_layers
+
+        def zeros(i):
+            rows = window_pool_size if i in cfg.window_layers else pool_size
+            return torch.zeros((rows, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device)
+
+        self.k = [zeros(i) for i in range(cfg.num_layers)]
+        self.v = [zeros(i) for i in range(cfg.num_layers)]
+        full = [i for i in range(cfg.num_layers) if i not in cfg.window_layers]
+        self.pool = KVPool([*(self.k[i] for i in full), *(self.v[i] for i in full)])
+        self.window_pool = (KVPool([*(self.k[i] for i in cfg.window_layers),
+                                    *(self.v[i] for i in cfg.window_layers)])
+                            if cfg.hybrid else None)  # fmt: skip
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The forward's KV write: row ``slots[i]`` of layer ``layer`` gets ``k[i], v[i]``."""
+        """The forward's KV write: row ``slots[i]`` of layer ``layer`` gets ``k[i], v[i]``
+        (``slots`` in the layer's pool)."""
         idx = slots.reshape(-1).long()
         self.k[layer][idx] = k.to(self.k[layer].dtype)
         self.v[layer][idx] = v.to(self.v[layer].dtype)
@@ -158,7 +211,7 @@ class PagedAttention:
     Parameters
     ----------
     cache : KVCache
-        The model's pool.
+        The model's pools.
     out_cache_loc : torch.Tensor
         ``[T]`` slots of the forward's tokens, in query-row order.
     backend : object
@@ -168,45 +221,84 @@ class PagedAttention:
     timer : callable, optional
         ``timer(name)`` returns a context manager; the backend call is timed as
         ``"attention"``.
+    window : tuple, optional
+        A hybrid model's ``(window_out_cache_loc, window_handle)``: its window layers store
+        their KV at those window-pool slots and read it through that metadata.
     """
 
-    def __init__(self, cache: KVCache, out_cache_loc: torch.Tensor, backend, handle, timer=None):
+    def __init__(self, cache: KVCache, out_cache_loc: torch.Tensor, backend, handle, timer=None,
+                 window: tuple | None = None):  # fmt: skip
+        if cache.window_layers and window is None:
+            raise ValueError("a hybrid model's forward needs its window layers' slots and metadata")
         self.cache, self.out_cache_loc = cache, out_cache_loc
         self.backend, self.handle, self.timer = backend, handle, timer
+        self.window = window
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
-        self.cache.store(layer, self.out_cache_loc, k, v)
+        slots, handle = self.out_cache_loc, self.handle
+        if layer in self.cache.window_layers:
+            slots, handle = self.window
+        self.cache.store(layer, slots, k, v)
         if self.timer is None:
-            return self.backend(self.handle, q, self.cache.k[layer], self.cache.v[layer])
+            return self.backend(handle, q, self.cache.k[layer], self.cache.v[layer])
         with self.timer("attention"):
-            return self.backend(self.handle, q, self.cache.k[layer], self.cache.v[layer])
+            return self.backend(handle, q, self.cache.k[layer], self.cache.v[layer])
 
 
 class DensePrefill:
-    """Causal attention within one sequence (positions ``0 … T−1``) that also stores the keys
-    and values at ``slots`` of ``cache``: a prompt's prefill, dense, outside specmeta."""
+    """Causal attention within one sequence (positions ``0 … T−1``, a window layer's window
+    applied) that also stores the keys and values at ``slots`` of ``cache`` (a window layer's
+    at ``window_slots``): a prompt's prefill, dense, outside specmeta."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor):
-        self.cache, self.slots = cache, slots
+    def __init__(self, cache: KVCache, slots: torch.Tensor, windows: Sequence[int],
+                 window_slots: torch.Tensor | None = None):  # fmt: skip
+        self.cache, self.slots, self.windows = cache, slots, windows
+        self.window_slots = window_slots
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
-        self.cache.store(layer, self.slots, k, v)
-        return _causal_attention(q, k, v, 0)
+        window = self.windows[layer]
+        self.cache.store(layer, self.window_slots if window else self.slots, k, v)
+        return _causal_attention(q, k, v, 0, window)
 
 
 class DenseCache:
     """Plain causal attention over a per-sequence cache that grows with every call: no pages,
-    no metadata. Calls must pass consecutive positions (the chunk follows the cache)."""
+    no metadata (``windows[layer]``: the layer's sliding window, 0 for none). Calls must pass
+    consecutive positions (the chunk follows the cache)."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, windows: Sequence[int] | None = None):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.windows = tuple(windows) if windows is not None else (0,) * num_layers
 
     def __call__(self, layer: int, q, k, v) -> torch.Tensor:
         first = 0 if self.k[layer] is None else self.k[layer].shape[0]
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k])
         self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v])
-        return _causal_attention(q, self.k[layer], self.v[layer], first)
+        return _causal_attention(q, self.k[layer], self.v[layer], first, self.windows[layer])
+
+
+class DenseDraftWindow:
+    """Dense attention of a draft-decode forward under a draft window (design §2.10): over a
+    sequence of a prefix of ``Ld`` tokens and a chain after it, the prefix rows are causal;
+    a chain row of a full layer sees the first ``min(sink, Ld)`` positions, the most recent
+    ``min(Ld, window + sink) − min(sink, Ld)`` ones of the prefix, and the chain up to itself;
+    a window layer keeps its own window ``(p − w, p]`` (the draft window bounds the full
+    layers' lists only)."""
+
+    def __init__(self, prefix_len: int, window: int, sink: int, windows: Sequence[int]):
+        self.Ld, self.window, self.sink, self.windows = prefix_len, window, sink, windows
+
+    def __call__(self, layer: int, q, k, v) -> torch.Tensor:
+        T, Ld, dev = q.shape[0], self.Ld, q.device
+        if self.windows[layer] or not self.window:
+            return _causal_attention(q, k, v, 0, self.windows[layer])
+        kept, head = min(Ld, self.window + self.sink), min(self.sink, Ld)
+        qpos = torch.arange(T, device=dev).view(-1, 1)
+        kpos = torch.arange(T, device=dev).view(1, -1)
+        in_window = (kpos < head) | ((kpos >= Ld - (kept - head)) & (kpos < Ld)) | (kpos >= Ld)
+        visible = (kpos <= qpos) & ((qpos < Ld) | in_window)
+        return _causal_attention(q, k, v, 0, visible=visible)
 
 
 class TinyModel:
@@ -280,9 +372,15 @@ class TinyModel:
         return TinyModel(self.cfg, {k: v.to(device=device, dtype=dtype)
                                     for k, v in self.weights.items()})  # fmt: skip
 
-    def new_cache(self, pool_size: int) -> KVCache:
-        """An empty paged KV pool of ``pool_size`` slots in the model's dtype and device."""
-        return KVCache(self.cfg, pool_size, self.dtype, self.device)
+    def new_cache(self, pool_size: int, window_pool_size: int | None = None) -> KVCache:
+        """An empty paged KV pool of ``pool_size`` slots in the model's dtype and device (and a
+        window pool of ``window_pool_size`` for a hybrid model's window layers)."""
+        return KVCache(self.cfg, pool_size, self.dtype, self.device, window_pool_size)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Every layer's sliding window (0: a full layer)."""
+        return tuple(self.cfg.layer_window(i) for i in range(self.cfg.num_layers))
 
     # ----------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -310,16 +408,31 @@ class TinyModel:
         logits = _rmsnorm(h, w["final_norm"]) @ w["lm_head"]
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                window_slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits ``[T, V]`` of a whole prompt at positions ``0 … T−1``, its KV stored at
-        ``slots [T]`` of ``cache`` (dense attention: prefill is not specmeta's)."""
+        ``slots [T]`` of ``cache`` (a window layer's at ``window_slots``, window-pool ids)
+        (dense attention: prefill is not specmeta's)."""
         positions = torch.arange(tokens.shape[0], device=self.device)
-        return self.forward(tokens, positions, DensePrefill(cache, slots))
+        return self.forward(tokens, positions,
+                            DensePrefill(cache, slots, self.windows, window_slots))  # fmt: skip
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[T, V]`` of a whole sequence, dense causal attention, no cache."""
+        """Logits ``[T, V]`` of a whole sequence, dense causal attention (windowed in window
+        layers), no cache."""
         positions = torch.arange(tokens.shape[0], device=self.device)
-        return self.forward(tokens, positions, DenseCache(self.cfg.num_layers))
+        return self.forward(tokens, positions, DenseCache(self.cfg.num_layers, self.windows))
+
+    @torch.no_grad()
+    def draft_logits(self, prefix: torch.Tensor, chain: torch.Tensor, window_size: int = 0,
+                     sink_size: int = 0) -> torch.Tensor:  # fmt: skip
+        """Logits ``[C, V]`` of a draft chain ``chain [C]`` after ``prefix [Ld]`` as draft decode
+        computes them under a draft window (:class:`DenseDraftWindow`; ``window_size = 0``: no
+        window): the dense reference of a windowed draft."""
+        seq = torch.cat([prefix, chain]).to(self.device).long()
+        positions = torch.arange(seq.shape[0], device=self.device)
+        attn = DenseDraftWindow(prefix.shape[0], window_size, sink_size, self.windows)
+        return self.forward(seq, positions, attn)[prefix.shape[0] :]
 
     @torch.no_grad()
     def greedy(self, prompt: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +446,7 @@ class TinyModel:
             ``margins [num_tokens]`` float64, the lead of each step's top logit over the
             second.
         """
-        cache = DenseCache(self.cfg.num_layers)
+        cache = DenseCache(self.cfg.num_layers, self.windows)
         seq = prompt.to(self.device).long()
         logits = self.forward(seq, torch.arange(seq.shape[0], device=self.device), cache)[-1]
         tokens, margins = [], []
