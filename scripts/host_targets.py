@@ -151,6 +151,13 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         "flashinfer.target_verify": (fi, "target_verify", (*t, tree), {"packed": True}),
         "trtllm_mla.draft_decode": (mla, "draft_decode", t, {}),
     }
+    try:  # FlashInfer MLA (design §3.5); an older checkout has no such builder
+        from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
+    except ImportError:
+        FlashInferMLABuilder = None
+    if FlashInferMLABuilder is not None:
+        fmla = FlashInferMLABuilder(cfg, "cuda", modes=("draft_decode",))
+        calls["flashinfer_mla.draft_decode"] = (fmla, "draft_decode", t, {})
     host_kw = {name: {} for name in calls}
     if "verify_lens" in inspect.signature(FlashInferBuilder.target_verify).parameters:
         # A ragged verify (design §2.9): B − 1 real requests of random lengths, a full bucket.
@@ -165,7 +172,10 @@ def measure_case(bs: int, k: int, new: bool) -> None:
     if k == 1:  # TRT-LLM MLA verifies chains only: this case times its verify alone
         mla_tv = TrtllmMlaBuilder(cfg, "cuda", modes=("target_verify",))
         calls = {"trtllm_mla.target_verify": (mla_tv, "target_verify", t, {})}
-        host_kw = {"trtllm_mla.target_verify": {}}
+        if FlashInferMLABuilder is not None:  # verifies chains in one causal pass
+            fmla_tv = FlashInferMLABuilder(cfg, "cuda", modes=("target_verify",))
+            calls["flashinfer_mla.target_verify"] = (fmla_tv, "target_verify", t, {})
+        host_kw = {name: {} for name in calls}
         if "verify_lens" in inspect.signature(TrtllmMlaBuilder.target_verify).parameters:
             real_cpu = torch.randint(0, n + 1, (bs - 1,), generator=g, dtype=torch.int32)
             mla_ragged = {"verify_lens": real_cpu.cuda(), "num_tokens": bs * n}
