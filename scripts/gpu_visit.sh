@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One visit to the GPU machine: the GPU test tier, compute-sanitizer, and benchmarks.
 # Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]] [targets[=<regex>]]
-#                             [startup]
+#                             [startup] [mla-cascade]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
 #                             [lossless[=<pytest -k expr>]] [mutations-gpu]
 #                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
@@ -138,6 +138,13 @@ PY
       python3 scripts/host_targets.py --table "$OUT/targets_before.json" \
         "$OUT/targets_after.json" | tee "$OUT/targets.md" | tail -n 45
       summary+=("host targets: $(tail -n 1 "$OUT/targets.md")")
+      ;;
+    mla-cascade)
+      # Issue 39's production case: FlashInfer MLA's tree cascade beside per-branch lists.
+      timeout 400 python3 scripts/mla_cascade.py --out "$OUT/mla_cascade.json" \
+        > "$OUT/mla_cascade.log" 2>&1
+      tail -n 9 "$OUT/mla_cascade.log"
+      summary+=("mla cascade: rc=$?; $(grep -c '^| [0-9]' "$OUT/mla_cascade.log") steps timed")
       ;;
     startup)
       # A fresh process with empty caches, this tree and the base commit's (.before/).
