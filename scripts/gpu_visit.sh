@@ -143,8 +143,9 @@ PY
       # Issue 39's production case: FlashInfer MLA's tree cascade beside per-branch lists.
       timeout 400 python3 scripts/mla_cascade.py --out "$OUT/mla_cascade.json" \
         > "$OUT/mla_cascade.log" 2>&1
+      rc=$?
       tail -n 9 "$OUT/mla_cascade.log"
-      summary+=("mla cascade: rc=$?; $(grep -c '^| [0-9]' "$OUT/mla_cascade.log") steps timed")
+      summary+=("mla cascade: rc=$rc; $(grep -c '^| [0-9]' "$OUT/mla_cascade.log") steps timed")
       ;;
     startup)
       # A fresh process with empty caches, this tree and the base commit's (.before/).
