@@ -1,0 +1,226 @@
+"""FlashInfer MLA's metadata read by the real kernel (GPU tier, design §3.5, §8).
+
+``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (its ``fa3`` backend on sm_90, ``fa2``
+elsewhere) is planned from each pass's host mirrors and run on a bf16 latent cache (``ckv``
+512, ``kpe`` 64, the sizes the kernel serves), the passes of a cascade merged by
+:func:`specmeta.merge_state`; every row is compared with dense attention over its logical keys,
+computed in float64 from the same bf16 values. Draft decode (``topk`` 1, 2, 4, 8), target verify
+(chains: the builder serves no tree verify) and draft extend (``topk`` 1, 2, 4, 8), page sizes 1,
+16 and 64, batches holding an empty prefix and one a token short of a page; then one case with
+the build and the attention captured together in a CUDA graph, planned again and replayed for a
+new batch. The kernel is imported, never skipped: where it is missing these tests fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, merge_state
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
+from specmeta.runners import collector_off
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.testing.sequences import branch_sequences, extend_sequences
+from specmeta.workloads import make_batch
+
+pytestmark = pytest.mark.gpu
+
+H, DC, DR = 16, 512, 64  # query heads (a tensor-parallel shard of DeepSeek's 128), latent widths
+SCALE = (DC + DR) ** -0.5
+S = 3
+DTYPE = torch.bfloat16
+TOL = 2e-2  # bf16 attention against a float64 oracle, as test_real_kernels
+TOPKS = [1, 2, 4, 8]
+PAGE_SIZES = [1, 16, 64]
+
+
+def _flashinfer():
+    import flashinfer.mla
+
+    return flashinfer.mla
+
+
+def _backend() -> str:
+    return "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
+
+
+class _Case:
+    """A batch of 5 requests (lengths 0, ps − 1, then random), its draft slots and a bf16
+    latent pool, with the pool's float64 copies for the oracle."""
+
+    def __init__(self, gen, k, ps, *, batch_size=5):
+        self.n = S + 1 if k == 1 else 8
+        self.cfg = SpecConfig(topk=k, num_steps=S, num_draft_tokens=self.n, page_size=ps,
+                              max_bs=8, max_context_len=3 * ps + 150)  # fmt: skip
+        self.batch = make_batch("random", batch_size=batch_size, topk=k, num_steps=S,
+                                page_size=ps, row_width=self.cfg.req_to_token_width,
+                                generator=gen, device="cuda", extra_tokens=self.n,
+                                max_len=self.cfg.max_context_len)  # fmt: skip
+        lengths = self.batch.seq_lens_cpu.clone()
+        lengths[:2] = torch.tensor([0, ps - 1])[: batch_size]
+        self.batch.seq_lens_cpu = lengths
+        self.batch.seq_lens = lengths.to(self.batch.seq_lens.dtype).cuda()
+        P = self.batch.pool_size
+        self.ckv = torch.randn(P, DC, generator=gen).to("cuda", DTYPE)
+        self.kpe = torch.randn(P, DR, generator=gen).to("cuda", DTYPE)
+        self.slots = assign_draft_cache_locs(*self.args, topk=k, num_steps=S, page_size=ps)
+        self.gen = gen
+
+    @property
+    def args(self):
+        return self.batch.req_pool_indices, self.batch.req_to_token, self.batch.seq_lens
+
+    def queries(self, rows):
+        return (torch.randn(rows, H, DC, generator=self.gen).to("cuda", DTYPE),
+                torch.randn(rows, H, DR, generator=self.gen).to("cuda", DTYPE))  # fmt: skip
+
+    def oracle(self, qn, qp, lists):
+        q = torch.cat([qn, qp], -1).double().cpu()
+        ckv = self.ckv.double().cpu()
+        k = torch.cat([ckv, self.kpe.double().cpu()], -1).unsqueeze(1)
+        return dense_attention(q, k, ckv.unsqueeze(1), lists, softmax_scale=SCALE)[0]
+
+    def check(self, got, want, what):
+        assert got.shape == want.shape, f"{what}: output shape {tuple(got.shape)}"
+        torch.testing.assert_close(got.double().cpu(), want, rtol=TOL, atol=TOL,
+                                   msg=lambda m: f"{what}: {m}")  # fmt: skip
+
+
+def _plan(wrapper, p, **graph):
+    """``plan()`` of one pass from its host mirrors (the device ``kv_indices`` cut to the
+    entries the mirror says are used: a host value, no sync)."""
+    mla = _flashinfer()
+    used = int(p.kv_indptr_host[-1])
+    wrapper.plan(
+        metadata=mla.MLAPlanMetadata.csr(qo_indptr=p.qo_indptr_host, kv_indptr=p.kv_indptr_host,
+                                         kv_indices=p.kv_indices[:used],
+                                         kv_len_arr=p.kv_len_arr_host),
+        num_heads=H, head_dim_ckv=DC, head_dim_kpe=DR, page_size=p.page_size, causal=p.causal,
+        sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE, query_layout="split",
+        kv_cache_layout="split", lse_mode="basee",
+    )  # fmt: skip
+
+
+def _run(wrapper, p, c, qn, qp):
+    """``run()`` of one pass over the pool viewed in pages of the pass's page size; natural-log
+    LSE, as ``merge_state`` takes it."""
+    ps = p.page_size
+    return wrapper.run(query=(qn, qp), kv_cache=(c.ckv.view(-1, ps, DC), c.kpe.view(-1, ps, DR)),
+                       return_lse=True, return_lse_base_on_e=True)  # fmt: skip
+
+
+def _attention(workspace, result, c, qn, qp):
+    """Every pass of a result, each planned on its own wrapper, merged by LSE."""
+    mla, out, out_lse = _flashinfer(), None, None
+    for p in result.passes:
+        wrapper = mla.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
+        _plan(wrapper, p)
+        o, lse = _run(wrapper, p, c, qn, qp)
+        out, out_lse = (o, lse) if out is None else merge_state(out, out_lse, o, lse,
+                                                                out_lse=torch.empty_like(lse))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("k", TOPKS)
+def test_gpu_flashinfer_mla_draft_decode(gen, workspace, k, ps):
+    """Chains as each request's pages, trees as the cascade: every branch attends to its prefix
+    and its own draft tokens; an empty prefix weighs 0 in the merge."""
+    c = _Case(gen, k, ps)
+    mla = FlashInferMLABuilder(c.cfg, "cuda", modes=["draft_decode"])
+    meta = mla.draft_decode(*c.args, seq_lens_cpu=c.batch.seq_lens_cpu, num_rows=S)
+    qn, qp = c.queries(c.batch.batch_size * k)
+    for s, step in enumerate(meta.steps):
+        want = c.oracle(qn, qp, branch_sequences(c.batch, c.slots, s))
+        c.check(_attention(workspace, step, c, qn, qp), want, f"draft decode k={k} ps={ps} [{s}]")
+    assert int(mla.status) == 0
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+@pytest.mark.parametrize("mode,k", [("target_verify", 1), *(("draft_extend", k) for k in TOPKS)])
+def test_gpu_flashinfer_mla_verify_and_extend(gen, workspace, mode, k, ps):
+    """``N`` causal rows a request over ``row[0 : L + N]``."""
+    c = _Case(gen, k, ps)
+    mla = FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
+    meta = getattr(mla, mode)(*c.args, seq_lens_cpu=c.batch.seq_lens_cpu)
+    qn, qp = c.queries(c.batch.batch_size * c.n)
+    want = c.oracle(qn, qp, extend_sequences(c.batch, c.n))
+    c.check(_attention(workspace, meta, c, qn, qp), want, f"{mode} k={k} ps={ps}")
+    assert int(mla.status) == 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
+    """Draft decode's build and every step's passes and merge captured in one CUDA graph, with
+    graph-mode wrappers whose ``kv_indices`` buffer is the builder's own list; for a new batch
+    the stage's host part writes the mirrors, every wrapper is planned from them, and the replay
+    rebuilds the lists its kernels read."""
+    ps, B = 16, 4
+    mla_fi = _flashinfer()
+    c = _Case(gen, k, ps, batch_size=B)
+    builder = FlashInferMLABuilder(c.cfg, "cuda", modes=["draft_decode"])
+    rpi, seq_lens = c.batch.req_pool_indices.clone(), c.batch.seq_lens.clone()
+    stage = builder.bind_draft_decode(rpi, c.batch.req_to_token, seq_lens, num_rows=S)
+    result = stage(c.batch.seq_lens_cpu)  # host part and launches: the lists to plan from
+    qn, qp = c.queries(B * k)
+
+    def graph_wrapper(p):
+        lists = p.kv_len_arr_host.shape[0]
+        reserved = dict(
+            qo_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
+            kv_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
+            kv_indices=p.kv_indices,  # the builder's list: the graph writes what it reads
+            kv_len_arr=torch.zeros(lists, dtype=torch.int32, device="cuda"),
+        )
+        # The passes run one after another on one stream: they share the float workspace.
+        return mla_fi.BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True,
+                                                    backend=_backend(), **reserved)  # fmt: skip
+
+    wrappers = [[graph_wrapper(p) for p in step.passes] for step in result.steps]
+
+    def plan(res):
+        for step, ws in zip(res.steps, wrappers, strict=True):
+            for p, w in zip(step.passes, ws, strict=True):
+                _plan(w, p)
+
+    outs = [torch.zeros(B * k, H, DC, dtype=DTYPE, device="cuda") for _ in range(S)]
+
+    def attend(res):
+        for s, (step, ws) in enumerate(zip(res.steps, wrappers, strict=True)):
+            got = [_run(w, p, c, qn, qp) for p, w in zip(step.passes, ws, strict=True)]
+            if len(got) == 1:
+                outs[s].copy_(got[0][0])
+            else:
+                merge_state(got[0][0], got[0][1], got[1][0], got[1][1], out=outs[s])
+
+    plan(result)
+    attend(result)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with collector_off(), torch.cuda.graph(graph):
+        stage.launch()
+        attend(result)
+    for _ in range(2):
+        # A new batch in the same tensors: other rows, fresh lengths (0 and ps − 1 among them).
+        new = _Case(gen, k, ps, batch_size=B)
+        new.ckv, new.kpe = c.ckv, c.kpe
+        new.batch.req_to_token = c.batch.req_to_token
+        rows = c.batch.req_to_token.shape[0]
+        rpi.copy_(torch.randperm(rows - 1, generator=gen)[:B] + 1)
+        new.batch.req_pool_indices = rpi
+        seq_lens.copy_(new.batch.seq_lens)
+        new.batch.seq_lens = seq_lens
+        slots = assign_draft_cache_locs(*new.args, topk=k, num_steps=S, page_size=ps)
+        res = stage.host(new.batch.seq_lens_cpu)  # the ring's next set of mirrors
+        plan(res)
+        graph.replay()
+        for s in range(S):
+            want = new.oracle(qn, qp, branch_sequences(new.batch, slots, s))
+            new.check(outs[s], want, f"graph k={k} step {s}")
+    assert int(builder.status) == 0
