@@ -1329,6 +1329,49 @@ MUTATIONS: list[Mutation] = [
        "        check_id_spaces(self.require(mode), 0, 0, entry_page_size, v2p, self.device)\n",
        "",
        ["tests/metadata/test_trtllm_mla_id_spaces.py", "-k", "refused and draft_decode"]),
+    _m("st-fim-prefix-causal", "stage",
+       "FlashInfer MLA's cascade plans its prefix pass causal: a request's K rows see only the "
+       "last keys of its prefix",
+       "specmeta/metadata/flashinfer_mla.py",
+       "prefix_host[: B + 1], prefix_len[:B], 1, False,",
+       "prefix_host[: B + 1], prefix_len[:B], 1, True,",
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "draft_decode and 2-3-16"]),
+    _m("st-fim-ancestors-read-prefix", "stage",
+       "FlashInfer MLA's ancestor pass reads the prefix list again in place of each branch's "
+       "chain",
+       "specmeta/metadata/flashinfer_mla.py",
+       'buf[f"{mode}.ancestor_kv_indices"][s],',
+       'buf[f"{mode}.prefix_kv_indices"],',
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "draft_decode and 2-3-16"]),
+    _m("hm-fim-kv-len-off-by-one", "host_mirror",
+       "FlashInfer MLA's chain draft decode writes kv_len_arr_host one short (L + s, not "
+       "L + s + 1)",
+       "specmeta/metadata/flashinfer_mla.py",
+       "steps_col = torch.arange(1, rows + 1, dtype=torch.int32).view(-1, 1)",
+       "steps_col = torch.arange(0, rows, dtype=torch.int32).view(-1, 1)",
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "draft_decode and 1-3-16"]),
+    _m("c-fim-chains-without-topk", "config",
+       "FlashInfer MLA's ancestor lists planned without the topk factor (B·S a step, not "
+       "B·K·S): stores dropped for capacity",
+       "specmeta/metadata/flashinfer_mla_plan.py",
+       'add(f"{mode}.ancestor_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,',
+       'add(f"{mode}.ancestor_kv_indices", (s, shared_prefix_chain_need(bs, 1, s)), i32,',
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "draft_decode and 4-2-1"]),
+    _m("h-fim-lengths-unchecked", "host_check",
+       "FlashInfer MLA's host part skips the seq_lens_cpu checks and their publication: a "
+       "length past the plan is written, a stale copy goes unreported",
+       "specmeta/metadata/flashinfer_mla.py",
+       "            self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is "
+       "written\n",
+       "",
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "stale or host_checks"]),
+    _m("st-fim-v2p-dropped", "stage",
+       "FlashInfer MLA's builder binds its lists without the page map: the lists hold virtual "
+       "ids",
+       "specmeta/metadata/flashinfer_mla.py",
+       "return dict(entry_page_size=entry_page_size, v2p=v2p)",
+       "return dict(entry_page_size=entry_page_size, v2p=None)",
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "id_spaces"]),
 ]
 # fmt: on
 
