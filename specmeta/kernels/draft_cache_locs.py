@@ -38,6 +38,7 @@ from ._common import (
     load_request,
     or_status,
 )
+from ._window import check_window, load_window_ids, load_window_ids_ref, window_arguments
 
 __all__ = [
     "bind_assign_draft_cache_locs",
@@ -53,7 +54,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # assign_draft_cache_locs
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["B", "R", "W_row", "stride_row", "page_size", "num_pages"])
+@triton.jit(
+    do_not_specialize=["B", "R", "W_row", "stride_row", "page_size", "num_pages", "full_size"]
+)
 def _assign_draft_cache_locs_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
     req_to_token_ptr,  # [R, W_row] int32|int64: token ids, or page ids (ENTRY_PAGE_SIZE > 1)
@@ -61,6 +64,7 @@ def _assign_draft_cache_locs_kernel(
     out_cache_loc_ptr,  # [B*K*S] int32|int64
     positions_ptr,  # [B*K] int32|int64 (unused unless WRITE_POSITIONS)
     v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
+    full_to_swa_ptr,  # [full_size] int32|int64 (read only with TO_WINDOW)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -68,11 +72,13 @@ def _assign_draft_cache_locs_kernel(
     stride_row,
     page_size,
     num_pages,
+    full_size,
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     LAYOUT_B: tl.constexpr,
     ENTRY_PAGE_SIZE: tl.constexpr,
     TRANSLATE: tl.constexpr,
+    TO_WINDOW: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two ≥ K*S
     WRITE_POSITIONS: tl.constexpr,
     HAS_STATUS: tl.constexpr,
@@ -91,9 +97,10 @@ def _assign_draft_cache_locs_kernel(
     p = draft_slot_position(L, t, j, page_size, NUM_STEPS, LAYOUT_B)
     # A scalar condition joins a vector mask through tl.where: Triton 3.9's interpreter mistypes
     # a splatted scalar comparison in `vector & scalar`.
-    slot, in_row, bad = load_kv_ids(req_to_token_ptr + row_base, p, tl.where(row_ok, live, False),
-                                    W_row, v2p_ptr, num_pages, page_size, ENTRY_PAGE_SIZE,
-                                    TRANSLATE)  # fmt: skip
+    slot, in_row, bad = load_window_ids(req_to_token_ptr + row_base, p,
+                                        tl.where(row_ok, live, False), W_row, v2p_ptr, num_pages,
+                                        page_size, full_to_swa_ptr, full_size, ENTRY_PAGE_SIZE,
+                                        TRANSLATE, TO_WINDOW)  # fmt: skip
     tl.store(out_cache_loc_ptr + b * (TOPK * NUM_STEPS) + e, slot, mask=live)
 
     if WRITE_POSITIONS:
@@ -132,6 +139,7 @@ def bind_assign_draft_cache_locs(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: fill ``out_cache_loc`` with the draft KV slot of every (request, branch, step).
 
@@ -158,6 +166,10 @@ def bind_assign_draft_cache_locs(
     v2p : torch.Tensor, optional
         ``[P]`` virtual → physical page map at page size ``page_size``: the slots are written
         as physical ids, ``v2p[id // ps]·ps + id mod ps`` (design §2.10).
+    full_to_swa : torch.Tensor, optional
+        ``[P_full]`` full → window pool slot map of a hybrid model (design §2.10): the slots
+        are written in window-pool ids, where an engine writes a window layer's draft KV. Every
+        draft slot is read, so an entry of ``-1`` gives the sink and ``BAD_KV_ID``.
 
     Returns
     -------
@@ -176,6 +188,7 @@ def bind_assign_draft_cache_locs(
     topk, num_steps, page_size, _ = check_steps(topk, num_steps, page_size, None)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     _, _, entry = check_id_spaces("assign_draft_cache_locs", 0, 0, entry_page_size, v2p, device)
+    check_window("assign_draft_cache_locs", None, full_to_swa, device)
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=device)
@@ -191,6 +204,7 @@ def bind_assign_draft_cache_locs(
         out_cache_loc_ptr=out_cache_loc,
         positions_ptr=positions if positions is not None else out_cache_loc,
         v2p_ptr=v2p if v2p is not None else out_cache_loc,
+        **window_arguments(full_to_swa),
         status_ptr=status,
         page_size=page_size,
         num_pages=v2p.shape[0] if v2p is not None else 0,
@@ -390,19 +404,21 @@ def assign_draft_cache_locs_ref(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch :func:`assign_draft_cache_locs`."""
     status = validate.status(status, req_to_token.device)
     check_id_spaces("assign_draft_cache_locs_ref", 0, 0, entry_page_size, v2p, req_to_token.device)
+    check_window("assign_draft_cache_locs_ref", None, full_to_swa, req_to_token.device)
     B = req_pool_indices.shape[0]
     n = B * topk * num_steps
     if out_cache_loc is None:
         out_cache_loc = torch.empty(n, dtype=torch.int64, device=req_to_token.device)
     pos = draft_positions_ref(seq_lens, topk, num_steps, page_size)
-    vals, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos,
-                                      torch.ones_like(pos, dtype=torch.bool),
-                                      entry_page_size=entry_page_size, v2p=v2p,
-                                      page_size=page_size)  # fmt: skip
+    vals, bad, bits = load_window_ids_ref(req_to_token, req_pool_indices, pos,
+                                          torch.ones_like(pos, dtype=torch.bool),
+                                          entry_page_size=entry_page_size, v2p=v2p,
+                                          page_size=page_size, full_to_swa=full_to_swa)  # fmt: skip
     if bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     if bool(bad.any()):

@@ -18,10 +18,9 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..config import draft_decode_kv_indices_need, uses_layout_b
+from ..config import uses_layout_b
 from ..launch import Launcher, cdiv, next_power_of_2
 from ..stage import Stage, launcher
-from ..status import Status
 from ._common import (
     OUT_OF_CAPACITY,
     POS_OOB,
@@ -30,18 +29,15 @@ from ._common import (
     check_batch,
     check_id_spaces,
     check_steps,
-    draft_positions_ref,
     draft_slot_position,
     host_int,
-    load_kv_ids_ref,
     load_request,
     offsets_out,
     sizing_total,
     target_programs,
-    window_positions_ref,
-    windowed_length_ref,
 )
-from .draft_decode_kv_ids import bind_draft_decode_kv_ids
+from ._window import check_window, rail_draft_need
+from .draft_decode_kv_ids import bind_draft_decode_kv_ids, draft_decode_kv_ids_ref
 
 __all__ = [
     "DraftDecodeIndptr",
@@ -353,15 +349,18 @@ def _grid(
 def _prepare(
     req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size, v2p,
+    sliding_window_size, full_to_swa,
 ):  # fmt: skip
     """Validate and allocate; shared by the kernel launcher and the reference."""
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
-    spaces = check_id_spaces("draft_decode_kv_indices", window_size, sink_size, entry_page_size,
-                             v2p, device)  # fmt: skip
+    where = "draft_decode_kv_indices"
+    spaces = check_id_spaces(where, window_size, sink_size, entry_page_size, v2p, device)
+    rail = check_window(where, sliding_window_size, full_to_swa, device, spaces[0])
+    spaces = (*spaces, rail)
     if kv_indices is None:
         total = _windowed_total(sizing_total(seq_lens_sum, B, req_to_token), B, *spaces[:2])
-        width = max(1, draft_decode_kv_indices_need(total, B, topk, rows))
+        width = max(1, rail_draft_need(total, B, topk, rows, rail))
         kv_indices = torch.empty((rows, width), dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
         kv_indptr = torch.empty((rows, B * topk + 1), dtype=torch.int32, device=device)
@@ -372,9 +371,7 @@ def _prepare(
     validate.at_least("kv_indptr", kv_indptr.shape[1], B * topk + 1, "columns (B*topk + 1)")
     if seq_lens_sum is not None:
         host_int("seq_lens_sum", seq_lens_sum)
-        need = draft_decode_kv_indices_need(
-            _windowed_total(seq_lens_sum, B, *spaces[:2]), B, topk, rows
-        )
+        need = rail_draft_need(_windowed_total(seq_lens_sum, B, *spaces[:2]), B, topk, rows, rail)
         validate.at_least("kv_indices", kv_indices.shape[1], need, "columns (K*ΣLw + B*K*rows)")
     status = validate.status(status, device)
     return topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces
@@ -403,6 +400,8 @@ def bind_draft_decode_kv_indices(
     sink_size: int = 0,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build the per-branch KV lists of every draft step in one launch.
 
@@ -443,6 +442,10 @@ def bind_draft_decode_kv_indices(
         ``[P]`` int32 or int64 virtual → physical page map at page size ``page_size``: every
         id is emitted as ``v2p[id // ps]·ps + id mod ps``. Ids that do not map (negative, a
         page past the map, an unmapped page) give the sink slot 0 and ``BAD_KV_ID``.
+    sliding_window_size, full_to_swa
+        A window layer (design §2.10, :mod:`._window`): step ``s`` lists the last
+        ``min(L + s + 1, w)`` entries of each branch's prefix and chain, and ``full_to_swa``
+        (``[P_full]``, ``-1`` where evicted) emits every id in window-pool ids. Not with a draft window.
 
     Returns
     -------
@@ -461,16 +464,17 @@ def bind_draft_decode_kv_indices(
     topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size,
-        v2p,
+        v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
     if rows == 0:
         return Stage([], result=(kv_indices, kv_indptr))
-    window, sink, entry = spaces
-    if window or entry > 1 or v2p is not None:
+    window, sink, entry, rail = spaces
+    if window or entry > 1 or v2p is not None or rail or full_to_swa is not None:
         launch = bind_draft_decode_kv_ids(
             req_pool_indices, req_to_token, seq_lens, topk=topk, num_steps=num_steps,
             page_size=page_size, rows=rows, kv_indices=kv_indices, kv_indptr=kv_indptr,
-            status=status, window=window, sink=sink, entry_page_size=entry, v2p=v2p,
+            status=status, window=window, sink=sink, entry_page_size=entry, v2p=v2p, rail=rail,
+            full_to_swa=full_to_swa,
         )  # fmt: skip
         return Stage([launch], result=(kv_indices, kv_indptr))
     device = req_to_token.device
@@ -641,60 +645,21 @@ def draft_decode_kv_indices_ref(
     sink_size: int = 0,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_kv_indices` (vectorised over the batch; syncs)."""
     topk, num_steps, rows, B, kv_indices, kv_indptr, status, spaces = _prepare(
         req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
         kv_indices, kv_indptr, seq_lens_sum, status, window_size, sink_size, entry_page_size,
-        v2p,
+        v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
-    if rows == 0:
-        return kv_indices, kv_indptr
-    (window, sink, entry), device = spaces, req_to_token.device
-    K, W_idx = topk, kv_indices.shape[1]
-    L = seq_lens.to(torch.int64).clamp_min(0)
-    Lw = windowed_length_ref(seq_lens, window, sink)
-    total = int(Lw.sum())
-    # Prefix entry k lands at start + k >= k: none past the output's width is read or kept,
-    # so the work stops there whatever a garbage length says (design §2.5).
-    max_len = min(int(Lw.max()), W_idx) if B else 0
-    read = dict(entry_page_size=entry, v2p=v2p, page_size=page_size)
-
-    k = torch.arange(max_len, device=device)
-    in_prefix = k.view(1, -1) < Lw.view(-1, 1)  # [B, maxLw]
-    pos = window_positions_ref(L.view(-1, 1), Lw.view(-1, 1), k.view(1, -1), sink)
-    prefix, prefix_bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices,
-                                               torch.where(in_prefix, pos, 0), in_prefix, **read)  # fmt: skip
-    chain_pos = draft_positions_ref(seq_lens, K, num_steps, page_size)[:, :, :rows]
-    chain, chain_bad, chain_bits = load_kv_ids_ref(req_to_token, req_pool_indices, chain_pos,
-                                                   torch.ones_like(chain_pos, dtype=torch.bool),
-                                                   **read)  # fmt: skip
-    bits |= chain_bits
-    if bool((L > req_to_token.shape[1] * entry).any()) or bool((seq_lens < 0).any()):
-        bits |= int(Status.POS_OOB)
-
-    bz = torch.arange(B * K, device=device) // K
-    offsets = draft_decode_kv_indptr(Lw, K, rows)
-    kv_indptr[:rows, : B * K + 1] = offsets.to(kv_indptr.dtype)
-    bad = False  # an id that did not map, among those a list keeps
-    for s in range(rows):
-        it = s + 1
-        start = offsets[s, : B * K]
-        # prefix of every branch
-        dst = start.view(-1, 1) + k.view(1, -1)
-        keep = in_prefix[bz] & (dst < W_idx)
-        kv_indices[s][dst[keep]] = prefix[bz][keep].to(kv_indices.dtype)
-        bad |= bool(prefix_bad[bz][keep].any())
-        # own chain, j < it
-        j = torch.arange(it, device=device)
-        dst = (start + Lw[bz]).view(-1, 1) + j.view(1, -1)
-        keep = dst < W_idx
-        kv_indices[s][dst[keep]] = chain.reshape(B * K, rows)[:, :it][keep].to(kv_indices.dtype)
-        bad |= bool(chain_bad.reshape(B * K, rows)[:, :it][keep].any())
-    if B and draft_decode_kv_indices_need(total, B, K, rows) > W_idx:
-        bits |= int(Status.OUT_OF_CAPACITY)
-    if bad:
-        bits |= int(Status.BAD_KV_ID)
-    if bits:
-        status |= bits
+    if rows:
+        window, sink, entry, rail = spaces
+        draft_decode_kv_ids_ref(
+            req_pool_indices, req_to_token, seq_lens, topk=topk, num_steps=num_steps,
+            page_size=page_size, rows=rows, kv_indices=kv_indices, kv_indptr=kv_indptr,
+            status=status, window=window, sink=sink, entry_page_size=entry, v2p=v2p, rail=rail,
+            full_to_swa=full_to_swa,
+        )  # fmt: skip
     return kv_indices, kv_indptr

@@ -31,6 +31,17 @@ column: design §2.9), and the packed rule is the same: segment ``i`` is its ele
 eight a byte, zero bits to a whole byte, starting at byte ``mask_indptr[i]`` (the element
 offset, now of the ragged blocks: what ``plan()`` computes from the ragged ``qo_indptr`` and
 ``kv_indptr``). A request with ``v_i = 0`` has an empty segment: nothing is written for it.
+
+A sliding-window layer (``sliding_window_size = w``, design §2.10) reads the lists of
+:func:`~specmeta.kernels.verify_kv_indices.verify_kv_indices` clipped to ``min(L_i, w − 1)``
+prefix positions (from ``f_i = L_i − min(L_i, w − 1)``), so its blocks are ``N × (min(L_i,
+w − 1) + N)`` and node ``j``, at depth ``d_j`` (position ``L_i + d_j``), sees a column at
+position ``k`` iff it did before (prefix, or ancestor-or-self) and ``k > L_i + d_j − w``. The
+depths come from the tree mask itself: ``d_j`` is row ``j``'s ancestor-or-self count less one,
+and an ancestor ``c`` of ``j`` sits at depth ``d_j + 1 − Σ_{c' ≥ c} tree_mask[i, j, c']``, so
+it is seen iff ``Σ_{c' ≥ c} tree_mask[i, j, c'] ≤ w``; a prefix column ``c < min(L_i, w − 1)``
+iff ``c ≥ min(L_i, w − 1) + d_j + 1 − w``. ``mask_indptr`` and the packed segments follow the
+clipped widths.
 """
 
 from __future__ import annotations
@@ -40,7 +51,6 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..config import tree_custom_mask_need
 from ..launch import Launcher, cdiv
 from ..stage import Stage, launcher
 from ..status import Status
@@ -53,6 +63,7 @@ from ._common import (
     target_programs,
     verify_rows_ref,
 )
+from ._window import check_window, rail_mask_need, rail_verify_prefix, rail_verify_prefix_ref
 
 __all__ = ["bind_tree_custom_mask", "tree_custom_mask", "tree_custom_mask_ref"]
 
@@ -66,14 +77,17 @@ _BLOCK_B = 1024
 
 
 @triton.jit
-def _segment_start(seq_lens_ptr, b, N, BLOCK_B: tl.constexpr):
+def _segment_start(seq_lens_ptr, b, N, rail, BLOCK_B: tl.constexpr, RAIL: tl.constexpr):
     """Σ_{i<b} N·(L_i + N): the segment's start in elements, and in bytes when packed
-    (int64: N·ΣL passes 2**31 at long contexts)."""
+    (int64: N·ΣL passes 2**31 at long contexts); each ``L_i`` clipped to ``w − 1`` under the
+    rail ``w > 0``."""
     cum = b * 0
     for start in range(0, b, BLOCK_B):
         offs = start + tl.arange(0, BLOCK_B)
         before = offs < b
         L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        if RAIL:
+            L = rail_verify_prefix(L, rail)
         cum += tl.sum(tl.where(before, N * (L + N), 0), axis=0)
     return cum
 
@@ -105,8 +119,28 @@ def _mask_value(tree_ptr, live, j, col, L, Nt, stride_mj):
 
 
 @triton.jit
+def _window_mask_value(tree_ptr, live, j, col, L, N, stride_mj, rail):
+    """:func:`_mask_value` of a window layer's clipped block (``L`` its ``min(L_i, w − 1)``
+    prefix columns, ``N`` tree columns, no filler rows): node ``j``'s depth is its row's
+    ancestor-or-self count less one, and of that row's entries a column keeps those the rail
+    ``w`` reaches (design §2.10): a prefix column ``col ≥ L + d_j + 1 − w``, an ancestor
+    column ``c`` with at most ``w`` of the row's entries at or after it."""
+    in_tree = col >= L
+    c = col - L
+    count = tl.zeros_like(col)  # the row's ancestors-or-self
+    after = tl.zeros_like(col)  # those at or after column c
+    for a in range(0, N):
+        anc = tl.load(tree_ptr + j * stride_mj + a, mask=live, other=0) != 0
+        count += anc.to(col.dtype)
+        after += (anc & (a >= c)).to(col.dtype)
+    m = tl.load(tree_ptr + j * stride_mj + c, mask=live & in_tree, other=0) != 0
+    seen = tl.where(in_tree, m & (after <= rail), col >= L + count - rail)
+    return (live & seen).to(tl.int32)
+
+
+@triton.jit
 def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_mj, inv_cols,
-                  SPAN: tl.constexpr):  # fmt: skip
+                  rail, SPAN: tl.constexpr, RAIL: tl.constexpr):  # fmt: skip
     """The mask elements ``first + offs`` of a request's block (``offs`` in ``[0, SPAN)``, any
     shape), ``cols = L + N`` to a row, the first of them at row ``j0``, column ``col0``.
 
@@ -121,16 +155,22 @@ def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_m
     if cols >= SPAN:
         col = col0 + offs
         wrap = col >= cols
-        v = _mask_value(tree_ptr, live, j0 + wrap.to(tl.int64), tl.where(wrap, col - cols, col),
-                        L, N, stride_mj)  # fmt: skip
+        j = j0 + wrap.to(tl.int64)
+        col = tl.where(wrap, col - cols, col)
     else:
         j = (bit.to(tl.float64) * inv_cols).to(tl.int64)
         j += (bit - j * cols >= cols).to(tl.int64)
-        v = _mask_value(tree_ptr, live, j, bit - j * cols, L, N, stride_mj)
+        col = bit - j * cols
+    if RAIL:
+        v = _window_mask_value(tree_ptr, live, j, col, L, N, stride_mj, rail)
+    else:
+        v = _mask_value(tree_ptr, live, j, col, L, N, stride_mj)
     return v
 
 
-@triton.jit(do_not_specialize=["B", "N", "stride_mb", "stride_mj", "W_mask", "chunk_programs"])
+@triton.jit(
+    do_not_specialize=["B", "N", "stride_mb", "stride_mj", "W_mask", "chunk_programs", "rail"]
+)
 def _tree_custom_mask_kernel(
     seq_lens_ptr,  # [B] int32|int64
     verify_lens_ptr,  # [B] int32|int64, or None (uniform: every request has N rows)
@@ -144,11 +184,13 @@ def _tree_custom_mask_kernel(
     stride_mj,
     W_mask,
     chunk_programs,
+    rail,  # the window read rail w (read only with RAIL; None without)
     PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: v_b × (L_b + v_b) blocks
     HAS_STATUS: tl.constexpr,
+    RAIL: tl.constexpr,  # a window layer's clipped blocks (design §2.10)
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` writes chunks ``c, c +
     chunk_programs, …`` of request ``b``'s segment; ``(b, 0)`` also writes ``mask_indptr[b + 1]``
@@ -171,7 +213,11 @@ def _tree_custom_mask_kernel(
     else:
         rows = N
         Nb = N
-        start = _segment_start(seq_lens_ptr, b, N, BLOCK_B)
+        start = _segment_start(seq_lens_ptr, b, N, rail, BLOCK_B, RAIL)
+    ones = L  # a row's leading columns that are all 1: the prefix (none under the rail)
+    if RAIL:
+        L = rail_verify_prefix(L, rail)  # the block's prefix columns, min(L, w − 1)
+        ones = L * 0
     n_bits = tl.where(valid, rows * (L + Nb), 0)
     n = n_bits
     if PACKED:
@@ -190,16 +236,17 @@ def _tree_custom_mask_kernel(
         bit0 = first * 8 if PACKED else first  # and its first mask element
         j0 = bit0 // cols  # one scalar division a chunk
         col0 = bit0 - j0 * cols
-        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < rows):
+        if (col0 + BLOCK * (8 if PACKED else 1) <= ones) & (j0 < rows):
             # Inside one row's prefix columns: every element 1, nothing to compute.
             v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
         elif PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
             bits = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs[:, None] * 8 + k[None, :],
-                                 n_bits, L, Nb, stride_mj, inv_cols, SPAN=BLOCK * 8)  # fmt: skip
+                                 n_bits, L, Nb, stride_mj, inv_cols, rail, SPAN=BLOCK * 8,
+                                 RAIL=RAIL)  # fmt: skip
             v = tl.sum(bits << k[None, :], axis=1)
         else:
             v = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs, n_bits, L, Nb, stride_mj,
-                              inv_cols, SPAN=BLOCK)  # fmt: skip
+                              inv_cols, rail, SPAN=BLOCK, RAIL=RAIL)  # fmt: skip
         # n_fit keeps the stores in the segment and the buffer; int32 offsets from the chunk.
         here = tl.minimum(tl.maximum(n_fit - first, 0), BLOCK).to(tl.int32)
         tl.store(custom_mask_ptr + (start + first) + offs, v.to(tl.uint8), mask=offs < here)
@@ -219,12 +266,19 @@ _tree_custom_mask_launch = Launcher(_tree_custom_mask_kernel)
 
 
 def _prepare(where, seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum,
-             verify_lens, status):  # fmt: skip
+             verify_lens, status, sliding_window_size):  # fmt: skip
     validate.tensor("seq_lens", seq_lens, ndim=1)
     device = seq_lens.device
     B = seq_lens.shape[0]
+    rail = check_window(where, sliding_window_size, None, device)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
+        if rail:
+            raise ValueError(
+                f"{where}: verify_lens (a ragged verify) with sliding_window_size={rail}: a "
+                "window layer's ragged masks are not built yet; verify a window layer with the "
+                "uniform layout (verify_lens=None), or its full mask (sliding_window_size=None)"
+            )
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=device)
     N = tree_mask.shape[1]
     if tree_mask.shape != (B, N, N):
@@ -237,7 +291,7 @@ def _prepare(where, seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_l
     if custom_mask is None:
         if seq_lens_sum is None:
             raise ValueError("tree_custom_mask needs custom_mask or seq_lens_sum to size the mask")
-        need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
+        need = rail_mask_need(seq_lens_sum, B, N, rail)
         custom_mask = torch.empty(max(1, need), dtype=out_dtype, device=device)
     if mask_indptr is None:
         mask_indptr = torch.empty(B + 1, dtype=torch.int32, device=device)
@@ -245,16 +299,18 @@ def _prepare(where, seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_l
     validate.tensor("mask_indptr", mask_indptr, ndim=1, device=device)
     validate.at_least("mask_indptr", mask_indptr.shape[0], B + 1, "entries (B + 1)")
     if seq_lens_sum is not None:
-        _check_total(seq_lens_sum, custom_mask, B, N, packed)
+        _check_total(seq_lens_sum, custom_mask, B, N, packed, rail)
     status = validate.status(status, device)
-    return B, N, custom_mask, mask_indptr, status
+    return B, N, custom_mask, mask_indptr, status, rail
 
 
-def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int, packed: bool):
+def _check_total(seq_lens_sum: object, custom_mask: torch.Tensor, B: int, N: int, packed: bool,
+                 rail: int):  # fmt: skip
     """``custom_mask`` holds the whole mask ``seq_lens_sum`` (the host's ``ΣL``) makes."""
     host_int("seq_lens_sum", seq_lens_sum)
-    need = tree_custom_mask_need(seq_lens_sum, B, N, packed)
+    need = rail_mask_need(seq_lens_sum, B, N, rail)
     what = "bytes (N*ΣL + B*N²)" if packed else "elements (N*ΣL + B*N²)"
+    what = what.replace("ΣL", "Σmin(L, w-1)") if rail else what
     validate.at_least("custom_mask", custom_mask.shape[0], need, what)
 
 
@@ -268,6 +324,7 @@ def bind_tree_custom_mask(
     seq_lens_sum: int | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
 ) -> Stage:
     """Bind once: build FlashInfer's flat verify mask (or its packed-bit form) in one launch.
 
@@ -301,6 +358,10 @@ def bind_tree_custom_mask(
     status : torch.Tensor, optional
         ``int32 [1]``: ``POS_OOB`` (negative ``seq_lens`` or ``v_i``, read as 0),
         ``OUT_OF_CAPACITY``.
+    sliding_window_size : int, optional
+        A window layer's ``w`` (design §2.10): blocks over the clipped lists of
+        ``verify_kv_indices(sliding_window_size=w)``, ``N × (min(L_i, w − 1) + N)``, each node
+        seeing only what lies within ``w`` positions of it; not with ``verify_lens``.
 
     Returns
     -------
@@ -326,9 +387,9 @@ def bind_tree_custom_mask(
     Grid ``(max(B, 1), chunk_programs)``; every program finds its segment's start by summing
     ``seq_lens`` with vector loads. No host sync; ``B``, ``N`` and lengths are runtime arguments.
     """
-    B, N, custom_mask, mask_indptr, status = _prepare(
+    B, N, custom_mask, mask_indptr, status, rail = _prepare(
         "tree_custom_mask", seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_lens_sum,
-        verify_lens, status,
+        verify_lens, status, sliding_window_size,
     )  # fmt: skip
     device = seq_lens.device
     grid = (max(B, 1), max(1, cdiv(target_programs(device), max(B, 1))))
@@ -346,11 +407,13 @@ def bind_tree_custom_mask(
         stride_mj=tree_mask.stride(1),
         W_mask=custom_mask.shape[0],
         chunk_programs=grid[1],
+        rail=rail if rail else None,
         PACKED=packed,
         BLOCK=_BLOCK_PACKED if packed else _BLOCK,
         BLOCK_B=_BLOCK_B,
         HAS_VERIFY_LENS=verify_lens is not None,
         HAS_STATUS=True,
+        RAIL=bool(rail),
         num_warps=4,
     )
     return Stage([launch], result=(custom_mask, mask_indptr))
@@ -370,14 +433,15 @@ def tree_custom_mask_ref(
     seq_lens_sum: int | None = None,
     verify_lens: torch.Tensor | None = None,
     status: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`tree_custom_mask` (vectorised over every element; syncs)."""
-    B, N, custom_mask, mask_indptr, status = _prepare(
+    B, N, custom_mask, mask_indptr, status, rail = _prepare(
         "tree_custom_mask_ref", seq_lens, tree_mask, packed, custom_mask, mask_indptr,
-        seq_lens_sum, verify_lens, status,
+        seq_lens_sum, verify_lens, status, sliding_window_size,
     )  # fmt: skip
     device = seq_lens.device
-    L = seq_lens.to(torch.int64).clamp_min(0)
+    L = rail_verify_prefix_ref(seq_lens.to(torch.int64).clamp_min(0), rail)
     bits = 0
     rows = V = torch.full_like(L, N)  # rows and tree columns of each block
     if verify_lens is not None:  # ragged verify: max(v_i, 0) rows over min(rows, N) nodes
@@ -409,6 +473,14 @@ def tree_custom_mask_ref(
         tree = tree_mask[req_b, j.clamp_max(N - 1), (col - prefix_len).clamp(0, N - 1)]
         filler = j >= V[req_b]  # a padded request's rows past its nodes: every column
         val = live & ((col < prefix_len) | filler | tree)
+        if rail:  # what lies within w positions of node j (design §2.10)
+            anc = tree_mask.to(torch.int64)
+            after = anc.flip(2).cumsum(2).flip(2)  # [b, j, c]: ancestors-or-self at or after c
+            rows_j, cols_c = j.clamp_max(N - 1), (col - prefix_len).clamp(0, N - 1)
+            depth = anc.sum(2)[req_b, rows_j] - 1
+            near = torch.where(col < prefix_len, col >= prefix_len + depth + 1 - rail,
+                               after[req_b, rows_j, cols_c] <= rail)  # fmt: skip
+            val = val & near
         if packed:
             val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
         custom_mask[start[req] + e] = val.to(custom_mask.dtype)

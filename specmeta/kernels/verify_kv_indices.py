@@ -16,6 +16,14 @@ draft extend they are the extend tokens. With ``extra_tokens=0`` the same lists 
 level of the cascade draft decode (see :mod:`specmeta.kernels.shared_prefix_kv_indices`); both
 kernels copy their lists with :func:`~specmeta.kernels._common.copy_list_at`, ids read in the
 row's id space (design §2.10).
+
+A sliding-window layer (``sliding_window_size = w``, design §2.10) clips each list to the
+positions its queries read: request ``b``'s list starts at ``f_b = max(0, L_b − w + 1)``, the
+earliest position its first query row (at ``L_b``) reads, so it holds ``min(L_b, w − 1) +
+extra`` entries, and ``full_to_swa`` emits every id in window-pool ids::
+
+    kv_indptr[b]                  = Σ_{b'<b} (min(L_b', w − 1) + extra)
+    kv_indices[kv_indptr[b] + k]  = full_to_swa[row_b[f_b + k]]   for k < min(L_b, w − 1) + extra
 """
 
 from __future__ import annotations
@@ -25,7 +33,6 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..config import verify_kv_indices_need
 from ..launch import Launcher
 from ..stage import Stage, launcher
 from ..status import Status
@@ -47,6 +54,16 @@ from ._common import (
     ragged_prefix_ref,
     sizing_total,
     verify_rows_ref,
+)
+from ._window import (
+    check_window,
+    copy_window_list,
+    exclusive_rail_sum,
+    rail_verify_need,
+    rail_verify_prefix,
+    rail_verify_prefix_ref,
+    window_arguments,
+    window_lists_ref,
 )
 
 __all__ = [
@@ -82,7 +99,7 @@ def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.const
 
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "extra_tokens", "W_idx", "chunk_programs",
-                       "num_pages", "page_size"]
+                       "num_pages", "page_size", "full_size", "rail"]
 )  # fmt: skip
 def _verify_kv_indices_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
@@ -92,6 +109,7 @@ def _verify_kv_indices_kernel(
     kv_indices_ptr,  # [W_idx] int32|int64
     kv_indptr_ptr,  # [≥B+1] int32|int64
     v2p_ptr,  # [num_pages] int32|int64 (read only with TRANSLATE)
+    full_to_swa_ptr,  # [full_size] int32|int64 (read only with TO_WINDOW)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -102,11 +120,15 @@ def _verify_kv_indices_kernel(
     chunk_programs,
     num_pages,
     page_size,
+    full_size,
+    rail,  # the window read rail w, 0 for none (None for a full layer: read only with WINDOW_LAYER)
     BLOCK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HAS_VERIFY_LENS: tl.constexpr,  # verify_lens_ptr is a tensor: lists of L_b + v_b entries
     ENTRY_PAGE_SIZE: tl.constexpr,
     TRANSLATE: tl.constexpr,
+    TO_WINDOW: tl.constexpr,
+    WINDOW_LAYER: tl.constexpr,  # a rail or a map: the lists of design §2.10's window layers
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies chunks ``c, c +
@@ -126,19 +148,32 @@ def _verify_kv_indices_kernel(
         n = tl.where(b < B, L + v, 0)
         start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
         L_ok = L_ok & v_ok
+    elif WINDOW_LAYER:
+        start = exclusive_rail_sum(seq_lens_ptr, b, extra_tokens, rail, BLOCK_B)
     else:
         start = exclusive_length_sum(seq_lens_ptr, b, extra_tokens, BLOCK_B)
     # Ids read as the row and the id space say (design §2.10).
-    bad = copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row, kv_indices_ptr,
-                       kv_indptr_ptr, W_idx, c, chunk_programs, v2p_ptr, num_pages, page_size,
-                       BLOCK, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    if WINDOW_LAYER:
+        # The list starts at f = L − min(L, w − 1) (0 without a rail; a ragged verify has none).
+        first = L - rail_verify_prefix(L, rail)
+        n = tl.where(b < B, n - first, 0)
+        bad = copy_window_list(req_to_token_ptr, row_base, row_ok, first, n, b, B, start, W_row,
+                               kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, v2p_ptr,
+                               num_pages, page_size, full_to_swa_ptr, full_size, BLOCK,
+                               ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW)  # fmt: skip
+        n = n + first  # the last position read, for POS_OOB
+    else:
+        bad = copy_list_at(req_to_token_ptr, row_base, row_ok, n, b, B, start, W_row,
+                           kv_indices_ptr, kv_indptr_ptr, W_idx, c, chunk_programs, v2p_ptr,
+                           num_pages, page_size, BLOCK, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+        first = n * 0
     if HAS_STATUS:
         bits = tl.where(bad != 0, BAD_KV_ID, 0)
         if c == 0:
             bits |= (
                 tl.where(row_ok, 0, ROW_OOB)
                 | tl.where((n > W_row * ENTRY_PAGE_SIZE) | ~L_ok, POS_OOB, 0)
-                | tl.where(start + n > W_idx, OUT_OF_CAPACITY, 0)
+                | tl.where(start + n - first > W_idx, OUT_OF_CAPACITY, 0)
             )
         tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
@@ -148,16 +183,23 @@ _verify_kv_indices_launch = Launcher(_verify_kv_indices_kernel)
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
              kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p,
-             page_size):  # fmt: skip
+             page_size, sliding_window_size, full_to_swa):  # fmt: skip
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
+    rail = check_window(where, sliding_window_size, full_to_swa, device)
     validate.positive("page_size", page_size)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
+        if rail:
+            raise ValueError(
+                f"{where}: verify_lens (a ragged verify) with sliding_window_size={rail}: a "
+                "window layer's ragged lists are not built yet; verify a window layer with the "
+                "uniform layout (verify_lens=None), or its full lists (sliding_window_size=None)"
+            )
     if kv_indices is None:
         total = sizing_total(seq_lens_sum, B, req_to_token)
-        width = max(1, verify_kv_indices_need(total, B, extra_tokens))
+        width = max(1, rail_verify_need(total, B, extra_tokens, rail))
         kv_indices = torch.empty(width, dtype=req_to_token.dtype, device=device)
     if kv_indptr is None:
         kv_indptr = torch.empty(B + 1, dtype=torch.int32, device=device)
@@ -165,16 +207,18 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_i
     validate.tensor("kv_indptr", kv_indptr, ndim=1, device=device)
     validate.at_least("kv_indptr", kv_indptr.shape[0], B + 1, "entries (B + 1)")
     if seq_lens_sum is not None:
-        _check_total(seq_lens_sum, kv_indices, B, extra_tokens)
+        _check_total(seq_lens_sum, kv_indices, B, extra_tokens, rail)
     status = validate.status(status, device)
-    return extra_tokens, B, kv_indices, kv_indptr, status
+    return extra_tokens, B, kv_indices, kv_indptr, status, rail
 
 
-def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_tokens: int):
+def _check_total(seq_lens_sum: object, kv_indices: torch.Tensor, B: int, extra_tokens: int,
+                 rail: int):  # fmt: skip
     """``kv_indices`` holds every entry ``seq_lens_sum`` (the host's ``ΣL``) makes."""
     host_int("seq_lens_sum", seq_lens_sum)
-    need = verify_kv_indices_need(seq_lens_sum, B, extra_tokens)
-    validate.at_least("kv_indices", kv_indices.shape[0], need, "entries (ΣL + B*extra)")
+    need = rail_verify_need(seq_lens_sum, B, extra_tokens, rail)
+    what = "entries (Σmin(L, w-1) + B*extra)" if rail else "entries (ΣL + B*extra)"
+    validate.at_least("kv_indices", kv_indices.shape[0], need, what)
 
 
 def bind_verify_kv_indices(
@@ -191,6 +235,8 @@ def bind_verify_kv_indices(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build every request's list ``row_b[0 : L_b + extra]`` and its CSR offsets, in one
     launch.
@@ -227,6 +273,10 @@ def bind_verify_kv_indices(
     entry_page_size, v2p, page_size
         The rows' id space (design §2.10): page ids with ``entry_page_size > 1``, virtual ids
         emitted through the page map ``v2p`` at page size ``page_size``.
+    sliding_window_size, full_to_swa
+        A window layer (design §2.10): each list starts at ``max(0, L_b − w + 1)``
+        (``min(L_b, w − 1) + extra`` entries, offsets alike), and ``full_to_swa`` (``[P_full]``,
+        ``-1`` where evicted) emits every id in window-pool ids; not with ``verify_lens``.
 
     Returns
     -------
@@ -252,12 +302,14 @@ def bind_verify_kv_indices(
     ``seq_lens`` with vector loads. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status, rail = _prepare(
         "verify_kv_indices", req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_indices,
         kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p, page_size,
+        sliding_window_size, full_to_swa,
     )  # fmt: skip
     device = req_to_token.device
     grid = (max(B, 1), chunk_programs(device, B, req_to_token.shape[1], _BLOCK))
+    window_layer = bool(rail) or full_to_swa is not None  # a full layer's launch as before
     launch = _verify_kv_indices_launch.bind(
         grid,
         **batch_arguments(req_pool_indices, req_to_token, seq_lens),
@@ -265,6 +317,8 @@ def bind_verify_kv_indices(
         kv_indices_ptr=kv_indices,
         kv_indptr_ptr=kv_indptr,
         v2p_ptr=v2p if v2p is not None else kv_indptr,
+        **window_arguments(full_to_swa),
+        rail=rail if window_layer else None,
         status_ptr=status,
         extra_tokens=extra_tokens,
         W_idx=kv_indices.shape[0],
@@ -276,6 +330,7 @@ def bind_verify_kv_indices(
         HAS_VERIFY_LENS=verify_lens is not None,
         ENTRY_PAGE_SIZE=entry_page_size,
         TRANSLATE=v2p is not None,
+        WINDOW_LAYER=window_layer,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -300,23 +355,32 @@ def verify_kv_indices_ref(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_kv_indices` (vectorised over the batch; syncs)."""
-    extra_tokens, B, kv_indices, kv_indptr, status = _prepare(
+    extra_tokens, B, kv_indices, kv_indptr, status, rail = _prepare(
         "verify_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, extra_tokens,
         kv_indices, kv_indptr, seq_lens_sum, verify_lens, status, entry_page_size, v2p,
-        page_size,
+        page_size, sliding_window_size, full_to_swa,
     )  # fmt: skip
     n = seq_lens.to(torch.int64).clamp_min(0) + extra_tokens
     bits = 0
     if verify_lens is not None:  # ragged verify: min(max(v_b, 0), N) window slots
         _, v, bits = verify_rows_ref(verify_lens, extra_tokens)
         n = n - extra_tokens + v
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    first = L - rail_verify_prefix_ref(L, rail)  # a window layer's lists start there
+    n = n - first
     end = torch.cumsum(n, 0)
     kv_indptr[0] = 0
     kv_indptr[1 : B + 1] = end.to(kv_indptr.dtype)
-    bits |= ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n,
-                              entry_page_size=entry_page_size, v2p=v2p, page_size=page_size)  # fmt: skip
+    read = dict(entry_page_size=entry_page_size, v2p=v2p, page_size=page_size)
+    if rail or full_to_swa is not None:
+        bits |= window_lists_ref(req_pool_indices, req_to_token, first, n, kv_indices, end - n,
+                                 full_to_swa=full_to_swa, **read)  # fmt: skip
+    else:
+        bits |= ragged_prefix_ref(req_pool_indices, req_to_token, n, kv_indices, end - n, **read)
     if B and bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)
     if B and int(end[-1]) > kv_indices.shape[0]:

@@ -166,25 +166,27 @@ def compile_kernel(fn, ptrs, sizes, consts):
 
 m = lambda n: import_module(f"specmeta.kernels.{n}")
 U = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)  # the uniform verify: no verify_lens
+F = dict(full_to_swa_ptr=None, full_size=None, rail=None, TO_WINDOW=False, WINDOW_LAYER=False)  # a full layer
+NR = dict(rail=None, RAIL=False)  # a full layer's mask
 jobs = {
  "verify": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","v2p_ptr","status_ptr"],
-    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,ENTRY_PAGE_SIZE=1,TRANSLATE=False,**U)),
+    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,ENTRY_PAGE_SIZE=1,TRANSLATE=False,**U,**F)),
  "verify_ids": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","v2p_ptr:*i64","status_ptr"],
-    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,ENTRY_PAGE_SIZE=64,TRANSLATE=True,**U)),
+    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,ENTRY_PAGE_SIZE=64,TRANSLATE=True,**U,**F)),
  "verify_ragged": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","verify_lens_ptr","kv_indices_ptr","kv_indptr_ptr","v2p_ptr","status_ptr"],
-    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True,ENTRY_PAGE_SIZE=1,TRANSLATE=False)),
+    ["B","R","W_row","stride_row","extra_tokens","W_idx","chunk_programs","num_pages","page_size"], dict(BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True,ENTRY_PAGE_SIZE=1,TRANSLATE=False,**F)),
  "mask_bool": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
     ["seq_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
-    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=False,BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,**U)),
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=False,BLOCK=1024,BLOCK_B=1024,HAS_STATUS=True,**U,**NR)),
  "mask_packed": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
     ["seq_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
-    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,**U)),
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,**U,**NR)),
  "mask_packed_ragged": lambda: compile_kernel(m("tree_custom_mask")._tree_custom_mask_kernel,
     ["seq_lens_ptr:*i64","verify_lens_ptr:*i64","tree_mask_ptr:*u8","custom_mask_ptr:*u8","mask_indptr_ptr","status_ptr"],
-    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True)),
+    ["B","N","stride_mb","stride_mj","W_mask","chunk_programs"], dict(PACKED=True,BLOCK=256,BLOCK_B=1024,HAS_STATUS=True,HAS_VERIFY_LENS=True,**NR)),
  "shared": lambda: compile_kernel(m("shared_prefix_kv_indices")._shared_prefix_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","prefix_kv_indices_ptr","prefix_kv_indptr_ptr","chain_kv_indices_ptr","chain_kv_indptr_ptr","v2p_ptr","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_prefix","W_chain","stride_chain","stride_chain_ptr","chunk_programs","num_pages","window","sink"],

@@ -1,0 +1,304 @@
+"""Sliding-window layers (design §2.10): the window read rail and the full → window pool map.
+
+A hybrid model's window layers read a second, smaller KV pool. Their metadata differs from the
+full layers' in two rules, each one device helper here and its torch twin:
+
+* **The window read rail** (``sliding_window_size = w ≥ 1``; ``None`` or 0: a full layer): a
+  query at position ``p`` reads the positions ``(p − w, p]`` it may see, and the lists are
+  clipped to that range. Draft decode: step ``s`` of branch ``(b, t)`` lists the last
+  ``min(L + s + 1, w)`` entries of its prefix and its own chain (:func:`rail_draft_lengths`);
+  target verify and draft extend: request ``b``'s list starts at ``f = max(0, L − w + 1)``,
+  the earliest position its first query row (at ``L``) reads, so it holds ``min(L, w − 1)``
+  prefix positions and its ``N`` window slots (:func:`rail_verify_prefix`).
+* **The full → window pool map** (``full_to_swa``, ``[P_full]`` int32 or int64): entry ``i`` is
+  the window-pool slot of the full pool's slot ``i``, ``−1`` where the window pool evicted it.
+  It applies to each id after the row's own translation (``entry_page_size``, ``v2p``): the
+  emitted id is ``full_to_swa[id]``. An id read whose entry is negative, or an id outside
+  ``[0, P_full)``, is emitted as the sink slot 0 and sets ``BAD_KV_ID``
+  (:func:`window_pool_ids`). Positions the rail does not read are never listed, so their
+  ``−1`` is no fault. The map keeps the sink in place (``full_to_swa[0] = 0``), as a pool
+  never hands its sink out: a padded request reads slot 0 in both pools.
+
+The two keywords are independent on the device; a launcher refuses a draft window
+(``window_size > 0``) together with the rail (:func:`check_window`): they bound different
+models' attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import validate
+from ..config import draft_decode_kv_indices_need, tree_custom_mask_need, verify_kv_indices_need
+from ..status import Status
+from ._common import load_kv_ids, load_kv_ids_ref
+
+__all__ = [
+    "check_window",
+    "window_arguments",
+    "rail_draft_need",
+    "rail_verify_need",
+    "rail_mask_need",
+    "rail_prefix_total",
+    "window_pool_ids",
+    "load_window_ids",
+    "rail_draft_lengths",
+    "rail_verify_prefix",
+    "window_pool_ids_ref",
+    "load_window_ids_ref",
+    "rail_draft_lengths_ref",
+    "rail_verify_prefix_ref",
+    "exclusive_rail_sum",
+    "copy_window_list",
+    "window_lists_ref",
+]
+
+_FIX = ("(design §2.10: sliding_window_size is a window layer's w >= 1 tokens, None or 0 a full "
+        "layer; full_to_swa the engine's [P_full] int32 or int64 full -> window pool slot map on "
+        "the call's device, -1 where the window pool evicted a slot)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Host side.
+# --------------------------------------------------------------------------------------------
+def check_window(where: str, sliding_window_size: object, full_to_swa: object,
+                 device: torch.device, window_size: int = 0) -> int:  # fmt: skip
+    """Check a window layer's inputs: ``sliding_window_size`` None or an int ≥ 0 (0 and None:
+    a full layer), ``full_to_swa`` None or a 1-D int32 or int64 tensor on ``device``, and no
+    draft window (``window_size``, already checked) beside the rail. Returns ``w`` (0 for a
+    full layer). Host metadata only; an id that does not map is the kernels' to report."""
+    try:
+        rail = 0 if sliding_window_size is None else validate.positive(
+            "sliding_window_size", sliding_window_size, 0)  # fmt: skip
+        if full_to_swa is not None:
+            validate.tensor("full_to_swa", full_to_swa, ndim=1, device=device,
+                            contiguous_last=False)  # fmt: skip
+    except TypeError as err:
+        raise TypeError(f"{where}: {err} {_FIX}") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: {err} {_FIX}") from None
+    if rail and window_size:
+        raise ValueError(
+            f"{where}: window_size={window_size} (a draft window) and sliding_window_size={rail} "
+            "(a window layer's read rail) were both given; they bound different models' "
+            "attention: pass window_size for the draft model's lists, sliding_window_size for a "
+            "target window layer's, never both (design §2.10)"
+        )
+    return rail
+
+
+def window_arguments(full_to_swa: torch.Tensor | None) -> dict:
+    """The launch keywords of the window pool map for a kernel reading ids with
+    :func:`load_window_ids`: the map, its size and the ``TO_WINDOW`` switch. Without a map the
+    two are ``None`` (constants to Triton): a full layer's launch passes no argument it does not
+    read."""
+    to_window = full_to_swa is not None
+    return dict(full_to_swa_ptr=full_to_swa, full_size=full_to_swa.shape[0] if to_window else None,
+                TO_WINDOW=to_window)  # fmt: skip
+
+
+def rail_draft_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int, rail: int) -> int:
+    """Entries of one draft-decode ``kv_indices`` row for the last step under the rail:
+    ``K·Σ min(L_b + rows, w) ≤ K·min(ΣL + B·rows, B·w)``; the plain ``K·ΣL + B·K·rows``
+    without one (design §2.2)."""
+    plain = draft_decode_kv_indices_need(seq_lens_sum, batch, topk, num_rows)
+    return min(plain, batch * topk * rail) if rail else plain
+
+
+def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
+    """The most prefix positions a batch's verify / extend lists keep under the rail:
+    ``Σ min(L_b, w − 1) ≤ min(ΣL, B·(w − 1))``; ``ΣL`` without one."""
+    return min(seq_lens_sum, batch * (rail - 1)) if rail else seq_lens_sum
+
+
+def rail_verify_need(seq_lens_sum: int, batch: int, extra_tokens: int, rail: int) -> int:
+    """Entries of the verify / extend lists under the rail: ``Σ (min(L_b, w − 1) + extra) ≤
+    min(ΣL, B·(w − 1)) + B·extra``; ``ΣL + B·extra`` without one."""
+    return verify_kv_indices_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
+                                  extra_tokens)  # fmt: skip
+
+
+def rail_mask_need(seq_lens_sum: int, batch: int, num_draft_tokens: int, rail: int) -> int:
+    """Elements (or bytes, packed) of the verify mask under the rail: each request's block is
+    ``N × (min(L, w − 1) + N)``."""
+    return tree_custom_mask_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
+                                 num_draft_tokens)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Device helpers.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def window_pool_ids(ids, read, full_to_swa_ptr, full_size, TO_WINDOW: tl.constexpr):
+    """``(ids, bad)``: full-pool ids (int64) on the lanes of ``read`` as window-pool ids,
+    ``full_to_swa[id]`` (design §2.10); ``bad`` where an id lies outside ``[0, full_size)`` or
+    its entry is negative, given as the sink slot 0. Without ``TO_WINDOW`` the ids pass as they
+    are and nothing is bad. Lanes off ``read`` give 0 with the map, their id without it."""
+    if TO_WINDOW:
+        inside = read & (ids >= 0) & (ids < full_size)
+        swa = tl.load(full_to_swa_ptr + ids, mask=inside, other=-1).to(tl.int64)
+        bad = read & (swa < 0)
+        return tl.where(read & ~bad, swa, 0), bad
+    else:
+        return ids, read & False
+
+
+@triton.jit
+def load_window_ids(row_ptr, pos, mask, W_row, v2p_ptr, num_pages, page_size, full_to_swa_ptr,
+                    full_size, ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                    TO_WINDOW: tl.constexpr):  # fmt: skip
+    """:func:`~specmeta.kernels._common.load_kv_ids` followed by the window pool map:
+    ``(ids, in_row, bad)``, ``bad`` where either step did not map (the sink slot 0). An id the
+    row's own space could not map stays 0 and is not looked up; a lane outside the row reads
+    nothing and gives 0."""
+    ids, in_row, bad = load_kv_ids(row_ptr, pos, mask, W_row, v2p_ptr, num_pages, page_size,
+                                   ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+    ids, lost = window_pool_ids(ids, mask & in_row & ~bad, full_to_swa_ptr, full_size, TO_WINDOW)
+    return ids, in_row, bad | lost
+
+
+@triton.jit
+def rail_draft_lengths(L, s, rail):
+    """``(prefix, chain)``: how many prefix positions and own-chain steps draft step ``s``
+    lists under the rail ``w`` (design §2.10): the last ``min(L + s + 1, w)`` entries of
+    ``[prefix, chain]``, so ``chain = min(s + 1, w)`` steps (the last ones, ``s + 1 − chain …
+    s``) and ``prefix = min(L, w − chain)`` positions (the last ones, ``L − prefix … L − 1``).
+    ``w = 0``: ``(L, s + 1)``."""
+    chain = tl.where(rail > 0, tl.minimum(s + 1, rail), s + 1)
+    prefix = tl.where(rail > 0, tl.minimum(L, tl.maximum(rail - chain, 0)), L)
+    return prefix, chain
+
+
+@triton.jit
+def rail_verify_prefix(L, rail):
+    """Prefix positions a verify or extend list keeps under the rail ``w`` (design §2.10):
+    ``L − f = min(L, w − 1)``, ``f = max(0, L − w + 1)`` the earliest position the request's
+    first query row (at ``L``) reads; ``L`` without a rail."""
+    return tl.where(rail > 0, tl.minimum(L, rail - 1), L)
+
+
+# --------------------------------------------------------------------------------------------
+# Torch twins (plain torch; they may sync).
+# --------------------------------------------------------------------------------------------
+def window_pool_ids_ref(ids: torch.Tensor, read: torch.Tensor,
+                        full_to_swa: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`window_pool_ids`: ``(ids, bad)`` (int64; with the map, 0 off ``read`` and where
+    ``bad``)."""
+    ids = ids.to(torch.int64)
+    if full_to_swa is None:
+        return ids, torch.zeros_like(read)
+    inside = read & (ids >= 0) & (ids < full_to_swa.shape[0])
+    swa = torch.where(inside, full_to_swa[torch.where(inside, ids, 0)].to(torch.int64), -1)
+    bad = read & (swa < 0)
+    return torch.where(read & ~bad, swa, 0), bad
+
+
+def load_window_ids_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                        positions: torch.Tensor, mask: torch.Tensor, *, entry_page_size: int = 1,
+                        v2p: torch.Tensor | None = None, page_size: int = 1,
+                        full_to_swa: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    """:func:`load_window_ids` for request ``b``'s positions ``positions[b, ...]`` where ``mask``:
+    ``(ids, bad, bits)`` as :func:`~specmeta.kernels._common.load_kv_ids_ref` gives them, the
+    ids then through the window pool map."""
+    ids, bad, bits = load_kv_ids_ref(req_to_token, req_pool_indices, positions, mask,
+                                     entry_page_size=entry_page_size, v2p=v2p,
+                                     page_size=page_size)  # fmt: skip
+    R, W = req_to_token.shape
+    rows = req_pool_indices.to(torch.int64).view(-1, *([1] * (positions.dim() - 1)))
+    read = mask & (rows >= 0) & (rows < R) & (positions // entry_page_size < W)
+    ids, lost = window_pool_ids_ref(ids, read & ~bad, full_to_swa)
+    return ids, bad | lost, bits
+
+
+def rail_draft_lengths_ref(L: torch.Tensor, s: int, rail: int) -> tuple[torch.Tensor, int]:
+    """:func:`rail_draft_lengths` of every request (``L`` int64, ≥ 0): ``(prefix, chain)``."""
+    if not rail:
+        return L, s + 1
+    chain = min(s + 1, rail)
+    return L.clamp_max(max(rail - chain, 0)), chain
+
+
+def rail_verify_prefix_ref(L: torch.Tensor, rail: int) -> torch.Tensor:
+    """:func:`rail_verify_prefix` of every request (``L`` int64, ≥ 0)."""
+    return L.clamp_max(rail - 1) if rail else L
+
+
+
+# --------------------------------------------------------------------------------------------
+# The lists of target verify and draft extend under the rail.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def exclusive_rail_sum(seq_lens_ptr, b, extra, rail, BLOCK_B: tl.constexpr):
+    """``Σ_{b'<b} (rail_verify_prefix(max(L_b', 0), w) + extra)`` in int64, from whole-vector
+    loads of ``seq_lens``: where request ``b``'s clipped list starts."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        prev = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        cum += tl.sum(tl.where(before, rail_verify_prefix(prev, rail) + extra, 0), axis=0)
+    return cum
+
+
+@triton.jit
+def copy_window_list(
+    req_to_token_ptr, row_base, row_ok, first, n, b, B, start, W_row, kv_indices_ptr,
+    kv_indptr_ptr, W_idx, first_chunk, chunk_step, v2p_ptr, num_pages, page_size,
+    full_to_swa_ptr, full_size, BLOCK: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
+    TRANSLATE: tl.constexpr, TO_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Request ``b``'s list of a CSR, the ids of row positions ``[first, first + n)`` read as
+    :func:`load_window_ids` reads them, placed at ``start``: chunks ``first_chunk, first_chunk +
+    chunk_step, …``; with ``first_chunk == 0`` also ``kv_indptr[b + 1] = start + n`` (and
+    entry 0 from ``b == 0``). Stores past ``W_idx`` drop, and the loop covers only what the
+    buffer can hold. Returns whether an id it stored did not map."""
+    n_fit = tl.minimum(n, tl.minimum(tl.maximum(W_idx - start, 0), W_idx))
+    k0 = tl.arange(0, BLOCK).to(tl.int64)
+    bad = first_chunk * 0
+    for chunk in range(first_chunk, tl.cdiv(n_fit, BLOCK), chunk_step):
+        k = k0 + chunk * BLOCK
+        dst = start + k
+        m = (k < n) & (dst < W_idx)
+        ids, _, wrong = load_window_ids(req_to_token_ptr + row_base, first + k,
+                                        tl.where(row_ok, m, False), W_row, v2p_ptr, num_pages,
+                                        page_size, full_to_swa_ptr, full_size, ENTRY_PAGE_SIZE,
+                                        TRANSLATE, TO_WINDOW)  # fmt: skip
+        tl.store(kv_indices_ptr + dst, ids, mask=m)
+        bad |= tl.max(wrong.to(tl.int32), axis=0)
+    if first_chunk == 0:
+        tl.store(kv_indptr_ptr + b + 1, start + n, mask=b < B)
+        tl.store(kv_indptr_ptr + b, start * 0, mask=b == 0)
+    return bad
+
+
+def window_lists_ref(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                     first: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+                     start: torch.Tensor, *, entry_page_size: int = 1,
+                     v2p: torch.Tensor | None = None, page_size: int = 1,
+                     full_to_swa: torch.Tensor | None = None) -> int:  # fmt: skip
+    """The torch twin of :func:`copy_window_list` over a batch: ``out[start[b] + k] =
+    id(row_b, first[b] + k)`` for ``k < lengths[b]`` (stores past ``out`` dropped); returns the
+    status bits (``ROW_OOB``, ``POS_OOB`` for a list past its row, ``BAD_KV_ID`` for an id
+    stored that did not map)."""
+    B = lengths.shape[0]
+    if B == 0:
+        return 0
+    max_len = min(int(lengths.max()), out.shape[0])  # entry k lands at start + k >= k
+    k = torch.arange(max_len, device=lengths.device).view(1, -1)
+    dst = start.view(-1, 1) + k
+    keep = (k < lengths.view(-1, 1)) & (dst < out.shape[0])
+    pos = torch.where(keep, first.view(-1, 1) + k, 0)
+    ids, bad, bits = load_window_ids_ref(req_to_token, req_pool_indices, pos, keep,
+                                         entry_page_size=entry_page_size, v2p=v2p,
+                                         page_size=page_size, full_to_swa=full_to_swa)  # fmt: skip
+    out[dst[keep]] = ids[keep].to(out.dtype)
+    bits = (bits & int(Status.ROW_OOB)) | (int(Status.BAD_KV_ID) if bool(bad.any()) else 0)
+    if bool((first + lengths > req_to_token.shape[1] * entry_page_size).any()):  # past its row
+        bits |= int(Status.POS_OOB)
+    rows = req_pool_indices.to(torch.int64)
+    if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):
+        bits |= int(Status.ROW_OOB)
+    return bits
