@@ -57,6 +57,10 @@ from .kernels.shared_prefix_kv_indices import (
     shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
 )
+from .kernels.tree_ancestor_kv_indices import (
+    tree_ancestor_kv_indices,
+    tree_ancestor_kv_indices_ref,
+)
 from .kernels.tree_custom_mask import (
     tree_custom_mask,
     tree_custom_mask_ref,
@@ -489,6 +493,23 @@ def _host_lengths_cases(b, g):
         yield Case(f"{what} {b.describe()}", (b.seq_lens,), {}, {"slot": pinned, "seen": seen_t})
 
 
+def _ancestor_cases(b, g):
+    """The verify tree's per-node ancestor lists (FlashInfer MLA), into a poisoned buffer of
+    the planned B*N*N entries (entries past the lists must be left alone)."""
+    n, device = tree_width(b.topk, b.num_steps), b.seq_lens.device
+    tree = random_tree_mask(b.batch_size, b.topk, b.num_steps, n, g).to(device)
+    out = {"kv_indices": _poison(max(b.batch_size * n * n, 1), device=device,
+                                 dtype=b.req_to_token.dtype)}  # fmt: skip
+    yield Case(b.describe(), (*_args(b), tree), {}, out)
+
+
+def _ancestor_written(case, result, outputs):
+    indices, indptr, lens = result
+    BN = lens.shape[0]
+    return {"kv_len": lens, "kv_indptr": indptr, "kv_indices": indices[: int(indptr[BN])],
+            "kv_indices past the lists": indices[int(indptr[BN]) :]}  # fmt: skip
+
+
 _TABLES = ("page_table", "cache_seqlens")
 
 #: Every kernel op, in the order ``specmeta check`` runs them.
@@ -537,4 +558,6 @@ OPS: tuple[Op, ...] = (
     # Whole buffers compared: the poisoned entries past Bp and Bp + 1 must be left alone.
     Op("pad_verify_lens_to_bucket", pad_verify_lens_to_bucket, pad_verify_lens_to_bucket_ref,
        pad_verify_lens_to_bucket.kernels, _pad_lens_cases, _named("out", "qo_indptr")),
+    Op("tree_ancestor_kv_indices", tree_ancestor_kv_indices, tree_ancestor_kv_indices_ref,
+       tree_ancestor_kv_indices.kernels, _ancestor_cases, _ancestor_written, extra_tokens=8),
 )  # fmt: skip
