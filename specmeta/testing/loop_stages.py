@@ -4,6 +4,7 @@ batch of an eager iteration or a runner's static views (:mod:`specmeta.testing.s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -25,7 +26,7 @@ from ..runners import GraphRunner, RaggedGraphRunner, padding
 from ..stage import Stage
 from .tiny_model import KVCache
 
-__all__ = ["BACKENDS", "DRAFT_FORMS", "STAGES", "MetadataStages"]
+__all__ = ["BACKENDS", "DRAFT_FORMS", "STAGES", "WINDOW_MODES", "MetadataStages"]
 
 BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
 DRAFT_FORMS = ("decode", "shared_prefix", "paged")
@@ -33,6 +34,20 @@ DRAFT_FORMS = ("decode", "shared_prefix", "paged")
 pages (:class:`~specmeta.FlashInferBuilder`)."""
 STAGES = ("draft", "verify", "accept", "extend")
 """specmeta's stages of an iteration, in order (:class:`MetadataStages`)."""
+WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
+"""The window layers' builder modes: token lists in window-pool ids (design §2.10)."""
+
+
+def _both(full: Stage, window: Stage | None, launches: Sequence = ()) -> Stage:
+    """``full``'s stage, and ``window``'s beside it when there is one: one host part returning
+    both results, ``(full, window)``, and every launch."""
+    if window is None:
+        return Stage([*launches, full], host=full.host) if launches else full
+
+    def host(seq_lens_cpu, **host_inputs):
+        return full.host(seq_lens_cpu, **host_inputs), window.host(seq_lens_cpu, **host_inputs)
+
+    return Stage([*launches, full, window], host=host)
 
 # The free launchers a stage binds: the kernels' bound launches, or (a reference build) the
 # pure-torch references called as launches.
@@ -94,12 +109,22 @@ class MetadataStages:
         Bind specmeta's pure-torch references (``*_ref`` ops as the launches, builders with
         ``reference=True``) instead of the kernels; they synchronise, so their runners never
         capture graphs.
+    full_to_swa : torch.Tensor, optional
+        A hybrid model's full → window pool map (``[P_full]``, updated in place by the engine,
+        :class:`~specmeta.testing.window_pool.WindowSlots`): with it every stage also builds the
+        window layers' metadata (a second builder, ``sliding_window_size``, FlashInfer only), in
+        window-pool ids: draft slots, draft decode, target verify, draft extend, and the
+        accepted KV moved in the window pool too. A stage's result is then ``(full layers',
+        window layers')``.
+    sliding_window_size : int
+        ``w`` of the window layers (with ``full_to_swa``).
     """
 
     def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
                  req_to_token: torch.Tensor, draft_cache: KVCache, target_cache: KVCache,
                  status: torch.Tensor, reference: bool = False,
-                 ragged_verify: bool = False):  # fmt: skip
+                 ragged_verify: bool = False, full_to_swa: torch.Tensor | None = None,
+                 sliding_window_size: int = 0):  # fmt: skip
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if draft_form not in DRAFT_FORMS:
@@ -123,6 +148,23 @@ class MetadataStages:
             "runner.verify_lens",
         ])  # fmt: skip
         self.runners: dict[str, GraphRunner] = {}
+        self.full_to_swa = full_to_swa
+        self.window_builder = None
+        if full_to_swa is not None:
+            if backend != "flashinfer" or ragged_verify or sliding_window_size < 1:
+                raise ValueError(f"a hybrid model's window layers are served by FlashInfer's "
+                                 f"builder with a uniform verify and sliding_window_size >= 1, "
+                                 f"got backend={backend!r}, ragged_verify={ragged_verify}, "
+                                 f"sliding_window_size={sliding_window_size}")  # fmt: skip
+            # The draft window bounds the draft's full layers; a window layer reads its own
+            # window in every mode (design §2.10).
+            plain = dataclasses.replace(cfg, draft_window_size=0, draft_sink_size=0)
+            self.window_builder = FlashInferBuilder(plain, device, reference=reference,
+                                                    modes=WINDOW_MODES,
+                                                    sliding_window_size=sliding_window_size)  # fmt: skip
+            self.window_bufs = allocate_buffers(cfg, device, [
+                "draft.out_cache_loc", "verify.tgt_cache_loc", "verify.src_cache_loc",
+            ])  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
     # The stages: each binds its work to the tensors it is given (a runner's static views, or
@@ -157,7 +199,16 @@ class MetadataStages:
                                        disjoint=True, status=st))  # fmt: skip
         slots = b["draft.out_cache_loc"][: B * c.topk * c.num_steps]
         decode = self._draft_decode(rpi, lens, slots)
-        return Stage([*launches, decode], host=decode.host)
+        window = None
+        if self.window_builder is not None:
+            # The window layers' draft slots: the same positions' window-pool ids.
+            launches.append(self._bind("assign_draft_cache_locs", rpi, r2t, lens,
+                                       out_cache_loc=self.window_bufs["draft.out_cache_loc"],
+                                       full_to_swa=self.full_to_swa, **kw))  # fmt: skip
+            window = self.window_builder.bind_draft_decode(rpi, r2t, lens,
+                                                           num_rows=c.num_steps - 1, status=st,
+                                                           full_to_swa=self.full_to_swa)  # fmt: skip
+        return _both(decode, window, launches)
 
     def verify(self, inputs: Mapping[str, torch.Tensor], num_tokens: int | None = None) -> Stage:
         """Target-verify metadata of the tree over the window ``L … L + N − 1``; with a ragged
@@ -170,7 +221,12 @@ class MetadataStages:
             return self.builder.bind_target_verify(*args, **kw)
         if self.backend == "fa3" and self.cfg.topk == 1:  # FA3 reads no mask for a chain
             return self.builder.bind_target_verify(*args, None, **kw)
-        return self.builder.bind_target_verify(*args, inputs["tree_mask"], **kw)
+        full = self.builder.bind_target_verify(*args, inputs["tree_mask"], **kw)
+        window = None
+        if self.window_builder is not None:
+            window = self.window_builder.bind_target_verify(*args, inputs["tree_mask"], **kw,
+                                                            full_to_swa=self.full_to_swa)  # fmt: skip
+        return _both(full, window)
 
     def accept(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Move pairs of the accepted nodes and their move, all layers of the target pool: free
@@ -185,12 +241,28 @@ class MetadataStages:
         # earlier pair writes.
         move = self._bind("move_kv_cache", self.target_cache.pool, tgt[:n], src[:n],
                           ordered=True, status=self.status)  # fmt: skip
-        return Stage([pairs, move])
+        if self.window_builder is None:
+            return Stage([pairs, move])
+        # The window layers' KV moves between the same slots' window-pool ids: the map read as
+        # a page map of page size 1 (design §2.10), the pairs in window-pool ids.
+        wtgt, wsrc = self.window_bufs["verify.tgt_cache_loc"], self.window_bufs["verify.src_cache_loc"]
+        wpairs = self._bind("accept_cache_locs", inputs["accept_index"], inputs["accept_lens"],
+                            inputs["verify_out_cache_loc"], num_draft_tokens=c.num_draft_tokens,
+                            tgt=wtgt, src=wsrc, status=self.status, v2p=self.full_to_swa,
+                            page_size=1)  # fmt: skip
+        wmove = self._bind("move_kv_cache", self.target_cache.window_pool, wtgt[:n], wsrc[:n],
+                           ordered=True, status=self.status)  # fmt: skip
+        return Stage([pairs, move, wpairs, wmove])
 
     def extend(self, inputs: Mapping[str, torch.Tensor]) -> Stage:
         """Draft-extend metadata: ``N`` query rows a request after the draft's prefix."""
-        return self.builder.bind_draft_extend(inputs["req_pool_indices"], self.req_to_token,
-                                              inputs["seq_lens"], status=self.status)  # fmt: skip
+        args = (inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"])
+        full = self.builder.bind_draft_extend(*args, status=self.status)
+        window = None
+        if self.window_builder is not None:
+            window = self.window_builder.bind_draft_extend(*args, status=self.status,
+                                                           full_to_swa=self.full_to_swa)  # fmt: skip
+        return _both(full, window)
 
     # --------------------------------------------------------------------------------------------
     # Per backend
@@ -250,6 +322,8 @@ class MetadataStages:
             # What the graphs read and write beyond the runner's inputs: a replay after one of
             # them was reallocated or reshaped raises instead of touching stale memory.
             runner.add_guard("req_to_token", lambda: self.req_to_token)
+            if self.full_to_swa is not None:
+                runner.add_guard("full_to_swa", self.full_to_swa)
             for which, cache in (("draft", self.draft_cache), ("target", self.target_cache)):
                 for i, layer in enumerate((*cache.k, *cache.v)):
                     runner.add_guard(f"{which} KV buffer {i}", layer)

@@ -52,6 +52,13 @@ Two choices that differ from SGLang's EAGLE worker, and why:
   describes), not to its new parent's chain. The drafted tree is then approximate; verification
   is exact whatever the draft proposes, so this changes only how much is accepted.
 
+A hybrid target (and draft; :class:`~specmeta.testing.tiny_model.TinyConfig`'s window layers)
+keeps its window layers' KV in a window pool: the loop maps every full slot it hands out to a
+window slot and takes it back once no window reads its position
+(:class:`~specmeta.testing.window_pool.WindowSlots`), and every stage also builds the window
+layers' metadata in window-pool ids (:class:`MetadataStages`); each forward writes a window
+layer's KV at its slots' window-pool ids.
+
 Prompt prefill is outside specmeta's scope: :meth:`TinyModel.prefill` stores a prompt's KV into
 the pools with dense attention. Every decode-time forward (draft decode, target verify, draft
 extend) reads its keys through a builder's metadata and an attention backend of
@@ -85,6 +92,7 @@ from .speculation import (
     make_requests,
 )
 from .tiny_model import KVCache, PagedAttention, TinyModel
+from .window_pool import WindowSlots, window_pool_size
 
 __all__ = [
     "BACKENDS",
@@ -179,13 +187,19 @@ class SpeculativeLoop:
     raise_on_status : bool
         Raise :class:`~specmeta.SpecmetaStatusError` when an iteration leaves the status word
         non-zero (otherwise it is only recorded in :attr:`Iteration.status`).
+    ragged_verify : bool
+        Each request verifies its first nodes only (design §2.9).
+    window_pool_size : int, optional
+        A hybrid model's window-pool slots (default: enough for ``max_bs`` requests,
+        :func:`~specmeta.testing.window_pool.window_pool_size`).
     """
 
     def __init__(self, cfg: SpecConfig, target: TinyModel, draft: TinyModel, *,
                  backend: str = "fa3", attention=None, draft_form: str = "decode",
                  mode: str = "auto", buckets: Sequence[int] = (1, 2, 4),
                  reference: bool = False, seed: int = 0, timing: bool = False,
-                 raise_on_status: bool = True, ragged_verify: bool = False):  # fmt: skip
+                 raise_on_status: bool = True, ragged_verify: bool = False,
+                 window_pool_size: int | None = None):  # fmt: skip
         if mode not in ("eager", "graph", "auto"):
             raise ValueError(f"mode must be 'eager', 'graph' or 'auto', got {mode!r}")
         if mode != "eager" and (not buckets or max(buckets) > cfg.max_bs):
@@ -208,16 +222,51 @@ class SpeculativeLoop:
         self.slots = SlotAllocator(cfg.max_bs + 3, cfg.req_to_token_width,
                                    cfg.pool_size // cfg.page_size, cfg.page_size, self.device,
                                    torch.Generator().manual_seed(seed))  # fmt: skip
-        self.target_cache = target.new_cache(cfg.pool_size)
-        self.draft_cache = draft.new_cache(cfg.pool_size)
+        self.window = self._window_slots(cfg, seed, window_pool_size)
+        wsize = self.window_pool_size if self.window else None
+        self.target_cache = target.new_cache(cfg.pool_size, wsize)
+        self.draft_cache = draft.new_cache(cfg.pool_size, wsize)
         self.status = new_status(self.device)
         self.stages = MetadataStages(cfg, backend, draft_form, self.device,
                                      self.slots.req_to_token, self.draft_cache, self.target_cache,
                                      self.status, reference=reference,
-                                     ragged_verify=ragged_verify)  # fmt: skip
+                                     ragged_verify=ragged_verify,
+                                     full_to_swa=self.window.full_to_swa if self.window else None,
+                                     sliding_window_size=self.window.window if self.window else 0)  # fmt: skip
         if mode != "eager":
             self.stages.build_runners(buckets, self.device)
         self.max_bucket = max(buckets, default=0)
+
+    def _window_slots(self, cfg: SpecConfig, seed: int, size: int | None) -> WindowSlots | None:
+        """A hybrid model's window pool map (both models' window layers share one window, so
+        one map serves both pools), or ``None``."""
+        windows = {m.cfg.sliding_window_size for m in (self.target, self.draft) if m.cfg.hybrid}
+        if not windows:
+            return None
+        if len(windows) > 1:
+            raise ValueError(f"target and draft window layers must share one window, got "
+                             f"{sorted(windows)}")  # fmt: skip
+        w = windows.pop()
+        if size is None:
+            ps, K, S, N = cfg.page_size, cfg.topk, cfg.num_steps, cfg.num_draft_tokens
+            need = max(draft_row_need(r + 1, K, S, ps) - r for r in range(ps)) + N + 1
+            size = window_pool_size(w, cfg.max_bs, cfg.max_context_len, need, ps)
+        self.window_pool_size = size
+        return WindowSlots(cfg.pool_size, size, w, self.device,
+                           torch.Generator().manual_seed(seed + 1))  # fmt: skip
+
+    def _map_window(self, req: Request) -> None:
+        """Window slots for every full slot ``req``'s row was given."""
+        if self.window is not None:
+            ps = self.cfg.page_size
+            pages = self.slots.pages[req.row]
+            self.window.map(req.row, [p * ps + i for p in pages for i in range(ps)])
+
+    def _window_slots_of(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """The window-pool ids of full slots (where a window layer writes), or ``None``."""
+        if self.window is None:
+            return None
+        return self.window.full_to_swa[slots.long()].long()
 
     # --------------------------------------------------------------------------------------------
     # Requests
@@ -237,16 +286,23 @@ class SpeculativeLoop:
                              f"{self.cfg.max_context_len}")  # fmt: skip
         req.row = self.slots.alloc_row()
         self.slots.ensure(req.row, P + 1)
+        self._map_window(req)
         slots = self.slots.req_to_token[req.row, : P + 1].long()
+        wslots = self._window_slots_of(slots)
         prompt = req.prompt.to(self.device)
-        first = int(self.target.prefill(prompt, self.target_cache, slots[:P])[-1].argmax())
+        first = int(self.target.prefill(prompt, self.target_cache, slots[:P],
+                                        None if wslots is None else wslots[:P])[-1].argmax())  # fmt: skip
         with_root = torch.cat([prompt, torch.tensor([first], device=self.device)])
-        draft_logits = self.draft.prefill(with_root, self.draft_cache, slots)
+        draft_logits = self.draft.prefill(with_root, self.draft_cache, slots, wslots)
         req.output, req.seq_len = [first], P
         req.root_logprobs = torch.log_softmax(draft_logits[-1], -1)
+        if self.window is not None:
+            self.window.evict(req.row, P)
 
     def retire(self, req: Request) -> None:
         """A finished request: its row and pages go back to the allocator."""
+        if self.window is not None:
+            self.window.release(req.row)
         self.slots.free(req.row)
         req.row = 0
 
@@ -268,6 +324,7 @@ class SpeculativeLoop:
                 need = max(draft_row_need(Ld, c.topk, c.num_steps, c.page_size),
                            r.seq_len + c.num_draft_tokens, Ld + c.num_draft_tokens)  # fmt: skip
                 self.slots.ensure(r.row, need)
+                self._map_window(r)
             rows = torch.tensor([r.row for r in batch], dtype=torch.int64)
             seq_lens_cpu = torch.tensor([r.seq_len for r in batch], dtype=torch.int64)
             draft_lens_cpu = seq_lens_cpu + 1
@@ -313,6 +370,8 @@ class SpeculativeLoop:
                 r.output.extend(tokens_cpu[i][:acc])
                 r.seq_len += acc
                 r.root_logprobs = next_logprobs[i]
+                if self.window is not None:  # positions no window reads any more
+                    self.window.evict(r.row, r.seq_len)
         # The status word, read once an iteration (the only other sync is the commit above).
         bits = int(self.status.item())
         self.status.zero_()
@@ -333,13 +392,23 @@ class SpeculativeLoop:
         with ctx:
             return self.stages.run(stage, B, inputs, lens_cpu, graph, verify_lens_cpu)
 
-    def _forward(self, model: TinyModel, cache: KVCache, meta, tokens, positions, slots):
+    def _forward(self, model: TinyModel, cache: KVCache, meta, tokens, positions, slots,
+                 window_slots=None):  # fmt: skip
         """One decode-time forward: the backend plans once, then every layer stores its KV at
-        ``slots`` and attends through ``meta``."""
+        ``slots`` and attends through ``meta``. With a window pool ``meta`` is ``(full layers',
+        window layers')``, and a window layer stores its KV at ``window_slots`` (default: the
+        slots' window-pool ids, translated through the map)."""
         ctx = self.timer("attention") if self.timer else contextlib.nullcontext()
+        window = None
+        if self.window is not None:
+            meta, wmeta = meta
+            with ctx:
+                if window_slots is None:
+                    window_slots = self._window_slots_of(slots)
+                window = (window_slots, self.attention.prepare(wmeta))
         with ctx:
             handle = self.attention.prepare(meta)
-        attn = PagedAttention(cache, slots, self.attention, handle, self.timer)
+        attn = PagedAttention(cache, slots, self.attention, handle, self.timer, window)
         return model.forward(tokens, positions, attn)
 
     def _draft(self, batch, rpi, draft_lens, draft_lens_cpu, graph) -> DraftTree:
@@ -348,6 +417,11 @@ class SpeculativeLoop:
         B, K, S, N = len(batch), c.topk, c.num_steps, c.num_draft_tokens
         inputs = {"req_pool_indices": rpi, "seq_lens": draft_lens}
         steps = self._specmeta("draft", B, inputs, draft_lens_cpu, graph)
+        wslots = None
+        if self.window is not None:  # per step, the full layers' and the window layers'
+            steps = [(steps[0][s], steps[1][s]) for s in range(S - 1)]
+            # The window layers write at the draft slots' window-pool ids, as specmeta gave them.
+            wslots = self.stages.window_bufs["draft.out_cache_loc"][: B * K * S].view(B, K, S)
         slots = self.stages.bufs["draft.out_cache_loc"][: B * K * S].view(B, K, S)
         positions = self.stages.bufs["draft.positions"][: B * K]
         if B:
@@ -361,7 +435,8 @@ class SpeculativeLoop:
             # prefix and its own chain 0 … s.
             tokens = selection.branch_tokens.reshape(-1)
             logits = self._forward(self.draft, self.draft_cache, steps[s], tokens,
-                                   positions + s, slots[:, :, s].reshape(-1))  # fmt: skip
+                                   positions + s, slots[:, :, s].reshape(-1),
+                                   None if wslots is None else wslots[:, :, s].reshape(-1))  # fmt: skip
             vocab = logits.shape[-1]
             selection.expand(torch.log_softmax(logits, -1).view(B, K, vocab))
         return selection.tree(N)
