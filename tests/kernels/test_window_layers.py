@@ -363,12 +363,12 @@ def test_capacity_checks_use_the_clipped_lengths(device):
     with pytest.raises(ValueError, match=r"kv_indices is too small: need 4"):
         verify_kv_indices(*args, extra_tokens=N, sliding_window_size=w, seq_lens_sum=5,
                           kv_indices=torch.empty(need - 1, dtype=torch.int32, device=device))  # fmt: skip
-    # draft decode, 2 steps: the last step lists min(5 + 2, 3) = 3 entries
-    draft_decode_kv_indices(*args, topk=1, num_steps=2, sliding_window_size=w, seq_lens_sum=5,
-                            kv_indices=torch.empty(2, 3, dtype=torch.int32, device=device))  # fmt: skip
-    with pytest.raises(ValueError, match=r"kv_indices is too small: need 3"):
-        draft_decode_kv_indices(*args, topk=1, num_steps=2, sliding_window_size=w, seq_lens_sum=5,
-                                kv_indices=torch.empty(2, 2, dtype=torch.int32, device=device))  # fmt: skip
+    # draft decode, 2 branches of 2 steps: the last step lists min(5 + 2, 3) = 3 entries each
+    draft_decode_kv_indices(*args, topk=2, num_steps=2, sliding_window_size=w, seq_lens_sum=5,
+                            kv_indices=torch.empty(2, 6, dtype=torch.int32, device=device))  # fmt: skip
+    with pytest.raises(ValueError, match=r"kv_indices is too small: need 6"):
+        draft_decode_kv_indices(*args, topk=2, num_steps=2, sliding_window_size=w, seq_lens_sum=5,
+                                kv_indices=torch.empty(2, 5, dtype=torch.int32, device=device))  # fmt: skip
     mask = torch.empty(N * need, dtype=torch.bool, device=device)
     tree = torch.ones(1, N, N, dtype=torch.bool, device=device).tril()
     tree_custom_mask(args[2], tree, custom_mask=mask, sliding_window_size=w, seq_lens_sum=5)
