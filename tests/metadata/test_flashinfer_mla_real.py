@@ -23,6 +23,7 @@ from specmeta.runners import collector_off
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import branch_sequences, extend_sequences
 from specmeta.workloads import make_batch
+from tests._support import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -224,3 +225,47 @@ def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
             want = new.oracle(qn, qp, branch_sequences(new.batch, slots, s))
             new.check(outs[s], want, f"graph k={k} step {s}")
     assert int(builder.status) == 0
+
+
+def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, workspace):
+    """Every mode's build, ``plan()`` from the host mirrors and ``run()``, and the cascade's
+    merge, under ``torch.cuda.set_sync_debug_mode("error")``: the path an engine takes each
+    step copies nothing back from the device (``plan()`` reads pinned mirrors only)."""
+    mla_fi = _flashinfer()
+    c = _Case(gen, 4, 16)
+    builders = {mode: FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
+                for mode in ("draft_decode", "draft_extend")}  # fmt: skip
+    chain = _Case(gen, 1, 16)
+    builders["target_verify"] = FlashInferMLABuilder(chain.cfg, "cuda", modes=["target_verify"])
+    wrappers = [mla_fi.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
+                for _ in range(2)]  # fmt: skip
+    qn, qp = c.queries(c.batch.batch_size * c.n)
+    vn, vp = chain.queries(chain.batch.batch_size * chain.n)
+    kw = dict(seq_lens_cpu=c.batch.seq_lens_cpu)
+
+    def attend(result, case, q_nope, q_pe):
+        got = []
+        for p, w in zip(result.passes, wrappers, strict=False):
+            _plan(w, p)
+            got.append(_run(w, p, case, q_nope, q_pe))
+        if len(got) == 2:
+            return merge_state(got[0][0], got[0][1], got[1][0], got[1][1])[0]
+        return got[0][0]
+
+    def iteration():
+        rows = c.batch.batch_size * 4
+        outs = [attend(step, c, qn[:rows], qp[:rows])
+                for step in builders["draft_decode"].draft_decode(*c.args, num_rows=S, **kw)]  # fmt: skip
+        outs.append(attend(builders["draft_extend"].draft_extend(*c.args, **kw), c, qn, qp))
+        verify = builders["target_verify"].target_verify(
+            *chain.args, seq_lens_cpu=chain.batch.seq_lens_cpu)  # fmt: skip
+        outs.append(attend(verify, chain, vn, vp))
+        return outs
+
+    iteration()  # compile and plan once outside the check
+    torch.cuda.synchronize()
+    with no_host_sync():
+        for _ in range(2):
+            iteration()
+    torch.cuda.synchronize()
+    assert all(int(b.status) == 0 for b in builders.values())
