@@ -279,6 +279,39 @@ def _check_trtllm_mla_builder(device: torch.device, g: torch.Generator) -> Check
     return res
 
 
+@register("flashinfer_mla_builder")
+def _check_flashinfer_mla_builder(device: torch.device, g: torch.Generator) -> CheckResult:
+    """Every FlashInfer MLA mode (design §3.5) against the same builder running the torch
+    references, and each pass's host mirrors against its device offsets."""
+    from .metadata.flashinfer_mla import FlashInferMLABuilder
+
+    res = CheckResult("flashinfer_mla_builder")
+    builders: dict[tuple, tuple] = {}
+    for b in batches(device, g, extra_tokens=8):
+        if b.shape not in ("empty", "odd", "modm1", "near_row_end"):
+            continue  # the kernels' own checks sweep every shape; this one checks the wiring
+        K, S, d = b.topk, b.num_steps, b.describe()
+        key = (K, S, b.page_size, b.req_to_token.shape[1])
+        if key not in builders:
+            cfg = _builder_config(b, S + 1 if K == 1 else tree_width(K, S))
+            builders[key] = (FlashInferMLABuilder(cfg, device),
+                             FlashInferMLABuilder(cfg, device, reference=True))  # fmt: skip
+        lens = dict(seq_lens_cpu=b.seq_lens_cpu)
+        for mode in builders[key][0].modes:
+            kw = dict(num_rows=S, **lens) if mode == "draft_decode" else lens
+            got, want = (getattr(mla, mode)(*_args(b), **kw) for mla in builders[key])
+            got, want = (r.steps if mode == "draft_decode" else (r,) for r in (got, want))
+            for one, ref in zip(got, want, strict=True):
+                for p, q in zip(one.passes, ref.passes, strict=True):
+                    used = int(p.kv_indptr_host[-1])
+                    res.compare(f"{mode} kv_indices", p.kv_indices[:used], q.kv_indices[:used], d)
+                    res.compare(f"{mode} kv_indptr_host", p.kv_indptr_host, p.kv_indptr, d)
+                    res.compare(f"{mode} qo_indptr_host", p.qo_indptr_host, p.qo_indptr, d)
+    for pair in builders.values():
+        res.status_bits |= int(pair[0].status.item()) | int(pair[1].status.item())
+    return res
+
+
 @register("fa3_builder")
 def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
     """Every FA3 mode's metadata against the same builder running the torch references."""

@@ -250,3 +250,12 @@ def test_the_consumer_refuses_what_plan_refuses(device, gen):
     step.kv_len_arr_host[1] += cfg.page_size
     with pytest.raises(AssertionError, match="pages for kv_len"):
         consumer.pass_slots(step)
+
+
+def test_specmeta_check_has_the_mla_line(device, seed):
+    """``specmeta check`` runs FlashInfer MLA's builder against its reference build."""
+    from specmeta.check import run_checks
+
+    (result,) = run_checks(torch.device(device), seed, ["flashinfer_mla_builder"])
+    assert result.name == "flashinfer_mla_builder" and result.cases > 0
+    assert result.ok, result.first_failure
