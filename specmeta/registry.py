@@ -49,6 +49,12 @@ from .kernels.expand_page_table import (
     expand_page_table_ref,
 )
 from .kernels.host_lengths import check_host_lengths, check_host_lengths_ref
+from .kernels.host_list_lengths import (
+    check_host_list_lengths,
+    check_host_list_lengths_ref,
+    host_list_slot,
+    publish_host_list_lengths,
+)
 from .kernels.prefix_page_table import (
     prefix_page_table,
     prefix_page_table_ref,
@@ -510,6 +516,20 @@ def _ancestor_written(case, result, outputs):
             "kv_indices past the lists": indices[int(indptr[BN]) :]}  # fmt: skip
 
 
+def _host_list_cases(b, g):
+    """What a host part publishes of its lists' lengths, entry by entry (here the batch's own
+    lengths: valid input, no fault; tests/kernels/test_tree_ancestor_kv_indices.py plants the
+    stale ones), then nothing new, then nothing (``n = −1``)."""
+    lens, device = b.seq_lens_cpu.long(), b.seq_lens.device
+    n = int(torch.randint(0, b.batch_size + 1, (1,), generator=g))
+    for what, seen, read in ((f"n={n}", 0, n), ("nothing new", 1, n), ("n=-1", 0, -1)):
+        slot = host_list_slot(b.batch_size, device)  # host memory, pinned for CUDA, as built
+        publish_host_list_lengths(slot, lens[:n])
+        slot[1] = read
+        seen_t = torch.tensor([seen, 0], device=device)
+        yield Case(f"{what} {b.describe()}", (b.seq_lens,), {}, {"slot": slot, "seen": seen_t})
+
+
 _TABLES = ("page_table", "cache_seqlens")
 
 #: Every kernel op, in the order ``specmeta check`` runs them.
@@ -560,4 +580,7 @@ OPS: tuple[Op, ...] = (
        pad_verify_lens_to_bucket.kernels, _pad_lens_cases, _named("out", "qo_indptr")),
     Op("tree_ancestor_kv_indices", tree_ancestor_kv_indices, tree_ancestor_kv_indices_ref,
        tree_ancestor_kv_indices.kernels, _ancestor_cases, _ancestor_written, extra_tokens=8),
+    Op("check_host_list_lengths", check_host_list_lengths, check_host_list_lengths_ref,
+       check_host_list_lengths.kernels, _host_list_cases,
+       lambda case, result, outputs: outputs),
 )  # fmt: skip

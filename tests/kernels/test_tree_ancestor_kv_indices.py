@@ -9,6 +9,12 @@ import torch
 
 from specmeta import Status, new_status
 from specmeta.kernels.host_lengths import check_host_lengths, publish_host_lengths
+from specmeta.kernels.host_list_lengths import (
+    check_host_list_lengths,
+    check_host_list_lengths_ref,
+    host_list_slot,
+    publish_host_list_lengths,
+)
 from specmeta.kernels.tree_ancestor_kv_indices import (
     bind_tree_ancestor_kv_indices,
     tree_ancestor_host_mirrors_torch,
@@ -395,6 +401,64 @@ def test_sum_and_max_miss_two_swapped_nodes(device):
     host = tree_ancestor_host_mirrors_torch(swapped)
     assert host.kv_len.tolist() != kv_len.cpu().tolist()
     assert _published_check(device, kv_len, host) == Status.OK
+
+
+# The exact check: every length compared (host_list_lengths).
+@pytest.mark.parametrize("fn", [check_host_list_lengths, check_host_list_lengths_ref])
+@pytest.mark.parametrize("copy", ["this_batch", "one_node", "swapped"])
+def test_exact_check_catches_what_sum_and_max_miss(device, fn, copy):
+    """Every length compared: the copy of this batch's tree passes, a one-node-stale copy and
+    two swapped nodes (the case the sum and maximum miss) set ``STALE_HOST_LENGTHS`` alone;
+    the slot is consumed either way."""
+    rpi, r2t, L, mask = _clean(device)
+    _, _, kv_len = tree_ancestor_kv_indices(rpi, r2t, L, mask)
+    depths = _depths(mask.cpu())
+    if copy == "one_node":
+        depths[2, 2] = 2  # depth 1 in the mask
+    elif copy == "swapped":
+        depths[0, 1], depths[0, 3] = 2, 1
+    host = tree_ancestor_host_mirrors_torch(depths)
+    slot, seen = host_list_slot(16, device), torch.zeros(2, dtype=torch.int64, device=device)
+    assert publish_host_list_lengths(slot, host.kv_len)
+    status = new_status(device)
+    fn(kv_len, slot, seen, status=status)
+    want = Status.OK if copy == "this_batch" else Status.STALE_HOST_LENGTHS
+    assert Status(int(status)) == want
+    assert int(slot[4]) == int(seen[0]) == 1 and int(seen[1]) == 0, "consumed, ticket reset"
+
+
+def test_exact_check_over_several_programs_and_launches(device, gen):
+    """More lengths than one program compares (1024): a difference in the last block is
+    found; each launch checks only what was published since the last (the ticket resets)."""
+    n = 2100
+    lens = torch.randint(1, 9, (n,), generator=gen, dtype=torch.int32)
+    slot, seen = host_list_slot(n + 5, device), torch.zeros(2, dtype=torch.int64, device=device)
+    stage_args = (lens.to(device), slot, seen)
+    stale = lens.clone()
+    stale[n - 3] += 1
+    for host, want in ((lens, Status.OK), (stale, Status.STALE_HOST_LENGTHS), (None, Status.OK),
+                       (lens, Status.OK)):  # fmt: skip
+        if host is not None:
+            assert publish_host_list_lengths(slot, host)
+        status = new_status(device)
+        check_host_list_lengths(*stage_args, status=status)
+        assert Status(int(status)) == want and int(seen[1]) == 0
+
+
+def test_exact_check_handshake_and_refusals(device):
+    """A host part that runs ahead of the device publishes nothing; a slot too small is
+    refused before anything is written; a pageable slot is refused for a CUDA launch."""
+    slot = host_list_slot(4, device)
+    assert publish_host_list_lengths(slot, torch.tensor([1, 2]))
+    assert not publish_host_list_lengths(slot, torch.tensor([3, 3, 3]))
+    assert slot[:11].tolist() == [1, 2, 3, 2, 0, 0, 0, 0, 1, 2, 0]
+    with pytest.raises(
+        ValueError, match="publish_host_list_lengths: 5 lengths, but the slot holds 4"
+    ):
+        publish_host_list_lengths(slot, torch.ones(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="seen is too small: need 2 entries"):
+        check_host_list_lengths(torch.ones(2, device=device, dtype=torch.int32), slot,
+                                torch.zeros(1, dtype=torch.int64, device=device))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
