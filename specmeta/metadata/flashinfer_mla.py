@@ -27,21 +27,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy
 import torch
 
 from ..config import SpecConfig, plan_buffers
 from ..kernels._common import check_id_spaces
-from ..kernels.branch_kv_indices import (
-    bind_branch_kv_indices,
-    branch_kv_indices_ref,
-    branch_kv_indptr,
-)
+from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
 )
 from ..kernels.verify_kv_indices import bind_verify_kv_indices, verify_kv_indices_ref
 from ..stage import Stage
+from . import host_ops
 from .capabilities import CAPABILITIES
 from .contract import MetadataBuilder
 from .flashinfer_mla_results import (
@@ -50,6 +48,7 @@ from .flashinfer_mla_results import (
     FlashInferMLAPass,
 )
 from .host_mirrors import HostMirrorRing
+from .host_ops import LengthTable
 from .layout import UniformQueryLayout
 
 __all__ = ["FlashInferMLABuilder", "FlashInferMLAPass", "FlashInferMLAAttention",
@@ -137,6 +136,12 @@ class FlashInferMLABuilder(MetadataBuilder):
             for row in range(s):
                 buf["draft_decode.ancestor_kv_indptr_host"][row] = z * (row + 1)
                 buf["draft_decode.ancestor_kv_len_arr_host"][row] = row + 1
+        # The mirror writers (host_ops) check every length against the table's range and write
+        # the offsets: of L for draft decode, of L + N for verify and extend (the larger table
+        # first, so the smaller is a view of the same arange).
+        tables = {n: LengthTable(cfg.max_context_len, bs, n)}
+        tables[0] = LengthTable(cfg.max_context_len, bs)
+        self._tables = {mode: tables[0 if mode == "draft_decode" else n] for mode in self.modes}
 
     # -- the stages -----------------------------------------------------------------------------
     def _spaces(self, mode: str, v2p: Any, entry_page_size: Any) -> dict:
@@ -150,10 +155,12 @@ class FlashInferMLABuilder(MetadataBuilder):
         """The stage of ``mode`` for ``B`` requests: ``launches``, then the check of the host's
         lengths; its host part checks ``seq_lens_cpu`` (every value, named, before anything is
         written) and publishes it for that check, takes the ring's turn, writes the set's
-        mirrors and returns the set's result. ``make(B, *key, mirrors)`` makes a set's result
-        and writer once."""
+        mirrors and returns the set's result. ``make(B, *key, mirrors, compiled)`` makes a set's
+        result and writer once; the writer is the compiled one where :func:`specmeta.warmup`
+        built the host ops and :attr:`host_ops` asks for them: it checks the lengths itself and
+        returns what it read (one call), and a refusal is then named by the checks."""
         ring = self._mirrors[mode]
-        made = self.views((mode, B, *key), _slots, len(ring.sets))
+        made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         where = self._where[mode]
         missing = (f"{where}: seq_lens_cpu is None, but FlashInfer MLA's plan() reads the host "
                    "mirrors (qo_indptr_host, kv_indptr_host, kv_len_arr_host) that are written "
@@ -163,12 +170,21 @@ class FlashInferMLABuilder(MetadataBuilder):
         def host(seq_lens_cpu: torch.Tensor | None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
-            self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
+            compiled = self.host_ops and host_ops.compiled() is not None
+            if not compiled:
+                self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
             slot = ring.claim()
-            entry = made[slot]
+            results = made[compiled]
+            entry = results[slot]
             if entry is None:
-                entry = made[slot] = make(B, *key, ring.sets[slot])
-            entry[1](seq_lens_cpu)
+                entry = results[slot] = make(B, *key, ring.sets[slot], compiled)
+            try:  # compiled: one call checks every length, writes, returns what it read
+                found = entry[1](seq_lens_cpu)
+            except (TypeError, ValueError, IndexError, OverflowError):
+                self.lengths(mode, B, seq_lens_cpu)  # nothing was written: name the fault
+                raise
+            if compiled:
+                self.lengths(mode, B, seq_lens_cpu, found)  # published for the device's check
             ring.advance()
             return entry[0]
 
@@ -264,7 +280,7 @@ class FlashInferMLABuilder(MetadataBuilder):
                                        entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
-    def _draft_result(self, B: int, rows: int, mirrors: dict):
+    def _draft_result(self, B: int, rows: int, mirrors: dict, compiled: bool):
         """Draft decode's result over the ring's set ``mirrors``, and its writer."""
         cfg, buf, mode = self.cfg, self.buffers, "draft_decode"
         K, ps = cfg.topk, cfg.page_size
@@ -279,15 +295,19 @@ class FlashInferMLABuilder(MetadataBuilder):
                 ))  # fmt: skip
                 for s in range(rows)
             )
-            steps_col = torch.arange(1, rows + 1, dtype=torch.int32).view(-1, 1)
+            steps_col = numpy.arange(1, rows + 1, dtype=numpy.int32).reshape(-1, 1)
+            lens_out = len_host[:rows, :B].numpy()  # numpy: a microsecond where torch takes 5
+            # Request b of step s reads ceil((L_b + s + 1) / ps) pages: the page offsets of
+            # the kernel's own rule (branch_kv_indptr, K = 1), checked and written in one call.
+            pages = host_ops.paged_writer(self._tables["draft_decode"], 1, ps, B,
+                                          ptr_host[:rows, : B + 1], last_host[:rows, :B],
+                                          use_compiled=compiled)  # fmt: skip
 
-            def write(seq_lens_cpu: torch.Tensor) -> None:
-                # Request b of step s reads L_b + s + 1 tokens on ceil((L_b + s + 1) / ps)
-                # pages: the kernel's own rule (branch_kv_indptr) gives the offsets.
-                lens = seq_lens_cpu.to(torch.int32).view(1, -1)
-                torch.add(lens, steps_col, out=len_host[:rows, :B])
-                branch_kv_indptr(seq_lens_cpu, 1, rows, ps, ptr_host[:rows, : B + 1],
-                                 last_host)  # fmt: skip
+            def write(seq_lens_cpu: torch.Tensor) -> Any:
+                found = pages(seq_lens_cpu)
+                # L_b + s + 1 tokens, once the writer has checked every length
+                numpy.add(seq_lens_cpu.numpy().reshape(1, -1), steps_col, out=lens_out)
+                return found
 
             return FlashInferMLADraftDecode(steps), write
         prefix_host, prefix_len = mirrors["prefix_kv_indptr_host"], mirrors["prefix_kv_len_arr_host"]
@@ -307,10 +327,11 @@ class FlashInferMLABuilder(MetadataBuilder):
             for s in range(rows)
         )
 
-        def write(seq_lens_cpu: torch.Tensor) -> None:
-            # The prefix pass: L_b keys a request at [0, cumsum(L)] (entry 0 stays 0).
-            prefix_len[:B] = seq_lens_cpu
-            torch.cumsum(prefix_len[:B], 0, out=prefix_host[1 : B + 1])
+        # The prefix pass: L_b keys a request at [0, cumsum(L)], checked and written in one call.
+        offsets = host_ops.prefix_writer(self._tables["draft_decode"], B, prefix_host[: B + 1],
+                                         use_compiled=compiled)  # fmt: skip
+
+        write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
 
         return FlashInferMLADraftDecode(steps), write
 
@@ -333,21 +354,20 @@ class FlashInferMLABuilder(MetadataBuilder):
         return self._stage(mode, B, (), [launch], self._window_result(mode), seq_lens, status)
 
     def _window_result(self, mode: str) -> Callable:
-        def make(B: int, mirrors: dict):
+        def make(B: int, mirrors: dict, compiled: bool):
             """The single causal pass of ``mode`` over the ring's set ``mirrors``, its writer."""
-            n, buf = self.cfg.num_draft_tokens, self.buffers
+            buf = self.buffers
             ptr_host, len_host = mirrors["kv_indptr_host"], mirrors["kv_len_arr_host"]
             result = FlashInferMLAAttention(self._pass(
                 self._qo(mode, f"{mode}.qo_indptr", B), buf[f"{mode}.kv_indptr"][: B + 1],
                 buf[f"{mode}.kv_indices"], ptr_host[: B + 1], len_host[:B], 1, True,
             ))  # fmt: skip
 
-            def write(seq_lens_cpu: torch.Tensor) -> None:
-                # L_b + N keys a request at [0, cumsum(L + N)] (entry 0 stays 0).
-                torch.add(seq_lens_cpu, n, out=len_host[:B])
-                torch.cumsum(len_host[:B], 0, out=ptr_host[1 : B + 1])
+            # L_b + N keys a request at [0, cumsum(L + N)], checked and written in one call.
+            offsets = host_ops.prefix_writer(self._tables[mode], B, ptr_host[: B + 1],
+                                             use_compiled=compiled)  # fmt: skip
 
-            return result, write
+            return result, _lengths_from_offsets(offsets, ptr_host[: B + 1], len_host[:B])
 
         return make
 
@@ -398,6 +418,21 @@ class FlashInferMLABuilder(MetadataBuilder):
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
                                        v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+
+
+def _lengths_from_offsets(offsets: Callable, ptr: torch.Tensor, lengths: torch.Tensor) -> Callable:
+    """A writer: ``offsets`` (it checks every length and writes ``ptr``), then the lists'
+    lengths, ``lengths = ptr[1:] − ptr[:-1]`` (token lists: a list's entries are its keys), in
+    numpy on views made once (a microsecond where a torch op on the CPU takes several)."""
+    ptr_np, out = ptr.numpy(), lengths.numpy()
+    starts, ends = ptr_np[:-1], ptr_np[1:]
+
+    def write(seq_lens_cpu: torch.Tensor) -> Any:
+        found = offsets(seq_lens_cpu)
+        numpy.subtract(ends, starts, out=out)
+        return found
+
+    return write
 
 
 def _slots(count: int) -> list:

@@ -259,3 +259,26 @@ def test_specmeta_check_has_the_mla_line(device, seed):
     (result,) = run_checks(torch.device(device), seed, ["flashinfer_mla_builder"])
     assert result.name == "flashinfer_mla_builder" and result.cases > 0
     assert result.ok, result.first_failure
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_compiled_host_ops_write_the_torch_mirrors(device, gen, compiled_host_ops, k):
+    """With :func:`specmeta.warmup`'s compiled writers, every mode's host part writes the
+    mirrors the torch writers write, and names a bad length the same way."""
+    del compiled_host_ops  # built: the builders made with host_ops=True use it
+    cfg, batch = _setup(gen, device, k, 3, 16)
+    fast, slow = (FlashInferMLABuilder(cfg, device, host_ops=flag) for flag in (True, False))
+    for mode in fast.modes:
+        kw = dict(num_rows=3) if mode == "draft_decode" else {}
+        got, want = (getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(batch.seq_lens_cpu)
+                     for b in (fast, slow))  # fmt: skip
+        got, want = (r.steps if mode == "draft_decode" else (r,) for r in (got, want))
+        for one, ref in zip(got, want, strict=True):
+            for p, q in zip(one.passes, ref.passes, strict=True):
+                for name in ("qo_indptr_host", "kv_indptr_host", "kv_len_arr_host"):
+                    assert torch.equal(getattr(p, name), getattr(q, name)), (mode, name)
+        over = batch.seq_lens_cpu.clone()
+        over[0] = -1
+        for b in (fast, slow):
+            with pytest.raises(ValueError, match=rf"FlashInferMLABuilder\.{mode}: seq_lens_cpu"):
+                getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(over)
