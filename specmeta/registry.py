@@ -526,7 +526,7 @@ def _host_list_cases(b, g):
         slot = host_list_slot(b.batch_size, device)  # host memory, pinned for CUDA, as built
         publish_host_list_lengths(slot, lens[:n])
         slot[1] = read
-        seen_t = torch.tensor([seen, 0], device=device)
+        seen_t = torch.tensor([seen], device=device)
         yield Case(f"{what} {b.describe()}", (b.seq_lens,), {}, {"slot": slot, "seen": seen_t})
 
 

@@ -418,21 +418,21 @@ def test_exact_check_catches_what_sum_and_max_miss(device, fn, copy):
     elif copy == "swapped":
         depths[0, 1], depths[0, 3] = 2, 1
     host = tree_ancestor_host_mirrors_torch(depths)
-    slot, seen = host_list_slot(16, device), torch.zeros(2, dtype=torch.int64, device=device)
+    slot, seen = host_list_slot(16, device), torch.zeros(1, dtype=torch.int64, device=device)
     assert publish_host_list_lengths(slot, host.kv_len)
     status = new_status(device)
     fn(kv_len, slot, seen, status=status)
     want = Status.OK if copy == "this_batch" else Status.STALE_HOST_LENGTHS
     assert Status(int(status)) == want
-    assert int(slot[4]) == int(seen[0]) == 1 and int(seen[1]) == 0, "consumed, ticket reset"
+    assert int(slot[4]) == int(seen[0]) == 1, "consumed"
 
 
 def test_exact_check_over_several_programs_and_launches(device, gen):
-    """More lengths than one program compares (1024): a difference in the last block is
-    found; each launch checks only what was published since the last (the ticket resets)."""
-    n = 2100
+    """More lengths than one load (4096): a difference in the last block is found; each launch
+    checks only what was published since the last."""
+    n = 9000
     lens = torch.randint(1, 9, (n,), generator=gen, dtype=torch.int32)
-    slot, seen = host_list_slot(n + 5, device), torch.zeros(2, dtype=torch.int64, device=device)
+    slot, seen = host_list_slot(n + 5, device), torch.zeros(1, dtype=torch.int64, device=device)
     stage_args = (lens.to(device), slot, seen)
     stale = lens.clone()
     stale[n - 3] += 1
@@ -442,12 +442,13 @@ def test_exact_check_over_several_programs_and_launches(device, gen):
             assert publish_host_list_lengths(slot, host)
         status = new_status(device)
         check_host_list_lengths(*stage_args, status=status)
-        assert Status(int(status)) == want and int(seen[1]) == 0
+        assert Status(int(status)) == want and int(seen[0]) == int(slot[0])
 
 
 def test_exact_check_handshake_and_refusals(device):
     """A host part that runs ahead of the device publishes nothing; a slot too small is
-    refused before anything is written; a pageable slot is refused for a CUDA launch."""
+    refused before anything is written; a wrong ``seen``, and on CUDA a pageable slot, are
+    refused before launch."""
     slot = host_list_slot(4, device)
     assert publish_host_list_lengths(slot, torch.tensor([1, 2]))
     assert not publish_host_list_lengths(slot, torch.tensor([3, 3, 3]))
@@ -456,9 +457,13 @@ def test_exact_check_handshake_and_refusals(device):
         ValueError, match="publish_host_list_lengths: 5 lengths, but the slot holds 4"
     ):
         publish_host_list_lengths(slot, torch.ones(5, dtype=torch.int64))
-    with pytest.raises(ValueError, match="seen is too small: need 2 entries"):
-        check_host_list_lengths(torch.ones(2, device=device, dtype=torch.int32), slot,
-                                torch.zeros(1, dtype=torch.int64, device=device))  # fmt: skip
+    lens = torch.ones(2, device=device, dtype=torch.int32)
+    with pytest.raises(TypeError, match="seen must be int64"):
+        check_host_list_lengths(lens, slot, torch.zeros(1, dtype=torch.int32, device=device))
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="slot must be pinned host memory"):
+            check_host_list_lengths(lens, torch.zeros(12, dtype=torch.int64),
+                                    torch.zeros(1, dtype=torch.int64, device=device))  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
