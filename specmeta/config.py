@@ -185,6 +185,9 @@ class SpecConfig:
         draft_window_size + draft_sink_size)`` prefix tokens, the first ``draft_sink_size``
         and the most recent ones, and the draft-decode lists are sized for that
         (:attr:`draft_prefix_cap`). ``draft_window_size = 0`` (the default) is no window.
+    sliding_window_size : int
+        A hybrid model's window layers' ``w`` (design §2.10): 0 (the default) is none, else the
+        ``flashinfer_swa.*`` buffers of its window builder are planned too (``window_plan``).
     """
 
     topk: int
@@ -197,6 +200,7 @@ class SpecConfig:
     pool_size: int | None = None
     draft_window_size: int = 0
     draft_sink_size: int = 0
+    sliding_window_size: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -212,7 +216,7 @@ class SpecConfig:
                 raise TypeError(f"SpecConfig.{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"SpecConfig.{name} must be >= 1, got {value}")
-        for name in ("draft_window_size", "draft_sink_size"):
+        for name in ("draft_window_size", "draft_sink_size", "sliding_window_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SpecConfig.{name} must be an int, got {type(value).__name__}")
@@ -510,6 +514,9 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     from .metadata.flashinfer_mla_plan import plan_flashinfer_mla  # torch-free, like this one
 
     plan_flashinfer_mla(cfg, add)
+    if cfg.sliding_window_size:  # a hybrid model's window layers, in their own id space
+        from .metadata.window_plan import plan_flashinfer_swa  # torch-free, like this one
+        plan_flashinfer_swa(cfg, add)
     return plan
 
 

@@ -31,7 +31,12 @@ import triton
 import triton.language as tl
 
 from .. import validate
-from ..config import draft_decode_kv_indices_need, tree_custom_mask_need, verify_kv_indices_need
+from ..metadata.window_plan import (  # torch-free: the capacity plan's formulas, re-exported
+    rail_draft_need,
+    rail_mask_need,
+    rail_prefix_total,
+    rail_verify_need,
+)
 from ..status import Status
 from ._common import load_kv_ids, load_kv_ids_ref
 
@@ -97,34 +102,6 @@ def window_arguments(full_to_swa: torch.Tensor | None) -> dict:
     to_window = full_to_swa is not None
     return dict(full_to_swa_ptr=full_to_swa, full_size=full_to_swa.shape[0] if to_window else None,
                 TO_WINDOW=to_window)  # fmt: skip
-
-
-def rail_draft_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int, rail: int) -> int:
-    """Entries of one draft-decode ``kv_indices`` row for the last step under the rail:
-    ``K·Σ min(L_b + rows, w) ≤ K·min(ΣL + B·rows, B·w)``; the plain ``K·ΣL + B·K·rows``
-    without one (design §2.2)."""
-    plain = draft_decode_kv_indices_need(seq_lens_sum, batch, topk, num_rows)
-    return min(plain, batch * topk * rail) if rail else plain
-
-
-def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
-    """The most prefix positions a batch's verify / extend lists keep under the rail:
-    ``Σ min(L_b, w − 1) ≤ min(ΣL, B·(w − 1))``; ``ΣL`` without one."""
-    return min(seq_lens_sum, batch * (rail - 1)) if rail else seq_lens_sum
-
-
-def rail_verify_need(seq_lens_sum: int, batch: int, extra_tokens: int, rail: int) -> int:
-    """Entries of the verify / extend lists under the rail: ``Σ (min(L_b, w − 1) + extra) ≤
-    min(ΣL, B·(w − 1)) + B·extra``; ``ΣL + B·extra`` without one."""
-    return verify_kv_indices_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
-                                  extra_tokens)  # fmt: skip
-
-
-def rail_mask_need(seq_lens_sum: int, batch: int, num_draft_tokens: int, rail: int) -> int:
-    """Elements (or bytes, packed) of the verify mask under the rail: each request's block is
-    ``N × (min(L, w − 1) + N)``."""
-    return tree_custom_mask_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
-                                 num_draft_tokens)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from .flashinfer_results import (
     FlashInferDecodeStep,
     FlashInferDraftDecode,
     FlashInferPrefill,
+    ragged_prefill,
 )
 from .host_mirrors import HostMirrorRing
 from .host_ops import LengthTable
@@ -153,10 +154,20 @@ class FlashInferBuilder(MetadataBuilder):
         dropped = verify_mask_keys(verify_mask)
         return [key for key in super().plan_keys(cfg, modes) if key not in dropped]
 
+    def __new__(cls, *args: Any, sliding_window_size: int | None = None, **kwargs: Any):
+        """A window layer's builder (``sliding_window_size = w``, design §2.10) is a
+        :class:`~.flashinfer_window.FlashInferWindowBuilder`."""
+        if sliding_window_size and cls is FlashInferBuilder:
+            from .flashinfer_window import FlashInferWindowBuilder
+
+            cls = FlashInferWindowBuilder
+        return super().__new__(cls)
+
     def __init__(self, cfg: SpecConfig, device: torch.device | str, *,
                  modes: Iterable[str] | None = None, reference: bool = False,
-                 mirror_depth: int = 16, verify_mask: str = "both",
-                 host_ops: bool = True, check_host_lengths: bool = True):  # fmt: skip
+                 mirror_depth: int = 16, verify_mask: str = "both", host_ops: bool = True,
+                 check_host_lengths: bool = True, sliding_window_size: int | None = None):  # fmt: skip
+        del sliding_window_size  # a full layer's builder (see __new__)
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops,
                          check_host_lengths=check_host_lengths)  # fmt: skip
         self.verify_mask = verify_mask
@@ -167,7 +178,7 @@ class FlashInferBuilder(MetadataBuilder):
         self.buffers: dict[str, torch.Tensor] = {}
         ring_specs: dict[str, dict] = {group: {} for group in groups}
         for key in self.plan_keys(cfg, self.modes, verify_mask):
-            name = key[len(_PREFIX) :]
+            name = key[len(self.plan_prefix) :]
             group, field = name.split(".", 1)
             if field in _PER_BATCH_MIRRORS[group]:
                 ring_specs[group][field] = plan[key]
@@ -218,6 +229,15 @@ class FlashInferBuilder(MetadataBuilder):
             z = torch.arange(bs * k + 1, dtype=torch.int32)
             for row in range(s):
                 buf["draft_decode_shared.chain_kv_indptr_host"][row] = z * (row + 1)
+
+    def _window_lists(self, mode: str, full_to_swa: Any) -> dict:
+        """The window rules' keywords of ``mode``'s list kernels (design §2.10): none for a full
+        layer's builder, whose lists hold full-pool ids and which so refuses a window map."""
+        if full_to_swa is not None:
+            raise ValueError(f"{self._where[mode]}: full_to_swa was given, but this builder serves "
+                             "full layers; build a window layer's lists with FlashInferBuilder(cfg, "
+                             "device, sliding_window_size=w) (design §2.10)")  # fmt: skip
+        return {}
 
     # -- the stages -----------------------------------------------------------------------------
     def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable,
@@ -318,7 +338,8 @@ class FlashInferBuilder(MetadataBuilder):
     def bind_draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, num_rows: int | None = None,
                           status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
-                          entry_page_size: int = 1) -> Stage:  # fmt: skip
+                          entry_page_size: int = 1,
+                          full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()``; ``host(seq_lens_cpu)`` writes the host mirrors of the
         ring's next set and returns the :class:`FlashInferDraftDecode` that reads them."""
@@ -328,14 +349,15 @@ class FlashInferBuilder(MetadataBuilder):
             (req_pool_indices, req_to_token, seq_lens), num_rows, status,
             ("kv_indices", "kv_indptr"), self._draft_decode_result,
             window_size=cfg.draft_window_size, sink_size=cfg.draft_sink_size, v2p=v2p,
-            entry_page_size=entry_page_size,
+            entry_page_size=entry_page_size, **self._window_lists("draft_decode", full_to_swa),
         )  # fmt: skip
 
     def draft_decode(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                      num_rows: int | None = None, status: torch.Tensor | None = None,
                      launch: bool = True, v2p: torch.Tensor | None = None,
-                     entry_page_size: int = 1) -> FlashInferDraftDecode:  # fmt: skip
+                     entry_page_size: int = 1,
+                     full_to_swa: torch.Tensor | None = None) -> FlashInferDraftDecode:  # fmt: skip
         """Per-branch token lists of every draft-decode forward (page size 1, design §3.3).
 
         Parameters
@@ -363,10 +385,13 @@ class FlashInferBuilder(MetadataBuilder):
             ``E``: ``req_to_token`` rows hold page ids of ``E`` positions each (position ``p``
             is ``row[p // E]·E + p mod E``, design §2.10), so a row needs only
             ``ceil(row_width_need / E)`` entries; 1 (the default): rows of token ids.
+        full_to_swa : torch.Tensor, optional
+            A window builder's ``[P_full]`` full → window pool slot map (design §2.10): the
+            lists hold window-pool ids. A full layer's builder refuses it.
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens,
                                        num_rows=num_rows, status=status, v2p=v2p,
-                                       entry_page_size=entry_page_size)  # fmt: skip
+                                       entry_page_size=entry_page_size, full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_decode_result(self, B: int, rows: int, mirrors: dict, compiled: bool):
@@ -494,7 +519,7 @@ class FlashInferBuilder(MetadataBuilder):
 
     # -- target verify and draft extend ---------------------------------------------------------
     def _bind_prefill_kv(self, mode: str, req_pool_indices, req_to_token, seq_lens, status,
-                         v2p, verify_lens=None, entry_page_size=1):  # fmt: skip
+                         v2p, verify_lens=None, entry_page_size=1, window=None):  # fmt: skip
         """The launch of a prefill mode's KV lists (``kv_indptr = [0, cumsum(L + N)]``, or
         ``L + min(v, N)`` with ``verify_lens``), ids through the page map ``v2p`` when given
         (design §2.10)."""
@@ -504,15 +529,15 @@ class FlashInferBuilder(MetadataBuilder):
             seq_lens, extra_tokens=self.cfg.num_draft_tokens, kv_indices=buf[f"{mode}.kv_indices"],
             kv_indptr=buf[f"{mode}.kv_indptr"], status=self.status_word(status), v2p=v2p,
             page_size=self.cfg.page_size, verify_lens=verify_lens,
-            entry_page_size=entry_page_size,
+            entry_page_size=entry_page_size, **(window or {}),
         )  # fmt: skip
 
     def bind_target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, tree_mask: torch.Tensor, *, packed: bool = False,
                            status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
                            verify_lens: torch.Tensor | None = None,
-                           num_tokens: int | None = None,
-                           entry_page_size: int = 1) -> Stage:  # fmt: skip
+                           num_tokens: int | None = None, entry_page_size: int = 1,
+                           full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`target_verify` bound once to these tensors (arguments as there): two
         launches, the KV lists and the mask (three for a ragged verify: the padding first);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`
@@ -532,17 +557,18 @@ class FlashInferBuilder(MetadataBuilder):
             )
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
                        status=status, entry_page_size=entry_page_size)  # fmt: skip
-        form = "packed_" if packed else ""
+        form, window = "packed_" if packed else "", self._window_lists(mode, full_to_swa)
         pad, padded, T, verify = self.bind_bucket(mode, B, verify_lens, num_tokens, status)
         launches = [
             pad,
             self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status, v2p,
-                                  padded, entry_page_size),  # fmt: skip
+                                  padded, entry_page_size, window),  # fmt: skip
             self._launch(
                 bind_tree_custom_mask, tree_custom_mask_ref, seq_lens, tree_mask, packed=packed,
                 custom_mask=self.buffers[f"{mode}.{form}custom_mask"],
                 mask_indptr=self.buffers[f"{mode}.{form}mask_indptr"],
                 status=self.status_word(status), verify_lens=padded,
+                sliding_window_size=window.get("sliding_window_size"),
             ),
         ]  # fmt: skip
         if verify is not None:
@@ -557,8 +583,8 @@ class FlashInferBuilder(MetadataBuilder):
                       status: torch.Tensor | None = None, launch: bool = True,
                       v2p: torch.Tensor | None = None, verify_lens: torch.Tensor | None = None,
                       verify_lens_cpu: torch.Tensor | None = None,
-                      num_tokens: int | None = None,
-                      entry_page_size: int = 1) -> FlashInferPrefill:  # fmt: skip
+                      num_tokens: int | None = None, entry_page_size: int = 1,
+                      full_to_swa: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
         """Target verify of an ``N``-node tree: node ``j`` of request ``i`` at ``row_i[L_i + j]``.
 
         Parameters
@@ -586,41 +612,44 @@ class FlashInferBuilder(MetadataBuilder):
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
 
         Other arguments as in :meth:`draft_decode` (``v2p``: the lists hold physical ids;
-        ``entry_page_size``: rows of page ids). Two
+        ``entry_page_size``: rows of page ids; ``full_to_swa``: window-pool ids). Two
         launches: the KV lists and the mask; a ragged verify pads the lengths first.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         packed=packed, status=status, v2p=v2p,
                                         verify_lens=verify_lens, num_tokens=num_tokens,
-                                        entry_page_size=entry_page_size)  # fmt: skip
+                                        entry_page_size=entry_page_size,
+                                        full_to_swa=full_to_swa)  # fmt: skip
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
         return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, status: torch.Tensor | None = None,
-                          v2p: torch.Tensor | None = None,
-                          entry_page_size: int = 1) -> Stage:  # fmt: skip
+                          v2p: torch.Tensor | None = None, entry_page_size: int = 1,
+                          full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_extend` bound once to these tensors (arguments as there);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferPrefill`."""
         mode = "draft_extend"
         B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status,
                        entry_page_size=entry_page_size)  # fmt: skip
         launch = self._bind_prefill_kv(mode, req_pool_indices, req_to_token, seq_lens, status,
-                                       v2p, entry_page_size=entry_page_size)  # fmt: skip
+                                       v2p, entry_page_size=entry_page_size,
+                                       window=self._window_lists(mode, full_to_swa))  # fmt: skip
         return self._stage(mode, B, (None, None, None), [launch], self._prefill_result,
                            seq_lens, status)  # fmt: skip
 
     def draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                      seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                      status: torch.Tensor | None = None, launch: bool = True,
-                     v2p: torch.Tensor | None = None,
-                     entry_page_size: int = 1) -> FlashInferPrefill:  # fmt: skip
+                     v2p: torch.Tensor | None = None, entry_page_size: int = 1,
+                     full_to_swa: torch.Tensor | None = None) -> FlashInferPrefill:  # fmt: skip
         """Draft extend: ``N`` query rows a request (uniform stride, padded rows full width),
         ``kv_indptr = [0, cumsum(L + N)]``, causal (bottom-right). Arguments as in
         :meth:`draft_decode`."""
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
-                                       v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
+                                       v2p=v2p, entry_page_size=entry_page_size,
+                                       full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _prefill_result(self, B: int, form: str | None, T: int | None, count: int | None,
@@ -638,8 +667,8 @@ class FlashInferBuilder(MetadataBuilder):
         mask = buf[f"{mode}.{form}custom_mask"] if masked else None
         mask_host = mirrors[f"{form}mask_indptr_host"][: B + 1] if masked else None
         if T is not None:
-            return self._ragged_result(B, form, T, count, mirrors, kv_host, mask, mask_host,
-                                       compiled)  # fmt: skip
+            return ragged_prefill(self, form, B, T, count, mirrors, kv_host, mask, mask_host,
+                                  compiled)  # fmt: skip
         result = FlashInferPrefill(
             qo_indptr=self._layouts[mode].cu_seqlens_q(B),
             kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
@@ -657,37 +686,6 @@ class FlashInferBuilder(MetadataBuilder):
         )
         write = host_ops.prefix_writer(self._length_tables[mode], B, kv_host, mask_host,
                                        n if masked else 0, use_compiled=compiled)  # fmt: skip
-        return result, write
-
-    def _ragged_result(self, B: int, form: str, T: int, count: int, mirrors: dict,
-                       kv_host: torch.Tensor, mask: torch.Tensor, mask_host: torch.Tensor,
-                       compiled: bool):  # fmt: skip
-        """A ragged target verify's result over a bucket of ``B`` requests (``count`` of them
-        real) and ``T`` tokens, and the writer of its host mirrors from ``seq_lens_cpu`` and
-        ``verify_lens_cpu``."""
-        buf, mode = self.buffers, "target_verify"
-        verify_host = mirrors["verify_lens_host"][:B]
-        qo_host = mirrors["ragged_qo_indptr_host"][: B + 1]
-        result = FlashInferPrefill(
-            qo_indptr=buf[f"{mode}.ragged_qo_indptr"][: B + 1],
-            kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
-            kv_indices=buf[f"{mode}.kv_indices"],
-            kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
-            custom_mask=mask if form == "" else None,
-            packed_custom_mask=mask if form else None,
-            mask_indptr=buf[f"{mode}.{form}mask_indptr"][: B + 1],
-            causal=False,
-            qo_indptr_host=qo_host,
-            kv_indptr_host=kv_host,
-            kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
-            mask_indptr_host=mask_host,
-            max_q_len=T,
-            verify_lens=buf[f"{mode}.verify_lens"][:B],
-            verify_lens_host=verify_host,
-        )
-        write = host_ops.ragged_verify_writer(self._length_tables[mode], B, count, T,
-                                              self.cfg.num_draft_tokens, verify_host, qo_host,
-                                              kv_host, mask_host, use_compiled=compiled)  # fmt: skip
         return result, write
 
 

@@ -8,10 +8,11 @@ import dataclasses
 
 import torch
 
+from . import host_ops
 from .contract import DraftSteps
 
 __all__ = ["FlashInferDecodeStep", "FlashInferDraftDecode", "FlashInferCascadeStep",
-           "FlashInferCascadeDecode", "FlashInferPrefill"]  # fmt: skip
+           "FlashInferCascadeDecode", "FlashInferPrefill", "ragged_prefill"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +120,36 @@ class FlashInferPrefill:
     request ``i``'s query rows are ``qo_indptr[i] : qo_indptr[i + 1]``. ``None`` otherwise."""
     verify_lens_host: torch.Tensor | None = None
     """Ragged verify: ``[Bp]`` int32 on the CPU, equal to ``verify_lens``."""
+
+
+def ragged_prefill(builder, form: str, B: int, T: int, count: int, mirrors: dict,
+                   kv_host: torch.Tensor, mask: torch.Tensor, mask_host: torch.Tensor,
+                   compiled: bool) -> tuple[FlashInferPrefill, host_ops.Writer]:  # fmt: skip
+    """A ragged target verify's result over a bucket of ``B`` requests (``count`` of them
+    real) and ``T`` tokens, views of a :class:`~.flashinfer.FlashInferBuilder`'s buffers and of
+    the ring's set ``mirrors``, and the writer of its host mirrors from ``seq_lens_cpu`` and
+    ``verify_lens_cpu`` (design §2.9)."""
+    buf, mode = builder.buffers, "target_verify"
+    verify_host = mirrors["verify_lens_host"][:B]
+    qo_host = mirrors["ragged_qo_indptr_host"][: B + 1]
+    result = FlashInferPrefill(
+        qo_indptr=buf[f"{mode}.ragged_qo_indptr"][: B + 1],
+        kv_indptr=buf[f"{mode}.kv_indptr"][: B + 1],
+        kv_indices=buf[f"{mode}.kv_indices"],
+        kv_last_page_len=buf[f"{mode}.kv_last_page_len"][:B],
+        custom_mask=mask if form == "" else None,
+        packed_custom_mask=mask if form else None,
+        mask_indptr=buf[f"{mode}.{form}mask_indptr"][: B + 1],
+        causal=False,
+        qo_indptr_host=qo_host,
+        kv_indptr_host=kv_host,
+        kv_last_page_len_host=buf[f"{mode}.kv_last_page_len_host"][:B],
+        mask_indptr_host=mask_host,
+        max_q_len=T,
+        verify_lens=buf[f"{mode}.verify_lens"][:B],
+        verify_lens_host=verify_host,
+    )
+    write = host_ops.ragged_verify_writer(builder._length_tables[mode], B, count, T,
+                                          builder.cfg.num_draft_tokens, verify_host, qo_host,
+                                          kv_host, mask_host, use_compiled=compiled)  # fmt: skip
+    return result, write

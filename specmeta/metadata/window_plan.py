@@ -1,0 +1,97 @@
+"""The capacity plan of a hybrid model's window layers (design §2.10, §5), keys
+``flashinfer_swa.<mode>.<field>``, and the list lengths of the window read rail; torch-free, so
+``specmeta plan`` reads it as it reads :mod:`specmeta.config`.
+
+A window layer with window ``w`` reads, at draft step ``s``, the last ``min(L + s + 1, w)``
+entries of each branch's prefix and chain, and in target verify and draft extend a list that
+starts at ``max(0, L − w + 1)``: ``min(L, w − 1) + N`` entries. The window builder's buffers
+(``FlashInferBuilder(cfg, device, sliding_window_size=w)``) are planned for those clipped
+lengths, so a plan gives the window pool's lists their own totals beside the full layers'
+``flashinfer.*`` ones. The kernels' host checks use the same formulas
+(:mod:`specmeta.kernels._window` imports them from here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import SpecConfig
+
+__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "plan_flashinfer_swa", "rail_prefix_total",
+           "rail_draft_need", "rail_verify_need", "rail_mask_need"]  # fmt: skip
+
+#: The plan prefix of the window builder's buffers.
+WINDOW_PREFIX = "flashinfer_swa."
+#: The modes a window builder serves: the page-size-1 draft lists and the prefill lists.
+WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
+
+
+def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
+    """The most prefix positions a batch's verify / extend lists keep under the rail:
+    ``Σ min(L_b, w − 1) ≤ min(ΣL, B·(w − 1))``; ``ΣL`` without one (``w = 0``)."""
+    return min(seq_lens_sum, batch * (rail - 1)) if rail else seq_lens_sum
+
+
+def rail_draft_need(seq_lens_sum: int, batch: int, topk: int, num_rows: int, rail: int) -> int:
+    """Entries of one draft-decode ``kv_indices`` row for the last step under the rail:
+    ``K·Σ min(L_b + rows, w) ≤ min(K·ΣL + B·K·rows, B·K·w)``; the plain ``K·ΣL + B·K·rows``
+    without one (design §2.2)."""
+    from ..config import draft_decode_kv_indices_need
+
+    plain = draft_decode_kv_indices_need(seq_lens_sum, batch, topk, num_rows)
+    return min(plain, batch * topk * rail) if rail else plain
+
+
+def rail_verify_need(seq_lens_sum: int, batch: int, extra_tokens: int, rail: int) -> int:
+    """Entries of the verify / extend lists under the rail: ``Σ (min(L_b, w − 1) + extra) ≤
+    min(ΣL, B·(w − 1)) + B·extra``; ``ΣL + B·extra`` without one."""
+    from ..config import verify_kv_indices_need
+
+    return verify_kv_indices_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
+                                  extra_tokens)  # fmt: skip
+
+
+def rail_mask_need(seq_lens_sum: int, batch: int, num_draft_tokens: int, rail: int) -> int:
+    """Elements (or bytes, packed) of the verify mask under the rail: each request's block is
+    ``N × (min(L, w − 1) + N)``."""
+    from ..config import tree_custom_mask_need
+
+    return tree_custom_mask_need(rail_prefix_total(seq_lens_sum, batch, rail), batch,
+                                 num_draft_tokens)  # fmt: skip
+
+
+def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
+    """Add the ``flashinfer_swa.*`` buffers of ``cfg`` (its ``sliding_window_size = w ≥ 1``)
+    through ``add(name, shape, dtype, doc)``: the fields of ``flashinfer.<mode>`` for the modes
+    a window builder serves, the lists and masks sized for the rail's clipped lengths."""
+    k, s, n, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.max_bs
+    w = cfg.sliding_window_size
+    total = bs * cfg.max_context_len  # ΣL at full capacity
+    i32 = "int32"
+    mode = "flashinfer_swa.draft_decode"
+    add(f"{mode}.kv_indices", (s, rail_draft_need(total, bs, k, s, w)), i32,
+        "[S, K*Σmin(L + S, w)] per-branch window-pool lists, one row per draft step")  # fmt: skip
+    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets")
+    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror of kv_indptr")
+    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1)")
+    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
+    for mode in ("flashinfer_swa.target_verify", "flashinfer_swa.draft_extend"):
+        add(f"{mode}.qo_indptr", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
+        add(f"{mode}.qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(min(L, w - 1) + N)]")
+        add(f"{mode}.kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.kv_indices", (rail_verify_need(total, bs, n, w),), i32,
+            "[Σmin(L, w - 1) + B*N] window-pool ids of positions max(0, L - w + 1) … L + N - 1")  # fmt: skip
+        add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
+        add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
+    mode = "flashinfer_swa.target_verify"
+    mask = rail_mask_need(total, bs, n, w)
+    add(f"{mode}.custom_mask", (mask,), "bool",
+        "[N*Σmin(L, w - 1) + B*N²] flat bool mask over the clipped lists")  # fmt: skip
+    add(f"{mode}.mask_indptr", (bs + 1,), i32, "[B+1] mask segment starts (elements)")
+    add(f"{mode}.mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    add(f"{mode}.packed_custom_mask", (mask,), "uint8",
+        "packed-bit mask over the clipped lists, segment i at byte mask_indptr[i]")  # fmt: skip
+    add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
+    add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")

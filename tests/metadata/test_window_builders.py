@@ -1,0 +1,325 @@
+"""A hybrid model's window layers through FlashInfer's builder (design §2.10, §3.3):
+``FlashInferBuilder(cfg, device, sliding_window_size=w)`` and its modes with ``full_to_swa=``.
+
+What each query row attends to, read through the torch consumer of FlashInfer's metadata,
+equals dense attention over exactly the positions the window read rail names, in window-pool
+ids; the host mirrors equal the device offsets (compiled and torch writers); the plan sizes the
+window builder's lists by the clipped lengths; and a property test shows no id crosses spaces:
+over random maps (holes, ``−1`` runs, random permutations) and batches, every id a window
+builder lists is the map's image of the full id its position names (or the sink with
+``BAD_KV_ID``), and every id the full builder lists is a full-pool physical id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from specmeta import SpecConfig, Status, new_status
+from specmeta.config import plan_sizes
+from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.flashinfer_window import FlashInferWindowBuilder
+from specmeta.testing.consumers import flashinfer as consumer
+from specmeta.testing.consumers.dense import dense_attention
+from specmeta.workloads import make_batch, random_tree_mask
+from tests._support import emitted_id
+from tests.guard_bands import assert_equal
+
+H, H_KV, D = 4, 2, 8
+ATOL = 1e-9
+MAX_L = 40
+
+
+def _setup(gen, device, *, k, s, n, ps, w, holes=0.0, batch_size=5, translate=False):
+    """A config, a batch, with ``translate`` a page map of its virtual ids (a random injection
+    into a physical pool of twice the size), and a full → window pool map over the full pool
+    (a random injection into a window pool of twice its size, ``holes`` of it ``−1``); both
+    keep the sink in place. The window pool has ``2 · len(full_to_swa)`` slots."""
+    del w
+    cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=ps, max_bs=8,
+                     max_context_len=MAX_L)  # fmt: skip
+    batch = make_batch("random", batch_size=batch_size, topk=k, num_steps=s, page_size=ps,
+                       row_width=cfg.req_to_token_width, generator=gen, device=device,
+                       extra_tokens=n, max_len=MAX_L)  # fmt: skip
+    pages = batch.pool_size // ps
+    v2p = None
+    if translate:
+        v2p = torch.randperm(2 * pages, generator=gen)[:pages]
+        v2p[v2p == 0] = v2p[0].clone()
+        v2p[0] = 0
+    full = batch.pool_size * (2 if translate else 1)
+    f2s = torch.randperm(2 * full, generator=gen)[:full]
+    f2s[torch.rand(full, generator=gen) < holes] = -1
+    f2s[f2s == 0] = f2s[0].clone()
+    f2s[0] = 0
+    return cfg, batch, f2s, v2p
+
+
+def _window_ids(batch, f2s, v2p, b, positions):
+    """The window-pool ids of request ``b``'s row positions: the row's id (through ``v2p``),
+    then the map (0 where it does not map)."""
+    row = batch.req_to_token.cpu()[int(batch.req_pool_indices[b])]
+    ps = batch.page_size
+    out = []
+    for p in positions:
+        full = emitted_id(row, p, v2p, E=1, ps=ps)
+        out.append(int(f2s[full]) if int(f2s[full]) >= 0 else 0)
+    return out
+
+
+def _chain_positions(L, t, steps, batch):
+    K, S, ps = batch.topk, batch.num_steps, batch.page_size
+    if ps > 1 and K > 1:
+        lpl = L % ps
+        nnp = -(-(lpl + S) // ps)
+        return [L - lpl + t * nnp * ps + lpl + j for j in range(steps)]
+    return [L + t * S + j for j in range(steps)]
+
+
+def _caches(gen, size):
+    kc = torch.randn(size, H_KV, D, generator=gen, dtype=torch.float64)
+    vc = torch.randn(size, H_KV, D, generator=gen, dtype=torch.float64)
+    return kc, vc
+
+
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps,w", [(1, 3, 1, 5), (2, 3, 4, 3), (3, 2, 1, 1)])
+def test_draft_decode_attends_to_the_rail_in_window_ids(k, s, ps, w, host_ops, gen, device,
+                                                        request):  # fmt: skip
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    cfg, batch, f2s, _ = _setup(gen, device, k=k, s=s, n=min(1 + k, 4), ps=ps, w=w)
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=w, modes=("draft_decode",),
+                           host_ops=host_ops)  # fmt: skip
+    assert isinstance(fi, FlashInferWindowBuilder)
+    meta = fi.draft_decode(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                           seq_lens_cpu=batch.seq_lens_cpu, num_rows=s,
+                           full_to_swa=f2s.to(device))  # fmt: skip
+    kc, vc = _caches(gen, 2 * f2s.shape[0])
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    for step, meta_s in enumerate(meta.steps):
+        assert_equal(meta_s.kv_indptr_host, meta_s.kv_indptr, f"step {step}: kv_indptr_host")
+        want = []
+        for b, L in enumerate(batch.seq_lens_cpu.tolist()):
+            for t in range(k):
+                seq = list(range(L)) + _chain_positions(L, t, step + 1, batch)
+                want.append(_window_ids(batch, f2s, None, b, seq[len(seq) - min(len(seq), w) :]))
+        o, lse = consumer.decode(q, kc, vc, meta_s)
+        o_ref, lse_ref = dense_attention(q, kc, vc, want)
+        assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"step {step}: outputs"
+        assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"step {step}: log-sum-exps"
+    assert int(fi.status) == 0
+
+
+def _tree_rows(batch, tree_mask, f2s, v2p, w):
+    """Each verify node's logical sequence under the rail, in window-pool ids: node ``j`` at
+    position ``L + d_j`` reads its prefix positions above ``L + d_j − w`` and its ancestors
+    ``c`` (at ``L + d_c``) with ``d_c > d_j − w``; depths counted from the ancestor mask."""
+    rows = []
+    n = tree_mask.shape[1]
+    for b, L in enumerate(batch.seq_lens_cpu.tolist()):
+        m = tree_mask[b].cpu()
+        depth = [int(m[j].sum()) - 1 for j in range(n)]
+        for j in range(n):
+            pos = [p for p in range(L) if p > L + depth[j] - w]
+            pos += [L + c for c in range(n) if m[j, c] and depth[c] > depth[j] - w]
+            rows.append(_window_ids(batch, f2s, v2p, b, pos))
+    return rows
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+@pytest.mark.parametrize("k,ps,w", [(1, 4, 2), (4, 1, 3), (2, 16, 9)])
+def test_target_verify_attends_to_the_rail_in_window_ids(k, ps, w, packed, gen, device):
+    n = 1 + k if k > 1 else 4
+    cfg, batch, f2s, v2p = _setup(gen, device, k=k, s=3, n=n, ps=ps, w=w, translate=True)
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=w)
+    tree = random_tree_mask(batch.batch_size, k, 3, n, gen).to(device)
+    meta = fi.target_verify(batch.req_pool_indices, batch.req_to_token, batch.seq_lens, tree,
+                            seq_lens_cpu=batch.seq_lens_cpu, packed=packed, v2p=v2p.to(device),
+                            full_to_swa=f2s.to(device))  # fmt: skip
+    assert_equal(meta.kv_indptr_host, meta.kv_indptr, "kv_indptr_host")
+    assert_equal(meta.mask_indptr_host, meta.mask_indptr, "mask_indptr_host")
+    kc, vc = _caches(gen, 2 * f2s.shape[0])
+    q = torch.randn(batch.batch_size * n, H, D, generator=gen, dtype=torch.float64)
+    o, lse = consumer.prefill(q, kc, vc, meta)
+    o_ref, lse_ref = dense_attention(q, kc, vc, _tree_rows(batch, tree, f2s, v2p, w))
+    assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), "outputs"
+    assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), "log-sum-exps"
+    assert int(fi.status) == 0
+
+
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+def test_a_chain_reads_the_clipped_list_with_window_left(host_ops, gen, device, request):
+    """Draft extend (causal) and a chain's verify without the mask: ``window_left = w − 1``
+    over the clipped list gives each row exactly its ``(p − w, p]`` (design §2.10)."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    n, w = 4, 3
+    cfg, batch, f2s, _ = _setup(gen, device, k=1, s=3, n=n, ps=1, w=w)
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=w, host_ops=host_ops)
+    meta = fi.draft_extend(batch.req_pool_indices, batch.req_to_token, batch.seq_lens,
+                           seq_lens_cpu=batch.seq_lens_cpu, full_to_swa=f2s.to(device))  # fmt: skip
+    assert_equal(meta.kv_indptr_host, meta.kv_indptr, "kv_indptr_host")
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    windowed = types.SimpleNamespace(**fields, window_left=w - 1)
+    kc, vc = _caches(gen, 2 * f2s.shape[0])
+    q = torch.randn(batch.batch_size * n, H, D, generator=gen, dtype=torch.float64)
+    want = [_window_ids(batch, f2s, None, b, range(max(0, L + j - w + 1), L + j + 1))
+            for b, L in enumerate(batch.seq_lens_cpu.tolist()) for j in range(n)]  # fmt: skip
+    o, lse = consumer.prefill(q, kc, vc, windowed)
+    o_ref, lse_ref = dense_attention(q, kc, vc, want)
+    assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), "outputs"
+    assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), "log-sum-exps"
+
+
+def test_bound_stages_build_what_the_eager_calls_build(gen, device):
+    """A bound stage (host part, then launches) writes what the reference builder writes."""
+    k, n, w = 2, 3, 4
+    cfg, batch, f2s, _ = _setup(gen, device, k=k, s=3, n=n, ps=1, w=w, holes=0.3)
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    tree = random_tree_mask(batch.batch_size, k, 3, n, gen).to(device)
+    f2s = f2s.to(device)
+    got = []
+    for reference in (False, True):
+        fi = FlashInferBuilder(cfg, device, sliding_window_size=w, reference=reference)
+        stages = (fi.bind_draft_decode(*args, full_to_swa=f2s),
+                  fi.bind_target_verify(*args, tree, full_to_swa=f2s),
+                  fi.bind_draft_extend(*args, full_to_swa=f2s))  # fmt: skip
+        metas = []
+        for stage in stages:
+            metas.append(stage.host(batch.seq_lens_cpu))
+            stage.launch()
+        d, v, e = metas
+        got.append(([(st.kv_indptr.clone(), st.kv_indices[: int(st.kv_indptr_host[-1])].clone())
+                     for st in d.steps],
+                    v.kv_indices[: int(v.kv_indptr_host[-1])].clone(),
+                    v.custom_mask[: int(v.mask_indptr_host[-1])].clone(),
+                    e.kv_indices[: int(e.kv_indptr_host[-1])].clone(), int(fi.status)))  # fmt: skip
+    (steps, vi, vm, ei, status), (rsteps, rvi, rvm, rei, rstatus) = got
+    for s, ((ptr, idx), (rptr, ridx)) in enumerate(zip(steps, rsteps, strict=True)):
+        assert_equal(ptr, rptr, f"draft step {s} kv_indptr")
+        assert_equal(idx, ridx, f"draft step {s} kv_indices")
+    assert_equal(vi, rvi, "verify kv_indices")
+    assert_equal(vm, rvm, "verify custom_mask")
+    assert_equal(ei, rei, "extend kv_indices")
+    assert status == rstatus
+
+
+def test_no_id_crosses_spaces(gen, device):
+    """Property over random maps and batches: a window builder lists, for each entry, the
+    map's image of the full id the full builder lists at the same position (the tail the rail
+    keeps), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
+    full pool (the image of the page map), every window id one of the window pool."""
+    for draw in range(3):
+        k = int(torch.randint(1, 4, (1,), generator=gen))
+        ps = (1, 4, 16)[draw]
+        w = int(torch.randint(1, 12, (1,), generator=gen))
+        n = min(1 + k, 4) if k > 1 else 3
+        cfg, batch, f2s, v2p = _setup(gen, device, k=k, s=3, n=n, ps=ps, w=w, translate=True,
+                                      holes=float(torch.rand(1, generator=gen)) * 0.5)  # fmt: skip
+        runs = torch.randint(0, f2s.shape[0], (3,), generator=gen)  # −1 runs
+        for start in runs.tolist():
+            f2s[max(start, 1) : start + 8] = -1
+        window_pool = 2 * f2s.shape[0]
+        physical = set((v2p.view(-1, 1) * ps + torch.arange(ps)).view(-1).tolist())
+        args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+        full, win = FlashInferBuilder(cfg, device), FlashInferBuilder(cfg, device, sliding_window_size=w)
+        win.status.zero_()
+        fd = full.draft_decode(*args, seq_lens_cpu=batch.seq_lens_cpu, v2p=v2p.to(device))
+        wd = win.draft_decode(*args, seq_lens_cpu=batch.seq_lens_cpu, v2p=v2p.to(device),
+                              full_to_swa=f2s.to(device))  # fmt: skip
+        pairs = []
+        for fs, ws in zip(fd.steps, wd.steps, strict=True):
+            fp, wp = fs.kv_indptr_host.tolist(), ws.kv_indptr_host.tolist()
+            for z in range(len(fp) - 1):
+                f_ids = fs.kv_indices[fp[z] : fp[z + 1]].tolist()
+                w_ids = ws.kv_indices[wp[z] : wp[z + 1]].tolist()
+                assert len(w_ids) == min(len(f_ids), w), f"draw {draw}: list {z} length"
+                pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
+        for mode in ("target_verify", "draft_extend"):
+            tree = (random_tree_mask(batch.batch_size, k, 3, n, gen).to(device),)
+            extra = tree if mode == "target_verify" else ()
+            fm = getattr(full, mode)(*args, *extra, seq_lens_cpu=batch.seq_lens_cpu,
+                                     v2p=v2p.to(device))  # fmt: skip
+            wm = getattr(win, mode)(*args, *extra, seq_lens_cpu=batch.seq_lens_cpu,
+                                    v2p=v2p.to(device), full_to_swa=f2s.to(device))  # fmt: skip
+            fp, wp = fm.kv_indptr_host.tolist(), wm.kv_indptr_host.tolist()
+            for b in range(batch.batch_size):
+                f_ids = fm.kv_indices[fp[b] : fp[b + 1]].tolist()
+                w_ids = wm.kv_indices[wp[b] : wp[b + 1]].tolist()
+                pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
+        unmapped = False
+        for f_id, w_id in pairs:
+            assert f_id in physical, f"draw {draw}: full id {f_id} is no physical slot"
+            assert 0 <= w_id < window_pool, f"draw {draw}: window id {w_id} past the pool"
+            image = int(f2s[f_id])
+            assert w_id == max(image, 0), f"draw {draw}: window id {w_id} != map[{f_id}]"
+            unmapped |= image < 0
+        assert int(full.status) == 0
+        assert int(win.status) == (int(Status.BAD_KV_ID) if unmapped else 0), f"draw {draw}"
+
+
+def test_the_plan_sizes_the_window_lists_by_the_clipped_lengths():
+    cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=3, page_size=4, max_bs=8,
+                     max_context_len=100, sliding_window_size=10)  # fmt: skip
+    plan = plan_sizes(cfg)
+    bs, k, s, n, w, total = 8, 2, 3, 3, 10, 8 * 100
+    # read from the rail: a draft list at most w entries, a prefill list w - 1 + N
+    assert plan["flashinfer_swa.draft_decode.kv_indices"].shape == (s, bs * k * w)
+    assert plan["flashinfer_swa.target_verify.kv_indices"].shape == (bs * (w - 1 + n),)
+    assert plan["flashinfer_swa.draft_extend.kv_indices"].shape == (bs * (w - 1 + n),)
+    assert plan["flashinfer_swa.target_verify.custom_mask"].shape == (bs * n * (w - 1 + n),)
+    assert plan["flashinfer.target_verify.kv_indices"].shape == (total + bs * n,)
+    swa = sum(v.nbytes for key, v in plan.items() if key.startswith("flashinfer_swa."))
+    assert 0 < swa < sum(v.nbytes for key, v in plan.items() if key.startswith("flashinfer."))
+    # a window wider than any list: the full layer's sizes
+    wide = plan_sizes(dataclasses.replace(cfg, sliding_window_size=1000))
+    for key in ("draft_decode.kv_indices", "target_verify.kv_indices", "target_verify.custom_mask"):
+        assert wide[f"flashinfer_swa.{key}"].shape == wide[f"flashinfer.{key}"].shape, key
+    assert not any(key.startswith("flashinfer_swa.")
+                   for key in plan_sizes(dataclasses.replace(cfg, sliding_window_size=0)))  # fmt: skip
+
+
+def test_the_window_builder_allocates_its_plan(device):
+    cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=3, page_size=4, max_bs=4,
+                     max_context_len=32)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=5, verify_mask="packed")
+    plan = plan_sizes(dataclasses.replace(cfg, sliding_window_size=5))
+    assert fi.cfg.sliding_window_size == 5
+    assert "target_verify.custom_mask" not in fi.buffers
+    for name, buf in fi.buffers.items():
+        assert tuple(buf.shape) == plan[f"flashinfer_swa.{name}"].shape, name
+
+
+def test_refusals_name_the_call_and_the_fix(gen, device):
+    cfg, batch, f2s, _ = _setup(gen, device, k=2, s=3, n=3, ps=4, w=4)
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    win = FlashInferBuilder(cfg, device, sliding_window_size=4)
+    with pytest.raises(ValueError, match=r"draft_decode_paged: not built for a window layer.*"
+                                         r"FlashInferBuilder\(cfg, device\)"):  # fmt: skip
+        win.bind_draft_decode_paged(*args)
+    with pytest.raises(ValueError, match=r"'draft_decode_shared_prefix' is not built for a window"):
+        FlashInferBuilder(cfg, device, sliding_window_size=4,
+                          modes=("draft_decode_shared_prefix",))  # fmt: skip
+    with pytest.raises(ValueError, match=r"target_verify: verify_lens \(a ragged verify\)"):
+        win.bind_target_verify(*args, torch.ones(5, 3, 3, dtype=torch.bool, device=device),
+                               verify_lens=torch.ones(5, dtype=torch.int32, device=device),
+                               num_tokens=5)  # fmt: skip
+    with pytest.raises(ValueError, match=r"FlashInferBuilder.draft_extend: full_to_swa was given"):
+        FlashInferBuilder(cfg, device).bind_draft_extend(*args, full_to_swa=f2s.to(device))
+    with pytest.raises(TypeError, match=r"draft_extend: full_to_swa must be"):
+        win.bind_draft_extend(*args, full_to_swa=f2s.float().to(device))
+    with pytest.raises(ValueError, match=r"sliding_window_size=4, but the config plans window "
+                                         r"layers of sliding_window_size=6"):  # fmt: skip
+        FlashInferBuilder(dataclasses.replace(cfg, sliding_window_size=6), device,
+                          sliding_window_size=4)  # fmt: skip
+    windowed = dataclasses.replace(cfg, draft_window_size=8)  # a draft window bounds the draft
+    assert FlashInferBuilder(windowed, device, sliding_window_size=4).modes == (
+        "target_verify", "draft_extend")
+    status = new_status(device)
+    win.draft_extend(*args, seq_lens_cpu=batch.seq_lens_cpu, full_to_swa=f2s.to(device),
+                     status=status)  # fmt: skip
+    assert int(status) == 0
