@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmeta import SpecConfig, merge_state
+from specmeta import SpecConfig, merge_state, warmup
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.runners import collector_off
@@ -230,7 +230,9 @@ def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
 def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, workspace):
     """Every mode's build, ``plan()`` from the host mirrors and ``run()``, and the cascade's
     merge, under ``torch.cuda.set_sync_debug_mode("error")``: the path an engine takes each
-    step copies nothing back from the device (``plan()`` reads pinned mirrors only)."""
+    step copies nothing back from the device (``plan()`` reads pinned mirrors only), the
+    mirrors written by the compiled host ops as an engine that calls ``warmup()`` has them."""
+    warmup()
     mla_fi = _flashinfer()
     c = _Case(gen, 4, 16)
     builders = {mode: FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
