@@ -15,10 +15,10 @@ take the engine's full → window pool map, ``full_to_swa=``, on every call:
   t·m_b``, ``m_b = min(L_b + s + 1, w)``.
 * ``target_verify`` and ``draft_extend``: request ``b`` lists positions ``max(0, L_b − w + 1)
   … L_b + N − 1``; target verify's mask hides from node ``j`` (at ``L_b + d_j``) every
-  position at or before ``L_b + d_j − w``. For a chain served by FlashInfer's causal prefill
-  (draft extend, or a chain's verify without the mask) the consumer passes
-  ``window_left = w − 1`` over the clipped list: the list keeps exactly what the first query
-  row reads, and the kernel's own window hides what each later row no longer sees.
+  position at or before ``L_b + d_j − w``. A causal prefill over the clipped list (draft
+  extend, or a chain's verify run causal) is planned by the consumer with FlashInfer's
+  ``window_left = w − 1``: the list keeps exactly what the first query row reads, and the
+  kernel's own window hides what each later row no longer sees.
 
 The host mirrors follow the clipped lengths exactly: target verify's and draft extend's
 through the host ops' writers with the lengths capped at ``w − 1`` (compiled where
