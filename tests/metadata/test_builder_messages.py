@@ -15,7 +15,13 @@ import dataclasses
 import pytest
 import torch
 
-from specmeta import FA3MetadataBuilder, FlashInferBuilder, SpecConfig, TrtllmMlaBuilder
+from specmeta import (
+    FA3MetadataBuilder,
+    FlashInferBuilder,
+    FlashInferMLABuilder,
+    SpecConfig,
+    TrtllmMlaBuilder,
+)
 from specmeta.metadata import host_ops
 
 CFG = SpecConfig(topk=2, num_steps=3, num_draft_tokens=6, page_size=4, max_bs=4,
@@ -54,7 +60,8 @@ def _builders(device, reference=False):
     assert host_ops.compiled() is not None, f"the compiled host ops did not build: {done}"
     return [
         (cls.__name__, cls(CFG, device, host_ops=host_ops, reference=reference))
-        for cls in (FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder)
+        for cls in (FA3MetadataBuilder, FlashInferBuilder, TrtllmMlaBuilder,
+                    FlashInferMLABuilder)
         for host_ops in (True, False)
     ]
 

@@ -21,6 +21,7 @@ from specmeta.kernels.host_lengths import (
 )
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.flashinfer import FlashInferBuilder
+from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.workloads import random_tree_mask
 from tests._support import draft_stage_runner
@@ -180,13 +181,13 @@ def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed):
         assert _word(status) == 0, f"{where}: a host part ahead of the device"
 
 
-@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla", "flashinfer_mla"])
 def test_a_builder_made_without_the_check_launches_none(device, gen, seed, backend):
     """``check_host_lengths=False``: every stage has one launch fewer and a stale copy sets
     nothing; the same builder with the check reports it."""
     rpi, r2t, lens, lens_cpu = _batch(device, gen)
     cls = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-           "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+           "trtllm_mla": TrtllmMlaBuilder, "flashinfer_mla": FlashInferMLABuilder}[backend]  # fmt: skip
     counts = {}
     for check in (True, False):
         builder = cls(CFG, device, modes=["draft_extend"], check_host_lengths=check)
@@ -197,12 +198,12 @@ def test_a_builder_made_without_the_check_launches_none(device, gen, seed, backe
     assert counts[True] == counts[False] + 1
 
 
-@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla"])
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "trtllm_mla", "flashinfer_mla"])
 def test_eager_and_reference_builds_report_a_stale_copy(device, gen, seed, backend):
     """The eager call (binds and launches) and a reference builder report it too."""
     rpi, r2t, lens, lens_cpu = _batch(device, gen)
     cls = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-           "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+           "trtllm_mla": TrtllmMlaBuilder, "flashinfer_mla": FlashInferMLABuilder}[backend]  # fmt: skip
     for reference in (False, True):
         builder = cls(CFG, device, modes=["draft_extend"], reference=reference)
         status = new_status(device)
