@@ -196,6 +196,15 @@ def _named(*names: str) -> Callable:
     return written
 
 
+def _window_map(b: Batch, g: torch.Generator) -> torch.Tensor:
+    """A hybrid model's full → window pool map of a batch's pool (design §2.10): a shuffled
+    injection into a window pool twice its size, the sink in place, no slot evicted (the
+    checks' cases are valid input)."""
+    P = b.pool_size
+    rest = 1 + torch.randperm(2 * P - 1, generator=g)[: P - 1]
+    return torch.cat([rest.new_zeros(1), rest]).to(b.seq_lens.device)
+
+
 def _verify_window(b: Batch, n: int) -> torch.Tensor:
     """``[B·N]`` verify-window slots ``row_b[L_b + j]`` of a batch drawn with ``N`` extra tokens."""
     pos = b.seq_lens.to(torch.int64).view(-1, 1) + torch.arange(n, device=b.seq_lens.device)
@@ -222,6 +231,10 @@ def _assign_cases(b, g):
         "out_cache_loc": _poison(n * b.num_steps, device=b.seq_lens.device, dtype=torch.int64),
         "positions": _poison(n, device=b.seq_lens.device, value=-1, dtype=torch.int64),
     })  # fmt: skip
+    # A window layer's draft slots, in window-pool ids (design §2.10).
+    out = _poison(n * b.num_steps, device=b.seq_lens.device, dtype=torch.int64)
+    kw = dict(_draft(b), full_to_swa=_window_map(b, g))
+    yield Case(f"full_to_swa {b.describe()}", _args(b), kw, {"out_cache_loc": out})
 
 
 def _pairs_cases(b, g):
@@ -242,6 +255,12 @@ def _kv_indices_cases(b, g):
     kw = dict(kw, window_size=window, sink_size=window % 5, v2p=v2p)
     out = {"kv_indices": _poison(b.num_steps, need, device=b.seq_lens.device, value=-1)}
     yield Case(f"window={window} sink={window % 5} v2p {b.describe()}", _args(b), kw, out)
+    # A window layer (design §2.10): the read rail, ids through the window pool map.
+    rail = int(torch.randint(1, 2 * b.page_size + 6, (1,), generator=g))
+    kw = dict(_draft(b), seq_lens_sum=b.seq_lens_sum, sliding_window_size=rail,
+              full_to_swa=_window_map(b, g))  # fmt: skip
+    out = {"kv_indices": _poison(b.num_steps, need, device=b.seq_lens.device, value=-1)}
+    yield Case(f"sliding_window_size={rail} full_to_swa {b.describe()}", _args(b), kw, out)
 
 
 def _kv_indices_written(case, result, outputs):
@@ -252,6 +271,8 @@ def _kv_indices_written(case, result, outputs):
     got = {"kv_indptr": result[1]}
     for s in range(case.kwargs["num_steps"]):
         used = draft_decode_kv_indices_need(total, B, K, s + 1)
+        if case.kwargs.get("sliding_window_size"):  # the rail's lists end where kv_indptr says
+            used = int(result[1][s, B * K])
         got[f"kv_indices[{s}]"] = outputs["kv_indices"][s, :used]
     return got
 
@@ -349,11 +370,20 @@ def _verify_kv_cases(b, g):
                                  dtype=b.req_to_token.dtype)}  # fmt: skip
     kw = dict(kw, verify_lens=_verify_lens(b, n, g))
     yield Case(f"ragged {b.describe()}", _args(b), kw, out)
+    # A window layer (design §2.10): lists from max(0, L - w + 1), in window-pool ids.
+    rail = int(torch.randint(1, 12, (1,), generator=g))
+    kw = dict(extra_tokens=n, seq_lens_sum=b.seq_lens_sum, sliding_window_size=rail,
+              full_to_swa=_window_map(b, g))  # fmt: skip
+    out = {"kv_indices": _poison(max(need, 1), device=b.seq_lens.device,
+                                 dtype=b.req_to_token.dtype)}  # fmt: skip
+    yield Case(f"sliding_window_size={rail} {b.describe()}", _args(b), kw, out)
 
 
 def _verify_kv_written(case, result, outputs):
     B = case.args[0].shape[0]
     used = case.kwargs["seq_lens_sum"] + B * case.kwargs["extra_tokens"]
+    if case.kwargs.get("sliding_window_size"):  # the clipped lists end where kv_indptr says
+        used = int(result[1][B]) if B else 0
     return {"kv_indptr": result[1], "kv_indices": result[0][:used]}
 
 
@@ -366,6 +396,11 @@ def _mask_cases(b, g):
     for packed in (False, True):  # a ragged verify: v × (L + v) blocks
         kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum, verify_lens=_verify_lens(b, n, g))
         yield Case(f"packed={packed} ragged {b.describe()}", (b.seq_lens, tree), kw)
+    for packed in (False, True):  # a window layer: blocks over the clipped lists (design §2.10)
+        rail = int(torch.randint(1, 12, (1,), generator=g))
+        kw = dict(packed=packed, seq_lens_sum=b.seq_lens_sum, sliding_window_size=rail)
+        yield Case(f"packed={packed} sliding_window_size={rail} {b.describe()}",
+                   (b.seq_lens, tree), kw)  # fmt: skip
 
 
 def _mask_written(case, result, outputs):
