@@ -1334,8 +1334,12 @@ MUTATIONS: list[Mutation] = [
        "FlashInfer MLA's cascade plans its prefix pass causal: a request's K rows see only the "
        "last keys of its prefix",
        "specmeta/metadata/flashinfer_mla.py",
-       "prefix_host[: B + 1], prefix_len[:B], 1, False,",
-       "prefix_host[: B + 1], prefix_len[:B], 1, True,",
+       'self._qo("prefix", f"{mode}.prefix_qo_indptr", B),\n'
+       '            buf[f"{mode}.prefix_kv_indptr"][: B + 1], buf[f"{mode}.prefix_kv_indices"],\n'
+       "            prefix_host[: B + 1], prefix_len[:B], 1, False,",
+       'self._qo("prefix", f"{mode}.prefix_qo_indptr", B),\n'
+       '            buf[f"{mode}.prefix_kv_indptr"][: B + 1], buf[f"{mode}.prefix_kv_indices"],\n'
+       "            prefix_host[: B + 1], prefix_len[:B], 1, True,",
        ["tests/metadata/test_flashinfer_mla.py", "-k", "draft_decode and 2-3-16"]),
     _m("st-fim-ancestors-read-prefix", "stage",
        "FlashInfer MLA's ancestor pass reads the prefix list again in place of each branch's "
@@ -1605,6 +1609,31 @@ MUTATIONS: list[Mutation] = [
        'add(f"{mode}.kv_indices", (rail_verify_need(total, bs, n, w),), i32,',
        'add(f"{mode}.kv_indices", (rail_verify_need(total, bs, n, 0),), i32,',
        ["tests/metadata/test_window_builders.py", "-k", "plan_sizes"]),
+    _m("hm-fim-tree-counts-descendants", "host_mirror",
+       "FlashInfer MLA's tree verify counts each node's descendants (the mask's columns) as "
+       "its ancestors: lists cut at the wrong place",
+       "specmeta/metadata/flashinfer_mla.py",
+       "counts = tree_mask_cpu.numpy().reshape(BN, n).sum(axis=1, dtype=numpy.int32)",
+       "counts = tree_mask_cpu.numpy().transpose(0, 2, 1).reshape(BN, n).sum(axis=1, "
+       "dtype=numpy.int32)",
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "tree_verify"]),
+    _m("st-fim-tree-rows-on-the-rest", "stage",
+       "FlashInfer MLA's tree verify gives each node's query row to the list of its other "
+       "window slots, not to its ancestors'",
+       "specmeta/metadata/flashinfer_mla.py",
+       'buf["target_verify.ancestor_qo_indptr"].copy_((z + 1) // 2)',
+       'buf["target_verify.ancestor_qo_indptr"].copy_(z // 2)',
+       ["tests/metadata/test_flashinfer_mla.py", "-k", "tree_verify"],
+       also=(("specmeta/metadata/flashinfer_mla.py",
+              'buf["target_verify.ancestor_qo_indptr_host"].copy_((z + 1) // 2)',
+              'buf["target_verify.ancestor_qo_indptr_host"].copy_(z // 2)'),)),
+    _m("k-rail-mask-chunk-threshold", "kernel",
+       "the window layer's tree mask, a chunk inside one row's prefix: the row's first seen "
+       "column one too far (its oldest position hidden)",
+       K + "tree_custom_mask.py",
+       "    return L + count - rail\n",
+       "    return L + count - rail + 1\n",
+       ["tests/kernels/test_window_layers.py", "-k", "wider_than_a_chunk and False"]),
 ]
 # fmt: on
 

@@ -139,6 +139,17 @@ def _window_mask_value(tree_ptr, live, j, col, L, N, stride_mj, rail):
 
 
 @triton.jit
+def _first_seen_column(tree_ptr, valid, j, L, N, stride_mj, rail):
+    """The first of a window layer's ``L`` prefix columns that node ``j`` sees (design §2.10):
+    ``L + d_j + 1 − w``, its depth read as its row's ancestor-or-self count less one (``N``
+    scalar loads: one row a chunk, where :func:`_window_mask_value` reads a row an element)."""
+    count = L * 0
+    for a in range(0, N):
+        count += (tl.load(tree_ptr + j * stride_mj + a, mask=valid, other=0) != 0).to(L.dtype)
+    return L + count - rail
+
+
+@triton.jit
 def _chunk_values(tree_ptr, valid, first, j0, col0, offs, n_bits, L, N, stride_mj, inv_cols,
                   rail, SPAN: tl.constexpr, RAIL: tl.constexpr):  # fmt: skip
     """The mask elements ``first + offs`` of a request's block (``offs`` in ``[0, SPAN)``, any
@@ -214,10 +225,8 @@ def _tree_custom_mask_kernel(
         rows = N
         Nb = N
         start = _segment_start(seq_lens_ptr, b, N, rail, BLOCK_B, RAIL)
-    ones = L  # a row's leading columns that are all 1: the prefix (none under the rail)
     if RAIL:
         L = rail_verify_prefix(L, rail)  # the block's prefix columns, min(L, w − 1)
-        ones = L * 0
     n_bits = tl.where(valid, rows * (L + Nb), 0)
     n = n_bits
     if PACKED:
@@ -236,9 +245,18 @@ def _tree_custom_mask_kernel(
         bit0 = first * 8 if PACKED else first  # and its first mask element
         j0 = bit0 // cols  # one scalar division a chunk
         col0 = bit0 - j0 * cols
-        if (col0 + BLOCK * (8 if PACKED else 1) <= ones) & (j0 < rows):
-            # Inside one row's prefix columns: every element 1, nothing to compute.
-            v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
+        if (col0 + BLOCK * (8 if PACKED else 1) <= L) & (j0 < rows):
+            # Inside one row's prefix columns: every element 1, nothing to compute; under the
+            # rail, those from the row's first seen column on (one depth a chunk).
+            if RAIL:
+                first_seen = _first_seen_column(tree_ptr, valid, j0, L, N, stride_mj, rail)
+                if PACKED:
+                    seen = (col0 + offs[:, None] * 8 + k[None, :] >= first_seen).to(tl.int32)
+                    v = tl.sum(seen << k[None, :], axis=1)
+                else:
+                    v = (col0 + offs >= first_seen).to(tl.int32)
+            else:
+                v = tl.full([BLOCK], 255 if PACKED else 1, tl.int32)
         elif PACKED:  # byte e holds elements 8e … 8e + 7, element 8e + k at bit k
             bits = _chunk_values(tree_ptr, valid, bit0, j0, col0, offs[:, None] * 8 + k[None, :],
                                  n_bits, L, Nb, stride_mj, inv_cols, rail, SPAN=BLOCK * 8,

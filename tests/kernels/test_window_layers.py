@@ -302,6 +302,28 @@ def test_tree_mask_follows_the_rail_and_equals_the_reference(packed, gen, device
                 assert_equal(have, want, f"{fn.__name__} w={w} packed={packed}: request {i}")
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_tree_mask_rows_wider_than_a_chunk_under_the_rail(packed, gen, device):
+    """Rows of more prefix columns than a chunk holds: whole chunks inside one row's prefix
+    take the row's first seen column once (the kernel's fast path), the others element by
+    element; both as the rule says."""
+    N, w = 4, int(torch.randint(2100, 2400, (1,), generator=gen))
+    lengths = [int(torch.randint(2400, 2600, (1,), generator=gen)), 1800]
+    trees = [_random_tree(gen, N), list(range(-1, N - 1))]
+    tree_mask = torch.stack([_tree_mask(p) for p in trees]).to(device)
+    blocks = _mask_spec(lengths, trees, w)
+    starts = [0, blocks[0].numel(), blocks[0].numel() + blocks[1].numel()]
+    for fn in (tree_custom_mask, tree_custom_mask_ref):
+        mask = torch.zeros(starts[-1], dtype=torch.uint8 if packed else torch.bool, device=device)
+        _, mask_indptr = fn(torch.tensor(lengths, device=device), tree_mask, packed=packed,
+                            custom_mask=mask, sliding_window_size=w)  # fmt: skip
+        assert mask_indptr.tolist() == starts, fn.__name__
+        for i, blk in enumerate(blocks):
+            want = _packed(blk) if packed else blk
+            have = mask.cpu()[starts[i] : starts[i] + want.numel()]
+            assert_equal(have, want, f"{fn.__name__} w={w} packed={packed}: request {i}")
+
+
 # ------------------------------------------------------------------------------ draft slots
 @pytest.mark.parametrize("K,S,ps", [(1, 3, 1), (2, 2, 4)])
 def test_draft_slots_in_window_pool_ids(K, S, ps, gen, device):
