@@ -284,6 +284,7 @@ def _check_flashinfer_mla_builder(device: torch.device, g: torch.Generator) -> C
     """Every FlashInfer MLA mode (design §3.5) against the same builder running the torch
     references, and each pass's host mirrors against its device offsets."""
     from .metadata.flashinfer_mla import FlashInferMLABuilder
+    from .workloads import random_tree_mask
 
     res = CheckResult("flashinfer_mla_builder")
     builders: dict[tuple, tuple] = {}
@@ -296,16 +297,21 @@ def _check_flashinfer_mla_builder(device: torch.device, g: torch.Generator) -> C
             cfg = _builder_config(b, S + 1 if K == 1 else tree_width(K, S))
             builders[key] = (FlashInferMLABuilder(cfg, device),
                              FlashInferMLABuilder(cfg, device, reference=True))  # fmt: skip
-        lens = dict(seq_lens_cpu=b.seq_lens_cpu)
+        lens, tree = dict(seq_lens_cpu=b.seq_lens_cpu), ()
         for mode in builders[key][0].modes:
-            kw = dict(num_rows=S, **lens) if mode == "draft_decode" else lens
-            got, want = (getattr(mla, mode)(*_args(b), **kw) for mla in builders[key])
+            kw = dict(num_rows=S, **lens) if mode == "draft_decode" else dict(lens)
+            if mode == "target_verify" and K > 1:  # a tree: its ancestor counts from the host
+                mask = random_tree_mask(b.batch_size, K, S, tree_width(K, S), g)
+                tree, kw["tree_mask_cpu"] = (mask.to(device),), mask
+            args = (*_args(b), *tree) if mode == "target_verify" else _args(b)
+            got, want = (getattr(mla, mode)(*args, **kw) for mla in builders[key])
             got, want = (r.steps if mode == "draft_decode" else (r,) for r in (got, want))
             for one, ref in zip(got, want, strict=True):
                 for p, q in zip(one.passes, ref.passes, strict=True):
                     used = int(p.kv_indptr_host[-1])
                     res.compare(f"{mode} kv_indices", p.kv_indices[:used], q.kv_indices[:used], d)
-                    res.compare(f"{mode} kv_indptr_host", p.kv_indptr_host, p.kv_indptr, d)
+                    if p.kv_indptr is not None:  # a tree verify's ancestors: host offsets
+                        res.compare(f"{mode} kv_indptr_host", p.kv_indptr_host, p.kv_indptr, d)
                     res.compare(f"{mode} qo_indptr_host", p.qo_indptr_host, p.qo_indptr, d)
     for pair in builders.values():
         res.status_bits |= int(pair[0].status.item()) | int(pair[1].status.item())

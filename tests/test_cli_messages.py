@@ -215,7 +215,7 @@ def test_plan_tree_verify_on_a_backend_that_cannot_verify_a_tree(capsys):
         "specmeta plan: --modes target_verify: --backend trtllm_mla (TrtllmMlaBuilder) does not "
         "serve target_verify (target_verify with --topk 2 needs a tree, which it cannot "
         "verify); it serves draft_decode, draft_extend for this config; drop it from --modes, "
-        "or pass --backend fa3 flashinfer, which serve it\n",
+        "or pass --backend fa3 flashinfer flashinfer_mla, which serve it\n",
     )  # fmt: skip
     # A chain (topk = 1) is no tree: the same request plans.
     assert cli.main(["plan", "--topk", "1", "--num-draft-tokens", "3", *PLAN, "--backend",
@@ -236,7 +236,7 @@ def test_plan_modes_that_no_backend_serves(capsys, monkeypatch):
         2,
         "specmeta plan: --modes draft_decode_paged: --backend flashinfer_mla "
         "(FlashInferMLABuilder) does not serve draft_decode_paged; it serves draft_decode, "
-        "draft_extend for this config; drop it from --modes\n",
+        "target_verify, draft_extend for this config; drop it from --modes\n",
     )  # fmt: skip
 
 

@@ -122,9 +122,10 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
     # the runner's verify_lens 256·4, FA3's and TRT-LLM MLA's verify_lens 256·4 and
     # ragged_qo_indptr 257·4 each.
     ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 2 * (256 * 4 + 257 * 4)
-    # FlashInfer MLA: its prefix list ΣL and its verify and extend lists ΣL + B·N, int32, then
-    # 359,520 bytes of ancestor lists (B·K·S a step), offsets and mirrors.
-    mla = 4 * (256 * 10**7 + 2 * (256 * 10**7 + 256 * 64)) + 359_520
+    # FlashInfer MLA: its two prefix lists (draft decode's, tree verify's) ΣL and its extend
+    # list ΣL + B·N, int32, then 5,143,660 bytes of ancestor lists (B·K·S a step, B·N·N),
+    # offsets and mirrors.
+    mla = 4 * (3 * 256 * 10**7 + 256 * 64) + 5_143_660
     assert total == 1_211_529_947_264 + ragged + mla
 
 

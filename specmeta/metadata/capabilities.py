@@ -105,9 +105,7 @@ CAPABILITIES = {
     "flashinfer_mla": Capabilities(
         modes=_DECODE_VERIFY_EXTEND,
         tree_draft=True,  # a cascade: each prefix once, then each branch's own chain
-        # plan() reads every row's KV length on the host, and a tree's ancestor counts live
-        # on the device (design §3.5)
-        tree_verify=False,
+        tree_verify=True,  # a cascade too; the ancestor counts from the host's tree mask
         page_sizes="any",
         graph_safe=frozenset(_DECODE_VERIFY_EXTEND),
     ),

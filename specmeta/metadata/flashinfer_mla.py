@@ -15,11 +15,14 @@ draft decode, K == 1   per step: a row a request, its pages over ``L + s + 1`` t
 draft decode, K > 1    prefix (each prefix once, ``K`` rows, non-causal) + per step      1
                        ancestors (a row a branch, its ``s + 1`` own slots)
 target verify, K == 1  ``N`` causal rows over ``row[0 : L + N]``                          1
+target verify, K > 1   prefix (each prefix once, ``N`` rows, non-causal) + ancestors     1
+                       (node ``r``'s window slots: its ancestors, then the others, as
+                       two lists, only the first with a query row)
 draft extend           ``N`` causal rows over ``row[0 : L + N]`` (any ``K``: a chain)     1
 =====================  ==============================================================  =========
 
-Target verify of a tree (``K > 1``) is not served: ``plan()`` needs every row's KV length on
-the host, and a tree's ancestor counts live on the device (design §3.5).
+``plan()`` reads every list's length on the host: a tree verify's ancestor counts come from
+``tree_mask_cpu``, the host copy of the tree mask (design §3.5).
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indice
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
+)
+from ..kernels.verify_expand_page_table import (
+    bind_verify_expand_page_table,
+    verify_expand_page_table_ref,
 )
 from ..kernels.verify_kv_indices import bind_verify_kv_indices, verify_kv_indices_ref
 from ..stage import Stage
@@ -57,8 +64,14 @@ __all__ = ["FlashInferMLABuilder", "FlashInferMLAPass", "FlashInferMLAAttention"
 _PREFIX = "flashinfer_mla."
 # Host mirrors that change with the batch, by mode: they come from a ring (design §3.3). The
 # other *_host buffers hold values fixed at construction (query offsets, the chains' offsets).
-_PER_BATCH_MIRRORS = ("kv_indptr_host", "kv_len_arr_host", "kv_last_page_len_host",
-                      "prefix_kv_indptr_host", "prefix_kv_len_arr_host")  # fmt: skip
+_PER_BATCH_MIRRORS = {
+    "draft_decode": ("kv_indptr_host", "kv_len_arr_host", "kv_last_page_len_host",
+                     "prefix_kv_indptr_host", "prefix_kv_len_arr_host"),
+    "target_verify": ("kv_indptr_host", "kv_len_arr_host", "prefix_kv_indptr_host",
+                      "prefix_kv_len_arr_host", "ancestor_kv_indptr_host",
+                      "ancestor_kv_len_arr_host"),
+    "draft_extend": ("kv_indptr_host", "kv_len_arr_host"),
+}  # fmt: skip
 
 
 class FlashInferMLABuilder(MetadataBuilder):
@@ -72,8 +85,8 @@ class FlashInferMLABuilder(MetadataBuilder):
     device : torch.device or str
         Where the lists live; the ``*_host`` mirrors live on the CPU, pinned for CUDA.
     modes : iterable of str, optional
-        ``draft_decode``, ``target_verify`` (``K == 1`` only), ``draft_extend``; default every
-        mode the config allows. Only their buffers are allocated.
+        ``draft_decode``, ``target_verify``, ``draft_extend``; default all. Only their buffers
+        are allocated.
     reference : bool
         Build with the pure-torch references (a test baseline; it syncs).
     mirror_depth : int
@@ -106,7 +119,7 @@ class FlashInferMLABuilder(MetadataBuilder):
         for key in self.plan_keys(cfg, self.modes):
             name = key[len(_PREFIX) :]
             mode, field = name.split(".", 1)
-            if field in _PER_BATCH_MIRRORS:
+            if field in _PER_BATCH_MIRRORS[mode]:
                 ring_specs[mode][field] = plan[key]
             elif field.endswith("_host"):
                 buf = plan[key].allocate("cpu")
@@ -123,12 +136,19 @@ class FlashInferMLABuilder(MetadataBuilder):
             ("prefix", "draft_decode.prefix_qo_indptr", k, bs),
             ("ancestors", "draft_decode.ancestor_qo_indptr", 1, bs * k),
             ("target_verify", "target_verify.qo_indptr", n, bs),
+            ("verify_prefix", "target_verify.prefix_qo_indptr", n, bs),
             ("draft_extend", "draft_extend.qo_indptr", n, bs),
         ):
             if key in buf:
                 self._layouts[name] = UniformQueryLayout.create(width, rows, self.device,
                                                                 out=buf[key])  # fmt: skip
                 UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
+        if "target_verify.ancestor_qo_indptr" in buf:
+            # Node r's two lists: its ancestors (its query row) and the other window slots (no
+            # query row): list z's rows start at (z + 1) // 2.
+            z = torch.arange(2 * bs * n + 1, dtype=torch.int32)
+            buf["target_verify.ancestor_qo_indptr"].copy_((z + 1) // 2)
+            buf["target_verify.ancestor_qo_indptr_host"].copy_((z + 1) // 2)
         if "draft_decode.ancestor_kv_indptr_host" in buf:
             # The chains' lists do not depend on the batch: branch z of step s holds s + 1
             # slots at z·(s + 1).
@@ -142,6 +162,7 @@ class FlashInferMLABuilder(MetadataBuilder):
         tables = {n: LengthTable(cfg.max_context_len, bs, n)}
         tables[0] = LengthTable(cfg.max_context_len, bs)
         self._tables = {mode: tables[0 if mode == "draft_decode" else n] for mode in self.modes}
+        self._tables["prefix"] = tables[0]  # a cascade's prefix pass: L keys a request
 
     # -- the stages -----------------------------------------------------------------------------
     def _spaces(self, mode: str, v2p: Any, entry_page_size: Any) -> dict:
@@ -151,14 +172,17 @@ class FlashInferMLABuilder(MetadataBuilder):
         return dict(entry_page_size=entry_page_size, v2p=v2p)
 
     def _stage(self, mode: str, B: int, key: tuple, launches: list, make: Callable,
-               seq_lens: torch.Tensor, status: torch.Tensor) -> Stage:  # fmt: skip
+               seq_lens: torch.Tensor, status: torch.Tensor, *,
+               tree: bool = False) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests: ``launches``, then the check of the host's
         lengths; its host part checks ``seq_lens_cpu`` (every value, named, before anything is
         written) and publishes it for that check, takes the ring's turn, writes the set's
         mirrors and returns the set's result. ``make(B, *key, mirrors, compiled)`` makes a set's
         result and writer once; the writer is the compiled one where :func:`specmeta.warmup`
         built the host ops and :attr:`host_ops` asks for them: it checks the lengths itself and
-        returns what it read (one call), and a refusal is then named by the checks."""
+        returns what it read (one call), and a refusal is then named by the checks. A tree
+        verify (``tree``) also takes ``tree_mask_cpu``, checked before anything is written,
+        and its writer reads it."""
         ring = self._mirrors[mode]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         where = self._where[mode]
@@ -167,9 +191,14 @@ class FlashInferMLABuilder(MetadataBuilder):
                    "from it; pass seq_lens_cpu=, the CPU copy of seq_lens the engine already "
                    "holds (a copy of seq_lens made here would sync with the device)")  # fmt: skip
 
-        def host(seq_lens_cpu: torch.Tensor | None) -> Any:
+        def host(seq_lens_cpu: torch.Tensor | None, tree_mask_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
+            if tree:
+                _check_tree_mask_cpu(where, tree_mask_cpu, B, self.cfg.num_draft_tokens)
+            elif tree_mask_cpu is not None:
+                raise ValueError(f"{where}: tree_mask_cpu was given, but this stage builds no "
+                                 "tree verify; drop tree_mask_cpu")  # fmt: skip
             compiled = self.host_ops and host_ops.compiled() is not None
             if not compiled:
                 self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
@@ -179,7 +208,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             if entry is None:
                 entry = results[slot] = make(B, *key, ring.sets[slot], compiled)
             try:  # compiled: one call checks every length, writes, returns what it read
-                found = entry[1](seq_lens_cpu)
+                found = entry[1](seq_lens_cpu, tree_mask_cpu) if tree else entry[1](seq_lens_cpu)
             except (TypeError, ValueError, IndexError, OverflowError):
                 self.lengths(mode, B, seq_lens_cpu)  # nothing was written: name the fault
                 raise
@@ -328,7 +357,7 @@ class FlashInferMLABuilder(MetadataBuilder):
         )
 
         # The prefix pass: L_b keys a request at [0, cumsum(L)], checked and written in one call.
-        offsets = host_ops.prefix_writer(self._tables["draft_decode"], B, prefix_host[: B + 1],
+        offsets = host_ops.prefix_writer(self._tables["prefix"], B, prefix_host[: B + 1],
                                          use_compiled=compiled)  # fmt: skip
 
         write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
@@ -376,7 +405,10 @@ class FlashInferMLABuilder(MetadataBuilder):
                            status: torch.Tensor | None = None, v2p: torch.Tensor | None = None,
                            entry_page_size: int = 1) -> Stage:  # fmt: skip
         """:meth:`target_verify` bound once to these tensors (arguments as there)."""
-        where = self.require("target_verify")  # a builder for K > 1 does not serve it
+        where = self.require("target_verify")
+        if self.cfg.topk > 1:
+            return self._bind_tree_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
+                                          status, v2p, entry_page_size)  # fmt: skip
         if tree_mask is not None:
             raise ValueError(
                 f"{where}: tree_mask was given, but with topk=1 the verify window is a chain, "
@@ -385,19 +417,100 @@ class FlashInferMLABuilder(MetadataBuilder):
         return self._bind_window("target_verify", req_pool_indices, req_to_token, seq_lens,
                                  status, v2p, entry_page_size)  # fmt: skip
 
+    def _bind_tree_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                          seq_lens: torch.Tensor, tree_mask: Any, status: Any, v2p: Any,
+                          entry_page_size: Any) -> Stage:  # fmt: skip
+        """A tree's target verify (design §3.5): the prefix pass (each prefix once, ``N``
+        non-causal rows a request) and the ancestor pass (node ``r``'s ``N`` window slots at
+        ``r·N``, its ancestors first), two launches; the host part reads the ancestor counts
+        from ``tree_mask_cpu``."""
+        mode, n, ps = "target_verify", self.cfg.num_draft_tokens, self.cfg.page_size
+        where = self.require(mode)
+        if tree_mask is None:
+            raise ValueError(
+                f"{where}: tree_mask is required with topk={self.cfg.topk} > 1; pass the "
+                f"[B, N, N] bool ancestor mask of the draft tree (N = {n})"
+            )
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
+                       status=status, entry_page_size=entry_page_size)  # fmt: skip
+        spaces = self._spaces(mode, v2p, entry_page_size)
+        status, buf = self.status_word(status), self.buffers
+        args, BN = (req_pool_indices, req_to_token, seq_lens), B * n
+        table = self.views((mode, "table", B), lambda: buf[f"{mode}.ancestor_kv_indices"][
+            : BN * n].view(BN, n))  # fmt: skip
+        launches = [
+            self._launch(bind_verify_kv_indices, verify_kv_indices_ref, *args, extra_tokens=0,
+                         kv_indices=buf[f"{mode}.prefix_kv_indices"],
+                         kv_indptr=buf[f"{mode}.prefix_kv_indptr"], status=status,
+                         page_size=ps, **spaces),
+            # Node r's window slots, its ancestors' first: the table's rows, N entries each.
+            self._launch(bind_verify_expand_page_table, verify_expand_page_table_ref, *args,
+                         tree_mask, page_table=table,
+                         cache_seqlens=buf[f"{mode}.ancestor_counts"][:BN], status=status,
+                         page_size=ps, **spaces),
+        ]  # fmt: skip
+        return self._stage(mode, B, ("tree",), launches, self._tree_result, seq_lens, status,
+                           tree=True)  # fmt: skip
+
+    def _tree_result(self, B: int, _tree: str, mirrors: dict, compiled: bool):
+        """A tree verify's passes over the ring's set ``mirrors``, and their writer."""
+        mode, n, buf = "target_verify", self.cfg.num_draft_tokens, self.buffers
+        BN = B * n
+        prefix_host, prefix_len = mirrors["prefix_kv_indptr_host"], mirrors["prefix_kv_len_arr_host"]
+        ptr_host = mirrors["ancestor_kv_indptr_host"][: 2 * BN + 1]
+        len_host = mirrors["ancestor_kv_len_arr_host"][: 2 * BN]
+        prefix = self._pass(
+            self._qo("verify_prefix", f"{mode}.prefix_qo_indptr", B),
+            buf[f"{mode}.prefix_kv_indptr"][: B + 1], buf[f"{mode}.prefix_kv_indices"],
+            prefix_host[: B + 1], prefix_len[:B], 1, False,
+        )  # fmt: skip
+        ancestors = self._pass(
+            (buf[f"{mode}.ancestor_qo_indptr"][: 2 * BN + 1],
+             buf[f"{mode}.ancestor_qo_indptr_host"][: 2 * BN + 1]),
+            None, buf[f"{mode}.ancestor_kv_indices"][: BN * n], ptr_host, len_host, 1, False,
+        )  # fmt: skip
+        offsets = host_ops.prefix_writer(self._tables["prefix"], B, prefix_host[: B + 1],
+                                         use_compiled=compiled)  # fmt: skip
+        prefix_write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
+        # List 2r holds node r's ancestors, list 2r + 1 the rest of its N slots: the even
+        # offsets r·N never change, the odd ones are r·N + ancestors(r).
+        ptr_np, len_np = ptr_host.numpy(), len_host.numpy()
+        starts = numpy.arange(BN + 1, dtype=numpy.int32) * n
+        ptr_np[0::2] = starts
+
+        def write(seq_lens_cpu: torch.Tensor, tree_mask_cpu: torch.Tensor) -> Any:
+            found = prefix_write(seq_lens_cpu)
+            counts = tree_mask_cpu.numpy().reshape(BN, n).sum(axis=1, dtype=numpy.int32)
+            len_np[0::2] = counts
+            numpy.subtract(n, counts, out=len_np[1::2])
+            numpy.add(starts[:-1], counts, out=ptr_np[1::2])
+            return found
+
+        return FlashInferMLAAttention(prefix, ancestors), write
+
     def target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                       seq_lens: torch.Tensor, tree_mask: torch.Tensor | None = None, *,
                       seq_lens_cpu: torch.Tensor | None = None,
+                      tree_mask_cpu: torch.Tensor | None = None,
                       status: torch.Tensor | None = None, launch: bool = True,
                       v2p: torch.Tensor | None = None,
                       entry_page_size: int = 1) -> FlashInferMLAAttention:  # fmt: skip
-        """Target verify of an ``N``-token chain (``topk == 1``): ``N`` causal query rows a
-        request over ``row_b[0 : L_b + N]``, listed as token slots (page size 1), one pass.
-        Arguments as in :meth:`draft_decode`; ``tree_mask`` is refused (a chain)."""
+        """Target verify over the ``N``-token window ``row_b[L_b : L_b + N]`` (design §3.5).
+
+        ``topk == 1`` (a chain): one pass, ``N`` causal query rows a request over
+        ``row_b[0 : L_b + N]``, token slots; ``tree_mask`` is refused. ``topk > 1`` (a tree):
+        ``tree_mask`` (``[B, N, N]`` bool on the device, ``m[i, j, c]`` iff ``c == j`` or ``c``
+        is an ancestor of ``j``) and its host copy ``tree_mask_cpu`` are required: ``prefix``
+        lists each prefix once for the request's ``N`` rows (non-causal), ``ancestors`` node
+        ``r``'s ``N`` window slots as two lists, its ancestors' (its query row) and the
+        others' (no query row), their lengths read from ``tree_mask_cpu``, which must equal
+        ``tree_mask`` (not checked on the device). Other arguments as in :meth:`draft_decode`.
+        """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         status=status, v2p=v2p,
                                         entry_page_size=entry_page_size)  # fmt: skip
-        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+        extra = {} if tree_mask_cpu is None else dict(tree_mask_cpu=tree_mask_cpu)
+        return stage(seq_lens_cpu, **extra) if launch else stage.host(seq_lens_cpu, **extra)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                           seq_lens: torch.Tensor, *, status: torch.Tensor | None = None,
@@ -418,6 +531,22 @@ class FlashInferMLABuilder(MetadataBuilder):
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
                                        v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
+
+
+def _check_tree_mask_cpu(where: str, mask: Any, batch: int, n: int) -> None:
+    """The host copy of a tree's ancestor mask, checked before anything is written: a
+    ``[B, N, N]`` bool CPU tensor in which every node is its own ancestor."""
+    fix = (f"pass tree_mask_cpu=, the [B, N, N] = [{batch}, {n}, {n}] bool CPU copy of "
+           "tree_mask (plan() reads every node's ancestor count on the host)")  # fmt: skip
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{where}: tree_mask_cpu is {type(mask).__name__}; {fix}")
+    if mask.dtype != torch.bool or mask.device.type != "cpu" or tuple(mask.shape) != (batch, n, n):
+        raise ValueError(f"{where}: tree_mask_cpu is {mask.dtype} {list(mask.shape)} on "
+                         f"{mask.device}; {fix}")  # fmt: skip
+    if not bool(torch.diagonal(mask, dim1=1, dim2=2).all()):
+        raise ValueError(f"{where}: tree_mask_cpu has a node that is not its own ancestor "
+                         "(tree_mask_cpu[i, j, j] is False); every node attends to itself: "
+                         "set the diagonal")  # fmt: skip
 
 
 def _lengths_from_offsets(offsets: Callable, ptr: torch.Tensor, lengths: torch.Tensor) -> Callable:

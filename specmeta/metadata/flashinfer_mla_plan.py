@@ -20,8 +20,10 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
     Draft decode with ``K == 1`` lists each request's prefix and chain as pages of the pool's
     page size (one row per step); with ``K > 1`` it is a cascade: the prefix pass lists each
     prefix once (``ΣL`` token slots, ``K`` query rows a request) and the ancestor pass each
-    branch's own chain (``B·K·S`` slots a step row: the ``topk`` factor is here). Target verify
-    and draft extend list ``row_b[0 : L_b + N]`` as token slots, ``N`` causal rows a request.
+    branch's own chain (``B·K·S`` slots a step row: the ``topk`` factor is here). Draft extend,
+    and target verify of a chain, list ``row_b[0 : L_b + N]`` as token slots, ``N`` causal rows
+    a request; target verify of a tree is a cascade too: each prefix once, then each node's
+    window slots (``B·N·N``).
     """
     from ..config import branch_kv_indices_need, shared_prefix_chain_need, verify_kv_indices_need
 
@@ -54,7 +56,31 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.ancestor_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
         add(f"{mode}.ancestor_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
         add(f"{mode}.ancestor_kv_len_arr_host", (s, bs * k), i32, "[S, B*K] s + 1, CPU")
+    mode = "flashinfer_mla.target_verify"
+    if k > 1:
+        # A tree: the prefix pass (each prefix once, N rows a request) and the ancestor pass,
+        # node r's list of N window slots cut in two lists, its ancestors' (its one query row)
+        # and the other nodes' (no query row).
+        bn = bs * n
+        add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
+            "[ΣL] every prefix once, for the request's N query rows")  # fmt: skip
+        add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L)]")
+        add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] N·arange: N query rows a request")
+        add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.prefix_kv_len_arr_host", (bs,), i32, "[B] L, CPU")
+        add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,
+            "[B*N*N] node r's window slots at r·N: its ancestors first, then the others")  # fmt: skip
+        add(f"{mode}.ancestor_counts", (bn,), i32, "[B*N] ancestors of each node, itself included")
+        add(f"{mode}.ancestor_qo_indptr", (2 * bn + 1,), i32, "[2*B*N+1] (z + 1) // 2")
+        add(f"{mode}.ancestor_qo_indptr_host", (2 * bn + 1,), i32, "[2*B*N+1] CPU mirror")
+        add(f"{mode}.ancestor_kv_indptr_host", (2 * bn + 1,), i32,
+            "[2*B*N+1] r·N, r·N + ancestors(r): CPU, from the host's tree mask")  # fmt: skip
+        add(f"{mode}.ancestor_kv_len_arr_host", (2 * bn,), i32,
+            "[2*B*N] ancestors(r), N − ancestors(r), CPU")  # fmt: skip
     for mode in ("flashinfer_mla.target_verify", "flashinfer_mla.draft_extend"):
+        if k > 1 and mode.endswith("target_verify"):
+            continue
         add(f"{mode}.kv_indices", (verify_kv_indices_need(total, bs, n),), i32,
             "[ΣL + B*N] row_b[0 : L_b + N], token slots")  # fmt: skip
         add(f"{mode}.kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L + N)]")

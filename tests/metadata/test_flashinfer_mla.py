@@ -13,7 +13,8 @@ from specmeta.cli import main
 from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.testing.consumers import flashinfer_mla as consumer
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.workloads import make_batch, max_prefix_len
+from specmeta.testing.sequences import tree_sequences
+from specmeta.workloads import make_batch, max_prefix_len, random_tree_mask
 from tests._support import branch_sequences
 
 H, DC, DR = 2, 512, 64  # query heads; latent (ckv) and rope (kpe) widths the kernel serves
@@ -70,8 +71,10 @@ def _args(batch):
 def _written(p):
     """Every integer a pass hands to ``plan()``: the written part of each list, as int64."""
     end = int(p.kv_indptr_host[-1])
-    return [p.qo_indptr.cpu(), p.kv_indptr.cpu(), p.kv_indices[:end].cpu(), p.qo_indptr_host,
-            p.kv_indptr_host, p.kv_len_arr_host]  # fmt: skip
+    device = [p.qo_indptr.cpu(), p.kv_indices[:end].cpu()]
+    if p.kv_indptr is not None:  # a tree verify's ancestor pass has host offsets only
+        device.append(p.kv_indptr.cpu())
+    return [*device, p.qo_indptr_host, p.kv_indptr_host, p.kv_len_arr_host]
 
 
 def _assert_same(got, want, what):
@@ -133,6 +136,32 @@ def test_verify_and_extend_are_causal_mla_attention(device, gen, mode, k, ps):
     assert int(mla.status) == 0
 
 
+@pytest.mark.parametrize("k,s,ps", [(2, 3, 1), (2, 3, 16), (4, 2, 64)])
+def test_tree_verify_is_a_cascade_over_each_nodes_ancestors(device, gen, k, s, ps):
+    """A tree's verify: each prefix once for the request's ``N`` rows, merged with each node's
+    ancestors in the window (their count read from ``tree_mask_cpu``): every node attends to
+    its prefix, its ancestors and itself; an empty prefix included."""
+    cfg, batch = _setup(gen, device, k, s, ps, n=6)
+    n = cfg.num_draft_tokens
+    tree = random_tree_mask(batch.batch_size, k, s, n, gen)
+    mla = FlashInferMLABuilder(cfg, device, modes=["target_verify"])
+    ref = FlashInferMLABuilder(cfg, device, modes=["target_verify"], reference=True)
+    meta, want_meta = (b.target_verify(*_args(batch), tree.to(device),
+                                       seq_lens_cpu=batch.seq_lens_cpu, tree_mask_cpu=tree)
+                       for b in (mla, ref))  # fmt: skip
+    assert meta.ancestors is not None and not meta.prefix.causal and not meta.ancestors.causal
+    for p, q in zip(meta.passes, want_meta.passes, strict=True):
+        _assert_same(_written(p), _written(q), "tree verify")
+    assert torch.equal(meta.prefix.kv_indptr_host, meta.prefix.kv_indptr.cpu())
+    counts = meta.ancestors.kv_len_arr_host[0::2].long()
+    assert torch.equal(counts, tree.sum(-1).view(-1)), "ancestor counts"
+    ckv, kpe = _cache(gen, batch.pool_size)
+    qn, qp = _queries(gen, batch.batch_size * n)
+    _close(consumer.attention(meta, qn, qp, ckv, kpe, SCALE),
+           _oracle(qn, qp, ckv, kpe, tree_sequences(batch, tree)), "tree verify")  # fmt: skip
+    assert int(mla.status) == 0 and int(ref.status) == 0
+
+
 @pytest.mark.parametrize("k,ps", [(1, 16), (2, 16)])
 def test_bound_stage_rebuilds_for_new_lengths_as_the_eager_call(device, gen, k, ps):
     """A draft-decode stage bound once, its host part and launches run for one set of lengths
@@ -155,7 +184,7 @@ def test_bound_stage_rebuilds_for_new_lengths_as_the_eager_call(device, gen, k, 
 
 
 @pytest.mark.parametrize("mode,k", [("draft_decode", 1), ("draft_decode", 2),
-                                    ("draft_extend", 1)])  # fmt: skip
+                                    ("draft_extend", 1), ("target_verify", 2)])  # fmt: skip
 def test_id_spaces_build_what_the_physical_rows_build(device, gen, mode, k):
     """``v2p=`` over virtual rows and ``entry_page_size=`` over rows of page ids build, byte for
     byte, what the plain physical rows build (design §2.10)."""
@@ -165,12 +194,15 @@ def test_id_spaces_build_what_the_physical_rows_build(device, gen, mode, k):
     v2p = torch.randperm(batch.pool_size // ps, generator=gen).to(device)
     physical = v2p[torch.div(r2t, ps, rounding_mode="floor")] * ps + r2t % ps
     pages = torch.div(r2t[:, ::ps], ps, rounding_mode="floor").contiguous()
+    tree = random_tree_mask(batch.batch_size, k, 2, cfg.num_draft_tokens, gen)
+    extra = dict(tree_mask_cpu=tree) if mode == "target_verify" else {}
+    args = (tree.to(device),) if mode == "target_verify" else ()
     built = []
     for rows, kw in ((r2t, dict(v2p=v2p)), (physical.to(r2t.dtype), {}),
                      (pages, dict(entry_page_size=ps)), (r2t, {})):  # fmt: skip
         mla = FlashInferMLABuilder(cfg, device, modes=[mode])
-        meta = getattr(mla, mode)(batch.req_pool_indices, rows, batch.seq_lens,
-                                  seq_lens_cpu=batch.seq_lens_cpu, **kw)  # fmt: skip
+        meta = getattr(mla, mode)(batch.req_pool_indices, rows, batch.seq_lens, *args,
+                                  seq_lens_cpu=batch.seq_lens_cpu, **extra, **kw)  # fmt: skip
         attn = meta[0] if mode == "draft_decode" else meta
         built.append([t for p in attn.passes for t in _written(p)])
         assert int(mla.status) == 0
@@ -189,13 +221,26 @@ def test_host_checks_name_the_call_the_argument_and_the_fix(device, gen):
     with pytest.raises(ValueError, match=r"FlashInferMLABuilder\.draft_extend: seq_lens_cpu "
                        rf"holds {cfg.max_context_len + 1}, over the plan's max_context_len"):  # fmt: skip
         mla.draft_extend(*_args(batch), seq_lens_cpu=over)
-    with pytest.raises(ValueError, match=r"FlashInferMLABuilder: target_verify with topk=2 "
-                       r"needs a tree, which this backend cannot build"):  # fmt: skip
-        FlashInferMLABuilder(cfg, device, modes=["target_verify"])
-    assert "target_verify" not in mla.modes
-    with pytest.raises(ValueError, match=r"FlashInferMLABuilder\.target_verify: this builder "
-                       r"was constructed with modes="):  # fmt: skip
+    with pytest.raises(ValueError, match=r"FlashInferMLABuilder\.target_verify: tree_mask is "
+                       r"required with topk=2 > 1"):  # fmt: skip
         mla.target_verify(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu)
+    tree = random_tree_mask(batch.batch_size, 2, 2, 4, gen)
+    stage = mla.bind_target_verify(*_args(batch), tree.to(device))
+    fix = r"pass tree_mask_cpu=, the \[B, N, N\] = \[4, 4, 4\] bool CPU copy of tree_mask"
+    with pytest.raises(TypeError, match=r"FlashInferMLABuilder\.target_verify: tree_mask_cpu "
+                       r"is NoneType; " + fix):  # fmt: skip
+        stage.host(batch.seq_lens_cpu)
+    with pytest.raises(ValueError, match=r"target_verify: tree_mask_cpu is torch.int64 "
+                       r"\[4, 4, 4\] on cpu; " + fix):  # fmt: skip
+        stage.host(batch.seq_lens_cpu, tree_mask_cpu=tree.long())
+    loose = tree.clone()
+    loose[1, 2, 2] = False
+    with pytest.raises(ValueError, match=r"tree_mask_cpu has a node that is not its own "
+                       r"ancestor"):  # fmt: skip
+        stage.host(batch.seq_lens_cpu, tree_mask_cpu=loose)
+    with pytest.raises(ValueError, match=r"draft_extend: tree_mask_cpu was given, but this "
+                       r"stage builds no tree verify"):  # fmt: skip
+        mla.bind_draft_extend(*_args(batch)).host(batch.seq_lens_cpu, tree_mask_cpu=tree)
     windowed = SpecConfig(topk=2, num_steps=2, num_draft_tokens=4, page_size=16, max_bs=8,
                           max_context_len=40, draft_window_size=8)  # fmt: skip
     with pytest.raises(ValueError, match=r"draft_decode does not build a draft window"):
@@ -224,8 +269,8 @@ def test_a_stale_seq_lens_cpu_is_reported_on_the_device(device, gen):
 
 
 def test_plan_lists_the_backend_buffers(capsys):
-    """``specmeta plan --backend flashinfer_mla`` lists the builder's own keys: the cascade's
-    for a tree, no target verify."""
+    """``specmeta plan --backend flashinfer_mla`` lists the builder's own keys: the cascades'
+    for a tree."""
     args = ["plan", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8", "--page-size",
             "16", "--max-bs", "8", "--max-context-len", "1024", "--backend", "flashinfer_mla"]  # fmt: skip
     assert main(args) == 0
@@ -234,7 +279,8 @@ def test_plan_lists_the_backend_buffers(capsys):
                      max_context_len=1024)  # fmt: skip
     keys = FlashInferMLABuilder.plan_keys(cfg)
     assert "flashinfer_mla.draft_decode.ancestor_kv_indices" in keys
-    assert not [key for key in keys if ".target_verify." in key]
+    assert "flashinfer_mla.target_verify.ancestor_kv_indices" in keys
+    assert "flashinfer_mla.target_verify.kv_indices" not in keys  # the chain's single pass
     for key in keys:
         assert any(ln.split()[:1] == [key] for ln in out.splitlines()), key
     assert "FlashInferMLABuilder" in out
@@ -268,9 +314,14 @@ def test_compiled_host_ops_write_the_torch_mirrors(device, gen, compiled_host_op
     del compiled_host_ops  # built: the builders made with host_ops=True use it
     cfg, batch = _setup(gen, device, k, 3, 16)
     fast, slow = (FlashInferMLABuilder(cfg, device, host_ops=flag) for flag in (True, False))
+    tree = random_tree_mask(batch.batch_size, k, 3, cfg.num_draft_tokens, gen)
     for mode in fast.modes:
         kw = dict(num_rows=3) if mode == "draft_decode" else {}
-        got, want = (getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(batch.seq_lens_cpu)
+        tree_kw = dict(tree_mask_cpu=tree) if mode == "target_verify" and k > 1 else {}
+        if tree_kw:
+            kw = dict(tree_mask=tree.to(device))
+        got, want = (getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(batch.seq_lens_cpu,
+                                                                          **tree_kw)
                      for b in (fast, slow))  # fmt: skip
         got, want = (r.steps if mode == "draft_decode" else (r,) for r in (got, want))
         for one, ref in zip(got, want, strict=True):
@@ -281,4 +332,4 @@ def test_compiled_host_ops_write_the_torch_mirrors(device, gen, compiled_host_op
         over[0] = -1
         for b in (fast, slow):
             with pytest.raises(ValueError, match=rf"FlashInferMLABuilder\.{mode}: seq_lens_cpu"):
-                getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(over)
+                getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(over, **tree_kw)

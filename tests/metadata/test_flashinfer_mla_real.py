@@ -4,9 +4,9 @@
 elsewhere) is planned from each pass's host mirrors and run on a bf16 latent cache (``ckv``
 512, ``kpe`` 64, the sizes the kernel serves), the passes of a cascade merged by
 :func:`specmeta.merge_state`; every row is compared with dense attention over its logical keys,
-computed in float64 from the same bf16 values. Draft decode (``topk`` 1, 2, 4, 8), target verify
-(chains: the builder serves no tree verify) and draft extend (``topk`` 1, 2, 4, 8), page sizes 1,
-16 and 64, batches holding an empty prefix and one a token short of a page; then one case with
+computed in float64 from the same bf16 values. Draft decode, target verify (chains, and trees
+as a cascade) and draft extend, ``topk`` 1, 2, 4, 8, page sizes 1, 16 and 64, batches holding
+an empty prefix and one a token short of a page; then one case with
 the build and the attention captured together in a CUDA graph, planned again and replayed for a
 new batch. The kernel is imported, never skipped: where it is missing these tests fail.
 """
@@ -21,8 +21,8 @@ from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.runners import collector_off
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.testing.sequences import branch_sequences, extend_sequences
-from specmeta.workloads import make_batch
+from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
+from specmeta.workloads import make_batch, random_tree_mask
 from tests._support import no_host_sync
 
 pytestmark = pytest.mark.gpu
@@ -66,6 +66,7 @@ class _Case:
         self.ckv = torch.randn(P, DC, generator=gen).to("cuda", DTYPE)
         self.kpe = torch.randn(P, DR, generator=gen).to("cuda", DTYPE)
         self.slots = assign_draft_cache_locs(*self.args, topk=k, num_steps=S, page_size=ps)
+        self.tree = random_tree_mask(batch_size, k, S, self.n, gen)  # CPU: the host's copy
         self.gen = gen
 
     @property
@@ -144,14 +145,20 @@ def test_gpu_flashinfer_mla_draft_decode(gen, workspace, k, ps):
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
-@pytest.mark.parametrize("mode,k", [("target_verify", 1), *(("draft_extend", k) for k in TOPKS)])
+@pytest.mark.parametrize("k", TOPKS)
+@pytest.mark.parametrize("mode", ["target_verify", "draft_extend"])
 def test_gpu_flashinfer_mla_verify_and_extend(gen, workspace, mode, k, ps):
-    """``N`` causal rows a request over ``row[0 : L + N]``."""
+    """``N`` causal rows a request over ``row[0 : L + N]``; a tree's verify as the cascade of
+    each prefix and each node's ancestors (lists with no query row included)."""
     c = _Case(gen, k, ps)
     mla = FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
-    meta = getattr(mla, mode)(*c.args, seq_lens_cpu=c.batch.seq_lens_cpu)
+    tree = mode == "target_verify" and k > 1
+    extra = dict(tree_mask_cpu=c.tree) if tree else {}
+    args = (*c.args, c.tree.cuda()) if tree else c.args
+    meta = getattr(mla, mode)(*args, seq_lens_cpu=c.batch.seq_lens_cpu, **extra)
     qn, qp = c.queries(c.batch.batch_size * c.n)
-    want = c.oracle(qn, qp, extend_sequences(c.batch, c.n))
+    lists = tree_sequences(c.batch, c.tree) if tree else extend_sequences(c.batch, c.n)
+    want = c.oracle(qn, qp, lists)
     c.check(_attention(workspace, meta, c, qn, qp), want, f"{mode} k={k} ps={ps}")
     assert int(mla.status) == 0
 
@@ -236,9 +243,10 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
     mla_fi = _flashinfer()
     c = _Case(gen, 4, 16)
     builders = {mode: FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
-                for mode in ("draft_decode", "draft_extend")}  # fmt: skip
+                for mode in ("draft_decode", "draft_extend", "target_verify")}  # fmt: skip
     chain = _Case(gen, 1, 16)
-    builders["target_verify"] = FlashInferMLABuilder(chain.cfg, "cuda", modes=["target_verify"])
+    builders["chain_verify"] = FlashInferMLABuilder(chain.cfg, "cuda", modes=["target_verify"])
+    tree = c.tree.cuda()
     wrappers = [mla_fi.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
                 for _ in range(2)]  # fmt: skip
     qn, qp = c.queries(c.batch.batch_size * c.n)
@@ -259,7 +267,10 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
         outs = [attend(step, c, qn[:rows], qp[:rows])
                 for step in builders["draft_decode"].draft_decode(*c.args, num_rows=S, **kw)]  # fmt: skip
         outs.append(attend(builders["draft_extend"].draft_extend(*c.args, **kw), c, qn, qp))
-        verify = builders["target_verify"].target_verify(
+        verify = builders["target_verify"].target_verify(*c.args, tree, tree_mask_cpu=c.tree,
+                                                         **kw)  # fmt: skip
+        outs.append(attend(verify, c, qn, qp))
+        verify = builders["chain_verify"].target_verify(
             *chain.args, seq_lens_cpu=chain.batch.seq_lens_cpu)  # fmt: skip
         outs.append(attend(verify, chain, vn, vp))
         return outs
