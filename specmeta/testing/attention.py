@@ -244,7 +244,8 @@ class FlashInferAttention:
             w.plan(meta.qo_indptr_host, meta.kv_indptr_host, meta.kv_indices,
                    meta.kv_last_page_len_host, hq, hkv, d, meta.page_size,
                    custom_mask=meta.custom_mask, packed_custom_mask=meta.packed_custom_mask,
-                   causal=meta.causal, **kw)  # fmt: skip
+                   causal=meta.causal, window_left=getattr(meta, "window_left", -1),
+                   **kw)  # fmt: skip
         else:
             raise TypeError(f"FlashInfer reads FlashInfer metadata, got {type(meta).__name__}")
         return (w, meta.page_size)

@@ -74,8 +74,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..config import SpecConfig, draft_row_need
+from ..metadata.flashinfer_results import FlashInferPrefill
 from ..status import SpecmetaStatusError, decode_status, new_status
 from .attention import TorchAttention
+from .consumers.flashinfer import windowed
 from .loop_stages import BACKENDS, DRAFT_FORMS, MetadataStages
 from .speculation import (
     DraftTree,
@@ -405,6 +407,10 @@ class SpeculativeLoop:
             with ctx:
                 if window_slots is None:
                     window_slots = self._window_slots_of(slots)
+                if isinstance(wmeta, FlashInferPrefill) and wmeta.causal:
+                    # A causal prefill over the clipped list (draft extend): the kernel's own
+                    # window hides from each row what its window dropped (design §2.10).
+                    wmeta = windowed(wmeta, self.window.window - 1)
                 window = (window_slots, self.attention.prepare(wmeta))
         with ctx:
             handle = self.attention.prepare(meta)

@@ -4,20 +4,42 @@ It turns each query row's CSR metadata into the KV slots it covers and attends o
 float64 dense oracle (:mod:`specmeta.testing.consumers.dense`): pages ``kv_indices[kv_indptr[i] :
 kv_indptr[i+1]]`` of size ``page_size``, the last one holding ``kv_last_page_len[i]`` tokens; a
 prefill request's query rows ``qo_indptr[i] : qo_indptr[i+1]`` see the columns its mask allows
-(flat ``custom_mask``, the packed-bit form, or causal bottom-right); a cascade runs each level
-and merges them by log-sum-exp. It never looks at how specmeta built the metadata, so a test that
-compares it with attention over each branch's or node's logical sequence checks the metadata's
-meaning, not its bytes.
+(flat ``custom_mask``, the packed-bit form, or causal bottom-right), and a
+:class:`WindowedPrefill` (``window_left = wl ≥ 0``, FlashInfer's own sliding window: a window
+layer's causal prefill) only the columns ``c ≥ kv_len − q_len + j − wl`` of query row ``j``
+(queries sit bottom-right: row ``j`` at column ``kv_len − q_len + j``); a cascade runs each level and merges them by log-sum-exp. It
+never looks at how specmeta built the metadata, so a test that compares it with attention over
+each branch's or node's logical sequence checks the metadata's meaning, not its bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specmeta.kernels.merge_state import merge_state_ref
+from specmeta.metadata.flashinfer_results import FlashInferPrefill
 from specmeta.testing.consumers.dense import dense_attention
 
-__all__ = ["csr_slots", "decode", "prefill", "cascade"]
+__all__ = ["csr_slots", "decode", "prefill", "cascade", "WindowedPrefill", "windowed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowedPrefill(FlashInferPrefill):
+    """A prefill the consumer plans with FlashInfer's own sliding window,
+    ``plan(window_left=...)``: a hybrid model's window layer runs its causal prefill (draft
+    extend) over the clipped list that way (design §2.10: the list starts where the first query
+    row's window does, and ``window_left = w − 1`` hides from each later row what its window
+    dropped)."""
+
+    window_left: int = -1
+
+
+def windowed(meta: FlashInferPrefill, window_left: int) -> WindowedPrefill:
+    """``meta`` (the same views) to be planned with ``window_left``."""
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(FlashInferPrefill)}
+    return WindowedPrefill(**fields, window_left=window_left)
 
 
 def csr_slots(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> list[torch.Tensor]:
@@ -71,6 +93,10 @@ def prefill(q, k_cache, v_cache, meta):
                 raise AssertionError("a prefill without a mask must be causal")
             j = torch.arange(qlen).view(-1, 1)
             allowed = torch.arange(kvlen).view(1, -1) <= kvlen - qlen + j
+        window_left = meta.window_left if isinstance(meta, WindowedPrefill) else -1
+        if window_left >= 0:
+            j = torch.arange(qlen).view(-1, 1)
+            allowed = allowed & (torch.arange(kvlen).view(1, -1) >= kvlen - qlen + j - window_left)
         rows.extend(kv[allowed[j]] for j in range(qlen))
     return dense_attention(q, k_cache, v_cache, rows)
 
