@@ -68,6 +68,7 @@ LAYERS = {
 }
 
 LOSSLESS = "tests/testing/test_lossless.py"
+HYBRID = "tests/testing/test_lossless_hybrid.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1634,6 +1635,49 @@ MUTATIONS: list[Mutation] = [
        "    return L + count - rail\n",
        "    return L + count - rail + 1\n",
        ["tests/kernels/test_window_layers.py", "-k", "wider_than_a_chunk and False"]),
+    # ------------------------------------------- the lossless loop on a hybrid model (issue 38)
+    _m("e-hybrid-window-pool-not-moved", "e2e",
+       "the accept step moves the full layers' KV only: the window layers' accepted KV stays at "
+       "its tree slots (lossless decoding breaks on trees)",
+       "specmeta/testing/loop_stages.py",
+       "        return Stage([pairs, move, wpairs, wmove])\n",
+       "        return Stage([pairs, move])\n",
+       [HYBRID, "-k", "cpu and k2"]),
+    _m("e-hybrid-draft-slots-full-ids", "e2e",
+       "the window layers' draft slots assigned without the map: the draft writes its window "
+       "layers' KV at full-pool ids in the window pool",
+       "specmeta/testing/loop_stages.py",
+       "                                       full_to_swa=self.full_to_swa, **kw))  # fmt: skip\n",
+       "                                       **kw))  # fmt: skip\n",
+       [HYBRID, "-k", "cpu and self"]),
+    _m("e-hybrid-evict-inside-window", "e2e",
+       "the engine evicts one position too many: the next verify's first window position is "
+       "read through a -1 (BAD_KV_ID)",
+       "specmeta/testing/window_pool.py",
+       "        below = committed - self.window + 1\n",
+       "        below = committed - self.window + 2\n",
+       [HYBRID, "-k", "cpu and self"]),
+    _m("e-hybrid-extend-without-window-left", "e2e",
+       "the window layers' draft extend planned without window_left: every row past the first "
+       "reads its whole clipped list (the draft's chains leave its dense windowed reference)",
+       "specmeta/testing/spec_loop.py",
+       "                    wmeta = windowed(wmeta, self.window.window - 1)\n",
+       "                    pass\n",
+       [HYBRID, "-k", "cpu and k1"]),
+    _m("e-hybrid-dense-window-one-wider", "e2e",
+       "the dense reference's window layers see w + 1 positions: greedy decoding of the target "
+       "leaves what the window metadata computes",
+       "specmeta/testing/tiny_model.py",
+       "        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)\n",
+       "        visible = (kpos <= qpos) & ((kpos >= qpos - window) if window else True)\n",
+       [HYBRID, "-k", "cpu and self"]),
+    _m("e-hybrid-dense-draft-sink-dropped", "e2e",
+       "the dense reference of a windowed draft drops the sink tokens: the loop's chains (the "
+       "builder's draft window) leave it",
+       "specmeta/testing/tiny_model.py",
+       "        in_window = (kpos < head) | ((kpos >= Ld - (kept - head)) & (kpos < Ld)) | (kpos >= Ld)\n",
+       "        in_window = ((kpos >= Ld - (kept - head)) & (kpos < Ld)) | (kpos >= Ld)\n",
+       [HYBRID, "-k", "cpu and dw4"]),
 ]
 # fmt: on
 
