@@ -1598,10 +1598,10 @@ MUTATIONS: list[Mutation] = [
     _m("h-swa-map-on-full-builder", "host_check",
        "a full layer's builder takes a window pool map and ignores it (its lists full-pool ids)",
        "specmeta/metadata/flashinfer.py",
-       "        if full_to_swa is not None:\n            raise ValueError(f\"{self._where[mode]}: "
-       "full_to_swa was given",
-       "        if False:\n            raise ValueError(f\"{self._where[mode]}: full_to_swa was "
-       "given",
+       "        if full_to_swa is not None:\n            raise ValueError(f\"{self.require(mode)}: "
+       "full_to_swa was given, but this builder \"",
+       "        if False:\n            raise ValueError(f\"{self.require(mode)}: full_to_swa was "
+       "given, but this builder \"",
        ["tests/metadata/test_window_builders.py", "-k", "refusals"]),
     _m("c-swa-plan-verify-unclipped", "config",
        "the window plan sizes the verify / extend lists as the full layers' (no rail): the "

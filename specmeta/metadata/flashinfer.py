@@ -234,9 +234,10 @@ class FlashInferBuilder(MetadataBuilder):
         """The window rules' keywords of ``mode``'s list kernels (design §2.10): none for a full
         layer's builder, whose lists hold full-pool ids and which so refuses a window map."""
         if full_to_swa is not None:
-            raise ValueError(f"{self._where[mode]}: full_to_swa was given, but this builder serves "
-                             "full layers; build a window layer's lists with FlashInferBuilder(cfg, "
-                             "device, sliding_window_size=w) (design §2.10)")  # fmt: skip
+            raise ValueError(f"{self.require(mode)}: full_to_swa was given, but this builder "
+                             "serves full layers; build a window layer's lists with "
+                             "FlashInferBuilder(cfg, device, sliding_window_size=w) "
+                             "(design §2.10)")  # fmt: skip
         return {}
 
     # -- the stages -----------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class FlashInferWindowBuilder(FlashInferBuilder):
 
     def _window_lists(self, mode: str, full_to_swa: Any) -> dict:
         """The rail and the map for ``mode``'s list kernels (design §2.10), the map checked."""
-        check_window(self._where[mode], self.sliding_window_size, full_to_swa, self.device)
+        check_window(self.require(mode), self.sliding_window_size, full_to_swa, self.device)
         return dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)
 
     def bind_bucket(self, mode: str, B: int, verify_lens: Any, num_tokens: Any,
