@@ -124,6 +124,21 @@ def _attention(workspace, result, c, qn, qp):
     return out
 
 
+def _graph_wrapper(workspace, p):
+    """A graph-mode wrapper for pass ``p``: its reserved offsets on the device, and as its
+    ``kv_indices`` the builder's own list, so the graph's build writes what its kernel reads.
+    The passes run one after another on one stream: they share the float workspace."""
+    lists = p.kv_len_arr_host.shape[0]
+    reserved = dict(
+        qo_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
+        kv_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
+        kv_indices=p.kv_indices,
+        kv_len_arr=torch.zeros(lists, dtype=torch.int32, device="cuda"),
+    )
+    return _flashinfer().BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True,
+                                                       backend=_backend(), **reserved)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def workspace():
     return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -170,7 +185,6 @@ def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
     the stage's host part writes the mirrors, every wrapper is planned from them, and the replay
     rebuilds the lists its kernels read."""
     ps, B = 16, 4
-    mla_fi = _flashinfer()
     c = _Case(gen, k, ps, batch_size=B)
     builder = FlashInferMLABuilder(c.cfg, "cuda", modes=["draft_decode"])
     rpi, seq_lens = c.batch.req_pool_indices.clone(), c.batch.seq_lens.clone()
@@ -178,19 +192,7 @@ def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
     result = stage(c.batch.seq_lens_cpu)  # host part and launches: the lists to plan from
     qn, qp = c.queries(B * k)
 
-    def graph_wrapper(p):
-        lists = p.kv_len_arr_host.shape[0]
-        reserved = dict(
-            qo_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
-            kv_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
-            kv_indices=p.kv_indices,  # the builder's list: the graph writes what it reads
-            kv_len_arr=torch.zeros(lists, dtype=torch.int32, device="cuda"),
-        )
-        # The passes run one after another on one stream: they share the float workspace.
-        return mla_fi.BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True,
-                                                    backend=_backend(), **reserved)  # fmt: skip
-
-    wrappers = [[graph_wrapper(p) for p in step.passes] for step in result.steps]
+    wrappers = [[_graph_wrapper(workspace, p) for p in step.passes] for step in result.steps]
 
     def plan(res):
         for step, ws in zip(res.steps, wrappers, strict=True):
@@ -282,3 +284,47 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
             iteration()
     torch.cuda.synchronize()
     assert all(int(b.status) == 0 for b in builders.values())
+
+
+def test_gpu_flashinfer_mla_tree_verify_in_one_graph(gen, workspace):
+    """A tree's verify, build and both passes and the merge in one CUDA graph; for each new
+    batch and tree the host part reads ``tree_mask_cpu``, the wrappers are planned from its
+    mirrors (lists without query rows included) and the replay rebuilds the lists."""
+    ps, B, k = 16, 4, 4
+    c = _Case(gen, k, ps, batch_size=B)
+    n, r2t = c.n, c.batch.req_to_token
+    builder = FlashInferMLABuilder(c.cfg, "cuda", modes=["target_verify"])
+    rpi, seq_lens, tree = c.batch.req_pool_indices.clone(), c.batch.seq_lens.clone(), c.tree.cuda()
+    stage = builder.bind_target_verify(rpi, r2t, seq_lens, tree)
+    result = stage(c.batch.seq_lens_cpu, tree_mask_cpu=c.tree)
+    qn, qp = c.queries(B * n)
+    wrappers = [_graph_wrapper(workspace, p) for p in result.passes]
+    out = torch.zeros(B * n, H, DC, dtype=DTYPE, device="cuda")
+
+    def plan(res):
+        for p, w in zip(res.passes, wrappers, strict=True):
+            _plan(w, p)
+
+    def attend(res):
+        (o1, l1), (o2, l2) = (_run(w, p, c, qn, qp)
+                              for p, w in zip(res.passes, wrappers, strict=True))  # fmt: skip
+        merge_state(o1, l1, o2, l2, out=out)
+
+    plan(result)
+    attend(result)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with collector_off(), torch.cuda.graph(graph):
+        stage.launch()
+        attend(result)
+    for _ in range(2):
+        new = _Case(gen, k, ps, batch_size=B)
+        new.ckv, new.kpe, new.batch.req_to_token = c.ckv, c.kpe, r2t
+        rpi.copy_(torch.randperm(r2t.shape[0] - 1, generator=gen)[:B] + 1)
+        seq_lens.copy_(new.batch.seq_lens)
+        tree.copy_(new.tree)
+        new.batch.req_pool_indices, new.batch.seq_lens = rpi, seq_lens
+        plan(stage.host(new.batch.seq_lens_cpu, tree_mask_cpu=new.tree))
+        graph.replay()
+        new.check(out, new.oracle(qn, qp, tree_sequences(new.batch, new.tree)), "graph tree")
+    assert int(builder.status) == 0
