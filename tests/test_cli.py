@@ -479,7 +479,7 @@ def test_plan_says_which_builder_cannot_be_created_and_exits_1(capsys):
         "  cannot be created: FlashInferMLABuilder: flashinfer_mla.draft_extend.kv_indices of "
         "shape [2560016384] has rows of 2,560,016,384 elements, more than the 2,147,483,647 "
         "(2**31 - 1) its int32 kv_indptr can address; it alone is 10,240,065,536 bytes (9.5 GiB) "
-        "of 30,725,209,632 bytes (28.6 GiB) planned; 2 other buffers have such rows; shrink "
+        "of 30,725,144,172 bytes (28.6 GiB) planned; 2 other buffers have such rows; shrink "
         "SpecConfig's max_bs or max_context_len, or allocate fewer buffers (a builder's modes=, "
         "allocate_buffers' names=)",
         "FlashInferBuilder, FlashInferMLABuilder: cannot be created for this config (see above); "

@@ -123,9 +123,9 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
     # ragged_qo_indptr 257·4 each.
     ragged = 72 + 2 * 256 * 4 + 2 * 257 * 4 + 256 * 4 + 2 * (256 * 4 + 257 * 4)
     # FlashInfer MLA: its two prefix lists (draft decode's, tree verify's) ΣL and its extend
-    # list ΣL + B·N, int32, then 5,143,660 bytes of ancestor lists (B·K·S a step, B·N·N),
+    # list ΣL + B·N, int32, then 5,078,200 bytes of ancestor lists (B·K·S a step, B·N·N),
     # offsets and mirrors.
-    mla = 4 * (3 * 256 * 10**7 + 256 * 64) + 5_143_660
+    mla = 4 * (3 * 256 * 10**7 + 256 * 64) + 5_078_200
     assert total == 1_211_529_947_264 + ragged + mla
 
 

@@ -16,13 +16,13 @@ draft decode, K > 1    prefix (each prefix once, ``K`` rows, non-causal) + per s
                        ancestors (a row a branch, its ``s + 1`` own slots)
 target verify, K == 1  ``N`` causal rows over ``row[0 : L + N]``                          1
 target verify, K > 1   prefix (each prefix once, ``N`` rows, non-causal) + ancestors     1
-                       (node ``r``'s window slots: its ancestors, then the others, as
-                       two lists, only the first with a query row)
+                       (a row a node, its ancestors' and its own window slots)
 draft extend           ``N`` causal rows over ``row[0 : L + N]`` (any ``K``: a chain)     1
 =====================  ==============================================================  =========
 
 ``plan()`` reads every list's length on the host: a tree verify's ancestor counts come from
-``tree_mask_cpu``, the host copy of the tree mask (design §3.5).
+``node_depths_cpu``, the engine's host copy of its tree's node depths, checked on the device
+against the mask's (design §3.5).
 """
 
 from __future__ import annotations
@@ -36,13 +36,19 @@ import torch
 from ..config import SpecConfig, plan_buffers
 from ..kernels._common import check_id_spaces
 from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
+from ..kernels.host_list_lengths import (
+    bind_check_host_list_lengths,
+    check_host_list_lengths_ref,
+    publish_host_list_lengths,
+)
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
 )
-from ..kernels.verify_expand_page_table import (
-    bind_verify_expand_page_table,
-    verify_expand_page_table_ref,
+from ..kernels.tree_ancestor_kv_indices import (
+    bind_tree_ancestor_kv_indices,
+    tree_ancestor_host_mirrors_torch,
+    tree_ancestor_kv_indices_ref,
 )
 from ..kernels.verify_kv_indices import bind_verify_kv_indices, verify_kv_indices_ref
 from ..stage import Stage
@@ -137,18 +143,13 @@ class FlashInferMLABuilder(MetadataBuilder):
             ("ancestors", "draft_decode.ancestor_qo_indptr", 1, bs * k),
             ("target_verify", "target_verify.qo_indptr", n, bs),
             ("verify_prefix", "target_verify.prefix_qo_indptr", n, bs),
+            ("verify_ancestors", "target_verify.ancestor_qo_indptr", 1, bs * n),
             ("draft_extend", "draft_extend.qo_indptr", n, bs),
         ):
             if key in buf:
                 self._layouts[name] = UniformQueryLayout.create(width, rows, self.device,
                                                                 out=buf[key])  # fmt: skip
                 UniformQueryLayout.create(width, rows, "cpu", out=buf[f"{key}_host"])
-        if "target_verify.ancestor_qo_indptr" in buf:
-            # Node r's two lists: its ancestors (its query row) and the other window slots (no
-            # query row): list z's rows start at (z + 1) // 2.
-            z = torch.arange(2 * bs * n + 1, dtype=torch.int32)
-            buf["target_verify.ancestor_qo_indptr"].copy_((z + 1) // 2)
-            buf["target_verify.ancestor_qo_indptr_host"].copy_((z + 1) // 2)
         if "draft_decode.ancestor_kv_indptr_host" in buf:
             # The chains' lists do not depend on the batch: branch z of step s holds s + 1
             # slots at z·(s + 1).
@@ -181,8 +182,8 @@ class FlashInferMLABuilder(MetadataBuilder):
         result and writer once; the writer is the compiled one where :func:`specmeta.warmup`
         built the host ops and :attr:`host_ops` asks for them: it checks the lengths itself and
         returns what it read (one call), and a refusal is then named by the checks. A tree
-        verify (``tree``) also takes ``tree_mask_cpu``, checked before anything is written,
-        and its writer reads it."""
+        verify (``tree``) also takes ``node_depths_cpu``, which its writer checks before it
+        writes anything."""
         ring = self._mirrors[mode]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         where = self._where[mode]
@@ -191,14 +192,14 @@ class FlashInferMLABuilder(MetadataBuilder):
                    "from it; pass seq_lens_cpu=, the CPU copy of seq_lens the engine already "
                    "holds (a copy of seq_lens made here would sync with the device)")  # fmt: skip
 
-        def host(seq_lens_cpu: torch.Tensor | None, tree_mask_cpu: Any = None) -> Any:
+        def host(seq_lens_cpu: torch.Tensor | None, node_depths_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
                 raise ValueError(missing)
             if tree:
-                _check_tree_mask_cpu(where, tree_mask_cpu, B, self.cfg.num_draft_tokens)
-            elif tree_mask_cpu is not None:
-                raise ValueError(f"{where}: tree_mask_cpu was given, but this stage builds no "
-                                 "tree verify; drop tree_mask_cpu")  # fmt: skip
+                _check_node_depths_cpu(where, node_depths_cpu, B, self.cfg.num_draft_tokens)
+            elif node_depths_cpu is not None:
+                raise ValueError(f"{where}: node_depths_cpu was given, but this stage builds "
+                                 "no tree verify; drop node_depths_cpu")  # fmt: skip
             compiled = self.host_ops and host_ops.compiled() is not None
             if not compiled:
                 self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
@@ -208,7 +209,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             if entry is None:
                 entry = results[slot] = make(B, *key, ring.sets[slot], compiled)
             try:  # compiled: one call checks every length, writes, returns what it read
-                found = entry[1](seq_lens_cpu, tree_mask_cpu) if tree else entry[1](seq_lens_cpu)
+                found = entry[1](seq_lens_cpu, node_depths_cpu) if tree else entry[1](seq_lens_cpu)
             except (TypeError, ValueError, IndexError, OverflowError):
                 self.lengths(mode, B, seq_lens_cpu)  # nothing was written: name the fault
                 raise
@@ -421,9 +422,9 @@ class FlashInferMLABuilder(MetadataBuilder):
                           seq_lens: torch.Tensor, tree_mask: Any, status: Any, v2p: Any,
                           entry_page_size: Any) -> Stage:  # fmt: skip
         """A tree's target verify (design §3.5): the prefix pass (each prefix once, ``N``
-        non-causal rows a request) and the ancestor pass (node ``r``'s ``N`` window slots at
-        ``r·N``, its ancestors first), two launches; the host part reads the ancestor counts
-        from ``tree_mask_cpu``."""
+        non-causal rows a request) and the ancestor pass (one list a node, its ancestors' and
+        its own window slots: ``tree_ancestor_kv_indices``), then the device's check of the
+        ancestor counts the host part read from ``node_depths_cpu``."""
         mode, n, ps = "target_verify", self.cfg.num_draft_tokens, self.cfg.page_size
         where = self.require(mode)
         if tree_mask is None:
@@ -436,54 +437,59 @@ class FlashInferMLABuilder(MetadataBuilder):
         spaces = self._spaces(mode, v2p, entry_page_size)
         status, buf = self.status_word(status), self.buffers
         args, BN = (req_pool_indices, req_to_token, seq_lens), B * n
-        table = self.views((mode, "table", B), lambda: buf[f"{mode}.ancestor_kv_indices"][
-            : BN * n].view(BN, n))  # fmt: skip
         launches = [
             self._launch(bind_verify_kv_indices, verify_kv_indices_ref, *args, extra_tokens=0,
                          kv_indices=buf[f"{mode}.prefix_kv_indices"],
                          kv_indptr=buf[f"{mode}.prefix_kv_indptr"], status=status,
                          page_size=ps, **spaces),
-            # Node r's window slots, its ancestors' first: the table's rows, N entries each.
-            self._launch(bind_verify_expand_page_table, verify_expand_page_table_ref, *args,
-                         tree_mask, page_table=table,
-                         cache_seqlens=buf[f"{mode}.ancestor_counts"][:BN], status=status,
+            self._launch(bind_tree_ancestor_kv_indices, tree_ancestor_kv_indices_ref, *args,
+                         tree_mask, kv_len=buf[f"{mode}.ancestor_kv_len"][:BN],
+                         kv_indptr=buf[f"{mode}.ancestor_kv_indptr"][: BN + 1],
+                         kv_indices=buf[f"{mode}.ancestor_kv_indices"], status=status,
                          page_size=ps, **spaces),
         ]  # fmt: skip
+        if self.check_host_lengths:  # the host's counts against the mask's, entry by entry
+            launches.append(self._launch(
+                bind_check_host_list_lengths, check_host_list_lengths_ref,
+                buf[f"{mode}.ancestor_kv_len"][:BN], buf[f"{mode}.ancestor_lengths_slot_host"],
+                buf[f"{mode}.ancestor_lengths_seen"], status=status,
+            ))  # fmt: skip
         return self._stage(mode, B, ("tree",), launches, self._tree_result, seq_lens, status,
                            tree=True)  # fmt: skip
 
     def _tree_result(self, B: int, _tree: str, mirrors: dict, compiled: bool):
         """A tree verify's passes over the ring's set ``mirrors``, and their writer."""
         mode, n, buf = "target_verify", self.cfg.num_draft_tokens, self.buffers
-        BN = B * n
+        BN, where = B * n, self._where["target_verify"]
         prefix_host, prefix_len = mirrors["prefix_kv_indptr_host"], mirrors["prefix_kv_len_arr_host"]
-        ptr_host = mirrors["ancestor_kv_indptr_host"][: 2 * BN + 1]
-        len_host = mirrors["ancestor_kv_len_arr_host"][: 2 * BN]
+        ptr_host = mirrors["ancestor_kv_indptr_host"][: BN + 1]
+        len_host = mirrors["ancestor_kv_len_arr_host"][:BN]
+        qo_host = buf[f"{mode}.ancestor_qo_indptr_host"][: BN + 1]
         prefix = self._pass(
             self._qo("verify_prefix", f"{mode}.prefix_qo_indptr", B),
             buf[f"{mode}.prefix_kv_indptr"][: B + 1], buf[f"{mode}.prefix_kv_indices"],
             prefix_host[: B + 1], prefix_len[:B], 1, False,
         )  # fmt: skip
         ancestors = self._pass(
-            (buf[f"{mode}.ancestor_qo_indptr"][: 2 * BN + 1],
-             buf[f"{mode}.ancestor_qo_indptr_host"][: 2 * BN + 1]),
-            None, buf[f"{mode}.ancestor_kv_indices"][: BN * n], ptr_host, len_host, 1, False,
+            self._qo("verify_ancestors", f"{mode}.ancestor_qo_indptr", BN),
+            buf[f"{mode}.ancestor_kv_indptr"][: BN + 1], buf[f"{mode}.ancestor_kv_indices"],
+            ptr_host, len_host, 1, False,
         )  # fmt: skip
         offsets = host_ops.prefix_writer(self._tables["prefix"], B, prefix_host[: B + 1],
                                          use_compiled=compiled)  # fmt: skip
         prefix_write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
-        # List 2r holds node r's ancestors, list 2r + 1 the rest of its N slots: the even
-        # offsets r·N never change, the odd ones are r·N + ancestors(r).
-        ptr_np, len_np = ptr_host.numpy(), len_host.numpy()
-        starts = numpy.arange(BN + 1, dtype=numpy.int32) * n
-        ptr_np[0::2] = starts
+        slot, check = buf[f"{mode}.ancestor_lengths_slot_host"], self.check_host_lengths
 
-        def write(seq_lens_cpu: torch.Tensor, tree_mask_cpu: torch.Tensor) -> Any:
+        def write(seq_lens_cpu: torch.Tensor, node_depths_cpu: torch.Tensor) -> Any:
             found = prefix_write(seq_lens_cpu)
-            counts = tree_mask_cpu.numpy().reshape(BN, n).sum(axis=1, dtype=numpy.int32)
-            len_np[0::2] = counts
-            numpy.subtract(n, counts, out=len_np[1::2])
-            numpy.add(starts[:-1], counts, out=ptr_np[1::2])
+            # kv_len = depth + 1 and its offsets; one query row a node (arange, rewritten as is)
+            try:
+                tree_ancestor_host_mirrors_torch(node_depths_cpu, qo_indptr_host=qo_host,
+                                                 kv_indptr_host=ptr_host, kv_len_host=len_host)  # fmt: skip
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{where}: {err}") from None
+            if check:  # for the device's check, once it consumed the last counts
+                publish_host_list_lengths(slot, len_host)
             return found
 
         return FlashInferMLAAttention(prefix, ancestors), write
@@ -491,7 +497,7 @@ class FlashInferMLABuilder(MetadataBuilder):
     def target_verify(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                       seq_lens: torch.Tensor, tree_mask: torch.Tensor | None = None, *,
                       seq_lens_cpu: torch.Tensor | None = None,
-                      tree_mask_cpu: torch.Tensor | None = None,
+                      node_depths_cpu: torch.Tensor | None = None,
                       status: torch.Tensor | None = None, launch: bool = True,
                       v2p: torch.Tensor | None = None,
                       entry_page_size: int = 1) -> FlashInferMLAAttention:  # fmt: skip
@@ -500,16 +506,17 @@ class FlashInferMLABuilder(MetadataBuilder):
         ``topk == 1`` (a chain): one pass, ``N`` causal query rows a request over
         ``row_b[0 : L_b + N]``, token slots; ``tree_mask`` is refused. ``topk > 1`` (a tree):
         ``tree_mask`` (``[B, N, N]`` bool on the device, ``m[i, j, c]`` iff ``c == j`` or ``c``
-        is an ancestor of ``j``) and its host copy ``tree_mask_cpu`` are required: ``prefix``
-        lists each prefix once for the request's ``N`` rows (non-causal), ``ancestors`` node
-        ``r``'s ``N`` window slots as two lists, its ancestors' (its query row) and the
-        others' (no query row), their lengths read from ``tree_mask_cpu``, which must equal
-        ``tree_mask`` (not checked on the device). Other arguments as in :meth:`draft_decode`.
+        is an ancestor of ``j``) and ``node_depths_cpu`` (``[B, N]`` integers on the CPU, the
+        engine's copy of each node's depth, the root 0) are required: ``prefix`` lists each
+        prefix once for the request's ``N`` rows (non-causal), ``ancestors`` one list a node,
+        its ancestors' and its own window slots, ``depth + 1`` of them (the device checks the
+        host's counts against the mask's: ``STALE_HOST_LENGTHS``). Other arguments as in
+        :meth:`draft_decode`.
         """
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         status=status, v2p=v2p,
                                         entry_page_size=entry_page_size)  # fmt: skip
-        extra = {} if tree_mask_cpu is None else dict(tree_mask_cpu=tree_mask_cpu)
+        extra = {} if node_depths_cpu is None else dict(node_depths_cpu=node_depths_cpu)
         return stage(seq_lens_cpu, **extra) if launch else stage.host(seq_lens_cpu, **extra)
 
     def bind_draft_extend(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
@@ -533,20 +540,18 @@ class FlashInferMLABuilder(MetadataBuilder):
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
 
-def _check_tree_mask_cpu(where: str, mask: Any, batch: int, n: int) -> None:
-    """The host copy of a tree's ancestor mask, checked before anything is written: a
-    ``[B, N, N]`` bool CPU tensor in which every node is its own ancestor."""
-    fix = (f"pass tree_mask_cpu=, the [B, N, N] = [{batch}, {n}, {n}] bool CPU copy of "
-           "tree_mask (plan() reads every node's ancestor count on the host)")  # fmt: skip
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{where}: tree_mask_cpu is {type(mask).__name__}; {fix}")
-    if mask.dtype != torch.bool or mask.device.type != "cpu" or tuple(mask.shape) != (batch, n, n):
-        raise ValueError(f"{where}: tree_mask_cpu is {mask.dtype} {list(mask.shape)} on "
-                         f"{mask.device}; {fix}")  # fmt: skip
-    if not bool(torch.diagonal(mask, dim1=1, dim2=2).all()):
-        raise ValueError(f"{where}: tree_mask_cpu has a node that is not its own ancestor "
-                         "(tree_mask_cpu[i, j, j] is False); every node attends to itself: "
-                         "set the diagonal")  # fmt: skip
+def _check_node_depths_cpu(where: str, depths: Any, batch: int, n: int) -> None:
+    """The engine's host copy of its tree's node depths, before anything is written: a
+    ``[B, N]`` integer CPU tensor (the values are checked by the mirror writer)."""
+    fix = (f"pass node_depths_cpu=, the [B, N] = [{batch}, {n}] integer CPU copy of the draft "
+           "tree's node depths, the root 0 (plan() reads every node's ancestor count, depth + 1, "
+           "on the host)")  # fmt: skip
+    if not isinstance(depths, torch.Tensor):
+        raise TypeError(f"{where}: node_depths_cpu is {type(depths).__name__}; {fix}")
+    if (depths.dtype not in (torch.int32, torch.int64) or depths.device.type != "cpu"
+            or tuple(depths.shape) != (batch, n)):  # fmt: skip
+        raise ValueError(f"{where}: node_depths_cpu is {depths.dtype} {list(depths.shape)} on "
+                         f"{depths.device}; {fix}")  # fmt: skip
 
 
 def _lengths_from_offsets(offsets: Callable, ptr: torch.Tensor, lengths: torch.Tensor) -> Callable:

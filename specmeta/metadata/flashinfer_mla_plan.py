@@ -27,6 +27,11 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
     """
     from ..config import branch_kv_indices_need, shared_prefix_chain_need, verify_kv_indices_need
 
+    def tree_ancestor_kv_indices_need(batch: int, num_draft_tokens: int) -> int:
+        """Every node's ancestor list at its worst: ``B·N·N`` (the kernel module's rule, not
+        imported: this module stays torch-free)."""
+        return batch * num_draft_tokens * num_draft_tokens
+
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     total = bs * cfg.max_context_len  # ΣL at full capacity
     i32 = "int32"
@@ -58,9 +63,10 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.ancestor_kv_len_arr_host", (s, bs * k), i32, "[S, B*K] s + 1, CPU")
     mode = "flashinfer_mla.target_verify"
     if k > 1:
-        # A tree: the prefix pass (each prefix once, N rows a request) and the ancestor pass,
-        # node r's list of N window slots cut in two lists, its ancestors' (its one query row)
-        # and the other nodes' (no query row).
+        # A tree: the prefix pass (each prefix once, N rows a request) and the ancestor pass
+        # (one list a node: its ancestors' window slots, tree_ancestor_kv_indices), whose host
+        # lengths come from the engine's node depths and are checked on the device entry by
+        # entry (check_host_list_lengths: a slot of 8 + B·N in host memory, a device word).
         bn = bs * n
         add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
             "[ΣL] every prefix once, for the request's N query rows")  # fmt: skip
@@ -69,15 +75,18 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.prefix_kv_len_arr_host", (bs,), i32, "[B] L, CPU")
-        add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,
-            "[B*N*N] node r's window slots at r·N: its ancestors first, then the others")  # fmt: skip
-        add(f"{mode}.ancestor_counts", (bn,), i32, "[B*N] ancestors of each node, itself included")
-        add(f"{mode}.ancestor_qo_indptr", (2 * bn + 1,), i32, "[2*B*N+1] (z + 1) // 2")
-        add(f"{mode}.ancestor_qo_indptr_host", (2 * bn + 1,), i32, "[2*B*N+1] CPU mirror")
-        add(f"{mode}.ancestor_kv_indptr_host", (2 * bn + 1,), i32,
-            "[2*B*N+1] r·N, r·N + ancestors(r): CPU, from the host's tree mask")  # fmt: skip
-        add(f"{mode}.ancestor_kv_len_arr_host", (2 * bn,), i32,
-            "[2*B*N] ancestors(r), N − ancestors(r), CPU")  # fmt: skip
+        add(f"{mode}.ancestor_kv_indices", (tree_ancestor_kv_indices_need(bs, n),), i32,
+            "[B*N*N] each node's ancestors' window slots (any mask's worst case)")  # fmt: skip
+        add(f"{mode}.ancestor_kv_indptr", (bn + 1,), i32, "[B*N+1] exclusive sums of kv_len")
+        add(f"{mode}.ancestor_kv_len", (bn,), i32, "[B*N] ancestors of each node, itself included")
+        add(f"{mode}.ancestor_qo_indptr", (bn + 1,), i32, "[B*N+1] arange: a row a node")
+        add(f"{mode}.ancestor_qo_indptr_host", (bn + 1,), i32, "[B*N+1] CPU mirror")
+        add(f"{mode}.ancestor_kv_indptr_host", (bn + 1,), i32,
+            "[B*N+1] CPU, from the engine's node depths")  # fmt: skip
+        add(f"{mode}.ancestor_kv_len_arr_host", (bn,), i32, "[B*N] depth + 1, CPU")
+        add(f"{mode}.ancestor_lengths_slot_host", (8 + bn,), "int64",
+            "the host's ancestor counts published for the device's check (header, then B*N)")  # fmt: skip
+        add(f"{mode}.ancestor_lengths_seen", (1,), "int64", "the last published counts checked")
     for mode in ("flashinfer_mla.target_verify", "flashinfer_mla.draft_extend"):
         if k > 1 and mode.endswith("target_verify"):
             continue

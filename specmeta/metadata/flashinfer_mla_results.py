@@ -26,11 +26,8 @@ class FlashInferMLAPass:
 
     Attributes
     ----------
-    qo_indptr : torch.Tensor
+    qo_indptr, kv_indptr : torch.Tensor
         ``[B' + 1]`` int32 on the device (``B'`` the pass's KV lists); exact.
-    kv_indptr : torch.Tensor or None
-        ``[B' + 1]`` int32 on the device; exact. ``None`` for a tree verify's ancestor pass,
-        whose offsets come from the host's tree mask (``plan()`` reads only the mirror).
     kv_indices : torch.Tensor
         ``[W]`` int32 on the device, contiguous: page ids (token slots when ``page_size`` is
         1); the first ``kv_indptr_host[-1]`` entries are written, the rest never read.
@@ -46,7 +43,7 @@ class FlashInferMLAPass:
     """
 
     qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor | None
+    kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     qo_indptr_host: torch.Tensor
     kv_indptr_host: torch.Tensor
@@ -80,9 +77,8 @@ class FlashInferMLAAttention:
         Each request's prefix once (``K > 1``: non-causal, for all the request's rows), or its
         whole sequence (``topk == 1``).
     ancestors : FlashInferMLAPass or None
-        One list a query row, page size 1: its own chain (draft decode), or its ancestors in
-        the verify window (target verify; each node's list followed by one with no query row
-        that holds the rest of its window slots).
+        One list a query row, page size 1: its own chain (draft decode), or its ancestors' and
+        its own slots in the verify window (target verify).
     """
 
     prefix: FlashInferMLAPass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmeta import SpecConfig, Status
+from specmeta import SpecConfig, Status, plan_buffers
 from specmeta.cli import main
 from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.testing.consumers import flashinfer_mla as consumer
@@ -71,15 +71,18 @@ def _args(batch):
 def _written(p):
     """Every integer a pass hands to ``plan()``: the written part of each list, as int64."""
     end = int(p.kv_indptr_host[-1])
-    device = [p.qo_indptr.cpu(), p.kv_indices[:end].cpu()]
-    if p.kv_indptr is not None:  # a tree verify's ancestor pass has host offsets only
-        device.append(p.kv_indptr.cpu())
-    return [*device, p.qo_indptr_host, p.kv_indptr_host, p.kv_len_arr_host]
+    return [p.qo_indptr.cpu(), p.kv_indptr.cpu(), p.kv_indices[:end].cpu(), p.qo_indptr_host,
+            p.kv_indptr_host, p.kv_len_arr_host]  # fmt: skip
 
 
 def _assert_same(got, want, what):
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: field {i}: {a} != {b}"
+
+
+def _depths(tree):
+    """Each node's depth in its tree (the root 0), as an engine holds it on the host."""
+    return tree.sum(-1) - 1
 
 
 def _window_rows(batch, n):
@@ -139,21 +142,22 @@ def test_verify_and_extend_are_causal_mla_attention(device, gen, mode, k, ps):
 @pytest.mark.parametrize("k,s,ps", [(2, 3, 1), (2, 3, 16), (4, 2, 64)])
 def test_tree_verify_is_a_cascade_over_each_nodes_ancestors(device, gen, k, s, ps):
     """A tree's verify: each prefix once for the request's ``N`` rows, merged with each node's
-    ancestors in the window (their count read from ``tree_mask_cpu``): every node attends to
-    its prefix, its ancestors and itself; an empty prefix included."""
+    ancestors in the window (their count, ``depth + 1``, from the engine's node depths): every
+    node attends to its prefix, its ancestors and itself; an empty prefix included."""
     cfg, batch = _setup(gen, device, k, s, ps, n=6)
     n = cfg.num_draft_tokens
     tree = random_tree_mask(batch.batch_size, k, s, n, gen)
     mla = FlashInferMLABuilder(cfg, device, modes=["target_verify"])
     ref = FlashInferMLABuilder(cfg, device, modes=["target_verify"], reference=True)
     meta, want_meta = (b.target_verify(*_args(batch), tree.to(device),
-                                       seq_lens_cpu=batch.seq_lens_cpu, tree_mask_cpu=tree)
+                                       seq_lens_cpu=batch.seq_lens_cpu,
+                                       node_depths_cpu=_depths(tree))
                        for b in (mla, ref))  # fmt: skip
     assert meta.ancestors is not None and not meta.prefix.causal and not meta.ancestors.causal
     for p, q in zip(meta.passes, want_meta.passes, strict=True):
         _assert_same(_written(p), _written(q), "tree verify")
-    assert torch.equal(meta.prefix.kv_indptr_host, meta.prefix.kv_indptr.cpu())
-    counts = meta.ancestors.kv_len_arr_host[0::2].long()
+        assert torch.equal(p.kv_indptr_host, p.kv_indptr.cpu()), "kv_indptr mirror"
+    counts = meta.ancestors.kv_len_arr_host.long()
     assert torch.equal(counts, tree.sum(-1).view(-1)), "ancestor counts"
     ckv, kpe = _cache(gen, batch.pool_size)
     qn, qp = _queries(gen, batch.batch_size * n)
@@ -195,7 +199,7 @@ def test_id_spaces_build_what_the_physical_rows_build(device, gen, mode, k):
     physical = v2p[torch.div(r2t, ps, rounding_mode="floor")] * ps + r2t % ps
     pages = torch.div(r2t[:, ::ps], ps, rounding_mode="floor").contiguous()
     tree = random_tree_mask(batch.batch_size, k, 2, cfg.num_draft_tokens, gen)
-    extra = dict(tree_mask_cpu=tree) if mode == "target_verify" else {}
+    extra = dict(node_depths_cpu=_depths(tree)) if mode == "target_verify" else {}
     args = (tree.to(device),) if mode == "target_verify" else ()
     built = []
     for rows, kw in ((r2t, dict(v2p=v2p)), (physical.to(r2t.dtype), {}),
@@ -226,21 +230,23 @@ def test_host_checks_name_the_call_the_argument_and_the_fix(device, gen):
         mla.target_verify(*_args(batch), seq_lens_cpu=batch.seq_lens_cpu)
     tree = random_tree_mask(batch.batch_size, 2, 2, 4, gen)
     stage = mla.bind_target_verify(*_args(batch), tree.to(device))
-    fix = r"pass tree_mask_cpu=, the \[B, N, N\] = \[4, 4, 4\] bool CPU copy of tree_mask"
-    with pytest.raises(TypeError, match=r"FlashInferMLABuilder\.target_verify: tree_mask_cpu "
-                       r"is NoneType; " + fix):  # fmt: skip
+    fix = r"pass node_depths_cpu=, the \[B, N\] = \[4, 4\] integer CPU copy of the draft tree"
+    with pytest.raises(TypeError, match=r"FlashInferMLABuilder\.target_verify: "
+                       r"node_depths_cpu is NoneType; " + fix):  # fmt: skip
         stage.host(batch.seq_lens_cpu)
-    with pytest.raises(ValueError, match=r"target_verify: tree_mask_cpu is torch.int64 "
-                       r"\[4, 4, 4\] on cpu; " + fix):  # fmt: skip
-        stage.host(batch.seq_lens_cpu, tree_mask_cpu=tree.long())
-    loose = tree.clone()
-    loose[1, 2, 2] = False
-    with pytest.raises(ValueError, match=r"tree_mask_cpu has a node that is not its own "
-                       r"ancestor"):  # fmt: skip
-        stage.host(batch.seq_lens_cpu, tree_mask_cpu=loose)
-    with pytest.raises(ValueError, match=r"draft_extend: tree_mask_cpu was given, but this "
+    with pytest.raises(ValueError, match=r"target_verify: node_depths_cpu is torch.int64 "
+                       r"\[4, 3\] on cpu; " + fix):  # fmt: skip
+        stage.host(batch.seq_lens_cpu, node_depths_cpu=_depths(tree)[:, :3])
+    deep = _depths(tree)
+    deep[1, 2] = 4
+    with pytest.raises(ValueError, match=r"FlashInferMLABuilder\.target_verify: "
+                       r"tree_ancestor_host_mirrors_torch: node_depths_cpu\[1, 2\] = 4 is "
+                       r"outside \[0, N - 1\]"):  # fmt: skip
+        stage.host(batch.seq_lens_cpu, node_depths_cpu=deep)
+    with pytest.raises(ValueError, match=r"draft_extend: node_depths_cpu was given, but this "
                        r"stage builds no tree verify"):  # fmt: skip
-        mla.bind_draft_extend(*_args(batch)).host(batch.seq_lens_cpu, tree_mask_cpu=tree)
+        mla.bind_draft_extend(*_args(batch)).host(batch.seq_lens_cpu,
+                                                  node_depths_cpu=_depths(tree))
     windowed = SpecConfig(topk=2, num_steps=2, num_draft_tokens=4, page_size=16, max_bs=8,
                           max_context_len=40, draft_window_size=8)  # fmt: skip
     with pytest.raises(ValueError, match=r"draft_decode does not build a draft window"):
@@ -268,6 +274,27 @@ def test_a_stale_seq_lens_cpu_is_reported_on_the_device(device, gen):
     assert int(mla.status) == int(Status.STALE_HOST_LENGTHS)
 
 
+def test_node_depths_that_disagree_with_the_mask_are_reported_on_the_device(device, gen):
+    """A tree verify's host counts (``depth + 1``) are checked against the mask's entry by
+    entry: two nodes of different depths swapped keep the sum and the maximum and still set
+    ``STALE_HOST_LENGTHS`` alone; the true depths set nothing."""
+    cfg, batch = _setup(gen, device, 2, 3, 16, n=6)
+    tree = torch.zeros(batch.batch_size, 6, 6, dtype=torch.bool)
+    parents = [-1, 0, 0, 1, 3, 2]  # depths 0, 1, 1, 2, 3, 2
+    for j, parent in enumerate(parents):
+        tree[:, j, j] = True
+        if parent >= 0:
+            tree[:, j] |= tree[:, parent]
+    mla = FlashInferMLABuilder(cfg, device, modes=["target_verify"])
+    stage = mla.bind_target_verify(*_args(batch), tree.to(device))
+    stage(batch.seq_lens_cpu, node_depths_cpu=_depths(tree))
+    assert int(mla.status) == 0
+    swapped = _depths(tree)
+    swapped[2, [1, 3]] = swapped[2, [3, 1]]
+    stage(batch.seq_lens_cpu, node_depths_cpu=swapped)
+    assert int(mla.status) == int(Status.STALE_HOST_LENGTHS)
+
+
 def test_plan_lists_the_backend_buffers(capsys):
     """``specmeta plan --backend flashinfer_mla`` lists the builder's own keys: the cascades'
     for a tree."""
@@ -281,6 +308,11 @@ def test_plan_lists_the_backend_buffers(capsys):
     assert "flashinfer_mla.draft_decode.ancestor_kv_indices" in keys
     assert "flashinfer_mla.target_verify.ancestor_kv_indices" in keys
     assert "flashinfer_mla.target_verify.kv_indices" not in keys  # the chain's single pass
+    from specmeta.kernels.tree_ancestor_kv_indices import tree_ancestor_kv_indices_need
+
+    plan = plan_buffers(cfg)  # the plan's own copy of the kernel's rule, held to it
+    assert plan["flashinfer_mla.target_verify.ancestor_kv_indices"].shape == (
+        tree_ancestor_kv_indices_need(cfg.max_bs, cfg.num_draft_tokens),)
     for key in keys:
         assert any(ln.split()[:1] == [key] for ln in out.splitlines()), key
     assert "FlashInferMLABuilder" in out
@@ -317,7 +349,7 @@ def test_compiled_host_ops_write_the_torch_mirrors(device, gen, compiled_host_op
     tree = random_tree_mask(batch.batch_size, k, 3, cfg.num_draft_tokens, gen)
     for mode in fast.modes:
         kw = dict(num_rows=3) if mode == "draft_decode" else {}
-        tree_kw = dict(tree_mask_cpu=tree) if mode == "target_verify" and k > 1 else {}
+        tree_kw = dict(node_depths_cpu=_depths(tree)) if mode == "target_verify" and k > 1 else {}
         if tree_kw:
             kw = dict(tree_mask=tree.to(device))
         got, want = (getattr(b, f"bind_{mode}")(*_args(batch), **kw).host(batch.seq_lens_cpu,

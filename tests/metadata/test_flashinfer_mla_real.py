@@ -164,11 +164,11 @@ def test_gpu_flashinfer_mla_draft_decode(gen, workspace, k, ps):
 @pytest.mark.parametrize("mode", ["target_verify", "draft_extend"])
 def test_gpu_flashinfer_mla_verify_and_extend(gen, workspace, mode, k, ps):
     """``N`` causal rows a request over ``row[0 : L + N]``; a tree's verify as the cascade of
-    each prefix and each node's ancestors (lists with no query row included)."""
+    each prefix and each node's ancestors (their counts from the node depths)."""
     c = _Case(gen, k, ps)
     mla = FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
     tree = mode == "target_verify" and k > 1
-    extra = dict(tree_mask_cpu=c.tree) if tree else {}
+    extra = dict(node_depths_cpu=c.tree.sum(-1) - 1) if tree else {}
     args = (*c.args, c.tree.cuda()) if tree else c.args
     meta = getattr(mla, mode)(*args, seq_lens_cpu=c.batch.seq_lens_cpu, **extra)
     qn, qp = c.queries(c.batch.batch_size * c.n)
@@ -248,7 +248,7 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
                 for mode in ("draft_decode", "draft_extend", "target_verify")}  # fmt: skip
     chain = _Case(gen, 1, 16)
     builders["chain_verify"] = FlashInferMLABuilder(chain.cfg, "cuda", modes=["target_verify"])
-    tree = c.tree.cuda()
+    tree, depths = c.tree.cuda(), dict(node_depths_cpu=c.tree.sum(-1) - 1)
     wrappers = [mla_fi.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
                 for _ in range(2)]  # fmt: skip
     qn, qp = c.queries(c.batch.batch_size * c.n)
@@ -269,8 +269,7 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
         outs = [attend(step, c, qn[:rows], qp[:rows])
                 for step in builders["draft_decode"].draft_decode(*c.args, num_rows=S, **kw)]  # fmt: skip
         outs.append(attend(builders["draft_extend"].draft_extend(*c.args, **kw), c, qn, qp))
-        verify = builders["target_verify"].target_verify(*c.args, tree, tree_mask_cpu=c.tree,
-                                                         **kw)  # fmt: skip
+        verify = builders["target_verify"].target_verify(*c.args, tree, **depths, **kw)
         outs.append(attend(verify, c, qn, qp))
         verify = builders["chain_verify"].target_verify(
             *chain.args, seq_lens_cpu=chain.batch.seq_lens_cpu)  # fmt: skip
@@ -288,15 +287,15 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
 
 def test_gpu_flashinfer_mla_tree_verify_in_one_graph(gen, workspace):
     """A tree's verify, build and both passes and the merge in one CUDA graph; for each new
-    batch and tree the host part reads ``tree_mask_cpu``, the wrappers are planned from its
-    mirrors (lists without query rows included) and the replay rebuilds the lists."""
+    batch and tree the host part reads the node depths, the wrappers are planned from its
+    mirrors and the replay rebuilds the lists (and checks the depths against the mask)."""
     ps, B, k = 16, 4, 4
     c = _Case(gen, k, ps, batch_size=B)
     n, r2t = c.n, c.batch.req_to_token
     builder = FlashInferMLABuilder(c.cfg, "cuda", modes=["target_verify"])
     rpi, seq_lens, tree = c.batch.req_pool_indices.clone(), c.batch.seq_lens.clone(), c.tree.cuda()
     stage = builder.bind_target_verify(rpi, r2t, seq_lens, tree)
-    result = stage(c.batch.seq_lens_cpu, tree_mask_cpu=c.tree)
+    result = stage(c.batch.seq_lens_cpu, node_depths_cpu=c.tree.sum(-1) - 1)
     qn, qp = c.queries(B * n)
     wrappers = [_graph_wrapper(workspace, p) for p in result.passes]
     out = torch.zeros(B * n, H, DC, dtype=DTYPE, device="cuda")
@@ -324,7 +323,7 @@ def test_gpu_flashinfer_mla_tree_verify_in_one_graph(gen, workspace):
         seq_lens.copy_(new.batch.seq_lens)
         tree.copy_(new.tree)
         new.batch.req_pool_indices, new.batch.seq_lens = rpi, seq_lens
-        plan(stage.host(new.batch.seq_lens_cpu, tree_mask_cpu=new.tree))
+        plan(stage.host(new.batch.seq_lens_cpu, node_depths_cpu=new.tree.sum(-1) - 1))
         graph.replay()
         new.check(out, new.oracle(qn, qp, tree_sequences(new.batch, new.tree)), "graph tree")
     assert int(builder.status) == 0
