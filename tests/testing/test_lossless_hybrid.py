@@ -37,7 +37,7 @@ import torch
 from specmeta import SpecConfig
 from specmeta.testing.spec_loop import SpeculativeLoop, make_requests
 from specmeta.testing.tiny_model import DEFAULT_MARGIN, TinyConfig, TinyModel
-from tests.testing.test_lossless import (
+from tests.testing.lossless_checks import (
     GPU_MODEL,
     PERTURBATION,
     Served,
