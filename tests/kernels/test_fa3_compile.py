@@ -47,6 +47,14 @@ _FULL_LAYER = dict(rail=None, WINDOW_LAYER=False, **_NO_MAP)
 _NO_RAIL = dict(rail=None, RAIL=False)
 KERNELS = [
     ("host_lengths", "_check_host_lengths_kernel", dict(BLOCK=1024), dict(slot_ptr="i64")),
+    ("host_list_lengths", "_check_host_list_lengths_kernel", dict(BLOCK=4096),
+     dict(slot_ptr="i64")),
+    ("tree_ancestor_kv_indices", "_tree_ancestor_counts_kernel", dict(BLOCK_N=16),
+     dict(tree_mask_ptr="u8")),
+    ("tree_ancestor_kv_indices", "_tree_ancestor_kv_indices_kernel",
+     dict(BLOCK_N=16, BLOCK_S=1024, **_PLAIN_SLOTS), dict(tree_mask_ptr="u8")),
+    ("tree_ancestor_kv_indices", "_tree_ancestor_kv_indices_kernel",
+     dict(BLOCK_N=16, BLOCK_S=1024, **_PAGE_ROWS), dict(tree_mask_ptr="u8", v2p_ptr="i64")),
     ("verify_lens", "_pad_verify_lens_to_bucket_kernel", dict(BLOCK=256),
      dict(verify_lens_ptr="i64")),
     ("draft_cache_locs", "_assign_draft_cache_locs_kernel",
