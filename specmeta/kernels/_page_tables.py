@@ -30,11 +30,11 @@ from ._common import (
     POS_OOB,
     ROW_OOB,
     id_space_arguments,
-    load_kv_ids,
     load_request,
     row_offset,
     vector_widths,
 )
+from ._window import page_window_arguments, rail_floor, window_page_ids
 
 __all__ = [
     "NO_EXPAND",
@@ -111,13 +111,17 @@ def _gather_pages(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, 
 @triton.jit
 def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, filled, W,
                      W_row, fill_value, first_chunk, chunk_step, status_ptr, v2p_ptr, num_pages,
-                     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
-                     ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr):  # fmt: skip
-    """:func:`_gather_pages` over a row in another id space (design §2.10): column ``col``
-    holds the page of the id emitted at the page's first position, ``id(row, col·ps) // ps``
-    (:func:`~specmeta.kernels._common.load_kv_ids`: a row of page ids, a virtual id through
-    ``v2p``), for ``col < filled``, then ``fill_value``; an id that does not map is the sink
-    page 0 and sets ``BAD_KV_ID``. Scalar loads: a page row's positions are not consecutive
+                     floor, full_to_swa_ptr, full_size, PAGE_SIZE: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
+                     ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                     TO_WINDOW: tl.constexpr):  # fmt: skip
+    """:func:`_gather_pages` over a row in another id space or of a window layer (design
+    §2.10, :func:`~specmeta.kernels._window.window_page_ids`): column ``col`` holds the page of
+    the id emitted at the first position of its page at or past ``floor`` (a row of page ids,
+    a virtual id through ``v2p``, a full-pool id through ``full_to_swa``), for ``col <
+    filled``, then ``fill_value``; a page wholly below ``floor`` is the sink page 0 and no
+    fault; an id that does not map is the sink page 0 and sets ``BAD_KV_ID``, a plain row's
+    negative slot ``POOL_OOB``. Scalar loads: a page row's positions are not consecutive
     entries, and a translated id needs its map entry."""
     filled = filled.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
     row_ptr = req_to_token_ptr + row_base
@@ -125,14 +129,17 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
     col0 = tl.arange(0, BLOCK)
     for chunk in range(first_chunk, tl.cdiv(W, BLOCK), chunk_step):
         col = col0 + chunk * BLOCK
-        ids, _, bad = load_kv_ids(row_ptr, col.to(tl.int64) * PAGE_SIZE,
-                                  tl.where(row_ok, col < filled, False), W_row, v2p_ptr,
-                                  num_pages, PAGE_SIZE, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
-        tl.store(out_ptr + col, tl.where(col < filled, ids // PAGE_SIZE, fill_value),
-                 mask=col < W)  # fmt: skip
+        pages, bad, negative = window_page_ids(
+            row_ptr, col, tl.where(row_ok, col < filled, False), floor, W_row, v2p_ptr,
+            num_pages, full_to_swa_ptr, full_size, PAGE_SIZE, ENTRY_PAGE_SIZE, TRANSLATE,
+            TO_WINDOW,
+        )  # fmt: skip
+        tl.store(out_ptr + col, tl.where(col < filled, pages, fill_value), mask=col < W)
         if HAS_STATUS:
             bad_any = tl.max(bad.to(tl.int32), axis=0)
             tl.atomic_or(status_ptr, BAD_KV_ID, mask=bad_any != 0, sem="relaxed")
+            neg_any = tl.max(negative.to(tl.int32), axis=0)
+            tl.atomic_or(status_ptr, POOL_OOB, mask=neg_any != 0, sem="relaxed")
 
 
 @triton.jit
@@ -240,7 +247,8 @@ def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.const
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows", "W",
-        "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "expand_rows",
+        "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "full_size", "rail",
+        "expand_rows",
         "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
     ]
 )  # fmt: skip
@@ -268,6 +276,9 @@ def page_tables_kernel(
     stride_cu,
     chunk_programs,
     num_pages,  # v2p's pages (None unless TRANSLATE)
+    full_to_swa_ptr,  # [full_size] int32|int64 full -> window pool map (read with TO_WINDOW)
+    full_size,
+    rail,  # the window read rail w, 0 for none (None for a full layer: read with WINDOW_LAYER)
     # expand pass
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
@@ -295,6 +306,8 @@ def page_tables_kernel(
     WRITE_CU: tl.constexpr,
     ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
     TRANSLATE: tl.constexpr,  # ids leave through v2p, at the pool's page size PAGE_SIZE
+    TO_WINDOW: tl.constexpr,  # ids leave through full_to_swa: a window layer's pages
+    WINDOW_LAYER: tl.constexpr,  # a rail or a map (design §2.10): columns by window_page_ids
     # expand pass
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
@@ -354,17 +367,20 @@ def page_tables_kernel(
             pages = tl.minimum(pages_wanted, W)
             # A sequence never claims more tokens than its table holds: cache_seqlens ≤ W·ps.
             cap = W.to(tl.int64) * PAGE_SIZE
-            if ENTRY_PAGE_SIZE == 1 and not TRANSLATE:
+            if ENTRY_PAGE_SIZE == 1 and not TRANSLATE and not WINDOW_LAYER:
                 _gather_pages(
                     req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
                     W, W_row, fill_value, c, chunk_programs, status_ptr, PAGED, PAGE_SIZE,
                     BLOCK, VEC_IN, VEC_OUT, HAS_STATUS,
                 )  # fmt: skip
             else:
+                # A window layer's columns below its read floor are never read (design §2.10).
+                floor = rail_floor(L, rail) if WINDOW_LAYER else L * 0
                 _gather_page_ids(
                     req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
                     W, W_row, fill_value, c, chunk_programs, status_ptr, v2p_ptr, num_pages,
-                    PAGE_SIZE, BLOCK, HAS_STATUS, ENTRY_PAGE_SIZE, TRANSLATE,
+                    floor, full_to_swa_ptr, full_size, PAGE_SIZE, BLOCK, HAS_STATUS,
+                    ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
                 )  # fmt: skip
             if c == 0:
                 for r in range(0, num_rows):
@@ -465,7 +481,8 @@ NO_NORMAL = dict(
     extra_tokens=None, fill_value=None, num_rows=None, W=None, stride_pt=None, stride_cs=None,
     stride_cu=None, chunk_programs=None, NORMAL=False, EXCLUDE_LAST_PARTIAL=None, BLOCK=None,
     VEC_IN=None, VEC_OUT=None, WRITE_CU=None, v2p_ptr=None, num_pages=None,
-    ENTRY_PAGE_SIZE=None, TRANSLATE=None,
+    ENTRY_PAGE_SIZE=None, TRANSLATE=None, full_to_swa_ptr=None, full_size=None, rail=None,
+    TO_WINDOW=None, WINDOW_LAYER=None,
 )  # fmt: skip
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
@@ -480,11 +497,13 @@ def normal_pass(
     cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, *, page_size: int,
     exclude_last_partial: bool, extra_tokens, fill_value, num_rows, stride_cs, stride_cu,
     chunk_programs: int, block: int, entry_page_size: int = 1, v2p: torch.Tensor | None = None,
+    rail: int = 0, full_to_swa: torch.Tensor | None = None,
 ) -> dict:  # fmt: skip
     """The normal pass's launch keywords (the launcher checked the buffers). ``extra_tokens``,
     ``fill_value``, ``num_rows``, ``stride_cs`` and ``stride_cu`` are ``None`` in the cascade,
     whose normal pass has them as literals. ``entry_page_size`` and ``v2p``: the rows' id space
-    (design §2.10), ``v2p`` at the pool's page size ``page_size``."""
+    (design §2.10), ``v2p`` at the pool's page size ``page_size``; ``rail`` (``w``, 0 for none)
+    and ``full_to_swa``: a window layer's table (design §2.10)."""
     return dict(
         req_pool_indices_ptr=req_pool_indices,
         req_to_token_ptr=req_to_token,
@@ -508,6 +527,7 @@ def normal_pass(
         **vector_widths(req_to_token, page_table, page_size),
         WRITE_CU=cu_seqlens_k is not None,
         **id_space_arguments(entry_page_size, v2p),
+        **page_window_arguments(rail, full_to_swa),
     )
 
 

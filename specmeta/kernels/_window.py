@@ -58,6 +58,11 @@ __all__ = [
     "exclusive_rail_sum",
     "copy_window_list",
     "window_lists_ref",
+    "page_window_arguments",
+    "rail_floor",
+    "window_page_ids",
+    "rail_floor_ref",
+    "window_page_ids_ref",
 ]
 
 _FIX = ("(design §2.10: sliding_window_size is a window layer's w >= 1 tokens, None or 0 a full "
@@ -279,3 +284,72 @@ def window_lists_ref(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
     if not bool(((rows >= 0) & (rows < req_to_token.shape[0])).all()):
         bits |= int(Status.ROW_OOB)
     return bits
+
+
+
+# --------------------------------------------------------------------------------------------
+# Page tables of a window layer (FA3): full-length tables in window-pool pages.
+# --------------------------------------------------------------------------------------------
+def page_window_arguments(rail: int, full_to_swa: torch.Tensor | None) -> dict:
+    """The launch keywords of a page table's window rules (design §2.10): the rail ``w``
+    (``None`` for a full layer, whose launch passes none), the map's, and ``WINDOW_LAYER``
+    (a rail or a map: the columns are read with :func:`window_page_ids`)."""
+    window_layer = bool(rail) or full_to_swa is not None
+    return dict(rail=rail if window_layer else None, WINDOW_LAYER=window_layer,
+                **window_arguments(full_to_swa))  # fmt: skip
+
+
+@triton.jit
+def rail_floor(L, rail):
+    """The read floor of a request with prefix ``L ≥ 0`` under the rail ``w`` (design §2.10):
+    ``f = max(0, L − w + 1)``, the first position its earliest query row (at ``L``: a verify's
+    or extend's first row, a chain's draft step 0) reads; 0 without a rail."""
+    return tl.where(rail > 0, tl.maximum(L - rail + 1, 0), 0)
+
+
+@triton.jit
+def window_page_ids(row_ptr, col, need, floor, W_row, v2p_ptr, num_pages, full_to_swa_ptr,
+                    full_size, PAGE_SIZE: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
+                    TRANSLATE: tl.constexpr, TO_WINDOW: tl.constexpr):  # fmt: skip
+    """``(pages, bad, negative)``: page-table columns ``col`` (where ``need``) of one row of a
+    window layer (design §2.10). A column whose whole page lies below the read floor
+    (``(col + 1)·ps ≤ floor``) is never read by the kernel, whose own window excludes it: the
+    sink page 0, nothing loaded, no fault. Any other column holds the page of the id emitted at
+    the first position of its page that the kernel reads, ``max(col·ps, floor)``
+    (:func:`load_window_ids`: the row's own translation, then the map), ``id // ps``; ``bad``
+    where that id did not map (the sink page 0). ``negative``: a plain row's negative slot
+    read without a map (the sink page 0; a page table reports it as ``POOL_OOB``)."""
+    col = col.to(tl.int64)
+    read = need & ((col + 1) * PAGE_SIZE > floor)
+    pos = tl.maximum(col * PAGE_SIZE, floor)
+    ids, _, bad = load_window_ids(row_ptr, pos, read, W_row, v2p_ptr, num_pages, PAGE_SIZE,
+                                  full_to_swa_ptr, full_size, ENTRY_PAGE_SIZE, TRANSLATE,
+                                  TO_WINDOW)  # fmt: skip
+    negative = read & (ids < 0)
+    return tl.where(negative, 0, ids) // PAGE_SIZE, bad, negative
+
+
+def rail_floor_ref(L: torch.Tensor, rail: int) -> torch.Tensor:
+    """:func:`rail_floor` of every request (``L`` int64, ≥ 0)."""
+    return (L - rail + 1).clamp_min(0) if rail else torch.zeros_like(L)
+
+
+def window_page_ids_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                        seq_lens: torch.Tensor, need: torch.Tensor, *, page_size: int,
+                        entry_page_size: int = 1, v2p: torch.Tensor | None = None,
+                        rail: int = 0, full_to_swa: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`window_page_ids` over a batch's tables ``[B, W]`` (columns where ``need``; the
+    prefixes ``seq_lens`` int64, ≥ 0): ``(pages, bad, negative)``, pages int64, 0 where not
+    read, ``bad`` or ``negative``."""
+    ps = page_size
+    col = torch.arange(need.shape[1], device=need.device).view(1, -1)
+    floor = rail_floor_ref(seq_lens.to(torch.int64), rail).view(-1, 1)
+    read = need & ((col + 1) * ps > floor)
+    pos = torch.where(read, torch.maximum(col * ps, floor), 0)
+    ids, bad, _ = load_window_ids_ref(req_to_token, req_pool_indices, pos, read,
+                                      entry_page_size=entry_page_size, v2p=v2p, page_size=ps,
+                                      full_to_swa=full_to_swa)  # fmt: skip
+    negative = read & (ids < 0)
+    pages = torch.div(torch.where(negative, 0, ids), ps, rounding_mode="floor")
+    return torch.where(read, pages, 0), bad, negative

@@ -60,12 +60,14 @@ def _prepare(
     req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
     exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k, expand_page_table,
     expand_cache_seqlens, expand_cu_seqlens_k, status, where, entry_page_size, v2p,
+    sliding_window_size=None, full_to_swa=None,
 ):  # fmt: skip
     """Validate both passes (each with its own op's checks) and allocate what is missing, before
     anything is written; shared by the launcher and the reference."""
-    page_size, _, _, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
+    page_size, _, _, B, page_table, cache_seqlens, status, rail = prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
         page_table, cache_seqlens, cu_seqlens_k, status, where, entry_page_size, v2p,
+        sliding_window_size, full_to_swa,
     )  # fmt: skip
     topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens, status = (
         prepare_expand_page_table(
@@ -74,7 +76,7 @@ def _prepare(
         )
     )  # fmt: skip
     return (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-            expand_cache_seqlens, status)  # fmt: skip
+            expand_cache_seqlens, status, rail)  # fmt: skip
 
 
 def bind_draft_decode_page_tables(
@@ -97,6 +99,8 @@ def bind_draft_decode_page_tables(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one
     launch.
@@ -149,6 +153,12 @@ def bind_draft_decode_page_tables(
         The rows' id space for the normal pass (design §2.10), as in
         :func:`~specmeta.kernels.prefix_page_table`; ``v2p`` maps pages of ``page_size``.
         ``out_cache_loc`` is read as it is (physical draft slots).
+    sliding_window_size, full_to_swa
+        A window layer's normal pass (design §2.10), as in
+        :func:`~specmeta.kernels.prefix_page_table`: pages wholly below ``max(0, L_b − w + 1)``
+        are the sink page 0, the others window-pool pages through the map. The expand pass
+        reads ``out_cache_loc`` as it is: a window layer's draft slots come from
+        ``assign_draft_cache_locs(full_to_swa=...)`` in window-pool ids already.
 
     Returns
     -------
@@ -172,11 +182,11 @@ def bind_draft_decode_page_tables(
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens, status) = _prepare(
+     expand_cache_seqlens, status, rail) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
-        "draft_decode_page_tables", entry_page_size, v2p,
+        "draft_decode_page_tables", entry_page_size, v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
     W = page_table.shape[1]
     normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
@@ -189,7 +199,7 @@ def bind_draft_decode_page_tables(
         page_size=page_size, exclude_last_partial=exclude_last_partial, extra_tokens=None,
         fill_value=None, num_rows=None, stride_cs=None, stride_cu=None,
         chunk_programs=normal_programs, block=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
-        entry_page_size=entry_page_size, v2p=v2p,
+        entry_page_size=entry_page_size, v2p=v2p, rail=rail, full_to_swa=full_to_swa,
     )  # fmt: skip
     expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
                          expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
@@ -224,19 +234,22 @@ def draft_decode_page_tables_ref(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
     (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens, status) = _prepare(
+     expand_cache_seqlens, status, rail) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
-        "draft_decode_page_tables_ref", entry_page_size, v2p,
+        "draft_decode_page_tables_ref", entry_page_size, v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
     prefix_page_table_ref(req_pool_indices, req_to_token, seq_lens, page_size=page_size,
                           exclude_last_partial=exclude_last_partial, page_table=page_table,
                           cache_seqlens=cache_seqlens, cu_seqlens_k=cu_seqlens_k, status=status,
-                          entry_page_size=entry_page_size, v2p=v2p)  # fmt: skip
+                          entry_page_size=entry_page_size, v2p=v2p, sliding_window_size=rail,
+                          full_to_swa=full_to_swa)  # fmt: skip
     expand_page_table_ref(out_cache_loc, seq_lens, topk=topk, num_steps=num_steps,
                           page_size=page_size, num_rows=rows, page_table=expand_page_table,
                           cache_seqlens=expand_cache_seqlens, cu_seqlens_k=expand_cu_seqlens_k,

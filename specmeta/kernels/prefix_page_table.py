@@ -31,6 +31,7 @@ from ..stage import Stage, launcher
 from ..status import Status
 from ._common import check_batch, check_id_spaces, chunk_programs, load_kv_ids_ref
 from ._page_tables import bind_page_tables, normal_pass, page_tables_kernel
+from ._window import check_window, window_page_ids_ref
 
 __all__ = ["bind_prefix_page_table", "prefix_page_table", "prefix_page_table_ref"]
 
@@ -45,10 +46,11 @@ _BLOCK_B = 1024
 def prepare_prefix_page_table(
     req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
     fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status, where="",
-    entry_page_size=1, v2p=None,
+    entry_page_size=1, v2p=None, sliding_window_size=None, full_to_swa=None,
 ):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. ``where`` names the
-    call in the id-space checks' messages."""
+    call in the id-space checks' messages. The last value returned is the rail ``w`` (0 for a
+    full layer)."""
     page_size = validate.positive("page_size", page_size)
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     if not isinstance(exclude_last_partial, bool):
@@ -60,6 +62,7 @@ def prepare_prefix_page_table(
     rows = 1 if num_rows is None else validate.positive("num_rows", num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
+    rail = check_window(where, sliding_window_size, full_to_swa, device)
     if page_table is None:
         # A row of W_row entries covers W_row·E positions (design §2.10).
         width = page_table_width(req_to_token.shape[1] * entry_page_size, page_size)
@@ -85,7 +88,7 @@ def prepare_prefix_page_table(
         if seq_ndim == 2:
             validate.at_least(name, buf.shape[0], rows, "rows (num_rows)")
     status = validate.status(status, device)
-    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status
+    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail
 
 
 def bind_prefix_page_table(
@@ -104,6 +107,8 @@ def bind_prefix_page_table(
     cu_seqlens_k: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: page table and KV lengths of every request over its own ``req_to_token`` row.
 
@@ -155,6 +160,20 @@ def bind_prefix_page_table(
         ``[P]`` int32 or int64 virtual → physical page map at page size ``ps``: each id read
         is emitted as ``v2p[id // ps]·ps + id mod ps``, so column ``c`` holds
         ``v2p[id(row_b, c·ps) // ps]``. Default ``None``: ids as they are.
+    sliding_window_size : int, optional
+        A window layer's ``w`` (design §2.10; ``None`` or 0: a full layer): the table keeps its
+        full length (the consumer's own window, ``window_size = (w − 1, 0)``, excludes what its
+        rows do not read), but a column whose whole page lies below the read floor
+        ``f_b = max(0, L_b − w + 1)`` (the first position the request's earliest query row, at
+        ``L_b``, reads) is never read: it holds the sink page 0, no fault whatever the map
+        holds there. Every other column reads the id at ``max(c·ps, f_b)``.
+    full_to_swa : torch.Tensor, optional
+        ``[P_full]`` int32 or int64 full → window pool map (design §2.10), ``−1`` where the
+        window pool evicted a slot: the columns hold window-pool pages, ``full_to_swa[id] //
+        ps`` after the row's own translation (the window pool pages like the full pool: a
+        page's slots map to one window page at the same offsets). A column at or past the
+        floor whose id maps to ``−1`` (or lies past the map) is the sink page 0 with
+        ``BAD_KV_ID``.
 
     Returns
     -------
@@ -173,11 +192,12 @@ def bind_prefix_page_table(
     ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
     and strides are runtime arguments.
     """
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail = (
+        prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
-        "prefix_page_table", entry_page_size, v2p,
-    )  # fmt: skip
+        "prefix_page_table", entry_page_size, v2p, sliding_window_size, full_to_swa,
+    ))  # fmt: skip
     W = page_table.shape[1]
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
     grid = (B + 1, chunk_programs(req_to_token.device, B, W, _BLOCK))
@@ -189,6 +209,7 @@ def bind_prefix_page_table(
         stride_cs=cache_seqlens.stride(0) if two_d else 0,
         stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
         chunk_programs=grid[1], block=_BLOCK, entry_page_size=entry_page_size, v2p=v2p,
+        rail=rail, full_to_swa=full_to_swa,
     )  # fmt: skip
     launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
                               num_warps=4, normal=normal)  # fmt: skip
@@ -215,13 +236,16 @@ def prefix_page_table_ref(
     cu_seqlens_k: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status = prepare_prefix_page_table(
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail = (
+        prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
-        "prefix_page_table_ref", entry_page_size, v2p,
-    )  # fmt: skip
+        "prefix_page_table_ref", entry_page_size, v2p, sliding_window_size, full_to_swa,
+    ))  # fmt: skip
     device = req_to_token.device
     W = page_table.shape[1]
     L = seq_lens.to(torch.int64)
@@ -239,12 +263,18 @@ def prefix_page_table_ref(
     slots, bad, gather_bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, need,
                                               entry_page_size=entry_page_size, v2p=v2p,
                                               page_size=page_size)  # fmt: skip
+    negative = slots < 0  # a plain row's negative slot
+    pages_of = slots.clamp_min(0) // page_size
+    if rail or full_to_swa is not None:  # a window layer's table (design §2.10)
+        pages_of, bad, negative = window_page_ids_ref(
+            req_to_token, req_pool_indices, L, need, page_size=page_size,
+            entry_page_size=entry_page_size, v2p=v2p, rail=rail, full_to_swa=full_to_swa,
+        )  # fmt: skip
     bits |= gather_bits
     if bool(bad.any()):
         bits |= int(Status.BAD_KV_ID)
-    if bool((slots < 0).any()):  # a plain row's negative slot
+    if bool(negative.any()):
         bits |= int(Status.POOL_OOB)
-    pages_of = slots.clamp_min(0) // page_size
     page_table[:B] = torch.where(need, pages_of, fill_value).to(page_table.dtype)
     if bool((wanted > W).any()):
         bits |= int(Status.OUT_OF_CAPACITY)
