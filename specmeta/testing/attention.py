@@ -7,11 +7,17 @@ An engine's attention layer runs in two steps, and so does every backend here:
 * ``out = backend(handle, q, k_pool, v_pool)`` once per layer, on that layer's KV pool.
 
 ``meta`` is whatever the builder returned for the forward: an :class:`~specmeta.FA3Cascade`
-or :class:`~specmeta.FA3Metadata`, a FlashInfer decode step, cascade step or prefill, or a
-TRT-LLM MLA decode step or prefill. ``q`` is ``[T, H, D]`` (one row per query token, in the
-builder's row order), ``k_pool`` and ``v_pool`` are ``[P, H_kv, D]``, one row per KV slot (the
-pool is viewed in pages of the metadata's page size, so ``P`` is a multiple of it). The
-result is ``[T, H, D]`` in ``q``'s dtype, with the softmax scale ``1/sqrt(D)``.
+or :class:`~specmeta.FA3Metadata`, a FlashInfer decode step, cascade step or prefill, a
+TRT-LLM MLA decode step or prefill, or a FlashInfer MLA attention (its passes). ``q`` is
+``[T, H, D]`` (one row per query token, in the builder's row order), ``k_pool`` and ``v_pool``
+are ``[P, H_kv, D]``, one row per KV slot (the pool is viewed in pages of the metadata's page
+size, so ``P`` is a multiple of it). The result is ``[T, H, D]`` in ``q``'s dtype, with the
+softmax scale ``1/sqrt(D)``.
+
+FlashInfer MLA's metadata is read over a latent pool
+(:class:`~specmeta.testing.tiny_model.LatentCache`): ``k_pool`` is then ``ckv [P, Dc]`` and
+``v_pool`` ``kpe [P, Dr]``, ``q`` is ``[q_nope, q_pe]`` (``[T, H, Dc + Dr]``), the values are
+``ckv`` and the result ``[T, H, Dc]``, with the scale ``1/sqrt(Dc + Dr)`` (design §3.5).
 
 :class:`TorchAttention` reads the metadata with the torch consumers of
 :mod:`specmeta.testing.consumers` (float64, any device; the CPU tier). The real kernels are
@@ -31,12 +37,15 @@ import torch
 from ..kernels.merge_state import merge_state
 from ..metadata.fa3 import FA3Cascade, FA3Metadata
 from ..metadata.flashinfer import FlashInferCascadeStep, FlashInferDecodeStep, FlashInferPrefill
+from ..metadata.flashinfer_mla_results import FlashInferMLAAttention
 from ..metadata.trtllm_mla import TrtllmMlaDecodeStep, TrtllmMlaPrefill
 from .consumers import fa3 as fa3_consumer
 from .consumers import flashinfer as flashinfer_consumer
+from .consumers import flashinfer_mla as flashinfer_mla_consumer
 from .consumers import trtllm_mla as trtllm_consumer
 
-__all__ = ["TorchAttention", "CuteFlashAttention", "FlashInferAttention", "backend"]
+__all__ = ["TorchAttention", "CuteFlashAttention", "FlashInferAttention", "FlashInferMLAKernel",
+           "backend", "latent_scale"]
 
 # Wrappers of one kind used in turn by FlashInferAttention: more than the forwards a host plans
 # ahead of its device within one draft iteration.
@@ -75,6 +84,10 @@ class TorchAttention:
             out = trtllm_consumer.decode(q, k_pool, v_pool, meta, self.page_size)[0]
         elif isinstance(meta, TrtllmMlaPrefill):
             out = trtllm_consumer.prefill(q, k_pool, v_pool, meta, self.page_size)[0]
+        elif isinstance(meta, FlashInferMLAAttention):  # k_pool, v_pool: ckv, kpe
+            dc = k_pool.shape[-1]
+            out = flashinfer_mla_consumer.attention(meta, q[..., :dc], q[..., dc:], k_pool, v_pool,
+                                                    latent_scale(k_pool, v_pool))[0]  # fmt: skip
         else:
             raise TypeError(f"no torch consumer for metadata of type {type(meta).__name__}")
         return out.to(q.dtype)
@@ -259,6 +272,90 @@ class FlashInferAttention:
         return w.run(q, (k_cache, v_cache))
 
 
+def latent_scale(ckv: torch.Tensor, kpe: torch.Tensor) -> float:
+    """MLA's softmax scale over a latent pool: ``1/sqrt(Dc + Dr)``, the width of the whole key
+    ``[ckv, kpe]`` (the dense reference's ``1/sqrt(D)``)."""
+    return 1.0 / math.sqrt(ckv.shape[-1] + kpe.shape[-1])
+
+
+class FlashInferMLAKernel:
+    """FlashInfer's MLA kernel (``flashinfer.mla.BatchMLAPagedAttentionWrapper``, ``fa3`` on
+    sm_90, ``fa2`` elsewhere) reading :class:`~specmeta.FlashInferMLABuilder`'s passes over a
+    latent pool: ``prepare`` plans one wrapper a pass from the pass's host mirrors (nothing
+    copied from the device), ``__call__`` runs them on ``(ckv, kpe)`` viewed in pages of the
+    pass's page size, with natural-log LSEs, and merges two passes by
+    :func:`specmeta.merge_state`. Wrappers are used in turn, as
+    :class:`FlashInferAttention`'s: planning the next forward never rewrites what an earlier
+    plan's copy has still to read.
+
+    Parameters
+    ----------
+    num_heads : int
+        Query heads (they share the one latent KV head).
+    ckv_dim, kpe_dim : int
+        The latent widths (the kernel serves 512 and 64).
+    dtype : torch.dtype
+        Query and pool dtype.
+    device : torch.device or str
+        Where the workspace lives.
+    """
+
+    name = "flashinfer_mla"
+
+    def __init__(self, num_heads: int, ckv_dim: int, kpe_dim: int, dtype, device):
+        import flashinfer.mla
+
+        self._mla = flashinfer.mla
+        self._backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+        self.num_heads, self.dims, self.dtype = num_heads, (ckv_dim, kpe_dim), dtype
+        self.scale = 1.0 / math.sqrt(ckv_dim + kpe_dim)
+        self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        self._wrappers: list[Any] = []
+        self._turn = -1
+
+    def _wrapper(self):
+        self._turn = (self._turn + 1) % (2 * _WRAPPERS_PER_KIND)  # two passes a forward at most
+        if self._turn == len(self._wrappers):
+            self._wrappers.append(self._mla.BatchMLAPagedAttentionWrapper(
+                self._workspace, backend=self._backend))  # fmt: skip
+        return self._wrappers[self._turn]
+
+    def prepare(self, meta: Any) -> Any:
+        if not isinstance(meta, FlashInferMLAAttention):
+            raise TypeError(f"FlashInfer MLA reads FlashInfer MLA metadata, got "
+                            f"{type(meta).__name__}")  # fmt: skip
+        if meta.prefix.kv_len_arr_host.shape[0] == 0:
+            return None  # an empty batch: plan() takes no empty list set, an idle rank skips it
+        (dc, dr), planned = self.dims, []
+        for p in meta.passes:
+            w = self._wrapper()
+            used = int(p.kv_indptr_host[-1])  # a host mirror: no sync
+            w.plan(
+                metadata=self._mla.MLAPlanMetadata.csr(
+                    qo_indptr=p.qo_indptr_host, kv_indptr=p.kv_indptr_host,
+                    kv_indices=p.kv_indices[:used], kv_len_arr=p.kv_len_arr_host),
+                num_heads=self.num_heads, head_dim_ckv=dc, head_dim_kpe=dr,
+                page_size=p.page_size, causal=p.causal, sm_scale=self.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype, query_layout="split",
+                kv_cache_layout="split", lse_mode="basee",
+            )  # fmt: skip
+            planned.append((w, p.page_size))
+        return planned
+
+    def __call__(self, handle, q, ckv, kpe) -> torch.Tensor:
+        dc, dr = self.dims
+        if handle is None:
+            return q.new_empty(q.shape[0], q.shape[1], dc)
+        qn, qp = q[..., :dc].contiguous(), q[..., dc:].contiguous()
+        runs = [w.run(query=(qn, qp), kv_cache=(ckv.view(-1, ps, dc), kpe.view(-1, ps, dr)),
+                      return_lse=True, return_lse_base_on_e=True)
+                for w, ps in handle]  # fmt: skip
+        if len(runs) == 1:
+            return runs[0][0]
+        (o1, lse1), (o2, lse2) = runs  # the prefix pass and the ancestor pass
+        return merge_state(o1, lse1, o2, lse2)[0]
+
+
 def _batch(meta: Any) -> int:
     """Sequences of a FlashInfer result (its query groups), from shapes only."""
     if isinstance(meta, FlashInferCascadeStep):
@@ -271,9 +368,10 @@ def _batch(meta: Any) -> int:
 
 
 def backend(name: str, **kwargs) -> Any:
-    """``"torch"``, ``"flash_attn.cute"`` or ``"flashinfer"`` by name (``kwargs`` go to its
-    constructor)."""
-    kinds = {c.name: c for c in (TorchAttention, CuteFlashAttention, FlashInferAttention)}
+    """``"torch"``, ``"flash_attn.cute"``, ``"flashinfer"`` or ``"flashinfer_mla"`` by name
+    (``kwargs`` go to its constructor)."""
+    kinds = {c.name: c for c in (TorchAttention, CuteFlashAttention, FlashInferAttention,
+                                 FlashInferMLAKernel)}  # fmt: skip
     if name not in kinds:
         raise ValueError(f"backend must be one of {sorted(kinds)}, got {name!r}")
     return kinds[name](**kwargs)

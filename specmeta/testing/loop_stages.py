@@ -21,14 +21,15 @@ from ..kernels.draft_cache_locs import (
 )
 from ..metadata.fa3 import FA3MetadataBuilder
 from ..metadata.flashinfer import FlashInferBuilder
+from ..metadata.flashinfer_mla import FlashInferMLABuilder
 from ..metadata.trtllm_mla import TrtllmMlaBuilder
 from ..runners import GraphRunner, RaggedGraphRunner, padding
 from ..stage import Stage
-from .tiny_model import KVCache
+from .tiny_model import KVCache, LatentCache
 
 __all__ = ["BACKENDS", "DRAFT_FORMS", "STAGES", "WINDOW_MODES", "MetadataStages"]
 
-BACKENDS = ("fa3", "flashinfer", "trtllm_mla")
+BACKENDS = ("fa3", "flashinfer", "trtllm_mla", "flashinfer_mla")
 DRAFT_FORMS = ("decode", "shared_prefix", "paged")
 """FlashInfer's draft-decode forms: per-branch token lists, the shared-prefix cascade, per-branch
 pages (:class:`~specmeta.FlashInferBuilder`)."""
@@ -80,7 +81,9 @@ class MetadataStages:
               pool), draft-decode metadata of the ``S − 1`` forwards  ``seq_lens`` (``L + 1``)
     verify    target-verify metadata of the tree                     ``req_pool_indices``,
                                                                      ``seq_lens`` (``L``),
-                                                                     ``tree_mask``
+                                                                     ``tree_mask`` (FlashInfer
+                                                                     MLA's trees: and
+                                                                     ``node_depths``)
     accept    accepted-KV move pairs, their move (target pool)       ``accept_index``,
                                                                      ``accept_lens``,
                                                                      ``verify_out_cache_loc``
@@ -93,15 +96,16 @@ class MetadataStages:
     cfg : SpecConfig
         ``K, S, N, ps``, ``max_bs`` and the capacity every buffer is planned for.
     backend : str
-        ``"fa3"``, ``"flashinfer"`` or ``"trtllm_mla"`` (``topk == 1`` only: it verifies
-        chains).
+        ``"fa3"``, ``"flashinfer"``, ``"trtllm_mla"`` (``topk == 1`` only: it verifies
+        chains) or ``"flashinfer_mla"`` (an MLA model's latent pool; a tree's verify also
+        takes the nodes' depths on the host, ``node_depths_cpu``; no ragged verify).
     draft_form : str
         FlashInfer's draft-decode form, one of :data:`DRAFT_FORMS`.
     device : torch.device
         Where the metadata lives.
     req_to_token : torch.Tensor
         The persistent table (the graphs read it).
-    draft_cache, target_cache : KVCache
+    draft_cache, target_cache : KVCache or LatentCache
         The models' pools (the KV moves run on them).
     status : torch.Tensor
         The status word every launch reports into.
@@ -121,7 +125,8 @@ class MetadataStages:
     """
 
     def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
-                 req_to_token: torch.Tensor, draft_cache: KVCache, target_cache: KVCache,
+                 req_to_token: torch.Tensor, draft_cache: KVCache | LatentCache,
+                 target_cache: KVCache | LatentCache,
                  status: torch.Tensor, reference: bool = False,
                  ragged_verify: bool = False, full_to_swa: torch.Tensor | None = None,
                  sliding_window_size: int = 0):  # fmt: skip
@@ -132,14 +137,21 @@ class MetadataStages:
         if backend == "trtllm_mla" and cfg.topk > 1:
             raise ValueError(f"backend 'trtllm_mla' verifies chains only (no custom mask): "
                              f"use topk=1, got topk={cfg.topk}")  # fmt: skip
+        if backend == "flashinfer_mla" and ragged_verify:
+            raise ValueError("backend 'flashinfer_mla' builds a uniform verify (N rows a "
+                             "request): use ragged_verify=False")  # fmt: skip
         self.cfg, self.backend, self.draft_form = cfg, backend, draft_form
         self.req_to_token, self.status = req_to_token, status
         self.draft_cache, self.target_cache = draft_cache, target_cache
         self.reference = reference
         self.ragged_verify = ragged_verify
         builder = {"fa3": FA3MetadataBuilder, "flashinfer": FlashInferBuilder,
-                   "trtllm_mla": TrtllmMlaBuilder}[backend]  # fmt: skip
+                   "trtllm_mla": TrtllmMlaBuilder,
+                   "flashinfer_mla": FlashInferMLABuilder}[backend]  # fmt: skip
         self.builder = builder(cfg, device, reference=reference)
+        # FlashInfer MLA plans a tree's ancestor lists on the host: its verify's host part also
+        # reads the nodes' depths (design §3.5).
+        self.node_depths = backend == "flashinfer_mla" and cfg.topk > 1
         self.bufs = allocate_buffers(cfg, device, [
             "draft.out_cache_loc", "draft.positions", "draft.prefix_tail_tgt",
             "draft.prefix_tail_src", "verify.tgt_cache_loc", "verify.src_cache_loc",
@@ -217,7 +229,8 @@ class MetadataStages:
         if self.ragged_verify:
             kw.update(verify_lens=inputs["verify_lens"], num_tokens=num_tokens)
         args = (inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"])
-        if self.backend == "trtllm_mla":  # a chain (topk == 1): causal, no mask
+        if self.backend == "trtllm_mla" or (self.backend == "flashinfer_mla"
+                                            and self.cfg.topk == 1):  # a chain: causal, no mask
             return self.builder.bind_target_verify(*args, **kw)
         if self.backend == "fa3" and self.cfg.topk == 1:  # FA3 reads no mask for a chain
             return self.builder.bind_target_verify(*args, None, **kw)
@@ -314,6 +327,12 @@ class MetadataStages:
                 runner.add_input("seq_lens", b["runner.seq_lens"], pad=fill, host_mirror=True)
             if stage == "verify":
                 runner.add_input("tree_mask", b["runner.tree_mask"], pad=padding.TREE_MASK)
+            if stage == "verify" and self.node_depths:
+                # Read by the host part only (the device reads the mask); the runner takes a
+                # host value through a registered input. A padded node's depth is never read.
+                depths = torch.zeros(c.max_bs, c.num_draft_tokens, dtype=torch.int64,
+                                     device=device)  # fmt: skip
+                runner.add_input("node_depths", depths, pad=0, host_mirror="node_depths_cpu")
             if stage == "verify" and self.ragged_verify:
                 # FlashInfer plans on the host: its host part reads the lengths' CPU copy.
                 host = "verify_lens_cpu" if self.backend == "flashinfer" else False
@@ -332,13 +351,20 @@ class MetadataStages:
 
     def run(self, stage: str, batch_size: int, inputs: dict[str, torch.Tensor],
             seq_lens_cpu: torch.Tensor | None, graph: bool,
-            verify_lens_cpu: torch.Tensor | None = None) -> object:  # fmt: skip
+            verify_lens_cpu: torch.Tensor | None = None,
+            node_depths_cpu: torch.Tensor | None = None) -> object:  # fmt: skip
         """Run ``stage`` for the batch, through its runner or eagerly (bound to the raw inputs
         and called at once: host part, then launches): the stage's metadata for the
         ``batch_size`` requests (``None`` for accept). A ragged verify takes the bucket of
         ``B·N`` tokens (the host does not read the lengths to pick it), and the result is the
-        whole bucket's."""
+        whole bucket's. ``node_depths_cpu``: a FlashInfer MLA tree's (:attr:`node_depths`),
+        with ``inputs["node_depths"]`` for the runner."""
         host = {"seq_lens": seq_lens_cpu} if seq_lens_cpu is not None else None
+        if node_depths_cpu is not None:
+            if graph:
+                return self.runners[stage].run(batch_size, inputs, host_inputs={
+                    **(host or {}), "node_depths": node_depths_cpu}).results  # fmt: skip
+            return getattr(self, stage)(inputs)(seq_lens_cpu, node_depths_cpu=node_depths_cpu)
         if stage == "verify" and self.ragged_verify:
             T = batch_size * self.cfg.num_draft_tokens
             if graph:

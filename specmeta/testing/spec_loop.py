@@ -166,7 +166,8 @@ class SpeculativeLoop:
     target, draft : TinyModel
         The models (same vocabulary, dtype and device); ``draft`` may be ``target`` itself.
     backend : str
-        ``"fa3"``, ``"flashinfer"`` or ``"trtllm_mla"``: whose metadata the forwards read.
+        ``"fa3"``, ``"flashinfer"``, ``"trtllm_mla"`` or ``"flashinfer_mla"`` (MLA models:
+        their latent pools): whose metadata the forwards read.
     attention : object, optional
         The attention backend of :mod:`specmeta.testing.attention` that reads that metadata;
         default :class:`~specmeta.testing.attention.TorchAttention` (the CPU tier).
@@ -388,11 +389,13 @@ class SpeculativeLoop:
         return Iteration(index, B, "graph" if graph else "eager", bp, tuple(records), bits,
                          seconds)  # fmt: skip
 
-    def _specmeta(self, stage, B, inputs, lens_cpu, graph, verify_lens_cpu=None):
+    def _specmeta(self, stage, B, inputs, lens_cpu, graph, verify_lens_cpu=None,
+                  node_depths_cpu=None):  # fmt: skip
         """specmeta's build of ``stage`` (timed as ``metadata``)."""
         ctx = self.timer("metadata") if self.timer else contextlib.nullcontext()
         with ctx:
-            return self.stages.run(stage, B, inputs, lens_cpu, graph, verify_lens_cpu)
+            return self.stages.run(stage, B, inputs, lens_cpu, graph, verify_lens_cpu,
+                                   node_depths_cpu)  # fmt: skip
 
     def _forward(self, model: TinyModel, cache: KVCache, meta, tokens, positions, slots,
                  window_slots=None):  # fmt: skip
@@ -457,7 +460,14 @@ class SpeculativeLoop:
         inputs = {"req_pool_indices": rpi, "seq_lens": seq_lens, "tree_mask": tree.mask}
         if self.stages.ragged_verify:
             return self._verify_ragged(inputs, window, seq_lens_cpu, tree, graph, index)
-        meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph)
+        depths_cpu = None
+        if self.stages.node_depths:
+            # FlashInfer MLA plans each node's ancestor list on the host: the tree's depths'
+            # CPU copy, one more read-back here (the device checks it against the mask).
+            depths_cpu = tree.depth.cpu()
+            inputs["node_depths"] = tree.depth
+        meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph,
+                              node_depths_cpu=depths_cpu)  # fmt: skip
         logits = self._forward(self.target, self.target_cache, meta, tree.tokens.reshape(-1),
                                (seq_lens.view(-1, 1) + tree.depth).reshape(-1),
                                window.reshape(-1))  # fmt: skip

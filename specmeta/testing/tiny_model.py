@@ -14,6 +14,15 @@ three ways:
 * :class:`DensePrefill`: causal attention inside one sequence that also stores its keys and
   values into the pool: prompt prefill, which is outside specmeta's scope.
 
+An MLA model (``ckv_dim``, ``kpe_dim``: multi-head latent attention, as DeepSeek's, absorbed)
+keeps one latent KV head a token: ``ckv`` (``ckv_dim`` wide, RMS-normalised) and a rotary part
+``kpe`` (``kpe_dim``). Every head's query is ``q_nope`` (``ckv_dim`` wide: the key projection
+absorbed into it) beside a rotary ``q_pe``; the scores are ``(q_nope·ckv + q_pe·kpe) /
+sqrt(ckv_dim + kpe_dim)`` and the values are ``ckv`` itself, projected back by ``wo``. The
+forward hands the attention ``q = [q_nope, q_pe]``, ``k = [ckv, kpe]`` and ``v = ckv`` (one KV
+head), so the dense references run unchanged; the paged pool is a :class:`LatentCache` (one
+``ckv`` and one ``kpe`` buffer a layer), read through FlashInfer MLA's metadata.
+
 A hybrid model (``window_layers``, ``sliding_window_size = w``) has sliding-window layers beside
 its full ones: there a query at position ``p`` attends to positions ``(p − w, p]`` only, and
 the layer keeps its KV in a second, smaller pool (the window pool) whose slots the engine maps
@@ -44,6 +53,7 @@ __all__ = [
     "TinyConfig",
     "TinyModel",
     "KVCache",
+    "LatentCache",
     "PagedAttention",
     "DenseCache",
     "DensePrefill",
@@ -59,7 +69,8 @@ single logit moved by at most 0.16, the argmax changed at 1 % of the steps, all 
 below 0.12; a quarter of the steps lead by less than 0.5 (``test_lossless.py`` re-measures it)."""
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``attention(layer, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``."""
+"""``attention(layer, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D_v]) -> [T, H, D_v]`` (an MLA
+model: ``D = ckv_dim + kpe_dim``, ``H_kv = 1``, ``v`` the ``ckv`` part of ``k``, ``D_v = ckv_dim``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +94,10 @@ class TinyConfig:
     sliding_window_size : int
         ``w`` of the window layers: a query at position ``p`` attends to ``(p − w, p]``; 0
         (required without window layers) is no window.
+    ckv_dim, kpe_dim : int
+        An MLA model's latent widths (see the module): both > 0 (``kpe_dim`` even), with one
+        KV head (``num_kv_heads = 1``) and no window layers; ``head_dim`` is then unused. Both
+        0 (the default): grouped-query attention.
     """
 
     vocab_size: int = 64
@@ -96,6 +111,8 @@ class TinyConfig:
     logit_scale: float = 4.0
     window_layers: tuple[int, ...] = ()
     sliding_window_size: int = 0
+    ckv_dim: int = 0
+    kpe_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -116,6 +133,21 @@ class TinyConfig:
         if isinstance(w, bool) or not isinstance(w, int) or w < 0 or bool(layers) != bool(w):
             raise ValueError(f"TinyConfig.sliding_window_size must be an int >= 1 with window "
                              f"layers and 0 without, got {w!r} for window_layers={layers!r}")  # fmt: skip
+        ckv, kpe = self.ckv_dim, self.kpe_dim
+        if (any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in (ckv, kpe))
+                or bool(ckv) != bool(kpe) or kpe % 2):  # fmt: skip
+            raise ValueError(f"TinyConfig.ckv_dim and kpe_dim must both be ints > 0 (kpe_dim "
+                             f"even: rotary pairs) for an MLA model, both 0 otherwise, got "
+                             f"ckv_dim={ckv!r}, kpe_dim={kpe!r}")  # fmt: skip
+        if ckv and (self.num_kv_heads != 1 or layers):
+            raise ValueError(f"an MLA TinyConfig (ckv_dim={ckv}) has one latent KV head and no "
+                             f"window layers: pass num_kv_heads=1 and window_layers=(), got "
+                             f"num_kv_heads={self.num_kv_heads}, window_layers={layers!r}")  # fmt: skip
+
+    @property
+    def mla(self) -> bool:
+        """Whether the attention layers are MLA (a latent KV pool)."""
+        return bool(self.ckv_dim)
 
     @property
     def hybrid(self) -> bool:
@@ -202,6 +234,52 @@ class KVCache:
         idx = slots.reshape(-1).long()
         self.k[layer][idx] = k.to(self.k[layer].dtype)
         self.v[layer][idx] = v.to(self.v[layer].dtype)
+
+
+class LatentCache:
+    """An MLA model's paged latent pool: per layer ``ckv [P, ckv_dim]`` and ``kpe [P,
+    kpe_dim]``, slots as :class:`KVCache`'s (slot ``s`` is row ``s``, page ``s // page_size``;
+    slot 0 the sink).
+
+    Attributes
+    ----------
+    ckv, kpe : list of torch.Tensor
+        Per layer.
+    k, v : list of torch.Tensor
+        ``ckv`` and ``kpe``: the two buffers of a layer in the order an attention backend
+        takes them (``backend(handle, q, ckv, kpe)`` for MLA metadata).
+    pool : KVPool
+        Every ``ckv`` and ``kpe`` buffer, for :func:`specmeta.move_kv_cache` (one launch).
+    """
+
+    window_layers: tuple[int, ...] = ()
+    window_pool = None
+
+    def __init__(self, cfg: TinyConfig, pool_size: int, dtype: torch.dtype, device):
+        if not cfg.mla:
+            raise ValueError("a LatentCache is an MLA model's (TinyConfig.ckv_dim > 0)")
+        self.ckv = [torch.zeros((pool_size, cfg.ckv_dim), dtype=dtype, device=device)
+                    for _ in range(cfg.num_layers)]  # fmt: skip
+        self.kpe = [torch.zeros((pool_size, cfg.kpe_dim), dtype=dtype, device=device)
+                    for _ in range(cfg.num_layers)]  # fmt: skip
+        self.pool = KVPool([*self.ckv, *self.kpe])
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return self.ckv
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.kpe
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The forward's latent write: row ``slots[i]`` of layer ``layer`` gets the token's
+        ``ckv`` (``v[i]``, the first ``ckv_dim`` of ``k[i]``) and ``kpe`` (the rest of
+        ``k[i]``, rotated)."""
+        idx = slots.reshape(-1).long()
+        dc = self.ckv[layer].shape[1]
+        self.ckv[layer][idx] = v[:, 0].to(self.ckv[layer].dtype)
+        self.kpe[layer][idx] = k[:, 0, dc:].to(self.kpe[layer].dtype)
 
 
 class PagedAttention:
@@ -339,10 +417,19 @@ class TinyModel:
         w = {"embed": normal(c.vocab_size, c.hidden_size, std=1.0)}
         for i in range(c.num_layers):
             w[f"{i}.attn_norm"] = 1.0 + normal(c.hidden_size, std=0.1)
-            w[f"{i}.wq"] = normal(c.hidden_size, hd, std=c.hidden_size**-0.5)
-            w[f"{i}.wk"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
-            w[f"{i}.wv"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
-            w[f"{i}.wo"] = normal(hd, c.hidden_size, std=hd**-0.5)
+            if c.mla:  # the query's two parts per head, the latent and rotary keys, wo over ckv
+                hc = c.num_heads * c.ckv_dim
+                w[f"{i}.wq"] = normal(c.hidden_size, c.num_heads * (c.ckv_dim + c.kpe_dim),
+                                      std=c.hidden_size**-0.5)  # fmt: skip
+                w[f"{i}.wkv"] = normal(c.hidden_size, c.ckv_dim, std=c.hidden_size**-0.5)
+                w[f"{i}.kv_norm"] = 1.0 + normal(c.ckv_dim, std=0.1)
+                w[f"{i}.wkpe"] = normal(c.hidden_size, c.kpe_dim, std=c.hidden_size**-0.5)
+                w[f"{i}.wo"] = normal(hc, c.hidden_size, std=hc**-0.5)
+            else:
+                w[f"{i}.wq"] = normal(c.hidden_size, hd, std=c.hidden_size**-0.5)
+                w[f"{i}.wk"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
+                w[f"{i}.wv"] = normal(c.hidden_size, kvd, std=c.hidden_size**-0.5)
+                w[f"{i}.wo"] = normal(hd, c.hidden_size, std=hd**-0.5)
             w[f"{i}.mlp_norm"] = 1.0 + normal(c.hidden_size, std=0.1)
             w[f"{i}.w_gate"] = normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5)
             w[f"{i}.w_up"] = normal(c.hidden_size, c.intermediate_size, std=c.hidden_size**-0.5)
@@ -372,9 +459,13 @@ class TinyModel:
         return TinyModel(self.cfg, {k: v.to(device=device, dtype=dtype)
                                     for k, v in self.weights.items()})  # fmt: skip
 
-    def new_cache(self, pool_size: int, window_pool_size: int | None = None) -> KVCache:
+    def new_cache(self, pool_size: int,
+                  window_pool_size: int | None = None) -> KVCache | LatentCache:  # fmt: skip
         """An empty paged KV pool of ``pool_size`` slots in the model's dtype and device (and a
-        window pool of ``window_pool_size`` for a hybrid model's window layers)."""
+        window pool of ``window_pool_size`` for a hybrid model's window layers); an MLA model's
+        is a :class:`LatentCache`."""
+        if self.cfg.mla:
+            return LatentCache(self.cfg, pool_size, self.dtype, self.device)
         return KVCache(self.cfg, pool_size, self.dtype, self.device, window_pool_size)
 
     @property
@@ -395,18 +486,32 @@ class TinyModel:
         h = w["embed"][tokens]
         for i in range(c.num_layers):
             x = _rmsnorm(h, w[f"{i}.attn_norm"])
-            q = (x @ w[f"{i}.wq"]).view(T, c.num_heads, c.head_dim)
-            k = (x @ w[f"{i}.wk"]).view(T, c.num_kv_heads, c.head_dim)
-            v = (x @ w[f"{i}.wv"]).view(T, c.num_kv_heads, c.head_dim)
-            q = _rope(q, positions, c.rope_theta)
-            k = _rope(k, positions, c.rope_theta)
+            if c.mla:
+                q, k, v = self._latent_qkv(i, x, positions)
+            else:
+                q = (x @ w[f"{i}.wq"]).view(T, c.num_heads, c.head_dim)
+                k = (x @ w[f"{i}.wk"]).view(T, c.num_kv_heads, c.head_dim)
+                v = (x @ w[f"{i}.wv"]).view(T, c.num_kv_heads, c.head_dim)
+                q = _rope(q, positions, c.rope_theta)
+                k = _rope(k, positions, c.rope_theta)
             o = attention(i, q, k, v).to(h.dtype)
-            h = h + o.reshape(T, c.num_heads * c.head_dim) @ w[f"{i}.wo"]
+            h = h + o.reshape(T, w[f"{i}.wo"].shape[0]) @ w[f"{i}.wo"]
             x = _rmsnorm(h, w[f"{i}.mlp_norm"])
             gate = torch.nn.functional.silu(x @ w[f"{i}.w_gate"])
             h = h + (gate * (x @ w[f"{i}.w_up"])) @ w[f"{i}.w_down"]
         logits = _rmsnorm(h, w["final_norm"]) @ w["lm_head"]
         return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+    def _latent_qkv(self, i: int, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """An MLA layer's ``q = [q_nope, q_pe] [T, H, Dc + Dr]``, ``k = [ckv, kpe] [T, 1, Dc +
+        Dr]`` and ``v = ckv [T, 1, Dc]``, the rotary parts rotated at ``positions``."""
+        c, w, T = self.cfg, self.weights, x.shape[0]
+        dc = c.ckv_dim
+        q = (x @ w[f"{i}.wq"]).view(T, c.num_heads, dc + c.kpe_dim)
+        q = torch.cat([q[..., :dc], _rope(q[..., dc:], positions, c.rope_theta)], -1)
+        ckv = _rmsnorm(x @ w[f"{i}.wkv"], w[f"{i}.kv_norm"]).view(T, 1, dc)
+        kpe = _rope((x @ w[f"{i}.wkpe"]).view(T, 1, c.kpe_dim), positions, c.rope_theta)
+        return q, torch.cat([ckv, kpe], -1), ckv
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                 window_slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

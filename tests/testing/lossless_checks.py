@@ -144,10 +144,17 @@ GPU_MODEL = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512)
 
 def _real_attention(backend: str, model_cfg: TinyConfig):
     """The real kernels; importing them must succeed on the GPU machine (no silent skip)."""
-    from specmeta.testing.attention import CuteFlashAttention, FlashInferAttention
+    from specmeta.testing.attention import (
+        CuteFlashAttention,
+        FlashInferAttention,
+        FlashInferMLAKernel,
+    )
 
     if backend == "fa3":
         return CuteFlashAttention()
+    if backend == "flashinfer_mla":  # an MLA model's latent pool
+        return FlashInferMLAKernel(model_cfg.num_heads, model_cfg.ckv_dim, model_cfg.kpe_dim,
+                                   dtype=torch.bfloat16, device="cuda")  # fmt: skip
     return FlashInferAttention(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
                                dtype=torch.bfloat16, device="cuda")  # fmt: skip
 
