@@ -515,8 +515,8 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
 
     plan_flashinfer_mla(cfg, add)
     if cfg.sliding_window_size:  # a hybrid model's window layers, in their own id space
-        from .metadata.window_plan import plan_flashinfer_swa  # torch-free, like this one
-        plan_flashinfer_swa(cfg, add)
+        from .metadata.window_plan import plan_window_layers  # torch-free, like this one
+        plan_window_layers(cfg, add)
     return plan
 
 

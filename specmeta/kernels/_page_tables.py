@@ -115,8 +115,8 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
                      BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
                      ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
                      TO_WINDOW: tl.constexpr):  # fmt: skip
-    """:func:`_gather_pages` over a row in another id space or of a window layer (design
-    §2.10, :func:`~specmeta.kernels._window.window_page_ids`): column ``col`` holds the page of
+    """:func:`_gather_pages` over a row in another id space or of a window layer
+    (design §2.10; :func:`~specmeta.kernels._window.window_page_ids`): column ``col`` holds the page of
     the id emitted at the first position of its page at or past ``floor`` (a row of page ids,
     a virtual id through ``v2p``, a full-pool id through ``full_to_swa``), for ``col <
     filled``, then ``fill_value``; a page wholly below ``floor`` is the sink page 0 and no

@@ -100,6 +100,17 @@ class FA3MetadataBuilder(MetadataBuilder):
 
     plan_prefix = _PREFIX
     capabilities = CAPABILITIES["fa3"]
+    #: FlashAttention's own window of every chain result, ``(w − 1, 0)`` for a window layer.
+    window_size: tuple[int, int] | None = None
+
+    def __new__(cls, *args: Any, sliding_window_size: int | None = None, **kwargs: Any):
+        """A window layer's builder (``sliding_window_size = w``, design §2.10) is an
+        :class:`~.fa3_window.FA3WindowBuilder`."""
+        if sliding_window_size and cls is FA3MetadataBuilder:
+            from .fa3_window import FA3WindowBuilder
+
+            cls = FA3WindowBuilder
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -110,7 +121,9 @@ class FA3MetadataBuilder(MetadataBuilder):
         reference: bool = False,
         host_ops: bool = True,
         check_host_lengths: bool = True,
+        sliding_window_size: int | None = None,
     ):
+        del sliding_window_size  # a full layer's builder (see __new__)
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops,
                          check_host_lengths=check_host_lengths)  # fmt: skip
         self.buffers = self.allocate_planned()
@@ -122,18 +135,32 @@ class FA3MetadataBuilder(MetadataBuilder):
             self._q[mode] = UniformQueryLayout.create(
                 widths[mode][0], bs, self.device, out=self.buffers[f"{mode}.cu_seqlens_q"]
             )
-            if (k > 1 or mode == "target_verify") and len(widths[mode]) == 3:
+            expand = f"{mode}.expand_cu_seqlens_q"  # a window builder plans none (chains)
+            if (k > 1 or mode == "target_verify") and expand in self.buffers:
                 self._q[f"{mode}.expand"] = UniformQueryLayout.create(
                     1, bs * widths[mode][2], self.device,
-                    out=self.buffers[f"{mode}.expand_cu_seqlens_q"],
+                    out=self.buffers[expand],
                 )  # fmt: skip
 
-    def _id_spaces(self, mode: str, v2p: Any, entry_page_size: int) -> dict:
+    def _id_spaces(self, mode: str, v2p: Any, entry_page_size: int,
+                   full_to_swa: Any = None) -> dict:  # fmt: skip
         """The kernels' id-space keywords of a build (design §2.10), ``v2p`` checked on the
         host first: the rows' page ids of ``entry_page_size`` positions, ids through the page
-        map ``v2p`` at the config's page size (``check`` has counted the rows in pages)."""
+        map ``v2p`` at the config's page size (``check`` has counted the rows in pages), and
+        a window layer's rail and map (:meth:`_window_tables`)."""
         check_id_spaces(self.require(mode), 0, 0, entry_page_size, v2p, self.device)
-        return dict(entry_page_size=entry_page_size, v2p=v2p)
+        return dict(entry_page_size=entry_page_size, v2p=v2p,
+                    **self._window_tables(mode, full_to_swa))  # fmt: skip
+
+    def _window_tables(self, mode: str, full_to_swa: Any) -> dict:
+        """A window layer's page-table keywords (design §2.10): none for a full layer's
+        builder, whose tables hold full-pool pages and which so refuses a window map."""
+        if full_to_swa is not None:
+            raise ValueError(f"{self.require(mode)}: full_to_swa was given, but this builder "
+                             "serves full layers; build a window layer's tables with "
+                             "FA3MetadataBuilder(cfg, device, sliding_window_size=w) "
+                             "(design §2.10)")  # fmt: skip
+        return {}
 
     def _tables(self, mode: str, prefix: str = "") -> tuple[torch.Tensor, ...]:
         """``(page_table, cache_seqlens, cu_seqlens_k)`` buffers of ``<mode>.<prefix>*``."""
@@ -181,6 +208,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         status: torch.Tensor | None = None,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> Stage:
         """:meth:`draft_decode` bound once to these tensors (arguments as there): the stage
         launches with ``launch()`` and returns the :class:`FA3DraftDecode` from
@@ -197,7 +225,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         B = self.check("draft_decode", req_pool_indices, req_to_token, seq_lens,
                        out_cache_loc=out_cache_loc, status=status,
                        entry_page_size=entry_page_size)  # fmt: skip
-        spaces = self._id_spaces("draft_decode", v2p, entry_page_size)
+        spaces = self._id_spaces("draft_decode", v2p, entry_page_size, full_to_swa)
         status = self.status_word(status)
         check = self.host_check("draft_decode", seq_lens, status)
         if rows == 0:
@@ -234,6 +262,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         launch: bool = True,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> FA3DraftDecode:
         """Metadata of every draft-decode step (design §3.2), one :class:`FA3Cascade` per step.
 
@@ -265,6 +294,10 @@ class FA3MetadataBuilder(MetadataBuilder):
         entry_page_size : int
             ``E ≥ 1``: with ``E > 1`` the rows hold page ids of ``E`` positions each
             (design §2.10), and a row needs ``ceil(row_width_need / E)`` entries.
+        full_to_swa : torch.Tensor, optional
+            A window layer's ``[P_full]`` full → window pool map (design §2.10), taken only by
+            a window builder (``FA3MetadataBuilder(cfg, device, sliding_window_size=w)``): its
+            page tables hold window-pool pages (:mod:`~specmeta.metadata.fa3_window`).
 
         Returns
         -------
@@ -278,7 +311,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         """
         stage = self.bind_draft_decode(req_pool_indices, req_to_token, seq_lens, out_cache_loc,
                                        num_rows=num_rows, status=status, v2p=v2p,
-                                       entry_page_size=entry_page_size)  # fmt: skip
+                                       entry_page_size=entry_page_size,
+                                       full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _draft_views(self, B: int, rows: int) -> tuple[dict, FA3DraftDecode]:
@@ -302,6 +336,7 @@ class FA3MetadataBuilder(MetadataBuilder):
                         return_softmax_lse=False,
                         page_size=ps,
                         max_seqlen_k=0,  # written by the stage's host part
+                        window_size=self.window_size,
                     ),
                     expand=None,
                 )
@@ -354,6 +389,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         num_tokens: int | None = None,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there): the stage
         launches with ``launch()`` and returns the :class:`FA3Cascade` from
@@ -370,7 +406,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         B = self.check("target_verify", req_pool_indices, req_to_token, seq_lens,
                        tree_mask=tree_mask if K > 1 else None, status=status,
                        entry_page_size=entry_page_size)  # fmt: skip
-        spaces = self._id_spaces("target_verify", v2p, entry_page_size)
+        spaces = self._id_spaces("target_verify", v2p, entry_page_size, full_to_swa)
         if verify_lens is not None or num_tokens is not None:
             return self._bind_ragged_verify(B, (req_pool_indices, req_to_token, seq_lens),
                                             tree_mask if K > 1 else None, verify_lens,
@@ -453,6 +489,7 @@ class FA3MetadataBuilder(MetadataBuilder):
         num_tokens: int | None = None,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> FA3Cascade:
         """Metadata of target verify over the ``N``-token window ``row_i[L_i : L_i + N]``.
 
@@ -476,7 +513,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             the sum at most ``num_tokens``) and on the device against ``verify_lens``.
         num_tokens : int, optional
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
-        v2p, entry_page_size
+        v2p, entry_page_size, full_to_swa
             The rows' id space, as in :meth:`draft_decode`: the normal pass's pages and the
             expand pass's token slots are those of the ids emitted.
 
@@ -493,7 +530,8 @@ class FA3MetadataBuilder(MetadataBuilder):
         stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
                                         status=status, verify_lens=verify_lens,
                                         num_tokens=num_tokens, v2p=v2p,
-                                        entry_page_size=entry_page_size)  # fmt: skip
+                                        entry_page_size=entry_page_size,
+                                        full_to_swa=full_to_swa)  # fmt: skip
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
         return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
@@ -514,6 +552,7 @@ class FA3MetadataBuilder(MetadataBuilder):
             return_softmax_lse=K > 1,
             page_size=ps,
             max_seqlen_k=0,  # written by the stage's host part
+            window_size=self.window_size,
         )
         if K == 1:
             return out, FA3Cascade(normal=normal, expand=None)
@@ -544,12 +583,13 @@ class FA3MetadataBuilder(MetadataBuilder):
         status: torch.Tensor | None = None,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> Stage:
         """:meth:`draft_extend` bound once to these tensors (arguments as there)."""
         N, ps = self.cfg.num_draft_tokens, self.cfg.page_size
         B = self.check("draft_extend", req_pool_indices, req_to_token, seq_lens, status=status,
                        entry_page_size=entry_page_size)  # fmt: skip
-        spaces = self._id_spaces("draft_extend", v2p, entry_page_size)
+        spaces = self._id_spaces("draft_extend", v2p, entry_page_size, full_to_swa)
         out, result = self.views(("draft_extend", B), self._extend_views, B)
         args = (req_pool_indices, req_to_token, seq_lens)
         status = self.status_word(status)
@@ -569,15 +609,17 @@ class FA3MetadataBuilder(MetadataBuilder):
         launch: bool = True,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
+        full_to_swa: torch.Tensor | None = None,
     ) -> FA3Metadata:
         """Metadata of draft extend: ``N`` query rows per request (design §3.1),
         ``cache_seqlens = L + N``, causal bottom-right, row pages over ``L + N`` tokens.
 
         Parameters are those of :meth:`draft_decode` (``v2p``, ``entry_page_size``: the rows'
-        id space).
+        id space; ``full_to_swa``: a window layer's map).
         """
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
-                                       v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
+                                       v2p=v2p, entry_page_size=entry_page_size,
+                                       full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _extend_views(self, B: int) -> tuple[dict, FA3Metadata]:
@@ -595,4 +637,5 @@ class FA3MetadataBuilder(MetadataBuilder):
             return_softmax_lse=False,
             page_size=ps,
             max_seqlen_k=0,  # written by the stage's host part
+            window_size=self.window_size,
         )

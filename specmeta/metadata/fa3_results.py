@@ -53,6 +53,12 @@ class FA3Metadata:
         Not a keyword of ``flash_attn_with_kvcache`` (it is one of ``get_scheduler_metadata``):
         ``max(cache_seqlens)``, exact when the build was given ``seq_lens_cpu``, otherwise an
         upper bound from the config (``max_context_len``, ``page_size``, ``N``).
+    window_size : tuple of int, or None
+        FlashAttention's own sliding window ``(left, right)``: query position ``p`` reads the
+        keys ``[p − left, p + right]``, so a window layer of window ``w`` (reading ``(p − w,
+        p]``, design §2.10) has ``(w − 1, 0)``; ``None`` for a full layer, and then not a
+        keyword at all. A window layer's page tables keep their full length: the kernel's
+        window excludes what a row does not read.
     """
 
     cache_seqlens: torch.Tensor
@@ -64,11 +70,16 @@ class FA3Metadata:
     return_softmax_lse: bool
     page_size: int
     max_seqlen_k: int
+    window_size: tuple[int, int] | None = None
 
     def kwargs(self) -> dict[str, Any]:
         """Keywords of FA3's ``flash_attn_with_kvcache`` (``flash_attn_interface``, sgl-kernel):
-        ``flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs(), softmax_scale=…)``."""
-        return {name: getattr(self, name) for name in _KEYWORDS}
+        ``flash_attn_with_kvcache(q, k_cache, v_cache, **meta.kwargs(), softmax_scale=…)``;
+        ``window_size`` too for a window layer."""
+        out = {name: getattr(self, name) for name in _KEYWORDS}
+        if self.window_size is not None:
+            out["window_size"] = self.window_size
+        return out
 
     def varlen_kwargs(self) -> dict[str, Any]:
         """Keywords of FlashAttention's CuTe ``flash_attn.cute.flash_attn_varlen_func``:
@@ -79,9 +90,10 @@ class FA3Metadata:
         ``cu_seqlens_k``, so ``cu_seqlens_k_new`` is left out) and ``return_lse`` replaces
         ``return_softmax_lse``. Its LSE is ``[H, total_q]`` float32, natural log, and ``−inf``
         for a sequence with no keys (a layout-B normal pass whose prefix is shorter than a
-        page): :func:`specmeta.merge_state` takes ``lse.t()`` and handles it.
+        page): :func:`specmeta.merge_state` takes ``lse.t()`` and handles it. A window
+        layer's ``window_size`` is the CuTe kernel's keyword of the same name and meaning.
         """
-        return {
+        out = {
             "cu_seqlens_q": self.cu_seqlens_q,
             "seqused_k": self.cache_seqlens,
             "page_table": self.page_table,
@@ -89,6 +101,9 @@ class FA3Metadata:
             "causal": self.causal,
             "return_lse": self.return_softmax_lse,
         }
+        if self.window_size is not None:  # (left, right), the left one excluding the query
+            out["window_size"] = self.window_size
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,13 +18,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "plan_flashinfer_swa", "rail_prefix_total",
-           "rail_draft_need", "rail_verify_need", "rail_mask_need"]  # fmt: skip
+__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfer_swa",
+           "plan_fa3_swa", "plan_window_layers", "rail_prefix_total", "rail_draft_need",
+           "rail_verify_need", "rail_mask_need"]  # fmt: skip
 
 #: The plan prefix of the window builder's buffers.
 WINDOW_PREFIX = "flashinfer_swa."
 #: The modes a window builder serves: the page-size-1 draft lists and the prefill lists.
 WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
+#: The plan prefix of FA3's window builder (``FA3MetadataBuilder(cfg, device,
+#: sliding_window_size=w)``), which serves the same modes for chains.
+FA3_WINDOW_PREFIX = "fa3_swa."
 
 
 def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
@@ -95,3 +99,34 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
         "packed-bit mask over the clipped lists, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+
+
+def plan_fa3_swa(cfg: SpecConfig, add) -> None:
+    """Add the ``fa3_swa.*`` buffers of ``cfg`` (``sliding_window_size = w ≥ 1``, ``topk = 1``:
+    FA3's window builder serves chains) through ``add``: the fields of ``fa3.<mode>`` for a
+    chain. The tables keep their full width (a page table cannot be clipped inside a page:
+    FlashAttention's own window excludes what a row does not read), so they are sized as the
+    full layers' are, in window-pool pages."""
+    from ..config import page_table_width
+
+    if cfg.topk != 1:
+        return
+    s, bs, i32 = cfg.num_steps, cfg.max_bs, "int32"
+    pages = page_table_width(cfg.req_to_token_width, cfg.page_size)
+    mode = "fa3_swa.draft_decode"
+    add(f"{mode}.page_table", (bs, pages), i32, "[B, W] window-pool pages (every step)")
+    add(f"{mode}.cache_seqlens", (s, bs), i32, "[S, B] KV lengths L + s + 1")
+    add(f"{mode}.cu_seqlens_k", (s, bs + 1), i32, "[S, B+1] Σ cache_seqlens")
+    add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] arange(B+1)")
+    for mode in ("fa3_swa.target_verify", "fa3_swa.draft_extend"):
+        add(f"{mode}.page_table", (bs, pages), i32, "[B, W] window-pool pages over L + N")
+        add(f"{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths L + N")
+        add(f"{mode}.cu_seqlens_k", (bs + 1,), i32, "[B+1] Σ cache_seqlens")
+        add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange(B+1)")
+
+
+def plan_window_layers(cfg: SpecConfig, add) -> None:
+    """Every window builder's buffers of ``cfg`` (``sliding_window_size ≥ 1``): FlashInfer's
+    (:func:`plan_flashinfer_swa`) and FA3's (:func:`plan_fa3_swa`)."""
+    plan_flashinfer_swa(cfg, add)
+    plan_fa3_swa(cfg, add)
