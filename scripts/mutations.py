@@ -69,6 +69,7 @@ LAYERS = {
 
 LOSSLESS = "tests/testing/test_lossless.py"
 HYBRID = "tests/testing/test_lossless_hybrid.py"
+MLA = "tests/testing/test_lossless_mla.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1680,6 +1681,88 @@ MUTATIONS: list[Mutation] = [
        "        in_window = (kpos < head) | ((kpos >= Ld - (kept - head)) & (kpos < Ld)) | (kpos >= Ld)\n",
        "        in_window = ((kpos >= Ld - (kept - head)) & (kpos < Ld)) | (kpos >= Ld)\n",
        [HYBRID, "-k", "cpu and dw4"]),
+    # ------------------------------------------- the lossless loop on an MLA model (issue 39)
+    _m("e-mla-latent-kpe-not-moved", "e2e",
+       "the latent pool moves ckv only: an accepted tree node's rotary key part stays at its "
+       "tree slot (later forwards read stale kpe)",
+       "specmeta/testing/tiny_model.py",
+       "        self.pool = KVPool([*self.ckv, *self.kpe])\n",
+       "        self.pool = KVPool([*self.ckv])\n",
+       [MLA, "-k", "cpu and k2"]),
+    _m("e-mla-scale-over-ckv", "e2e",
+       "MLA's softmax scale taken over the latent width alone (1/sqrt(Dc), not 1/sqrt(Dc + Dr)): "
+       "the paged attention leaves the dense reference's",
+       "specmeta/testing/attention.py",
+       "    return 1.0 / math.sqrt(ckv.shape[-1] + kpe.shape[-1])\n",
+       "    return 1.0 / math.sqrt(ckv.shape[-1])\n",
+       [MLA, "-k", "cpu and k1s3"]),
+    _m("e-mla-depths-as-counts", "e2e",
+       "the loop hands FlashInfer MLA's tree verify each node's ancestor count (the mask's row "
+       "sum) as its depth: every ancestor list planned one key long",
+       "specmeta/testing/spec_loop.py",
+       "            depths_cpu = tree.depth.cpu()\n",
+       "            depths_cpu = tree.mask.sum(-1).cpu()\n",
+       [MLA, "-k", "cpu and k2s3n6-ps1"]),
+    _m("e-mla-kernel-ancestors-dropped", "e2e",
+       "the real MLA kernel's adapter returns the prefix pass alone: a tree's rows never see "
+       "their own chain or ancestors",
+       "specmeta/testing/attention.py",
+       "        return merge_state(o1, lse1, o2, lse2)[0]\n",
+       "        return o1\n",
+       [MLA, "-k", "gpu and k2s4n8 and perturbed and 0"], gpu=True),
+    _m("e-mla-kernel-pages-of-one", "e2e",
+       "the real MLA kernel's adapter views the latent pool in pages of 1 for every pass: a "
+       "chain's draft decode reads its page ids as token slots",
+       "specmeta/testing/attention.py",
+       "        runs = [w.run(query=(qn, qp), kv_cache=(ckv.view(-1, ps, dc), kpe.view(-1, ps, dr)),\n",
+       "        runs = [w.run(query=(qn, qp), kv_cache=(ckv.view(-1, 1, dc), kpe.view(-1, 1, dr)),\n",
+       [MLA, "-k", "gpu and k1s3n4-ps64 and self and 0"], gpu=True),
+    # ------------------------------------------ FA3 page tables of a window layer (issue 38)
+    _m("k-fa3-swa-first-position", "kernel",
+       "a window layer's page-table column reads the map at its page's first position, not at "
+       "the read floor: a straddling page evicted below L - w + 1 reads as the sink",
+       K + "_window.py",
+       "    pos = tl.maximum(col * PAGE_SIZE, floor)\n",
+       "    pos = col * PAGE_SIZE\n",
+       ["tests/kernels/test_fa3_window_tables.py", "-k", "straddling"]),
+    _m("k-fa3-swa-below-floor-read", "kernel",
+       "a window layer's page table reads the pages wholly below its read floor (an evicted "
+       "slot there reported, its page listed)",
+       K + "_window.py",
+       "    read = need & ((col + 1) * PAGE_SIZE > floor)\n",
+       "    read = need\n",
+       ["tests/kernels/test_fa3_window_tables.py", "-k", "one_evicted"]),
+    _m("k-fa3-swa-plain-gather", "kernel",
+       "a window layer's table over plain rows takes the plain gather: full-pool pages, no floor",
+       K + "_page_tables.py",
+       "if ENTRY_PAGE_SIZE == 1 and not TRANSLATE and not WINDOW_LAYER:",
+       "if ENTRY_PAGE_SIZE == 1 and not TRANSLATE:",
+       ["tests/kernels/test_fa3_window_tables.py", "-k", "follow_the_floor and tokens-16"]),
+    _m("r-fa3-swa-floor-off-by-one", "reference",
+       "the torch twin's read floor one position too high (max(0, L - w + 2))",
+       K + "_window.py",
+       "return (L - rail + 1).clamp_min(0) if rail else torch.zeros_like(L)",
+       "return (L - rail + 2).clamp_min(0) if rail else torch.zeros_like(L)",
+       ["tests/kernels/test_fa3_window_tables.py", "-k", "follow_the_floor and tokens-1-"]),
+    _m("st-fa3-swa-map-dropped", "stage",
+       "FA3's window builder binds its tables without the map: full-pool pages",
+       "specmeta/metadata/fa3_window.py",
+       "return dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)",
+       "return dict(sliding_window_size=self.sliding_window_size, full_to_swa=None)",
+       ["tests/metadata/test_fa3_window_builders.py", "-k", "chain_modes and 4-6-True"]),
+    _m("st-fa3-swa-window-one-wider", "stage",
+       "FA3's window builder hands FlashAttention window_size = (w, 0): each row reads w + 1 keys",
+       "specmeta/metadata/fa3_window.py",
+       "        self.window_size = (w - 1, 0)\n",
+       "        self.window_size = (w, 0)\n",
+       ["tests/metadata/test_fa3_window_builders.py", "-k", "chain_modes and 16-9-False"]),
+    _m("h-fa3-swa-tree-served", "host_check",
+       "FA3's window builder takes topk > 1 (a cascade's prefix pass cannot hold each row's "
+       "window)",
+       "specmeta/metadata/fa3_window.py",
+       "        if cfg.topk > 1:\n",
+       "        if False:\n",
+       ["tests/metadata/test_fa3_window_builders.py", "-k", "refusals"]),
 ]
 # fmt: on
 

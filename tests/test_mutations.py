@@ -51,10 +51,10 @@ def test_every_layer_has_a_mutation():
     assert set(mutations.LAYERS) >= {m.layer for m in MUTATIONS}
     missing = set(mutations.LAYERS) - {m.layer for m in MUTATIONS}
     assert not missing, f"layers without a mutation: {sorted(missing)}"
-    # The lossless loop (of the hybrid model too) catches at least the four end-to-end bugs of
-    # the issue.
+    # The lossless loop (of the hybrid and MLA models too) catches at least the four end-to-end
+    # bugs of the issue.
     e2e = [m for m in MUTATIONS if m.layer == "e2e"]
-    loops = {mutations.LOSSLESS, mutations.HYBRID}
+    loops = {mutations.LOSSLESS, mutations.HYBRID, mutations.MLA}
     assert len(e2e) >= 4 and all(loops & set(m.tests) for m in e2e)
     assert any(m.also for m in MUTATIONS if m.layer == "shared")
     assert any(m.gpu for m in MUTATIONS)
