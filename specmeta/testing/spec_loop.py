@@ -59,6 +59,12 @@ window slot and takes it back once no window reads its position
 layers' metadata in window-pool ids (:class:`MetadataStages`); each forward writes a window
 layer's KV at its slots' window-pool ids.
 
+An MLA target and draft (:class:`~specmeta.testing.tiny_model.TinyConfig`'s ``ckv_dim`` and
+``kpe_dim``) keep a latent pool (:class:`~specmeta.testing.tiny_model.LatentCache`), served
+by FlashInfer MLA's builder (``backend="flashinfer_mla"``, design §3.5): a tree's verify is a
+cascade whose ancestor lists ``plan()`` sizes on the host, so the verify also hands the builder
+the tree's node depths (``node_depths_cpu``; the device checks them against the mask).
+
 Prompt prefill is outside specmeta's scope: :meth:`TinyModel.prefill` stores a prompt's KV into
 the pools with dense attention. Every decode-time forward (draft decode, target verify, draft
 extend) reads its keys through a builder's metadata and an attention backend of
