@@ -453,6 +453,12 @@ def _prefix_table_cases(b, g):
         shape = (b.batch_size + 1,) if rows is None else (rows, b.batch_size + 1)
         out = {"cu_seqlens_k": _poison(*shape, device=b.seq_lens.device)}
         yield Case(f"{kw} {b.describe()}", _args(b), dict(kw, page_size=b.page_size), out)
+    # A window layer's table (design §2.10): the read floor, window-pool pages through the map.
+    rail = int(torch.randint(1, 2 * b.page_size + 6, (1,), generator=g))
+    kw = dict(extra_tokens=8, page_size=b.page_size, sliding_window_size=rail,
+              full_to_swa=_window_map(b, g))  # fmt: skip
+    out = {"cu_seqlens_k": _poison(b.batch_size + 1, device=b.seq_lens.device)}
+    yield Case(f"sliding_window_size={rail} full_to_swa {b.describe()}", _args(b), kw, out)
 
 
 def _expand_cases(b, g):
@@ -470,6 +476,13 @@ def _fused_cases(b, g):
     out = {"cu_seqlens_k": _poison(b.batch_size + 1, device=device),
            "expand_cu_seqlens_k": _poison(b.num_steps, BK + 1, device=device)}  # fmt: skip
     yield Case(b.describe(), (*_args(b), slots), kw, out)
+    # A window layer's normal pass (design §2.10).
+    rail = int(torch.randint(1, 2 * b.page_size + 6, (1,), generator=g))
+    kw = dict(kw, sliding_window_size=rail, full_to_swa=_window_map(b, g))
+    out = {"cu_seqlens_k": _poison(b.batch_size + 1, device=device),
+           "expand_cu_seqlens_k": _poison(b.num_steps, BK + 1, device=device)}  # fmt: skip
+    yield Case(f"sliding_window_size={rail} full_to_swa {b.describe()}", (*_args(b), slots), kw,
+               out)  # fmt: skip
 
 
 def _verify_expand_cases(b, g):
