@@ -1,5 +1,5 @@
-"""A hybrid model's window layers read by FlashAttention's real CuTe kernel (GPU tier, design
-§2.10, §3.2).
+"""A hybrid model's window layers read by FlashAttention's real CuTe kernel (GPU tier,
+design §2.10, design §3.2).
 
 FA3's window builder (``FA3MetadataBuilder(cfg, "cuda", sliding_window_size=w)``) builds
 full-length page tables in window-pool pages through the engine's full → window pool map and
