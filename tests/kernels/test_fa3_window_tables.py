@@ -129,6 +129,22 @@ def test_window_tables_follow_the_floor_and_equal_the_reference(form, ps, extra,
         r = torch.arange(rows or 1).view(-1, 1)
         assert_equal(cs.view(-1, 4), (L + extra + r).to(torch.int32), "cache_seqlens")
         assert status == (int(Status.BAD_KV_ID) if bad else 0)
+    # -1 runs below, at and above the longest request's floor (w inside its prefix)
+    w = 2 * ps + 3
+    f = top - w + 1
+    row = r2t[int(rpi[3])]
+    for lo, hi in ((max(0, f - ps - 2), f), (f, f + 2), (f + ps, f + ps + 3)):
+        runs = f2s.clone()
+        for p in range(lo, hi):
+            runs[emitted_id(row, p, v2p, E=E, ps=ps)] = -1
+        runs[0] = 0
+        inputs = (rpi, r2t, L, v2p, runs)
+        pt, _, status = _prefix(inputs, device, ps=ps, E=E, w=w, extra=extra, rows=rows)
+        want, bad = _spec(*inputs, ps=ps, E=E, w=w, extra=extra, rows=rows or 1, exclude=False,
+                          W=pt.shape[1])  # fmt: skip
+        assert_equal(pt, want, f"page_table with a -1 run over [{lo}, {hi}) (floor {f})")
+        assert bad or lo != f, "a run at the floor is read"
+        assert status == (int(Status.BAD_KV_ID) if bad else 0)
 
 
 def test_rail_without_map_sinks_only_what_lies_below_the_floor(gen, device):
