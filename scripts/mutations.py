@@ -1709,14 +1709,21 @@ MUTATIONS: list[Mutation] = [
        "specmeta/testing/attention.py",
        "        return merge_state(o1, lse1, o2, lse2)[0]\n",
        "        return o1\n",
-       [MLA, "-k", "gpu and k2s4n8 and perturbed and 0"], gpu=True),
+       [MLA, "-k", "stand_in and k2"]),
     _m("e-mla-kernel-pages-of-one", "e2e",
        "the real MLA kernel's adapter views the latent pool in pages of 1 for every pass: a "
        "chain's draft decode reads its page ids as token slots",
        "specmeta/testing/attention.py",
        "        runs = [w.run(query=(qn, qp), kv_cache=(ckv.view(-1, ps, dc), kpe.view(-1, ps, dr)),\n",
        "        runs = [w.run(query=(qn, qp), kv_cache=(ckv.view(-1, 1, dc), kpe.view(-1, 1, dr)),\n",
-       [MLA, "-k", "gpu and k1s3n4-ps64 and self and 0"], gpu=True),
+       [MLA, "-k", "stand_in and k1"]),
+    _m("e-mla-kernel-lse-base-2", "e2e",
+       "the real MLA kernel's adapter merges the passes on base-2 LSEs (merge_state takes "
+       "natural logs): a tree's rows weigh their prefix and ancestors wrongly",
+       "specmeta/testing/attention.py",
+       "                      return_lse=True, return_lse_base_on_e=True)\n",
+       "                      return_lse=True, return_lse_base_on_e=False)\n",
+       [MLA, "-k", "stand_in and k2"]),
     # ------------------------------------------ FA3 page tables of a window layer (issue 38)
     _m("k-fa3-swa-first-position", "kernel",
        "a window layer's page-table column reads the map at its page's first position, not at "

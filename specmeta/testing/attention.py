@@ -306,7 +306,9 @@ class FlashInferMLAKernel:
         import flashinfer.mla
 
         self._mla = flashinfer.mla
-        self._backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+        cuda = torch.device(device).type == "cuda"
+        hopper = cuda and torch.cuda.get_device_capability(device)[0] == 9
+        self._backend = "fa3" if hopper else "fa2"
         self.num_heads, self.dims, self.dtype = num_heads, (ckv_dim, kpe_dim), dtype
         self.scale = 1.0 / math.sqrt(ckv_dim + kpe_dim)
         self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)

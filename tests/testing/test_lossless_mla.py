@@ -29,11 +29,15 @@ reference with :mod:`lossless_checks`' margin (a step whose reference lead is be
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
+import types
 
 import pytest
 import torch
 
 from specmeta import SpecConfig
+from specmeta.testing.attention import FlashInferMLAKernel
 from specmeta.testing.spec_loop import SpeculativeLoop, make_requests
 from specmeta.testing.tiny_model import DEFAULT_MARGIN, LatentCache, TinyConfig, TinyModel
 from tests.testing.lossless_checks import (
@@ -175,6 +179,87 @@ GPU_CASES = [
     MlaCase(4, 5, 12, 64, mode="auto"),
     MlaCase(8, 3, 16, 16, mode="auto"),
 ]
+
+
+class _StandInMLA:
+    """``flashinfer.mla`` as the GPU tier calls it (``MLAPlanMetadata.csr``,
+    ``BatchMLAPagedAttentionWrapper.plan/run``), computed by the torch consumer, so the real
+    kernel's adapter runs end to end on the CPU. ``run()`` holds the adapter to the kernel's
+    contract: the planned keywords, the latent cache in pages of the planned page size, split
+    query and cache, and the LSE in base 2 unless asked for natural logs."""
+
+    class MLAPlanMetadata:
+        @staticmethod
+        def csr(**lists):
+            return lists
+
+    class BatchMLAPagedAttentionWrapper:
+        def __init__(self, workspace, backend):
+            assert backend in ("fa2", "fa3")
+            self.plan_args = None
+
+        def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal,
+                 sm_scale, q_data_type, kv_data_type, query_layout, kv_cache_layout,
+                 lse_mode):  # fmt: skip
+            assert (query_layout, kv_cache_layout, lse_mode) == ("split", "split", "basee")
+            for name in ("qo_indptr", "kv_indptr", "kv_len_arr"):
+                assert metadata[name].device.type == "cpu", f"{name}: plan() reads it on the host"
+            assert metadata["kv_indices"].numel() == int(metadata["kv_indptr"][-1])
+            self.plan_args = dict(metadata, page_size=page_size, causal=causal,
+                                  sm_scale=sm_scale, dims=(num_heads, head_dim_ckv, head_dim_kpe))  # fmt: skip
+
+        def run(self, *, query, kv_cache, return_lse, return_lse_base_on_e):
+            from specmeta.testing.consumers.flashinfer_mla import run_pass
+
+            a = self.plan_args
+            (qn, qp), (ckv, kpe) = query, kv_cache
+            H, dc, dr = a["dims"]
+            assert qn.shape[1:] == (H, dc) and qp.shape[1:] == (H, dr) and return_lse
+            assert ckv.shape[1:] == (a["page_size"], dc) and kpe.shape[1:] == (a["page_size"], dr)
+            p = types.SimpleNamespace(
+                qo_indptr_host=a["qo_indptr"], kv_indptr_host=a["kv_indptr"],
+                kv_len_arr_host=a["kv_len_arr"], kv_indices=a["kv_indices"],
+                page_size=a["page_size"], causal=a["causal"])  # fmt: skip
+            out, lse = run_pass(p, qn, qp, ckv.reshape(-1, dc), kpe.reshape(-1, dr),
+                                a["sm_scale"])  # fmt: skip
+            return out.to(qn.dtype), lse if return_lse_base_on_e else lse / math.log(2)
+
+
+@pytest.mark.parametrize("case, draft_kind", [CPU_CASES[0], CPU_CASES[3]],
+                         ids=["k1-ps16-self", "k2-ps16-perturbed"])  # fmt: skip
+def test_lossless_mla_kernel_adapter_on_a_stand_in(case, draft_kind, gen, device, monkeypatch):
+    """The GPU tier's adapter (:class:`FlashInferMLAKernel`: a wrapper a pass planned from the
+    host mirrors, the pool in the pass's pages, the two passes merged by ``merge_state``) in
+    the loop, over a stand-in for ``flashinfer.mla`` that computes each pass with the torch
+    consumer (a chain's draft decode over pages of 16; trees): the output equals greedy
+    decoding, and acceptance and trees equal the loop's through the torch consumer itself.
+    Both loops build on specmeta's references (the kernels are the CPU cases' part); the pools
+    are not compared (``merge_state`` merges in float32)."""
+    package = types.ModuleType("flashinfer")
+    package.mla = _StandInMLA
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", _StandInMLA)
+    adapter = FlashInferMLAKernel(CPU_MODEL.num_heads, CPU_MODEL.ckv_dim, CPU_MODEL.kpe_dim,
+                                  dtype=torch.float64, device=device)  # fmt: skip
+    target = TinyModel.random(CPU_MODEL, _draw(gen), dtype=torch.float64, device=device)
+    draft = target if draft_kind == "self" else target.perturbed(PERTURBATION, _draw(gen))
+    requests = make_requests(CPU_WAVES, vocab_size=CPU_MODEL.vocab_size,
+                             page_size=case.page_size, max_new_tokens=CPU_TOKENS, generator=gen,
+                             spread=CPU_SPREAD)  # fmt: skip
+    cfg = SpecConfig(topk=case.topk, num_steps=case.steps, num_draft_tokens=case.draft_tokens,
+                     page_size=case.page_size, max_bs=3,
+                     max_context_len=max(r.prompt.shape[0] + r.max_new_tokens
+                                         for r in requests))  # fmt: skip
+    seed, runs = _draw(gen), []
+    for attention in (adapter, None):  # None: the torch consumer
+        served = [dataclasses.replace(r, output=[], row=0, seq_len=0, root_logprobs=None)
+                  for r in requests]  # fmt: skip
+        loop = SpeculativeLoop(cfg, target, draft, backend="flashinfer_mla", attention=attention,
+                               mode=case.mode, buckets=(1, 2), reference=True, seed=seed,
+                               raise_on_status=False)  # fmt: skip
+        runs.append((served, loop.run(served)))
+    (served, history), (_, consumer_history) = runs
+    _check_cpu(Served(case, target, served, history, consumer_history), draft_kind, CPU_TOKENS)
 
 
 BF16_MODELS, BF16_TOKENS = 2, 64
