@@ -199,10 +199,11 @@ class MetadataStages:
         launches = [self._bind("assign_draft_cache_locs", rpi, r2t, lens,
                                out_cache_loc=b["draft.out_cache_loc"],
                                positions=b["draft.positions"], **kw)]  # fmt: skip
-        if c.layout_b:
+        if c.layout_b and self.backend != "flashinfer_mla":
             # Branch t >= 1 reads its region's first page whole: the prefix tail goes there
-            # first. Unused pairs are (0, 0), self-moves of the sink; targets sit past L,
-            # sources before it, so the pairs are disjoint.
+            # first (FlashInfer MLA's passes read each prefix where it is: design §3.5).
+            # Unused pairs are (0, 0), self-moves of the sink; targets sit past L, sources
+            # before it, so the pairs are disjoint.
             tgt, src = b["draft.prefix_tail_tgt"], b["draft.prefix_tail_src"]
             n = B * (c.topk - 1) * (c.page_size - 1)
             launches.append(self._bind("prefix_tail_copy_pairs", rpi, r2t, lens, tgt=tgt,

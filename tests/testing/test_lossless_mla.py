@@ -113,7 +113,8 @@ CPU_CASES = [
     (MlaCase(1, 4, 5, 1, mode="graph"), "self"),
     # Trees drafted by a perturbed copy (rejections, accepted nodes moved in the latent pools):
     # every attention the cascade, the verify's ancestor counts from the node depths; token
-    # pages, and pages of 16 (slot layout B: the prefix tails copied into the branch regions).
+    # pages, and pages of 16 (slot layout B, no prefix tail copied: the passes read each prefix
+    # where it is).
     (MlaCase(2, 3, 6, 1), "perturbed"),
     (MlaCase(2, 3, 6, 16), "perturbed"),
 ]
