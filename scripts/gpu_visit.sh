@@ -23,6 +23,8 @@ print(f"device: {p.name}, {p.multi_processor_count} SMs, torch {torch.__version_
 PY
 
 kernels=0
+# The lossless loops' GPU tests: the plain model's, the hybrid model's, the MLA model's.
+LOSSLESS_GPU="test_lossless_gpu or test_lossless_hybrid_gpu or test_lossless_mla_gpu"
 skips() {  # skipped tests in a junit XML file
   python3 -c "import sys, xml.etree.ElementTree as E; r=E.parse(sys.argv[1]).getroot(); print(sum(int(s.get('skipped', 0)) for s in r.iter('testsuite')))" "$1" 2>/dev/null || echo "?"
 }
@@ -73,10 +75,10 @@ PY
       summary+=("compute-sanitizer $tool ($sel): rc=$rc; $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1) $(grep -E 'passed|failed' "$OUT/sanitize_$tool.log" | tail -n 1)")
       ;;
     tests|tests=*)
-      # The lossless loop's GPU cases (test_lossless_gpu, about 400 s) are the `lossless`
+      # The lossless loops' GPU cases (the plain, hybrid and MLA models') are the `lossless`
       # stage's, sharded there; the rest of the tier fits one call.
       paths=${stage#tests}; paths=${paths#=}; paths=${paths//,/ }
-      timeout 480 python3 -m pytest -q -rs ${paths:-tests} -k "not test_lossless_gpu" \
+      timeout 480 python3 -m pytest -q -rs ${paths:-tests} -k "not ($LOSSLESS_GPU)" \
         --junitxml="$OUT/tests.xml" 2>&1 \
         | tee "$OUT/tests.log" | tail -n 25
       n_real=$(grep -cE "SKIPPED.*(test_real_kernels|_real\.py)" "$OUT/tests.log")
@@ -88,8 +90,8 @@ PY
       # test_lossless_gpu, sharded over LOSSLESS_WORKERS processes on the one GPU (the tiny
       # model leaves it mostly idle); each shard writes its own log and junit file.
       sel=${stage#lossless}; sel=${sel#=}
-      ids=$(python3 -m pytest -q --collect-only tests/testing/test_lossless.py \
-        -k "test_lossless_gpu${sel:+ and ($sel)}" 2>/dev/null | grep '::')
+      ids=$(python3 -m pytest -q --collect-only tests/testing/test_lossless*.py \
+        -k "($LOSSLESS_GPU)${sel:+ and ($sel)}" 2>/dev/null | grep '::')
       n=${LOSSLESS_WORKERS:-4}
       for w in $(seq 0 $((n - 1))); do
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
