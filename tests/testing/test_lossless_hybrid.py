@@ -180,12 +180,27 @@ CPU_CASES = [
 ]
 
 
+def _check_root_logprobs(s: HybridServed) -> None:
+    """Each request's last draft extend (or prefill) gave the draft's log-probabilities after
+    its whole committed sequence: they equal the dense reference's (the window layers
+    windowed), to float64 rounding. Unlike the tokens, this does not depend on an argmax
+    moving: every extend row past the first reads through the window layers' own window."""
+    for r in s.requests:
+        seq = torch.cat([r.prompt, torch.tensor(r.output, dtype=torch.int64)]).to(s.draft.device)
+        want = torch.log_softmax(s.draft.logits(seq)[-1].double(), -1)
+        got = r.root_logprobs.double().to(want.device)
+        err = float((got - want).abs().max())
+        assert err < 1e-8, (f"{s.case.id}: request {r.rid}'s draft log-probabilities after "
+                            f"{seq.shape[0]} tokens leave the dense windowed draft's by {err}")
+
+
 @pytest.mark.parametrize("case, draft_kind", CPU_CASES, ids=[f"{c.id}-{d}" for c, d in CPU_CASES])
 def test_lossless_hybrid_cpu(case, draft_kind, gen, device):
     s = _serve(case, draft_kind, gen, device, base=CPU_MODEL, dtype=torch.float64,
                new_tokens=CPU_TOKENS, waves=CPU_WAVES, spread=CPU_SPREAD)  # fmt: skip
     _check_cpu(s, draft_kind, CPU_TOKENS)
     _check_window_crossed(s)
+    _check_root_logprobs(s)
     if case.topk == 1:
         _check_draft_chains(s)
 
