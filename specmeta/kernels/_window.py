@@ -26,11 +26,14 @@ models' attention.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import validate
+from ..config import SpecConfig
 from ..metadata.window_plan import (  # torch-free: the capacity plan's formulas, re-exported
     rail_draft_need,
     rail_mask_need,
@@ -73,6 +76,22 @@ _FIX = ("(design §2.10: sliding_window_size is a window layer's w >= 1 tokens, 
 # --------------------------------------------------------------------------------------------
 # Host side.
 # --------------------------------------------------------------------------------------------
+def window_layer_config(where: str, cfg, sliding_window_size: object):
+    """A window layer's builder's ``(w, cfg)``: ``w`` an int ≥ 1, and the config with
+    ``sliding_window_size = w`` (its plan names the window builders' buffers); a config that
+    plans another window is refused. One rule for FA3's and FlashInfer's window builders."""
+    if not isinstance(cfg, SpecConfig):
+        raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
+    w = validate.positive("sliding_window_size", sliding_window_size)
+    if cfg.sliding_window_size not in (0, w):
+        raise ValueError(
+            f"{where}: sliding_window_size={w}, but the config plans window layers of "
+            f"sliding_window_size={cfg.sliding_window_size}; pass the config's window, or "
+            f"build the SpecConfig with sliding_window_size={w}"
+        )
+    return w, dataclasses.replace(cfg, sliding_window_size=w)
+
+
 def check_window(where: str, sliding_window_size: object, full_to_swa: object,
                  device: torch.device, window_size: int = 0) -> int:  # fmt: skip
     """Check a window layer's inputs: ``sliding_window_size`` None or an int ≥ 0 (0 and None:

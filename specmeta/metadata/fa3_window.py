@@ -26,14 +26,12 @@ builder serves a window layer's trees (its lists and masks are clipped row by ro
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig
-from ..kernels._window import check_window
+from ..kernels._window import check_window, window_layer_config
 from .capabilities import Capabilities
 from .fa3 import FA3MetadataBuilder
 from .window_plan import FA3_WINDOW_PREFIX, WINDOW_MODES
@@ -70,16 +68,8 @@ class FA3WindowBuilder(FA3MetadataBuilder):
 
     def __init__(self, cfg: SpecConfig, device: torch.device | str, *,
                  sliding_window_size: int | None = None, **kwargs: Any):  # fmt: skip
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         where = type(self).__name__
-        w = validate.positive("sliding_window_size", sliding_window_size)
-        if cfg.sliding_window_size not in (0, w):
-            raise ValueError(
-                f"{where}: sliding_window_size={w}, but the config plans window layers of "
-                f"sliding_window_size={cfg.sliding_window_size}; pass the config's window, or "
-                f"build the SpecConfig with sliding_window_size={w}"
-            )
+        w, window_cfg = window_layer_config(where, cfg, sliding_window_size)
         if cfg.topk > 1:
             raise ValueError(
                 f"{where}: topk={cfg.topk}: FA3 serves a window layer's chains only (topk=1): "
@@ -90,7 +80,7 @@ class FA3WindowBuilder(FA3MetadataBuilder):
             )
         self.sliding_window_size = w
         self.window_size = (w - 1, 0)
-        super().__init__(dataclasses.replace(cfg, sliding_window_size=w), device, **kwargs)
+        super().__init__(window_cfg, device, **kwargs)
 
     def _window_tables(self, mode: str, full_to_swa: Any) -> dict:
         """The rail and the map for ``mode``'s page tables (design §2.10), the map checked."""

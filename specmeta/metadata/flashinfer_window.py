@@ -30,15 +30,13 @@ window layer: they are refused, naming what serves it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from .. import validate
 from ..config import SpecConfig
-from ..kernels._window import check_window
+from ..kernels._window import check_window, window_layer_config
 from .capabilities import Capabilities, verify_mask_keys
 from .flashinfer import FlashInferBuilder
 from .host_ops import LengthTable
@@ -132,20 +130,12 @@ class FlashInferWindowBuilder(FlashInferBuilder):
 
     def __init__(self, cfg: SpecConfig, device: torch.device | str, *,
                  sliding_window_size: int | None = None, **kwargs: Any):  # fmt: skip
-        if not isinstance(cfg, SpecConfig):
-            raise TypeError(f"cfg must be a SpecConfig, got {type(cfg).__name__}")
         where = type(self).__name__
-        w = validate.positive("sliding_window_size", sliding_window_size)
-        if cfg.sliding_window_size not in (0, w):
-            raise ValueError(
-                f"{where}: sliding_window_size={w}, but the config plans window layers of "
-                f"sliding_window_size={cfg.sliding_window_size}; pass the config's window, or "
-                f"build the SpecConfig with sliding_window_size={w}"
-            )
+        w, window_cfg = window_layer_config(where, cfg, sliding_window_size)
         self.sliding_window_size = w
         # Its buffers are the plan's flashinfer_swa.* keys for w (the config's own plan lists
         # them when it names w).
-        super().__init__(dataclasses.replace(cfg, sliding_window_size=w), device, **kwargs)
+        super().__init__(window_cfg, device, **kwargs)
         # The prefill lists hold min(L, w − 1) + N entries: their mirrors read each length
         # capped at w − 1 (the same table checks every length against the plan).
         for mode in ("target_verify", "draft_extend"):
