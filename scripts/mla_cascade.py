@@ -11,7 +11,8 @@ through ``flashinfer.mla.BatchMLAPagedAttentionWrapper``, two ways over the same
 * **per branch**: one list a branch holding its prefix copy and its chain
   (``draft_decode_kv_indices``, design §2.2), one pass, no merge.
 
-Each is timed on the device (CUDA events around 50 runs after 5, plans made before), for every
+Each is timed on the device (``host_targets.device_us``: CUDA events around 50 runs queued
+behind a sleep, plans made before), for every
 step ``s`` of the forwards; the builder's own device and host time are
 ``scripts/host_targets.py``'s. Prints a table; ``--out`` writes the rows as JSON.
 """
@@ -22,26 +23,10 @@ import argparse
 import json
 
 import torch
+from host_targets import device_us  # scripts/: the same device timing as the host targets'
 
 B, K, S, CTX, PS = 64, 8, 5, 4096, 64
 CKV, KPE = 512, 64
-
-
-def device_ms(fn, runs: int = 50) -> float:
-    """Device milliseconds per call of ``fn``: CUDA events around ``runs`` calls after 5,
-    queued behind a 50 ms sleep on the stream, so the events time the device, not the host's
-    pace of launching."""
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # about 50 ms at the H100/H200 clock
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
 
 
 def main() -> None:
@@ -118,8 +103,8 @@ def main() -> None:
         kv_len = torch.full((B * K,), CTX + it, dtype=torch.int32)
         single = wrapper(dict(qo_indptr=qo, kv_indptr=ptr, kv_indices=kv_indices[s].int(),
                               kv_len_arr=kv_len, causal=False), 1)  # fmt: skip
-        t_cascade = device_ms(cascade_step)
-        t_single = device_ms(lambda w=single: run(w, 1))
+        t_cascade = device_us(cascade_step, calls=50) / 1000
+        t_single = device_us(lambda w=single: run(w, 1), calls=50) / 1000
         keys_single = B * K * (CTX + it)
         keys_cascade = B * CTX + B * K * it
         out_rows.append(dict(step=s, cascade_ms=t_cascade, per_branch_ms=t_single,
