@@ -191,3 +191,25 @@ def _check_gpu(s: Served, draft_kind: str, new_tokens: int, margin: float) -> di
     # The certified output is the continuation each tree is checked against.
     counts["near_tie_rejections"] = _check_acceptance(s, draft_kind, outputs, near_tie)
     return counts
+
+
+def bf16_argmax_flips(model_cfg: TinyConfig, gen: torch.Generator, models: int,
+                      tokens: int) -> tuple[list[float], int]:  # fmt: skip
+    """Where bf16 arithmetic moves the argmax: ``models`` random models of ``model_cfg`` in
+    bf16 (dense attention, on the CPU) against float32 on the same weights, teacher-forced on
+    the float32 greedy output of ``tokens`` steps from a random prompt. Returns the float32
+    lead over the bf16 argmax at every step where they differ, and the steps taken."""
+    flips, steps = [], 0
+    for _ in range(models):
+        model = TinyModel.random(model_cfg, _draw(gen), dtype=torch.bfloat16)
+        reference = model.to(dtype=torch.float32)
+        prompt = torch.randint(0, model_cfg.vocab_size, (1 + _draw(gen) % 32,), generator=gen)
+        out, _ = reference.greedy(prompt, tokens)
+        seq, P = torch.cat([prompt, out]), prompt.shape[0]
+        want = reference.logits(seq)[P - 1 : -1].double()
+        got = model.logits(seq)[P - 1 : -1].double()
+        emitted = got.argmax(-1, keepdim=True)
+        lead = want.max(-1).values - want.gather(1, emitted)[:, 0]  # 0 where bf16 agrees
+        flips += lead[lead > 0].tolist()
+        steps += out.shape[0]
+    return flips, steps

@@ -65,6 +65,7 @@ from tests.testing.lossless_checks import (
     _check_gpu,
     _draw,
     _real_attention,
+    bf16_argmax_flips,
 )
 
 FULL_ON_CPU = os.environ.get("SPECMETA_LOSSLESS", "") == "full"
@@ -343,19 +344,7 @@ def test_bf16_moves_the_argmax_only_within_the_margin(gen):
     in bf16 on the CPU (dense attention) against float32 on the same weights, teacher-forced
     on the float32 greedy output: where the bf16 argmax differs, float32 leads it by less than
     the margin (the criterion of the GPU tier)."""
-    flips, steps = [], 0
-    for _ in range(BF16_MODELS):
-        model = TinyModel.random(GPU_MODEL, _draw(gen), dtype=torch.bfloat16)
-        reference = model.to(dtype=torch.float32)
-        prompt = torch.randint(0, GPU_MODEL.vocab_size, (1 + _draw(gen) % 32,), generator=gen)
-        tokens, _ = reference.greedy(prompt, BF16_TOKENS)
-        seq, P = torch.cat([prompt, tokens]), prompt.shape[0]
-        want = reference.logits(seq)[P - 1 : -1].double()
-        got = model.logits(seq)[P - 1 : -1].double()
-        emitted = got.argmax(-1, keepdim=True)
-        lead = want.max(-1).values - want.gather(1, emitted)[:, 0]  # 0 where bf16 agrees
-        flips += lead[lead > 0].tolist()
-        steps += tokens.shape[0]
+    flips, steps = bf16_argmax_flips(GPU_MODEL, gen, BF16_MODELS, BF16_TOKENS)
     assert all(lead < DEFAULT_MARGIN for lead in flips), (flips, DEFAULT_MARGIN)
     assert len(flips) < steps // 10, f"bf16 changed {len(flips)} of {steps} argmaxes"
 
