@@ -1,9 +1,11 @@
 """SpecConfig and the capacity plan: the only place a buffer size is computed (design §5).
 
-Every persistent buffer of every kernel, backend and mode is sized here, from one
-:class:`SpecConfig`, and both the eager path and the CUDA-graph path allocate from
-:func:`plan_buffers`: with one plan there is no second formula to get wrong (a draft
-``kv_indices`` sized without the ``topk`` factor in a graph path only, say).
+Every persistent buffer of every kernel, backend and mode is sized by :func:`plan_sizes`, from
+one :class:`SpecConfig` (each backend's builder buffers in its torch-free
+``metadata/<backend>_plan.py``, which it calls, with the ``*_need`` formulas of this module), and
+both the eager path and the CUDA-graph path allocate from :func:`plan_buffers`: with one plan
+there is no second formula to get wrong (a draft ``kv_indices`` sized without the ``topk``
+factor in a graph path only, say).
 
 The ``*_need`` functions give what one batch needs of a buffer, for the launchers' capacity
 checks before launch; they use the same formulas as the plan.
@@ -326,91 +328,6 @@ class BufferSize:
         return self.numel * _ITEMSIZE[self.dtype]
 
 
-def _plan_flashinfer(cfg: SpecConfig, add) -> None:
-    """FlashInfer builders (design §3.3), keys ``flashinfer.<mode>.<field>``; ``*_host`` buffers
-    are CPU mirrors for ``plan()`` (pinned when the builder's device is CUDA)."""
-    k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
-    total = bs * cfg.max_context_len  # ΣL at full capacity
-    i32 = "int32"
-    # Per-branch token lists: every step row holds K copies of every prefix (design §2.2), or
-    # of its draft window (design §2.10).
-    mode = "flashinfer.draft_decode"
-    need = draft_decode_kv_indices_need(bs * cfg.draft_prefix_cap, bs, k, s)
-    add(f"{mode}.kv_indices", (s, need), i32,
-        "[S, K*ΣLw + B*K*S] per-branch KV slot lists, one row per draft step")  # fmt: skip
-    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets")
-    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror of kv_indptr")
-    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1)")
-    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
-    # Cascade (shared-prefix) draft decode: each prefix once, each branch's chain per step.
-    mode = "flashinfer.draft_decode_shared"
-    add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
-        "[ΣL] every prefix once, shared by the request's K branches")  # fmt: skip
-    add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] prefix-level CSR offsets")
-    add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
-    add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
-        "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
-    add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level CSR offsets")
-    add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
-    add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: one query row a branch")
-    add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
-    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
-    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
-    # Per-branch page lists for page size > 1 (prefix-tail copies in place first).
-    mode = "flashinfer.draft_decode_paged"
-    add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
-        "[S, K*(ΣL + B*S)/ps + B*K] per-branch page lists, one row per draft step")  # fmt: skip
-    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets, in pages")
-    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
-    add(f"{mode}.kv_last_page_len", (s, bs * k), i32, "[S, B*K] tokens on each last page")
-    add(f"{mode}.kv_last_page_len_host", (s, bs * k), i32, "[S, B*K] CPU mirror")
-    # Target verify and draft extend: uniform query stride N, row_b[0 : L_b + N].
-    for mode in ("flashinfer.target_verify", "flashinfer.draft_extend"):
-        add(f"{mode}.qo_indptr", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
-        add(f"{mode}.qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-        add(f"{mode}.kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L + N)]")
-        add(f"{mode}.kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-        add(f"{mode}.kv_indices", (verify_kv_indices_need(total, bs, n),), i32,
-            "[ΣL + B*N] row_b[0 : L_b + N]")  # fmt: skip
-        add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
-        add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
-    mode = "flashinfer.target_verify"
-    add(f"{mode}.custom_mask", (tree_custom_mask_need(total, bs, n),), "bool",
-        "[N*ΣL + B*N²] flat bool mask, request i an N × (L_i + N) block")  # fmt: skip
-    add(f"{mode}.mask_indptr", (bs + 1,), i32, "[B+1] mask segment starts (elements)")
-    add(f"{mode}.mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    add(f"{mode}.packed_custom_mask", (tree_custom_mask_need(total, bs, n, packed=True),),
-        "uint8", "packed-bit mask, little-endian, segment i at byte mask_indptr[i]")  # fmt: skip
-    add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
-    add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    # Ragged verify (design §2.9): the lengths padded to the bucket and their offsets.
-    add(f"{mode}.verify_lens", (bs,), i32, "[Bp] verify lengths padded to the bucket")
-    add(f"{mode}.verify_lens_host", (bs,), i32, "[Bp] CPU mirror")
-    add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of verify_lens")
-    add(f"{mode}.ragged_qo_indptr_host", (bs + 1,), i32, "[Bp+1] CPU mirror")
-
-
-def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
-    """TRT-LLM MLA builders (design §3.4), keys ``trtllm_mla.<mode>.<field>``. One block-table
-    width serves every mode: branch rows cover ``L + S`` tokens, verify/extend rows ``L + N``."""
-    k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
-    maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, n), ps)
-    i32 = "int32"
-    mode = "trtllm_mla.draft_decode"
-    add(f"{mode}.block_kv_indices", (bs * k, maxblk), i32,
-        "[B*K, maxblk] page ids of each branch row (per-branch tables; K == 1: the request's)")  # fmt: skip
-    add(f"{mode}.seq_lens_k", (s, bs * k), i32, "[S, B*K] L_b + s + 1")
-    for mode in ("trtllm_mla.target_verify", "trtllm_mla.draft_extend"):
-        add(f"{mode}.block_kv_indices", (bs, maxblk), i32, "[B, maxblk] page ids, -1 beyond use")
-        add(f"{mode}.seq_lens_k", (bs,), i32, "[B] L_b + N")
-        add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange (design §3.1)")
-    # A ragged verify (design §2.9) in the dense query layout: lengths padded and capped at N.
-    add("trtllm_mla.target_verify.verify_lens", (bs,), i32, "[Bp] ragged lengths, padded, ≤ N")
-    add("trtllm_mla.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum")
-
-
 def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
     """Every persistent buffer's shape and dtype, keyed ``"<mode>.<field>"``.
 
@@ -474,49 +391,21 @@ def plan_sizes(cfg: SpecConfig) -> dict[str, BufferSize]:
     # Relocation after verify (design §2.4): accepted (tgt, src) slot pairs, B·(S+1) long, tail 0.
     add("verify.tgt_cache_loc", (bs * (s + 1),), "int64", "[B*(S+1)] KV move targets")
     add("verify.src_cache_loc", (bs * (s + 1),), "int64", "[B*(S+1)] KV move sources")
-    # FlashAttention-3 metadata (design §2.3, §3.2), one set per mode so the metadata of every mode
-    # can live at once (e.g. captured in different graphs); int32, as flash_attn_with_kvcache
-    # wants. Cascade ("expand_*") buffers exist only for K > 1.
-    i32, n_draft = "int32", cfg.num_draft_tokens
-    pages = page_table_width(cfg.req_to_token_width, ps)
-    dd_rows = s if k == 1 else 1  # K == 1: one length row per step; K > 1: the shared prefix
-    add("fa3.draft_decode.page_table", (bs, pages), i32, "[B, W] row pages (K == 1: every step)")
-    add("fa3.draft_decode.cache_seqlens", (dd_rows, bs), i32, "[S or 1, B] KV lengths")
-    add("fa3.draft_decode.cu_seqlens_k", (dd_rows, bs + 1), i32, "[S or 1, B+1] Σ cache_seqlens")
-    add("fa3.draft_decode.cu_seqlens_q", (bs + 1,), i32, "[B+1] K·arange(B+1)")
-    if k > 1:
-        ew = expand_page_table_width(s)
-        add("fa3.draft_decode.expand_page_table", (s, bs * k, ew), i32, "[S, B*K, S] branch pages")
-        add("fa3.draft_decode.expand_cache_seqlens", (s, bs * k), i32, "[S, B*K] lpl + s + 1")
-        add("fa3.draft_decode.expand_cu_seqlens_k", (s, bs * k + 1), i32, "[S, B*K+1] Σ lengths")
-        add("fa3.draft_decode.expand_cu_seqlens_q", (bs * k + 1,), i32, "[B*K+1] arange(B*K+1)")
-    for mode in ("target_verify", "draft_extend"):
-        add(
-            f"fa3.{mode}.page_table",
-            (bs, pages),
-            i32,
-            "[B, W] row pages over L + N (verify K > 1: L)",
-        )
-        add(f"fa3.{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths")
-        add(f"fa3.{mode}.cu_seqlens_k", (bs + 1,), i32, "[B+1] Σ cache_seqlens")
-        add(f"fa3.{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange(B+1)")
-    # The verify cascade's expand pass: K > 1, and a ragged verify for every K (design §2.9),
-    # one row a node or, ragged, a query token (T ≤ B·N).
-    bn = bs * n_draft
-    add("fa3.target_verify.expand_page_table", (bn, n_draft), i32, "[B*N, N] ancestor slots")
-    add("fa3.target_verify.expand_cache_seqlens", (bn,), i32, "[B*N] ancestors per node")
-    add("fa3.target_verify.expand_cu_seqlens_k", (bn + 1,), i32, "[B*N+1] Σ lengths")
-    add("fa3.target_verify.expand_cu_seqlens_q", (bn + 1,), i32, "[B*N+1] arange(B*N+1)")
-    add("fa3.target_verify.verify_lens", (bs,), i32, "[Bp] ragged verify lengths, padded")
-    add("fa3.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of them")
-    _plan_flashinfer(cfg, add)
-    _plan_trtllm_mla(cfg, add)
-    from .metadata.flashinfer_mla_plan import plan_flashinfer_mla  # torch-free, like this one
+    # Each builder's buffers, keyed "<backend>.<mode>.<field>", from its backend's plan module
+    # (metadata/<backend>_plan.py, torch-free like this one).
+    from .metadata.fa3_plan import plan_fa3
+    from .metadata.flashinfer_mla_plan import plan_flashinfer_mla
+    from .metadata.flashinfer_plan import plan_flashinfer
+    from .metadata.trtllm_mla_plan import plan_trtllm_mla
 
-    plan_flashinfer_mla(cfg, add)
+    plan_fa3(cfg, add)  # design §2.3, §3.2
+    plan_flashinfer(cfg, add)  # design §3.3
+    plan_trtllm_mla(cfg, add)  # design §3.4
+    plan_flashinfer_mla(cfg, add)  # design §3.5
     if cfg.sliding_window_size:  # a hybrid model's window layers, in their own id space
-        from .metadata.window_plan import plan_window_layers  # torch-free, like this one
-        plan_window_layers(cfg, add)
+        from .metadata.window_plan import plan_window_layers
+
+        plan_window_layers(cfg, add)  # design §2.10
     return plan
 
 
