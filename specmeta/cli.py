@@ -18,7 +18,17 @@ import random
 import sys
 from typing import TYPE_CHECKING
 
-from .metadata.capabilities import BUILDERS, CAPABILITIES, MODES, VERIFY_MASKS, plan_keys
+from .metadata.capabilities import BUILDERS, CAPABILITIES, MODES, VERIFY_MASKS
+from .plan_report import (
+    ENGINE_GROUPS,
+    WINDOW_BUILDERS,
+    plan_builders,
+    print_builder,
+    print_engine,
+    print_header,
+    print_summary,
+    table,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +225,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 # specmeta plan
 
 # What each builder serves and which plan keys it allocates come from the data the builders
-# themselves read (specmeta.metadata.capabilities), which imports neither torch nor Triton.
+# themselves read (specmeta.metadata.capabilities), which imports neither torch nor Triton; how
+# the plan is printed is specmeta.plan_report's.
 BACKENDS = tuple(BUILDERS)
 
 
@@ -249,54 +260,56 @@ def _unserved(backend: str, missing: list[str], cfg: SpecConfig) -> UsageError:
     )
 
 
-# What uses each group of plan keys that no builder allocates (the engine allocates those it
-# needs with allocate_buffers).
-ENGINE_GROUPS = {
-    "draft": "draft KV slots, layout-B prefix-tail pairs: draft decode, any backend",
-    "verify": "accepted-KV move pairs: accept_cache_locs + move_kv_cache after verify",
-    "runner": "static inputs of GraphRunner (CUDA graphs)",
-    "draft_decode": "draft_decode_kv_indices called directly (FlashInferBuilder has its own)",
-    "status": "a status word (specmeta.new_status)",
-    "host_lengths_host": "the seq_lens_cpu check's host slots every builder owns (design §3)",
-    "host_lengths_seen": "the seq_lens_cpu check's device words every builder owns",
-}
+def _no_window(backend: str, cfg: SpecConfig) -> str | None:
+    """Why ``backend`` builds no window layers for ``cfg`` (design §2.10), or ``None``."""
+    window = WINDOW_BUILDERS.get(backend)
+    return "it has no window-layer builder" if window is None else window.refusal(cfg)
 
 
-def _human(nbytes: int) -> str:
-    """Bytes in the largest binary unit below them (:func:`specmeta.config.human_bytes`)."""
-    from .config import human_bytes
-
-    return human_bytes(nbytes)
-
-
-def _is_host(name: str) -> bool:
-    """Plan keys that the builders allocate on the CPU (FlashInfer's ``plan()`` mirrors)."""
-    return name.endswith("_host")
-
-
-def _table(rows: list[tuple[str, ...]], right: set[int], indent: str = "  ") -> list[str]:
-    """Rows as columns as wide as their widest cell (column ``i`` right-aligned if in ``right``)."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [cell.rjust(w) if i in right else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]  # fmt: skip
-        lines.append((indent + "  ".join(cells)).rstrip())
-    return lines
+def _unwindowed(backend: str, why: str, cfg: SpecConfig, wanted: tuple[str, ...]) -> UsageError:
+    """The error for ``--sliding-window-size`` with a ``--backend`` that builds no window layers."""
+    others = [b for b in BACKENDS if b != backend and _no_window(b, cfg) is None
+              and all(CAPABILITIES[b].serves(m, cfg) for m in wanted)]  # fmt: skip
+    alternative = (f", or pass --backend {' '.join(others)}, which "
+                   f"build{'s' if len(others) == 1 else ''} them" if others else "")  # fmt: skip
+    return UsageError(
+        f"--sliding-window-size {cfg.sliding_window_size}: --backend {backend} "
+        f"({BUILDERS[backend]}) builds no window layers for this config, design §2.10: {why}; "
+        f"drop --sliding-window-size{alternative}"
+    )
 
 
-def _buffer_rows(plan: dict, names: list[str]) -> list[str]:
-    rows = [("buffer", "shape", "dtype", "on", "bytes")]
-    for name in names:
-        spec = plan[name]
-        rows.append((name, str(list(spec.shape)), spec.dtype,
-                     "host" if _is_host(name) else "device", _human(spec.nbytes)))  # fmt: skip
-    return _table(rows, right={4})
+def _select(args: argparse.Namespace, cfg: SpecConfig) -> tuple[list[str], list[str]]:
+    """The backends to plan and a line for each one left out: a backend named with --backend
+    that does not serve every --modes entry, or builds no window layers for the config, is an
+    error; one of the default backends is left out (unless it is the last)."""
+    backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
+    wanted = tuple(dict.fromkeys(args.modes or ()))
+    skipped = []
+    for backend in list(backends):
+        missing = [m for m in wanted if not CAPABILITIES[backend].serves(m, cfg)]
+        if missing and args.backend is None and len(backends) > 1:
+            backends.remove(backend)  # not named: plan the backends that serve them all
+            skipped.append(f"{backend}: not planned, {BUILDERS[backend]} does not serve "
+                           f"{' or '.join(missing)} for this config (it serves "
+                           f"{', '.join(CAPABILITIES[backend].served(cfg))})")  # fmt: skip
+        elif missing:
+            raise _unserved(backend, missing, cfg)
+    for backend in list(backends) if cfg.sliding_window_size else ():
+        why = _no_window(backend, cfg)
+        if why and args.backend is None and len(backends) > 1:
+            backends.remove(backend)  # a hybrid model needs both builders of its backend
+            skipped.append(f"{backend}: not planned, {BUILDERS[backend]} builds no window layers "
+                           f"for this config (--sliding-window-size {cfg.sliding_window_size}): "
+                           f"{why}")  # fmt: skip
+        elif why:
+            raise _unwindowed(backend, why, cfg, wanted)
+    return backends, skipped
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     # Config arithmetic only: plan_sizes is plan_buffers with dtype names, without torch.
-    from .config import SpecConfig, check_fits, max_num_draft_tokens, plan_sizes
+    from .config import SpecConfig, max_num_draft_tokens, plan_sizes
 
     k, s, n = args.topk, args.num_steps, args.num_draft_tokens
     if n > max_num_draft_tokens(k, s):
@@ -309,99 +322,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         cfg = SpecConfig(topk=k, num_steps=s, num_draft_tokens=n, page_size=args.page_size,
                          max_bs=args.max_bs, max_context_len=args.max_context_len,
                          draft_window_size=args.draft_window_size,
-                         draft_sink_size=args.draft_sink_size)  # fmt: skip
+                         draft_sink_size=args.draft_sink_size,
+                         sliding_window_size=args.sliding_window_size)  # fmt: skip
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid configuration: {err}") from None
-    backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
-    wanted = tuple(dict.fromkeys(args.modes or ()))
-    skipped = []  # (backend, modes it does not serve): left out of a default --backend
-    if wanted:
-        for backend in list(backends):
-            missing = [m for m in wanted if not CAPABILITIES[backend].serves(m, cfg)]
-            if missing and args.backend is None and len(backends) > 1:
-                backends.remove(backend)  # not named: plan the backends that serve them all
-                skipped.append((backend, missing))
-            elif missing:
-                raise _unserved(backend, missing, cfg)
+    backends, skipped = _select(args, cfg)
     plan = plan_sizes(cfg)
+    wanted = tuple(dict.fromkeys(args.modes or ()))
+    builders, notes = plan_builders(cfg, plan, backends, wanted, args.verify_mask)
     engine = [g for g in ENGINE_GROUPS if g in (args.with_ or ())]
-
-    window = (f" draft window {cfg.draft_window_size} + sink {cfg.draft_sink_size}"
-              if cfg.draft_window_size else "")  # fmt: skip
-    print(f"specmeta plan: topk={cfg.topk} num_steps={cfg.num_steps} num_draft_tokens="
-          f"{cfg.num_draft_tokens} page_size={cfg.page_size} max_bs={cfg.max_bs} "
-          f"max_context_len={cfg.max_context_len}{window}")  # fmt: skip
-    print(f"  req_to_token_width={cfg.req_to_token_width} pool_size={cfg.pool_size} "
-          f"slot layout {'B' if cfg.layout_b else 'A'}")  # fmt: skip
-    for backend, missing in skipped:
-        print(f"\n{backend}: not planned, {BUILDERS[backend]} does not serve "
-              f"{' or '.join(missing)} for this config (it serves "
-              f"{', '.join(CAPABILITIES[backend].served(cfg))})")  # fmt: skip
-    grand = {"device": 0, "host": 0}
-    summary: list[tuple[str, ...]] = [("", "device", "host")]
-    unbuildable: list[str] = []  # builders whose buffers check_fits refuses on any device
-    for backend in backends:
-        served = CAPABILITIES[backend].served(cfg)  # what the config allows it to serve
-        chosen = tuple(m for m in served if m in (wanted or served))
-        # The keys the builder allocates, by the rule its plan_keys follows.
-        extra = {"verify_mask": args.verify_mask} if backend == "flashinfer" else {}
-        names = plan_keys(backend, plan, chosen, **extra)
-        order = list(dict.fromkeys(name.split(".")[1] for name in names))
-        names.sort(key=lambda name: order.index(name.split(".")[1]))  # by mode, plan order within
-        # Every builder owns a status word and the seq_lens_cpu check's slots.
-        names += ["status", "host_lengths_host", "host_lengths_seen"]
-        options = "".join(f", {k}={v!r}" for k, v in extra.items())
-        print(f"\n{backend}: {BUILDERS[backend]}(cfg, device, modes={list(chosen)}{options}) "
-              "allocates these when it is created")  # fmt: skip
-        for line in _buffer_rows(plan, names):
-            print(line)
-        modes: dict[str, dict[str, int]] = {}
-        for name in names:
-            mode = name.split(".")[1] if "." in name else "(status, host lengths)"
-            where = "host" if _is_host(name) else "device"
-            modes.setdefault(mode, {"device": 0, "host": 0})[where] += plan[name].nbytes
-        rows = [("mode", "device", "host")]
-        rows += [(mode, _human(b["device"]), _human(b["host"])) for mode, b in modes.items()]
-        dev, host = (sum(b[w] for b in modes.values()) for w in ("device", "host"))
-        rows.append((f"{backend} total", _human(dev), _human(host)))
-        print()
-        for line in _table(rows, right={1, 2}):
-            print(line)
-        if host:
-            print("  host: one set of CPU mirrors for plan(), pinned when the device is CUDA; the")
-            print("  builder keeps mirror_depth sets (default 16) of the per-build index pointers")
-        try:  # the int32-offset limit, which holds on every device ("meta": no memory check)
-            check_fits({name: plan[name] for name in names}, "meta", BUILDERS[backend])
-        except ValueError as err:
-            print(f"  cannot be created: {err}")
-            unbuildable.append(BUILDERS[backend])
-        summary.append((f"{BUILDERS[backend]}", _human(dev), _human(host)))
-        grand["device"] += dev
-        grand["host"] += host
-
-    groups = {g: [name for name in plan if name.split(".")[0] == g] for g in ENGINE_GROUPS}
-    print("\nengine buffers: no builder allocates these; an engine allocates those it uses with")
-    print("specmeta.allocate_buffers(cfg, device, names); --with GROUP adds a group to the total")
-    rows = [("group", "bytes", "in total", "what uses it")]
-    for group, names in groups.items():
-        nbytes = sum(plan[name].nbytes for name in names)
-        rows.append(
-            (group, _human(nbytes), "yes" if group in engine else "no", ENGINE_GROUPS[group])
-        )
-    for line in _table(rows, right={1}):
-        print(line)
-    for group in engine:
-        print(f"\n{group}:")
-        for line in _buffer_rows(plan, groups[group]):
-            print(line)
-        nbytes = sum(plan[name].nbytes for name in groups[group])
-        summary.append((f"engine: {group}", _human(nbytes), _human(0)))
-        grand["device"] += nbytes
-    summary.append(("grand total", _human(grand["device"]), _human(grand["host"])))
-    print()
-    for line in _table(summary, right={1, 2}, indent=""):
-        print(line)
-    misfits = _print_buckets(cfg, args.verify_buckets or ())
+    print_header(cfg)
+    for line in skipped + notes:
+        print(f"\n{line}")
+    totals, unbuildable = [], []
+    for planned in builders:
+        dev, host, ok = print_builder(planned, plan)
+        totals.append((planned, dev, host))
+        if not ok:
+            unbuildable.append(planned.builder)
+    engine_bytes = print_engine(plan, engine, window=bool(cfg.sliding_window_size))
+    print_summary(totals, engine_bytes)
+    misfits = _print_buckets(cfg, args.verify_buckets or (),
+                             [p.builder for p in builders if p.space == "window"])  # fmt: skip
     if unbuildable:
         print(f"\n{', '.join(unbuildable)}: cannot be created for this config (see above); exit "
               "status 1")  # fmt: skip
@@ -411,10 +353,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if unbuildable or misfits else 0
 
 
-def _print_buckets(cfg, buckets) -> list[str]:
+def _print_buckets(cfg, buckets, window: list[str]) -> list[str]:
     """The ragged verify's buckets (design §2.9) against the plan: a bucket of ``T`` tokens over
     ``Bp`` requests fits when ``Bp ≤ max_bs`` and ``T ≤ Bp·N`` (every list, mask and expand
-    row a ragged build writes then lies within what the plan sizes for the uniform verify).
+    row a ragged build writes then lies within what the plan sizes for the uniform verify),
+    and no window builder is planned (``window``: none builds a ragged verify, design §2.10).
     Returns the buckets that do not fit."""
     if not buckets:
         return []
@@ -428,12 +371,18 @@ def _print_buckets(cfg, buckets) -> list[str]:
             why.append(f"Bp > max_bs = {cfg.max_bs}")
         if T > bp * n:
             why.append(f"T > Bp·N = {bp * n}")
+        if window:
+            why.append("window layers: no ragged verify")
         rows.append((f"{T}:{bp}", "no" if why else "yes",
                      "; ".join(why) or f"T <= Bp·N = {bp * n}, Bp <= max_bs"))  # fmt: skip
         if why:
             misfits.append(f"{T}:{bp}")
-    for line in _table(rows, right=set()):
+    for line in table(rows, right=set()):
         print(line)
+    if window:
+        print(f"  window layers: {', '.join(window)} build{'s' if len(window) == 1 else ''} no "
+              "ragged verify yet (design §2.10);\n  verify them with the uniform layout "
+              "(verify_lens=None)")  # fmt: skip
     return misfits
 
 
@@ -585,8 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="the buffers each builder allocates for a configuration, with totals",
         description="Size a configuration: every buffer each backend's builder allocates when it "
         "is created (all of its modes), per-mode and per-backend totals, the buffers an engine "
-        "allocates itself, and a grand total. Sizes come from specmeta.plan_buffers(cfg). A mode "
-        "that a named --backend does not serve is an error; exit status 1 when a builder's "
+        "allocates itself, and a grand total (with --sliding-window-size, the window layers' "
+        "builders too, and a total per id space). Sizes come from specmeta.plan_buffers(cfg). A "
+        "mode that a named --backend does not serve is an error; exit status 1 when a builder's "
         "buffers pass what their int32 offsets can address (it cannot be created).",
     )  # fmt: skip
     plan.add_argument("--topk", type=_positive_int, required=True, metavar="K",
@@ -624,6 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "all, and is sized for that (default: 0, no window)")  # fmt: skip
     plan.add_argument("--draft-sink-size", type=_non_negative_int, default=0, metavar="SK",
                       help="sink tokens of --draft-window-size (default: %(default)s)")  # fmt: skip
+    plan.add_argument("--sliding-window-size", type=_non_negative_int, default=0, metavar="W",
+                      help="a hybrid model's window layers: each query at position p reads "
+                      "(p - W, p] from a second KV pool; each --backend's window builder "
+                      "(FlashInfer's; FA3's for --topk 1) is planned beside its full layers' one "
+                      "and the window pool's metadata totalled apart; a backend that builds no "
+                      "window layers is left out, or an error if named (default: 0, none)")  # fmt: skip
     plan.add_argument("--verify-buckets", nargs="+", type=_bucket, metavar="T:BP",
                       help="a ragged verify's captured buckets, T tokens over BP requests "
                       "(design §2.9): each is checked against the plan (BP <= --max-bs, "

@@ -189,7 +189,9 @@ class SpecConfig:
         (:attr:`draft_prefix_cap`). ``draft_window_size = 0`` (the default) is no window.
     sliding_window_size : int
         A hybrid model's window layers' ``w`` (design §2.10): 0 (the default) is none, else the
-        ``flashinfer_swa.*`` buffers of its window builder are planned too (``window_plan``).
+        window builders' ``flashinfer_swa.*`` buffers (and ``fa3_swa.*`` for ``topk = 1``) are
+        planned too (``window_plan``), in the window pool's id space. Any ``w ≥ 1`` is valid: from
+        ``max_context_len + num_steps`` on it clips nothing (the lists are the full layers').
     """
 
     topk: int

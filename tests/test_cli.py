@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specmeta import SpecConfig, plan_buffers
-from specmeta.cli import BUILDERS, _human, main
+from specmeta.cli import BUILDERS, main
+from specmeta.plan_report import human as _human
 
 PLAN = ["plan", "--topk", "4", "--num-steps", "3", "--num-draft-tokens", "8", "--page-size", "16",
         "--max-bs", "8", "--max-context-len", "1024"]  # fmt: skip
@@ -58,11 +59,20 @@ def test_plan_lists_what_each_builder_allocates_with_totals(capsys):
 
 
 def test_plan_knows_every_group_of_plan_keys():
-    """Every plan key is a builder's (``<backend>.``) or in a described engine group."""
-    from specmeta.cli import ENGINE_GROUPS
+    """Every plan key is a builder's (``<backend>.``, a window builder's ``<backend>_swa.``) or
+    in a described engine group."""
+    import dataclasses
+
+    from specmeta.cli import ENGINE_GROUPS, WINDOW_BUILDERS
 
     prefixes = {name.split(".")[0] for name in plan_buffers(CFG)}
     assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS)
+    chain = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, max_context_len=64,
+                       sliding_window_size=16)  # fmt: skip
+    for cfg in (chain, dataclasses.replace(CFG, sliding_window_size=16)):
+        prefixes = {name.split(".")[0] for name in plan_buffers(cfg)}
+        windows = {w.key for b, w in WINDOW_BUILDERS.items() if w.refusal(cfg) is None}
+        assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS) | windows, cfg.topk
 
 
 def test_plan_totals_are_what_the_builders_allocate(device):
@@ -381,7 +391,8 @@ def test_help_imports_no_torch():
 
 
 def test_plan_imports_no_torch():
-    args = [*PLAN[1:], "--with", "draft", "verify", "runner", "draft_decode", "status"]
+    args = [*PLAN[1:], "--with", "draft", "verify", "runner", "draft_decode", "status",
+            "--sliding-window-size", "64"]  # fmt: skip
     code = ("import sys\nfrom specmeta.cli import main\n"
             f"assert main(['plan', *{args!r}]) == 0\n"
             f"print({_HEAVY}, file=sys.stderr)\n")  # fmt: skip
@@ -528,3 +539,181 @@ def test_plan_checks_a_ragged_verify_bucket_set(capsys):
     with pytest.raises(SystemExit):
         main([*PLAN, "--verify-buckets", "64"])
     assert "must be T:BP" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Window layers (--sliding-window-size, design §2.10): each backend's window builder beside its
+# full layers' one, and the totals of each id space.
+# ----------------------------------------------------------------------------------------------
+CHAIN = ["plan", "--topk", "1", "--num-steps", "3", "--num-draft-tokens", "4", "--page-size", "16",
+         "--max-bs", "8", "--max-context-len", "1024", "--sliding-window-size", "100"]  # fmt: skip
+CHAIN_CFG = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, page_size=16, max_bs=8,
+                       max_context_len=1024, sliding_window_size=100)  # fmt: skip
+
+
+def _summary(out: str) -> dict[str, list[str]]:
+    """The closing table (after the last blank line): row label -> device and host bytes."""
+    rows = [re.fullmatch(r"(.+?) {2,}(\S+ \S+) +(\S+ \S+)", ln)
+            for ln in out.split("\n\n")[-1].splitlines()[1:]]  # fmt: skip
+    return {m[1]: [*m[2].split(), *m[3].split()] for m in rows}
+
+
+def test_plan_of_window_layers_totals_each_id_space(capsys):
+    """A chain with w = 100: FA3's and FlashInfer's window builders are planned beside their
+    full layers' builders, every window buffer listed with its shape; the full pool's metadata
+    (the full builders and the engine groups of --with) and the window pool's (the window
+    builders, their own status words included) are totalled apart, and add up to the grand
+    total. TRT-LLM MLA and FlashInfer MLA build no window layers: left out, and said so."""
+    assert main([*CHAIN, "--with", "draft", "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "max_context_len=1024 sliding window 100\n" in out
+    assert (
+        "one window builder per id space beside each full layers' builder, not one per layer" in out
+    )
+    for backend in ("trtllm_mla", "flashinfer_mla"):
+        assert (f"\n{backend}: not planned, {BUILDERS[backend]} builds no window layers for this "
+                "config (--sliding-window-size 100): it has no window-layer builder\n") in out  # fmt: skip
+        assert not _rows(out, backend + ".")
+    plan = plan_buffers(CHAIN_CFG)
+    for name, spec in plan.items():
+        if name.startswith(("fa3_swa.", "flashinfer_swa.")):
+            (row,) = [ln for ln in out.splitlines() if ln.split()[:1] == [name]]
+            assert str(list(spec.shape)) in row and _human(spec.nbytes) in row
+    own = ["status", "host_lengths_host", "host_lengths_seen"]
+    spaces = {"full": [0, 0], "window": [0, 0]}
+    summary = _summary(out)
+    for key, builder, space in (("fa3", "FA3MetadataBuilder", "full"),
+                                ("fa3_swa", "FA3WindowBuilder", "window"),
+                                ("flashinfer", "FlashInferBuilder", "full"),
+                                ("flashinfer_swa", "FlashInferWindowBuilder", "window")):  # fmt: skip
+        names = [n for n in plan if n.split(".")[0] == key] + own
+        dev = sum(plan[n].nbytes for n in names if not n.endswith("_host"))
+        host = sum(plan[n].nbytes for n in names if n.endswith("_host"))
+        assert summary[builder] == [*_human(dev).split(), *_human(host).split()], builder
+        spaces[space][0] += dev
+        spaces[space][1] += host
+    spaces["full"][0] += sum(
+        s.nbytes for n, s in plan.items() if n.split(".")[0] in ("draft", "verify")
+    )
+    assert summary["full-pool metadata"] == [*_human(spaces["full"][0]).split(),
+                                             *_human(spaces["full"][1]).split()]  # fmt: skip
+    assert summary["window-pool metadata"] == [*_human(spaces["window"][0]).split(),
+                                               *_human(spaces["window"][1]).split()]  # fmt: skip
+    grand = [sum(v[i] for v in spaces.values()) for i in (0, 1)]
+    assert summary["grand total"] == [*_human(grand[0]).split(), *_human(grand[1]).split()]
+    assert ("fa3_swa: FA3MetadataBuilder(cfg, device, sliding_window_size=100, modes=["
+            "'draft_decode', 'target_verify', 'draft_extend']) (FA3WindowBuilder: window-pool "
+            "ids) allocates these") in out  # fmt: skip
+
+
+def test_plan_without_window_layers_totals_no_id_space(capsys):
+    assert main([*CHAIN[:-2], "--backend", "fa3"]) == 0
+    out = capsys.readouterr().out
+    assert "window" not in out and not _rows(out, "fa3_swa.")
+    assert set(_summary(out)) == {"FA3MetadataBuilder", "grand total"}
+
+
+def test_plan_window_builders_follow_the_backend_selection(capsys):
+    """--backend names the full layers' builders; each brings its own window builder, no
+    other. A tree (topk = 4) has no FA3 window builder: a default plan leaves FA3 out, saying
+    why, and plans FlashInfer's two builders."""
+    assert main([*CHAIN, "--backend", "fa3"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out, "fa3.") and _rows(out, "fa3_swa.")
+    assert not _rows(out, "flashinfer") and "FlashInferWindowBuilder" not in out
+    assert main([*CHAIN, "--backend", "flashinfer"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out, "flashinfer.") and _rows(out, "flashinfer_swa.")
+    assert not _rows(out, "fa3.") and "FA3WindowBuilder" not in out
+    assert main([*PLAN, "--sliding-window-size", "100"]) == 0
+    out = capsys.readouterr().out
+    assert ("\nfa3: not planned, FA3MetadataBuilder builds no window layers for this config "
+            "(--sliding-window-size 100): its FA3WindowBuilder serves chains only, topk=1: a "
+            "tree's cascade reads the shared prefix in one pass whose rows each have their own "
+            "window\n") in out  # fmt: skip
+    assert not _rows(out, "fa3.") and not _rows(out, "fa3_swa.")
+    assert _rows(out, "flashinfer.") and _rows(out, "flashinfer_swa.")
+    assert set(_summary(out)) == {"FlashInferBuilder", "FlashInferWindowBuilder",
+                                  "full-pool metadata", "window-pool metadata", "grand total"}  # fmt: skip
+
+
+def test_plan_window_totals_are_what_the_window_builders_allocate(capsys, device):
+    """--modes and --verify-mask choose the window builder's modes as an engine would make it:
+    a step's own mode (the shared-prefix draft decode of the full layers is the window
+    builder's draft_decode, its only draft form), the same mask form; the window pool's total
+    is the device bytes the two window builders made with those choices allocate."""
+    from specmeta import FA3MetadataBuilder, FlashInferBuilder
+
+    modes = ["draft_decode_shared_prefix", "target_verify"]
+    assert main([*CHAIN, "--backend", "flashinfer", "--modes", *modes, "--verify-mask",
+                 "packed"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert ("FlashInferBuilder(cfg, device, sliding_window_size=100, modes=['draft_decode', "
+            "'target_verify'], verify_mask='packed')") in out  # fmt: skip
+    assert not _rows(out, "flashinfer_swa.target_verify.custom_mask")
+    assert not _rows(out, "flashinfer_swa.draft_extend.")
+    fi = FlashInferBuilder(CHAIN_CFG, device, sliding_window_size=100, verify_mask="packed",
+                           modes=["draft_decode", "target_verify"])  # fmt: skip
+    fa = FA3MetadataBuilder(CHAIN_CFG, device, sliding_window_size=100)
+    assert (
+        type(fi).__name__ == "FlashInferWindowBuilder" and type(fa).__name__ == "FA3WindowBuilder"
+    )
+
+    def device_bytes(builder):
+        own = [t for k, t in builder.buffers.items() if not k.endswith("_host")]
+        return sum(t.nbytes for t in own) + builder.status.nbytes + builder.host_lengths_seen.nbytes
+
+    assert _summary(out)["window-pool metadata"][:2] == _human(device_bytes(fi)).split()
+    assert main([*CHAIN, "--backend", "fa3"]) == 0
+    assert _summary(capsys.readouterr().out)["window-pool metadata"][:2] == (
+        _human(device_bytes(fa)).split()
+    )
+
+
+@pytest.mark.parametrize("topk,ps", [(1, 1), (4, 16)])
+def test_window_plan_keys_are_the_window_builders_own(topk, ps):
+    """``specmeta plan`` reads the window builders' capabilities and keys from torch-free data
+    (:data:`specmeta.plan_report.WINDOW_BUILDERS`); they must be the builders' own, for every
+    choice of modes and mask, and FA3's chains-only rule must be its constructor's."""
+    from itertools import combinations
+
+    from specmeta import FA3MetadataBuilder
+    from specmeta.config import plan_sizes
+    from specmeta.metadata.fa3_window import FA3_WINDOW_CAPABILITIES, FA3WindowBuilder
+    from specmeta.metadata.flashinfer_window import WINDOW_CAPABILITIES, FlashInferWindowBuilder
+    from specmeta.plan_report import WINDOW_BUILDERS, window_plan_keys
+
+    cfg = SpecConfig(topk=topk, num_steps=3, num_draft_tokens=4, page_size=ps, max_bs=3,
+                     max_context_len=40, sliding_window_size=9)  # fmt: skip
+    keys = list(plan_sizes(cfg))
+    classes = {"fa3": (FA3WindowBuilder, FA3_WINDOW_CAPABILITIES),
+               "flashinfer": (FlashInferWindowBuilder, WINDOW_CAPABILITIES)}  # fmt: skip
+    assert set(WINDOW_BUILDERS) == set(classes)
+    for backend, (cls, caps) in classes.items():
+        window = WINDOW_BUILDERS[backend]
+        assert (window.key + ".", window.builder) == (cls.plan_prefix, cls.__name__)
+        assert window.capabilities == caps == cls.capabilities
+        if window.refusal(cfg) is not None:
+            with pytest.raises(ValueError, match="chains only"):
+                FA3MetadataBuilder(cfg, "cpu", sliding_window_size=9)
+            assert not any(key.startswith(cls.plan_prefix) for key in keys)
+            continue
+        served = cls.check_modes(cfg, None)
+        masks = ("bool", "packed", "both") if backend == "flashinfer" else (None,)
+        for count in range(1, len(served) + 1):
+            for modes in combinations(served, count):
+                for mask in masks:
+                    extra = {} if mask is None else {"verify_mask": mask}
+                    want = cls.plan_keys(cfg, modes, **extra)
+                    assert window_plan_keys(backend, keys, modes, **extra) == want, (modes, mask)
+    assert topk == 1 or WINDOW_BUILDERS["fa3"].refusal(cfg) is not None
+
+
+def test_plan_refuses_a_ragged_verify_bucket_of_window_layers(capsys):
+    """No window builder builds a ragged verify yet (design §2.10): with window layers every
+    bucket is named as not fitting, and the exit status is 1."""
+    assert main([*CHAIN, "--backend", "fa3", "--verify-buckets", "16:8"]) == 1
+    out = capsys.readouterr().out
+    assert "  16:8    no    window layers: no ragged verify\n" in out
+    assert "window layers: FA3WindowBuilder builds no ragged verify yet (design §2.10)" in out
+    assert main([*CHAIN[:-2], "--backend", "fa3", "--verify-buckets", "16:8"]) == 0

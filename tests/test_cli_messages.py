@@ -240,6 +240,36 @@ def test_plan_modes_that_no_backend_serves(capsys, monkeypatch):
     )  # fmt: skip
 
 
+def test_plan_sliding_window_size_negative(capsys):
+    assert run(capsys, "plan", "--topk", "1", "--num-draft-tokens", "3", *PLAN,
+               "--sliding-window-size", "-1") == (
+        2,
+        "specmeta plan: argument --sliding-window-size: must be an integer >= 0, got '-1'; "
+        "see 'specmeta plan --help'\n",
+    )  # fmt: skip
+
+
+def test_plan_window_layers_on_a_backend_without_a_window_builder(capsys):
+    """A named backend that builds no window layers plans nothing and names the backends that
+    do (with the other options: a tree leaves FlashInfer alone)."""
+    assert run(capsys, "plan", "--topk", "1", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "flashinfer", "trtllm_mla", "--sliding-window-size", "4") == (
+        2,
+        "specmeta plan: --sliding-window-size 4: --backend trtllm_mla (TrtllmMlaBuilder) builds "
+        "no window layers for this config, design §2.10: it has no window-layer builder; drop "
+        "--sliding-window-size, or pass --backend fa3 flashinfer, which build them\n",
+    )  # fmt: skip
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "fa3", "--sliding-window-size", "4") == (
+        2,
+        "specmeta plan: --sliding-window-size 4: --backend fa3 (FA3MetadataBuilder) builds no "
+        "window layers for this config, design §2.10: its FA3WindowBuilder serves chains only, "
+        "topk=1: a tree's cascade reads the shared prefix in one pass whose rows each have "
+        "their own window; drop --sliding-window-size, or pass --backend flashinfer, which "
+        "builds them\n",
+    )  # fmt: skip
+
+
 def test_plan_without_its_required_options(capsys):
     assert run(capsys, "plan", "--topk", "2") == (
         2,
