@@ -330,3 +330,75 @@ def test_builders_check_their_buffers_before_allocating(monkeypatch):
         "on cpu, more than its 4,096 bytes (4.0 KiB) of physical memory; the largest is "
         "fa3.draft_decode.page_table of shape [8, 71], 2,272 bytes (2.2 KiB); " + _FIX
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Window layers (design §2.10): their builders' buffers, sized from the rail's formulas by hand.
+
+
+def _shapes(cfg: SpecConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    from specmeta.config import plan_sizes
+
+    return {k[len(prefix) :]: v.shape for k, v in plan_sizes(cfg).items() if k.startswith(prefix)}
+
+
+def test_window_lists_are_sized_by_the_rail_by_hand():
+    """K = 2, S = 3, N = 5, B = 4, L = 100, w = 30 (design §2.10): a draft row lists
+    ``min(L + S, w)`` = 30 entries a branch, B·K·30 = 240; a verify or extend list
+    ``min(L, w − 1) + N`` = 34 a request, 136; the mask ``N × 34`` a request, 680 elements (as
+    many bytes packed). FA3's window builder serves chains only: no ``fa3_swa`` keys."""
+    cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=5, max_bs=4, max_context_len=100,
+                     sliding_window_size=30)  # fmt: skip
+    fi = _shapes(cfg, "flashinfer_swa.")
+    assert fi["draft_decode.kv_indices"] == (3, 240)
+    assert fi["draft_decode.kv_indptr"] == fi["draft_decode.kv_indptr_host"] == (3, 9)
+    for mode in ("target_verify", "draft_extend"):
+        assert fi[f"{mode}.kv_indices"] == (136,)
+        assert fi[f"{mode}.kv_indptr"] == fi[f"{mode}.qo_indptr"] == (5,)
+    assert fi["target_verify.custom_mask"] == fi["target_verify.packed_custom_mask"] == (680,)
+    assert not any(f in fi for f in ("target_verify.verify_lens", "draft_decode_shared."))
+    assert _shapes(cfg, "fa3_swa.") == {}
+
+
+def test_a_window_past_every_position_clips_nothing_and_a_window_of_one_keeps_the_new_tokens():
+    """A chain, S = 3, N = 4, ps = 16, B = 2, L = 64. With w = 67 = L + S nothing is clipped:
+    the lists are K·ΣL + B·K·S = 134 a draft row and ΣL + B·N = 136 a verify list. With w = 1
+    a draft row holds one entry a branch (2) and a verify list its N new tokens (8). FA3's
+    window tables keep the full row: W_row = L + N = 68 rounded up to 80, 5 pages."""
+    base = dict(topk=1, num_steps=3, num_draft_tokens=4, page_size=16, max_bs=2,
+                max_context_len=64)  # fmt: skip
+    wide = _shapes(SpecConfig(**base, sliding_window_size=67), "flashinfer_swa.")
+    assert wide["draft_decode.kv_indices"] == (3, 134)
+    assert wide["target_verify.kv_indices"] == wide["draft_extend.kv_indices"] == (136,)
+    assert wide["target_verify.custom_mask"] == (4 * 128 + 2 * 16,)
+    one = SpecConfig(**base, sliding_window_size=1)
+    narrow = _shapes(one, "flashinfer_swa.")
+    assert narrow["draft_decode.kv_indices"] == (3, 2)
+    assert narrow["target_verify.kv_indices"] == narrow["draft_extend.kv_indices"] == (8,)
+    assert narrow["target_verify.custom_mask"] == (2 * 16,)
+    assert _shapes(one, "fa3_swa.") == {
+        "draft_decode.page_table": (2, 5), "draft_decode.cache_seqlens": (3, 2),
+        "draft_decode.cu_seqlens_k": (3, 3), "draft_decode.cu_seqlens_q": (3,),
+        "target_verify.page_table": (2, 5), "target_verify.cache_seqlens": (2,),
+        "target_verify.cu_seqlens_k": (3,), "target_verify.cu_seqlens_q": (3,),
+        "draft_extend.page_table": (2, 5), "draft_extend.cache_seqlens": (2,),
+        "draft_extend.cu_seqlens_k": (3,), "draft_extend.cu_seqlens_q": (3,),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("k,ps", [(1, 1), (4, 16)])
+def test_window_layers_add_their_own_buffers_and_change_none_of_the_full_layers(k, ps):
+    """``sliding_window_size`` appends the window builders' keys to the plan: every key of the
+    plan without it keeps its place, shape and dtype (the full layers' id space is unchanged)."""
+    import dataclasses
+
+    from specmeta.config import plan_sizes
+
+    cfg = SpecConfig(topk=k, num_steps=3, num_draft_tokens=4, page_size=ps, max_bs=4,
+                     max_context_len=200)  # fmt: skip
+    full = plan_sizes(cfg)
+    hybrid = plan_sizes(dataclasses.replace(cfg, sliding_window_size=50))
+    assert list(hybrid)[: len(full)] == list(full)
+    assert all(hybrid[key] == size for key, size in full.items())
+    prefixes = {key.split(".")[0] for key in list(hybrid)[len(full) :]}
+    assert prefixes == ({"flashinfer_swa", "fa3_swa"} if k == 1 else {"flashinfer_swa"})
