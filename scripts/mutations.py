@@ -1771,6 +1771,47 @@ MUTATIONS: list[Mutation] = [
        "        if cfg.topk > 1:\n",
        "        if False:\n",
        ["tests/metadata/test_fa3_window_builders.py", "-k", "refusals"]),
+    # ------------------------------------- specmeta plan of window layers (design §2.10, §5)
+    _m("c-plan-window-in-full-total", "config",
+       "specmeta plan counts the window builders' device bytes in the full pool's metadata: an "
+       "engine sizing its pools sees nothing the window builders add",
+       "specmeta/plan_report.py",
+       "        spaces[planned.space][0] += dev\n",
+       "        spaces[\"full\"][0] += dev\n",
+       ["tests/test_cli.py", "-k", "totals_each_id_space"]),
+    _m("c-plan-fa3-window-tree", "config",
+       "specmeta plan takes FA3 for a tree's window layers, which its window builder refuses",
+       "specmeta/plan_report.py",
+       "        if self.chains_only and cfg.topk > 1:\n",
+       "        if False:\n",
+       ["tests/test_cli.py", "-k", "follow_the_backend_selection"]),
+    _m("c-plan-window-draft-form", "config",
+       "specmeta plan gives the window builder no draft_decode for the full layers' shared-prefix "
+       "draft decode (the window builder's one draft form)",
+       "specmeta/plan_report.py",
+       '    steps = {"draft_decode" if mode.startswith("draft_decode") else mode for mode in modes}',
+       "    steps = set(modes)",
+       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
+    _m("c-plan-window-modes-ignored", "config",
+       "specmeta plan plans every mode of a window builder whatever --modes says",
+       "specmeta/plan_report.py",
+       "chosen = tuple(m for m in served if m in window_modes(modes)) if modes else served",
+       "chosen = served",
+       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
+    _m("c-plan-window-mask-form", "config",
+       "specmeta plan keeps both mask forms of FlashInfer's window builder whatever --verify-mask "
+       "says (the builder allocates one)",
+       "specmeta/plan_report.py",
+       '    if backend == "flashinfer":\n',
+       "    if False:\n",
+       ["tests/test_cli.py", "-k", "window_plan_keys_are"]),
+    _m("c-plan-window-ragged-bucket", "config",
+       "specmeta plan --verify-buckets lets a ragged verify bucket through for window layers, "
+       "whose builders refuse a ragged verify",
+       "specmeta/cli.py",
+       '            why.append("window layers: no ragged verify")\n',
+       "            pass\n",
+       ["tests/test_cli.py", "-k", "ragged_verify_bucket_of_window"]),
 ]
 # fmt: on
 
