@@ -46,6 +46,9 @@ examples:
   specmeta check --only fa3_builder     one check
   specmeta plan --topk 8 --num-steps 5 --num-draft-tokens 64 --page-size 16 \\
       --max-bs 256 --max-context-len 32768 --backend fa3
+  specmeta plan --topk 1 --num-steps 3 --num-draft-tokens 4 --max-bs 64 \\
+      --max-context-len 131072 --sliding-window-size 4096
+                                        a hybrid model: window builders, totals per id space
   specmeta bench --from-json bench/results/bench.json --out /tmp/bench
 
 'specmeta COMMAND --help' describes each command's options."""
@@ -574,9 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "all, and is sized for that (default: 0, no window)")  # fmt: skip
     plan.add_argument("--draft-sink-size", type=_non_negative_int, default=0, metavar="SK",
                       help="sink tokens of --draft-window-size (default: %(default)s)")  # fmt: skip
-    plan.add_argument("--sliding-window-size", type=_non_negative_int, default=0, metavar="W",
+    plan.add_argument("--sliding-window-size", type=_non_negative_int, default=0, metavar="w",
                       help="a hybrid model's window layers: each query at position p reads "
-                      "(p - W, p] from a second KV pool; each --backend's window builder "
+                      "(p - w, p] from a second KV pool; each --backend's window builder "
                       "(FlashInfer's; FA3's for --topk 1) is planned beside its full layers' one "
                       "and the window pool's metadata totalled apart; a backend that builds no "
                       "window layers is left out, or an error if named (default: 0, none)")  # fmt: skip
