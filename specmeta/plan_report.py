@@ -134,7 +134,8 @@ def plan_builders(cfg: SpecConfig, plan: Mapping[str, Any], backends: Iterable[s
     """The builders a plan of ``backends`` lists: each backend's for ``modes`` (default: every
     mode it serves for ``cfg``), then, when ``cfg`` has window layers, its window builder for
     the same steps (:func:`window_modes`; default: every mode it serves), with a line for each
-    window builder that serves none of them. ``verify_mask`` is FlashInfer's builders'."""
+    window builder not planned (none for the backend or the config, or none of the steps
+    served). ``verify_mask`` is FlashInfer's builders'."""
     w = cfg.sliding_window_size
     builders, notes = [], []
     own = ("status", "host_lengths_host", "host_lengths_seen")  # every builder owns them
@@ -149,13 +150,19 @@ def plan_builders(cfg: SpecConfig, plan: Mapping[str, Any], backends: Iterable[s
         builders.append(Planned(backend, BUILDERS[backend], call, "full", (*names, *own)))
         if not w:
             continue
-        window = WINDOW_BUILDERS[backend]
-        served = window.capabilities.served(cfg)
+        window = WINDOW_BUILDERS.get(backend)
+        why = "it has no window-layer builder" if window is None else window.refusal(cfg)
+        if why:  # specmeta plan leaves such a backend out first
+            notes.append(f"{backend}: its window layers not planned: {why}")
+            continue
+        caps = window.capabilities
+        served = caps.served(cfg)
         chosen = tuple(m for m in served if m in window_modes(modes)) if modes else served
         if not chosen:
+            whys = [caps.why_not(m, cfg) or "" for m in window_modes(modes)]
             notes.append(f"{window.key}: not planned, {window.builder} serves "
                          f"{', '.join(served) or 'no mode'} for this config, none of the steps "
-                         f"of --modes {' '.join(modes)}")  # fmt: skip
+                         f"of --modes {' '.join(modes)} ({'; '.join(filter(None, whys))})")  # fmt: skip
             continue
         names = _by_mode(window_plan_keys(backend, plan, chosen, **extra))
         call = (f"{BUILDERS[backend]}(cfg, device, sliding_window_size={w}, "

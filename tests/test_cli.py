@@ -717,3 +717,24 @@ def test_plan_refuses_a_ragged_verify_bucket_of_window_layers(capsys):
     assert "  16:8    no    window layers: no ragged verify\n" in out
     assert "window layers: FA3WindowBuilder builds no ragged verify yet (design §2.10)" in out
     assert main([*CHAIN[:-2], "--backend", "fa3", "--verify-buckets", "16:8"]) == 0
+
+
+def test_plan_names_a_window_builder_that_serves_none_of_the_steps(capsys):
+    """With a draft window the window builder serves no draft_decode (design §2.10: the draft
+    window bounds the draft model, not a window layer): for --modes draft_decode it is not
+    planned and the line says why, as its constructor refuses that mode."""
+    from specmeta import FlashInferBuilder
+
+    window = ["--draft-window-size", "100", "--draft-sink-size", "4", "--sliding-window-size", "64"]
+    assert main([*PLAN, *window, "--backend", "flashinfer", "--modes", "draft_decode"]) == 0
+    out = capsys.readouterr().out
+    assert ("\nflashinfer_swa: not planned, FlashInferWindowBuilder serves target_verify, "
+            "draft_extend for this config, none of the steps of --modes draft_decode "
+            "(draft_decode does not build a draft window yet (draft_window_size=100); it is "
+            "built by none of its modes)\n") in out  # fmt: skip
+    assert not _rows(out, "flashinfer_swa.") and "window-pool metadata" not in out
+    cfg = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
+                     max_context_len=1024, draft_window_size=100, draft_sink_size=4,
+                     sliding_window_size=64)  # fmt: skip
+    with pytest.raises(ValueError, match="draft_decode"):
+        FlashInferBuilder(cfg, "cpu", sliding_window_size=64, modes=["draft_decode"])
