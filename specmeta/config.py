@@ -409,6 +409,9 @@ def _plan_trtllm_mla(cfg: SpecConfig, add) -> None:
     # A ragged verify (design §2.9) in the dense query layout: lengths padded and capped at N.
     add("trtllm_mla.target_verify.verify_lens", (bs,), i32, "[Bp] ragged lengths, padded, ≤ N")
     add("trtllm_mla.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum")
+    from .metadata.trtllm_mla_plan import plan_trtllm_mla_tree_verify  # torch-free, like this
+
+    plan_trtllm_mla_tree_verify(cfg, add)  # a tree's verify: the cascade's two passes
 
 
 def plan_buffers(cfg: SpecConfig) -> dict[str, BufferSpec]:
