@@ -228,14 +228,12 @@ class TrtllmMlaBuilder(MetadataBuilder):
             )
 
     def _spaces(self, mode: str, req_pool_indices: Any, req_to_token: Any, seq_lens: Any,
-                status: Any, v2p: Any, entry_page_size: Any,
-                tree_mask: Any = None) -> tuple[int, dict]:  # fmt: skip
-        """The host checks of one bind, before anything is bound: the tensors (``tree_mask``
-        too, for a tree's verify), the row width counted in pages of ``entry_page_size``
-        positions and the page map ``v2p`` (the id spaces of design §2.10). Returns ``B`` and
-        the kernels' id-space keywords."""
-        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
-                       status=status, entry_page_size=entry_page_size)  # fmt: skip
+                status: Any, v2p: Any, entry_page_size: Any) -> tuple[int, dict]:  # fmt: skip
+        """The host checks of one bind, before anything is bound: the tensors, the row width
+        counted in pages of ``entry_page_size`` positions and the page map ``v2p`` (the id
+        spaces of design §2.10). Returns ``B`` and the kernels' id-space keywords."""
+        B = self.check(mode, req_pool_indices, req_to_token, seq_lens, status=status,
+                       entry_page_size=entry_page_size)  # fmt: skip
         check_id_spaces(self.require(mode), 0, 0, entry_page_size, v2p, self.device)
         return B, dict(entry_page_size=entry_page_size, v2p=v2p)
 

@@ -148,8 +148,10 @@ class TreeVerify:
                 f"{where}: tree_mask is required with topk={cfg.topk} > 1; pass the "
                 f"[B, N, N] bool ancestor mask of the draft tree (N = {n})"
             )
+        b.check(_MODE, req_pool_indices, req_to_token, seq_lens, tree_mask=tree_mask,
+                status=status, entry_page_size=entry_page_size)  # the mask, then the spaces
         B, spaces = b._spaces(_MODE, req_pool_indices, req_to_token, seq_lens, status, v2p,
-                             entry_page_size, tree_mask=tree_mask)  # fmt: skip
+                             entry_page_size)  # fmt: skip
         word, args, BN = b.status_word(status), (req_pool_indices, req_to_token, seq_lens), B * n
         table, lens = buf[f"{_MODE}.block_kv_indices"], buf[f"{_MODE}.seq_lens_k"]
         width = table.shape[1]
