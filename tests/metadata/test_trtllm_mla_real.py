@@ -117,10 +117,16 @@ def _plan(wrapper, p):
     )  # fmt: skip
 
 
-def _run(wrapper, c, qn, qp):
-    """``run()`` of the ancestor pass over the latent cache viewed in pages of 1."""
-    return wrapper.run(query=(qn, qp), kv_cache=(c.ckv.view(-1, 1, DC), c.kpe.view(-1, 1, DR)),
-                       return_lse=True, return_lse_base_on_e=True)  # fmt: skip
+def _run(wrapper, c, qn, qp, kv=None):
+    """``run()`` of the ancestor pass over the latent cache viewed in pages of 1: ``c``'s own
+    ``ckv`` and ``kpe``, or the two slices of ``kv``, the one ``[P, Dc + Dr]`` cache TRT-LLM's
+    kernel reads in pages of ``ps`` (strided views, as the reference engine passes them)."""
+    if kv is None:
+        ckv, kpe = c.ckv.view(-1, 1, DC), c.kpe.view(-1, 1, DR)
+    else:
+        ckv, kpe = kv.view(-1, 1, DC + DR)[..., :DC], kv.view(-1, 1, DC + DR)[..., DC:]
+    return wrapper.run(query=(qn, qp), kv_cache=(ckv, kpe), return_lse=True,
+                       return_lse_base_on_e=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +138,8 @@ def workspace():
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_gpu_trtllm_mla_tree_verify_ancestors_through_flashinfer_mla(gen, workspace, k, ps):
     """Every node attends to its prefix, its ancestors and itself: the ancestor pass in
-    FlashInfer MLA's kernel, the prefix pass in TRT-LLM's model, an empty prefix masked and
-    weighed 0 by the merge."""
+    FlashInfer MLA's kernel over the slices of the one latent cache TRT-LLM's kernel reads, the
+    prefix pass in TRT-LLM's model, an empty prefix masked and weighed 0 by the merge."""
     c = _Case(gen, k, ps)
     mla = TrtllmMlaBuilder(c.cfg, "cuda", modes=["target_verify"])
     meta = mla.target_verify(*c.args, c.tree.cuda(), seq_lens_cpu=c.batch.seq_lens_cpu,
@@ -141,7 +147,7 @@ def test_gpu_trtllm_mla_tree_verify_ancestors_through_flashinfer_mla(gen, worksp
     qn, qp = c.queries()
     wrapper = _flashinfer().BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
     _plan(wrapper, meta.ancestors)
-    o_a, lse_a = _run(wrapper, c, qn, qp)
+    o_a, lse_a = _run(wrapper, c, qn, qp, kv=torch.cat([c.ckv, c.kpe], -1))
     o_p, lse_p = c.prefix_model(meta, qn, qp)
     out = merge_state(o_p, meta.mask_empty_prefix(lse_p), o_a, lse_a)[0]
     c.check(out, c.oracle(qn, qp), f"tree verify k={k} ps={ps}")
@@ -288,7 +294,7 @@ def test_gpu_trtllm_mla_tree_verify_through_both_real_kernels(gen, workspace):
         )  # fmt: skip
         wrapper = _flashinfer().BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
         _plan(wrapper, meta.ancestors)
-        o_a, lse_a = _run(wrapper, c, qn, qp)
+        o_a, lse_a = _run(wrapper, c, qn, qp, kv=kv.view(-1, DC + DR))
         lse_p = meta.mask_empty_prefix(lse_p.view(-1, H).float().contiguous())
         out = merge_state(o_p.reshape(-1, H, DC), lse_p, o_a, lse_a)[0]
         c.check(out, c.oracle(qn, qp), f"both real kernels ps={ps}")
