@@ -110,7 +110,8 @@ class TrtllmMlaTreeVerify:
         """``lse`` (the prefix pass's ``[B·N, H]`` LSE, on the metadata's device) with ``−inf``
         in every row whose ``seq_lens_k`` is 0, in place, and returned: TRT-LLM's kernels
         leave such a row stale, and :func:`specmeta.merge_state` then gives it weight 0 and
-        never reads its output. No host sync (one ``masked_fill_``)."""
+        never reads its output. Two small launches (the rows' test, ``masked_fill_``), no host
+        sync; capturable in a CUDA graph with the attention."""
         empty = (self.prefix.seq_lens_k == 0).view(-1, *([1] * (lse.dim() - 1)))
         return lse.masked_fill_(empty, float("-inf"))
 
