@@ -1812,6 +1812,49 @@ MUTATIONS: list[Mutation] = [
        '            why.append("window layers: no ragged verify")\n',
        "            pass\n",
        ["tests/test_cli.py", "-k", "ragged_verify_bucket_of_window"]),
+    # ------------------------------------------- TRT-LLM MLA's tree verify (design §3.4)
+    _m("st-trtllm-tree-prefix-reads-window", "stage",
+       "TRT-LLM MLA's tree verify lists each request's pages over L + N in its prefix pass, as "
+       "a chain's verify: every node also reads the whole window, non-ancestors included",
+       "specmeta/metadata/trtllm_mla_tree.py",
+       "                      extra_tokens=0, fill_value=-1, page_table=table, cache_seqlens=lens,",
+       "                      extra_tokens=n, fill_value=-1, page_table=table, cache_seqlens=lens,",
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "over_each_nodes and 2-32"]),
+    _m("st-trtllm-tree-prefix-not-repeated", "stage",
+       "TRT-LLM MLA's tree verify writes each request's prefix table once and never copies it "
+       "into its other N - 1 node rows",
+       "specmeta/metadata/trtllm_mla_tree.py",
+       "            _copy(rows.view(B, n, width), table[:B].unsqueeze(1).expand(B, n, width)),\n",
+       "",
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "over_each_nodes and 4-64"]),
+    _m("st-trtllm-tree-empty-prefix-unmasked", "stage",
+       "TRT-LLM MLA's tree verify leaves the stale rows of an empty prefix (L = 0) unmasked: "
+       "the merge weighs what the kernel left there",
+       "specmeta/metadata/trtllm_mla_tree.py",
+       "        return lse.masked_fill_(empty, float(\"-inf\"))",
+       "        return lse",
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "empty_prefix"]),
+    _m("hm-trtllm-tree-one-mirror-set", "host_mirror",
+       "TRT-LLM MLA's tree verify writes every build's ancestor mirrors into one set, not the "
+       "ring's turn: a plan() copy still queued reads the next build's",
+       "specmeta/metadata/trtllm_mla_tree.py",
+       "            entry = made[turn]\n",
+       "            entry = made[turn] = made[0]\n",
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "bound_tree_verify"]),
+    _m("h-trtllm-tree-depths-unpublished", "host_check",
+       "TRT-LLM MLA's tree verify never publishes the host's ancestor counts: node depths that "
+       "disagree with the mask go unreported",
+       "specmeta/metadata/trtllm_mla_tree.py",
+       "                publish_host_list_lengths(slot, count)\n",
+       "                pass\n",
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "bound_tree_verify"]),
+    _m("c-trtllm-tree-ancestors-short", "config",
+       "TRT-LLM MLA's tree verify plans B·N ancestor entries, not B·N·N: the deepest nodes' "
+       "lists are dropped for capacity",
+       "specmeta/metadata/trtllm_mla_plan.py",
+       'add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,',
+       'add(f"{mode}.ancestor_kv_indices", (bn,), i32,',
+       ["tests/metadata/test_trtllm_mla_tree.py", "-k", "over_each_nodes and 2-32"]),
 ]
 # fmt: on
 

@@ -208,7 +208,10 @@ def test_plan_modes_that_the_named_backend_does_not_serve(capsys):
     )  # fmt: skip
 
 
-def test_plan_tree_verify_on_a_backend_that_cannot_verify_a_tree(capsys):
+def test_plan_tree_verify_on_a_backend_that_cannot_verify_a_tree(capsys, monkeypatch):
+    # TRT-LLM MLA verifies trees as a cascade (design §3.4); planted here without it, as it was.
+    chains = dataclasses.replace(cli.CAPABILITIES["trtllm_mla"], tree_verify=False)
+    monkeypatch.setitem(cli.CAPABILITIES, "trtllm_mla", chains)
     assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
                "trtllm_mla", "--modes", "draft_extend", "target_verify") == (
         2,

@@ -115,7 +115,7 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
         "allocate_buffers: draft_decode.kv_indices of shape [5, 20480010240] has rows of "
         "20,480,010,240 elements, more than the 2,147,483,647 (2**31 - 1) its int32 kv_indptr "
         f"can address; it alone is 409,600,204,800 bytes (381.5 GiB) of {total:,} bytes "
-        f"(1.1 TiB) planned; 9 other buffers have such rows; {_FIX}"
+        f"(1.2 TiB) planned; 9 other buffers have such rows; {_FIX}"
     )
     # + 72 bytes of the ragged verify's host_lengths slot, and its buffers at max_bs 256:
     # FlashInfer's verify_lens and its mirror 2·256·4, ragged_qo_indptr and its mirror 2·257·4,
@@ -126,7 +126,14 @@ def test_allocate_buffers_refuses_rows_past_int32_offsets_before_allocating(monk
     # list ΣL + B·N, int32, then 5,078,200 bytes of ancestor lists (B·K·S a step, B·N·N),
     # offsets and mirrors.
     mla = 4 * (3 * 256 * 10**7 + 256 * 64) + 5_078_200
-    assert total == 1_211_529_947_264 + ragged + mla
+    # TRT-LLM MLA's tree verify (design §3.4), B·N = 16384 rows: the prefix pass's block table
+    # of ceil((10^7 + 64) / 16) = 625004 pages rounded up to 625008 (a multiple of 128 / 16)
+    # and its lengths; the ancestor lists B·N·N, four offsets of B·N + 1 (two on the host),
+    # two counts of B·N (one on the host), the counts' host slot 8 + B·N int64 and its word.
+    bn = 256 * 64
+    tree = (4 * bn * 625008 + 4 * bn + 4 * bn * 64 + 4 * 4 * (bn + 1) + 2 * 4 * bn
+            + 8 * (8 + bn) + 8)  # fmt: skip
+    assert total == 1_211_529_947_264 + ragged + mla + tree
 
 
 def test_allocate_buffers_checks_only_the_names_it_allocates(monkeypatch):

@@ -98,7 +98,7 @@ CAPABILITIES = {
     "trtllm_mla": Capabilities(
         modes=_DECODE_VERIFY_EXTEND,
         tree_draft=True,  # per-branch block tables over slot layout B
-        tree_verify=False,  # no custom mask: a tree cannot be verified
+        tree_verify=True,  # a cascade: its kernel for the prefix, FlashInfer MLA for the ancestors
         page_sizes="any",
         graph_safe=frozenset(_DECODE_VERIFY_EXTEND),
     ),

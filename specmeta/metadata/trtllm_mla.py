@@ -1,5 +1,5 @@
 """TRT-LLM MLA metadata builders (design §3.4): draft decode (chains and, through per-branch page
-tables, trees), target verify and draft extend.
+tables, trees), target verify (chains, and trees through a cascade) and draft extend.
 
 TRT-LLM MLA takes one page row per query sequence (``block_kv_indices [rows, maxblk]``, int32
 page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and its KV length
@@ -14,8 +14,12 @@ page ids, −1 beyond use, ``maxblk`` a multiple of ``max(1, 128 / ps)``) and it
 * target verify and draft extend (chains): ``seq_lens_k = L_b + N``, ``cu_seqlens_q = N·arange``,
   ``max_seq_len_q = N``, ``sum_seq_lens_q = Bp·N``: the same values at capture and at replay
   (a layout built from ``accept_length`` at replay would not match the captured one);
-* a ragged target verify (design §2.9) keeps that dense kernel layout, ``[Bp, N]`` query rows
-  over ``L_b + N`` keys: the bucket's lengths are padded and capped at ``N`` (``seq_lens_q``),
+* target verify with ``K > 1`` (a tree): a cascade over ``B·N`` query rows, one a node, merged
+  by log-sum-exp: a **prefix pass** in TRT-LLM's kernel (each node's row the request's prefix
+  pages, ``seq_lens_k = L_b``) and an **ancestor pass** in FlashInfer MLA's, token lists of
+  each node's ancestors (:mod:`.trtllm_mla_tree`);
+* a ragged target verify (design §2.9, chains) keeps that dense kernel layout, ``[Bp, N]``
+  query rows over ``L_b + N`` keys: the bucket's lengths are padded and capped at ``N`` (``seq_lens_q``),
   and ``cu_seqlens_q`` says where each request's rows lie among the bucket's ``T`` tokens, for
   the engine's scatter of the query into the dense rows (real rows first) and the gather of the
   output (tokens no request covers read 0).
@@ -45,8 +49,10 @@ from ..stage import Stage
 from .capabilities import CAPABILITIES
 from .contract import DraftSteps, MetadataBuilder
 from .layout import UniformQueryLayout
+from .trtllm_mla_tree import RING_MIRRORS, TreeVerify, TrtllmMlaPrefixPass, TrtllmMlaTreeVerify
 
-__all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill"]
+__all__ = ["TrtllmMlaBuilder", "TrtllmMlaDecodeStep", "TrtllmMlaDraftDecode", "TrtllmMlaPrefill",
+           "TrtllmMlaPrefixPass", "TrtllmMlaTreeVerify"]  # fmt: skip
 
 _PREFIX = "trtllm_mla."
 # TRT-LLM MLA marks unused block-table entries with -1.
@@ -108,8 +114,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
         Where the metadata lives.
     modes : iterable of str, optional
         The modes served (``draft_decode``, ``target_verify``, ``draft_extend``): only their
-        buffers are allocated. Default: all of them the config allows; TRT-LLM MLA is causal
-        only, so ``target_verify`` with ``topk > 1`` is refused here, at construction.
+        buffers are allocated. Default: all of them.
     reference : bool
         Build with the pure-torch references instead of the kernels (a test and benchmark
         baseline; it syncs).
@@ -119,6 +124,9 @@ class TrtllmMlaBuilder(MetadataBuilder):
     check_host_lengths : bool
         Check on the device that ``seq_lens_cpu`` agrees with ``seq_lens`` (default; see
         :class:`~specmeta.metadata.contract.MetadataBuilder`).
+    mirror_depth : int
+        A tree verify's sets of ancestor-pass host mirrors used in turn (default 16, as
+        FlashInfer MLA's, design §3.3); nothing else has host mirrors.
 
     Attributes
     ----------
@@ -147,10 +155,26 @@ class TrtllmMlaBuilder(MetadataBuilder):
         reference: bool = False,
         host_ops: bool = True,
         check_host_lengths: bool = True,
+        mirror_depth: int = 16,
     ):
         super().__init__(cfg, device, modes=modes, reference=reference, host_ops=host_ops,
                          check_host_lengths=check_host_lengths)  # fmt: skip
-        self.buffers = self.allocate_planned(fill=_UNUSED_BLOCK)
+        plan, pin = plan_buffers(cfg), self.device.type == "cuda"
+        self.buffers, host, ring = {}, {}, {}
+        for key in self.plan_keys(cfg, self.modes):
+            name = key[len(_PREFIX) :]
+            if name.split(".", 1)[1] in RING_MIRRORS:
+                ring[name.split(".", 1)[1]] = plan[key]
+            elif name.endswith("_host"):  # a tree verify's: pinned for the device's reads
+                buf = plan[key].allocate("cpu")
+                self.buffers[name] = host[name] = buf.pin_memory() if pin else buf
+            elif name.endswith("_seen"):  # a check's last read: 0, as the host slot's
+                self.buffers[name] = plan[key].allocate(self.device)
+            else:
+                self.buffers[name] = plan[key].allocate(self.device, fill=_UNUSED_BLOCK)
+        self._tree = None
+        if ring:  # a tree's verify (design §3.4)
+            self._tree = TreeVerify(self, host, ring, mirror_depth)
         n, bs = cfg.num_draft_tokens, cfg.max_bs
         self._layouts = {
             mode: UniformQueryLayout.create(
@@ -347,6 +371,7 @@ class TrtllmMlaBuilder(MetadataBuilder):
         req_pool_indices: torch.Tensor,
         req_to_token: torch.Tensor,
         seq_lens: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
         *,
         status: torch.Tensor | None = None,
         verify_lens: torch.Tensor | None = None,
@@ -356,12 +381,22 @@ class TrtllmMlaBuilder(MetadataBuilder):
     ) -> Stage:
         """:meth:`target_verify` bound once to these tensors (arguments as there); the stage's
         ``host(seq_lens_cpu)`` (``host(seq_lens_cpu, verify_lens_cpu=...)``, the copy optional,
-        for a ragged verify) returns the :class:`TrtllmMlaPrefill`."""
+        for a ragged verify) returns the :class:`TrtllmMlaPrefill`; a tree's,
+        ``host(seq_lens_cpu, node_depths_cpu=...)``, the :class:`TrtllmMlaTreeVerify`."""
+        where = self.require("target_verify")
         if self.cfg.topk > 1:
+            if verify_lens is not None or num_tokens is not None:
+                raise ValueError(
+                    f"{where}: verify_lens/num_tokens were given with topk={self.cfg.topk} > 1, "
+                    "but a tree's verify is a cascade of N rows a request with no ragged form; "
+                    "drop verify_lens and num_tokens (a ragged verify serves chains, topk=1)"
+                )
+            return self._tree.bind(req_pool_indices, req_to_token, seq_lens, tree_mask, status,
+                                   v2p, entry_page_size)  # fmt: skip
+        if tree_mask is not None:
             raise ValueError(
-                f"TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree "
-                f"(topk={self.cfg.topk}) cannot be verified with it; verify trees with a custom "
-                "mask (FlashInferBuilder.target_verify) or the FA3 cascade"
+                f"{where}: tree_mask was given, but with topk=1 the verify window is a chain, "
+                "built as causal rows; drop tree_mask"
             )
         return self._bind_prefill("target_verify", req_pool_indices, req_to_token, seq_lens,
                                   status, verify_lens, num_tokens, v2p,
@@ -372,8 +407,10 @@ class TrtllmMlaBuilder(MetadataBuilder):
         req_pool_indices: torch.Tensor,
         req_to_token: torch.Tensor,
         seq_lens: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
         *,
         seq_lens_cpu: torch.Tensor | None = None,
+        node_depths_cpu: torch.Tensor | None = None,
         max_seq_len: int | None = None,
         status: torch.Tensor | None = None,
         launch: bool = True,
@@ -382,13 +419,22 @@ class TrtllmMlaBuilder(MetadataBuilder):
         num_tokens: int | None = None,
         v2p: torch.Tensor | None = None,
         entry_page_size: int = 1,
-    ) -> TrtllmMlaPrefill:
-        """Target verify of an ``N``-token chain: ``seq_lens_k = L_b + N``, stride ``N``, causal.
+    ) -> TrtllmMlaPrefill | TrtllmMlaTreeVerify:
+        """Target verify over the ``N``-token window ``row_b[L_b : L_b + N]`` (design §3.4).
 
-        TRT-LLM MLA has no custom mask, so a tree (``topk > 1``) cannot be verified with it:
-        that raises ``ValueError`` (verify trees with FlashInfer or FA3). Arguments as in
-        :meth:`draft_decode` (``v2p``, ``entry_page_size``: the rows' id space), and for a
-        ragged verify (design §2.9):
+        ``topk == 1`` (a chain): ``seq_lens_k = L_b + N``, stride ``N``, causal, a
+        :class:`TrtllmMlaPrefill`; ``tree_mask`` is refused. ``topk > 1`` (a tree): TRT-LLM
+        MLA has no custom mask, so the verify is a cascade, a :class:`TrtllmMlaTreeVerify`:
+        ``prefix`` (TRT-LLM's kernel, ``B·N`` rows of one token, each its request's prefix
+        pages, ``seq_lens_k = L_b``) and ``ancestors`` (FlashInfer MLA's wrapper at page size
+        1, one list a node: its ancestors' and its own window slots), merged by LSE after
+        :meth:`TrtllmMlaTreeVerify.mask_empty_prefix`. It takes ``tree_mask`` (``[B, N, N]``
+        bool on the device, ``m[i, j, c]`` iff ``c == j`` or ``c`` is an ancestor of ``j``)
+        and ``node_depths_cpu`` (``[B, N]`` integers on the CPU, each node's depth, the root
+        0: FlashInfer's ``plan()`` reads the ancestor counts, ``depth + 1``, on the host; the
+        device checks them against the mask's, ``STALE_HOST_LENGTHS``); no ragged form.
+        Arguments as in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the rows' id
+        space), and for a ragged verify (design §2.9, chains):
 
         verify_lens : torch.Tensor, optional
             ``[B' ≤ B]`` int32 or int64 on the device, real request ``b`` verifies the first
@@ -404,10 +450,17 @@ class TrtllmMlaBuilder(MetadataBuilder):
         num_tokens : int, optional
             ``T``, the bucket's query tokens (``0 ≤ T ≤ B·N``); required with ``verify_lens``.
         """
-        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, status=status,
-                                        verify_lens=verify_lens, num_tokens=num_tokens, v2p=v2p,
+        stage = self.bind_target_verify(req_pool_indices, req_to_token, seq_lens, tree_mask,
+                                        status=status, verify_lens=verify_lens,
+                                        num_tokens=num_tokens, v2p=v2p,
                                         entry_page_size=entry_page_size)  # fmt: skip
         self._max_seq_len("target_verify", max_seq_len)
+        if self.cfg.topk > 1:
+            host = dict(node_depths_cpu=node_depths_cpu, verify_lens_cpu=verify_lens_cpu)
+            return stage(seq_lens_cpu, **host) if launch else stage.host(seq_lens_cpu, **host)
+        if node_depths_cpu is not None:
+            raise ValueError(f"{self.require('target_verify')}: node_depths_cpu was given, but "
+                             "with topk=1 the verify is a chain; drop node_depths_cpu")  # fmt: skip
         if launch:
             return stage(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)
         return stage.host(seq_lens_cpu, verify_lens_cpu=verify_lens_cpu)

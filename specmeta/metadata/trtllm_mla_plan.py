@@ -1,6 +1,13 @@
 """The capacity plan of TRT-LLM MLA's builder (design §3.4, §5), keys
 ``trtllm_mla.<mode>.<field>``; torch-free, so ``specmeta plan`` reads it as it reads
 :mod:`specmeta.config`. Every table is int32, dense (addressed with 64-bit offsets, design §2.5).
+
+A tree's target verify (``topk > 1``) is a cascade of two passes over the same ``B·N`` query
+rows, one a tree node: the **prefix pass** in TRT-LLM's MLA kernel (each node's row of block
+table over its request's prefix, ``seq_lens_k = L``) and the **ancestor pass** in FlashInfer
+MLA's (one list of token slots a node, its ancestors' and its own window slots). The chain
+verify's ``[B, maxblk]`` table and ``[B]`` lengths hold each request's prefix table once, which
+a copy repeats into the prefix pass's ``N`` rows a request (:func:`plan_trtllm_mla_tree_verify`).
 """
 
 from __future__ import annotations
@@ -10,9 +17,11 @@ from typing import TYPE_CHECKING
 from ..config import trtllm_mla_max_blocks
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..config import SpecConfig
 
-__all__ = ["plan_trtllm_mla"]
+__all__ = ["plan_trtllm_mla", "plan_trtllm_mla_tree_verify"]
 
 
 def plan_trtllm_mla(cfg: SpecConfig, add) -> None:
@@ -33,3 +42,40 @@ def plan_trtllm_mla(cfg: SpecConfig, add) -> None:
     # A ragged verify (design §2.9) in the dense query layout: lengths padded and capped at N.
     add("trtllm_mla.target_verify.verify_lens", (bs,), i32, "[Bp] ragged lengths, padded, ≤ N")
     add("trtllm_mla.target_verify.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum")
+    plan_trtllm_mla_tree_verify(cfg, add)  # a tree's verify: the cascade's two passes
+
+
+def plan_trtllm_mla_tree_verify(cfg: SpecConfig, add: Callable[..., None]) -> None:
+    """``trtllm_mla.target_verify.*`` keys of a tree (``topk > 1``; nothing for a chain).
+
+    The block tables keep the one width of every TRT-LLM mode (design §3.4); the ancestor
+    lists are planned for ``B·N·N`` entries, any ``[B, N, N]`` mask's worst case
+    (:func:`~specmeta.kernels.tree_ancestor_kv_indices.tree_ancestor_kv_indices_need`: the
+    kernel module's rule, not imported, since this module stays torch-free); the ancestor
+    counts' host slot holds a header of 8 and ``B·N`` counts (the check of design §3.5).
+    """
+    if cfg.topk == 1:
+        return
+    s, n, ps, bs = cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
+    maxblk = trtllm_mla_max_blocks(cfg.max_context_len + max(s, n), ps)
+    bn, i32, mode = bs * n, "int32", "trtllm_mla.target_verify"
+    # The chain verify's table and lengths, planned above, hold each request's prefix once in
+    # a tree's verify: their meaning is rewritten here (the same shapes).
+    add(f"{mode}.block_kv_indices", (bs, maxblk), i32,
+        "[B, maxblk] a tree: each request's prefix pages over L, -1 beyond (repeated N times)")  # fmt: skip
+    add(f"{mode}.seq_lens_k", (bs,), i32, "[B] a tree: L_b (repeated N times)")
+    add(f"{mode}.prefix_block_kv_indices", (bn, maxblk), i32,
+        "[B*N, maxblk] the prefix pass: request b's prefix pages in rows b*N … b*N + N-1")  # fmt: skip
+    add(f"{mode}.prefix_seq_lens_k", (bn,), i32, "[B*N] L_b, one row a tree node")
+    add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,
+        "[B*N*N] each node's ancestors' window slots (any mask's worst case)")  # fmt: skip
+    add(f"{mode}.ancestor_kv_indptr", (bn + 1,), i32, "[B*N+1] exclusive sums of kv_len")
+    add(f"{mode}.ancestor_kv_len", (bn,), i32, "[B*N] ancestors of each node, itself included")
+    add(f"{mode}.ancestor_qo_indptr", (bn + 1,), i32, "[B*N+1] arange: a row a node")
+    add(f"{mode}.ancestor_qo_indptr_host", (bn + 1,), i32, "[B*N+1] CPU mirror")
+    add(f"{mode}.ancestor_kv_indptr_host", (bn + 1,), i32,
+        "[B*N+1] CPU, from the engine's node depths")  # fmt: skip
+    add(f"{mode}.ancestor_kv_len_arr_host", (bn,), i32, "[B*N] depth + 1, CPU")
+    add(f"{mode}.ancestor_lengths_slot_host", (8 + bn,), "int64",
+        "the host's ancestor counts published for the device's check (header, then B*N)")  # fmt: skip
+    add(f"{mode}.ancestor_lengths_seen", (1,), "int64", "the last published counts checked")

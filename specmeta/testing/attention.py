@@ -18,6 +18,8 @@ FlashInfer MLA's metadata is read over a latent pool
 (:class:`~specmeta.testing.tiny_model.LatentCache`): ``k_pool`` is then ``ckv [P, Dc]`` and
 ``v_pool`` ``kpe [P, Dr]``, ``q`` is ``[q_nope, q_pe]`` (``[T, H, Dc + Dr]``), the values are
 ``ckv`` and the result ``[T, H, Dc]``, with the scale ``1/sqrt(Dc + Dr)`` (design §3.5).
+TRT-LLM MLA's is read over either pool (a 2-D ``k_pool`` is a latent one), and its tree
+verify (design §3.4) over a latent pool only.
 
 :class:`TorchAttention` reads the metadata with the torch consumers of
 :mod:`specmeta.testing.consumers` (float64, any device; the CPU tier). The real kernels are
@@ -38,7 +40,7 @@ from ..kernels.merge_state import merge_state
 from ..metadata.fa3 import FA3Cascade, FA3Metadata
 from ..metadata.flashinfer import FlashInferCascadeStep, FlashInferDecodeStep, FlashInferPrefill
 from ..metadata.flashinfer_mla_results import FlashInferMLAAttention
-from ..metadata.trtllm_mla import TrtllmMlaDecodeStep, TrtllmMlaPrefill
+from ..metadata.trtllm_mla import TrtllmMlaDecodeStep, TrtllmMlaPrefill, TrtllmMlaTreeVerify
 from .consumers import fa3 as fa3_consumer
 from .consumers import flashinfer as flashinfer_consumer
 from .consumers import flashinfer_mla as flashinfer_mla_consumer
@@ -80,10 +82,16 @@ class TorchAttention:
             out = flashinfer_consumer.cascade(q, k_pool, v_pool, meta)[0]
         elif isinstance(meta, FlashInferPrefill):
             out = flashinfer_consumer.prefill(q, k_pool, v_pool, meta)[0]
-        elif isinstance(meta, TrtllmMlaDecodeStep):
-            out = trtllm_consumer.decode(q, k_pool, v_pool, meta, self.page_size)[0]
-        elif isinstance(meta, TrtllmMlaPrefill):
-            out = trtllm_consumer.prefill(q, k_pool, v_pool, meta, self.page_size)[0]
+        elif isinstance(meta, TrtllmMlaTreeVerify):  # k_pool, v_pool: ckv, kpe
+            dc = k_pool.shape[-1]
+            out = trtllm_consumer.tree_verify(meta, q[..., :dc], q[..., dc:], k_pool, v_pool,
+                                              latent_scale(k_pool, v_pool), self.page_size)[0]  # fmt: skip
+        elif isinstance(meta, (TrtllmMlaDecodeStep, TrtllmMlaPrefill)):
+            if k_pool.dim() == 2:  # a latent pool: keys [ckv, kpe], values ckv (scale 1/sqrt)
+                k_pool, v_pool = torch.cat([k_pool, v_pool], -1).unsqueeze(1), k_pool.unsqueeze(1)
+            read = (trtllm_consumer.decode if isinstance(meta, TrtllmMlaDecodeStep)
+                    else trtllm_consumer.prefill)  # fmt: skip
+            out = read(q, k_pool, v_pool, meta, self.page_size)[0]
         elif isinstance(meta, FlashInferMLAAttention):  # k_pool, v_pool: ckv, kpe
             dc = k_pool.shape[-1]
             out = flashinfer_mla_consumer.attention(meta, q[..., :dc], q[..., dc:], k_pool, v_pool,

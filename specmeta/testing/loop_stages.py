@@ -96,9 +96,11 @@ class MetadataStages:
     cfg : SpecConfig
         ``K, S, N, ps``, ``max_bs`` and the capacity every buffer is planned for.
     backend : str
-        ``"fa3"``, ``"flashinfer"``, ``"trtllm_mla"`` (``topk == 1`` only: it verifies
-        chains) or ``"flashinfer_mla"`` (an MLA model's latent pool; a tree's verify also
-        takes the nodes' depths on the host, ``node_depths_cpu``; no ragged verify).
+        ``"fa3"``, ``"flashinfer"``, ``"trtllm_mla"`` (``topk == 1``, or trees over an MLA
+        model's latent pool: their verify is a cascade whose ancestor pass is FlashInfer
+        MLA's, design §3.4) or ``"flashinfer_mla"`` (an MLA model's latent pool; a tree's
+        verify also takes the nodes' depths on the host, ``node_depths_cpu``, as TRT-LLM MLA's
+        does; no ragged verify).
     draft_form : str
         FlashInfer's draft-decode form, one of :data:`DRAFT_FORMS`.
     device : torch.device
@@ -134,9 +136,11 @@ class MetadataStages:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if draft_form not in DRAFT_FORMS:
             raise ValueError(f"draft_form must be one of {DRAFT_FORMS}, got {draft_form!r}")
-        if backend == "trtllm_mla" and cfg.topk > 1:
-            raise ValueError(f"backend 'trtllm_mla' verifies chains only (no custom mask): "
-                             f"use topk=1, got topk={cfg.topk}")  # fmt: skip
+        latent = isinstance(target_cache, LatentCache)
+        if backend == "trtllm_mla" and cfg.topk > 1 and not latent:
+            raise ValueError(f"backend 'trtllm_mla' verifies trees of an MLA model only (its "
+                             f"cascade's ancestor pass is FlashInfer MLA's, over a latent "
+                             f"pool): use topk=1 or an MLA model, got topk={cfg.topk}")  # fmt: skip
         if backend == "flashinfer_mla" and ragged_verify:
             raise ValueError("backend 'flashinfer_mla' builds a uniform verify (N rows a "
                              "request): use ragged_verify=False")  # fmt: skip
@@ -150,8 +154,8 @@ class MetadataStages:
                    "flashinfer_mla": FlashInferMLABuilder}[backend]  # fmt: skip
         self.builder = builder(cfg, device, reference=reference)
         # FlashInfer MLA plans a tree's ancestor lists on the host: its verify's host part also
-        # reads the nodes' depths (design §3.5).
-        self.node_depths = backend == "flashinfer_mla" and cfg.topk > 1
+        # reads the nodes' depths (design §3.5), TRT-LLM MLA's cascade too (design §3.4).
+        self.node_depths = backend in ("flashinfer_mla", "trtllm_mla") and cfg.topk > 1
         self.bufs = allocate_buffers(cfg, device, [
             "draft.out_cache_loc", "draft.positions", "draft.prefix_tail_tgt",
             "draft.prefix_tail_src", "verify.tgt_cache_loc", "verify.src_cache_loc",
@@ -230,8 +234,8 @@ class MetadataStages:
         if self.ragged_verify:
             kw.update(verify_lens=inputs["verify_lens"], num_tokens=num_tokens)
         args = (inputs["req_pool_indices"], self.req_to_token, inputs["seq_lens"])
-        if self.backend == "trtllm_mla" or (self.backend == "flashinfer_mla"
-                                            and self.cfg.topk == 1):  # a chain: causal, no mask
+        if self.backend in ("trtllm_mla", "flashinfer_mla") and self.cfg.topk == 1:
+            # a chain: causal, no mask
             return self.builder.bind_target_verify(*args, **kw)
         if self.backend == "fa3" and self.cfg.topk == 1:  # FA3 reads no mask for a chain
             return self.builder.bind_target_verify(*args, None, **kw)

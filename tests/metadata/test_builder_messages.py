@@ -263,9 +263,8 @@ def test_trtllm_hints_and_trees(device):
             "int(...) of a value the host already holds, or seq_lens_cpu=",
             _call, mla, "draft_decode", _inputs(device), max_seq_len=torch.tensor(3))  # fmt: skip
     _raises(ValueError,
-            "TrtllmMlaBuilder.target_verify: TRT-LLM MLA is causal only, so a tree (topk=2) "
-            "cannot be verified with it; verify trees with a custom mask "
-            "(FlashInferBuilder.target_verify) or the FA3 cascade",
+            "TrtllmMlaBuilder.target_verify: tree_mask is required with topk=2 > 1; pass the "
+            "[B, N, N] bool ancestor mask of the draft tree (N = 6)",
             _call, mla, "target_verify", _inputs(device))  # fmt: skip
 
 

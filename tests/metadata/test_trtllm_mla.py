@@ -128,8 +128,8 @@ def test_buffers_come_from_the_plan(device):
 def test_bad_inputs_are_reported_or_raise(device, gen):
     cfg, batch, _, _ = _setup(gen, device, 2, 3, 4, "random", batch_size=5)
     mla = TrtllmMlaBuilder(cfg, device)
-    with pytest.raises(ValueError, match="custom mask"):
-        mla.target_verify(*_args(batch))
+    with pytest.raises(ValueError, match="tree_mask is required with topk=2"):
+        mla.target_verify(*_args(batch))  # a tree's verify is a cascade over the tree's mask
     with pytest.raises(ValueError, match="max_bs"):
         big = torch.ones(17, dtype=torch.int64, device=device)
         mla.draft_decode(big, batch.req_to_token, big)

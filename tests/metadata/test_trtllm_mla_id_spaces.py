@@ -1,6 +1,7 @@
 """The id spaces of design §2.10 through TRT-LLM MLA's builder: ``entry_page_size=`` and ``v2p=``
 on draft decode (``K == 1`` chains and ``K > 1`` per-branch tables over slot layout B), target
-verify (uniform and ragged) and draft extend, eager and bound. Rows of page ids build, byte for
+verify (uniform and ragged chains, and trees: the cascade's prefix rows and ancestor lists)
+and draft extend, eager and bound. Rows of page ids build, byte for
 byte, what the token rows they stand for build; virtual rows through a page map build what
 their physical rows build (an identity map what no map builds), in the kernel builder and the
 reference builder alike; the host refuses a row too narrow in pages, and a bad map, naming the
@@ -13,11 +14,12 @@ import torch
 
 from specmeta import SpecConfig
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
-from specmeta.workloads import make_batch
+from specmeta.workloads import make_batch, random_tree_mask
 from tests.guard_bands import assert_equal
 
 S, N = 3, 4
-# (mode, K, ps): target verify is causal only (chains); draft decode and extend take trees.
+# (mode, K, ps): draft decode and extend take trees, target verify chains (causal rows) and
+# trees (the cascade).
 CASES = [
     ("draft_decode", 1, 4),
     ("draft_decode", 3, 4),  # slot layout B
@@ -25,12 +27,15 @@ CASES = [
     ("target_verify", 1, 4),
     ("ragged_verify", 1, 2),
     ("draft_extend", 2, 4),
+    ("tree_verify", 2, 4),
 ]
 
 
 def _fields(result):
     """Every tensor and host scalar of a result (a draft decode's steps)."""
     steps = result.steps if hasattr(result, "steps") else (result,)
+    if hasattr(result, "ancestors"):  # a tree's verify: both passes
+        steps = (result.prefix, result.ancestors)
     out = {}
     for i, step in enumerate(steps):
         for name, value in vars(step).items():
@@ -55,13 +60,18 @@ def _build(mla, mode, batch, rows, *, bound=False, **spaces):
     called with the lengths' host copy."""
     args = (batch.req_pool_indices, rows, batch.seq_lens)
     kw = dict(spaces)
+    host = {}
     if mode == "ragged_verify":
         lens = torch.tensor([N, 0, 2, 1, N], device=rows.device)[: batch.batch_size]
         kw.update(verify_lens=lens, num_tokens=int(lens.sum()) + 2)
-    name = "target_verify" if mode == "ragged_verify" else mode
+    if mode == "tree_verify":
+        tree = random_tree_mask(batch.batch_size, 2, S, N, torch.Generator().manual_seed(1))
+        args = (*args, tree.to(rows.device))
+        host = dict(node_depths_cpu=tree.sum(-1) - 1)
+    name = "target_verify" if mode.endswith("verify") else mode
     if bound:
-        return mla.bind(name, *args, **kw)(batch.seq_lens_cpu)
-    return getattr(mla, name)(*args, seq_lens_cpu=batch.seq_lens_cpu, **kw)
+        return mla.bind(name, *args, **kw)(batch.seq_lens_cpu, **host)
+    return getattr(mla, name)(*args, seq_lens_cpu=batch.seq_lens_cpu, **kw, **host)
 
 
 def _builds(cfg, mode, batch, device, runs):
@@ -140,7 +150,7 @@ def test_a_row_too_narrow_in_pages_or_a_bad_map_is_refused_before_any_write(mode
     mla = TrtllmMlaBuilder(cfg, device)
     for buf in mla.buffers.values():
         buf.fill_(-7)
-    name = "target_verify" if mode == "ragged_verify" else mode
+    name = "target_verify" if mode.endswith("verify") else mode
     where = f"TrtllmMlaBuilder.{name}"
     cases = [
         (pages[:, : need - 1], dict(entry_page_size=E), ValueError,

@@ -8,8 +8,11 @@ builds every forward's metadata with :class:`~specmeta.FlashInferMLABuilder` (ba
 cascade of each prefix once and each branch's own chain (``topk > 1``), target verify as causal
 rows over prefix and window (a chain) or the cascade of each prefix once and each node's
 ancestors, its counts from the tree's node depths on the host (a tree), draft extend as causal
-rows; the accepted nodes' latent KV is moved like any pool's. For every request, with the
-target drafting for itself and with a perturbed copy:
+rows; the accepted nodes' latent KV is moved like any pool's. One CPU case builds with
+:class:`~specmeta.TrtllmMlaBuilder` instead (backend ``"trtllm_mla"``, design §3.4): per-branch
+block tables, a tree's verify as the cascade of each node's prefix rows (TRT-LLM's kernel) and
+its ancestors' token lists (FlashInfer MLA's), read by their torch models. For every request,
+with the target drafting for itself and with a perturbed copy:
 
 * the output equals plain greedy decoding of the target (dense attention, no paging);
 * every iteration's acceptance equals greedy's prefix in the tree, and the acceptance and the
@@ -62,10 +65,11 @@ class MlaCase:
     draft_tokens: int
     page_size: int
     mode: str = "auto"  # "auto": runners while the batch fits a bucket, eager beyond
+    backend: str = "flashinfer_mla"  # or "trtllm_mla": its tree verify's cascade (design §3.4)
 
     @property
     def id(self) -> str:
-        return (f"flashinfer_mla-k{self.topk}s{self.steps}n{self.draft_tokens}"
+        return (f"{self.backend}-k{self.topk}s{self.steps}n{self.draft_tokens}"
                 f"-ps{self.page_size}-{self.mode}")  # fmt: skip
 
 
@@ -81,7 +85,7 @@ def _serve(case: MlaCase, draft_kind: str, gen, device, *, model_cfg: TinyConfig
     cfg = SpecConfig(topk=case.topk, num_steps=case.steps, num_draft_tokens=case.draft_tokens,
                      page_size=case.page_size, max_bs=max(len(w) for w in waves),
                      max_context_len=longest)  # fmt: skip
-    common = dict(backend="flashinfer_mla", attention=attention, seed=_draw(gen),
+    common = dict(backend=case.backend, attention=attention, seed=_draw(gen),
                   raise_on_status=False)  # fmt: skip
     buckets = tuple(b for b in BUCKETS if b < cfg.max_bs)
     buckets = (*buckets, cfg.max_bs) if case.mode == "graph" else buckets
@@ -118,6 +122,11 @@ CPU_CASES = [
     # where it is).
     (MlaCase(2, 3, 6, 1), "perturbed"),
     (MlaCase(2, 3, 6, 16), "perturbed"),
+    # TRT-LLM MLA's builder on the same model (design §3.4), through the torch models of its
+    # kernel and FlashInfer MLA's: per-branch block tables over slot layout B (the prefix tail
+    # copied in the latent pool), a tree's verify as the cascade of each node's prefix rows and
+    # its ancestors' token lists (the counts from the node depths), extend as causal rows.
+    (MlaCase(2, 3, 6, 32, backend="trtllm_mla"), "perturbed"),
 ]
 
 

@@ -9,15 +9,27 @@ the query rows ``cu_seqlens_q[i] : cu_seqlens_q[i+1]``, causal bottom-right. A r
 causal bottom-right over ``seq_lens_k[i]`` keys, and a token no request covers reads 0.
 Attention over the resulting slots is the float64 dense oracle of
 :mod:`specmeta.testing.consumers.dense`.
+
+A tree's verify (:func:`tree_verify`, design §3.4) is MLA attention in two passes merged by
+log-sum-exp: the prefix pass read as TRT-LLM's decode kernel reads it (one latent query token a
+block-table row, values ``ckv``), whose rows with no keys the kernel leaves undefined (modelled
+here as NaN outputs and an LSE that would outweigh any other: a merge that forgets
+``mask_empty_prefix`` fails), and the ancestor pass through FlashInfer MLA's torch consumer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specmeta.kernels.merge_state import merge_state_ref
+from specmeta.testing.consumers import flashinfer_mla
 from specmeta.testing.consumers.dense import dense_attention
 
-__all__ = ["sequence_slots", "decode", "prefill"]
+__all__ = ["sequence_slots", "decode", "prefill", "prefix_pass", "tree_verify"]
+
+# What the model of TRT-LLM's kernel leaves in a row with no keys: a stale LSE that would
+# outweigh every real one (e^1000 against scores of order 1), and NaN outputs.
+STALE_LSE = 1000.0
 
 
 def sequence_slots(block_kv_indices, seq_lens_k, page_size: int) -> list[torch.Tensor]:
@@ -61,3 +73,43 @@ def prefill(q, k_cache, v_cache, meta, page_size: int):
         for j in range(qlen):
             rows[cu[i] + j] = kv[: kv.numel() - width + j + 1]
     return dense_attention(q, k_cache, v_cache, rows)
+
+
+def prefix_pass(p, q_nope, q_pe, ckv, kpe, sm_scale: float, page_size: int):
+    """TRT-LLM's decode kernel on a :class:`~specmeta.metadata.trtllm_mla.TrtllmMlaPrefixPass`:
+    ``(out [T, H, Dc], lse [T, H])`` float64, natural-log LSE, row ``r`` over the first
+    ``seq_lens_k[r]`` tokens of its block-table row; ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]``,
+    ``ckv [P, Dc]``, ``kpe [P, Dr]`` by slot. A row with no keys gives NaN outputs and
+    :data:`STALE_LSE`, as the kernel leaves it undefined."""
+    table = p.block_kv_indices
+    if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
+        raise AssertionError(f"block_kv_indices: the kernel takes a contiguous [rows, maxblk] "
+                             f"int32 table, got {table.dtype} {tuple(table.shape)}")  # fmt: skip
+    if p.seq_lens_k.shape != (table.shape[0],) or p.seq_lens_k.dtype != torch.int32:
+        raise AssertionError(f"seq_lens_k: one int32 length a table row, got "
+                             f"{p.seq_lens_k.dtype} {tuple(p.seq_lens_k.shape)}")  # fmt: skip
+    lens = p.seq_lens_k.cpu().long()
+    if lens.numel() and int(lens.max()) > p.max_seq_len_k:
+        raise AssertionError(f"seq_lens_k reaches {int(lens.max())}, past max_seq_len_k")
+    rows = sequence_slots(table, p.seq_lens_k, page_size)
+    if len(rows) != q_nope.shape[0]:
+        raise AssertionError(f"{len(rows)} block-table rows, {q_nope.shape[0]} query rows")
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k = torch.cat([ckv, kpe], dim=-1).unsqueeze(1)
+    out, lse = dense_attention(q, k, ckv.unsqueeze(1), rows, softmax_scale=sm_scale)
+    empty = (lens == 0).to(out.device)
+    out[empty] = float("nan")
+    lse[empty] = STALE_LSE
+    return out, lse
+
+
+def tree_verify(meta, q_nope, q_pe, ckv, kpe, sm_scale: float, page_size: int):
+    """A :class:`~specmeta.metadata.trtllm_mla.TrtllmMlaTreeVerify`: the prefix pass
+    (:func:`prefix_pass`), its empty rows masked by the result's own ``mask_empty_prefix``, and
+    the ancestor pass (:func:`specmeta.testing.consumers.flashinfer_mla.run_pass`, after
+    ``plan()``'s checks), merged by LSE: ``(out, lse)`` float64."""
+    o_p, lse_p = prefix_pass(meta.prefix, q_nope, q_pe, ckv, kpe, sm_scale, page_size)
+    device = meta.prefix.seq_lens_k.device
+    lse_p = meta.mask_empty_prefix(lse_p.to(device)).to(lse_p.device)
+    o_a, lse_a = flashinfer_mla.run_pass(meta.ancestors, q_nope, q_pe, ckv, kpe, sm_scale)
+    return merge_state_ref(o_p, lse_p, o_a, lse_a)
