@@ -169,7 +169,7 @@ def measure_case(bs: int, k: int, new: bool) -> None:
         fa3_ragged = {"verify_lens": ragged["verify_lens"], "num_tokens": bs * n}
         calls["fa3.target_verify.ragged"] = (fa3, "target_verify", (*t, tree), fa3_ragged)
         host_kw["fa3.target_verify.ragged"] = {}
-    if k == 1:  # TRT-LLM MLA verifies chains only: this case times its verify alone
+    if k == 1:  # the chain verifies of the MLA builders (a tree's is a two-kernel cascade)
         mla_tv = TrtllmMlaBuilder(cfg, "cuda", modes=("target_verify",))
         calls = {"trtllm_mla.target_verify": (mla_tv, "target_verify", t, {})}
         if FlashInferMLABuilder is not None:  # verifies chains in one causal pass

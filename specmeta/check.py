@@ -369,7 +369,8 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
 
 
 # The end-to-end check: (topk, steps, verify-window width) per backend, page size 4 (slot layout
-# B for trees). TRT-LLM MLA verifies chains only.
+# B for trees). TRT-LLM MLA's tree verify reads a latent pool (its ancestor pass is FlashInfer
+# MLA's, design §3.4), which this check's model has not: its chains are checked.
 _LOOP_SHAPES = {"fa3": (2, 3, 6), "flashinfer": (2, 3, 6), "trtllm_mla": (1, 3, 4)}
 _LOOP_PAGE_SIZE = 4
 _LOOP_TOKENS = 12  # new tokens a request, at least: small and CPU-fast

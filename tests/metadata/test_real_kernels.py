@@ -395,7 +395,8 @@ def test_gpu_trtllm_mla_ragged_verify_through_flash_attn_cute(gen, ps, how):
     assert int(mla.status) == 0
 
 
-# TRT-LLM MLA verifies chains only: its verify modes over virtual ids take K = 1.
+# CuTe reads TRT-LLM MLA's chain verify (a tree's is a cascade with FlashInfer MLA's ancestor
+# pass, test_trtllm_mla_real.py): its verify modes over virtual ids take K = 1.
 _MLA_VIRTUAL = [(mode, k, ps)
                 for mode in ("draft_decode", "target_verify", "ragged_verify", "draft_extend")
                 for k, ps in ((1, 1), (1, 16), (2, 1), (2, 16), (4, 64), (8, 1))

@@ -39,7 +39,8 @@ Tiers:
   head_dim 128. bf16 kernels may break a near-tie differently from the float32 reference, so a
   step whose reference lead (top logit over the token emitted) is below
   :data:`~specmeta.testing.tiny_model.DEFAULT_MARGIN` is counted and reported, not failed;
-  any other difference fails. TRT-LLM MLA verifies chains only and runs on the CPU tier.
+  any other difference fails. TRT-LLM MLA runs on the CPU tier (its kernel needs sm_100): chains
+  here, trees through the MLA model's loop (test_lossless_mla.py).
 """
 
 from __future__ import annotations
