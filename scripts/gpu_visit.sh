@@ -87,21 +87,26 @@ PY
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")$verdict")
       ;;
     lossless|lossless=*)
-      # test_lossless_gpu, sharded over LOSSLESS_WORKERS processes on the one GPU (the tiny
-      # model leaves it mostly idle); each shard writes its own log and junit file.
+      # The loops' GPU tests, sharded over LOSSLESS_WORKERS processes (default 4 a GPU: the
+      # tiny models leave a GPU mostly idle and each run is host-bound), shard w on GPU
+      # w mod (GPUs), each stopped after LOSSLESS_TIMEOUT seconds; each shard writes its own
+      # log and junit file.
       sel=${stage#lossless}; sel=${sel#=}
       ids=$(python3 -m pytest -q --collect-only tests/testing/test_lossless*.py \
         -k "($LOSSLESS_GPU)${sel:+ and ($sel)}" 2>/dev/null | grep '::')
-      n=${LOSSLESS_WORKERS:-4}
+      gpus=$(nvidia-smi -L | grep -c '^GPU')
+      n=${LOSSLESS_WORKERS:-$((4 * gpus))}
       for w in $(seq 0 $((n - 1))); do
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
         [ -n "$shard" ] || continue
-        timeout 560 python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
+        CUDA_VISIBLE_DEVICES=$((w % gpus)) timeout "${LOSSLESS_TIMEOUT:-560}" \
+          python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
           > "$OUT/lossless_$w.log" 2>&1 &
       done
       wait
       tail -q -n 1 "$OUT"/lossless_[0-9]*.log
-      summary+=("lossless gpu: $(tail -q -n 1 "$OUT"/lossless_[0-9]*.log | tr '\n' ' ')")
+      done_=$(cat "$OUT"/lossless_[0-9]*.xml 2>/dev/null | grep -c '<testcase')
+      summary+=("lossless gpu: $(echo "$ids" | grep -c '::') collected, $done_ finished in time; $(tail -q -n 1 "$OUT"/lossless_[0-9]*.log | tr '\n' ' ')")
       # One log comes back, not one per shard (a visit brings back a limited number of files).
       cat "$OUT"/lossless_[0-9]*.log > "$OUT/lossless.log"
       rm -f "$OUT"/lossless_[0-9]*.log "$OUT"/lossless_[0-9]*.xml
