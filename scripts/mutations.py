@@ -1855,6 +1855,21 @@ MUTATIONS: list[Mutation] = [
        'add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,',
        'add(f"{mode}.ancestor_kv_indices", (bn,), i32,',
        ["tests/metadata/test_trtllm_mla_tree.py", "-k", "over_each_nodes and 2-32"]),
+    # ------------------------------------ FlashInfer's compiled host part publishes (design §3)
+    _m("h-fi-stale-not-sent-compiled", "host_mirror",
+       "FlashInfer's host part with the compiled writer sends nothing to the device's check of "
+       "seq_lens_cpu: a stale copy goes unreported",
+       "specmeta/metadata/flashinfer.py",
+       "                publish_host_lengths(lengths_slot, B, found[1], found[0])",
+       "                pass",
+       ["tests/metadata/test_stale_host_lengths.py", "-k", "every_mode"]),
+    _m("h-fi-ragged-verify-unpublished-compiled", "host_mirror",
+       "FlashInfer's ragged verify with the compiled writer never publishes verify_lens_cpu for "
+       "the device's check",
+       "specmeta/metadata/flashinfer.py",
+       "                    publish_host_lengths(verify_slot, verify_count, found[3], found[2])",
+       "                    pass",
+       ["tests/metadata/test_ragged_verify_builders.py", "-k", "stale"]),
 ]
 # fmt: on
 

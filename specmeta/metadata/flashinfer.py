@@ -32,6 +32,7 @@ from ..kernels.draft_decode_kv_indices import (
     bind_draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
+from ..kernels.host_lengths import publish_host_lengths
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
@@ -64,13 +65,8 @@ _PER_BATCH_MIRRORS = {
     "draft_decode": ("kv_indptr_host",),
     "draft_decode_shared": ("prefix_kv_indptr_host",),
     "draft_decode_paged": ("kv_indptr_host", "kv_last_page_len_host"),
-    "target_verify": (
-        "kv_indptr_host",
-        "mask_indptr_host",
-        "packed_mask_indptr_host",
-        "verify_lens_host",
-        "ragged_qo_indptr_host",
-    ),
+    "target_verify": ("kv_indptr_host", "mask_indptr_host", "packed_mask_indptr_host",
+                      "verify_lens_host", "ragged_qo_indptr_host"),  # fmt: skip
     "draft_extend": ("kv_indptr_host",),
 }
 # The result fields a host call writes from seq_lens_cpu, by mode (named by its refusal).
@@ -249,8 +245,8 @@ class FlashInferBuilder(MetadataBuilder):
         ``seq_lens_cpu`` (every value named in the builder's message before anything is
         written) and publishes it for that check (:meth:`lengths`), takes the ring's turn, runs
         the writer of its set and returns the set's result (the compiled writer checks the
-        lengths itself: one call). ``make(B, *key, mirrors,
-        compiled)`` makes a set's result and writer (compiled where :func:`specmeta.warmup`
+        lengths itself: one call). ``make(B, *key, mirrors, compiled)`` makes a set's result
+        and writer (compiled where :func:`specmeta.warmup`
         built the host ops and :attr:`host_ops` asks for them) once, a slot per set in
         :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn. A ragged verify
         passes ``verify(verify_lens_cpu)``, its checks, and its writer takes both host
@@ -259,6 +255,12 @@ class FlashInferBuilder(MetadataBuilder):
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         sets, claim, advance, where = ring.sets, ring.claim, ring.advance, self._where[mode]
         compiled_module, builder, lengths = host_ops.compiled, self, self.lengths
+        # What a compiled writer read, published for the device's checks without the checks
+        # it made already: the lengths' slot, and a ragged verify's (its count bound in verify).
+        lengths_slot = self._host_published[mode] if self.check_host_lengths else None
+        verify_slot = (self._verify_published if verify is not None and lengths_slot is not None
+                       else None)  # fmt: skip
+        verify_count = verify.args[1] if verify_slot is not None else 0
         missing = (f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
                    "the CPU copy of seq_lens the engine already holds (a copy of seq_lens made "
@@ -267,12 +269,11 @@ class FlashInferBuilder(MetadataBuilder):
                    "verify_lens (a uniform layout); bind it with verify_lens= and num_tokens= "
                    "for a ragged verify, or drop verify_lens_cpu")  # fmt: skip
 
-        def checks(seq_lens_cpu: torch.Tensor, verify_lens_cpu: Any, found: Any = None) -> None:
-            """Every check of the host inputs, each fault named, and their publication for the
-            device's check; ``found``: what a compiled writer read, its checks made."""
-            lengths(mode, B, seq_lens_cpu, found and found[:2])
+        def checks(seq_lens_cpu: torch.Tensor, verify_lens_cpu: Any) -> None:
+            """Every check of the host inputs, each fault named, and their publication."""
+            lengths(mode, B, seq_lens_cpu)
             if verify is not None:
-                verify(verify_lens_cpu, found and found[2:])
+                verify(verify_lens_cpu)
 
         def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
@@ -293,8 +294,12 @@ class FlashInferBuilder(MetadataBuilder):
             except (TypeError, ValueError, IndexError, OverflowError):
                 checks(seq_lens_cpu, verify_lens_cpu)  # nothing was written: name the fault
                 raise
-            if compiled:
-                checks(seq_lens_cpu, verify_lens_cpu, found)
+            if compiled and found is None:  # a torch writer where no compiled one serves
+                checks(seq_lens_cpu, verify_lens_cpu)
+            elif compiled and lengths_slot is not None:  # what the compiled writer read
+                publish_host_lengths(lengths_slot, B, found[1], found[0])
+                if verify_slot is not None:
+                    publish_host_lengths(verify_slot, verify_count, found[3], found[2])
             advance()
             return entry[0]
 

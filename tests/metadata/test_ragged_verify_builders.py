@@ -100,9 +100,13 @@ def test_a_bound_ragged_stage_follows_new_lengths_and_mirrors_turn(device, gen):
     assert int(fi.status) == 0
 
 
-def test_a_stale_verify_lens_cpu_sets_its_bit_alone(device, gen):
+@pytest.mark.parametrize("writers", ["compiled", "torch"])
+def test_a_stale_verify_lens_cpu_sets_its_bit_alone(device, gen, writers, request):
+    """Published by the compiled ragged writer (after ``warmup()``) and by the torch checks."""
+    if writers == "compiled":
+        request.getfixturevalue("compiled_host_ops")
     cfg, batch, tree = _setup(gen, device)
-    fi = FlashInferBuilder(cfg, device)
+    fi = FlashInferBuilder(cfg, device, host_ops=writers == "compiled")
     _call(fi, batch, tree, [2, 1], 9)
     assert int(fi.status) == 0
     # The device lengths changed, the host copy is the one before: valid values, stale.

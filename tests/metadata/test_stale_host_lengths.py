@@ -118,16 +118,17 @@ def _batch(device, gen):
     return rpi.to(device), r2t.to(device), lens.to(torch.int32).to(device), lens
 
 
-def _modes(device):
-    """``(name, builder, bind(builder, rpi, r2t, seq_lens, status) -> Stage)`` of every mode."""
+def _modes(device, compiled: bool = True):
+    """``(name, builder, bind(builder, rpi, r2t, seq_lens, status) -> Stage)`` of every mode,
+    its host part through the compiled host ops or the torch ones."""
     mask = random_tree_mask(3, K, S, N, torch.Generator().manual_seed(0)).to(device)
 
     def slots(rpi, r2t, lens):
         return assign_draft_cache_locs(rpi, r2t, lens, topk=K, num_steps=S, page_size=PS)
 
-    fa3 = FA3MetadataBuilder(CFG, device)
-    fi = FlashInferBuilder(CFG, device)
-    mla = TrtllmMlaBuilder(CFG, device)
+    fa3 = FA3MetadataBuilder(CFG, device, host_ops=compiled)
+    fi = FlashInferBuilder(CFG, device, host_ops=compiled)
+    mla = TrtllmMlaBuilder(CFG, device, host_ops=compiled)
     return [
         ("fa3.draft_decode", fa3,
          lambda b, r, t, L, st: b.bind_draft_decode(r, t, L, slots(r, t, L), status=st)),
@@ -151,13 +152,17 @@ def _modes(device):
     ]  # fmt: skip
 
 
-def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed):
+@pytest.mark.parametrize("writers", ["compiled", "torch"])
+def test_every_mode_reports_a_copy_one_iteration_behind(device, gen, seed, writers, request):
     """Per mode, one bound stage: a fresh copy sets nothing, the copy of the iteration before
     sets ``STALE_HOST_LENGTHS`` alone, and the next fresh copy sets nothing again (the slot is
-    per mode and consumed). FA3 and TRT-LLM MLA also take no copy at all."""
+    per mode and consumed). FA3 and TRT-LLM MLA also take no copy at all. Each host part
+    publishes through the compiled host ops (after ``warmup()``) and through the torch ones."""
+    if writers == "compiled":
+        request.getfixturevalue("compiled_host_ops")
     rpi, r2t, lens, lens_cpu = _batch(device, gen)
     behind = (lens_cpu - 1).to(torch.int32)
-    for name, builder, bind in _modes(device):
+    for name, builder, bind in _modes(device, compiled=writers == "compiled"):
         status = new_status(device)
         stage = bind(builder, rpi, r2t, lens, status)
         where = f"{name}, seed {seed}, seq_lens {lens_cpu.tolist()}"
