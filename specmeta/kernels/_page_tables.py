@@ -34,7 +34,7 @@ from ._common import (
     row_offset,
     vector_widths,
 )
-from ._window import page_window_arguments, rail_floor, window_page_ids
+from ._window import page_window_arguments, rail_floor, tree_prefix_start, window_page_ids
 
 __all__ = [
     "NO_EXPAND",
@@ -55,6 +55,19 @@ def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr)
     if EXCLUDE_LAST_PARTIAL:
         L = L - L % page_size
     return L + extra_tokens
+
+
+@triton.jit
+def _tree_covered(L, length, rail, depth, PAGE_SIZE: tl.constexpr, TREE: tl.constexpr):
+    """``(first, length)``: where a normal pass's table starts and the tokens it covers. A
+    window layer's tree cascade (``TREE``, design §2.10) lists only ``[P0, length)``, the
+    prefix every query row reads (``P0`` a page boundary, or past ``length``: nothing);
+    ``(0, length)`` otherwise."""
+    if TREE:
+        first = tl.minimum(tree_prefix_start(L, rail, depth, PAGE_SIZE), length)
+        return first, length - first
+    else:
+        return L * 0, length
 
 
 @triton.jit
@@ -111,7 +124,7 @@ def _gather_pages(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, 
 @triton.jit
 def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, filled, W,
                      W_row, fill_value, first_chunk, chunk_step, status_ptr, v2p_ptr, num_pages,
-                     floor, full_to_swa_ptr, full_size, PAGE_SIZE: tl.constexpr,
+                     floor, full_to_swa_ptr, full_size, shift, PAGE_SIZE: tl.constexpr,
                      BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
                      ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
                      TO_WINDOW: tl.constexpr):  # fmt: skip
@@ -121,8 +134,9 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
     a virtual id through ``v2p``, a full-pool id through ``full_to_swa``), for ``col <
     filled``, then ``fill_value``; a page wholly below ``floor`` is the sink page 0 and no
     fault; an id that does not map is the sink page 0 and sets ``BAD_KV_ID``, a plain row's
-    negative slot ``POOL_OOB``. Scalar loads: a page row's positions are not consecutive
-    entries, and a translated id needs its map entry."""
+    negative slot ``POOL_OOB``. Column ``col`` reads the row's page ``col + shift`` (a window
+    tree's normal pass starts at page ``shift``, design §2.10). Scalar loads: a page row's
+    positions are not consecutive entries, and a translated id needs its map entry."""
     filled = filled.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
     row_ptr = req_to_token_ptr + row_base
     out_ptr = page_table_ptr + out_base  # int64: B·W passes 2**31 at page size 1
@@ -130,7 +144,7 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
     for chunk in range(first_chunk, tl.cdiv(W, BLOCK), chunk_step):
         col = col0 + chunk * BLOCK
         pages, bad, negative = window_page_ids(
-            row_ptr, col, tl.where(row_ok, col < filled, False), floor, W_row, v2p_ptr,
+            row_ptr, col + shift, tl.where(row_ok, col < filled, False), floor, W_row, v2p_ptr,
             num_pages, full_to_swa_ptr, full_size, PAGE_SIZE, ENTRY_PAGE_SIZE, TRANSLATE,
             TO_WINDOW,
         )  # fmt: skip
@@ -144,8 +158,9 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
 
 @triton.jit
 def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
-                       EXCLUDE_LAST_PARTIAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       BLOCK_B: tl.constexpr, WRITE_CU: tl.constexpr):  # fmt: skip
+                       rail, depth, EXCLUDE_LAST_PARTIAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_B: tl.constexpr, WRITE_CU: tl.constexpr,
+                       TREE: tl.constexpr):  # fmt: skip
     """``cu_seqlens_k[r, :B + 1]`` of every row ``r < num_rows``: the exclusive scan of
     ``min(len_b + r, W·ps)``, closing entry included, by one program for the whole batch (int64
     sums: ΣL passes 2**31 for large batches of long contexts). A program of its own, so that no
@@ -157,8 +172,9 @@ def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows
     cap = W.to(tl.int64) * PAGE_SIZE
     offs = tl.arange(0, BLOCK_B)
     # The first BLOCK_B lengths (all of them up to B = 1024) once for every row.
-    L_head = tl.load(seq_lens_ptr + offs, mask=offs < B, other=0).to(tl.int64)
-    len_head = _covered_len(tl.maximum(L_head, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    L_head = tl.maximum(tl.load(seq_lens_ptr + offs, mask=offs < B, other=0).to(tl.int64), 0)
+    len_head = _covered_len(L_head, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    _, len_head = _tree_covered(L_head, len_head, rail, depth, PAGE_SIZE, TREE)
     for r in range(0, num_rows):
         row = cu_seqlens_k_ptr + row_offset(r, stride_cu)
         own = tl.where(offs < B, tl.minimum(len_head + r, cap), 0)
@@ -168,9 +184,9 @@ def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows
         for first in range(BLOCK_B, B + 1, BLOCK_B):  # B ≥ BLOCK_B only
             more = first + offs
             L_more = tl.load(seq_lens_ptr + more, mask=more < B, other=0).to(tl.int64)
-            len_more = _covered_len(
-                tl.maximum(L_more, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
-            )
+            L_more = tl.maximum(L_more, 0)
+            len_more = _covered_len(L_more, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+            _, len_more = _tree_covered(L_more, len_more, rail, depth, PAGE_SIZE, TREE)
             own = tl.where(more < B, tl.minimum(len_more + r, cap), 0)
             tl.store(row + more, carry + tl.cumsum(own, axis=0) - own, mask=more <= B)
             carry += tl.sum(own, axis=0)
@@ -248,7 +264,7 @@ def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.const
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows", "W",
         "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "full_size", "rail",
-        "expand_rows",
+        "depth", "expand_rows",
         "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
     ]
 )  # fmt: skip
@@ -279,6 +295,7 @@ def page_tables_kernel(
     full_to_swa_ptr,  # [full_size] int32|int64 full -> window pool map (read with TO_WINDOW)
     full_size,
     rail,  # the window read rail w, 0 for none (None for a full layer: read with WINDOW_LAYER)
+    depth,  # a window tree cascade's depth bound D (read with TREE)
     # expand pass
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
@@ -308,6 +325,7 @@ def page_tables_kernel(
     TRANSLATE: tl.constexpr,  # ids leave through v2p, at the pool's page size PAGE_SIZE
     TO_WINDOW: tl.constexpr,  # ids leave through full_to_swa: a window layer's pages
     WINDOW_LAYER: tl.constexpr,  # a rail or a map (design §2.10): columns by window_page_ids
+    TREE: tl.constexpr,  # a window layer's tree cascade: the table starts at P0 (design §2.10)
     # expand pass
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
@@ -358,6 +376,8 @@ def page_tables_kernel(
                 req_pool_indices_ptr, seq_lens_ptr, req, B, R, stride_row
             )
             length = _covered_len(L, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+            first, length = _tree_covered(L, length, rail, depth, PAGE_SIZE, TREE)
+            shift = first // PAGE_SIZE  # a page boundary wherever a page is listed
             # The table serves every row s < num_rows (length + s tokens): it covers the longest.
             longest = length + num_rows - 1
             if PAGED:
@@ -379,7 +399,7 @@ def page_tables_kernel(
                 _gather_page_ids(
                     req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
                     W, W_row, fill_value, c, chunk_programs, status_ptr, v2p_ptr, num_pages,
-                    floor, full_to_swa_ptr, full_size, PAGE_SIZE, BLOCK, HAS_STATUS,
+                    floor, full_to_swa_ptr, full_size, shift, PAGE_SIZE, BLOCK, HAS_STATUS,
                     ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
                 )  # fmt: skip
             if c == 0:
@@ -387,7 +407,7 @@ def page_tables_kernel(
                     tl.store(cache_seqlens_ptr + row_offset(r, stride_cs) + req,
                              tl.minimum(length + r, cap))  # fmt: skip
                 if HAS_STATUS:
-                    last_pos = (pages - 1) * PAGE_SIZE
+                    last_pos = (shift + pages - 1) * PAGE_SIZE
                     # A row of W_row entries holds W_row·E positions (design §2.10).
                     pos_bad = ((pages > 0) & (last_pos >= W_row * ENTRY_PAGE_SIZE)) | ~L_ok
                     bits = (
@@ -398,8 +418,8 @@ def page_tables_kernel(
                     tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
         elif c == 0:
             _normal_cu_seqlens(
-                seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
-                EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU,
+                seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu, rail,
+                depth, EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU, TREE,
             )  # fmt: skip
     # With both passes, the last column's rows b < max(B, 1), tested only there.
     elif (b < tl.maximum(B, 1)) if NORMAL else True:
@@ -482,7 +502,7 @@ NO_NORMAL = dict(
     stride_cu=None, chunk_programs=None, NORMAL=False, EXCLUDE_LAST_PARTIAL=None, BLOCK=None,
     VEC_IN=None, VEC_OUT=None, WRITE_CU=None, v2p_ptr=None, num_pages=None,
     ENTRY_PAGE_SIZE=None, TRANSLATE=None, full_to_swa_ptr=None, full_size=None, rail=None,
-    TO_WINDOW=None, WINDOW_LAYER=None,
+    TO_WINDOW=None, WINDOW_LAYER=None, depth=None, TREE=None,
 )  # fmt: skip
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
@@ -497,13 +517,14 @@ def normal_pass(
     cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, *, page_size: int,
     exclude_last_partial: bool, extra_tokens, fill_value, num_rows, stride_cs, stride_cu,
     chunk_programs: int, block: int, entry_page_size: int = 1, v2p: torch.Tensor | None = None,
-    rail: int = 0, full_to_swa: torch.Tensor | None = None,
+    rail: int = 0, full_to_swa: torch.Tensor | None = None, tree_depth: int | None = None,
 ) -> dict:  # fmt: skip
     """The normal pass's launch keywords (the launcher checked the buffers). ``extra_tokens``,
     ``fill_value``, ``num_rows``, ``stride_cs`` and ``stride_cu`` are ``None`` in the cascade,
     whose normal pass has them as literals. ``entry_page_size`` and ``v2p``: the rows' id space
     (design §2.10), ``v2p`` at the pool's page size ``page_size``; ``rail`` (``w``, 0 for none)
-    and ``full_to_swa``: a window layer's table (design §2.10)."""
+    and ``full_to_swa``: a window layer's table (design §2.10); ``tree_depth`` (``D``, with a
+    rail): a window layer's tree cascade, whose table starts at ``P0`` (design §2.10)."""
     return dict(
         req_pool_indices_ptr=req_pool_indices,
         req_to_token_ptr=req_to_token,
@@ -528,6 +549,8 @@ def normal_pass(
         WRITE_CU=cu_seqlens_k is not None,
         **id_space_arguments(entry_page_size, v2p),
         **page_window_arguments(rail, full_to_swa),
+        depth=tree_depth,
+        TREE=tree_depth is not None,
     )
 
 
