@@ -245,6 +245,65 @@ def _page_runs(slot, prev, in_rows, lpl, j, c, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _window_prefix_pages(L, s, rail, depth, PAGE_SIZE: tl.constexpr):
+    """``(a, n, floor)`` of a window layer's tree, draft step ``s`` (design §2.10): a branch
+    row's expand pass lists the ``n`` row pages ``a … a + n − 1`` (from the page of its read
+    floor ``max(0, L + s − w + 1)`` up to where the normal pass starts, ``min(P0, L − lpl)``),
+    then its branch's own pages; ``L ≥ 0``, shapes broadcast."""
+    first = tl.minimum(tree_prefix_start(L, rail, depth, PAGE_SIZE), L - L % PAGE_SIZE)
+    c0 = first // PAGE_SIZE
+    floor = tl.maximum(L + s - rail + 1, 0)
+    a = tl.minimum(c0, floor // PAGE_SIZE)
+    return a, c0 - a, floor
+
+
+@triton.jit
+def _prefix_pages_before(seq_lens_ptr, b, rail, depth, PAGE_SIZE: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """``Σ_{b'<b} n_{b', s}`` for every step ``s < BLOCK_S`` (:func:`_window_prefix_pages`),
+    int64 ``[BLOCK_S]``, from whole-vector loads of ``seq_lens``."""
+    steps = tl.arange(0, BLOCK_S)[None, :]
+    total = tl.zeros([BLOCK_S], dtype=tl.int64)
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)[:, None]
+        before = offs < b
+        prev = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        _, n, _ = _window_prefix_pages(prev, steps, rail, depth, PAGE_SIZE)
+        total += tl.sum(tl.where(before, n, 0), axis=0)
+    return total
+
+
+@triton.jit
+def _store_window_branch_tables(base, run_page, limit, in_rows, c, W, a, n, floor, row_ptr,
+                                row_ok, W_row, v2p_ptr, num_pages, full_to_swa_ptr, full_size,
+                                n_max, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+                                ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                                TO_WINDOW: tl.constexpr):  # fmt: skip
+    """:func:`_store_branch_tables` of a window layer's tree (design §2.10): columns ``[0, n)``
+    the row pages ``a …`` (:func:`~specmeta.kernels._window.window_page_ids` from the step's
+    floor: window-pool pages), then the branch's pages from column ``n``, then 0 to ``W``.
+    Returns ``(bad, negative)`` of the row pages read."""
+    bad = tl.max(tl.max(tl.max(n, axis=2), axis=1), axis=0).to(tl.int32) * 0  # scalar flags
+    negative = bad
+    for p0 in range(0, n_max, BLOCK_W):
+        pc = p0 + tl.arange(0, BLOCK_W)[None, None, :]
+        need = tl.where(row_ok, pc < n, False)  # [1, S, BLOCK_W]
+        pages, lost, neg = window_page_ids(row_ptr, a + pc, need, floor, W_row, v2p_ptr,
+                                           num_pages, full_to_swa_ptr, full_size, PAGE_SIZE,
+                                           ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW)  # fmt: skip
+        tl.store(base + pc, pages, mask=in_rows & (pc < n) & (pc < W))
+        bad |= tl.max(tl.max(tl.max(lost.to(tl.int32), axis=2), axis=1), axis=0)
+        negative |= tl.max(tl.max(tl.max(neg.to(tl.int32), axis=2), axis=1), axis=0)
+    tl.store(base + n + c, tl.where(c < limit, run_page, 0), mask=in_rows & (n + c < W))
+    for c0 in range(0, W, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)[None, None, :]
+        tl.store(base + cols, tl.zeros([BLOCK_K, BLOCK_S, BLOCK_W], tl.int32),
+                 mask=in_rows & (cols >= n + limit) & (cols < W))  # fmt: skip
+    return bad != 0, negative != 0
+
+
+@triton.jit
 def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
     """Page-table tiles ``[branch t, step s, column c]`` from row pointers ``base [K, S, 1]``:
@@ -264,7 +323,7 @@ def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.const
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows", "W",
         "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "full_size", "rail",
-        "depth", "expand_rows",
+        "depth", "expand_rows", "expand_prefix_pages",
         "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
     ]
 )  # fmt: skip
@@ -302,6 +361,7 @@ def page_tables_kernel(
     expand_cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_ecs
     expand_cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ecu
     expand_rows,
+    expand_prefix_pages,  # the most row pages a window tree's expand row lists (with TREE)
     W_expand,
     stride_ept_s,
     stride_ept_r,
@@ -463,15 +523,36 @@ def page_tables_kernel(
 
         # step·(Bp·K·W) passes 2**31 only for huge tables
         base = expand_page_table_ptr + (first + t) * stride_ept_r + row_offset(j, stride_ept_s)
-        _store_branch_tables(base, run_page, limit, in_rows, col, W_expand, BLOCK_K, BLOCK_S,
-                             BLOCK_W)  # fmt: skip
+        if TREE:
+            # A window layer's tree (design §2.10): the row pages from the step's read floor
+            # up to the normal pass's start, then the branch's own pages.
+            row_base, _, row_ok, _ = load_request(req_pool_indices_ptr, seq_lens_ptr, req, B,
+                                                  R, stride_row)  # fmt: skip
+            a, n_pre, floor = _window_prefix_pages(L, j, rail, depth, PAGE_SIZE)  # [1, S, 1]
+            seqlen += n_pre * PAGE_SIZE
+            pre_bad, pre_neg = _store_window_branch_tables(
+                base, run_page, limit, in_rows, col, W_expand, a, n_pre, floor,
+                req_to_token_ptr + row_base, row_ok, W_row, v2p_ptr, num_pages, full_to_swa_ptr,
+                full_size, expand_prefix_pages, PAGE_SIZE, BLOCK_K, BLOCK_S, BLOCK_W,
+                ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
+            )  # fmt: skip
+        else:
+            _store_branch_tables(base, run_page, limit, in_rows, col, W_expand, BLOCK_K, BLOCK_S,
+                                 BLOCK_W)  # fmt: skip
         rows = first + t  # [K, 1, 1] branch rows
         tl.store(expand_cache_seqlens_ptr + row_offset(j, stride_ecs) + rows, seqlen,
                  mask=in_rows)  # fmt: skip
         if WRITE_EXPAND_CU:
             # cu[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1),
             # int64 throughout.
-            cu_start = TOPK * lpl_before + t * lpl + rows * (j + 1)
+            if TREE:
+                pre_before = _prefix_pages_before(seq_lens_ptr, req, rail, depth, PAGE_SIZE,
+                                                  BLOCK_B, BLOCK_S)[None, :, None]  # fmt: skip
+                # Σ over earlier requests' rows of lpl + n·ps, then this request's earlier rows.
+                before = TOPK * (lpl_before + pre_before * PAGE_SIZE)  # [1, S, 1]
+                cu_start = before + (seqlen - j - 1) * t + rows * (j + 1)
+            else:
+                cu_start = TOPK * lpl_before + t * lpl + rows * (j + 1)
             cu_rows = expand_cu_seqlens_k_ptr + row_offset(j, stride_ecu)
             tl.store(cu_rows + rows, cu_start, mask=in_rows)
             # Closing entry cu[s, B·K] = cu[s, B·K − 1] + cache_seqlens[s, B·K − 1], from the
@@ -488,6 +569,8 @@ def page_tables_kernel(
                 | tl.where(neg_any, POOL_OOB, 0)
                 | tl.where(bad_page, BAD_PAGE, 0)
             )
+            if TREE:
+                bits |= tl.where(pre_bad, BAD_KV_ID, 0) | tl.where(pre_neg, POOL_OOB, 0)
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -506,7 +589,7 @@ NO_NORMAL = dict(
 )  # fmt: skip
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
-    expand_cu_seqlens_k_ptr=None, expand_rows=None, W_expand=None, stride_ept_s=None,
+    expand_cu_seqlens_k_ptr=None, expand_rows=None, expand_prefix_pages=None, W_expand=None, stride_ept_s=None,
     stride_ept_r=None, stride_ecs=None, stride_ecu=None, EXPAND=False, TOPK=None,
     NUM_STEPS=None, BLOCK_K=None, BLOCK_S=None, BLOCK_W=None, WRITE_EXPAND_CU=None,
 )  # fmt: skip
@@ -557,8 +640,11 @@ def normal_pass(
 def expand_pass(
     out_cache_loc: torch.Tensor, page_table: torch.Tensor, cache_seqlens: torch.Tensor,
     cu_seqlens_k: torch.Tensor | None, *, topk: int, num_steps: int, rows: int,
+    prefix_pages: int | None = None,
 ) -> dict:  # fmt: skip
-    """The expand pass's launch keywords (the launcher checked the buffers)."""
+    """The expand pass's launch keywords (the launcher checked the buffers). ``prefix_pages``:
+    a window layer's tree (the fused launch's normal pass has ``tree_depth``), the most row
+    pages an expand row lists before its branch's (design §2.10)."""
     W = page_table.shape[2]
     return dict(
         out_cache_loc_ptr=out_cache_loc,
@@ -566,6 +652,7 @@ def expand_pass(
         expand_cache_seqlens_ptr=cache_seqlens,
         expand_cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
         expand_rows=rows,
+        expand_prefix_pages=prefix_pages,
         W_expand=W,
         stride_ept_s=page_table.stride(0),
         stride_ept_r=page_table.stride(1),

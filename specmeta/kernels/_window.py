@@ -377,19 +377,11 @@ def window_page_ids_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
 # --------------------------------------------------------------------------------------------
 # A window layer's tree cascade (FA3): the shared prefix every row reads, and each row's band.
 # --------------------------------------------------------------------------------------------
-def window_tree_keep(rail: int, depth: int, page_size: int) -> int:
-    """``k``: the whole pages a window layer's tree cascade keeps in its normal pass before the
-    request's last page boundary (design §2.10), ``⌊(w − D − ps) / ps⌋`` with ``D`` the
-    deepest query row's offset past ``L`` (``S − 1`` in draft decode, ``N − 1`` in verify);
-    negative when ``w < D + ps`` (then no page is read by every row: no normal pass)."""
-    return (rail - depth - page_size) // page_size
-
-
-def window_tree_gap(rail: int, depth: int, page_size: int) -> int:
-    """``G = max(k, 0)·ps`` (:func:`window_tree_keep`): the most prefix positions a draft-decode
-    tree's normal pass holds; its expand pass runs FlashAttention's window ``(w − 1 − G, 0)``
-    (design §2.10)."""
-    return max(window_tree_keep(rail, depth, page_size), 0) * page_size
+from ..metadata.window_plan import (  # noqa: E402  torch-free: the plan's formulas, re-exported
+    window_tree_gap,
+    window_tree_keep,
+    window_tree_prefix_pages,
+)
 
 
 def window_tree_expand_width(depth: int, page_size: int) -> int:
@@ -520,3 +512,6 @@ def window_tree_row_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
 __all__ += ["window_tree_keep", "window_tree_gap", "window_tree_expand_width",
             "check_tree_depth", "tree_prefix_start", "tree_prefix_start_ref", "window_tree_rows",
             "window_tree_row_ref"]  # fmt: skip
+
+
+__all__ += ["window_tree_prefix_pages"]

@@ -242,6 +242,12 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_ta
     D = check_tree_depth(where, tree_depth, rail, N - 1)
     # A window layer's rows hold a band of prefix positions too (design §2.10).
     cols = window_tree_expand_width(D, page_size) if rail else N
+    if rail and page_table is not None and page_table.shape[-1] < cols:
+        raise ValueError(
+            f"{where}: page_table has {page_table.shape[-1]} columns; a window layer's rows "
+            f"(sliding_window_size={rail}, tree_depth={D}, page_size={page_size}) list up to "
+            f"D + 2*page_size - 1 = {cols} keys: pass at least {cols} (design §2.10)"
+        )
     page_table, cache_seqlens = check_expand_outputs(page_table, cache_seqlens, cu_seqlens_k,
                                                      B * N, cols, device, "B*N")  # fmt: skip
     status = validate.status(status, device)

@@ -26,8 +26,15 @@ only ``[P0, L)``, ``P0`` a page boundary at or past what the deepest row reads
 token, its band ``[max(0, L + d − w + 1), P0)`` of the prefix and then its ancestors within
 the window (``verify_expand_page_table`` / ``verify_expand_ragged`` with the rail), all in
 window-pool ids. FlashAttention cannot start a page table's sequence inside a page (the CuTe
-kernel takes no left padding), hence the page boundary and the band. A tree's draft decode is
-not built yet (FlashInfer's window builder serves it).
+kernel takes no left padding), hence the page boundary and the band.
+
+A tree's draft decode (``topk > 1``) is the same cascade in whole pages: every branch of a
+step sits at the same position ``L + s``, the normal pass keeps at most ``G`` positions (the
+whole pages before ``L − lpl`` that every step reads; ``draft_decode_page_tables(...,
+tree_depth=S − 1)``), and each expand row lists the row pages from its floor up to the normal
+pass's start, then its branch's own pages; FlashAttention's window ``(w − 1 − G, 0)`` on the
+expand pass hides exactly what the row does not read (the normal pass's ``G`` positions are
+the only gap in its sequence). The normal passes run no kernel window.
 """
 
 from __future__ import annotations
@@ -42,15 +49,21 @@ from ..kernels._window import check_window, window_layer_config
 from ..stage import Stage
 from .capabilities import Capabilities
 from .fa3 import FA3MetadataBuilder
-from .fa3_results import FA3Cascade
-from .window_plan import FA3_WINDOW_PREFIX, WINDOW_MODES, fa3_window_verify_width
+from .fa3_results import FA3Cascade, FA3DraftDecode
+from .window_plan import (
+    FA3_WINDOW_PREFIX,
+    WINDOW_MODES,
+    fa3_window_verify_width,
+    window_tree_gap,
+    window_tree_prefix_pages,
+)
 
 __all__ = ["FA3WindowBuilder", "FA3_WINDOW_CAPABILITIES"]
 
-#: What FA3's window builder serves: the chain modes, and a tree's target verify.
+#: What FA3's window builder serves: the chain modes and a tree's.
 FA3_WINDOW_CAPABILITIES = Capabilities(
     modes=WINDOW_MODES,
-    tree_draft=False,
+    tree_draft=True,
     tree_verify=True,
     page_sizes="any",
     graph_safe=frozenset(WINDOW_MODES),
@@ -61,7 +74,7 @@ class FA3WindowBuilder(FA3MetadataBuilder):
     """FA3 metadata of a hybrid model's window layers: ``FA3MetadataBuilder(cfg, device,
     sliding_window_size=w)`` makes one (see the module's text). Its buffers are the
     ``fa3_swa.*`` keys of the config's plan with that ``w`` (a config that names another window
-    is refused, and so is a tree's draft decode); the other arguments are
+    is refused); the other arguments are
     :class:`~.fa3.FA3MetadataBuilder`'s.
 
     Attributes
@@ -91,7 +104,9 @@ class FA3WindowBuilder(FA3MetadataBuilder):
         tree cascade's depth bound too (both passes are built with it)."""
         check_window(self.require(mode), self.sliding_window_size, full_to_swa, self.device)
         out = dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)
-        if self._tree_depth is not None:
+        if mode == "draft_decode" and self.cfg.topk > 1:
+            out["tree_depth"] = self.cfg.num_steps - 1  # every step's rows at L + s
+        elif self._tree_depth is not None:
             out["tree_depth"] = self._tree_depth
         return out
 
@@ -108,6 +123,23 @@ class FA3WindowBuilder(FA3MetadataBuilder):
             return super().bind_target_verify(*args, **kwargs)
         finally:
             self._tree_depth = None
+
+    def _draft_views(self, B: int, rows: int) -> tuple[dict, FA3DraftDecode]:
+        """The base class's views; a tree's expand pass runs FlashAttention's window ``(w − 1
+        − G, 0)`` and lists up to ``n·ps`` more keys, ``n`` its most row pages (design
+        §2.10)."""
+        out, result = super()._draft_views(B, rows)
+        if self.cfg.topk == 1:
+            return out, result
+        w, S, ps = self.sliding_window_size, self.cfg.num_steps, self.cfg.page_size
+        gap = window_tree_gap(w, S - 1, ps)
+        more = window_tree_prefix_pages(w, S - 1, ps) * ps
+        return out, FA3DraftDecode(tuple(
+            FA3Cascade(normal=step.normal,
+                       expand=dataclasses.replace(step.expand, window_size=(w - 1 - gap, 0),
+                                                  max_seqlen_k=step.expand.max_seqlen_k + more))
+            for step in result.steps
+        ))  # fmt: skip
 
     def _verify_views(self, B: int) -> tuple[dict, FA3Cascade]:
         """The base class's views; a tree's cascade runs no kernel window (each pass lists

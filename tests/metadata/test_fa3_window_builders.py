@@ -20,10 +20,13 @@ import torch
 
 from specmeta import SpecConfig, Status, new_status
 from specmeta.config import plan_sizes
+from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs_ref
+from specmeta.kernels.merge_state import merge_state_ref
 from specmeta.metadata.fa3 import FA3MetadataBuilder
 from specmeta.metadata.fa3_window import FA3WindowBuilder
+from specmeta.metadata.window_plan import window_tree_gap
 from specmeta.testing.consumers.dense import dense_attention
-from specmeta.testing.consumers.fa3 import run_cascade
+from specmeta.testing.consumers.fa3 import attend, run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
 from tests._support import emitted_id
 from tests.guard_bands import assert_equal
@@ -58,7 +61,9 @@ def _setup(gen, device, *, s, n, ps, w, translate=False, batch_size=5, topk=1):
     rows = batch.req_to_token.cpu()
     for b, L in enumerate(batch.seq_lens_cpu.tolist()):
         row = rows[int(batch.req_pool_indices[b])]
-        ids = [emitted_id(row, p, v2p, E=1, ps=ps) for p in range(L + max(n, s))]
+        # A tree's draft slots lie anywhere in its branch regions (design §1): the whole row.
+        reach = row.shape[0] if topk > 1 else L + max(n, s)
+        ids = [emitted_id(row, p, v2p, E=1, ps=ps) for p in range(reach)]
         named[ids] = True
         for p in range(max(0, L - w + 1)):  # evicted: no forward reads them again
             f2s[ids[p]] = -1
@@ -213,12 +218,16 @@ def test_the_plan_and_the_buffers(device):
                       max_context_len=32, sliding_window_size=6)  # fmt: skip
     tree_plan = plan_sizes(tree)
     fa = FA3MetadataBuilder(tree, device, sliding_window_size=6)
-    assert fa.modes == ("target_verify", "draft_extend")  # a tree's draft decode: not yet
+    assert fa.modes == ("draft_decode", "target_verify", "draft_extend")
     for name, buf in fa.buffers.items():
         assert tuple(buf.shape) == tree_plan[f"fa3_swa.{name}"].shape, name
     # A verify expand row: its band below the normal pass (< D + 2·ps − 1 − d with the depth
     # bound D = N − 1), then at most d + 1 ancestors.
     assert tree_plan["fa3_swa.target_verify.expand_page_table"].shape == (4 * 5, 5 + 2 * 4 - 2)
+    # A draft-decode expand row: its row pages from its floor up to the normal pass (w − G
+    # positions with G = 0 here: k = ⌊(6 − 2 − 4) / 4⌋ = 0; at most ⌊(6 + 4 − 2) / 4⌋ = 2
+    # pages), then its branch's S.
+    assert tree_plan["fa3_swa.draft_decode.expand_page_table"].shape == (3, 4 * 2, 3 + 2)
     assert not any(key.startswith("fa3_swa.")
                    for key in plan_sizes(dataclasses.replace(cfg, sliding_window_size=0)))  # fmt: skip
 
@@ -226,11 +235,6 @@ def test_the_plan_and_the_buffers(device):
 def test_refusals_name_the_call_and_the_fix(gen, device):
     cfg, batch, f2s, _ = _setup(gen, device, s=3, n=3, ps=4, w=4, batch_size=3)
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
-    with pytest.raises(ValueError, match=r"FA3WindowBuilder: draft_decode with topk=2 needs a "
-                                         r"tree.*drop 'draft_decode' from modes"):  # fmt: skip
-        FA3MetadataBuilder(SpecConfig(topk=2, num_steps=3, num_draft_tokens=3, page_size=4,
-                                      max_bs=8, max_context_len=MAX_L), device,
-                           sliding_window_size=4, modes=("draft_decode",))  # fmt: skip
     with pytest.raises(ValueError, match=r"FA3MetadataBuilder.draft_extend: full_to_swa was given"):
         FA3MetadataBuilder(cfg, device).bind_draft_extend(*args, full_to_swa=f2s.to(device))
     win = FA3MetadataBuilder(cfg, device, sliding_window_size=4)
@@ -333,3 +337,66 @@ def test_ragged_verify_attends_to_the_rail_in_window_ids(topk, ps, w, gen, devic
 
     _check_cascade(result, batch, f2s, None, gen, rows_of)
     assert int(fa.status) == 0
+
+
+def _windowed_cascade(q, kc, vc, cascade):
+    """A cascade whose passes may each run FlashAttention's own window (the torch model
+    above; none: FA3's model), merged by LSE."""
+    parts = []
+    for meta in (cascade.normal, cascade.expand):
+        if meta.window_size is None:
+            parts.append(attend(q, kc, vc, meta))
+        else:
+            parts.append(flash_attn_windowed(q, kc, vc, meta))
+    (o1, s1), (o2, s2) = parts
+    return merge_state_ref(o1, s1, o2, s2)[0]
+
+
+@pytest.mark.parametrize("ps,w,k", [(1, 2, 2), (1, 6, 3), (4, 3, 2), (4, 7, 2), (4, 13, 2),
+                                    (16, 9, 2), (16, 40, 2)])  # fmt: skip
+def test_tree_draft_decode_attends_to_the_rail_in_window_ids(ps, w, k, gen, device):
+    """A tree's draft decode: every branch of step ``s`` reads exactly ``(L + s − w, L + s]``,
+    its prefix in window ids and its own chain's draft slots (window ids too), the layout-B
+    prefix-tail copies in the window pool as an engine makes them."""
+    s, n = 3, 4
+    cfg, batch, f2s, _ = _setup(gen, device, s=s, n=n, ps=ps, w=w, topk=k)
+    args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
+    ocl = assign_draft_cache_locs_ref(*args, topk=k, num_steps=s, page_size=ps,
+                                      full_to_swa=f2s.to(device)).cpu()  # fmt: skip
+    fa = FA3MetadataBuilder(cfg, device, sliding_window_size=w)
+    steps = fa.draft_decode(*args, ocl.to(device), seq_lens_cpu=batch.seq_lens_cpu,
+                            full_to_swa=f2s.to(device))  # fmt: skip
+    assert int(fa.status) == 0
+    kc, vc = _caches(gen, 2 * f2s.shape[0])
+    rows = batch.req_to_token.cpu()
+    lens = batch.seq_lens_cpu.tolist()
+    for b, L in enumerate(lens):  # the engine's layout-B prefix-tail copies, window pool
+        row, base = rows[int(batch.req_pool_indices[b])], L - L % ps
+        nnp = -(-(L % ps + s) // ps)
+        for t in range(1, k if cfg.layout_b else 1):
+            for u in range(L % ps):
+                src = int(f2s[int(row[base + u])])
+                if src >= 0:  # an evicted tail position lies below every step's floor
+                    tgt = int(f2s[int(row[base + t * nnp * ps + u])])
+                    kc[tgt], vc[tgt] = kc[src], vc[src]
+    for step, cascade in enumerate(steps.steps):
+        gap = window_tree_gap(w, s - 1, ps)
+        assert cascade.normal.window_size is None
+        assert cascade.expand.window_size == (w - 1 - gap, 0)
+        want = []
+        for b, L in enumerate(lens):
+            prefix = _window_ids(batch, f2s, None, b, range(max(0, L + step - w + 1), L))
+            for t in range(k):
+                chain = [int(ocl[(b * k + t) * s + j]) for j in range(step + 1) if j > step - w]
+                want.append(prefix + chain)
+        q = torch.randn(len(want), H, D, generator=gen, dtype=torch.float64)
+        out = _windowed_cascade(q, kc, vc, cascade)
+        o_ref, _ = dense_attention(q, kc, vc, want)
+        assert torch.allclose(out, o_ref, atol=ATOL, rtol=0), f"step {step}"
+    ref = FA3MetadataBuilder(cfg, device, sliding_window_size=w, reference=True)
+    again = ref.draft_decode(*args, ocl.to(device), seq_lens_cpu=batch.seq_lens_cpu,
+                             full_to_swa=f2s.to(device))  # fmt: skip
+    for a, r in zip(steps.steps, again.steps, strict=True):
+        for x, y in ((a.normal, r.normal), (a.expand, r.expand)):
+            for field in ("page_table", "cache_seqlens", "cu_seqlens_k_new"):
+                assert_equal(getattr(x, field), getattr(y, field), field)
