@@ -348,12 +348,9 @@ def _tree_normal_ref(req_pool_indices, req_to_token, seq_lens, page_size, exclud
                                                 page_size=ps, full_to_swa=full_to_swa)  # fmt: skip
     bits |= gather_bits
     negative = need & ~bad & (ids < 0)
-    if bool(bad.any()):
-        bits |= int(Status.BAD_KV_ID)
-    if bool(negative.any()):
-        bits |= int(Status.POOL_OOB)
-    if bool((wanted > W).any()):
-        bits |= int(Status.OUT_OF_CAPACITY)
+    bits |= int(Status.BAD_KV_ID) if bool(bad.any()) else 0
+    bits |= int(Status.POOL_OOB) if bool(negative.any()) else 0
+    bits |= int(Status.OUT_OF_CAPACITY) if bool((wanted > W).any()) else 0
     table = torch.div(torch.where(negative, 0, ids), ps, rounding_mode="floor")
     page_table[:B] = torch.where(need, table, fill_value).to(page_table.dtype)
     lens = length.clamp_max(W * ps)

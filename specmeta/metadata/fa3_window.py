@@ -103,12 +103,16 @@ class FA3WindowBuilder(FA3MetadataBuilder):
         """The rail and the map for ``mode``'s page tables (design §2.10), the map checked; a
         tree cascade's depth bound too (both passes are built with it)."""
         check_window(self.require(mode), self.sliding_window_size, full_to_swa, self.device)
-        out = dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)
+        out = self._rail_and_map(full_to_swa)
         if mode == "draft_decode" and self.cfg.topk > 1:
             out["tree_depth"] = self.cfg.num_steps - 1  # every step's rows at L + s
         elif self._tree_depth is not None:
             out["tree_depth"] = self._tree_depth
         return out
+
+    def _rail_and_map(self, full_to_swa: Any) -> dict:
+        """The keywords every window table takes: the rail ``w`` and the map."""
+        return dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)
 
     def bind_target_verify(self, *args: Any, **kwargs: Any) -> Stage:
         """:meth:`~.fa3.FA3MetadataBuilder.bind_target_verify` of a window layer: a tree

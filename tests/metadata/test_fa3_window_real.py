@@ -12,8 +12,10 @@ evicts: the tables sink those pages, and the kernel's window never reads them. C
 (``topk = 1``): draft decode (every step), target verify (causal) and draft extend; trees
 (``topk = 2``): target verify, and ragged verifies of either, as FA3's cascade split at the page
 boundary ``P0`` (the normal pass the prefix every row reads, each expand row its band below
-``P0`` and its ancestors within the window, design §2.10), merged by LSE; page sizes 1, 16 and
-64; ``w`` inside a page, across pages, shorter than the tree, and past every prefix.
+``P0`` and its ancestors within the window, design §2.10), merged by LSE; a tree's draft decode
+(the normal pass at most ``G`` whole pages, each expand row its row pages from its floor and its
+branch's pages under the kernel's window ``(w − 1 − G, 0)``); page sizes 1, 16 and 64; ``w``
+inside a page, across pages, shorter than the tree, and past every prefix.
 
 The kernel is imported, never skipped: where it is missing these tests fail
 (``scripts/gpu_kernels.sh`` installs it on the GPU machine); without a GPU the ``gpu`` marker
@@ -73,6 +75,7 @@ class _Case:
         window_pages[0] = 0
         f2s = (window_pages.view(-1, 1) * ps + torch.arange(ps)).flatten()
         self.rows = b.req_to_token.cpu()
+        self.topk = topk
         for i, L in enumerate(b.seq_lens_cpu.tolist()):
             row = self.rows[int(b.req_pool_indices[i])]
             for p in range(max(0, L - w + 1)):  # evicted: no forward reads them again
@@ -256,3 +259,48 @@ def test_tree_stages_build_without_a_host_sync(cute, gen):
                 for i, L in enumerate(lens) for j in range(width)]  # fmt: skip
         case.check_rows(cute, meta, gen, rows, what)
     assert int(fa.status) == 0
+
+
+@pytest.mark.parametrize("ps,w,k", [
+    (1, 3, 2), (1, 200, 3), (16, 7, 2), (16, 40, 2), (64, 20, 2), (64, 150, 2),
+])  # fmt: skip
+def test_tree_draft_decode_read_by_flash_attention(ps, w, k, cute, gen):
+    """Every branch of step ``s`` reads exactly ``(L + s − w, L + s]``: its prefix in window
+    ids and its own draft slots (``assign_draft_cache_locs(full_to_swa=...)``), the layout-B
+    prefix-tail copies made in the window pool as an engine makes them."""
+    from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+
+    case = _Case(gen, ps, w, translate=False, topk=k, n=NT)
+    b = case.batch
+    ocl = assign_draft_cache_locs(*case.args(), topk=k, num_steps=S, page_size=ps,
+                                  full_to_swa=case.f2s.cuda())  # fmt: skip
+    fa = FA3MetadataBuilder(case.cfg, "cuda", sliding_window_size=w)
+    steps = fa.draft_decode(*case.args(), ocl, seq_lens_cpu=b.seq_lens_cpu,
+                            full_to_swa=case.f2s.cuda())  # fmt: skip
+    assert int(fa.status) == 0
+    ocl = ocl.cpu()
+    lens = b.seq_lens_cpu.tolist()
+    for i, L in enumerate(lens):  # the engine's layout-B prefix-tail copies, window pool
+        row, base = case.rows[int(b.req_pool_indices[i])], L - L % ps
+        nnp = -(-(L % ps + S) // ps)
+        for t in range(1, k if case.cfg.layout_b else 1):
+            for u in range(L % ps):
+                src = int(case.f2s[int(row[base + u])])
+                if src >= 0:  # an evicted tail position lies below every step's floor
+                    tgt = int(case.f2s[int(row[base + t * nnp * ps + u])])
+                    case.k[tgt], case.v[tgt] = case.k[src], case.v[src]
+    case.k64, case.v64 = case.k.double().cpu(), case.v.double().cpu()
+    for s, cascade in enumerate(steps.steps):
+        assert cascade.normal.window_size is None
+        assert cascade.expand.varlen_kwargs()["window_size"][0] <= w - 1
+        rows = []
+        for i, L in enumerate(lens):
+            prefix = case.ids(i, range(max(0, L + s - w + 1), L))
+            for t in range(k):
+                rows.append(prefix + [int(ocl[(i * k + t) * S + j]) for j in range(s + 1)
+                                      if j > s - w])  # fmt: skip
+        q = torch.randn(len(rows), H, D, generator=gen, dtype=torch.float64).to(DTYPE).cuda()
+        out = cute(cascade, q, case.k, case.v)
+        ref, _ = dense_attention(q.double().cpu(), case.k64, case.v64, rows)
+        err = (out.double().cpu() - ref).abs().max().item()
+        assert err < TOL, f"draft step {s}: max error {err}"
