@@ -176,8 +176,8 @@ def bind_draft_decode_page_tables(
         reads ``out_cache_loc`` as it is: a window layer's draft slots come from
         ``assign_draft_cache_locs(full_to_swa=...)`` in window-pool ids already.
     tree_depth : int, optional
-        ``D ≥ S − 1`` with ``sliding_window_size``: a window layer's tree cascade (design
-        §2.10). The normal pass lists only ``[P0, L − lpl)`` (``prefix_page_table(...,
+        ``D ≥ S − 1`` with ``sliding_window_size``: a window layer's tree cascade
+        (design §2.10). The normal pass lists only ``[P0, L − lpl)`` (``prefix_page_table(...,
         tree_depth=D)``): at most ``G = max(k, 0)·ps`` positions, ``k = ⌊(w − D − ps) /
         ps⌋``, every step's rows read. Each expand row of step ``s`` first lists the row pages
         from the one holding ``max(0, L + s − w + 1)`` up to that start (window-pool pages read

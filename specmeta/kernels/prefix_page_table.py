@@ -327,8 +327,8 @@ def prefix_page_table_ref(
 def _tree_normal_ref(req_pool_indices, req_to_token, seq_lens, page_size, exclude_last_partial,
                      fill_value, page_table, cache_seqlens, cu_seqlens_k, status,
                      entry_page_size, v2p, rail, full_to_swa, depth):  # fmt: skip
-    """:func:`prefix_page_table_ref` of a window layer's tree cascade (``tree_depth``, design
-    §2.10): request ``b`` covers ``[P0, len_b)``, column ``c`` the page of the id at ``(P0 /
+    """:func:`prefix_page_table_ref` of a window layer's tree cascade (``tree_depth``,
+    design §2.10): request ``b`` covers ``[P0, len_b)``, column ``c`` the page of the id at ``(P0 /
     ps + c)·ps`` (every row reads it: no floor inside), through the row's space and the map."""
     ps, W = page_size, page_table.shape[1]
     B = seq_lens.shape[0]

@@ -130,8 +130,8 @@ class FA3WindowBuilder(FA3MetadataBuilder):
 
     def _draft_views(self, B: int, rows: int) -> tuple[dict, FA3DraftDecode]:
         """The base class's views; a tree's expand pass runs FlashAttention's window ``(w − 1
-        − G, 0)`` and lists up to ``n·ps`` more keys, ``n`` its most row pages (design
-        §2.10)."""
+        − G, 0)`` and lists up to ``n·ps`` more keys, ``n`` its most row pages
+        (design §2.10)."""
         out, result = super()._draft_views(B, rows)
         if self.cfg.topk == 1:
             return out, result
