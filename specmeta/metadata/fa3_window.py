@@ -7,10 +7,10 @@ one :class:`~specmeta.SpecConfig`: ``FA3MetadataBuilder(cfg, device)`` for the f
 the window layers. Its buffers are its own (plan keys ``fa3_swa.<mode>.<field>``), and its
 modes take the engine's full → window pool map, ``full_to_swa=``, on every call.
 
-A page table cannot be clipped inside a page, so a window layer's tables keep their full
-length (``cache_seqlens`` as a full layer's) and FlashAttention's own window,
-``window_size = (w − 1, 0)`` on every result (query ``p`` reads keys ``[p − (w − 1), p]``),
-excludes what a row does not read. The tables hold window-pool pages: column ``c`` is
+A page table cannot be clipped inside a page, so a chain's tables keep their full length
+(``cache_seqlens`` as a full layer's) and FlashAttention's own window, ``window_size = (w − 1,
+0)`` on each of its results (query ``p`` reads keys ``[p − (w − 1), p]``), excludes what a row
+does not read. The tables hold window-pool pages: column ``c`` is
 ``full_to_swa[id] // ps`` for the id at the first position of its page that a query reads
 (the window pool pages like the full pool: a page's slots map to one window page at the same
 offsets), and a page wholly below the read floor ``max(0, L − w + 1)`` is the sink page 0, never
