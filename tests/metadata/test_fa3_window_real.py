@@ -237,24 +237,34 @@ def test_ragged_verify_read_by_flash_attention(topk, ps, w, cute, gen):
 
 
 def test_tree_stages_build_without_a_host_sync(cute, gen):
-    """A tree's verify and a ragged verify, bound once, run again under the sync check, then
-    read by the kernel."""
+    """A tree's draft decode and verify and a ragged verify, bound once, run again under the
+    sync check; the verifies then read by the kernel (the draft decode's rows are checked by
+    :func:`test_tree_draft_decode_read_by_flash_attention`)."""
+    from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
+
     w = 20
     case = _Case(gen, 16, w, translate=True, topk=2, n=NT)
     b = case.batch
     mask = random_tree_mask(b.batch_size, 2, S, NT, gen).cuda()
     v = torch.full((b.batch_size,), 3)
     fa = FA3MetadataBuilder(case.cfg, "cuda", sliding_window_size=w)
+    ocl = assign_draft_cache_locs(*case.args(), topk=2, num_steps=S, page_size=16,
+                                  **case.kwargs())  # fmt: skip
+    draft = fa.bind_draft_decode(*case.args(), ocl, **case.kwargs())
+    draft(b.seq_lens_cpu)
+    torch.cuda.synchronize()
+    with no_host_sync():
+        draft(b.seq_lens_cpu)
     stages = (fa.bind_target_verify(*case.args(), mask, **case.kwargs()),
               fa.bind_target_verify(*case.args(), mask, verify_lens=v.cuda(),
                                     num_tokens=int(v.sum()), **case.kwargs()))  # fmt: skip
-    for stage in stages:
-        stage(b.seq_lens_cpu)
-    torch.cuda.synchronize()
-    with no_host_sync():
-        metas = [stage(b.seq_lens_cpu) for stage in stages]
     lens = b.seq_lens_cpu.tolist()
-    for meta, width, what in ((metas[0], NT, "tree verify"), (metas[1], 3, "ragged verify")):
+    # The two verifies share the mode's buffers: each is read before the other runs.
+    for stage, width, what in ((stages[0], NT, "tree verify"), (stages[1], 3, "ragged verify")):
+        stage(b.seq_lens_cpu)
+        torch.cuda.synchronize()
+        with no_host_sync():
+            meta = stage(b.seq_lens_cpu)
         rows = [case.ids(i, _tree_positions(mask, i, j, L, w))
                 for i, L in enumerate(lens) for j in range(width)]  # fmt: skip
         case.check_rows(cute, meta, gen, rows, what)
