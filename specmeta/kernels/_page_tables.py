@@ -34,7 +34,7 @@ from ._common import (
     row_offset,
     vector_widths,
 )
-from ._window import page_window_arguments, rail_floor, window_page_ids
+from ._window import page_window_arguments, rail_floor, tree_prefix_start, window_page_ids
 
 __all__ = [
     "NO_EXPAND",
@@ -55,6 +55,19 @@ def _covered_len(L, page_size, extra_tokens, EXCLUDE_LAST_PARTIAL: tl.constexpr)
     if EXCLUDE_LAST_PARTIAL:
         L = L - L % page_size
     return L + extra_tokens
+
+
+@triton.jit
+def _tree_covered(L, length, rail, depth, PAGE_SIZE: tl.constexpr, TREE: tl.constexpr):
+    """``(first, length)``: where a normal pass's table starts and the tokens it covers. A
+    window layer's tree cascade (``TREE``, design §2.10) lists only ``[P0, length)``, the
+    prefix every query row reads (``P0`` a page boundary, or past ``length``: nothing);
+    ``(0, length)`` otherwise."""
+    if TREE:
+        first = tl.minimum(tree_prefix_start(L, rail, depth, PAGE_SIZE), length)
+        return first, length - first
+    else:
+        return L * 0, length
 
 
 @triton.jit
@@ -111,7 +124,7 @@ def _gather_pages(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, 
 @triton.jit
 def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_base, filled, W,
                      W_row, fill_value, first_chunk, chunk_step, status_ptr, v2p_ptr, num_pages,
-                     floor, full_to_swa_ptr, full_size, PAGE_SIZE: tl.constexpr,
+                     floor, full_to_swa_ptr, full_size, shift, PAGE_SIZE: tl.constexpr,
                      BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr,
                      ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
                      TO_WINDOW: tl.constexpr):  # fmt: skip
@@ -121,8 +134,9 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
     a virtual id through ``v2p``, a full-pool id through ``full_to_swa``), for ``col <
     filled``, then ``fill_value``; a page wholly below ``floor`` is the sink page 0 and no
     fault; an id that does not map is the sink page 0 and sets ``BAD_KV_ID``, a plain row's
-    negative slot ``POOL_OOB``. Scalar loads: a page row's positions are not consecutive
-    entries, and a translated id needs its map entry."""
+    negative slot ``POOL_OOB``. Column ``col`` reads the row's page ``col + shift`` (a window
+    tree's normal pass starts at page ``shift``, design §2.10). Scalar loads: a page row's
+    positions are not consecutive entries, and a translated id needs its map entry."""
     filled = filled.to(tl.int32)  # ≤ W: columns that hold a page, then fill_value
     row_ptr = req_to_token_ptr + row_base
     out_ptr = page_table_ptr + out_base  # int64: B·W passes 2**31 at page size 1
@@ -130,7 +144,7 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
     for chunk in range(first_chunk, tl.cdiv(W, BLOCK), chunk_step):
         col = col0 + chunk * BLOCK
         pages, bad, negative = window_page_ids(
-            row_ptr, col, tl.where(row_ok, col < filled, False), floor, W_row, v2p_ptr,
+            row_ptr, col + shift, tl.where(row_ok, col < filled, False), floor, W_row, v2p_ptr,
             num_pages, full_to_swa_ptr, full_size, PAGE_SIZE, ENTRY_PAGE_SIZE, TRANSLATE,
             TO_WINDOW,
         )  # fmt: skip
@@ -144,8 +158,9 @@ def _gather_page_ids(req_to_token_ptr, row_base, row_ok, page_table_ptr, out_bas
 
 @triton.jit
 def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
-                       EXCLUDE_LAST_PARTIAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       BLOCK_B: tl.constexpr, WRITE_CU: tl.constexpr):  # fmt: skip
+                       rail, depth, EXCLUDE_LAST_PARTIAL: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       BLOCK_B: tl.constexpr, WRITE_CU: tl.constexpr,
+                       TREE: tl.constexpr):  # fmt: skip
     """``cu_seqlens_k[r, :B + 1]`` of every row ``r < num_rows``: the exclusive scan of
     ``min(len_b + r, W·ps)``, closing entry included, by one program for the whole batch (int64
     sums: ΣL passes 2**31 for large batches of long contexts). A program of its own, so that no
@@ -157,8 +172,9 @@ def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows
     cap = W.to(tl.int64) * PAGE_SIZE
     offs = tl.arange(0, BLOCK_B)
     # The first BLOCK_B lengths (all of them up to B = 1024) once for every row.
-    L_head = tl.load(seq_lens_ptr + offs, mask=offs < B, other=0).to(tl.int64)
-    len_head = _covered_len(tl.maximum(L_head, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    L_head = tl.maximum(tl.load(seq_lens_ptr + offs, mask=offs < B, other=0).to(tl.int64), 0)
+    len_head = _covered_len(L_head, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+    _, len_head = _tree_covered(L_head, len_head, rail, depth, PAGE_SIZE, TREE)
     for r in range(0, num_rows):
         row = cu_seqlens_k_ptr + row_offset(r, stride_cu)
         own = tl.where(offs < B, tl.minimum(len_head + r, cap), 0)
@@ -168,9 +184,9 @@ def _normal_cu_seqlens(seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows
         for first in range(BLOCK_B, B + 1, BLOCK_B):  # B ≥ BLOCK_B only
             more = first + offs
             L_more = tl.load(seq_lens_ptr + more, mask=more < B, other=0).to(tl.int64)
-            len_more = _covered_len(
-                tl.maximum(L_more, 0), PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL
-            )
+            L_more = tl.maximum(L_more, 0)
+            len_more = _covered_len(L_more, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+            _, len_more = _tree_covered(L_more, len_more, rail, depth, PAGE_SIZE, TREE)
             own = tl.where(more < B, tl.minimum(len_more + r, cap), 0)
             tl.store(row + more, carry + tl.cumsum(own, axis=0) - own, mask=more <= B)
             carry += tl.sum(own, axis=0)
@@ -229,6 +245,65 @@ def _page_runs(slot, prev, in_rows, lpl, j, c, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _window_prefix_pages(L, s, rail, depth, PAGE_SIZE: tl.constexpr):
+    """``(a, n, floor)`` of a window layer's tree, draft step ``s`` (design §2.10): a branch
+    row's expand pass lists the ``n`` row pages ``a … a + n − 1`` (from the page of its read
+    floor ``max(0, L + s − w + 1)`` up to where the normal pass starts, ``min(P0, L − lpl)``),
+    then its branch's own pages; ``L ≥ 0``, shapes broadcast."""
+    first = tl.minimum(tree_prefix_start(L, rail, depth, PAGE_SIZE), L - L % PAGE_SIZE)
+    c0 = first // PAGE_SIZE
+    floor = tl.maximum(L + s - rail + 1, 0)
+    a = tl.minimum(c0, floor // PAGE_SIZE)
+    return a, c0 - a, floor
+
+
+@triton.jit
+def _prefix_pages_before(seq_lens_ptr, b, rail, depth, PAGE_SIZE: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """``Σ_{b'<b} n_{b', s}`` for every step ``s < BLOCK_S`` (:func:`_window_prefix_pages`),
+    int64 ``[BLOCK_S]``, from whole-vector loads of ``seq_lens``."""
+    steps = tl.arange(0, BLOCK_S)[None, :]
+    total = tl.zeros([BLOCK_S], dtype=tl.int64)
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)[:, None]
+        before = offs < b
+        prev = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        _, n, _ = _window_prefix_pages(prev, steps, rail, depth, PAGE_SIZE)
+        total += tl.sum(tl.where(before, n, 0), axis=0)
+    return total
+
+
+@triton.jit
+def _store_window_branch_tables(base, run_page, limit, in_rows, c, W, a, n, floor, row_ptr,
+                                row_ok, W_row, v2p_ptr, num_pages, full_to_swa_ptr, full_size,
+                                n_max, PAGE_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+                                ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                                TO_WINDOW: tl.constexpr):  # fmt: skip
+    """:func:`_store_branch_tables` of a window layer's tree (design §2.10): columns ``[0, n)``
+    the row pages ``a …`` (:func:`~specmeta.kernels._window.window_page_ids` from the step's
+    floor: window-pool pages), then the branch's pages from column ``n``, then 0 to ``W``.
+    Returns ``(bad, negative)`` of the row pages read."""
+    bad = tl.max(tl.max(tl.max(n, axis=2), axis=1), axis=0).to(tl.int32) * 0  # scalar flags
+    negative = bad
+    for p0 in range(0, n_max, BLOCK_W):
+        pc = p0 + tl.arange(0, BLOCK_W)[None, None, :]
+        need = tl.where(row_ok, pc < n, False)  # [1, S, BLOCK_W]
+        pages, lost, neg = window_page_ids(row_ptr, a + pc, need, floor, W_row, v2p_ptr,
+                                           num_pages, full_to_swa_ptr, full_size, PAGE_SIZE,
+                                           ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW)  # fmt: skip
+        tl.store(base + pc, pages, mask=in_rows & (pc < n) & (pc < W))
+        bad |= tl.max(tl.max(tl.max(lost.to(tl.int32), axis=2), axis=1), axis=0)
+        negative |= tl.max(tl.max(tl.max(neg.to(tl.int32), axis=2), axis=1), axis=0)
+    tl.store(base + n + c, tl.where(c < limit, run_page, 0), mask=in_rows & (n + c < W))
+    for c0 in range(0, W, BLOCK_W):
+        cols = c0 + tl.arange(0, BLOCK_W)[None, None, :]
+        tl.store(base + cols, tl.zeros([BLOCK_K, BLOCK_S, BLOCK_W], tl.int32),
+                 mask=in_rows & (cols >= n + limit) & (cols < W))  # fmt: skip
+    return bad != 0, negative != 0
+
+
+@triton.jit
 def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
     """Page-table tiles ``[branch t, step s, column c]`` from row pointers ``base [K, S, 1]``:
@@ -248,7 +323,7 @@ def _store_branch_tables(base, run_page, limit, in_rows, c, W, BLOCK_K: tl.const
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "extra_tokens", "fill_value", "num_rows", "W",
         "stride_pt", "stride_cs", "stride_cu", "chunk_programs", "num_pages", "full_size", "rail",
-        "expand_rows",
+        "depth", "expand_rows", "expand_prefix_pages",
         "W_expand", "stride_ept_s", "stride_ept_r", "stride_ecs", "stride_ecu",
     ]
 )  # fmt: skip
@@ -279,12 +354,14 @@ def page_tables_kernel(
     full_to_swa_ptr,  # [full_size] int32|int64 full -> window pool map (read with TO_WINDOW)
     full_size,
     rail,  # the window read rail w, 0 for none (None for a full layer: read with WINDOW_LAYER)
+    depth,  # a window tree cascade's depth bound D (read with TREE)
     # expand pass
     out_cache_loc_ptr,  # [≥B*K*S] int32|int64, laid out [B, K, S]
     expand_page_table_ptr,  # [≥rows, ≥B*K, W_expand] int32|int64, strides (stride_ept_s, _r, 1)
     expand_cache_seqlens_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_ecs
     expand_cu_seqlens_k_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ecu
     expand_rows,
+    expand_prefix_pages,  # the most row pages a window tree's expand row lists (with TREE)
     W_expand,
     stride_ept_s,
     stride_ept_r,
@@ -308,6 +385,7 @@ def page_tables_kernel(
     TRANSLATE: tl.constexpr,  # ids leave through v2p, at the pool's page size PAGE_SIZE
     TO_WINDOW: tl.constexpr,  # ids leave through full_to_swa: a window layer's pages
     WINDOW_LAYER: tl.constexpr,  # a rail or a map (design §2.10): columns by window_page_ids
+    TREE: tl.constexpr,  # a window layer's tree cascade: the table starts at P0 (design §2.10)
     # expand pass
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
@@ -358,6 +436,8 @@ def page_tables_kernel(
                 req_pool_indices_ptr, seq_lens_ptr, req, B, R, stride_row
             )
             length = _covered_len(L, PAGE_SIZE, extra_tokens, EXCLUDE_LAST_PARTIAL)
+            first, length = _tree_covered(L, length, rail, depth, PAGE_SIZE, TREE)
+            shift = first // PAGE_SIZE  # a page boundary wherever a page is listed
             # The table serves every row s < num_rows (length + s tokens): it covers the longest.
             longest = length + num_rows - 1
             if PAGED:
@@ -379,7 +459,7 @@ def page_tables_kernel(
                 _gather_page_ids(
                     req_to_token_ptr, row_base, row_ok, page_table_ptr, req * stride_pt, pages,
                     W, W_row, fill_value, c, chunk_programs, status_ptr, v2p_ptr, num_pages,
-                    floor, full_to_swa_ptr, full_size, PAGE_SIZE, BLOCK, HAS_STATUS,
+                    floor, full_to_swa_ptr, full_size, shift, PAGE_SIZE, BLOCK, HAS_STATUS,
                     ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
                 )  # fmt: skip
             if c == 0:
@@ -387,7 +467,7 @@ def page_tables_kernel(
                     tl.store(cache_seqlens_ptr + row_offset(r, stride_cs) + req,
                              tl.minimum(length + r, cap))  # fmt: skip
                 if HAS_STATUS:
-                    last_pos = (pages - 1) * PAGE_SIZE
+                    last_pos = (shift + pages - 1) * PAGE_SIZE
                     # A row of W_row entries holds W_row·E positions (design §2.10).
                     pos_bad = ((pages > 0) & (last_pos >= W_row * ENTRY_PAGE_SIZE)) | ~L_ok
                     bits = (
@@ -398,8 +478,8 @@ def page_tables_kernel(
                     tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
         elif c == 0:
             _normal_cu_seqlens(
-                seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu,
-                EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU,
+                seq_lens_ptr, cu_seqlens_k_ptr, B, extra_tokens, num_rows, W, stride_cu, rail,
+                depth, EXCLUDE_LAST_PARTIAL, PAGE_SIZE, BLOCK_B, WRITE_CU, TREE,
             )  # fmt: skip
     # With both passes, the last column's rows b < max(B, 1), tested only there.
     elif (b < tl.maximum(B, 1)) if NORMAL else True:
@@ -443,15 +523,36 @@ def page_tables_kernel(
 
         # step·(Bp·K·W) passes 2**31 only for huge tables
         base = expand_page_table_ptr + (first + t) * stride_ept_r + row_offset(j, stride_ept_s)
-        _store_branch_tables(base, run_page, limit, in_rows, col, W_expand, BLOCK_K, BLOCK_S,
-                             BLOCK_W)  # fmt: skip
+        if TREE:
+            # A window layer's tree (design §2.10): the row pages from the step's read floor
+            # up to the normal pass's start, then the branch's own pages.
+            row_base, _, row_ok, _ = load_request(req_pool_indices_ptr, seq_lens_ptr, req, B,
+                                                  R, stride_row)  # fmt: skip
+            a, n_pre, floor = _window_prefix_pages(L, j, rail, depth, PAGE_SIZE)  # [1, S, 1]
+            seqlen += n_pre * PAGE_SIZE
+            pre_bad, pre_neg = _store_window_branch_tables(
+                base, run_page, limit, in_rows, col, W_expand, a, n_pre, floor,
+                req_to_token_ptr + row_base, row_ok, W_row, v2p_ptr, num_pages, full_to_swa_ptr,
+                full_size, expand_prefix_pages, PAGE_SIZE, BLOCK_K, BLOCK_S, BLOCK_W,
+                ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
+            )  # fmt: skip
+        else:
+            _store_branch_tables(base, run_page, limit, in_rows, col, W_expand, BLOCK_K, BLOCK_S,
+                                 BLOCK_W)  # fmt: skip
         rows = first + t  # [K, 1, 1] branch rows
         tl.store(expand_cache_seqlens_ptr + row_offset(j, stride_ecs) + rows, seqlen,
                  mask=in_rows)  # fmt: skip
         if WRITE_EXPAND_CU:
             # cu[s, r] = Σ_{r'<r} (lpl_r' + s + 1) = K·Σ_{b'<b} lpl_b' + t·lpl_b + r·(s+1),
             # int64 throughout.
-            cu_start = TOPK * lpl_before + t * lpl + rows * (j + 1)
+            if TREE:
+                pre_before = _prefix_pages_before(seq_lens_ptr, req, rail, depth, PAGE_SIZE,
+                                                  BLOCK_B, BLOCK_S)[None, :, None]  # fmt: skip
+                # Σ over earlier requests' rows of lpl + n·ps, then this request's earlier rows.
+                before = TOPK * (lpl_before + pre_before * PAGE_SIZE)  # [1, S, 1]
+                cu_start = before + (seqlen - j - 1) * t + rows * (j + 1)
+            else:
+                cu_start = TOPK * lpl_before + t * lpl + rows * (j + 1)
             cu_rows = expand_cu_seqlens_k_ptr + row_offset(j, stride_ecu)
             tl.store(cu_rows + rows, cu_start, mask=in_rows)
             # Closing entry cu[s, B·K] = cu[s, B·K − 1] + cache_seqlens[s, B·K − 1], from the
@@ -468,6 +569,8 @@ def page_tables_kernel(
                 | tl.where(neg_any, POOL_OOB, 0)
                 | tl.where(bad_page, BAD_PAGE, 0)
             )
+            if TREE:
+                bits |= tl.where(pre_bad, BAD_KV_ID, 0) | tl.where(pre_neg, POOL_OOB, 0)
             tl.atomic_or(status_ptr, bits, mask=bits != 0, sem="relaxed")
 
 
@@ -482,11 +585,11 @@ NO_NORMAL = dict(
     stride_cu=None, chunk_programs=None, NORMAL=False, EXCLUDE_LAST_PARTIAL=None, BLOCK=None,
     VEC_IN=None, VEC_OUT=None, WRITE_CU=None, v2p_ptr=None, num_pages=None,
     ENTRY_PAGE_SIZE=None, TRANSLATE=None, full_to_swa_ptr=None, full_size=None, rail=None,
-    TO_WINDOW=None, WINDOW_LAYER=None,
+    TO_WINDOW=None, WINDOW_LAYER=None, depth=None, TREE=None,
 )  # fmt: skip
 NO_EXPAND = dict(
     out_cache_loc_ptr=None, expand_page_table_ptr=None, expand_cache_seqlens_ptr=None,
-    expand_cu_seqlens_k_ptr=None, expand_rows=None, W_expand=None, stride_ept_s=None,
+    expand_cu_seqlens_k_ptr=None, expand_rows=None, expand_prefix_pages=None, W_expand=None, stride_ept_s=None,
     stride_ept_r=None, stride_ecs=None, stride_ecu=None, EXPAND=False, TOPK=None,
     NUM_STEPS=None, BLOCK_K=None, BLOCK_S=None, BLOCK_W=None, WRITE_EXPAND_CU=None,
 )  # fmt: skip
@@ -497,13 +600,14 @@ def normal_pass(
     cache_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None, *, page_size: int,
     exclude_last_partial: bool, extra_tokens, fill_value, num_rows, stride_cs, stride_cu,
     chunk_programs: int, block: int, entry_page_size: int = 1, v2p: torch.Tensor | None = None,
-    rail: int = 0, full_to_swa: torch.Tensor | None = None,
+    rail: int = 0, full_to_swa: torch.Tensor | None = None, tree_depth: int | None = None,
 ) -> dict:  # fmt: skip
     """The normal pass's launch keywords (the launcher checked the buffers). ``extra_tokens``,
     ``fill_value``, ``num_rows``, ``stride_cs`` and ``stride_cu`` are ``None`` in the cascade,
     whose normal pass has them as literals. ``entry_page_size`` and ``v2p``: the rows' id space
     (design §2.10), ``v2p`` at the pool's page size ``page_size``; ``rail`` (``w``, 0 for none)
-    and ``full_to_swa``: a window layer's table (design §2.10)."""
+    and ``full_to_swa``: a window layer's table (design §2.10); ``tree_depth`` (``D``, with a
+    rail): a window layer's tree cascade, whose table starts at ``P0`` (design §2.10)."""
     return dict(
         req_pool_indices_ptr=req_pool_indices,
         req_to_token_ptr=req_to_token,
@@ -528,14 +632,19 @@ def normal_pass(
         WRITE_CU=cu_seqlens_k is not None,
         **id_space_arguments(entry_page_size, v2p),
         **page_window_arguments(rail, full_to_swa),
+        depth=tree_depth,
+        TREE=tree_depth is not None,
     )
 
 
 def expand_pass(
     out_cache_loc: torch.Tensor, page_table: torch.Tensor, cache_seqlens: torch.Tensor,
     cu_seqlens_k: torch.Tensor | None, *, topk: int, num_steps: int, rows: int,
+    prefix_pages: int | None = None,
 ) -> dict:  # fmt: skip
-    """The expand pass's launch keywords (the launcher checked the buffers)."""
+    """The expand pass's launch keywords (the launcher checked the buffers). ``prefix_pages``:
+    a window layer's tree (the fused launch's normal pass has ``tree_depth``), the most row
+    pages an expand row lists before its branch's (design §2.10)."""
     W = page_table.shape[2]
     return dict(
         out_cache_loc_ptr=out_cache_loc,
@@ -543,6 +652,7 @@ def expand_pass(
         expand_cache_seqlens_ptr=cache_seqlens,
         expand_cu_seqlens_k_ptr=cu_seqlens_k if cu_seqlens_k is not None else cache_seqlens,
         expand_rows=rows,
+        expand_prefix_pages=prefix_pages,
         W_expand=W,
         stride_ept_s=page_table.stride(0),
         stride_ept_r=page_table.stride(1),

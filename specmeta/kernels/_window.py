@@ -372,3 +372,146 @@ def window_page_ids_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tens
     negative = read & (ids < 0)
     pages = torch.div(torch.where(negative, 0, ids), ps, rounding_mode="floor")
     return torch.where(read, pages, 0), bad, negative
+
+
+# --------------------------------------------------------------------------------------------
+# A window layer's tree cascade (FA3): the shared prefix every row reads, and each row's band.
+# --------------------------------------------------------------------------------------------
+from ..metadata.window_plan import (  # noqa: E402  torch-free: the plan's formulas, re-exported
+    window_tree_gap,
+    window_tree_keep,
+    window_tree_prefix_pages,
+)
+
+
+def window_tree_expand_width(depth: int, page_size: int) -> int:
+    """Columns a verify expand row of a window layer's tree needs (design §2.10) for the depth
+    bound ``D``: its band of prefix positions below the normal pass, at most ``D + 2·ps − 2 −
+    d`` with ``d`` its own depth, then at most ``d + 1`` ancestors: ``D + 2·ps − 1``
+    (``N + 2·ps − 2`` for ``D = N − 1``)."""
+    return depth + 2 * page_size - 1
+
+
+def check_tree_depth(where: str, tree_depth: object, rail: int, least: int) -> int:
+    """``D`` of a window layer's tree cascade (design §2.10): ``tree_depth`` an int ≥ ``least``
+    (the deepest query row's offset past ``L``), ``least`` when omitted; refused without a
+    rail (a full layer's cascade reads every prefix position from every row)."""
+    if tree_depth is None:
+        return least
+    D = validate.positive("tree_depth", tree_depth, minimum=0)
+    if not rail:
+        raise ValueError(f"{where}: tree_depth={D} was given without sliding_window_size; it "
+                         "bounds a window layer's tree cascade (design §2.10): pass "
+                         "sliding_window_size=w with it, or leave it out")  # fmt: skip
+    if D < least:
+        raise ValueError(f"{where}: tree_depth={D} is below the deepest node's depth {least} "
+                         "the tree can hold; pass tree_depth >= that (the normal pass and "
+                         "the expand pass must be built with the same one, design §2.10)")  # fmt: skip
+    return D
+
+
+@triton.jit
+def tree_prefix_start(L, rail, depth, PAGE_SIZE):
+    """``P0``, where a window layer's tree cascade's normal pass starts (design §2.10), for a
+    prefix ``L ≥ 0``, the rail ``w`` and the depth bound ``D``: with ``k = ⌊(w − D − ps) /
+    ps⌋ ≥ 0`` the page boundary ``max(0, (⌊L / ps⌋ − k)·ps)``, so every query row (the deepest
+    at ``L + D`` reads from ``L + D − w + 1 ≤ P0`` on) reads all of ``[P0, L)``; ``L`` (no
+    normal pass) when ``k < 0``."""
+    keep_ok = rail >= depth + PAGE_SIZE
+    keep = tl.maximum(rail - depth - PAGE_SIZE, 0) // PAGE_SIZE
+    return tl.where(keep_ok, tl.maximum(L // PAGE_SIZE - keep, 0) * PAGE_SIZE, L)
+
+
+def tree_prefix_start_ref(L: torch.Tensor, rail: int, depth: int, page_size: int) -> torch.Tensor:
+    """:func:`tree_prefix_start` of every request (``L`` int64, ≥ 0)."""
+    keep = window_tree_keep(rail, depth, page_size)
+    if keep < 0:
+        return L.clone()
+    return ((torch.div(L, page_size, rounding_mode="floor") - keep).clamp_min(0)) * page_size
+
+
+@triton.jit
+def window_tree_rows(page_table_ptr, rows, live, m, pos, cnt, slot, L, start, rail, band_max,
+                     W, stride_pt, row_ptr, row_ok, W_row, v2p_ptr, num_pages, page_size,
+                     full_to_swa_ptr, full_size, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                     ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                     TO_WINDOW: tl.constexpr):  # fmt: skip
+    """The verify expand rows of a window layer's tree (design §2.10), one per node ``j`` of a
+    tile: ``rows [BN, 1]`` its table rows (where ``live``), ``m [BN, BN]`` its ancestors-or-self
+    among the window's nodes ``c``, ``pos``/``cnt`` their order (:func:`ancestor_order`),
+    ``slot [BN]`` the window ids of the nodes (already through the map), ``start = P0`` where
+    the normal pass starts. With ``d = cnt − 1`` the row's depth (position ``L + d``), it lists
+    the band ``[max(0, L + d − w + 1), P0)`` of prefix positions (ids read with
+    :func:`load_window_ids`), then its last ``min(cnt, w)`` ancestors (those within the
+    window), then 0 to ``W``; a row with no node of its own (``cnt = 0``) is empty. Returns
+    ``(counts [BN], past, bad, negative)``: the keys of each row, and whether a band position
+    lay past the row, an id did not map (``BAD_KV_ID``) or a plain row's id read negative
+    (``POOL_OOB``), each listed as the sink slot 0."""
+    cnt2 = cnt[:, None].to(tl.int64)
+    vis = tl.minimum(cnt2, rail)
+    first = tl.maximum(L + cnt2 - rail, 0)  # L + d − w + 1
+    band = tl.where(cnt2 > 0, tl.maximum(start - first, 0), 0)
+    past = tl.sum(cnt, axis=0) * 0  # scalar flags (int32), or-ed over the band's chunks
+    bad = past
+    negative = past
+    for k0 in range(0, band_max, BLOCK_P):
+        k = k0 + tl.arange(0, BLOCK_P)[None, :]
+        want = live & (k < band)
+        ids, in_row, lost = load_window_ids(row_ptr, first + k, tl.where(row_ok, want, False),
+                                            W_row, v2p_ptr, num_pages, page_size,
+                                            full_to_swa_ptr, full_size, ENTRY_PAGE_SIZE,
+                                            TRANSLATE, TO_WINDOW)  # fmt: skip
+        neg = want & ~lost & (ids < 0)
+        tl.store(page_table_ptr + rows * stride_pt + k, tl.where(neg, 0, ids),
+                 mask=want & (k < W))  # fmt: skip
+        past |= tl.max(tl.max((want & ~in_row).to(tl.int32), axis=1), axis=0)
+        bad |= tl.max(tl.max((want & lost).to(tl.int32), axis=1), axis=0)
+        negative |= tl.max(tl.max(neg.to(tl.int32), axis=1), axis=0)
+    seen = live & m & (pos >= cnt2 - vis)
+    col = band + pos - (cnt2 - vis)
+    tl.store(page_table_ptr + rows * stride_pt + col, slot[None, :] + 0 * col,
+             mask=seen & (col < W))  # fmt: skip
+    for c0 in range(0, W, BLOCK_T):
+        t = c0 + tl.arange(0, BLOCK_T)[None, :]
+        tl.store(page_table_ptr + rows * stride_pt + t, 0 * rows + 0 * t,
+                 mask=live & (t >= band + vis) & (t < W))  # fmt: skip
+    counts = tl.sum(tl.where(live, band + vis, 0), axis=1)
+    return counts, past != 0, bad != 0, negative != 0
+
+
+def window_tree_row_ref(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, b: int,
+                        L: int, nodes: list[int], rail: int, depth: int, page_size: int, *,
+                        entry_page_size: int = 1, v2p: torch.Tensor | None = None,
+                        full_to_swa: torch.Tensor | None = None) -> tuple[list[int], int]:  # fmt: skip
+    """The torch twin of one :func:`window_tree_rows` row, written position by position:
+    request ``b`` (prefix ``L``), a node whose ancestors-or-self are the window nodes
+    ``nodes`` (increasing). Returns ``(ids, bits)``: the ids of the band ``[max(0, L + d − w +
+    1), P0)`` then of the last ``min(len(nodes), w)`` nodes at ``L + c``, each read as
+    :func:`load_window_ids_ref` reads it (``BAD_KV_ID`` where it did not map, ``POOL_OOB`` for
+    a plain row's negative id, ``POS_OOB`` past the row), and those bits."""
+    if not nodes:
+        return [], 0
+    d = len(nodes) - 1
+    p0 = int(tree_prefix_start_ref(torch.tensor([L]), rail, depth, page_size)[0])
+    positions = list(range(max(0, L + d - rail + 1), p0))
+    positions += [L + c for c in nodes[max(0, len(nodes) - rail) :]]
+    pos = torch.tensor([positions], dtype=torch.int64, device=req_to_token.device)
+    mask = torch.ones_like(pos, dtype=torch.bool)
+    ids, bad, bits = load_window_ids_ref(req_to_token, req_pool_indices[b : b + 1], pos, mask,
+                                         entry_page_size=entry_page_size, v2p=v2p,
+                                         page_size=page_size, full_to_swa=full_to_swa)  # fmt: skip
+    bits &= int(Status.ROW_OOB) | int(Status.POS_OOB)
+    if bool(bad.any()):
+        bits |= int(Status.BAD_KV_ID)
+    neg = ~bad & (ids < 0)
+    if bool(neg.any()):
+        bits |= int(Status.POOL_OOB)
+    return torch.where(neg, 0, ids)[0].tolist(), bits
+
+
+__all__ += ["window_tree_keep", "window_tree_gap", "window_tree_expand_width",
+            "check_tree_depth", "tree_prefix_start", "tree_prefix_start_ref", "window_tree_rows",
+            "window_tree_row_ref"]  # fmt: skip
+
+
+__all__ += ["window_tree_prefix_pages"]

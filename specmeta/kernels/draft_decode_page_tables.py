@@ -32,8 +32,10 @@ import torch
 
 from ..launch import next_power_of_2
 from ..stage import Stage, launcher
+from ..status import Status
 from ._common import chunk_programs
 from ._page_tables import bind_page_tables, expand_pass, normal_pass, page_tables_kernel
+from ._window import load_window_ids_ref, tree_prefix_start_ref, window_tree_prefix_pages
 from .expand_page_table import expand_page_table_ref, prepare_expand_page_table
 from .prefix_page_table import prefix_page_table_ref, prepare_prefix_page_table
 
@@ -60,23 +62,36 @@ def _prepare(
     req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
     exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k, expand_page_table,
     expand_cache_seqlens, expand_cu_seqlens_k, status, where, entry_page_size, v2p,
-    sliding_window_size=None, full_to_swa=None,
+    sliding_window_size=None, full_to_swa=None, tree_depth=None,
 ):  # fmt: skip
     """Validate both passes (each with its own op's checks) and allocate what is missing, before
-    anything is written; shared by the launcher and the reference."""
-    page_size, _, _, B, page_table, cache_seqlens, status, rail = prepare_prefix_page_table(
+    anything is written; shared by the launcher and the reference. A window layer's tree
+    (``tree_depth``) also returns the most row pages an expand row lists (else ``None``)."""
+    page_size, _, _, B, page_table, cache_seqlens, status, rail, depth = (
+        prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, 0, exclude_last_partial, 0, None,
         page_table, cache_seqlens, cu_seqlens_k, status, where, entry_page_size, v2p,
-        sliding_window_size, full_to_swa,
-    )  # fmt: skip
+        sliding_window_size, full_to_swa, tree_depth,
+    ))  # fmt: skip
+    pre = None if depth is None else window_tree_prefix_pages(rail, depth, page_size)
+    if pre is not None and expand_page_table is None:
+        rows = num_steps if num_rows is None else num_rows
+        expand_page_table = torch.empty((rows, B * topk, rows + pre), dtype=torch.int32,
+                                        device=seq_lens.device)  # fmt: skip
     topk, num_steps, _, rows, _, expand_page_table, expand_cache_seqlens, status = (
         prepare_expand_page_table(
         out_cache_loc, seq_lens, topk, num_steps, page_size, num_rows, expand_page_table,
             expand_cache_seqlens, expand_cu_seqlens_k, status, prefix="expand_",
         )
     )  # fmt: skip
+    if pre is not None and expand_page_table.shape[2] < rows + pre:
+        raise ValueError(
+            f"{where}: expand_page_table has {expand_page_table.shape[2]} columns; a window "
+            f"layer's tree (sliding_window_size={rail}, tree_depth={depth}) lists up to {pre} "
+            f"row pages before a branch's {rows}: pass at least {rows + pre} (design §2.10)"
+        )
     return (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-            expand_cache_seqlens, status, rail)  # fmt: skip
+            expand_cache_seqlens, status, rail, (depth, pre))  # fmt: skip
 
 
 def bind_draft_decode_page_tables(
@@ -101,6 +116,7 @@ def bind_draft_decode_page_tables(
     v2p: torch.Tensor | None = None,
     sliding_window_size: int | None = None,
     full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> Stage:
     """Bind once: normal and expand page tables of FA3 draft decode (the ``K > 1`` cascade) in one
     launch.
@@ -159,6 +175,17 @@ def bind_draft_decode_page_tables(
         are the sink page 0, the others window-pool pages through the map. The expand pass
         reads ``out_cache_loc`` as it is: a window layer's draft slots come from
         ``assign_draft_cache_locs(full_to_swa=...)`` in window-pool ids already.
+    tree_depth : int, optional
+        ``D ≥ S − 1`` with ``sliding_window_size``: a window layer's tree cascade
+        (design §2.10). The normal pass lists only ``[P0, L − lpl)`` (``prefix_page_table(...,
+        tree_depth=D)``): at most ``G = max(k, 0)·ps`` positions, ``k = ⌊(w − D − ps) /
+        ps⌋``, every step's rows read. Each expand row of step ``s`` first lists the row pages
+        from the one holding ``max(0, L + s − w + 1)`` up to that start (window-pool pages read
+        from the step's floor), then its branch's pages, ``cache_seqlens`` counting both; the
+        consumer runs it with FlashAttention's window ``(w − 1 − G, 0)``, which hides exactly
+        what the row does not read (the normal pass's ``G`` positions are the only gap, so
+        its last ``w − G`` keys are the row's window). ``expand_page_table`` needs ``rows +
+        ⌊(w − G + ps − 2) / ps⌋`` columns.
 
     Returns
     -------
@@ -182,11 +209,12 @@ def bind_draft_decode_page_tables(
     runtime arguments, ``K``, ``S`` and ``ps`` constexpr.
     """
     (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens, status, rail) = _prepare(
+     expand_cache_seqlens, status, rail, (depth, pre)) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
         "draft_decode_page_tables", entry_page_size, v2p, sliding_window_size, full_to_swa,
+        tree_depth,
     )  # fmt: skip
     W = page_table.shape[1]
     normal_programs = chunk_programs(req_to_token.device, B, W, _BLOCK)
@@ -200,9 +228,11 @@ def bind_draft_decode_page_tables(
         fill_value=None, num_rows=None, stride_cs=None, stride_cu=None,
         chunk_programs=normal_programs, block=min(max(next_power_of_2(W), _MIN_BLOCK), _BLOCK),
         entry_page_size=entry_page_size, v2p=v2p, rail=rail, full_to_swa=full_to_swa,
+        tree_depth=depth,
     )  # fmt: skip
     expand = expand_pass(out_cache_loc, expand_page_table, expand_cache_seqlens,
-                         expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows)  # fmt: skip
+                         expand_cu_seqlens_k, topk=topk, num_steps=num_steps, rows=rows,
+                         prefix_pages=pre)  # fmt: skip
     launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
                               num_warps=_NUM_WARPS, normal=normal, expand=expand)  # fmt: skip
     return Stage(
@@ -236,22 +266,71 @@ def draft_decode_page_tables_ref(
     v2p: torch.Tensor | None = None,
     sliding_window_size: int | None = None,
     full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs)."""
-    (topk, num_steps, page_size, rows, _, page_table, cache_seqlens, expand_page_table,
-     expand_cache_seqlens, status, rail) = _prepare(
+    """Pure-torch :func:`draft_decode_page_tables`: the two passes' references in turn (syncs);
+    a window layer's tree then puts each expand row's row pages before its branch's."""
+    (topk, num_steps, page_size, rows, B, page_table, cache_seqlens, expand_page_table,
+     expand_cache_seqlens, status, rail, (depth, pre)) = _prepare(
         req_pool_indices, req_to_token, seq_lens, out_cache_loc, topk, num_steps, page_size,
         exclude_last_partial, num_rows, page_table, cache_seqlens, cu_seqlens_k,
         expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
         "draft_decode_page_tables_ref", entry_page_size, v2p, sliding_window_size, full_to_swa,
+        tree_depth,
     )  # fmt: skip
     prefix_page_table_ref(req_pool_indices, req_to_token, seq_lens, page_size=page_size,
                           exclude_last_partial=exclude_last_partial, page_table=page_table,
                           cache_seqlens=cache_seqlens, cu_seqlens_k=cu_seqlens_k, status=status,
                           entry_page_size=entry_page_size, v2p=v2p, sliding_window_size=rail,
-                          full_to_swa=full_to_swa)  # fmt: skip
+                          full_to_swa=full_to_swa, tree_depth=depth)  # fmt: skip
     expand_page_table_ref(out_cache_loc, seq_lens, topk=topk, num_steps=num_steps,
                           page_size=page_size, num_rows=rows, page_table=expand_page_table,
                           cache_seqlens=expand_cache_seqlens, cu_seqlens_k=expand_cu_seqlens_k,
                           status=status)  # fmt: skip
+    if depth is not None:
+        _prepend_row_pages(req_pool_indices, req_to_token, seq_lens, topk, page_size, rows, B,
+                           expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+                           entry_page_size, v2p, rail, full_to_swa, depth)  # fmt: skip
     return page_table, cache_seqlens, expand_page_table, expand_cache_seqlens
+
+
+def _prepend_row_pages(req_pool_indices, req_to_token, seq_lens, topk, ps, rows, B,
+                       expand_page_table, expand_cache_seqlens, expand_cu_seqlens_k, status,
+                       entry_page_size, v2p, rail, full_to_swa, depth):  # fmt: skip
+    """A window layer's tree (design §2.10), request by request and step by step: the row
+    pages from the one holding the step's floor ``f = max(0, L + s − w + 1)`` up to the normal
+    pass's start ``min(P0, L − lpl)`` before each branch's pages, each the window-pool page of
+    the id at ``max(c·ps, f)`` (the sink page 0 where it does not map)."""
+    L = seq_lens.to(torch.int64).clamp_min(0)
+    start = torch.minimum(tree_prefix_start_ref(L, rail, depth, ps), L - L % ps).tolist()
+    W = expand_page_table.shape[2]
+    bits = 0
+    for s in range(rows):
+        for b in range(B):
+            Lb = int(L[b])
+            floor = max(0, Lb + s - rail + 1)
+            first = min(start[b] // ps, floor // ps)
+            cols = list(range(first, start[b] // ps))
+            pos = torch.tensor([[max(c * ps, floor) for c in cols]], dtype=torch.int64,
+                               device=seq_lens.device).view(1, -1)  # fmt: skip
+            ids, bad, _ = load_window_ids_ref(req_to_token, req_pool_indices[b : b + 1], pos,
+                                              torch.ones_like(pos, dtype=torch.bool),
+                                              entry_page_size=entry_page_size, v2p=v2p,
+                                              page_size=ps, full_to_swa=full_to_swa)  # fmt: skip
+            negative = ~bad & (ids < 0)
+            bits |= (int(Status.BAD_KV_ID) if bool(bad.any()) else 0) | (
+                int(Status.POOL_OOB) if bool(negative.any()) else 0)  # fmt: skip
+            pages = torch.div(torch.where(negative, 0, ids), ps, rounding_mode="floor")[0]
+            n = len(cols)
+            for r in range(b * topk, (b + 1) * topk):
+                own = expand_page_table[s, r, : W - n].clone()
+                expand_page_table[s, r, :n] = pages.to(expand_page_table.dtype)
+                expand_page_table[s, r, n:] = own
+                expand_cache_seqlens[s, r] += n * ps
+    if expand_cu_seqlens_k is not None:
+        BK = B * topk
+        expand_cu_seqlens_k[:rows, 0] = 0
+        expand_cu_seqlens_k[:rows, 1 : BK + 1] = torch.cumsum(
+            expand_cache_seqlens[:rows, :BK].to(torch.int64), dim=1).to(expand_cu_seqlens_k.dtype)  # fmt: skip
+    if bits:
+        status |= bits

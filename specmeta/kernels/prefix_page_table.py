@@ -31,7 +31,13 @@ from ..stage import Stage, launcher
 from ..status import Status
 from ._common import check_batch, check_id_spaces, chunk_programs, load_kv_ids_ref
 from ._page_tables import bind_page_tables, normal_pass, page_tables_kernel
-from ._window import check_window, window_page_ids_ref
+from ._window import (
+    check_tree_depth,
+    check_window,
+    load_window_ids_ref,
+    tree_prefix_start_ref,
+    window_page_ids_ref,
+)
 
 __all__ = ["bind_prefix_page_table", "prefix_page_table", "prefix_page_table_ref"]
 
@@ -46,11 +52,11 @@ _BLOCK_B = 1024
 def prepare_prefix_page_table(
     req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
     fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status, where="",
-    entry_page_size=1, v2p=None, sliding_window_size=None, full_to_swa=None,
+    entry_page_size=1, v2p=None, sliding_window_size=None, full_to_swa=None, tree_depth=None,
 ):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. ``where`` names the
-    call in the id-space checks' messages. The last value returned is the rail ``w`` (0 for a
-    full layer)."""
+    call in the id-space checks' messages. The last values returned are the rail ``w`` (0 for
+    a full layer) and a window tree's depth bound ``D`` (``None`` for none)."""
     page_size = validate.positive("page_size", page_size)
     extra_tokens = validate.positive("extra_tokens", extra_tokens, minimum=0)
     if not isinstance(exclude_last_partial, bool):
@@ -63,6 +69,16 @@ def prepare_prefix_page_table(
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     rail = check_window(where, sliding_window_size, full_to_swa, device)
+    depth = None
+    if tree_depth is not None:
+        depth = check_tree_depth(where, tree_depth, rail, 0)
+        if extra_tokens or num_rows is not None:
+            raise ValueError(
+                f"{where}: tree_depth={depth} builds a window layer's tree cascade's normal "
+                "pass (non-causal, over the prefix; design §2.10), which takes no "
+                f"extra_tokens (got {extra_tokens}) and no num_rows (got {num_rows}); leave "
+                "them out, or leave tree_depth out for a chain's causal table"
+            )
     if page_table is None:
         # A row of W_row entries covers W_row·E positions (design §2.10).
         width = page_table_width(req_to_token.shape[1] * entry_page_size, page_size)
@@ -88,7 +104,7 @@ def prepare_prefix_page_table(
         if seq_ndim == 2:
             validate.at_least(name, buf.shape[0], rows, "rows (num_rows)")
     status = validate.status(status, device)
-    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail
+    return page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail, depth
 
 
 def bind_prefix_page_table(
@@ -109,6 +125,7 @@ def bind_prefix_page_table(
     v2p: torch.Tensor | None = None,
     sliding_window_size: int | None = None,
     full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> Stage:
     """Bind once: page table and KV lengths of every request over its own ``req_to_token`` row.
 
@@ -174,6 +191,14 @@ def bind_prefix_page_table(
         page's slots map to one window page at the same offsets). A column at or past the
         floor whose id maps to ``−1`` (or lies past the map) is the sink page 0 with
         ``BAD_KV_ID``.
+    tree_depth : int, optional
+        ``D ≥ 0``, with ``sliding_window_size``: the normal pass of a window layer's tree
+        cascade (design §2.10), whose query rows lie at ``L … L + D`` and read the prefix
+        non-causally. It lists only ``[P0, len_b)``, the positions every row reads, ``P0 =
+        max(0, (⌊L_b / ps⌋ − k)·ps)`` with ``k = ⌊(w − D − ps) / ps⌋`` (no page when ``k <
+        0``): ``page_table[b, c]`` is the page of column ``P0 / ps + c``, ``cache_seqlens[b] =
+        len_b − P0``. The expand pass lists what a row reads below ``P0``. Only with
+        ``extra_tokens=0`` and no ``num_rows``.
 
     Returns
     -------
@@ -192,11 +217,11 @@ def bind_prefix_page_table(
     ``(B, 0)`` scans ``seq_lens`` for ``cu_seqlens_k``. No host sync; ``B``, lengths, widths
     and strides are runtime arguments.
     """
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail = (
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail, depth = (
         prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
-        "prefix_page_table", entry_page_size, v2p, sliding_window_size, full_to_swa,
+        "prefix_page_table", entry_page_size, v2p, sliding_window_size, full_to_swa, tree_depth,
     ))  # fmt: skip
     W = page_table.shape[1]
     # Rows b < B gather request b, row B has the cu_seqlens_k program.
@@ -209,7 +234,7 @@ def bind_prefix_page_table(
         stride_cs=cache_seqlens.stride(0) if two_d else 0,
         stride_cu=cu_seqlens_k.stride(0) if two_d and cu_seqlens_k is not None else 0,
         chunk_programs=grid[1], block=_BLOCK, entry_page_size=entry_page_size, v2p=v2p,
-        rail=rail, full_to_swa=full_to_swa,
+        rail=rail, full_to_swa=full_to_swa, tree_depth=depth,
     )  # fmt: skip
     launch = bind_page_tables(grid, seq_lens, status, page_size=page_size, block_b=_BLOCK_B,
                               num_warps=4, normal=normal)  # fmt: skip
@@ -238,14 +263,21 @@ def prefix_page_table_ref(
     v2p: torch.Tensor | None = None,
     sliding_window_size: int | None = None,
     full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`prefix_page_table` (vectorised over the batch; syncs)."""
-    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail = (
+    page_size, extra_tokens, rows, B, page_table, cache_seqlens, status, rail, depth = (
         prepare_prefix_page_table(
         req_pool_indices, req_to_token, seq_lens, page_size, extra_tokens, exclude_last_partial,
         fill_value, num_rows, page_table, cache_seqlens, cu_seqlens_k, status,
         "prefix_page_table_ref", entry_page_size, v2p, sliding_window_size, full_to_swa,
+        tree_depth,
     ))  # fmt: skip
+    if depth is not None:
+        return _tree_normal_ref(req_pool_indices, req_to_token, seq_lens, page_size,
+                                exclude_last_partial, fill_value, page_table, cache_seqlens,
+                                cu_seqlens_k, status, entry_page_size, v2p, rail, full_to_swa,
+                                depth)  # fmt: skip
     device = req_to_token.device
     W = page_table.shape[1]
     L = seq_lens.to(torch.int64)
@@ -287,6 +319,47 @@ def prefix_page_table_ref(
         cu = cu_seqlens_k if cu_seqlens_k.dim() == 2 else cu_seqlens_k.view(1, -1)
         cu[:rows, 0] = 0
         cu[:rows, 1 : B + 1] = torch.cumsum(lens, dim=1).to(cu.dtype)
+    if bits:
+        status |= bits
+    return page_table, cache_seqlens
+
+
+def _tree_normal_ref(req_pool_indices, req_to_token, seq_lens, page_size, exclude_last_partial,
+                     fill_value, page_table, cache_seqlens, cu_seqlens_k, status,
+                     entry_page_size, v2p, rail, full_to_swa, depth):  # fmt: skip
+    """:func:`prefix_page_table_ref` of a window layer's tree cascade (``tree_depth``,
+    design §2.10): request ``b`` covers ``[P0, len_b)``, column ``c`` the page of the id at ``(P0 /
+    ps + c)·ps`` (every row reads it: no floor inside), through the row's space and the map."""
+    ps, W = page_size, page_table.shape[1]
+    B = seq_lens.shape[0]
+    L = seq_lens.to(torch.int64)
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
+    L = L.clamp_min(0)
+    end = L - L % ps if exclude_last_partial else L
+    first = torch.minimum(tree_prefix_start_ref(L, rail, depth, ps), end)
+    length = end - first
+    wanted = (length + ps - 1) // ps
+    pages = wanted.clamp_max(W)
+    col = torch.arange(W, device=req_to_token.device).view(1, -1)
+    need = col < pages.view(-1, 1)
+    pos = torch.where(need, (first // ps).view(-1, 1) * ps + col * ps, 0)
+    ids, bad, gather_bits = load_window_ids_ref(req_to_token, req_pool_indices, pos, need,
+                                                entry_page_size=entry_page_size, v2p=v2p,
+                                                page_size=ps, full_to_swa=full_to_swa)  # fmt: skip
+    bits |= gather_bits
+    negative = need & ~bad & (ids < 0)
+    bits |= int(Status.BAD_KV_ID) if bool(bad.any()) else 0
+    bits |= int(Status.POOL_OOB) if bool(negative.any()) else 0
+    bits |= int(Status.OUT_OF_CAPACITY) if bool((wanted > W).any()) else 0
+    table = torch.div(torch.where(negative, 0, ids), ps, rounding_mode="floor")
+    page_table[:B] = torch.where(need, table, fill_value).to(page_table.dtype)
+    lens = length.clamp_max(W * ps)
+    csl = cache_seqlens if cache_seqlens.dim() == 1 else cache_seqlens[0]
+    csl[:B] = lens.to(csl.dtype)
+    if cu_seqlens_k is not None:
+        cu = cu_seqlens_k if cu_seqlens_k.dim() == 1 else cu_seqlens_k[0]
+        cu[0] = 0
+        cu[1 : B + 1] = torch.cumsum(lens, 0).to(cu.dtype)
     if bits:
         status |= bits
     return page_table, cache_seqlens

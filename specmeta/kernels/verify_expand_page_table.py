@@ -52,6 +52,16 @@ from ._common import (
     verify_lens_ref,
     window_slots,
 )
+from ._window import (
+    check_tree_depth,
+    check_window,
+    load_window_ids,
+    tree_prefix_start,
+    window_arguments,
+    window_tree_expand_width,
+    window_tree_row_ref,
+    window_tree_rows,
+)
 
 __all__ = [
     "bind_verify_expand_page_table",
@@ -87,7 +97,7 @@ def bind_inclusive_sums(src: torch.Tensor, dst: torch.Tensor, n: int):
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "N", "W", "stride_pt", "stride_mb", "stride_mj",
-        "num_pages", "page_size",
+        "num_pages", "page_size", "full_size", "rail", "depth", "band_max",
     ]
 )  # fmt: skip
 def _verify_expand_page_table_kernel(
@@ -111,7 +121,12 @@ def _verify_expand_page_table_kernel(
     stride_mb,
     stride_mj,
     num_pages,  # v2p's pages (None unless TRANSLATE)
-    page_size,  # the pool's page size v2p maps (None unless TRANSLATE)
+    page_size,  # the pool's page size (None unless TRANSLATE or WINDOW_LAYER)
+    full_to_swa_ptr,  # [full_size] int32|int64 full -> window pool map (read with TO_WINDOW)
+    full_size,
+    rail,  # a window layer's w (read with WINDOW_LAYER)
+    depth,  # its tree cascade's depth bound D (read with WINDOW_LAYER)
+    band_max,  # D + 2·ps − 2: the longest band of prefix positions a row lists (WINDOW_LAYER)
     BLOCK_N: tl.constexpr,  # next power of two ≥ N
     BLOCK_T: tl.constexpr,  # tail columns per store tile
     WRITE_CU0: tl.constexpr,
@@ -119,6 +134,9 @@ def _verify_expand_page_table_kernel(
     HAS_STATUS: tl.constexpr,
     ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
     TRANSLATE: tl.constexpr,  # ids leave through v2p
+    WINDOW_LAYER: tl.constexpr,  # a window layer's tree (design §2.10): window_tree_rows
+    TO_WINDOW: tl.constexpr,  # ids leave through full_to_swa
+    BLOCK_P: tl.constexpr,  # band positions per chunk (WINDOW_LAYER)
 ):
     """Grid ``(max(B, 1),)``: program ``i`` orders the ``V × V`` tile of request ``i``'s mask
     (``V = N``, or its clamped ``v_i`` in a ragged verify) and scatters its verify slots into
@@ -144,22 +162,42 @@ def _verify_expand_page_table_kernel(
 
     c = tl.arange(0, BLOCK_N)
     want = tl.where(live, c < V, False)  # the window slots read
-    # The slots in the row's id space (design §2.10); the table lists each translated id.
-    slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row,
-                                        v2p_ptr, num_pages, page_size, BLOCK_N,
-                                        ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
-
     rows = i * N + jj  # int64: B·N·W passes 2**31 only for huge tables, but costs nothing
-    tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)
-    row_live = tl.where(live, jj < N, False)
-    if HAS_VERIFY_LENS:
-        # The N × N tile outside the V × V one: columns [V, N) of rows j < V (the tile's ranks
-        # stay below V there), every column of the rows j ≥ V.
-        tl.store(page_table_ptr + rows * stride_pt + cc, 0 * rows + 0 * cc,
-                 mask=row_live & (cc < N) & ~in_tile)  # fmt: skip
-    for c0 in range(N, W, BLOCK_T):
-        t = c0 + tl.arange(0, BLOCK_T)[None, :]
-        tl.store(page_table_ptr + rows * stride_pt + t, 0 * rows + 0 * t, mask=row_live & (t < W))
+    if WINDOW_LAYER:
+        # A window layer's tree (design §2.10): each row its band of prefix positions below
+        # the normal pass, then its ancestors within the window, ids through the map.
+        slot, in_row, bad = load_window_ids(req_to_token_ptr + row_base, L + c,
+                                            tl.where(row_ok, want, False), W_row, v2p_ptr,
+                                            num_pages, page_size, full_to_swa_ptr, full_size,
+                                            ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW)  # fmt: skip
+        neg = want & ~bad & (slot < 0)
+        slot = tl.where(neg, 0, slot)
+        start = tree_prefix_start(L, rail, depth, page_size)
+        cnt, band_past, band_bad, band_neg = window_tree_rows(
+            page_table_ptr, rows, tl.where(live, jj < N, False), m, pos, cnt, slot, L, start,
+            rail, band_max, W, stride_pt, req_to_token_ptr + row_base, row_ok, W_row, v2p_ptr,
+            num_pages, page_size, full_to_swa_ptr, full_size, BLOCK_P, BLOCK_T,
+            ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
+        )  # fmt: skip
+        past = (want & ~in_row) | band_past
+        bad = bad | band_bad
+        neg = neg | band_neg
+    else:
+        # The slots in the row's id space (design §2.10); the table lists each translated id.
+        slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row,
+                                            v2p_ptr, num_pages, page_size, BLOCK_N,
+                                            ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+        tl.store(page_table_ptr + rows * stride_pt + pos, slot[None, :] + 0 * pos, mask=in_tile)
+        row_live = tl.where(live, jj < N, False)
+        if HAS_VERIFY_LENS:
+            # The N × N tile outside the V × V one: columns [V, N) of rows j < V (the tile's
+            # ranks stay below V there), every column of the rows j ≥ V.
+            tl.store(page_table_ptr + rows * stride_pt + cc, 0 * rows + 0 * cc,
+                     mask=row_live & (cc < N) & ~in_tile)  # fmt: skip
+        for c0 in range(N, W, BLOCK_T):
+            t = c0 + tl.arange(0, BLOCK_T)[None, :]
+            tl.store(page_table_ptr + rows * stride_pt + t, 0 * rows + 0 * t,
+                     mask=row_live & (t < W))  # fmt: skip
     tl.store(cache_seqlens_ptr + i * N + c, cnt, mask=tl.where(live, c < N, False))
     if WRITE_CU0:
         tl.store(cu_seqlens_k_ptr + i, i * 0, mask=i == 0)
@@ -180,11 +218,17 @@ _verify_expand_page_table_launch = Launcher(_verify_expand_page_table_kernel)
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
              cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
-             page_size):  # fmt: skip
-    """Validate and allocate; shared by the launcher and the reference."""
+             page_size, sliding_window_size=None, full_to_swa=None, tree_depth=None):  # fmt: skip
+    """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``N``,
+    the outputs, the status word and a window layer's ``(w, D)`` (``w = 0``: a full layer)."""
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
     validate.positive("page_size", page_size)
+    rail = check_window(where, sliding_window_size, full_to_swa, device)
+    if full_to_swa is not None and not rail:
+        raise ValueError(f"{where}: full_to_swa was given without sliding_window_size; a "
+                         "window layer's tree lists its rows by its window w (design §2.10): "
+                         "pass sliding_window_size=w with the map")  # fmt: skip
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool, torch.uint8), ndim=3,
@@ -195,10 +239,19 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, page_ta
             f"tree_mask must have shape [B, N, N] = [{B}, N, N] with N >= 1, "
             f"got {tuple(tree_mask.shape)}"
         )
+    D = check_tree_depth(where, tree_depth, rail, N - 1)
+    # A window layer's rows hold a band of prefix positions too (design §2.10).
+    cols = window_tree_expand_width(D, page_size) if rail else N
+    if rail and page_table is not None and page_table.shape[-1] < cols:
+        raise ValueError(
+            f"{where}: page_table has {page_table.shape[-1]} columns; a window layer's rows "
+            f"(sliding_window_size={rail}, tree_depth={D}, page_size={page_size}) list up to "
+            f"D + 2*page_size - 1 = {cols} keys: pass at least {cols} (design §2.10)"
+        )
     page_table, cache_seqlens = check_expand_outputs(page_table, cache_seqlens, cu_seqlens_k,
-                                                     B * N, N, device, "B*N")  # fmt: skip
+                                                     B * N, cols, device, "B*N")  # fmt: skip
     status = validate.status(status, device)
-    return B, N, page_table, cache_seqlens, status
+    return B, N, page_table, cache_seqlens, status, (rail, D)
 
 
 def bind_verify_expand_page_table(
@@ -215,6 +268,9 @@ def bind_verify_expand_page_table(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> Stage:
     """Bind once: token-slot tables of every tree node's ancestors, for the FA3 verify cascade.
 
@@ -254,6 +310,21 @@ def bind_verify_expand_page_table(
         (a row of ``W_row`` entries holds ``W_row·entry_page_size`` positions), virtual ids
         emitted through the page map ``v2p`` at the pool's page size ``page_size``; the
         table lists each slot as emitted. Defaults: rows of token ids, as they are.
+    sliding_window_size : int, optional
+        A window layer's ``w`` (design §2.10; ``None`` or 0: a full layer). Node ``j`` at depth
+        ``d = cnt − 1`` (position ``L + d``) reads ``(L + d − w, L + d]``; the normal pass
+        (``prefix_page_table(..., tree_depth=D)``) holds only ``[P0, L)``, the prefix every
+        node reads, ``P0`` a page boundary (``page_size`` is then the pool's). Its row lists
+        the band ``[max(0, L + d − w + 1), P0)`` of prefix ids, then its last ``min(cnt, w)``
+        ancestors, then 0; ``cache_seqlens`` counts both. At most ``D + 2·ps − 1`` entries, so
+        ``page_table`` needs that many columns (allocated so when omitted).
+    full_to_swa : torch.Tensor, optional
+        ``[P_full]`` int32 or int64 full → window pool map (with ``sliding_window_size``): every
+        id listed, band and nodes, is ``full_to_swa[id]`` after the row's own translation; an
+        id read whose entry is −1 (or past the map) is the sink slot 0 with ``BAD_KV_ID``.
+    tree_depth : int, optional
+        ``D ≥ N − 1`` (default ``N − 1``), the depth bound the normal pass was built with
+        (design §2.10); only with ``sliding_window_size``.
 
     Returns
     -------
@@ -274,10 +345,10 @@ def bind_verify_expand_page_table(
     Grid ``(max(B, 1),)``, one program per request, and ``(1,)`` for ``cu_seqlens_k``. No
     host sync.
     """
-    B, N, page_table, cache_seqlens, status = _prepare(
+    B, N, page_table, cache_seqlens, status, (rail, D) = _prepare(
         "verify_expand_page_table", req_pool_indices, req_to_token, seq_lens, tree_mask,
         page_table, cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
-        page_size,
+        page_size, sliding_window_size, full_to_swa, tree_depth,
     )  # fmt: skip
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     W = page_table.shape[1]
@@ -301,8 +372,14 @@ def bind_verify_expand_page_table(
             WRITE_CU0=cu_seqlens_k is not None,
             HAS_VERIFY_LENS=verify_lens is not None,
             HAS_STATUS=True,
-            page_size=page_size if v2p is not None else None,
+            page_size=page_size if v2p is not None or rail else None,
             **id_space_arguments(entry_page_size, v2p),
+            **window_arguments(full_to_swa),
+            rail=rail or None,
+            depth=D if rail else None,
+            band_max=D + 2 * page_size - 2 if rail else None,
+            WINDOW_LAYER=bool(rail),
+            BLOCK_P=min(next_power_of_2(max(D + 2 * page_size - 2, 1)), 64) if rail else 1,
         )
     ]
     if cu_seqlens_k is not None and B * N:
@@ -332,13 +409,21 @@ def verify_expand_page_table_ref(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch :func:`verify_expand_page_table` (vectorised; syncs)."""
-    B, N, page_table, cache_seqlens, status = _prepare(
+    """Pure-torch :func:`verify_expand_page_table` (vectorised; a window layer's rows one by
+    one; syncs)."""
+    B, N, page_table, cache_seqlens, status, (rail, D) = _prepare(
         "verify_expand_page_table_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
         page_table, cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
-        page_size,
+        page_size, sliding_window_size, full_to_swa, tree_depth,
     )  # fmt: skip
+    if rail:
+        return _window_rows_ref(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
+                                cache_seqlens, cu_seqlens_k, verify_lens, status,
+                                entry_page_size, v2p, page_size, rail, full_to_swa, D)  # fmt: skip
     device = req_to_token.device
     BN = B * N
     L = seq_lens.to(torch.int64)
@@ -371,6 +456,51 @@ def verify_expand_page_table_ref(
     if cu_seqlens_k is not None:
         cu_seqlens_k[0] = 0
         cu_seqlens_k[1 : BN + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.dtype)
+    if bits:
+        status |= bits
+    return page_table, cache_seqlens
+
+
+def _window_rows_ref(req_pool_indices, req_to_token, seq_lens, tree_mask, page_table,
+                     cache_seqlens, cu_seqlens_k, verify_lens, status, entry_page_size, v2p,
+                     page_size, rail, full_to_swa, D):  # fmt: skip
+    """:func:`verify_expand_page_table_ref` of a window layer's tree (design §2.10): each node's
+    row from its ancestor set, position by position (:func:`window_tree_row_ref`)."""
+    B, N = tree_mask.shape[0], tree_mask.shape[1]
+    L = seq_lens.to(torch.int64)
+    bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
+    V = [N] * B
+    if verify_lens is not None:
+        v, v_bits = verify_lens_ref(verify_lens, N)
+        V, bits = v.view(-1).tolist(), bits | v_bits
+    page_table[: B * N] = 0
+    counts = torch.zeros(B * N, dtype=torch.int64)
+    rows_ok = (req_pool_indices.to(torch.int64) >= 0) & (req_pool_indices < req_to_token.shape[0])
+    if not bool(rows_ok.all()):
+        bits |= int(Status.ROW_OOB)
+    for b in range(B):
+        Lb, Vb = max(int(L[b]), 0), int(V[b])
+        m = tree_mask[b].to(torch.bool).cpu()
+        # The window slots are read whatever the rows list (a fault among them is reported).
+        _, read_bits = window_tree_row_ref(req_to_token, req_pool_indices, b, Lb, list(range(Vb)),
+                                           1 << 30, D, page_size,
+                                           entry_page_size=entry_page_size, v2p=v2p,
+                                           full_to_swa=full_to_swa)  # fmt: skip
+        bits |= read_bits
+        for j in range(min(Vb, N)):
+            nodes = [c for c in range(Vb) if bool(m[j, c])]
+            ids, row_bits = window_tree_row_ref(req_to_token, req_pool_indices, b, Lb, nodes,
+                                                rail, D, page_size,
+                                                entry_page_size=entry_page_size, v2p=v2p,
+                                                full_to_swa=full_to_swa)  # fmt: skip
+            bits |= row_bits
+            page_table[b * N + j, : len(ids)] = torch.tensor(ids, dtype=page_table.dtype)
+            counts[b * N + j] = len(ids)
+    cache_seqlens[: B * N] = counts.to(cache_seqlens.device, cache_seqlens.dtype)
+    if cu_seqlens_k is not None:
+        cu_seqlens_k[0] = 0
+        cu_seqlens_k[1 : B * N + 1] = torch.cumsum(counts, 0).to(cu_seqlens_k.device,
+                                                                 cu_seqlens_k.dtype)  # fmt: skip
     if bits:
         status |= bits
     return page_table, cache_seqlens

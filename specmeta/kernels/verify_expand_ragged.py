@@ -46,9 +46,19 @@ from ._common import (
     gather_rows_ref,
     host_int,
     id_space_arguments,
-    load_kv_ids_ref,
     load_request,
     window_slots,
+)
+from ._window import (
+    check_tree_depth,
+    check_window,
+    load_window_ids,
+    load_window_ids_ref,
+    tree_prefix_start,
+    window_arguments,
+    window_tree_expand_width,
+    window_tree_row_ref,
+    window_tree_rows,
 )
 from .verify_expand_page_table import bind_inclusive_sums, inclusive_sums_kernel
 
@@ -74,7 +84,8 @@ def _empty_rows(page_table_ptr, cache_seqlens_ptr, first, last, T, W, stride_pt,
 
 @triton.jit(
     do_not_specialize=["B", "R", "W_row", "stride_row", "N", "W", "T", "stride_pt", "stride_mb",
-                       "stride_mj", "num_pages", "page_size"]
+                       "stride_mj", "num_pages", "page_size", "full_size", "rail", "depth",
+                       "band_max"]
 )  # fmt: skip
 def _verify_expand_ragged_kernel(
     req_pool_indices_ptr,  # [B] int32|int64
@@ -98,7 +109,12 @@ def _verify_expand_ragged_kernel(
     stride_mb,
     stride_mj,
     num_pages,  # v2p's pages (None unless TRANSLATE)
-    page_size,  # the pool's page size v2p maps (None unless TRANSLATE)
+    page_size,  # the pool's page size (None unless TRANSLATE or WINDOW_LAYER)
+    full_to_swa_ptr,  # [full_size] int32|int64 full -> window pool map (read with TO_WINDOW)
+    full_size,
+    rail,  # a window layer's w (read with WINDOW_LAYER)
+    depth,  # its tree cascade's depth bound D (read with WINDOW_LAYER)
+    band_max,  # D + 2·ps − 2: the longest band of prefix positions a row lists (WINDOW_LAYER)
     BLOCK_N: tl.constexpr,  # next power of two ≥ N
     BLOCK_W: tl.constexpr,  # columns per store tile past the window
     BLOCK_F: tl.constexpr,  # filler rows per iteration
@@ -106,6 +122,9 @@ def _verify_expand_ragged_kernel(
     WRITE_CU0: tl.constexpr,
     ENTRY_PAGE_SIZE: tl.constexpr,  # E > 1: rows of page ids (design §2.10)
     TRANSLATE: tl.constexpr,  # ids leave through v2p
+    WINDOW_LAYER: tl.constexpr,  # a window layer's rows (design §2.10): window_tree_rows
+    TO_WINDOW: tl.constexpr,  # ids leave through full_to_swa
+    BLOCK_P: tl.constexpr,  # band positions per chunk (WINDOW_LAYER)
 ):
     """Grid ``(B + 1,)``: program ``i < B`` writes request ``i``'s rows (its ``V × V`` tile of
     the mask, then its filler rows); program ``B`` writes the rows of no request,
@@ -124,16 +143,20 @@ def _verify_expand_ragged_kernel(
         _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
                       page_table_ptr, cache_seqlens_ptr, v2p_ptr, status_ptr, i, start, end, B,
                       R, W_row, stride_row, N, W, T, stride_pt, stride_mb, stride_mj, num_pages,
-                      page_size, BLOCK_N, BLOCK_W, BLOCK_F, CHAIN, ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
+                      page_size, full_to_swa_ptr, full_size, rail, depth, band_max, BLOCK_N,
+                      BLOCK_W, BLOCK_F, CHAIN, ENTRY_PAGE_SIZE, TRANSLATE, WINDOW_LAYER,
+                      TO_WINDOW, BLOCK_P)  # fmt: skip
 
 
 @triton.jit
 def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mask_ptr,
                   page_table_ptr, cache_seqlens_ptr, v2p_ptr, status_ptr, i, start, end, B, R,
                   W_row, stride_row, N, W, T, stride_pt, stride_mb, stride_mj, num_pages,
-                  page_size, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_F: tl.constexpr, CHAIN: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr,
-                  TRANSLATE: tl.constexpr):  # fmt: skip
+                  page_size, full_to_swa_ptr, full_size, rail, depth, band_max,
+                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_F: tl.constexpr,
+                  CHAIN: tl.constexpr, ENTRY_PAGE_SIZE: tl.constexpr, TRANSLATE: tl.constexpr,
+                  WINDOW_LAYER: tl.constexpr, TO_WINDOW: tl.constexpr,
+                  BLOCK_P: tl.constexpr):  # fmt: skip
     """Request ``i``'s rows ``start … end − 1``: its ``V × V`` tile of the mask, then its
     filler rows, and its status bits."""
     rows = tl.maximum(end - start, 0)
@@ -153,33 +176,72 @@ def _request_rows(req_pool_indices_ptr, req_to_token_ptr, seq_lens_ptr, tree_mas
 
     c = tl.arange(0, BLOCK_N)
     want = c < V  # the window slots read
-    # The slots in the row's id space (design §2.10); the table lists each translated id.
-    slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want, W_row,
-                                        v2p_ptr, num_pages, page_size, BLOCK_N,
-                                        ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
-
     r = start + jj  # the node rows
     ok = (jj < V) & (r >= 0) & (r < T)
-    tl.store(page_table_ptr + r * stride_pt + pos, slot[None, :] + 0 * pos, mask=ok & in_tile)
-    for w0 in range(0, W, BLOCK_W):  # columns [V, W) of the node rows
-        k = w0 + tl.arange(0, BLOCK_W)[None, :]
-        tl.store(page_table_ptr + r * stride_pt + k, 0 * r + 0 * k,
-                 mask=ok & (k >= V) & (k < W))  # fmt: skip
-    rc = start + c
-    tl.store(cache_seqlens_ptr + rc, cnt, mask=(c < V) & (rc >= 0) & (rc < T))
+    if WINDOW_LAYER:
+        # A window layer (design §2.10): each row its band of prefix positions below the
+        # normal pass, then its ancestors within the window; a filler row is a node whose
+        # ancestors are all V nodes. Ids through the map.
+        slot, in_row, bad = load_window_ids(req_to_token_ptr + row_base, L + c,
+                                            tl.where(row_ok, want, False), W_row, v2p_ptr,
+                                            num_pages, page_size, full_to_swa_ptr, full_size,
+                                            ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW)  # fmt: skip
+        neg = want & ~bad & (slot < 0)
+        slot = tl.where(neg, 0, slot)
+        past = want & ~in_row
+        p0 = tree_prefix_start(L, rail, depth, page_size)
+        counts, b_past, b_bad, b_neg = window_tree_rows(
+            page_table_ptr, r, ok, m, pos, cnt, slot, L, p0, rail, band_max, W, stride_pt,
+            req_to_token_ptr + row_base, row_ok, W_row, v2p_ptr, num_pages, page_size,
+            full_to_swa_ptr, full_size, BLOCK_P, BLOCK_W, ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
+        )  # fmt: skip
+        rc = start + c
+        tl.store(cache_seqlens_ptr + rc, counts, mask=(c < V) & (rc >= 0) & (rc < T))
+        for f0 in range(N, rows, BLOCK_F):
+            jf = f0 + tl.arange(0, BLOCK_F)[:, None]
+            rf = start + jf
+            okf = (jf < rows) & (rf >= 0) & (rf < T)
+            mf = okf & (cc < V)
+            f_counts, f_past, f_bad, f_neg = window_tree_rows(
+                page_table_ptr, rf, okf, mf, cc + 0 * jf, tl.sum(mf.to(tl.int32), axis=1),
+                slot, L, p0, rail, band_max, W, stride_pt, req_to_token_ptr + row_base, row_ok,
+                W_row, v2p_ptr, num_pages, page_size, full_to_swa_ptr, full_size, BLOCK_P,
+                BLOCK_W, ENTRY_PAGE_SIZE, TRANSLATE, TO_WINDOW,
+            )  # fmt: skip
+            tl.store(cache_seqlens_ptr + start + f0 + tl.arange(0, BLOCK_F), f_counts,
+                     mask=tl.sum(okf.to(tl.int32), axis=1) != 0)  # fmt: skip
+            b_past |= f_past
+            b_bad |= f_bad
+            b_neg |= f_neg
+        past = past | b_past
+        bad = bad | b_bad
+        neg = neg | b_neg
+    else:
+        # The slots in the row's id space (design §2.10); the table lists each translated id.
+        slot, past, neg, bad = window_slots(req_to_token_ptr, row_base, row_ok, L, want,
+                                            W_row, v2p_ptr, num_pages, page_size, BLOCK_N,
+                                            ENTRY_PAGE_SIZE, TRANSLATE)  # fmt: skip
 
-    # Filler rows j ≥ N: every node of the window, in order.
-    for f0 in range(N, rows, BLOCK_F):
-        jf = f0 + tl.arange(0, BLOCK_F)[:, None]
-        rf = start + jf
-        okf = (jf < rows) & (rf >= 0) & (rf < T)
-        tl.store(page_table_ptr + rf * stride_pt + cc, slot[None, :] + 0 * rf,
-                 mask=okf & (cc < V))  # fmt: skip
-        for w0 in range(0, W, BLOCK_W):
+        tl.store(page_table_ptr + r * stride_pt + pos, slot[None, :] + 0 * pos, mask=ok & in_tile)
+        for w0 in range(0, W, BLOCK_W):  # columns [V, W) of the node rows
             k = w0 + tl.arange(0, BLOCK_W)[None, :]
-            tl.store(page_table_ptr + rf * stride_pt + k, 0 * rf + 0 * k,
-                     mask=okf & (k >= V) & (k < W))  # fmt: skip
-        tl.store(cache_seqlens_ptr + rf, V + 0 * rf, mask=okf)
+            tl.store(page_table_ptr + r * stride_pt + k, 0 * r + 0 * k,
+                     mask=ok & (k >= V) & (k < W))  # fmt: skip
+        rc = start + c
+        tl.store(cache_seqlens_ptr + rc, cnt, mask=(c < V) & (rc >= 0) & (rc < T))
+
+        # Filler rows j ≥ N: every node of the window, in order.
+        for f0 in range(N, rows, BLOCK_F):
+            jf = f0 + tl.arange(0, BLOCK_F)[:, None]
+            rf = start + jf
+            okf = (jf < rows) & (rf >= 0) & (rf < T)
+            tl.store(page_table_ptr + rf * stride_pt + cc, slot[None, :] + 0 * rf,
+                     mask=okf & (cc < V))  # fmt: skip
+            for w0 in range(0, W, BLOCK_W):
+                k = w0 + tl.arange(0, BLOCK_W)[None, :]
+                tl.store(page_table_ptr + rf * stride_pt + k, 0 * rf + 0 * k,
+                         mask=okf & (k >= V) & (k < W))  # fmt: skip
+            tl.store(cache_seqlens_ptr + rf, V + 0 * rf, mask=okf)
 
     pos_bad = tl.max(past.to(tl.int32), axis=0) != 0
     # Only emitted ids count (design §2.10): the slots reach the table only when a row of
@@ -201,9 +263,11 @@ _verify_expand_ragged_launch = Launcher(_verify_expand_ragged_kernel)
 
 def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr, num_rows,
              num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status, entry_page_size,
-             v2p, page_size):  # fmt: skip
+             v2p, page_size, sliding_window_size=None, full_to_swa=None,
+             tree_depth=None):  # fmt: skip
     """Validate and allocate; shared by the launcher and the reference. Returns ``B``, ``N``,
-    ``T`` and the outputs; every message names ``where``."""
+    ``T``, the outputs and a window layer's ``(w, D)`` (``w = 0``: a full layer); every
+    message names ``where``."""
     check_id_spaces(where, 0, 0, entry_page_size, v2p, getattr(req_to_token, "device", None))
     try:
         B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
@@ -225,14 +289,30 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indp
                                  f"tree_mask's N = {N}; pass one of them")  # fmt: skip
         if T < 0:
             raise ValueError(f"num_rows must be >= 0, got {T}; pass the bucket's tokens T")
+        rail = check_window(where, sliding_window_size, full_to_swa, device)
+        if full_to_swa is not None and not rail:
+            raise ValueError("full_to_swa was given without sliding_window_size; a window "
+                             "layer's rows are listed by its window w (design §2.10): pass "
+                             "sliding_window_size=w with the map")  # fmt: skip
+        D = check_tree_depth(where, tree_depth, rail, N - 1)
+        # A window layer's rows hold a band of prefix positions too (design §2.10).
+        cols = window_tree_expand_width(D, page_size) if rail else N
+        if rail and page_table is not None and page_table.shape[-1] < cols:
+            raise ValueError(
+                f"page_table has {page_table.shape[-1]} columns; a window layer's rows "
+                f"(sliding_window_size={rail}, tree_depth={D}, page_size={page_size}) list up to "
+                f"D + 2*page_size - 1 = {cols} keys: pass at least {cols} (design §2.10)"
+            )
         page_table, cache_seqlens = check_expand_outputs(page_table, cache_seqlens,
-                                                         cu_seqlens_k, T, N, device, "num_rows")  # fmt: skip
+                                                         cu_seqlens_k, T, cols, device,
+                                                         "num_rows")  # fmt: skip
         status = validate.status(status, device)
     except TypeError as err:
         raise TypeError(f"{where}: {err}") from None
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
-    return B, N, T, page_table, cache_seqlens, status
+        msg = str(err)
+        raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    return B, N, T, page_table, cache_seqlens, status, (rail, D)
 
 
 def bind_verify_expand_ragged(
@@ -251,6 +331,9 @@ def bind_verify_expand_ragged(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> Stage:
     """Bind once: the expand pass of a ragged verify, one token-slot list per query row.
 
@@ -286,6 +369,14 @@ def bind_verify_expand_ragged(
         The rows' id space (design §2.10): page ids of ``entry_page_size`` positions each,
         virtual ids emitted through the page map ``v2p`` at the pool's page size
         ``page_size``; the table lists each slot as emitted. Defaults: rows of token ids.
+    sliding_window_size, full_to_swa, tree_depth
+        A window layer's rows (design §2.10), as in
+        :func:`~specmeta.kernels.verify_expand_page_table.verify_expand_page_table`: node
+        ``j`` (depth ``d``, its ancestor count less one) lists the band ``[max(0, L + d − w +
+        1), P0)`` of prefix ids below the normal pass (``prefix_page_table(...,
+        tree_depth=D)``), then its last ``min(cnt, w)`` ancestors; a filler row is a node
+        whose ancestors are all ``V_i`` nodes (depth ``V_i − 1``). ``page_table`` needs
+        ``D + 2·ps − 1`` columns; every id goes through ``full_to_swa`` when given.
 
     Returns
     -------
@@ -303,10 +394,10 @@ def bind_verify_expand_ragged(
 
     Grid ``(B + 1,)``, then ``(1,)`` for ``cu_seqlens_k``. No host sync: ``T`` is the host's.
     """
-    B, N, T, page_table, cache_seqlens, status = _prepare(
+    B, N, T, page_table, cache_seqlens, status, (rail, D) = _prepare(
         "verify_expand_ragged", req_pool_indices, req_to_token, seq_lens, tree_mask, qo_indptr,
         num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
-        entry_page_size, v2p, page_size,
+        entry_page_size, v2p, page_size, sliding_window_size, full_to_swa, tree_depth,
     )  # fmt: skip
     chain = tree_mask is None
     mask = page_table if chain else (
@@ -333,8 +424,14 @@ def bind_verify_expand_ragged(
             BLOCK_F=_BLOCK_F,
             CHAIN=chain,
             WRITE_CU0=cu_seqlens_k is not None,
-            page_size=page_size if v2p is not None else None,
+            page_size=page_size if v2p is not None or rail else None,
             **id_space_arguments(entry_page_size, v2p),
+            **window_arguments(full_to_swa),
+            rail=rail or None,
+            depth=D if rail else None,
+            band_max=D + 2 * page_size - 2 if rail else None,
+            WINDOW_LAYER=bool(rail),
+            BLOCK_P=min(next_power_of_2(max(D + 2 * page_size - 2, 1)), 64) if rail else 1,
         )
     ]
     if cu_seqlens_k is not None and T:
@@ -362,22 +459,25 @@ def verify_expand_ragged_ref(
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
     page_size: int = 1,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
+    tree_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`verify_expand_ragged` (a loop over the requests; syncs)."""
-    B, N, T, page_table, cache_seqlens, status = _prepare(
+    B, N, T, page_table, cache_seqlens, status, (rail, D) = _prepare(
         "verify_expand_ragged_ref", req_pool_indices, req_to_token, seq_lens, tree_mask,
         qo_indptr, num_rows, num_draft_tokens, page_table, cache_seqlens, cu_seqlens_k, status,
-        entry_page_size, v2p, page_size,
+        entry_page_size, v2p, page_size, sliding_window_size, full_to_swa, tree_depth,
     )  # fmt: skip
     device = req_to_token.device
     qo = qo_indptr[: B + 1].to(torch.int64).tolist()
     L = seq_lens.to(torch.int64)
     bits = int(Status.POS_OOB) if bool((L < 0).any()) else 0
     c = torch.arange(N, device=device)
-    slots, bad, _ = load_kv_ids_ref(
+    slots, bad, _ = load_window_ids_ref(
         req_to_token, req_pool_indices, L.clamp_min(0).view(-1, 1) + c,
         torch.ones(B, N, dtype=torch.bool, device=device), entry_page_size=entry_page_size,
-        v2p=v2p, page_size=page_size,
+        v2p=v2p, page_size=page_size, full_to_swa=full_to_swa,
     )  # [B, N]: every window slot in the rows' id space; the bits are those of the first V_i
     table = torch.zeros(T, page_table.shape[1], dtype=torch.int64, device=device)
     counts = torch.zeros(T, dtype=torch.int64, device=device)
@@ -402,7 +502,16 @@ def verify_expand_ragged_ref(
             r = start + j
             if not 0 <= r < T:
                 continue
-            if j < N:
+            if rail:  # a window layer (design §2.10): a filler row's ancestors are all V nodes
+                nodes = [c for c in range(V) if j >= N or bool(m[j, c])]
+                ids, row_bits = window_tree_row_ref(
+                    req_to_token, req_pool_indices, i, max(int(L[i]), 0), nodes, rail, D,
+                    page_size, entry_page_size=entry_page_size, v2p=v2p, full_to_swa=full_to_swa,
+                )  # fmt: skip
+                bits |= row_bits  # a row in [0, T) emits its ids
+                table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                counts[r] = len(ids)
+            elif j < N:
                 order = torch.argsort(torch.where(m[j], c[:V], N + c[:V]))
                 table[r, :V] = s[order]
                 counts[r] = int(m[j].sum())

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from ..config import SpecConfig
 
 __all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfer_swa",
-           "plan_fa3_swa", "plan_window_layers", "rail_prefix_total", "rail_draft_need",
-           "rail_verify_need", "rail_mask_need"]  # fmt: skip
+           "plan_fa3_swa", "fa3_window_verify_width", "plan_window_layers", "rail_prefix_total",
+           "rail_draft_need", "rail_verify_need", "rail_mask_need", "window_tree_keep",
+           "window_tree_gap", "window_tree_prefix_pages"]  # fmt: skip
 
 #: The plan prefix of the window builder's buffers.
 WINDOW_PREFIX = "flashinfer_swa."
@@ -101,28 +102,77 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
 
 
-def plan_fa3_swa(cfg: SpecConfig, add) -> None:
-    """Add the ``fa3_swa.*`` buffers of ``cfg`` (``sliding_window_size = w ≥ 1``, ``topk = 1``:
-    FA3's window builder serves chains) through ``add``: the fields of ``fa3.<mode>`` for a
-    chain. The tables keep their full width (a page table cannot be clipped inside a page:
-    FlashAttention's own window excludes what a row does not read), so they are sized as the
-    full layers' are, in window-pool pages."""
-    from ..config import page_table_width
+def window_tree_keep(rail: int, depth: int, page_size: int) -> int:
+    """``k``: the whole pages a window layer's tree cascade keeps in its normal pass before the
+    request's last page boundary (design §2.10), ``⌊(w − D − ps) / ps⌋`` with ``D`` the
+    deepest query row's offset past ``L`` (``S − 1`` in draft decode, ``N − 1`` in verify);
+    negative when ``w < D + ps`` (then no page is read by every row: no normal pass)."""
+    return (rail - depth - page_size) // page_size
 
-    if cfg.topk != 1:
-        return
-    s, bs, i32 = cfg.num_steps, cfg.max_bs, "int32"
+
+def window_tree_gap(rail: int, depth: int, page_size: int) -> int:
+    """``G = max(k, 0)·ps`` (:func:`window_tree_keep`): the most prefix positions a draft-decode
+    tree's normal pass holds; its expand pass runs FlashAttention's window ``(w − 1 − G, 0)``
+    (design §2.10)."""
+    return max(window_tree_keep(rail, depth, page_size), 0) * page_size
+
+
+def window_tree_prefix_pages(rail: int, depth: int, page_size: int) -> int:
+    """The most prefix pages a draft-decode expand row of a window layer's tree lists before
+    its branch's own pages (design §2.10): the pages from the one holding its read floor
+    ``max(0, L + s − w + 1)`` up to the normal pass's start, at most ``⌊(w − G + ps − 2) /
+    ps⌋`` (``G``: :func:`window_tree_gap`)."""
+    return (rail - window_tree_gap(rail, depth, page_size) + page_size - 2) // page_size
+
+
+def fa3_window_verify_width(num_draft_tokens: int, page_size: int) -> int:
+    """Columns of a window layer's verify expand row (design §2.10): its band of prefix
+    positions below the tree cascade's normal pass, then its ancestors within the window, at
+    most ``D + 2·ps − 1`` with the depth bound ``D = N − 1``."""
+    return num_draft_tokens + 2 * page_size - 2
+
+
+def plan_fa3_swa(cfg: SpecConfig, add) -> None:
+    """Add the ``fa3_swa.*`` buffers of ``cfg`` (``sliding_window_size = w ≥ 1``) through
+    ``add``: the fields of ``fa3.<mode>``. The chains' tables keep their full width (a page
+    table cannot be clipped inside a page: FlashAttention's own window excludes what a row does
+    not read), so they are sized as the full layers' are, in window-pool pages; a tree's
+    cascade (and a ragged verify's, every ``topk``) has a normal pass no wider and a verify
+    expand pass of :func:`fa3_window_verify_width` columns a row (design §2.10)."""
+    from ..config import expand_page_table_width, page_table_width
+
+    k, s, n, bs, i32 = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.max_bs, "int32"
     pages = page_table_width(cfg.req_to_token_width, cfg.page_size)
     mode = "fa3_swa.draft_decode"
-    add(f"{mode}.page_table", (bs, pages), i32, "[B, W] window-pool pages (every step)")
-    add(f"{mode}.cache_seqlens", (s, bs), i32, "[S, B] KV lengths L + s + 1")
-    add(f"{mode}.cu_seqlens_k", (s, bs + 1), i32, "[S, B+1] Σ cache_seqlens")
-    add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] arange(B+1)")
+    rows = s if k == 1 else 1  # K == 1: one length row per step; K > 1: the shared prefix
+    add(f"{mode}.page_table", (bs, pages), i32, "[B, W] window-pool pages (K == 1: every step)")
+    add(f"{mode}.cache_seqlens", (rows, bs), i32, "[S or 1, B] KV lengths")
+    add(f"{mode}.cu_seqlens_k", (rows, bs + 1), i32, "[S or 1, B+1] Σ cache_seqlens")
+    add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] K·arange(B+1)")
+    if k > 1:  # each row's pages from its floor up to the normal pass, then its branch's
+        ew = expand_page_table_width(s) + window_tree_prefix_pages(
+            cfg.sliding_window_size, s - 1, cfg.page_size)  # fmt: skip
+        add(f"{mode}.expand_page_table", (s, bs * k, ew), i32,
+            "[S, B*K, S + row pages] window-pool pages")  # fmt: skip
+        add(f"{mode}.expand_cache_seqlens", (s, bs * k), i32, "[S, B*K] keys per row")
+        add(f"{mode}.expand_cu_seqlens_k", (s, bs * k + 1), i32, "[S, B*K+1] Σ lengths")
+        add(f"{mode}.expand_cu_seqlens_q", (bs * k + 1,), i32, "[B*K+1] arange(B*K+1)")
     for mode in ("fa3_swa.target_verify", "fa3_swa.draft_extend"):
-        add(f"{mode}.page_table", (bs, pages), i32, "[B, W] window-pool pages over L + N")
-        add(f"{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths L + N")
+        add(f"{mode}.page_table", (bs, pages), i32,
+            "[B, W] window-pool pages over L + N (a cascade: from P0 to L)")  # fmt: skip
+        add(f"{mode}.cache_seqlens", (bs,), i32, "[B] KV lengths")
         add(f"{mode}.cu_seqlens_k", (bs + 1,), i32, "[B+1] Σ cache_seqlens")
         add(f"{mode}.cu_seqlens_q", (bs + 1,), i32, "[B+1] N·arange(B+1)")
+    # The verify cascade's expand pass: K > 1, and a ragged verify for every K (design §2.9),
+    # one row a node or, ragged, a query token (T ≤ B·N).
+    mode, bn = "fa3_swa.target_verify", bs * n
+    add(f"{mode}.expand_page_table", (bn, fa3_window_verify_width(n, cfg.page_size)), i32,
+        "[B*N, N + 2ps - 2] band and ancestor window-pool slots")  # fmt: skip
+    add(f"{mode}.expand_cache_seqlens", (bn,), i32, "[B*N] keys per row")
+    add(f"{mode}.expand_cu_seqlens_k", (bn + 1,), i32, "[B*N+1] Σ lengths")
+    add(f"{mode}.expand_cu_seqlens_q", (bn + 1,), i32, "[B*N+1] arange(B*N+1)")
+    add(f"{mode}.verify_lens", (bs,), i32, "[Bp] ragged verify lengths, padded")
+    add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of them")
 
 
 def plan_window_layers(cfg: SpecConfig, add) -> None:
