@@ -18,14 +18,16 @@ take the engine's full → window pool map, ``full_to_swa=``, on every call:
   position at or before ``L_b + d_j − w``. A causal prefill over the clipped list (draft
   extend, or a chain's verify run causal) is planned by the consumer with FlashInfer's
   ``window_left = w − 1``: the list keeps exactly what the first query row reads, and the
-  kernel's own window hides what each later row no longer sees.
+  kernel's own window hides what each later row no longer sees. A ragged verify
+  (``verify_lens=``, design §2.9) clips each request's list alike, ``min(L_b, w − 1) +
+  min(v_b, N)`` entries, its mask ``v_b × (min(L_b, w − 1) + min(v_b, N))``.
 
 The host mirrors follow the clipped lengths exactly: target verify's and draft extend's
 through the host ops' writers with the lengths capped at ``w − 1`` (compiled where
 :func:`specmeta.warmup` built them), draft decode's through a torch writer of the rail
 (:class:`RailDraftIndptr`; the compiled draft-decode writer knows a draft window, not the
-rail). The shared-prefix and paged draft forms, and a ragged verify, are not built for a
-window layer: they are refused, naming what serves it.
+rail; a ragged verify's through the ragged writer, capped alike). The shared-prefix and paged
+draft forms are not built for a window layer: they are refused, naming what serves it.
 """
 
 from __future__ import annotations
@@ -156,16 +158,6 @@ class FlashInferWindowBuilder(FlashInferBuilder):
         """The rail and the map for ``mode``'s list kernels (design §2.10), the map checked."""
         check_window(self.require(mode), self.sliding_window_size, full_to_swa, self.device)
         return dict(sliding_window_size=self.sliding_window_size, full_to_swa=full_to_swa)
-
-    def bind_bucket(self, mode: str, B: int, verify_lens: Any, num_tokens: Any,
-                    status: torch.Tensor | None, **kwargs: Any) -> tuple:  # fmt: skip
-        if verify_lens is not None:
-            raise ValueError(
-                f"{self._where[mode]}: verify_lens (a ragged verify) is not built for a window "
-                "layer yet (design §2.10); verify its window layers with the uniform layout "
-                "(verify_lens=None)"
-            )
-        return super().bind_bucket(mode, B, verify_lens, num_tokens, status, **kwargs)
 
     def _draft_decode_result(self, B: int, rows: int, mirrors: dict, compiled: bool):
         """The result of ``B`` requests and ``rows`` steps over the ring's set ``mirrors``, and

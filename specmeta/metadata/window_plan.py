@@ -99,6 +99,12 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
         "packed-bit mask over the clipped lists, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    # A ragged verify (design §2.9): its lists and masks fit the uniform ones (each list at
+    # most min(L, w - 1) + N entries, each block v·(min(L, w - 1) + min(v, N)) with Σv ≤ B·N).
+    add(f"{mode}.verify_lens", (bs,), i32, "[Bp] verify lengths padded to the bucket")
+    add(f"{mode}.verify_lens_host", (bs,), i32, "[Bp] CPU mirror")
+    add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of verify_lens")
+    add(f"{mode}.ragged_qo_indptr_host", (bs + 1,), i32, "[Bp+1] CPU mirror")
 
 
 def plan_fa3_swa(cfg: SpecConfig, add) -> None:

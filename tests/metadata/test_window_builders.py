@@ -24,7 +24,7 @@ from specmeta.metadata.flashinfer_window import FlashInferWindowBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id
+from tests._support import emitted_id, verify_split
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -212,7 +212,7 @@ def test_bound_stages_build_what_the_eager_calls_build(gen, device):
 def test_no_id_crosses_spaces(gen, device):
     """Property over random maps and batches: a window builder lists, for each entry, the
     map's image of the full id the full builder lists at the same position (the tail the rail
-    keeps), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
+    keeps, a ragged verify's too), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
     full pool (the image of the page map), every window id one of the window pool."""
     for draw in range(3):
         k = int(torch.randint(1, 4, (1,), generator=gen))
@@ -240,17 +240,22 @@ def test_no_id_crosses_spaces(gen, device):
                 w_ids = ws.kv_indices[wp[z] : wp[z + 1]].tolist()
                 assert len(w_ids) == min(len(f_ids), w), f"draw {draw}: list {z} length"
                 pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
-        for mode in ("target_verify", "draft_extend"):
+        real, T = verify_split(gen, batch.batch_size, n, "random")
+        ragged = dict(verify_lens=torch.tensor(real, dtype=torch.int32, device=device),
+                      verify_lens_cpu=torch.tensor(real, dtype=torch.int32), num_tokens=T)  # fmt: skip
+        for mode, more in (("target_verify", {}), ("draft_extend", {}), ("target_verify", ragged)):
             tree = (random_tree_mask(batch.batch_size, k, 3, n, gen).to(device),)
             extra = tree if mode == "target_verify" else ()
             fm = getattr(full, mode)(*args, *extra, seq_lens_cpu=batch.seq_lens_cpu,
-                                     v2p=v2p.to(device))  # fmt: skip
+                                     v2p=v2p.to(device), **more)  # fmt: skip
             wm = getattr(win, mode)(*args, *extra, seq_lens_cpu=batch.seq_lens_cpu,
-                                    v2p=v2p.to(device), full_to_swa=f2s.to(device))  # fmt: skip
+                                    v2p=v2p.to(device), full_to_swa=f2s.to(device), **more)  # fmt: skip
             fp, wp = fm.kv_indptr_host.tolist(), wm.kv_indptr_host.tolist()
             for b in range(batch.batch_size):
                 f_ids = fm.kv_indices[fp[b] : fp[b + 1]].tolist()
                 w_ids = wm.kv_indices[wp[b] : wp[b + 1]].tolist()
+                L = int(batch.seq_lens_cpu[b])
+                assert len(f_ids) - len(w_ids) == max(0, L - w + 1), f"draw {draw}: {mode}"
                 pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
         unmapped = False
         for f_id, w_id in pairs:
@@ -305,10 +310,6 @@ def test_refusals_name_the_call_and_the_fix(gen, device):
     with pytest.raises(ValueError, match=r"'draft_decode_shared_prefix' is not built for a window"):
         FlashInferBuilder(cfg, device, sliding_window_size=4,
                           modes=("draft_decode_shared_prefix",))  # fmt: skip
-    with pytest.raises(ValueError, match=r"target_verify: verify_lens \(a ragged verify\)"):
-        win.bind_target_verify(*args, torch.ones(5, 3, 3, dtype=torch.bool, device=device),
-                               verify_lens=torch.ones(5, dtype=torch.int32, device=device),
-                               num_tokens=5)  # fmt: skip
     with pytest.raises(ValueError, match=r"FlashInferBuilder.draft_extend: full_to_swa was given"):
         FlashInferBuilder(cfg, device).bind_draft_extend(*args, full_to_swa=f2s.to(device))
     with pytest.raises(TypeError, match=r"draft_extend: full_to_swa must be"):

@@ -6,7 +6,8 @@ wrappers, planned from its host mirrors, read them over a bf16 window pool, and 
 compared with float64 dense attention over exactly the positions the window read rail names,
 their ids taken from the rules (the row's id, then the map): draft decode through the decode
 wrapper, target verify through the prefill wrapper's custom mask (bool and packed), and causal
-prefills over the clipped lists (draft extend, a chain's verify) with ``window_left = w − 1``.
+prefills over the clipped lists (draft extend, a chain's verify) with ``window_left = w − 1``,
+and a ragged verify (design §2.9) through the prefill wrapper planned from its ragged mirrors.
 
 FlashInfer is imported, never skipped: where it is missing these tests fail
 (``scripts/gpu_kernels.sh`` installs it on the GPU machine); without a GPU the ``gpu`` marker
@@ -22,7 +23,7 @@ from specmeta import SpecConfig
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id
+from tests._support import emitted_id, padded_lengths, verify_split
 
 pytestmark = pytest.mark.gpu
 
@@ -165,3 +166,45 @@ def test_gpu_window_causal_prefill_with_window_left(gen, flashinfer, workspace, 
     lists = [c.ids(b, range(max(0, L + j - w + 1), L + j + 1))
              for b, L in enumerate(c.batch.seq_lens_cpu.tolist()) for j in range(c.n)]  # fmt: skip
     c.check(wrapper, lists, f"window {mode} ps={ps} w={w}")
+
+
+def _ragged_lists(c, lens):
+    """A window layer's ragged verify (design §2.9, §2.10), request ``b`` verifying ``v_b``
+    rows: node ``j < min(v_b, N)`` reads its prefix above ``L + d_j − w`` and its ancestors
+    among the first ``min(v_b, N)`` within ``w``; a filler row (``j ≥ N``) the request's whole
+    clipped list, ``max(0, L − w + 1) … L + min(v_b, N) − 1``."""
+    lists = []
+    for b, (L, v) in enumerate(zip(c.batch.seq_lens_cpu.tolist(), lens, strict=True)):
+        m, nodes, first = c.tree[b].cpu(), min(v, c.n), max(0, L - c.w + 1)
+        depth = [int(m[j, :nodes].sum()) - 1 for j in range(nodes)]
+        for j in range(v):
+            if j >= c.n:
+                lists.append(c.ids(b, range(first, L + nodes)))
+                continue
+            pos = [p for p in range(first, L) if p > L + depth[j] - c.w]
+            pos += [L + a for a in range(nodes) if m[j, a] and depth[a] > depth[j] - c.w]
+            lists.append(c.ids(b, pos))
+    return lists
+
+
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "no_pad_leftover"])
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+@pytest.mark.parametrize("k,ps,w", [(1, 16, 3), (4, 1, 2), (2, 64, 50), (8, 16, 400)])
+def test_gpu_window_ragged_verify_through_flashinfer(gen, flashinfer, workspace, k, ps, w,
+                                                     packed, how):  # fmt: skip
+    """A window layer's ragged verify over a bucket of 5 requests, planned from the host
+    mirrors of ``verify_lens_cpu``: every row of the bucket, filler rows too."""
+    c = _Case(gen, k, ps, w)
+    real, T = verify_split(gen, 5, c.n, how)
+    meta = c.builder.target_verify(
+        *c.args, c.tree, packed=packed, num_tokens=T,
+        verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"),
+        verify_lens_cpu=torch.tensor(real, dtype=torch.int32), **c.kw,
+    )  # fmt: skip
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    wrapper.plan(meta.qo_indptr_host, meta.kv_indptr_host, meta.kv_indices,
+                 meta.kv_last_page_len_host, H, H_KV, D, 1, custom_mask=meta.custom_mask,
+                 packed_custom_mask=meta.packed_custom_mask, causal=False, q_data_type=DTYPE,
+                 kv_data_type=DTYPE)  # fmt: skip
+    lists = _ragged_lists(c, padded_lengths(real, T, 5))
+    c.check(wrapper, lists, f"window ragged verify k={k} ps={ps} w={w} {how} {real} T={T}")
