@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfer_swa",
+__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FLASHINFER_WINDOW_MODES", "FA3_WINDOW_PREFIX",
+           "shared_prefix_served", "plan_flashinfer_swa",
            "plan_fa3_swa", "plan_window_layers", "rail_prefix_total", "rail_draft_need",
            "rail_verify_need", "rail_mask_need"]  # fmt: skip
 
@@ -26,9 +27,21 @@ __all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfe
 WINDOW_PREFIX = "flashinfer_swa."
 #: The modes a window builder serves: the page-size-1 draft lists and the prefill lists.
 WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
+#: The modes FlashInfer's window builder serves: those, and the shared-prefix cascade (for a
+#: window wider than the draft steps, :func:`shared_prefix_served`).
+FLASHINFER_WINDOW_MODES = ("draft_decode", "draft_decode_shared_prefix", "target_verify",
+                           "draft_extend")  # fmt: skip
 #: The plan prefix of FA3's window builder (``FA3MetadataBuilder(cfg, device,
 #: sliding_window_size=w)``), which serves the same modes for chains.
 FA3_WINDOW_PREFIX = "fa3_swa."
+
+
+def shared_prefix_served(cfg: SpecConfig) -> bool:
+    """Whether a window layer's shared-prefix cascade is built for ``cfg`` (design §2.10):
+    step ``s`` keeps ``min(L, w − s − 1)`` prefix positions, so with ``w ≤ S`` a step keeps
+    none, and FlashInfer's cascade wrapper is not fed an empty prefix level (design §8): the
+    form needs ``w > S`` (per-branch lists, ``draft_decode``, serve any ``w``)."""
+    return cfg.sliding_window_size > cfg.num_steps
 
 
 def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
@@ -89,6 +102,26 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
             "[Σmin(L, w - 1) + B*N] window-pool ids of positions max(0, L - w + 1) … L + N - 1")  # fmt: skip
         add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
         add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
+    if shared_prefix_served(cfg):
+        # The shared-prefix cascade: a prefix row a step (step s keeps min(L, w - s - 1),
+        # step 0 the most), the chains as a full layer's (w > S: every step's whole chain).
+        from ..config import shared_prefix_chain_need
+
+        mode = "flashinfer_swa.draft_decode_shared"
+        add(f"{mode}.prefix_kv_indices", (s, rail_prefix_total(total, bs, w)), i32,
+            "[S, Σmin(L, w - 1)] each prefix's window part once a step, in window-pool ids")  # fmt: skip
+        add(f"{mode}.prefix_kv_indptr", (s, bs + 1), i32, "[S, B+1] prefix-level CSR offsets")
+        add(f"{mode}.prefix_kv_indptr_host", (s, bs + 1), i32, "[S, B+1] CPU mirror")
+        add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
+        add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
+            "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
+        add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level offsets")
+        add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+        add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: a row a branch")
+        add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
+        add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
+        add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
     mode = "flashinfer_swa.target_verify"
     mask = rail_mask_need(total, bs, n, w)
     add(f"{mode}.custom_mask", (mask,), "bool",

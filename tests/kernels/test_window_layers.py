@@ -19,6 +19,10 @@ from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices,
     draft_decode_kv_indices_ref,
 )
+from specmeta.kernels.shared_prefix_kv_indices import (
+    shared_prefix_kv_indices,
+    shared_prefix_kv_indices_ref,
+)
 from specmeta.kernels.tree_custom_mask import tree_custom_mask, tree_custom_mask_ref
 from specmeta.kernels.verify_kv_indices import verify_kv_indices, verify_kv_indices_ref
 from tests._support import emitted_id
@@ -439,6 +443,96 @@ def test_ragged_verify_follows_the_rail_and_equals_the_reference(packed, gen, de
         _, mask_indptr = mfn(L_dev, tree_mask, verify_lens=bad, sliding_window_size=3,
                              status=status, seq_lens_sum=sum(lengths))  # fmt: skip
         assert int(mask_indptr[1]) == 0 and int(status) == int(Status.POS_OOB), mfn.__name__
+
+
+# --------------------------------------------------------------------- shared-prefix cascade
+def _cascade_spec(rpi, r2t, lengths, v2p, f2s, *, E, K, S, ps, rows, w):
+    """Both levels of the cascade read from the rail (design §2.10): step ``s``'s prefix row
+    lists each request's last ``min(L, max(w − s − 1, 0))`` positions (every position without
+    a rail, one row for all steps), its chain row each branch's last ``min(s + 1, w)`` steps."""
+    prefix, chain = [], []
+    for s in range(rows if w else 1):
+        keep = max(w - s - 1, 0) if w else None
+        ptr, ids = [0], []
+        for b, L in enumerate(lengths.tolist()):
+            n = min(L, keep) if w else L
+            ids += [_window_id(r2t[int(rpi[b])], p, v2p, f2s, E=E, ps=ps) for p in range(L - n, L)]
+            ptr.append(len(ids))
+        prefix.append((ptr, ids))
+    for s in range(rows):
+        width = min(s + 1, w) if w else s + 1
+        ptr, ids = [0], []
+        for b, L in enumerate(lengths.tolist()):
+            row = r2t[int(rpi[b])]
+            for t in range(K):
+                ids += [_window_id(row, _chain(L, t, S, ps, K, j), v2p, f2s, E=E, ps=ps)
+                        for j in range(s + 1 - width, s + 1)]  # fmt: skip
+                ptr.append(len(ids))
+        chain.append((ptr, ids))
+    return prefix, chain
+
+
+@pytest.mark.parametrize("form,K,S,ps", [("tokens", 3, 3, 1), ("page_rows", 2, 2, 1),
+                                          ("pages_virtual", 2, 3, 4)])
+def test_cascade_levels_follow_the_rail_and_equal_the_reference(form, K, S, ps, gen, device):
+    """The shared-prefix cascade of a window layer: a prefix row a step, the chains clipped,
+    both levels in window-pool ids; ``w`` 1 (no prefix at all), below, at and above ``L``, and
+    the map without a rail (one prefix row, every position); ``L`` 0 and ``MAX_L``."""
+    E, translate = FORMS[form]["E"], FORMS[form]["translate"]
+    lengths = [0, 1, int(torch.randint(2, MAX_L, (1,), generator=gen)), MAX_L]
+    inputs = _draw(gen, B=4, K=K, S=S, ps=ps, E=E, translate=translate, lengths=lengths)
+    B = len(lengths)
+    for w in (1, 2, int(torch.randint(3, 8, (1,), generator=gen)), MAX_L + S, None):
+        prefix, chain = _cascade_spec(*inputs, E=E, K=K, S=S, ps=ps, rows=S, w=w)
+        # the host's bound: ΣL, at most B·(w − 1) (step 0 keeps min(L, w − 1)) under the rail
+        width = max(1, min(sum(lengths), B * (w - 1)) if w else sum(lengths))
+        got = []
+        for fn in (shared_prefix_kv_indices, shared_prefix_kv_indices_ref):
+            rpi, r2t, L, v2p, f2s = (x.to(device) if x is not None else None for x in inputs)
+            shape = (S, width) if w else (width,)
+            p_idx = Guarded(shape, torch.int64, device)
+            p_ptr = Guarded((S, B + 1) if w else (B + 1,), torch.int32, device)
+            c_idx = Guarded((S, B * K * S), torch.int64, device)
+            c_ptr = Guarded((S, B * K + 1), torch.int32, device)
+            status = new_status(device)
+            fn(rpi, r2t, L, topk=K, num_steps=S, page_size=ps, prefix_kv_indices=p_idx.view,
+               prefix_kv_indptr=p_ptr.view, chain_kv_indices=c_idx.view,
+               chain_kv_indptr=c_ptr.view, status=status, v2p=v2p, entry_page_size=E,
+               sliding_window_size=w, full_to_swa=f2s, seq_lens_sum=sum(lengths))  # fmt: skip
+            for buf, name in ((p_idx, "prefix_kv_indices"), (p_ptr, "prefix_kv_indptr"),
+                              (c_idx, "chain_kv_indices"), (c_ptr, "chain_kv_indptr")):  # fmt: skip
+                buf.assert_intact(f"{fn.__name__} w={w} {name}")
+            pi, pp = p_idx.view.view(len(prefix), -1).cpu(), p_ptr.view.view(len(prefix), -1)
+            for s, (ptr, ids) in enumerate(prefix):
+                assert pp[s].tolist() == ptr, f"{fn.__name__} w={w}: prefix_kv_indptr[{s}]"
+                assert pi[s, : ptr[-1]].tolist() == ids, f"{fn.__name__} w={w}: prefix row {s}"
+            for s, (ptr, ids) in enumerate(chain):
+                assert c_ptr.view[s].tolist() == ptr, f"{fn.__name__} w={w}: chain_kv_indptr[{s}]"
+                assert c_idx.view[s, : ptr[-1]].tolist() == ids, f"{fn.__name__} w={w}: chain {s}"
+            got.append(int(status))
+        assert got[0] == got[1], f"w={w}: status {got}"
+
+
+def test_cascade_capacity_under_the_rail(device):
+    """A prefix row of exactly step 0's clipped need passes the host check, one entry less is
+    refused; a row a step is required; a draft window beside the rail is refused."""
+    args = _batch(device)  # one request, L = 5
+    w, S = 3, 2
+    full = dict(topk=2, num_steps=S, sliding_window_size=w, seq_lens_sum=5)
+    ptr = torch.empty(S, 2, dtype=torch.int32, device=device)
+    shared_prefix_kv_indices(*args, **full, prefix_kv_indptr=ptr,
+                             prefix_kv_indices=torch.empty(S, w - 1, dtype=torch.int32,
+                                                           device=device))  # fmt: skip
+    with pytest.raises(ValueError, match=r"prefix_kv_indices is too small: need 2"):
+        shared_prefix_kv_indices(*args, **full, prefix_kv_indptr=ptr,
+                                 prefix_kv_indices=torch.empty(S, w - 2, dtype=torch.int32,
+                                                               device=device))  # fmt: skip
+    with pytest.raises(ValueError, match=r"prefix_kv_indices must have rank 2"):
+        shared_prefix_kv_indices(*args, **full,
+                                 prefix_kv_indices=torch.empty(9, dtype=torch.int32,
+                                                               device=device))  # fmt: skip
+    with pytest.raises(ValueError, match=r"shared_prefix_kv_indices: window_size=4.*never both"):
+        shared_prefix_kv_indices(*args, **full, window_size=4)
 
 
 # ------------------------------------------------------------------------------ draft slots

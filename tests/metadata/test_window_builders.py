@@ -113,6 +113,45 @@ def test_draft_decode_attends_to_the_rail_in_window_ids(k, s, ps, w, host_ops, g
     assert int(fi.status) == 0
 
 
+@pytest.mark.parametrize("host_ops", [True, False], ids=["compiled", "torch"])
+@pytest.mark.parametrize("k,s,ps,w", [(2, 3, 1, 4), (3, 2, 4, 6), (2, 3, 16, 60)])
+def test_shared_prefix_cascade_attends_to_the_rail_in_window_ids(k, s, ps, w, host_ops, gen,
+                                                                device, request):  # fmt: skip
+    """The shared-prefix cascade of a window layer (``w > S``): step ``s``'s two levels, merged
+    by the consumer, give each branch the last ``min(L + s + 1, w)`` of its prefix and chain in
+    window-pool ids; its prefix row a step and every host mirror equal the device's."""
+    if host_ops:
+        request.getfixturevalue("compiled_host_ops")
+    cfg, batch, f2s, v2p = _setup(gen, device, k=k, s=s, n=min(1 + k, 4), ps=ps, w=w,
+                                  translate=True, holes=0.2)  # fmt: skip
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=w, modes=("draft_decode_shared_prefix",),
+                           host_ops=host_ops)  # fmt: skip
+    meta = fi.draft_decode_shared_prefix(batch.req_pool_indices, batch.req_to_token,
+                                         batch.seq_lens, seq_lens_cpu=batch.seq_lens_cpu,
+                                         num_rows=s, v2p=v2p.to(device),
+                                         full_to_swa=f2s.to(device))  # fmt: skip
+    kc, vc = _caches(gen, 2 * f2s.shape[0])
+    q = torch.randn(batch.batch_size * k, H, D, generator=gen, dtype=torch.float64)
+    lengths = batch.seq_lens_cpu.tolist()
+    for step, meta_s in enumerate(meta.steps):
+        for host, dev, level in zip(meta_s.paged_kv_indptr_host_arr, meta_s.paged_kv_indptr_arr,
+                                    ("prefix", "chain"), strict=True):  # fmt: skip
+            assert_equal(host, dev, f"step {step}: {level} kv_indptr_host")
+        keep = max(w - step - 1, 0)
+        assert meta_s.paged_kv_indptr_host_arr[0].tolist() == [
+            sum(min(L, keep) for L in lengths[:i]) for i in range(len(lengths) + 1)
+        ], f"step {step}: the prefix row keeps min(L, w - s - 1)"
+        want = []
+        for b, L in enumerate(lengths):
+            for t in range(k):
+                seq = list(range(L)) + _chain_positions(L, t, step + 1, batch)
+                want.append(_window_ids(batch, f2s, v2p, b, seq[len(seq) - min(len(seq), w) :]))
+        o, lse = consumer.cascade(q, kc, vc, meta_s)
+        o_ref, lse_ref = dense_attention(q, kc, vc, want)
+        assert torch.allclose(o, o_ref, atol=ATOL, rtol=0), f"step {step}: outputs"
+        assert torch.allclose(lse, lse_ref, atol=ATOL, rtol=0), f"step {step}: log-sum-exps"
+
+
 def _tree_rows(batch, tree_mask, f2s, v2p, w):
     """Each verify node's logical sequence under the rail, in window-pool ids: node ``j`` at
     position ``L + d_j`` reads its prefix positions above ``L + d_j − w`` and its ancestors
@@ -212,12 +251,12 @@ def test_bound_stages_build_what_the_eager_calls_build(gen, device):
 def test_no_id_crosses_spaces(gen, device):
     """Property over random maps and batches: a window builder lists, for each entry, the
     map's image of the full id the full builder lists at the same position (the tail the rail
-    keeps, a ragged verify's too), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
+    keeps, a ragged verify's and each cascade level's too), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
     full pool (the image of the page map), every window id one of the window pool."""
     for draw in range(3):
         k = int(torch.randint(1, 4, (1,), generator=gen))
         ps = (1, 4, 16)[draw]
-        w = int(torch.randint(1, 12, (1,), generator=gen))
+        w = int(torch.randint(4 if draw == 0 else 1, 12, (1,), generator=gen))  # draw 0: w > S
         n = min(1 + k, 4) if k > 1 else 3
         cfg, batch, f2s, v2p = _setup(gen, device, k=k, s=3, n=n, ps=ps, w=w, translate=True,
                                       holes=float(torch.rand(1, generator=gen)) * 0.5)  # fmt: skip
@@ -240,6 +279,20 @@ def test_no_id_crosses_spaces(gen, device):
                 w_ids = ws.kv_indices[wp[z] : wp[z + 1]].tolist()
                 assert len(w_ids) == min(len(f_ids), w), f"draw {draw}: list {z} length"
                 pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
+        if w > 3:  # the shared-prefix cascade (w > S): each level a tail of the full one's
+            fc = full.draft_decode_shared_prefix(*args, seq_lens_cpu=batch.seq_lens_cpu,
+                                                 v2p=v2p.to(device))  # fmt: skip
+            wc = win.draft_decode_shared_prefix(*args, seq_lens_cpu=batch.seq_lens_cpu,
+                                                v2p=v2p.to(device), full_to_swa=f2s.to(device))  # fmt: skip
+            for s, (fs, ws) in enumerate(zip(fc.steps, wc.steps, strict=True)):
+                for level, keep in ((0, w - s - 1), (1, s + 1)):
+                    fp = fs.paged_kv_indptr_host_arr[level].tolist()
+                    wp = ws.paged_kv_indptr_host_arr[level].tolist()
+                    for z in range(len(fp) - 1):
+                        f_ids = fs.paged_kv_indices_arr[level][fp[z] : fp[z + 1]].tolist()
+                        w_ids = ws.paged_kv_indices_arr[level][wp[z] : wp[z + 1]].tolist()
+                        assert len(w_ids) == min(len(f_ids), keep), f"draw {draw}: cascade {z}"
+                        pairs += list(zip(f_ids[len(f_ids) - len(w_ids) :], w_ids, strict=True))
         real, T = verify_split(gen, batch.batch_size, n, "random")
         ragged = dict(verify_lens=torch.tensor(real, dtype=torch.int32, device=device),
                       verify_lens_cpu=torch.tensor(real, dtype=torch.int32), num_tokens=T)  # fmt: skip
@@ -279,6 +332,11 @@ def test_the_plan_sizes_the_window_lists_by_the_clipped_lengths():
     assert plan["flashinfer_swa.draft_extend.kv_indices"].shape == (bs * (w - 1 + n),)
     assert plan["flashinfer_swa.target_verify.custom_mask"].shape == (bs * n * (w - 1 + n),)
     assert plan["flashinfer.target_verify.kv_indices"].shape == (total + bs * n,)
+    # the cascade: a prefix row a step, each at most w - 1 positions a request (step 0)
+    assert plan["flashinfer_swa.draft_decode_shared.prefix_kv_indices"].shape == (s, bs * (w - 1))
+    assert plan["flashinfer_swa.draft_decode_shared.prefix_kv_indptr_host"].shape == (s, bs + 1)
+    narrow = plan_sizes(dataclasses.replace(cfg, sliding_window_size=s))  # w <= S: not served
+    assert not any(key.startswith("flashinfer_swa.draft_decode_shared.") for key in narrow)
     swa = sum(v.nbytes for key, v in plan.items() if key.startswith("flashinfer_swa."))
     assert 0 < swa < sum(v.nbytes for key, v in plan.items() if key.startswith("flashinfer."))
     # a window wider than any list: the full layer's sizes
@@ -307,9 +365,14 @@ def test_refusals_name_the_call_and_the_fix(gen, device):
     with pytest.raises(ValueError, match=r"draft_decode_paged: not built for a window layer.*"
                                          r"FlashInferBuilder\(cfg, device\)"):  # fmt: skip
         win.bind_draft_decode_paged(*args)
-    with pytest.raises(ValueError, match=r"'draft_decode_shared_prefix' is not built for a window"):
-        FlashInferBuilder(cfg, device, sliding_window_size=4,
+    with pytest.raises(ValueError, match=r"'draft_decode_shared_prefix' needs a window wider "
+                                         r"than the draft steps.*num_steps=3.*'draft_decode'"):  # fmt: skip
+        FlashInferBuilder(cfg, device, sliding_window_size=3,
                           modes=("draft_decode_shared_prefix",))  # fmt: skip
+    narrow = FlashInferBuilder(dataclasses.replace(cfg, sliding_window_size=3), device,
+                               sliding_window_size=3)  # fmt: skip
+    assert "draft_decode_shared_prefix" not in narrow.modes and "draft_decode" in narrow.modes
+
     with pytest.raises(ValueError, match=r"FlashInferBuilder.draft_extend: full_to_swa was given"):
         FlashInferBuilder(cfg, device).bind_draft_extend(*args, full_to_swa=f2s.to(device))
     with pytest.raises(TypeError, match=r"draft_extend: full_to_swa must be"):

@@ -5,9 +5,10 @@ in window-pool ids through the engine's full → window pool map; FlashInfer's d
 wrappers, planned from its host mirrors, read them over a bf16 window pool, and each output is
 compared with float64 dense attention over exactly the positions the window read rail names,
 their ids taken from the rules (the row's id, then the map): draft decode through the decode
-wrapper, target verify through the prefill wrapper's custom mask (bool and packed), and causal
-prefills over the clipped lists (draft extend, a chain's verify) with ``window_left = w − 1``,
-and a ragged verify (design §2.9) through the prefill wrapper planned from its ragged mirrors.
+wrapper, its shared-prefix cascade through the cascade wrapper, target verify through the
+prefill wrapper's custom mask (bool and packed), causal prefills over the clipped lists (draft
+extend, a chain's verify) with ``window_left = w − 1``, and a ragged verify (design §2.9)
+through the prefill wrapper planned from its ragged mirrors.
 
 FlashInfer is imported, never skipped: where it is missing these tests fail
 (``scripts/gpu_kernels.sh`` installs it on the GPU machine); without a GPU the ``gpu`` marker
@@ -119,6 +120,31 @@ def test_gpu_window_draft_decode_through_flashinfer(gen, flashinfer, workspace, 
                 seq = list(range(L)) + c.chain(L, t, s + 1)
                 lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
         c.check(wrapper, lists, f"window draft decode k={k} ps={ps} w={w} step {s}")
+
+
+@pytest.mark.parametrize("k,ps,w", [(2, 1, 4), (4, 16, 40), (8, 64, 130)])
+def test_gpu_window_shared_prefix_through_flashinfer(gen, flashinfer, workspace, k, ps, w):
+    """The shared-prefix cascade of a window layer (``w > S``) through
+    ``MultiLevelCascadeAttentionWrapper``: step ``s`` plans its own prefix level (each
+    request's last ``min(L, w − s − 1)`` positions) and its chain level, and each branch row
+    reads the last ``min(L + s + 1, w)`` of its prefix and chain. Every prefix is at least one
+    token (the wrapper's empty-level rows are wrong, design §8; a drafting request has one)."""
+    c = _Case(gen, k, ps, w)
+    c.batch.seq_lens.clamp_(min=1)
+    c.batch.seq_lens_cpu = c.batch.seq_lens.cpu()
+    c.kw["seq_lens_cpu"] = c.batch.seq_lens_cpu
+    meta = c.builder.draft_decode_shared_prefix(*c.args, num_rows=S, **c.kw)
+    for s, step in enumerate(meta.steps):
+        wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
+        wrapper.plan(list(step.qo_indptr_host_arr), list(step.paged_kv_indptr_host_arr),
+                     list(step.paged_kv_indices_arr), list(step.paged_kv_last_page_len_host_arr),
+                     H, H_KV, D, 1, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+        lists = []
+        for b, L in enumerate(c.batch.seq_lens_cpu.tolist()):
+            for t in range(k):
+                seq = list(range(L)) + c.chain(L, t, s + 1)
+                lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
+        c.check(wrapper, lists, f"window shared prefix k={k} ps={ps} w={w} step {s}")
 
 
 def _tree_lists(c):
