@@ -1854,6 +1854,33 @@ MUTATIONS: list[Mutation] = [
        "(s, rail_prefix_total(total, bs, w))",
        "(s, rail_prefix_total(total, bs, w - 1))",
        ["tests/metadata/test_window_builders.py", "-k", "plan_sizes"]),
+    # ------------------------------- a window layer's paged draft form (design §2.10)
+    _m("k-rail-paged-map-at-page-start", "kernel",
+       "a window layer's page is read at its page's first position, not from the read floor on "
+       "(an evicted slot below the floor in the same page read)",
+       K + "branch_kv_indices.py",
+       "                at = pos + tl.maximum(floor - col * page_size, 0)\n",
+       "                at = pos\n",
+       ["tests/kernels/test_window_layers.py", "-k", "paged_lists and virtual"]),
+    _m("k-rail-paged-below-floor-read", "kernel",
+       "a window layer's pages wholly below the read floor are read through the map, not the "
+       "sink page",
+       K + "branch_kv_indices.py",
+       "                read = need & ((col + 1) * page_size > floor)\n",
+       "                read = need\n",
+       ["tests/kernels/test_window_layers.py", "-k", "paged_lists and virtual"]),
+    _m("r-rail-paged-below-floor-read", "reference",
+       "the paged lists' reference reads the pages below the read floor through the map",
+       K + "branch_kv_indices.py",
+       "        read = need & ((c + 1) * ps > floor)\n",
+       "        read = need\n",
+       ["tests/kernels/test_window_layers.py", "-k", "paged_lists and virtual"]),
+    _m("st-rail-paged-map-dropped", "stage",
+       "the window builder binds its paged lists without the map: full-pool pages",
+       "specmeta/metadata/flashinfer_window.py",
+       "            **self._window_lists(\"draft_decode_paged\", full_to_swa),\n",
+       "            sliding_window_size=self.sliding_window_size,\n",
+       ["tests/metadata/test_window_builders.py", "-k", "paged_draft_decode_read and torch"]),
 ]
 # fmt: on
 

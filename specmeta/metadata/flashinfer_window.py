@@ -13,6 +13,13 @@ take the engine's full → window pool map, ``full_to_swa=``, on every call:
 * ``draft_decode``: step ``s`` of branch ``(b, t)`` lists the last ``min(L + s + 1, w)``
   entries of its prefix and chain, in window-pool ids; ``kv_indptr[s, z] = K·Σ_{b'<b} m_b' +
   t·m_b``, ``m_b = min(L_b + s + 1, w)``.
+* ``draft_decode_shared_prefix`` (``w > S``): step ``s``'s prefix level lists each request's
+  last ``min(L, w − s − 1)`` positions once (a prefix list a step), its chain level each
+  branch's own steps: a branch reads the last ``min(L + s + 1, w)`` of its prefix and chain.
+* ``draft_decode_paged``: full-length per-branch page lists in window-pool pages, the pages
+  wholly below the read floor ``max(0, L − w + 1)`` the sink page 0; the consumer plans
+  FlashInfer's decode with ``window_left = w − 1`` (the window pool must page like the full
+  pool).
 * ``target_verify`` and ``draft_extend``: request ``b`` lists positions ``max(0, L_b − w + 1)
   … L_b + N − 1``; target verify's mask hides from node ``j`` (at ``L_b + d_j``) every
   position at or before ``L_b + d_j − w``. A causal prefill over the clipped list (draft
@@ -24,10 +31,11 @@ take the engine's full → window pool map, ``full_to_swa=``, on every call:
 
 The host mirrors follow the clipped lengths exactly: target verify's and draft extend's
 through the host ops' writers with the lengths capped at ``w − 1`` (compiled where
-:func:`specmeta.warmup` built them), draft decode's through a torch writer of the rail
-(:class:`RailDraftIndptr`; the compiled draft-decode writer knows a draft window, not the
-rail; a ragged verify's through the ragged writer, capped alike). The shared-prefix and paged
-draft forms are not built for a window layer: they are refused, naming what serves it.
+:func:`specmeta.warmup` built them; a ragged verify's through the ragged writer, capped
+alike), the cascade's prefix rows a step through :class:`RailPrefixIndptr` (compiled or
+torch), draft decode's through a torch writer of the rail (:class:`RailDraftIndptr`; the
+compiled draft-decode writer knows a draft window, not the rail); the paged form's are a full
+layer's.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import torch
 
 from ..config import SpecConfig, plan_sizes
 from ..kernels._window import check_window, window_layer_config
+from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
@@ -48,7 +57,11 @@ from ..stage import Stage
 from . import host_ops
 from .capabilities import Capabilities, verify_mask_keys
 from .flashinfer import FlashInferBuilder
-from .flashinfer_results import FlashInferCascadeDecode, FlashInferCascadeStep
+from .flashinfer_results import (
+    FlashInferCascadeDecode,
+    FlashInferCascadeStep,
+    FlashInferDraftDecode,
+)
 from .host_ops import LengthTable
 from .window_plan import FLASHINFER_WINDOW_MODES, WINDOW_PREFIX, shared_prefix_served
 
@@ -311,3 +324,39 @@ class FlashInferWindowBuilder(FlashInferBuilder):
         write = RailPrefixIndptr(self._length_tables[_SHARED], B, rows, self.sliding_window_size,
                                  prefix_host[:rows, : B + 1], use_compiled=compiled)  # fmt: skip
         return FlashInferCascadeDecode(steps), write
+
+    # -- draft decode: per-branch page lists, read with the kernel's window ---------------------
+    def bind_draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                                seq_lens: torch.Tensor, *, num_rows: int | None = None,
+                                status: torch.Tensor | None = None,
+                                v2p: torch.Tensor | None = None, entry_page_size: int = 1,
+                                full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
+        """:meth:`draft_decode_paged` bound once to these tensors (arguments as there);
+        ``host(seq_lens_cpu)`` returns the :class:`FlashInferDraftDecode`."""
+        return self._bind_draft(
+            "draft_decode_paged", bind_branch_kv_indices, branch_kv_indices_ref,
+            (req_pool_indices, req_to_token, seq_lens), num_rows, status,
+            ("kv_indices", "kv_indptr", "kv_last_page_len"), self._paged_result, v2p=v2p,
+            entry_page_size=entry_page_size,
+            **self._window_lists("draft_decode_paged", full_to_swa),
+        )  # fmt: skip
+
+    def draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                           seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
+                           num_rows: int | None = None, status: torch.Tensor | None = None,
+                           launch: bool = True, v2p: torch.Tensor | None = None,
+                           entry_page_size: int = 1,
+                           full_to_swa: torch.Tensor | None = None) -> FlashInferDraftDecode:  # fmt: skip
+        """Per-branch page lists of a window layer (design §2.10), read by FlashInfer's decode
+        planned with ``window_left = w − 1`` (the kernel's own window: a page list cannot be
+        cut inside a page). The lists, their offsets and last-page lengths are a full
+        layer's (:meth:`FlashInferBuilder.draft_decode_paged`); a page wholly below the read
+        floor ``max(0, L − w + 1)`` is the sink page 0, any other the window-pool page
+        ``full_to_swa`` gives the id at its first position from the floor on. The window pool
+        must page like the full pool, and the layout-B prefix-tail copies be in place in it
+        too. Arguments as in :meth:`draft_decode`."""
+        stage = self.bind_draft_decode_paged(req_pool_indices, req_to_token, seq_lens,
+                                             num_rows=num_rows, status=status, v2p=v2p,
+                                             entry_page_size=entry_page_size,
+                                             full_to_swa=full_to_swa)  # fmt: skip
+        return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)

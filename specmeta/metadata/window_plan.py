@@ -27,10 +27,11 @@ __all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FLASHINFER_WINDOW_MODES", "FA3_WIND
 WINDOW_PREFIX = "flashinfer_swa."
 #: The modes a window builder serves: the page-size-1 draft lists and the prefill lists.
 WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
-#: The modes FlashInfer's window builder serves: those, and the shared-prefix cascade (for a
-#: window wider than the draft steps, :func:`shared_prefix_served`).
-FLASHINFER_WINDOW_MODES = ("draft_decode", "draft_decode_shared_prefix", "target_verify",
-                           "draft_extend")  # fmt: skip
+#: The modes FlashInfer's window builder serves: those, the shared-prefix cascade (for a
+#: window wider than the draft steps, :func:`shared_prefix_served`) and the paged form
+#: (full-length page lists, read with the kernel's own window).
+FLASHINFER_WINDOW_MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged",
+                           "target_verify", "draft_extend")  # fmt: skip
 #: The plan prefix of FA3's window builder (``FA3MetadataBuilder(cfg, device,
 #: sliding_window_size=w)``), which serves the same modes for chains.
 FA3_WINDOW_PREFIX = "fa3_swa."
@@ -122,6 +123,17 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
         add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
         add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
         add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
+    # The paged form: full-length page lists (a page cannot be cut), window-pool pages, the
+    # pages below the read floor the sink; the consumer plans window_left = w - 1.
+    from ..config import branch_kv_indices_need
+
+    mode, ps = "flashinfer_swa.draft_decode_paged", cfg.page_size
+    add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
+        "[S, K*(ΣL + B*S)/ps + B*K] per-branch window-pool page lists, one row per step")  # fmt: skip
+    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets, in pages")
+    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+    add(f"{mode}.kv_last_page_len", (s, bs * k), i32, "[S, B*K] tokens on each last page")
+    add(f"{mode}.kv_last_page_len_host", (s, bs * k), i32, "[S, B*K] CPU mirror")
     mode = "flashinfer_swa.target_verify"
     mask = rail_mask_need(total, bs, n, w)
     add(f"{mode}.custom_mask", (mask,), "bool",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specmeta import Status, new_status
+from specmeta.kernels.branch_kv_indices import branch_kv_indices, branch_kv_indices_ref
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs, assign_draft_cache_locs_ref
 from specmeta.kernels.draft_decode_kv_indices import (
     draft_decode_kv_indices,
@@ -472,8 +473,7 @@ def _cascade_spec(rpi, r2t, lengths, v2p, f2s, *, E, K, S, ps, rows, w):
     return prefix, chain
 
 
-@pytest.mark.parametrize("form,K,S,ps", [("tokens", 3, 3, 1), ("page_rows", 2, 2, 1),
-                                          ("pages_virtual", 2, 3, 4)])
+@pytest.mark.parametrize("form,K,S,ps", [("tokens", 3, 3, 1), ("pages_virtual", 2, 3, 4)])
 def test_cascade_levels_follow_the_rail_and_equal_the_reference(form, K, S, ps, gen, device):
     """The shared-prefix cascade of a window layer: a prefix row a step, the chains clipped,
     both levels in window-pool ids; ``w`` 1 (no prefix at all), below, at and above ``L``, and
@@ -533,6 +533,81 @@ def test_cascade_capacity_under_the_rail(device):
                                                                device=device))  # fmt: skip
     with pytest.raises(ValueError, match=r"shared_prefix_kv_indices: window_size=4.*never both"):
         shared_prefix_kv_indices(*args, **full, window_size=4)
+
+
+# ------------------------------------------------------------------------- paged draft lists
+def _paged_spec(rpi, r2t, lengths, v2p, f2s, *, E, K, S, ps, rows, w):
+    """A window layer's per-branch page lists read from the rules (design §1, §2.10): step
+    ``s`` of branch ``(b, t)`` keeps its ``ceil((L + s + 1) / ps)`` columns (the full prefix
+    pages, then its region's); a column wholly below ``f = max(0, L − w + 1)`` is the sink
+    page 0, any other the page of the id at its first position from ``f`` on."""
+    ptr, lists, last = [], [], []
+    for s in range(rows):
+        row_ptr, row_lists, row_last = [0], [], []
+        for b, L in enumerate(lengths.tolist()):
+            row, f = r2t[int(rpi[b])], (max(0, L - w + 1) if w else 0)
+            lpl = L % ps
+            full, nnp = (L - lpl) // ps, -(-(lpl + S) // ps)
+            for t in range(K):
+                pages = []
+                for c in range(-(-(L + s + 1) // ps)):
+                    first = c * ps if c < full else L - lpl + (t * nnp + c - full) * ps
+                    if (c + 1) * ps <= f:
+                        pages.append(0)
+                        continue
+                    at = first + max(f - c * ps, 0)
+                    pages.append(_window_id(row, at, v2p, f2s, E=E, ps=ps) // ps)
+                row_lists.append(pages)
+                row_ptr.append(row_ptr[-1] + len(pages))
+                row_last.append((L + s) % ps + 1)
+        ptr.append(row_ptr)
+        lists.append(row_lists)
+        last.append(row_last)
+    return ptr, lists, last
+
+
+@pytest.mark.parametrize("form,K,S,ps", [("pages_virtual", 3, 2, 4), ("virtual", 1, 3, 8)])
+def test_paged_lists_follow_the_floor_and_equal_the_reference(form, K, S, ps, gen, device):
+    """Full-length page lists of a window layer: the sink page below the read floor, window-pool
+    pages from it on (read at the floor where it falls inside a page, in a branch's region
+    too); ``w`` 1, below, at and above ``L``, and the map without a rail (every column
+    through the map); ``L`` 0 and ``MAX_L``. A page map that keeps pages together, with
+    holes (``−1`` slots) inside and outside what the floor reads."""
+    E, translate = FORMS[form]["E"], FORMS[form]["translate"]
+    lengths = [0, 1, int(torch.randint(2, MAX_L, (1,), generator=gen)), MAX_L]
+    inputs = list(_draw(gen, B=4, K=K, S=S, ps=ps, E=E, translate=translate, lengths=lengths,
+                        holes=0.0))  # fmt: skip
+    pages = inputs[4].shape[0] // ps  # the window pool pages like the full pool
+    f2s = (torch.randperm(2 * pages, generator=gen)[:pages].view(-1, 1) * ps
+           + torch.arange(ps)).view(-1)  # fmt: skip
+    f2s[: ps] = torch.arange(ps)  # the sink page in place
+    f2s[torch.rand(f2s.shape[0], generator=gen) < 0.1] = -1
+    f2s[0] = 0
+    inputs[4] = f2s
+    B = len(lengths)
+    for w in (1, int(torch.randint(2, 2 * ps, (1,), generator=gen)), MAX_L, MAX_L + S, None):
+        ptr, lists, last = _paged_spec(*inputs, E=E, K=K, S=S, ps=ps, rows=S, w=w)
+        width = max(r[-1] for r in ptr) + 2
+        got = []
+        for fn in (branch_kv_indices, branch_kv_indices_ref):
+            rpi, r2t, L, v2p, f2s_d = (x.to(device) if x is not None else None for x in inputs)
+            idx = Guarded((S, width), torch.int64, device)
+            kv_ptr = Guarded((S, B * K + 1), torch.int32, device)
+            lpl = Guarded((S, B * K), torch.int32, device)
+            status = new_status(device)
+            fn(rpi, r2t, L, topk=K, num_steps=S, page_size=ps, kv_indices=idx.view,
+               kv_indptr=kv_ptr.view, kv_last_page_len=lpl.view, status=status, v2p=v2p,
+               entry_page_size=E, sliding_window_size=w, full_to_swa=f2s_d)  # fmt: skip
+            for buf, name in ((idx, "kv_indices"), (kv_ptr, "kv_indptr"), (lpl, "last")):
+                buf.assert_intact(f"{fn.__name__} w={w} {name}")
+            for s in range(S):
+                assert kv_ptr.view[s].tolist() == ptr[s], f"{fn.__name__} w={w}: kv_indptr[{s}]"
+                assert lpl.view[s].tolist() == last[s], f"{fn.__name__} w={w}: last[{s}]"
+                for z, want in enumerate(lists[s]):
+                    have = idx.view[s, ptr[s][z] : ptr[s][z + 1]].tolist()
+                    assert have == want, f"{fn.__name__} w={w}: step {s} list {z}"
+            got.append(int(status))
+        assert got[0] == got[1], f"w={w}: status {got}"
 
 
 # ------------------------------------------------------------------------------ draft slots

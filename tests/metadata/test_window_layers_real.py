@@ -5,10 +5,11 @@ in window-pool ids through the engine's full → window pool map; FlashInfer's d
 wrappers, planned from its host mirrors, read them over a bf16 window pool, and each output is
 compared with float64 dense attention over exactly the positions the window read rail names,
 their ids taken from the rules (the row's id, then the map): draft decode through the decode
-wrapper, its shared-prefix cascade through the cascade wrapper, target verify through the
-prefill wrapper's custom mask (bool and packed), causal prefills over the clipped lists (draft
-extend, a chain's verify) with ``window_left = w − 1``, and a ragged verify (design §2.9)
-through the prefill wrapper planned from its ragged mirrors.
+wrapper (its per-branch page lists too, with ``window_left = w − 1``), its shared-prefix
+cascade through the cascade wrapper, target verify through the prefill wrapper's custom mask
+(bool and packed), causal prefills over the clipped lists (draft extend, a chain's verify)
+with ``window_left = w − 1``, and a ragged verify (design §2.9) through the prefill wrapper
+planned from its ragged mirrors.
 
 FlashInfer is imported, never skipped: where it is missing these tests fail
 (``scripts/gpu_kernels.sh`` installs it on the GPU machine); without a GPU the ``gpu`` marker
@@ -145,6 +146,53 @@ def test_gpu_window_shared_prefix_through_flashinfer(gen, flashinfer, workspace,
                 seq = list(range(L)) + c.chain(L, t, s + 1)
                 lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
         c.check(wrapper, lists, f"window shared prefix k={k} ps={ps} w={w} step {s}")
+
+
+@pytest.mark.parametrize("k,ps,w", [(1, 16, 40), (4, 16, 7), (8, 64, 130), (2, 4, 3)])
+def test_gpu_window_paged_draft_decode_through_flashinfer(gen, flashinfer, workspace, k, ps, w):
+    """The paged form of a window layer: full-length page lists in window-pool pages (the
+    window pool paging like the full pool, the engine's evictions below each read floor),
+    planned with ``window_left = w − 1``; every branch row reads the last ``min(L + s + 1,
+    w)`` of its prefix and chain, the layout-B prefix-tail copies made in the window pool."""
+    c = _Case(gen, k, ps, w)
+    pages = c.batch.pool_size // ps
+    perm = torch.cat([torch.zeros(1, dtype=torch.int64),
+                      1 + torch.randperm(2 * pages - 1, generator=gen)[: pages - 1]])  # fmt: skip
+    c.f2s = (perm.view(-1, 1) * ps + torch.arange(ps)).view(-1)
+    rows = c.batch.req_to_token.cpu()
+    lengths = c.batch.seq_lens_cpu.tolist()
+    for b, L in enumerate(lengths):  # the engine evicts what no later query reads
+        row = rows[int(c.batch.req_pool_indices[b])]
+        for p in range(max(0, L - w + 1)):
+            slot = emitted_id(row, p, c.v2p, E=1, ps=ps)
+            if slot:
+                c.f2s[slot] = -1
+    c.kw["full_to_swa"] = c.f2s.cuda()
+    if k > 1:  # the layout-B prefix-tail copies, in the window pool too
+        for b, L in enumerate(lengths):
+            lpl = L % ps
+            for t in range(1, k):
+                region = c.chain(L, t, 1)[0] - lpl
+                for u in range(lpl):
+                    src, tgt = c.ids(b, [L - lpl + u, region + u])
+                    for pool in (c.k_pool, c.v_pool, c.k64, c.v64):
+                        pool[tgt] = pool[src]
+    meta = c.builder.draft_decode_paged(*c.args, num_rows=S, **c.kw)
+    for s, step in enumerate(meta.steps):
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(step.kv_indptr_host, step.kv_indices, step.kv_last_page_len_host, H, H_KV,
+                     D, ps, window_left=w - 1, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+        lists = []
+        for b, L in enumerate(lengths):
+            for t in range(k):
+                seq = list(range(L)) + c.chain(L, t, s + 1)
+                lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
+        q = torch.randn(len(lists), H, D, generator=gen).to("cuda", DTYPE)
+        out = wrapper.run(q, (c.k_pool.view(-1, ps, H_KV, D), c.v_pool.view(-1, ps, H_KV, D)))
+        want, _ = dense_attention(q.double().cpu(), c.k64, c.v64, lists)
+        torch.testing.assert_close(out.double().cpu(), want, rtol=TOL, atol=TOL,
+                                   msg=lambda m, s=s: f"window paged k={k} ps={ps} w={w} [{s}]: {m}")  # fmt: skip
+    assert int(c.builder.status) == 0, "an eviction below the floor was read"
 
 
 def _tree_lists(c):
