@@ -284,7 +284,8 @@ def test_a_chain_reads_the_clipped_list_with_window_left(host_ops, gen, device, 
 
 
 def test_bound_stages_build_what_the_eager_calls_build(gen, device):
-    """A bound stage (host part, then launches) writes what the reference builder writes."""
+    """A bound stage (host part, then launches) writes what the reference builder writes:
+    every mode of a window builder, the cascade, the paged form and a ragged verify too."""
     k, n, w = 2, 3, 4
     cfg, batch, f2s, _ = _setup(gen, device, k=k, s=3, n=n, ps=1, w=w, holes=0.3)
     args = (batch.req_pool_indices, batch.req_to_token, batch.seq_lens)
@@ -293,20 +294,36 @@ def test_bound_stages_build_what_the_eager_calls_build(gen, device):
     got = []
     for reference in (False, True):
         fi = FlashInferBuilder(cfg, device, sliding_window_size=w, reference=reference)
+        verify = torch.tensor([2, 0, 3], dtype=torch.int32)  # a ragged bucket of 3 + N - 1
         stages = (fi.bind_draft_decode(*args, full_to_swa=f2s),
                   fi.bind_target_verify(*args, tree, full_to_swa=f2s),
-                  fi.bind_draft_extend(*args, full_to_swa=f2s))  # fmt: skip
+                  fi.bind_draft_extend(*args, full_to_swa=f2s),
+                  fi.bind_draft_decode_shared_prefix(*args, full_to_swa=f2s),
+                  fi.bind_draft_decode_paged(*args, full_to_swa=f2s),
+                  fi.bind_target_verify(*args, tree, full_to_swa=f2s, num_tokens=4 + n,
+                                        verify_lens=verify.to(device)))  # fmt: skip
         metas = []
-        for stage in stages:
-            metas.append(stage.host(batch.seq_lens_cpu))
+        for i, stage in enumerate(stages):
+            more = dict(verify_lens_cpu=verify) if i == 5 else {}
+            metas.append(stage.host(batch.seq_lens_cpu, **more))
             stage.launch()
-        d, v, e = metas
+        d, v, e, c, p, r = metas
+        more = [(lvl.clone(), idx[: int(host[-1])].clone()) for st in c.steps
+                for lvl, idx, host in zip(st.paged_kv_indptr_arr, st.paged_kv_indices_arr,
+                                          st.paged_kv_indptr_host_arr, strict=True)]  # fmt: skip
+        more += [(st.kv_indptr.clone(), st.kv_indices[: int(st.kv_indptr_host[-1])].clone())
+                 for st in p.steps]  # fmt: skip
+        more += [(r.kv_indptr.clone(), r.kv_indices[: int(r.kv_indptr_host[-1])].clone()),
+                 (r.mask_indptr.clone(), r.custom_mask[: int(r.mask_indptr_host[-1])].clone())]  # fmt: skip
         got.append(([(st.kv_indptr.clone(), st.kv_indices[: int(st.kv_indptr_host[-1])].clone())
                      for st in d.steps],
                     v.kv_indices[: int(v.kv_indptr_host[-1])].clone(),
                     v.custom_mask[: int(v.mask_indptr_host[-1])].clone(),
-                    e.kv_indices[: int(e.kv_indptr_host[-1])].clone(), int(fi.status)))  # fmt: skip
-    (steps, vi, vm, ei, status), (rsteps, rvi, rvm, rei, rstatus) = got
+                    e.kv_indices[: int(e.kv_indptr_host[-1])].clone(), int(fi.status), more))  # fmt: skip
+    (steps, vi, vm, ei, status, more), (rsteps, rvi, rvm, rei, rstatus, rmore) = got
+    for i, ((ptr, idx), (rptr, ridx)) in enumerate(zip(more, rmore, strict=True)):
+        assert_equal(ptr, rptr, f"cascade, paged and ragged list {i}: offsets")
+        assert_equal(idx, ridx, f"cascade, paged and ragged list {i}: entries")
     for s, ((ptr, idx), (rptr, ridx)) in enumerate(zip(steps, rsteps, strict=True)):
         assert_equal(ptr, rptr, f"draft step {s} kv_indptr")
         assert_equal(idx, ridx, f"draft step {s} kv_indices")
@@ -320,8 +337,9 @@ def test_no_id_crosses_spaces(gen, device):
     """Property over random maps and batches: a window builder lists, for each entry, the
     map's image of the full id the full builder lists at the same position (the tail the rail
     keeps, a ragged verify's and each cascade level's too; a paged list's page is the map's
-    image of the full page's slot at the read floor, or the sink page below it), or the sink 0 with BAD_KV_ID set; every full-builder id is a physical id of the
-    full pool (the image of the page map), every window id one of the window pool."""
+    image of the full page's slot at the read floor, or the sink page below it), or the sink 0
+    with BAD_KV_ID set; every full-builder id is a physical id of the full pool (the image of
+    the page map), every window id one of the window pool."""
     for draw in range(3):
         k = int(torch.randint(1, 4, (1,), generator=gen))
         ps = (1, 4, 16)[draw]
