@@ -14,6 +14,16 @@ With ``ps == 1`` the rows equal :func:`draft_decode_kv_indices`' (layout A). The
 another id space (design §2.10): page ids of ``E`` positions each (``entry_page_size``) and
 virtual ids through a page map (``v2p``); page ``c`` is then the physical page of the id its
 first position names, and an id that does not map gives page 0 and ``BAD_KV_ID``.
+
+A sliding-window layer (design §2.10) keeps the lists full length, as FA3's window tables do:
+a page list cannot be cut inside a page, and the consumer plans FlashInfer's decode with its
+own window, ``window_left = w − 1``, which hides every key a step does not read. With
+``sliding_window_size = w`` a column whose page lies wholly below the read floor ``f_b =
+max(0, L_b − w + 1)`` (the first position step 0 reads; later steps read less) holds the sink
+page 0, nothing read; any other column holds the page of the id at the column's first
+position at or after the floor, read through the row's space and then ``full_to_swa`` (the
+window pool must page like the full pool: a full page's slots map to one window page at the
+same offsets). ``kv_indptr`` and ``kv_last_page_len`` are a full layer's.
 """
 
 from __future__ import annotations
@@ -46,6 +56,14 @@ from ._common import (
     load_request,
     row_offset,
 )
+from ._window import (
+    check_window,
+    load_window_ids,
+    load_window_ids_ref,
+    rail_floor,
+    rail_floor_ref,
+    window_arguments,
+)
 
 __all__ = [
     "bind_branch_kv_indices",
@@ -69,7 +87,8 @@ _CHUNK_COLUMNS = 1024
 @triton.jit(
     do_not_specialize=[
         "B", "R", "W_row", "stride_row", "page_size", "num_rows", "W_idx",
-        "stride_idx", "stride_ptr", "stride_lpl", "chunk_programs", "num_pages",
+        "stride_idx", "stride_ptr", "stride_lpl", "chunk_programs", "num_pages", "full_size",
+        "rail",
     ]
 )  # fmt: skip
 def _branch_kv_indices_kernel(
@@ -80,6 +99,7 @@ def _branch_kv_indices_kernel(
     kv_indptr_ptr,  # [≥rows, ≥B*K+1] int32|int64, row stride stride_ptr
     kv_last_page_len_ptr,  # [≥rows, ≥B*K] int32|int64, row stride stride_lpl
     v2p_ptr,  # [num_pages] int32|int64: virtual → physical pages (read only with TRANSLATE)
+    full_to_swa_ptr,  # [full_size] int32|int64: full → window pool slots (read only with TO_WINDOW)
     status_ptr,  # [1] int32 (unused unless HAS_STATUS)
     B,
     R,
@@ -93,6 +113,8 @@ def _branch_kv_indices_kernel(
     stride_lpl,
     chunk_programs,
     num_pages,
+    full_size,
+    rail,  # the window read rail w, 0 for none (read only with WINDOW_LAYER)
     TOPK: tl.constexpr,
     NUM_STEPS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -101,6 +123,8 @@ def _branch_kv_indices_kernel(
     BLOCK_K: tl.constexpr,  # next power of two ≥ K
     ENTRY_PAGE_SIZE: tl.constexpr,  # rows of page ids of E positions (1: token ids)
     TRANSLATE: tl.constexpr,  # ids through v2p (design §2.10)
+    TO_WINDOW: tl.constexpr,  # ids through full_to_swa (design §2.10)
+    WINDOW_LAYER: tl.constexpr,  # a rail or a map: the columns of a window layer's lists
     HAS_STATUS: tl.constexpr,
 ):
     """Grid ``(max(B, 1), chunk_programs)``: program ``(b, c)`` copies page chunks ``c, c +
@@ -140,16 +164,33 @@ def _branch_kv_indices_kernel(
         c_last < full, c_last * page_size, L - lpl + ((TOPK - 1) * nnp + c_last - full) * page_size
     )
     pos_bad |= ((n_last > 0) & (pos_last >= W_row * ENTRY_PAGE_SIZE)).to(tl.int32)
+    floor = L * 0  # a window layer's read floor (design §2.10); 0 for a full layer
+    if WINDOW_LAYER:
+        floor = rail_floor(L, rail)
     for chunk in range(pid_c, tl.cdiv(tl.minimum(n_last, W_idx), BLOCK), chunk_programs):
         col = c0 + chunk * BLOCK
         for t in tl.static_range(TOPK):
             pos, used = branch_position(L, t, col, page_size, NUM_STEPS)
             need = used & (col < n_last)
+            plain = need  # a window layer reads its columns below, from the floor on
+            if WINDOW_LAYER:
+                plain = need & False
             slot, in_row, wrong = load_kv_ids(
-                req_to_token_ptr + row_base, pos, tl.where(row_ok, need, False), W_row, v2p_ptr,
+                req_to_token_ptr + row_base, pos, tl.where(row_ok, plain, False), W_row, v2p_ptr,
                 num_pages, page_size, ENTRY_PAGE_SIZE, TRANSLATE,
             )  # fmt: skip
             page = slot // page_size
+            if WINDOW_LAYER:
+                # A page wholly below the floor is the sink page 0, nothing read; any other is
+                # read at its first position from the floor on (design §2.10).
+                read = need & ((col + 1) * page_size > floor)
+                at = pos + tl.maximum(floor - col * page_size, 0)
+                slot, _, wrong = load_window_ids(
+                    req_to_token_ptr + row_base, at, tl.where(row_ok, read, False), W_row,
+                    v2p_ptr, num_pages, page_size, full_to_swa_ptr, full_size, ENTRY_PAGE_SIZE,
+                    TRANSLATE, TO_WINDOW,
+                )  # fmt: skip
+                page = tl.where(read, slot, 0) // page_size
             pos_bad |= tl.max((need & ~in_row).to(tl.int32), axis=0)
             for s in range(0, num_rows):
                 n_s = (L + s + page_size) // page_size
@@ -199,10 +240,12 @@ _branch_kv_indices_launch = Launcher(_branch_kv_indices_kernel)
 def _prepare(
     where, req_pool_indices, req_to_token, seq_lens, topk, num_steps, page_size, num_rows,
     kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status, entry_page_size, v2p,
+    sliding_window_size, full_to_swa,
 ):  # fmt: skip
     topk, num_steps, page_size, rows = check_steps(topk, num_steps, page_size, num_rows)
     B, device = check_batch(req_pool_indices, req_to_token, seq_lens)
     _, _, E = check_id_spaces(where, 0, 0, entry_page_size, v2p, device)
+    rail = check_window(where, sliding_window_size, full_to_swa, device)
     if kv_indices is None:
         # Without the host's ΣL, full rows: W_row entries of E positions each.
         total = seq_lens_sum if seq_lens_sum is not None else B * req_to_token.shape[1] * E
@@ -227,7 +270,7 @@ def _prepare(
                           "columns (K*(floor((ΣL + B*rows)/ps) + B))")  # fmt: skip
     status = validate.status(status, device)
     out = (kv_indices, kv_indptr, kv_last_page_len)
-    return topk, num_steps, page_size, rows, B, out, status, E
+    return topk, num_steps, page_size, rows, B, out, status, (E, rail)
 
 
 def bind_branch_kv_indices(
@@ -246,6 +289,8 @@ def bind_branch_kv_indices(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> Stage:
     """Bind once: build the per-branch page lists of every draft step in CSR form, in one launch.
 
@@ -278,6 +323,12 @@ def bind_branch_kv_indices(
         The id space of the rows (design §2.10): rows of page ids of ``E`` positions each,
         and a ``[P]`` virtual → physical page map at page size ``ps``; the lists hold
         physical pages.
+    sliding_window_size, full_to_swa
+        A window layer (design §2.10): the lists keep their length, a column wholly below
+        ``max(0, L_b − w + 1)`` holds the sink page 0 and any other the window-pool page of
+        the id at its first position from there on (``full_to_swa``, ``[P_full]``, ``-1``
+        where evicted; the window pool paging like the full pool). Plan the consumer with
+        ``window_left = w − 1``.
 
     Returns
     -------
@@ -294,11 +345,12 @@ def bind_branch_kv_indices(
     Grid ``(max(B, 1), chunk_programs)``. No host sync; ``B``, lengths and strides are runtime
     arguments.
     """
-    topk, num_steps, page_size, rows, B, out, status, E = _prepare(
+    topk, num_steps, page_size, rows, B, out, status, (E, rail) = _prepare(
         "branch_kv_indices", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
         page_size, num_rows, kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
-        entry_page_size, v2p,
+        entry_page_size, v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
+    window_layer = bool(rail) or full_to_swa is not None  # a full layer's launch as before
     if rows == 0:
         return Stage([], result=out)
     kv_indices, kv_indptr, kv_last_page_len = out
@@ -312,6 +364,8 @@ def bind_branch_kv_indices(
         kv_indptr_ptr=kv_indptr,
         kv_last_page_len_ptr=kv_last_page_len,
         v2p_ptr=v2p,
+        **window_arguments(full_to_swa),
+        rail=rail if window_layer else None,
         status_ptr=status,
         page_size=page_size,
         num_rows=rows,
@@ -329,6 +383,7 @@ def bind_branch_kv_indices(
         BLOCK_K=next_power_of_2(topk),
         ENTRY_PAGE_SIZE=E,
         TRANSLATE=v2p is not None,
+        WINDOW_LAYER=window_layer,
         HAS_STATUS=True,
         num_warps=4,
     )
@@ -381,12 +436,14 @@ def branch_kv_indices_ref(
     status: torch.Tensor | None = None,
     entry_page_size: int = 1,
     v2p: torch.Tensor | None = None,
+    sliding_window_size: int | None = None,
+    full_to_swa: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch :func:`branch_kv_indices` (vectorised over the batch; syncs)."""
-    topk, num_steps, page_size, rows, B, out, status, E = _prepare(
+    topk, num_steps, page_size, rows, B, out, status, (E, rail) = _prepare(
         "branch_kv_indices_ref", req_pool_indices, req_to_token, seq_lens, topk, num_steps,
         page_size, num_rows, kv_indices, kv_indptr, kv_last_page_len, seq_lens_sum, status,
-        entry_page_size, v2p,
+        entry_page_size, v2p, sliding_window_size, full_to_swa,
     )  # fmt: skip
     if rows == 0:
         return out
@@ -403,6 +460,14 @@ def branch_kv_indices_ref(
     slots, unmapped, bits = load_kv_ids_ref(req_to_token, req_pool_indices, pos, need,
                                             entry_page_size=E, v2p=v2p, page_size=ps)  # fmt: skip
     pages = torch.where(need, slots // ps, 0)
+    if rail or full_to_swa is not None:  # a window layer's columns, from the floor on
+        floor = rail_floor_ref(L, rail).view(-1, 1, 1)
+        read = need & ((c + 1) * ps > floor)
+        at = torch.where(read, pos + (floor - c * ps).clamp_min(0), 0)
+        slots, unmapped, _ = load_window_ids_ref(req_to_token, req_pool_indices, at, read,
+                                                 entry_page_size=E, v2p=v2p, page_size=ps,
+                                                 full_to_swa=full_to_swa)  # fmt: skip
+        pages = torch.where(read, torch.div(slots, ps, rounding_mode="floor"), 0)
     bits &= int(Status.ROW_OOB)
     if bool((need & (pos >= req_to_token.shape[1] * E)).any()) or bool((seq_lens < 0).any()):
         bits |= int(Status.POS_OOB)

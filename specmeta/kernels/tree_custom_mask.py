@@ -41,7 +41,9 @@ depths come from the tree mask itself: ``d_j`` is row ``j``'s ancestor-or-self c
 and an ancestor ``c`` of ``j`` sits at depth ``d_j + 1 − Σ_{c' ≥ c} tree_mask[i, j, c']``, so
 it is seen iff ``Σ_{c' ≥ c} tree_mask[i, j, c'] ≤ w``; a prefix column ``c < min(L_i, w − 1)``
 iff ``c ≥ min(L_i, w − 1) + d_j + 1 − w``. ``mask_indptr`` and the packed segments follow the
-clipped widths.
+clipped widths. A window layer's ragged verify clips each ragged block alike: ``v_i × (min(L_i,
+w − 1) + min(v_i, N))``, node ``j < min(v_i, N)`` by the same rule (its depth counted over the
+block's ``min(v_i, N)`` tree columns), a filler row every column.
 """
 
 from __future__ import annotations
@@ -108,6 +110,22 @@ def _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.const
 
 
 @triton.jit
+def _window_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, rail, BLOCK_B: tl.constexpr):
+    """:func:`_ragged_segment_start` of a window layer (design §2.10): each ``L_i`` clipped to
+    ``min(L_i, w − 1)``, the prefix columns of its block."""
+    cum = b * 0
+    for start in range(0, b, BLOCK_B):
+        offs = start + tl.arange(0, BLOCK_B)
+        before = offs < b
+        L = tl.maximum(tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        L = rail_verify_prefix(L, rail)
+        rows = tl.maximum(tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64), 0)
+        cols = L + tl.minimum(rows, N)  # the block's clipped width
+        cum += tl.sum(tl.where(before, rows * cols, 0), axis=0)
+    return cum
+
+
+@triton.jit
 def _mask_value(tree_ptr, live, j, col, L, Nt, stride_mj):
     """The mask elements at row ``j``, column ``col`` of a request's block (any shape): 1 in the
     prefix columns, the tree mask's ``[j, col − L]`` after them; a filler row ``j ≥ Nt`` (a
@@ -119,33 +137,38 @@ def _mask_value(tree_ptr, live, j, col, L, Nt, stride_mj):
 
 
 @triton.jit
-def _window_mask_value(tree_ptr, live, j, col, L, N, stride_mj, rail):
+def _window_mask_value(tree_ptr, live, j, col, L, Nt, stride_mj, rail):
     """:func:`_mask_value` of a window layer's clipped block (``L`` its ``min(L_i, w − 1)``
-    prefix columns, ``N`` tree columns, no filler rows): node ``j``'s depth is its row's
-    ancestor-or-self count less one, and of that row's entries a column keeps those the rail
-    ``w`` reaches (design §2.10): a prefix column ``col ≥ L + d_j + 1 − w``, an ancestor
-    column ``c`` with at most ``w`` of the row's entries at or after it."""
+    prefix columns, ``Nt`` tree columns): node ``j``'s depth is its row's ancestor-or-self
+    count (over the block's ``Nt`` tree columns) less one, and of that row's entries a column
+    keeps those the rail ``w`` reaches (design §2.10): a prefix column ``col ≥ L + d_j + 1 −
+    w``, an ancestor column ``c`` with at most ``w`` of the row's entries at or after it. A
+    filler row ``j ≥ Nt`` (a ragged request's rows past its nodes) sees every column."""
     in_tree = col >= L
     c = col - L
+    node = live & (j < Nt)  # a tree row, read; a filler row reads nothing
     count = tl.zeros_like(col)  # the row's ancestors-or-self
     after = tl.zeros_like(col)  # those at or after column c
-    for a in range(0, N):
-        anc = tl.load(tree_ptr + j * stride_mj + a, mask=live, other=0) != 0
+    for a in range(0, Nt):
+        anc = tl.load(tree_ptr + j * stride_mj + a, mask=node, other=0) != 0
         count += anc.to(col.dtype)
         after += (anc & (a >= c)).to(col.dtype)
-    m = tl.load(tree_ptr + j * stride_mj + c, mask=live & in_tree, other=0) != 0
+    m = tl.load(tree_ptr + j * stride_mj + c, mask=node & in_tree, other=0) != 0
     seen = tl.where(in_tree, m & (after <= rail), col >= L + count - rail)
-    return (live & seen).to(tl.int32)
+    return (live & (seen | (j >= Nt))).to(tl.int32)
 
 
 @triton.jit
-def _first_seen_column(tree_ptr, valid, j, L, N, stride_mj, rail):
+def _first_seen_column(tree_ptr, valid, j, L, Nt, stride_mj, rail):
     """The first of a window layer's ``L`` prefix columns that node ``j`` sees (design §2.10):
-    ``L + d_j + 1 − w``, its depth read as its row's ancestor-or-self count less one (``N``
-    scalar loads: one row a chunk, where :func:`_window_mask_value` reads a row an element)."""
+    ``L + d_j + 1 − w``, its depth read as its row's ancestor-or-self count less one (``Nt``
+    scalar loads: one row a chunk, where :func:`_window_mask_value` reads a row an element).
+    A filler row ``j ≥ Nt`` reads nothing: its count is 0, and ``L − w < 0`` (``L ≤ w − 1``),
+    so it sees every column."""
     count = L * 0
-    for a in range(0, N):
-        count += (tl.load(tree_ptr + j * stride_mj + a, mask=valid, other=0) != 0).to(L.dtype)
+    for a in range(0, Nt):
+        anc = tl.load(tree_ptr + j * stride_mj + a, mask=valid & (j < Nt), other=0)
+        count += (anc != 0).to(L.dtype)
     return L + count - rail
 
 
@@ -220,7 +243,10 @@ def _tree_custom_mask_kernel(
         # (POS_OOB, below).
         rows, Nb, v_ok = load_verify_rows(verify_lens_ptr, b, B, N)
         L_ok = L_ok & v_ok
-        start = _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B)
+        if RAIL:  # a window layer's clipped blocks
+            start = _window_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, rail, BLOCK_B)
+        else:
+            start = _ragged_segment_start(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B)
     else:
         rows = N
         Nb = N
@@ -249,7 +275,7 @@ def _tree_custom_mask_kernel(
             # Inside one row's prefix columns: every element 1, nothing to compute; under the
             # rail, those from the row's first seen column on (one depth a chunk).
             if RAIL:
-                first_seen = _first_seen_column(tree_ptr, valid, j0, L, N, stride_mj, rail)
+                first_seen = _first_seen_column(tree_ptr, valid, j0, L, Nb, stride_mj, rail)
                 if PACKED:
                     seen = (col0 + offs[:, None] * 8 + k[None, :] >= first_seen).to(tl.int32)
                     v = tl.sum(seen << k[None, :], axis=1)
@@ -291,12 +317,6 @@ def _prepare(where, seq_lens, tree_mask, packed, custom_mask, mask_indptr, seq_l
     rail = check_window(where, sliding_window_size, None, device)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
-        if rail:
-            raise ValueError(
-                f"{where}: verify_lens (a ragged verify) with sliding_window_size={rail}: a "
-                "window layer's ragged masks are not built yet; verify a window layer with the "
-                "uniform layout (verify_lens=None), or its full mask (sliding_window_size=None)"
-            )
     validate.tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=device)
     N = tree_mask.shape[1]
     if tree_mask.shape != (B, N, N):
@@ -379,7 +399,9 @@ def bind_tree_custom_mask(
     sliding_window_size : int, optional
         A window layer's ``w`` (design §2.10): blocks over the clipped lists of
         ``verify_kv_indices(sliding_window_size=w)``, ``N × (min(L_i, w − 1) + N)``, each node
-        seeing only what lies within ``w`` positions of it; not with ``verify_lens``.
+        seeing only what lies within ``w`` positions of it. With ``verify_lens``: ``v_i ×
+        (min(L_i, w − 1) + min(v_i, N))`` blocks, the same rule over the first ``min(v_i,
+        N)`` nodes (a node's depth counted over them), filler rows every column.
 
     Returns
     -------
@@ -462,8 +484,10 @@ def tree_custom_mask_ref(
     L = rail_verify_prefix_ref(seq_lens.to(torch.int64).clamp_min(0), rail)
     bits = 0
     rows = V = torch.full_like(L, N)  # rows and tree columns of each block
+    anc = tree_mask.to(torch.int64)
     if verify_lens is not None:  # ragged verify: max(v_i, 0) rows over min(rows, N) nodes
         rows, V, bits = verify_rows_ref(verify_lens, N)
+        anc = anc * (torch.arange(N, device=device) < V.view(-1, 1, 1))  # the block's columns
     n_bits = rows * (L + V)
     n = (n_bits + 7) // 8 if packed else n_bits  # elements written per request
     start = torch.cumsum(n_bits, 0) - n_bits
@@ -492,13 +516,12 @@ def tree_custom_mask_ref(
         filler = j >= V[req_b]  # a padded request's rows past its nodes: every column
         val = live & ((col < prefix_len) | filler | tree)
         if rail:  # what lies within w positions of node j (design §2.10)
-            anc = tree_mask.to(torch.int64)
             after = anc.flip(2).cumsum(2).flip(2)  # [b, j, c]: ancestors-or-self at or after c
             rows_j, cols_c = j.clamp_max(N - 1), (col - prefix_len).clamp(0, N - 1)
             depth = anc.sum(2)[req_b, rows_j] - 1
             near = torch.where(col < prefix_len, col >= prefix_len + depth + 1 - rail,
                                after[req_b, rows_j, cols_c] <= rail)  # fmt: skip
-            val = val & near
+            val = val & (near | filler)
         if packed:
             val = (val.to(torch.int64) << torch.arange(8, device=device)).sum(1)
         custom_mask[start[req] + e] = val.to(custom_mask.dtype)

@@ -24,6 +24,10 @@ extra`` entries, and ``full_to_swa`` emits every id in window-pool ids::
 
     kv_indptr[b]                  = Σ_{b'<b} (min(L_b', w − 1) + extra)
     kv_indices[kv_indptr[b] + k]  = full_to_swa[row_b[f_b + k]]   for k < min(L_b, w − 1) + extra
+
+A window layer's ragged verify clips each ragged list the same way (its first query row is at
+``L_b`` whatever ``v_b`` is): ``extra`` becomes ``min(max(v_b, 0), N)``, the list
+``row_b[f_b : L_b + min(v_b, N)]`` of ``min(L_b, w − 1) + min(v_b, N)`` entries.
 """
 
 from __future__ import annotations
@@ -82,15 +86,20 @@ _BLOCK_B = 1024
 
 
 @triton.jit
-def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, BLOCK_B: tl.constexpr):
+def _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, N, rail, BLOCK_B: tl.constexpr,
+                          WINDOW_LAYER: tl.constexpr):  # fmt: skip
     """``Σ_{b'<b} (max(L_b', 0) + v_b')`` in int64, each ``v_b'`` clamped to ``[0, N]`` as
     :func:`~specmeta.kernels._common.load_verify_rows` reads it: the start of request ``b``'s
-    list in a ragged verify, from whole-vector loads of both length arrays."""
+    list in a ragged verify, from whole-vector loads of both length arrays. A window layer
+    (``WINDOW_LAYER``) sums each prefix as the rail ``w`` clips it, ``min(L_b', w − 1)``
+    (design §2.10)."""
     cum = b * 0
     for start in range(0, b, BLOCK_B):
         offs = start + tl.arange(0, BLOCK_B)
         before = offs < b
         L = tl.load(seq_lens_ptr + offs, mask=before, other=0).to(tl.int64)
+        if WINDOW_LAYER:
+            L = rail_verify_prefix(tl.maximum(L, 0), rail)
         v = tl.load(verify_lens_ptr + offs, mask=before, other=0).to(tl.int64)
         v = tl.minimum(tl.maximum(v, 0), N)
         cum += tl.sum(tl.where(before, tl.maximum(L, 0) + v, 0), axis=0)
@@ -146,7 +155,8 @@ def _verify_kv_indices_kernel(
         # reported (POS_OOB, below).
         _, v, v_ok = load_verify_rows(verify_lens_ptr, b, B, extra_tokens)
         n = tl.where(b < B, L + v, 0)
-        start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, BLOCK_B)
+        start = _exclusive_window_sum(seq_lens_ptr, verify_lens_ptr, b, extra_tokens, rail,
+                                      BLOCK_B, WINDOW_LAYER)  # fmt: skip
         L_ok = L_ok & v_ok
     elif WINDOW_LAYER:
         start = exclusive_rail_sum(seq_lens_ptr, b, extra_tokens, rail, BLOCK_B)
@@ -154,7 +164,7 @@ def _verify_kv_indices_kernel(
         start = exclusive_length_sum(seq_lens_ptr, b, extra_tokens, BLOCK_B)
     # Ids read as the row and the id space say (design §2.10).
     if WINDOW_LAYER:
-        # The list starts at f = L − min(L, w − 1) (0 without a rail; a ragged verify has none).
+        # The list starts at f = L − min(L, w − 1) (0 without a rail), a ragged one too.
         first = L - rail_verify_prefix(L, rail)
         n = tl.where(b < B, n - first, 0)
         bad = copy_window_list(req_to_token_ptr, row_base, row_ok, first, n, b, B, start, W_row,
@@ -191,12 +201,6 @@ def _prepare(where, req_pool_indices, req_to_token, seq_lens, extra_tokens, kv_i
     validate.positive("page_size", page_size)
     if verify_lens is not None:
         check_verify_lens(where, verify_lens, B, device)
-        if rail:
-            raise ValueError(
-                f"{where}: verify_lens (a ragged verify) with sliding_window_size={rail}: a "
-                "window layer's ragged lists are not built yet; verify a window layer with the "
-                "uniform layout (verify_lens=None), or its full lists (sliding_window_size=None)"
-            )
     if kv_indices is None:
         total = sizing_total(seq_lens_sum, B, req_to_token)
         width = max(1, rail_verify_need(total, B, extra_tokens, rail))
@@ -276,7 +280,8 @@ def bind_verify_kv_indices(
     sliding_window_size, full_to_swa
         A window layer (design §2.10): each list starts at ``max(0, L_b − w + 1)``
         (``min(L_b, w − 1) + extra`` entries, offsets alike), and ``full_to_swa`` (``[P_full]``,
-        ``-1`` where evicted) emits every id in window-pool ids; not with ``verify_lens``.
+        ``-1`` where evicted) emits every id in window-pool ids. With ``verify_lens`` each
+        list starts there too: ``min(L_b, w − 1) + min(v_b, N)`` entries.
 
     Returns
     -------

@@ -405,8 +405,8 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
   return sum < 0 ? NULL : Py_BuildValue("(LL)", high, sum);
 }
 
-/* ragged(max_len, N, T, batch, count, verify_out, qo_out, kv_out, mask_out, seq_lens_cpu,
- *        verify_lens_cpu) -> (max L, ΣL, max v, Σv)
+/* ragged(max_len, N, T, batch, count, cap, verify_out, qo_out, kv_out, mask_out,
+ *        seq_lens_cpu, verify_lens_cpu) -> (max L, ΣL, max v, Σv)
  *
  * A ragged target verify's mirrors over a bucket of `batch` requests and T tokens (the rule of
  * pad_verify_lens_to_bucket_ref on lengths the host checked): the `count` real lengths v_b,
@@ -414,26 +414,27 @@ static PyObject *paged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
  * the leftover T − Σv goes to the batch − count pad requests, ⌊leftover / pads⌋ each and one
  * more for the first leftover mod pads, or to the last request without a pad. verify_out
  * [batch] ← the padded lengths, qo_out [batch + 1] ← their cumulative sum, kv_out [batch + 1]
- * ← that of L + min(v, N), mask_out [batch + 1] ← that of v·(L + min(v, N)). */
+ * ← that of min(L, cap) + min(v, N), mask_out [batch + 1] ← that of v·(min(L, cap) + min(v, N))
+ * (cap is a window layer's w − 1, or max_len: design §2.10). */
 static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  long long a[5];
+  long long a[6];
   View out[4];
   Lengths lens, verify;
   static const char *names[4] = {"verify_out", "qo_out", "kv_out", "mask_out"};
-  if (!ints(args, nargs, 5, 6, "ragged", a) || !sizes("ragged", a[3], 1, "width")) return NULL;
-  long long max_len = a[0], n = a[1], T = a[2], batch = a[3], count = a[4];
-  if (count < 0 || count > batch || n < 1 || T < 0) {
-    PyErr_Format(PyExc_ValueError, "ragged: need 0 <= count <= batch, N >= 1, T >= 0; got "
-                 "count %lld, batch %lld, N %lld, T %lld", count, batch, n, T);
+  if (!ints(args, nargs, 6, 6, "ragged", a) || !sizes("ragged", a[3], 1, "width")) return NULL;
+  long long max_len = a[0], n = a[1], T = a[2], batch = a[3], count = a[4], cap = a[5];
+  if (count < 0 || count > batch || n < 1 || T < 0 || cap < 0) {
+    PyErr_Format(PyExc_ValueError, "ragged: need 0 <= count <= batch, N >= 1, T >= 0, cap >= 0; "
+                 "got count %lld, batch %lld, N %lld, T %lld, cap %lld", count, batch, n, T, cap);
     return NULL;
   }
   int views = 0;
   for (; views < 4; ++views)
-    if (!int32_view(args[5 + views], names[views], -1, batch + (views > 0), &out[views])) break;
+    if (!int32_view(args[6 + views], names[views], -1, batch + (views > 0), &out[views])) break;
   long long sum = -1, high = 0, top = 0;
-  if (views == 4 && lengths_of(args[9], (Py_ssize_t)batch, &lens))
+  if (views == 4 && lengths_of(args[10], (Py_ssize_t)batch, &lens))
     sum = checked_sum(&lens, batch, max_len, &top);
-  if (sum >= 0 && !lengths_of(args[10], (Py_ssize_t)count, &verify)) sum = -1;
+  if (sum >= 0 && !lengths_of(args[11], (Py_ssize_t)count, &verify)) sum = -1;
   long long total = sum >= 0 ? checked_sum(&verify, count, n, &high) : -1;
   if (sum >= 0 && total < 0) sum = -1;
   if (sum >= 0 && total > T) {
@@ -449,7 +450,8 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t b = 0; b < batch; ++b) {
       long long rows = b < count ? length_at(&verify, b) : share + (b - count < spare);
       if (!pads && b == batch - 1) rows += left;
-      uint32_t cols = (uint32_t)length_at(&lens, b) + (uint32_t)(rows < n ? rows : n);
+      int64_t full = length_at(&lens, b);
+      uint32_t cols = (uint32_t)(full < cap ? full : cap) + (uint32_t)(rows < n ? rows : n);
       v[b] = (uint32_t)rows;
       qo[b + 1] = q += (uint32_t)rows;
       kv[b + 1] = k += cols;
@@ -473,8 +475,8 @@ static PyMethodDef methods[] = {
     {"paged", (PyCFunction)(void (*)(void))paged, METH_FASTCALL,
      "paged(max_len, topk, page_size, batch, out, last, seq_lens_cpu) -> (max L, sum)"},
     {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,
-     "ragged(max_len, N, T, batch, count, verify_out, qo_out, kv_out, mask_out, seq_lens_cpu, "
-     "verify_lens_cpu) -> (max L, sum, max v, sum of v)"},
+     "ragged(max_len, N, T, batch, count, cap, verify_out, qo_out, kv_out, mask_out, "
+     "seq_lens_cpu, verify_lens_cpu) -> (max L, sum, max v, sum of v)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "specmeta_host_ops",

@@ -323,8 +323,9 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     the padded lengths ``v_b`` (the rule of
     :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket_ref` on checked lengths,
     :func:`~specmeta.kernels.verify_lens.fill_bucket`), ``qo_out`` ← their offsets, ``kv_out``
-    ← ``[0, cumsum(L + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L + min(v, N)))]``.
-    ``table`` has shift ``N``. ``write(seq_lens_cpu, verify_lens_cpu)``: every length checked
+    ← ``[0, cumsum(L' + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L' + min(v, N)))]``,
+    ``L' = min(L, table.cap)`` (a window layer's ``w − 1``, design §2.10; ``L`` itself with the
+    plan's ``max_context_len``). ``table`` has shift ``N``. ``write(seq_lens_cpu, verify_lens_cpu)``: every length checked
     before anything is written (the builder names what it refuses); compiled, it returns
     ``(max L, ΣL, max v, Σv)``."""
     n = num_draft_tokens
@@ -337,7 +338,7 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     op = _module_for(use_compiled)
     if op is not None:
         return functools.partial(op.ragged, table.max_len, n, num_tokens, batch, count,
-                                 verify_out.numpy(), qo_out.numpy(), kv_out.numpy(),
+                                 table.cap, verify_out.numpy(), qo_out.numpy(), kv_out.numpy(),
                                  mask_out.numpy())  # fmt: skip
     cols = torch.empty(batch, dtype=torch.int32)
     return functools.partial(_torch_ragged, table, batch, count, num_tokens, n, verify_out,
@@ -347,11 +348,11 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
 def _torch_ragged(table, batch, count, T, N, verify_out, qo_tail, kv_tail, mask_tail, cols,
                   seq_lens_cpu, verify_lens_cpu):  # fmt: skip
     _check_lengths(seq_lens_cpu, batch)
-    lens = table.gather(seq_lens_cpu)  # L + N, every length checked
+    lens = table.gather(seq_lens_cpu)  # min(L, cap) + N, every length checked
     verify_out[:count] = verify_lens_cpu
     fill_bucket(verify_out, count, T - int(verify_lens_cpu.sum()))
     # Entry 0 of every offset mirror stays the zero the ring's buffers were allocated with.
     torch.cumsum(verify_out, 0, out=qo_tail)
-    torch.sub(lens, (N - verify_out).clamp_min_(0), out=cols)  # L + min(v, N)
+    torch.sub(lens, (N - verify_out).clamp_min_(0), out=cols)  # min(L, cap) + min(v, N)
     torch.cumsum(cols, 0, out=kv_tail)
     torch.cumsum(cols.mul_(verify_out), 0, out=mask_tail)

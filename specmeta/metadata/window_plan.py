@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfer_swa",
-           "plan_fa3_swa", "fa3_window_verify_width", "plan_window_layers", "rail_prefix_total",
+__all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FLASHINFER_WINDOW_MODES", "FA3_WINDOW_PREFIX",
+           "shared_prefix_served", "plan_flashinfer_swa", "plan_fa3_swa",
+           "fa3_window_verify_width", "plan_window_layers", "rail_prefix_total",
            "rail_draft_need", "rail_verify_need", "rail_mask_need", "window_tree_keep",
            "window_tree_gap", "window_tree_prefix_pages"]  # fmt: skip
 
@@ -27,9 +28,22 @@ __all__ = ["WINDOW_PREFIX", "WINDOW_MODES", "FA3_WINDOW_PREFIX", "plan_flashinfe
 WINDOW_PREFIX = "flashinfer_swa."
 #: The modes a window builder serves: the page-size-1 draft lists and the prefill lists.
 WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
+#: The modes FlashInfer's window builder serves: those, the shared-prefix cascade (for a
+#: window wider than the draft steps, :func:`shared_prefix_served`) and the paged form
+#: (full-length page lists, read with the kernel's own window).
+FLASHINFER_WINDOW_MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged",
+                           "target_verify", "draft_extend")  # fmt: skip
 #: The plan prefix of FA3's window builder (``FA3MetadataBuilder(cfg, device,
 #: sliding_window_size=w)``), which serves the same modes for chains.
 FA3_WINDOW_PREFIX = "fa3_swa."
+
+
+def shared_prefix_served(cfg: SpecConfig) -> bool:
+    """Whether a window layer's shared-prefix cascade is built for ``cfg`` (design §2.10):
+    step ``s`` keeps ``min(L, w − s − 1)`` prefix positions, so with ``w ≤ S`` a step keeps
+    none, and FlashInfer's cascade wrapper is not fed an empty prefix level (design §8): the
+    form needs ``w > S`` (per-branch lists, ``draft_decode``, serve any ``w``)."""
+    return cfg.sliding_window_size > cfg.num_steps
 
 
 def rail_prefix_total(seq_lens_sum: int, batch: int, rail: int) -> int:
@@ -90,6 +104,37 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
             "[Σmin(L, w - 1) + B*N] window-pool ids of positions max(0, L - w + 1) … L + N - 1")  # fmt: skip
         add(f"{mode}.kv_last_page_len", (bs,), i32, "[B] ones (page size 1)")
         add(f"{mode}.kv_last_page_len_host", (bs,), i32, "[B] CPU mirror (ones)")
+    if shared_prefix_served(cfg):
+        # The shared-prefix cascade: a prefix row a step (step s keeps min(L, w - s - 1),
+        # step 0 the most), the chains as a full layer's (w > S: every step's whole chain).
+        from ..config import shared_prefix_chain_need
+
+        mode = "flashinfer_swa.draft_decode_shared"
+        add(f"{mode}.prefix_kv_indices", (s, rail_prefix_total(total, bs, w)), i32,
+            "[S, Σmin(L, w - 1)] each prefix's window part once a step, in window-pool ids")  # fmt: skip
+        add(f"{mode}.prefix_kv_indptr", (s, bs + 1), i32, "[S, B+1] prefix-level CSR offsets")
+        add(f"{mode}.prefix_kv_indptr_host", (s, bs + 1), i32, "[S, B+1] CPU mirror")
+        add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
+        add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+        add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
+            "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
+        add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level offsets")
+        add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+        add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: a row a branch")
+        add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
+        add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
+        add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
+    # The paged form: full-length page lists (a page cannot be cut), window-pool pages, the
+    # pages below the read floor the sink; the consumer plans window_left = w - 1.
+    from ..config import branch_kv_indices_need
+
+    mode, ps = "flashinfer_swa.draft_decode_paged", cfg.page_size
+    add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
+        "[S, K*(ΣL + B*S)/ps + B*K] per-branch window-pool page lists, one row per step")  # fmt: skip
+    add(f"{mode}.kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] CSR offsets, in pages")
+    add(f"{mode}.kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+    add(f"{mode}.kv_last_page_len", (s, bs * k), i32, "[S, B*K] tokens on each last page")
+    add(f"{mode}.kv_last_page_len_host", (s, bs * k), i32, "[S, B*K] CPU mirror")
     mode = "flashinfer_swa.target_verify"
     mask = rail_mask_need(total, bs, n, w)
     add(f"{mode}.custom_mask", (mask,), "bool",
@@ -100,6 +145,12 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
         "packed-bit mask over the clipped lists, segment i at byte mask_indptr[i]")  # fmt: skip
     add(f"{mode}.packed_mask_indptr", (bs + 1,), i32, "[B+1] packed segment starts (bytes)")
     add(f"{mode}.packed_mask_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    # A ragged verify (design §2.9): its lists and masks fit the uniform ones (each list at
+    # most min(L, w - 1) + N entries, each block v·(min(L, w - 1) + min(v, N)) with Σv ≤ B·N).
+    add(f"{mode}.verify_lens", (bs,), i32, "[Bp] verify lengths padded to the bucket")
+    add(f"{mode}.verify_lens_host", (bs,), i32, "[Bp] CPU mirror")
+    add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of verify_lens")
+    add(f"{mode}.ragged_qo_indptr_host", (bs + 1,), i32, "[Bp+1] CPU mirror")
 
 
 def window_tree_keep(rail: int, depth: int, page_size: int) -> int:

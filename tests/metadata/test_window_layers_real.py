@@ -5,8 +5,11 @@ in window-pool ids through the engine's full → window pool map; FlashInfer's d
 wrappers, planned from its host mirrors, read them over a bf16 window pool, and each output is
 compared with float64 dense attention over exactly the positions the window read rail names,
 their ids taken from the rules (the row's id, then the map): draft decode through the decode
-wrapper, target verify through the prefill wrapper's custom mask (bool and packed), and causal
-prefills over the clipped lists (draft extend, a chain's verify) with ``window_left = w − 1``.
+wrapper (its per-branch page lists too, with ``window_left = w − 1``), its shared-prefix
+cascade through the cascade wrapper, target verify through the prefill wrapper's custom mask
+(bool and packed), causal prefills over the clipped lists (draft extend, a chain's verify)
+with ``window_left = w − 1``, and a ragged verify (design §2.9) through the prefill wrapper
+planned from its ragged mirrors.
 
 FlashInfer is imported, never skipped: where it is missing these tests fail
 (``scripts/gpu_kernels.sh`` installs it on the GPU machine); without a GPU the ``gpu`` marker
@@ -22,7 +25,7 @@ from specmeta import SpecConfig
 from specmeta.metadata.flashinfer import FlashInferBuilder
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id
+from tests._support import emitted_id, padded_lengths, verify_split
 
 pytestmark = pytest.mark.gpu
 
@@ -120,6 +123,78 @@ def test_gpu_window_draft_decode_through_flashinfer(gen, flashinfer, workspace, 
         c.check(wrapper, lists, f"window draft decode k={k} ps={ps} w={w} step {s}")
 
 
+@pytest.mark.parametrize("k,ps,w", [(2, 1, 4), (4, 16, 40), (8, 64, 130)])
+def test_gpu_window_shared_prefix_through_flashinfer(gen, flashinfer, workspace, k, ps, w):
+    """The shared-prefix cascade of a window layer (``w > S``) through
+    ``MultiLevelCascadeAttentionWrapper``: step ``s`` plans its own prefix level (each
+    request's last ``min(L, w − s − 1)`` positions) and its chain level, and each branch row
+    reads the last ``min(L + s + 1, w)`` of its prefix and chain. Every prefix is at least one
+    token (the wrapper's empty-level rows are wrong, design §8; a drafting request has one)."""
+    c = _Case(gen, k, ps, w)
+    c.batch.seq_lens.clamp_(min=1)
+    c.batch.seq_lens_cpu = c.batch.seq_lens.cpu()
+    c.kw["seq_lens_cpu"] = c.batch.seq_lens_cpu
+    meta = c.builder.draft_decode_shared_prefix(*c.args, num_rows=S, **c.kw)
+    for s, step in enumerate(meta.steps):
+        wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
+        wrapper.plan(list(step.qo_indptr_host_arr), list(step.paged_kv_indptr_host_arr),
+                     list(step.paged_kv_indices_arr), list(step.paged_kv_last_page_len_host_arr),
+                     H, H_KV, D, 1, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+        lists = []
+        for b, L in enumerate(c.batch.seq_lens_cpu.tolist()):
+            for t in range(k):
+                seq = list(range(L)) + c.chain(L, t, s + 1)
+                lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
+        c.check(wrapper, lists, f"window shared prefix k={k} ps={ps} w={w} step {s}")
+
+
+@pytest.mark.parametrize("k,ps,w", [(1, 16, 40), (4, 16, 7), (8, 64, 130), (2, 4, 3)])
+def test_gpu_window_paged_draft_decode_through_flashinfer(gen, flashinfer, workspace, k, ps, w):
+    """The paged form of a window layer: full-length page lists in window-pool pages (the
+    window pool paging like the full pool, the engine's evictions below each read floor),
+    planned with ``window_left = w − 1``; every branch row reads the last ``min(L + s + 1,
+    w)`` of its prefix and chain, the layout-B prefix-tail copies made in the window pool."""
+    c = _Case(gen, k, ps, w)
+    pages = c.batch.pool_size // ps
+    perm = torch.cat([torch.zeros(1, dtype=torch.int64),
+                      1 + torch.randperm(2 * pages - 1, generator=gen)[: pages - 1]])  # fmt: skip
+    c.f2s = (perm.view(-1, 1) * ps + torch.arange(ps)).view(-1)
+    rows = c.batch.req_to_token.cpu()
+    lengths = c.batch.seq_lens_cpu.tolist()
+    for b, L in enumerate(lengths):  # the engine evicts what no later query reads
+        row = rows[int(c.batch.req_pool_indices[b])]
+        for p in range(max(0, L - w + 1)):
+            slot = emitted_id(row, p, c.v2p, E=1, ps=ps)
+            if slot:
+                c.f2s[slot] = -1
+    c.kw["full_to_swa"] = c.f2s.cuda()
+    if k > 1:  # the layout-B prefix-tail copies, in the window pool too
+        for b, L in enumerate(lengths):
+            lpl = L % ps
+            for t in range(1, k):
+                region = c.chain(L, t, 1)[0] - lpl
+                for u in range(lpl):
+                    src, tgt = c.ids(b, [L - lpl + u, region + u])
+                    for pool in (c.k_pool, c.v_pool, c.k64, c.v64):
+                        pool[tgt] = pool[src]
+    meta = c.builder.draft_decode_paged(*c.args, num_rows=S, **c.kw)
+    for s, step in enumerate(meta.steps):
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(step.kv_indptr_host, step.kv_indices, step.kv_last_page_len_host, H, H_KV,
+                     D, ps, window_left=w - 1, q_data_type=DTYPE, kv_data_type=DTYPE)  # fmt: skip
+        lists = []
+        for b, L in enumerate(lengths):
+            for t in range(k):
+                seq = list(range(L)) + c.chain(L, t, s + 1)
+                lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
+        q = torch.randn(len(lists), H, D, generator=gen).to("cuda", DTYPE)
+        out = wrapper.run(q, (c.k_pool.view(-1, ps, H_KV, D), c.v_pool.view(-1, ps, H_KV, D)))
+        want, _ = dense_attention(q.double().cpu(), c.k64, c.v64, lists)
+        torch.testing.assert_close(out.double().cpu(), want, rtol=TOL, atol=TOL,
+                                   msg=lambda m, s=s: f"window paged k={k} ps={ps} w={w} [{s}]: {m}")  # fmt: skip
+    assert int(c.builder.status) == 0, "an eviction below the floor was read"
+
+
 def _tree_lists(c):
     """Node ``j`` (at ``L + d_j``) reads its prefix above ``L + d_j − w`` and its ancestors
     ``a`` with ``d_a > d_j − w``, depths from the ancestor mask."""
@@ -165,3 +240,45 @@ def test_gpu_window_causal_prefill_with_window_left(gen, flashinfer, workspace, 
     lists = [c.ids(b, range(max(0, L + j - w + 1), L + j + 1))
              for b, L in enumerate(c.batch.seq_lens_cpu.tolist()) for j in range(c.n)]  # fmt: skip
     c.check(wrapper, lists, f"window {mode} ps={ps} w={w}")
+
+
+def _ragged_lists(c, lens):
+    """A window layer's ragged verify (design §2.9, §2.10), request ``b`` verifying ``v_b``
+    rows: node ``j < min(v_b, N)`` reads its prefix above ``L + d_j − w`` and its ancestors
+    among the first ``min(v_b, N)`` within ``w``; a filler row (``j ≥ N``) the request's whole
+    clipped list, ``max(0, L − w + 1) … L + min(v_b, N) − 1``."""
+    lists = []
+    for b, (L, v) in enumerate(zip(c.batch.seq_lens_cpu.tolist(), lens, strict=True)):
+        m, nodes, first = c.tree[b].cpu(), min(v, c.n), max(0, L - c.w + 1)
+        depth = [int(m[j, :nodes].sum()) - 1 for j in range(nodes)]
+        for j in range(v):
+            if j >= c.n:
+                lists.append(c.ids(b, range(first, L + nodes)))
+                continue
+            pos = [p for p in range(first, L) if p > L + depth[j] - c.w]
+            pos += [L + a for a in range(nodes) if m[j, a] and depth[a] > depth[j] - c.w]
+            lists.append(c.ids(b, pos))
+    return lists
+
+
+@pytest.mark.parametrize("how", ["random", "zeros", "one_takes_all", "no_pad_leftover"])
+@pytest.mark.parametrize("packed", [False, True], ids=["bool", "packed"])
+@pytest.mark.parametrize("k,ps,w", [(1, 16, 3), (4, 1, 2), (2, 64, 50), (8, 16, 400)])
+def test_gpu_window_ragged_verify_through_flashinfer(gen, flashinfer, workspace, k, ps, w,
+                                                     packed, how):  # fmt: skip
+    """A window layer's ragged verify over a bucket of 5 requests, planned from the host
+    mirrors of ``verify_lens_cpu``: every row of the bucket, filler rows too."""
+    c = _Case(gen, k, ps, w)
+    real, T = verify_split(gen, 5, c.n, how)
+    meta = c.builder.target_verify(
+        *c.args, c.tree, packed=packed, num_tokens=T,
+        verify_lens=torch.tensor(real, dtype=torch.int32, device="cuda"),
+        verify_lens_cpu=torch.tensor(real, dtype=torch.int32), **c.kw,
+    )  # fmt: skip
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    wrapper.plan(meta.qo_indptr_host, meta.kv_indptr_host, meta.kv_indices,
+                 meta.kv_last_page_len_host, H, H_KV, D, 1, custom_mask=meta.custom_mask,
+                 packed_custom_mask=meta.packed_custom_mask, causal=False, q_data_type=DTYPE,
+                 kv_data_type=DTYPE)  # fmt: skip
+    lists = _ragged_lists(c, padded_lengths(real, T, 5))
+    c.check(wrapper, lists, f"window ragged verify k={k} ps={ps} w={w} {how} {real} T={T}")
