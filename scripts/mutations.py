@@ -1916,13 +1916,6 @@ MUTATIONS: list[Mutation] = [
        "    if False:\n",
        ["tests/kernels/test_fa3_window_trees.py", "-k", "refusals"]),
     # ------------------ FlashInfer window layers: ragged verify, cascade, paged (design §2.10)
-    _m("h-fa3-swa-tree-served", "host_check",
-       "FA3's window builder takes topk > 1 (a cascade's prefix pass cannot hold each row's "
-       "window)",
-       "specmeta/metadata/fa3_window.py",
-       "        if cfg.topk > 1:\n",
-       "        if False:\n",
-       ["tests/metadata/test_fa3_window_builders.py", "-k", "refusals"]),
     _m("k-rail-ragged-offsets-full", "kernel",
        "a window layer's ragged verify lists are placed by the full prefix lengths of earlier "
        "requests",
