@@ -1,10 +1,10 @@
 """What each builder serves and which planned buffers it allocates, as plain data (design §3).
 
 The builders (:mod:`.contract`, :mod:`.fa3`, :mod:`.flashinfer`, :mod:`.trtllm_mla`,
-:mod:`.flashinfer_mla`) read their
-capabilities, plan groups and FlashInfer's mask fields from here, and so does ``specmeta plan``,
-which sizes a configuration without importing torch or Triton (seconds): this module imports
-neither.
+:mod:`.flashinfer_mla`, and the window layers' :mod:`.fa3_window`, :mod:`.flashinfer_window`)
+read their capabilities, plan groups and FlashInfer's mask fields from here, and so does
+``specmeta plan``, which sizes a configuration without importing torch or Triton (seconds): this
+module imports neither.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from .window_plan import FLASHINFER_WINDOW_MODES, WINDOW_MODES  # torch-free, like this module
+
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["Capabilities", "BUILDERS", "MODES", "CAPABILITIES", "PLAN_GROUPS", "VERIFY_MASKS",
-           "VERIFY_MASK_FIELDS", "verify_mask_keys", "plan_keys"]  # fmt: skip
+__all__ = ["Capabilities", "BUILDERS", "MODES", "CAPABILITIES", "FA3_WINDOW_CAPABILITIES",
+           "FLASHINFER_WINDOW_CAPABILITIES", "PLAN_GROUPS", "VERIFY_MASKS", "VERIFY_MASK_FIELDS",
+           "verify_mask_keys", "plan_keys"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,27 @@ CAPABILITIES = {
         graph_safe=frozenset(_DECODE_VERIFY_EXTEND),
     ),
 }
+#: What FA3's window-layer builder serves (``FA3WindowBuilder``, design §2.10): chains and trees
+#: in its three modes, a ragged verify too. A config's draft window bounds the draft model, not
+#: a window layer: no window builder builds one (``draft_window`` empty).
+FA3_WINDOW_CAPABILITIES = Capabilities(
+    modes=WINDOW_MODES,
+    tree_draft=True,
+    tree_verify=True,
+    page_sizes="any",
+    graph_safe=frozenset(WINDOW_MODES),
+)
+#: What FlashInfer's window-layer builder serves (``FlashInferWindowBuilder``, design §2.10):
+#: the page-size-1 draft lists, the shared-prefix cascade (its ``check_modes`` adds the one rule
+#: these fields cannot say: only for a window wider than the draft steps,
+#: :func:`.window_plan.shared_prefix_served`), the paged form, and the prefill lists.
+FLASHINFER_WINDOW_CAPABILITIES = Capabilities(
+    modes=FLASHINFER_WINDOW_MODES,
+    tree_draft=True,
+    tree_verify=True,
+    page_sizes="any",
+    graph_safe=frozenset(FLASHINFER_WINDOW_MODES),
+)
 #: The plan group (``"<backend>.<group>.<field>"``) of each mode whose group differs from it.
 PLAN_GROUPS: dict[str, dict[str, str]] = {
     "fa3": {},

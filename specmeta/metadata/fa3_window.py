@@ -47,27 +47,17 @@ import torch
 from ..config import SpecConfig
 from ..kernels._window import check_window, window_layer_config
 from ..stage import Stage
-from .capabilities import Capabilities
+from .capabilities import FA3_WINDOW_CAPABILITIES  # torch-free: specmeta plan reads it too
 from .fa3 import FA3MetadataBuilder
 from .fa3_results import FA3Cascade, FA3DraftDecode
 from .window_plan import (
     FA3_WINDOW_PREFIX,
-    WINDOW_MODES,
     fa3_window_verify_width,
     window_tree_gap,
     window_tree_prefix_pages,
 )
 
 __all__ = ["FA3WindowBuilder", "FA3_WINDOW_CAPABILITIES"]
-
-#: What FA3's window builder serves: the chain modes and a tree's.
-FA3_WINDOW_CAPABILITIES = Capabilities(
-    modes=WINDOW_MODES,
-    tree_draft=True,
-    tree_verify=True,
-    page_sizes="any",
-    graph_safe=frozenset(WINDOW_MODES),
-)
 
 
 class FA3WindowBuilder(FA3MetadataBuilder):

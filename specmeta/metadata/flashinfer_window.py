@@ -55,7 +55,7 @@ from ..kernels.shared_prefix_kv_indices import (
 )
 from ..stage import Stage
 from . import host_ops
-from .capabilities import Capabilities, verify_mask_keys
+from .capabilities import FLASHINFER_WINDOW_CAPABILITIES, verify_mask_keys
 from .flashinfer import FlashInferBuilder
 from .flashinfer_results import (
     FlashInferCascadeDecode,
@@ -70,15 +70,10 @@ __all__ = ["FlashInferWindowBuilder", "RailDraftIndptr", "RailPrefixIndptr",
 
 _SHARED = "draft_decode_shared_prefix"
 #: What a window layer's builder serves: the page-size-1 draft lists (per branch, or the
-#: shared-prefix cascade for ``w > S``) and the prefill lists. A config's draft window bounds
-#: the draft model, not a window layer: with one, draft decode is not served here.
-WINDOW_CAPABILITIES = Capabilities(
-    modes=FLASHINFER_WINDOW_MODES,
-    tree_draft=True,
-    tree_verify=True,
-    page_sizes="any",
-    graph_safe=frozenset(FLASHINFER_WINDOW_MODES),
-)
+#: shared-prefix cascade for ``w > S``), the paged form and the prefill lists. A config's draft
+#: window bounds the draft model, not a window layer: with one, draft decode is not served here.
+#: Torch-free data (:mod:`.capabilities`), which ``specmeta plan`` reads too.
+WINDOW_CAPABILITIES = FLASHINFER_WINDOW_CAPABILITIES
 
 
 class RailDraftIndptr:
@@ -173,7 +168,7 @@ class FlashInferWindowBuilder(FlashInferBuilder):
 
     plan_prefix = WINDOW_PREFIX
     capabilities = WINDOW_CAPABILITIES
-    plan_groups: dict[str, str] = {_SHARED: "draft_decode_shared"}
+    # plan_groups: FlashInferBuilder's (the shared-prefix form's keys under draft_decode_shared)
 
     @classmethod
     def plan_keys(cls, cfg: SpecConfig, modes: Iterable[str] | None = None,
