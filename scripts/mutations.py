@@ -1772,25 +1772,6 @@ MUTATIONS: list[Mutation] = [
        "        spaces[planned.space][0] += dev\n",
        "        spaces[\"full\"][0] += dev\n",
        ["tests/test_cli.py", "-k", "totals_each_id_space"]),
-    _m("c-plan-fa3-window-tree", "config",
-       "specmeta plan takes FA3 for a tree's window layers, which its window builder refuses",
-       "specmeta/plan_report.py",
-       "        if self.chains_only and cfg.topk > 1:\n",
-       "        if False:\n",
-       ["tests/test_cli.py", "-k", "follow_the_backend_selection"]),
-    _m("c-plan-window-draft-form", "config",
-       "specmeta plan gives the window builder no draft_decode for the full layers' shared-prefix "
-       "draft decode (the window builder's one draft form)",
-       "specmeta/plan_report.py",
-       '    steps = {"draft_decode" if mode.startswith("draft_decode") else mode for mode in modes}',
-       "    steps = set(modes)",
-       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
-    _m("c-plan-window-modes-ignored", "config",
-       "specmeta plan plans every mode of a window builder whatever --modes says",
-       "specmeta/plan_report.py",
-       "chosen = tuple(m for m in served if m in window_modes(modes)) if modes else served",
-       "chosen = served",
-       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
     _m("c-plan-window-mask-form", "config",
        "specmeta plan keeps both mask forms of FlashInfer's window builder whatever --verify-mask "
        "says (the builder allocates one)",
@@ -1798,13 +1779,6 @@ MUTATIONS: list[Mutation] = [
        '    if backend == "flashinfer":\n',
        "    if False:\n",
        ["tests/test_cli.py", "-k", "window_plan_keys_are"]),
-    _m("c-plan-window-ragged-bucket", "config",
-       "specmeta plan --verify-buckets lets a ragged verify bucket through for window layers, "
-       "whose builders refuse a ragged verify",
-       "specmeta/cli.py",
-       '            why.append("window layers: no ragged verify")\n',
-       "            pass\n",
-       ["tests/test_cli.py", "-k", "ragged_verify_bucket_of_window"]),
     # ------------------------------------------- TRT-LLM MLA's tree verify (design §3.4)
     _m("st-trtllm-tree-prefix-reads-window", "stage",
        "TRT-LLM MLA's tree verify lists each request's pages over L + N in its prefix pass, as "
@@ -2023,6 +1997,48 @@ MUTATIONS: list[Mutation] = [
        "            **self._window_lists(\"draft_decode_paged\", full_to_swa),\n",
        "            sliding_window_size=self.sliding_window_size,\n",
        ["tests/metadata/test_window_builders.py", "-k", "paged_draft_decode_read and torch"]),
+    # ------------- specmeta plan: the window forms of the full layers' modes (design §2.10, §5)
+    _m("c-plan-window-forms-ignored", "config",
+       "specmeta plan plans every mode of a window builder whatever --modes says",
+       "specmeta/plan_report.py",
+       "        chosen = tuple(m for m in window.served(cfg) if m in wanted)\n",
+       "        chosen = window.served(cfg)\n",
+       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
+    _m("c-plan-window-form-is-draft-decode", "config",
+       "specmeta plan gives FlashInfer's window builder draft_decode for the full layers' "
+       "shared-prefix or paged draft decode, which its window builder builds itself",
+       "specmeta/plan_report.py",
+       "        if why is None:\n            return mode, None\n",
+       "        if why is None:\n"
+       "            return (\"draft_decode\" if mode.startswith(\"draft_decode\") else mode), None\n",
+       ["tests/test_cli.py", "-k", "window_totals_are_what"]),
+    _m("c-plan-window-shared-any-width", "config",
+       "specmeta plan plans a window layer's shared-prefix cascade for w <= S, which its builder "
+       "refuses (a step would keep no prefix position)",
+       "specmeta/plan_report.py",
+       "        if why is None and mode in self.wide_window and not shared_prefix_served(cfg):\n",
+       "        if False:\n",
+       ["tests/test_cli.py", "-k", "no_wider_than_the_steps"]),
+    _m("c-plan-window-shared-no-fallback", "config",
+       "specmeta plan gives the window layers no draft decode for the full layers' shared-prefix "
+       "form when w <= S, where the window builder's draft_decode serves it",
+       "specmeta/plan_report.py",
+       "            return \"draft_decode\", why\n",
+       "            return None, why\n",
+       ["tests/test_cli.py", "-k", "no_wider_than_the_steps"]),
+    _m("c-plan-window-named-mode-unbuilt", "config",
+       "specmeta plan lets a named --backend through for a --modes entry its window builder "
+       "builds no form of (planning its window layers without it)",
+       "specmeta/cli.py",
+       "    unbuilt = {mode: why for mode, (form, why) in forms.items() if form is None}\n",
+       "    unbuilt = {}\n",
+       ["tests/test_cli_messages.py", "-k", "named_mode_no_window"]),
+    _m("c-plan-window-unbuilt-unsaid", "config",
+       "specmeta plan says nothing of a full layers' mode its window builder builds no form of",
+       "specmeta/plan_report.py",
+       "            if form is None:\n",
+       "            if False:\n",
+       ["tests/test_cli.py", "-k", "mode_the_window_builder_does_not_build"]),
 ]
 # fmt: on
 

@@ -263,29 +263,50 @@ def _unserved(backend: str, missing: list[str], cfg: SpecConfig) -> UsageError:
     )
 
 
-def _no_window(backend: str, cfg: SpecConfig) -> str | None:
-    """Why ``backend`` builds no window layers for ``cfg`` (design §2.10), or ``None``."""
+def _no_window(backend: str, cfg: SpecConfig,
+               wanted: tuple[str, ...]) -> tuple[tuple[str, ...], str] | None:  # fmt: skip
+    """Why ``backend`` builds no window layers for ``cfg`` (design §2.10), or none for some
+    modes ``--modes`` names (``wanted``): ``(those modes, why)``, no modes when it has no
+    window builder; ``None`` when it builds them. A named mode needs a window form
+    (:meth:`~specmeta.plan_report.WindowBuilder.form`): the mode itself, or for a draft form
+    the window builder's ``draft_decode``."""
     window = WINDOW_BUILDERS.get(backend)
-    return "it has no window-layer builder" if window is None else window.refusal(cfg)
+    if window is None:
+        return (), "it has no window-layer builder"
+    forms = {mode: window.form(mode, cfg) for mode in wanted}
+    unbuilt = {mode: why for mode, (form, why) in forms.items() if form is None}
+    if not unbuilt:
+        return None
+    return tuple(unbuilt), (f"its {window.builder} builds no form of {' or '.join(unbuilt)} "
+                            f"({'; '.join(unbuilt.values())})")  # fmt: skip
 
 
-def _unwindowed(backend: str, why: str, cfg: SpecConfig, wanted: tuple[str, ...]) -> UsageError:
-    """The error for ``--sliding-window-size`` with a ``--backend`` that builds no window layers."""
-    others = [b for b in BACKENDS if b != backend and _no_window(b, cfg) is None
+def _scope(modes: tuple[str, ...]) -> str:
+    """What a backend builds no window layers for: the config, or the ``--modes`` entries."""
+    return f"--modes {' '.join(modes)}" if modes else "this config"
+
+
+def _unwindowed(backend: str, modes: tuple[str, ...], why: str, cfg: SpecConfig,
+                wanted: tuple[str, ...]) -> UsageError:  # fmt: skip
+    """The error for ``--sliding-window-size`` with a ``--backend`` that builds no window layers
+    (for the config, or for the ``modes`` of ``--modes``)."""
+    others = [b for b in BACKENDS if b != backend and _no_window(b, cfg, wanted) is None
               and all(CAPABILITIES[b].serves(m, cfg) for m in wanted)]  # fmt: skip
     alternative = (f", or pass --backend {' '.join(others)}, which "
                    f"build{'s' if len(others) == 1 else ''} them" if others else "")  # fmt: skip
+    drop = f"{' '.join(modes)} from --modes or " if modes else ""
     return UsageError(
         f"--sliding-window-size {cfg.sliding_window_size}: --backend {backend} "
-        f"({BUILDERS[backend]}) builds no window layers for this config, design §2.10: {why}; "
-        f"drop --sliding-window-size{alternative}"
+        f"({BUILDERS[backend]}) builds no window layers for {_scope(modes)}, design §2.10: "
+        f"{why}; drop {drop}--sliding-window-size{alternative}"
     )
 
 
 def _select(args: argparse.Namespace, cfg: SpecConfig) -> tuple[list[str], list[str]]:
     """The backends to plan and a line for each one left out: a backend named with --backend
-    that does not serve every --modes entry, or builds no window layers for the config, is an
-    error; one of the default backends is left out (unless it is the last)."""
+    that does not serve every --modes entry, or builds no window layers for the config or for
+    an entry of --modes, is an error; one of the default backends is left out (unless it is the
+    last)."""
     backends = [b for b in BACKENDS if b in (args.backend or BACKENDS)]
     wanted = tuple(dict.fromkeys(args.modes or ()))
     skipped = []
@@ -299,14 +320,14 @@ def _select(args: argparse.Namespace, cfg: SpecConfig) -> tuple[list[str], list[
         elif missing:
             raise _unserved(backend, missing, cfg)
     for backend in list(backends) if cfg.sliding_window_size else ():
-        why = _no_window(backend, cfg)
-        if why and args.backend is None and len(backends) > 1:
+        no_window = _no_window(backend, cfg, wanted)
+        if no_window and args.backend is None and len(backends) > 1:
             backends.remove(backend)  # a hybrid model needs both builders of its backend
             skipped.append(f"{backend}: not planned, {BUILDERS[backend]} builds no window layers "
-                           f"for this config (--sliding-window-size {cfg.sliding_window_size}): "
-                           f"{why}")  # fmt: skip
-        elif why:
-            raise _unwindowed(backend, why, cfg, wanted)
+                           f"for {_scope(no_window[0])} (--sliding-window-size "
+                           f"{cfg.sliding_window_size}): {no_window[1]}")  # fmt: skip
+        elif no_window:
+            raise _unwindowed(backend, *no_window, cfg, wanted)
     return backends, skipped
 
 
@@ -359,14 +380,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _print_buckets(cfg, buckets, window: list[str]) -> list[str]:
     """The ragged verify's buckets (design §2.9) against the plan: a bucket of ``T`` tokens over
     ``Bp`` requests fits when ``Bp ≤ max_bs`` and ``T ≤ Bp·N`` (every list, mask and expand
-    row a ragged build writes then lies within what the plan sizes for the uniform verify),
-    and no window builder is planned (``window``: none builds a ragged verify, design §2.10).
-    Returns the buckets that do not fit."""
+    row a ragged build writes then lies within what the plan sizes for the uniform verify).
+    The window builders (``window``) build a ragged verify too, their ragged buffers planned
+    for the same ``max_bs`` requests and ``max_bs·N`` tokens (design §2.10), so the same
+    buckets fit them. Returns the buckets that do not fit."""
     if not buckets:
         return []
     n, misfits = cfg.num_draft_tokens, []
     print("\nragged verify buckets (T tokens over Bp requests, design §2.9): the builders' "
           "buffers serve every\nbucket with Bp <= max_bs and T <= Bp·N")  # fmt: skip
+    if window:
+        print(f"  (the window builders' too: {', '.join(window)}, sized for the same buckets, "
+              "design §2.10)")  # fmt: skip
     rows = [("bucket", "fits", "why")]
     for T, bp in buckets:
         why = []
@@ -374,18 +399,12 @@ def _print_buckets(cfg, buckets, window: list[str]) -> list[str]:
             why.append(f"Bp > max_bs = {cfg.max_bs}")
         if T > bp * n:
             why.append(f"T > Bp·N = {bp * n}")
-        if window:
-            why.append("window layers: no ragged verify")
         rows.append((f"{T}:{bp}", "no" if why else "yes",
                      "; ".join(why) or f"T <= Bp·N = {bp * n}, Bp <= max_bs"))  # fmt: skip
         if why:
             misfits.append(f"{T}:{bp}")
     for line in table(rows, right=set()):
         print(line)
-    if window:
-        print(f"  window layers: {', '.join(window)} build{'s' if len(window) == 1 else ''} no "
-              "ragged verify yet (design §2.10);\n  verify them with the uniform layout "
-              "(verify_lens=None)")  # fmt: skip
     return misfits
 
 
@@ -580,9 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--sliding-window-size", type=_non_negative_int, default=0, metavar="w",
                       help="a hybrid model's window layers: each query at position p reads "
                       "(p - w, p] from a second KV pool; each --backend's window builder "
-                      "(FlashInfer's; FA3's for --topk 1) is planned beside its full layers' one "
-                      "and the window pool's metadata totalled apart; a backend that builds no "
-                      "window layers is left out, or an error if named (default: 0, none)")  # fmt: skip
+                      "(FA3's, FlashInfer's) is planned beside its full layers' one for the "
+                      "window form of each mode, and the window pool's metadata totalled apart; "
+                      "a backend that builds no window layers (for a mode --modes names) is left "
+                      "out, or an error if named (default: 0, none)")  # fmt: skip
     plan.add_argument("--verify-buckets", nargs="+", type=_bucket, metavar="T:BP",
                       help="a ragged verify's captured buckets, T tokens over BP requests "
                       "(design §2.9): each is checked against the plan (BP <= --max-bs, "

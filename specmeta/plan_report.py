@@ -5,9 +5,12 @@ A configuration with window layers (``sliding_window_size = w``, design §2.10) 
 full layers' builder, that backend's window builder: ``FlashInferBuilder(cfg, device,
 sliding_window_size=w)`` (a ``FlashInferWindowBuilder``, plan keys ``flashinfer_swa.*``) and
 ``FA3MetadataBuilder(cfg, device, sliding_window_size=w)`` (an ``FA3WindowBuilder``,
-``fa3_swa.*``). An engine makes one window builder per id space, not one per layer: every window
-layer reads the same lists. Its buffers hold window-pool ids, so the plan totals the full pool's
-metadata and the window pool's apart.
+``fa3_swa.*``), for chains and trees, each made for the window form of the full layers' modes
+(the same mode where it builds it; FlashInfer's shared-prefix cascade, built for ``w > S`` only,
+is its ``draft_decode`` otherwise). An engine makes one window builder per id space, not one per
+layer: every window layer reads the same lists. Its buffers hold window-pool ids, so the plan
+totals the full pool's metadata and the window pool's apart. What the window builders serve is
+the data their classes read (:mod:`specmeta.metadata.capabilities`), not a copy.
 
 Torch-free, like the plan it reads (:func:`specmeta.config.plan_sizes`): ``specmeta plan`` needs
 neither torch nor Triton.
@@ -20,14 +23,23 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .config import check_fits, human_bytes
-from .metadata.capabilities import BUILDERS, CAPABILITIES, Capabilities, plan_keys, verify_mask_keys
-from .metadata.window_plan import FA3_WINDOW_PREFIX, WINDOW_MODES, WINDOW_PREFIX
+from .metadata.capabilities import (
+    BUILDERS,
+    CAPABILITIES,
+    FA3_WINDOW_CAPABILITIES,
+    FLASHINFER_WINDOW_CAPABILITIES,
+    PLAN_GROUPS,
+    Capabilities,
+    plan_keys,
+    verify_mask_keys,
+)
+from .metadata.window_plan import FA3_WINDOW_PREFIX, WINDOW_PREFIX, shared_prefix_served
 
 if TYPE_CHECKING:
     from .config import SpecConfig
 
 __all__ = ["ENGINE_GROUPS", "ID_SPACES", "WindowBuilder", "WINDOW_BUILDERS", "Planned",
-           "window_modes", "window_plan_keys", "plan_builders", "human", "table", "print_header",
+           "window_plan_keys", "plan_builders", "human", "table", "print_header",
            "print_builder", "print_engine", "print_summary"]  # fmt: skip
 
 # What uses each group of plan keys that no builder allocates (the engine allocates those it
@@ -59,55 +71,73 @@ class WindowBuilder:
     builder : str
         The class its backend's builder makes for ``sliding_window_size=w``.
     capabilities : Capabilities
-        What it serves; the same as the class's own (a test compares them).
-    chains_only : bool
-        Made for ``topk = 1`` only (the plan then has no keys of it for a tree).
+        What it serves: the object its class reads (:mod:`specmeta.metadata.capabilities`).
+    wide_window : tuple of str
+        Modes it builds only for a window wider than the draft steps (FlashInfer's
+        shared-prefix cascade, :func:`~specmeta.metadata.window_plan.shared_prefix_served`),
+        as its ``check_modes`` refuses them.
     """
 
     key: str
     builder: str
     capabilities: Capabilities
-    chains_only: bool = False
+    wide_window: tuple[str, ...] = ()
 
-    def refusal(self, cfg: SpecConfig) -> str | None:
-        """Why it cannot be made for ``cfg`` (FA3's for a tree), or ``None``."""
-        if self.chains_only and cfg.topk > 1:
-            return (f"its {self.builder} serves chains only, topk=1: a tree's cascade reads "
-                    "the shared prefix in one pass whose rows each have their own window")  # fmt: skip
-        return None
+    def why_not(self, mode: str, cfg: SpecConfig) -> str | None:
+        """Why it does not build ``mode`` for ``cfg`` (its capabilities' reason, or a window no
+        wider than the draft steps), or ``None``."""
+        if mode not in self.capabilities.modes:
+            return f"{self.builder} has no {mode}"
+        why = self.capabilities.why_not(mode, cfg)
+        if why is None and mode in self.wide_window and not shared_prefix_served(cfg):
+            return (f"{mode} needs a window wider than the draft steps (sliding_window_size="
+                    f"{cfg.sliding_window_size} <= num_steps={cfg.num_steps}: a step would "
+                    "keep no prefix position)")  # fmt: skip
+        return why
+
+    def served(self, cfg: SpecConfig) -> tuple[str, ...]:
+        """Every mode it builds for ``cfg``, in its capabilities' order (its default modes)."""
+        return tuple(m for m in self.capabilities.modes if self.why_not(m, cfg) is None)
+
+    def form(self, mode: str, cfg: SpecConfig) -> tuple[str | None, str | None]:
+        """The mode it builds for the full layers' ``mode``, and why that is not ``mode``
+        itself (design §2.10): ``(mode, None)`` where it serves ``mode``; for another draft
+        form it does not serve (the shared-prefix cascade for ``w ≤ S``) its ``draft_decode``,
+        whose per-branch lists serve any window; ``(None, why)`` where it serves neither."""
+        why = self.why_not(mode, cfg)
+        if why is None:
+            return mode, None
+        if mode.startswith("draft_decode") and self.why_not("draft_decode", cfg) is None:
+            return "draft_decode", why
+        return None, why
 
 
-#: The window builder of each backend that has one (design §2.10): FlashInfer's serves chains
-#: and trees, FA3's chains only; TRT-LLM MLA and FlashInfer MLA have none.
+#: The window builder of each backend that has one (design §2.10), what it serves read from
+#: the data its class reads: FA3's serves chains and trees in its three modes, FlashInfer's
+#: those and its shared-prefix (``w > S``) and paged draft forms; TRT-LLM MLA and FlashInfer
+#: MLA have none.
 WINDOW_BUILDERS = {
-    "fa3": WindowBuilder(FA3_WINDOW_PREFIX[:-1], "FA3WindowBuilder", Capabilities(
-        modes=WINDOW_MODES, tree_draft=False, tree_verify=False, page_sizes="any",
-        graph_safe=frozenset(WINDOW_MODES)), chains_only=True),
-    "flashinfer": WindowBuilder(WINDOW_PREFIX[:-1], "FlashInferWindowBuilder", Capabilities(
-        modes=WINDOW_MODES, tree_draft=True, tree_verify=True, page_sizes="any",
-        graph_safe=frozenset(WINDOW_MODES))),
+    "fa3": WindowBuilder(FA3_WINDOW_PREFIX[:-1], "FA3WindowBuilder", FA3_WINDOW_CAPABILITIES),
+    "flashinfer": WindowBuilder(WINDOW_PREFIX[:-1], "FlashInferWindowBuilder",
+                                FLASHINFER_WINDOW_CAPABILITIES,
+                                wide_window=("draft_decode_shared_prefix",)),
 }  # fmt: skip
-
-
-def window_modes(modes: Iterable[str]) -> tuple[str, ...]:
-    """The window builder's modes for the steps the full layers' ``modes`` build: each mode's
-    own, a draft-decode form (shared-prefix, paged) the window builder's ``draft_decode``, the
-    one form it builds; in :data:`WINDOW_MODES` order."""
-    steps = {"draft_decode" if mode.startswith("draft_decode") else mode for mode in modes}
-    return tuple(mode for mode in WINDOW_MODES if mode in steps)
 
 
 def window_plan_keys(backend: str, keys: Iterable[str], modes: Iterable[str],
                      verify_mask: str = "both") -> list[str]:  # fmt: skip
     """The plan keys among ``keys`` that ``backend``'s window builder serving ``modes``
-    allocates (its own host mirrors included); FlashInfer's drops the mask form that
-    ``verify_mask`` does not build, as its full layers' builder does."""
-    window = WINDOW_BUILDERS[backend]
+    allocates (its own host mirrors included): its modes' groups are its backend's
+    (FlashInfer's shared-prefix form under ``draft_decode_shared``), and FlashInfer's drops the
+    mask form that ``verify_mask`` does not build, as its full layers' builder does."""
+    prefix = WINDOW_BUILDERS[backend].key + "."
+    groups = {PLAN_GROUPS[backend].get(m, m) for m in modes}
     dropped = set()
     if backend == "flashinfer":
         dropped = {key.replace("flashinfer.", WINDOW_PREFIX, 1)
                    for key in verify_mask_keys(verify_mask)}  # fmt: skip
-    return [key for key in plan_keys(window.key, keys, modes) if key not in dropped]
+    return [key for key in keys if key.startswith(prefix) and key not in dropped
+            and key[len(prefix) :].split(".", 1)[0] in groups]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +163,10 @@ def plan_builders(cfg: SpecConfig, plan: Mapping[str, Any], backends: Iterable[s
                   ) -> tuple[list[Planned], list[str]]:  # fmt: skip
     """The builders a plan of ``backends`` lists: each backend's for ``modes`` (default: every
     mode it serves for ``cfg``), then, when ``cfg`` has window layers, its window builder for
-    the same steps (:func:`window_modes`; default: every mode it serves), with a line for each
-    window builder not planned (none for the backend or the config, or none of the steps
-    served). ``verify_mask`` is FlashInfer's builders'."""
+    the window form of each of those modes (:meth:`WindowBuilder.form`), with a line for each
+    full-layer mode whose window form is another mode or none, and for each backend with no
+    window builder. ``verify_mask`` is FlashInfer's builders'. The command line has refused (or
+    left out) a backend whose window builder builds no form of a mode ``modes`` names."""
     w = cfg.sliding_window_size
     builders, notes = [], []
     own = ("status", "host_lengths_host", "host_lengths_seen")  # every builder owns them
@@ -151,18 +182,24 @@ def plan_builders(cfg: SpecConfig, plan: Mapping[str, Any], backends: Iterable[s
         if not w:
             continue
         window = WINDOW_BUILDERS.get(backend)
-        why = "it has no window-layer builder" if window is None else window.refusal(cfg)
-        if why:  # specmeta plan leaves such a backend out first
-            notes.append(f"{backend}: its window layers not planned: {why}")
+        if window is None:  # specmeta plan leaves such a backend out first
+            notes.append(f"{backend}: its window layers not planned: it has no window-layer "
+                         "builder")  # fmt: skip
             continue
-        caps = window.capabilities
-        served = caps.served(cfg)
-        chosen = tuple(m for m in served if m in window_modes(modes)) if modes else served
+        forms = {mode: window.form(mode, cfg) for mode in chosen}
+        for mode, (form, why) in forms.items():
+            if form is None:
+                notes.append(f"{window.key}: the full layers' {mode} has no window-layer form: "
+                             f"{window.builder} does not build it ({why})")  # fmt: skip
+            elif form != mode:
+                notes.append(f"{window.key}: the full layers' {mode} is {form} for the window "
+                             f"layers ({window.builder}'s {form} serves any window): {why}, "
+                             "design §2.10")  # fmt: skip
+        wanted = {form for form, _ in forms.values()}
+        chosen = tuple(m for m in window.served(cfg) if m in wanted)
         if not chosen:
-            whys = [caps.why_not(m, cfg) or "" for m in window_modes(modes)]
-            notes.append(f"{window.key}: not planned, {window.builder} serves "
-                         f"{', '.join(served) or 'no mode'} for this config, none of the steps "
-                         f"of --modes {' '.join(modes)} ({'; '.join(filter(None, whys))})")  # fmt: skip
+            notes.append(f"{window.key}: not planned, {window.builder} builds none of the full "
+                         f"layers' modes for this config ({', '.join(forms)})")  # fmt: skip
             continue
         names = _by_mode(window_plan_keys(backend, plan, chosen, **extra))
         call = (f"{BUILDERS[backend]}(cfg, device, sliding_window_size={w}, "

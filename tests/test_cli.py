@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -69,9 +70,10 @@ def test_plan_knows_every_group_of_plan_keys():
     assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS)
     chain = SpecConfig(topk=1, num_steps=3, num_draft_tokens=4, max_context_len=64,
                        sliding_window_size=16)  # fmt: skip
+    windows = {window.key for window in WINDOW_BUILDERS.values()}  # chains and trees alike
+    assert windows == {"fa3_swa", "flashinfer_swa"}
     for cfg in (chain, dataclasses.replace(CFG, sliding_window_size=16)):
         prefixes = {name.split(".")[0] for name in plan_buffers(cfg)}
-        windows = {w.key for b, w in WINDOW_BUILDERS.items() if w.refusal(cfg) is None}
         assert prefixes == set(BUILDERS) | set(ENGINE_GROUPS) | windows, cfg.topk
 
 
@@ -623,8 +625,9 @@ def test_plan_without_window_layers_totals_no_id_space(capsys):
 
 def test_plan_window_builders_follow_the_backend_selection(capsys):
     """--backend names the full layers' builders; each brings its own window builder, no
-    other. A tree (topk = 4) has no FA3 window builder: a default plan leaves FA3 out, saying
-    why, and plans FlashInfer's two builders."""
+    other. A tree (topk = 4) has both window builders too (FA3's serves trees as a cascade
+    split at a page boundary, design §2.10): a default plan leaves out only the backends with
+    no window builder."""
     assert main([*CHAIN, "--backend", "fa3"]) == 0
     out = capsys.readouterr().out
     assert _rows(out, "fa3.") and _rows(out, "fa3_swa.")
@@ -635,78 +638,125 @@ def test_plan_window_builders_follow_the_backend_selection(capsys):
     assert not _rows(out, "fa3.") and "FA3WindowBuilder" not in out
     assert main([*PLAN, "--sliding-window-size", "100"]) == 0
     out = capsys.readouterr().out
-    assert ("\nfa3: not planned, FA3MetadataBuilder builds no window layers for this config "
-            "(--sliding-window-size 100): its FA3WindowBuilder serves chains only, topk=1: a "
-            "tree's cascade reads the shared prefix in one pass whose rows each have their own "
-            "window\n") in out  # fmt: skip
-    assert not _rows(out, "fa3.") and not _rows(out, "fa3_swa.")
-    assert _rows(out, "flashinfer.") and _rows(out, "flashinfer_swa.")
-    assert set(_summary(out)) == {"FlashInferBuilder", "FlashInferWindowBuilder",
-                                  "full-pool metadata", "window-pool metadata", "grand total"}  # fmt: skip
+    assert "fa3: not planned" not in out and "serves chains only" not in out
+    assert "trtllm_mla: not planned" in out and "flashinfer_mla: not planned" in out
+    assert not _rows(out, "trtllm_mla.") and not _rows(out, "flashinfer_mla.")
+    tree = dataclasses.replace(CFG, sliding_window_size=100)
+    for name, spec in plan_buffers(tree).items():
+        if name.startswith(("fa3_swa.", "flashinfer_swa.")):  # the tree's cascade keys too
+            (row,) = [ln for ln in out.splitlines() if ln.split()[:1] == [name]]
+            assert str(list(spec.shape)) in row, name
+    assert set(_summary(out)) == {"FA3MetadataBuilder", "FA3WindowBuilder", "FlashInferBuilder",
+                                  "FlashInferWindowBuilder", "full-pool metadata",
+                                  "window-pool metadata", "grand total"}  # fmt: skip
 
 
-def test_plan_window_totals_are_what_the_window_builders_allocate(capsys, device):
+def _device_bytes(builder) -> int:
+    """A builder's device bytes: its buffers but the host mirrors, its status word, its host
+    lengths' device words."""
+    own = [t for k, t in builder.buffers.items() if not k.endswith("_host")]
+    return sum(t.nbytes for t in own) + builder.status.nbytes + builder.host_lengths_seen.nbytes
+
+
+@pytest.mark.parametrize("form", ["draft_decode_shared_prefix", "draft_decode_paged"])
+def test_plan_window_totals_are_what_the_window_builders_allocate(capsys, device, form):
     """--modes and --verify-mask choose the window builder's modes as an engine would make it:
-    a step's own mode (the shared-prefix draft decode of the full layers is the window
-    builder's draft_decode, its only draft form), the same mask form; the window pool's total
-    is the device bytes the two window builders made with those choices allocate."""
+    each step's own mode, the full layers' draft form included (w = 100 > S = 3: the window
+    builder builds the shared-prefix cascade and the paged form too), the same mask form; the
+    window pool's total is the device bytes the window builders made with those choices
+    allocate. FA3's window builder of a tree (topk = 4) is totalled as it allocates too."""
     from specmeta import FA3MetadataBuilder, FlashInferBuilder
 
-    modes = ["draft_decode_shared_prefix", "target_verify"]
+    modes = [form, "target_verify"]
     assert main([*CHAIN, "--backend", "flashinfer", "--modes", *modes, "--verify-mask",
                  "packed"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert ("FlashInferBuilder(cfg, device, sliding_window_size=100, modes=['draft_decode', "
+    assert (f"FlashInferBuilder(cfg, device, sliding_window_size=100, modes=['{form}', "
             "'target_verify'], verify_mask='packed')") in out  # fmt: skip
+    assert "for the window layers" not in out  # no other form: no note
     assert not _rows(out, "flashinfer_swa.target_verify.custom_mask")
     assert not _rows(out, "flashinfer_swa.draft_extend.")
+    assert not _rows(out, "flashinfer_swa.draft_decode.")
     fi = FlashInferBuilder(CHAIN_CFG, device, sliding_window_size=100, verify_mask="packed",
-                           modes=["draft_decode", "target_verify"])  # fmt: skip
-    fa = FA3MetadataBuilder(CHAIN_CFG, device, sliding_window_size=100)
-    assert (
-        type(fi).__name__ == "FlashInferWindowBuilder" and type(fa).__name__ == "FA3WindowBuilder"
-    )
-
-    def device_bytes(builder):
-        own = [t for k, t in builder.buffers.items() if not k.endswith("_host")]
-        return sum(t.nbytes for t in own) + builder.status.nbytes + builder.host_lengths_seen.nbytes
-
-    assert _summary(out)["window-pool metadata"][:2] == _human(device_bytes(fi)).split()
-    assert main([*CHAIN, "--backend", "fa3"]) == 0
+                           modes=modes)  # fmt: skip
+    assert type(fi).__name__ == "FlashInferWindowBuilder"
+    assert _summary(out)["window-pool metadata"][:2] == _human(_device_bytes(fi)).split()
+    if form != "draft_decode_paged":
+        return
+    tree = [*PLAN, "--sliding-window-size", "100", "--backend", "fa3"]
+    assert main(tree) == 0
+    fa = FA3MetadataBuilder(dataclasses.replace(CFG, sliding_window_size=100), device,
+                            sliding_window_size=100)  # fmt: skip
+    assert type(fa).__name__ == "FA3WindowBuilder"
     assert _summary(capsys.readouterr().out)["window-pool metadata"][:2] == (
-        _human(device_bytes(fa)).split()
+        _human(_device_bytes(fa)).split()
     )
 
 
-@pytest.mark.parametrize("topk,ps", [(1, 1), (4, 16)])
-def test_window_plan_keys_are_the_window_builders_own(topk, ps):
-    """``specmeta plan`` reads the window builders' capabilities and keys from torch-free data
-    (:data:`specmeta.plan_report.WINDOW_BUILDERS`); they must be the builders' own, for every
-    choice of modes and mask, and FA3's chains-only rule must be its constructor's."""
+def test_plan_window_layers_of_a_shared_prefix_no_wider_than_the_steps(capsys, device):
+    """w = 3 <= S = 3: FlashInfer's window builder does not build the shared-prefix cascade (a
+    step would keep no prefix position, design §2.10), so the full layers' shared-prefix draft
+    decode is the window layers' draft_decode (per-branch lists serve any window), with a line
+    saying why; the window pool's total is that builder's."""
+    from specmeta import FlashInferBuilder
+
+    narrow = [*CHAIN[:-1], "3", "--backend", "flashinfer"]
+    assert main([*narrow, "--modes", "draft_decode_shared_prefix", "draft_extend"]) == 0
+    out = capsys.readouterr().out
+    assert ("\nflashinfer_swa: the full layers' draft_decode_shared_prefix is draft_decode for "
+            "the window layers (FlashInferWindowBuilder's draft_decode serves any window): "
+            "draft_decode_shared_prefix needs a window wider than the draft steps "
+            "(sliding_window_size=3 <= num_steps=3: a step would keep no prefix position), "
+            "design §2.10\n") in out  # fmt: skip
+    assert ("FlashInferBuilder(cfg, device, sliding_window_size=3, modes=['draft_decode', "
+            "'draft_extend'], verify_mask='both')") in out  # fmt: skip
+    assert not _rows(out, "flashinfer_swa.draft_decode_shared.")
+    cfg = dataclasses.replace(CHAIN_CFG, sliding_window_size=3)
+    fi = FlashInferBuilder(cfg, device, sliding_window_size=3,
+                           modes=["draft_decode", "draft_extend"])  # fmt: skip
+    assert _summary(out)["window-pool metadata"][:2] == _human(_device_bytes(fi)).split()
+    with pytest.raises(ValueError, match="needs a window wider than the draft steps"):
+        FlashInferBuilder(cfg, "cpu", sliding_window_size=3, modes=["draft_decode_shared_prefix"])
+    assert main(narrow) == 0  # the default modes: the same line, the builder's default modes
+    out = capsys.readouterr().out
+    assert "the full layers' draft_decode_shared_prefix is draft_decode for the window" in out
+    assert ("FlashInferBuilder(cfg, device, sliding_window_size=3, modes=['draft_decode', "
+            "'draft_decode_paged', 'target_verify', 'draft_extend'], verify_mask='both')") in out  # fmt: skip
+
+
+@pytest.mark.parametrize("topk,ps,w", [(1, 1, 9), (4, 16, 9), (2, 1, 3)])
+def test_window_plan_keys_are_the_window_builders_own(topk, ps, w):
+    """``specmeta plan`` reads the window builders' capabilities from the torch-free data their
+    classes read (:mod:`specmeta.metadata.capabilities`, not a copy), and the one rule those
+    fields cannot say, FlashInfer's shared-prefix cascade only for ``w > S``
+    (:class:`~specmeta.plan_report.WindowBuilder`): what it says each builds must be what each
+    constructor accepts, and its keys each builder's own, for every choice of modes and mask."""
     from itertools import combinations
 
-    from specmeta import FA3MetadataBuilder
     from specmeta.config import plan_sizes
+    from specmeta.metadata import capabilities
     from specmeta.metadata.fa3_window import FA3_WINDOW_CAPABILITIES, FA3WindowBuilder
     from specmeta.metadata.flashinfer_window import WINDOW_CAPABILITIES, FlashInferWindowBuilder
     from specmeta.plan_report import WINDOW_BUILDERS, window_plan_keys
 
     cfg = SpecConfig(topk=topk, num_steps=3, num_draft_tokens=4, page_size=ps, max_bs=3,
-                     max_context_len=40, sliding_window_size=9)  # fmt: skip
+                     max_context_len=40, sliding_window_size=w)  # fmt: skip
     keys = list(plan_sizes(cfg))
     classes = {"fa3": (FA3WindowBuilder, FA3_WINDOW_CAPABILITIES),
                "flashinfer": (FlashInferWindowBuilder, WINDOW_CAPABILITIES)}  # fmt: skip
+    assert FA3_WINDOW_CAPABILITIES is capabilities.FA3_WINDOW_CAPABILITIES
+    assert WINDOW_CAPABILITIES is capabilities.FLASHINFER_WINDOW_CAPABILITIES
     assert set(WINDOW_BUILDERS) == set(classes)
     for backend, (cls, caps) in classes.items():
         window = WINDOW_BUILDERS[backend]
         assert (window.key + ".", window.builder) == (cls.plan_prefix, cls.__name__)
-        assert window.capabilities == caps == cls.capabilities
-        if window.refusal(cfg) is not None:
-            with pytest.raises(ValueError, match="chains only"):
-                FA3MetadataBuilder(cfg, "cpu", sliding_window_size=9)
-            assert not any(key.startswith(cls.plan_prefix) for key in keys)
-            continue
+        assert window.capabilities is caps is cls.capabilities
         served = cls.check_modes(cfg, None)
+        assert window.served(cfg) == served, backend
+        for mode in caps.modes:
+            if window.why_not(mode, cfg) is not None:
+                with pytest.raises(ValueError):
+                    cls.check_modes(cfg, [mode])
         masks = ("bool", "packed", "both") if backend == "flashinfer" else (None,)
         for count in range(1, len(served) + 1):
             for modes in combinations(served, count):
@@ -714,33 +764,41 @@ def test_window_plan_keys_are_the_window_builders_own(topk, ps):
                     extra = {} if mask is None else {"verify_mask": mask}
                     want = cls.plan_keys(cfg, modes, **extra)
                     assert window_plan_keys(backend, keys, modes, **extra) == want, (modes, mask)
-    assert topk == 1 or WINDOW_BUILDERS["fa3"].refusal(cfg) is not None
+    shared = "draft_decode_shared_prefix" in WINDOW_BUILDERS["flashinfer"].served(cfg)
+    assert shared == (w > 3)
 
 
-def test_plan_refuses_a_ragged_verify_bucket_of_window_layers(capsys):
-    """No window builder builds a ragged verify yet (design §2.10): with window layers every
-    bucket is named as not fitting, and the exit status is 1."""
-    assert main([*CHAIN, "--backend", "fa3", "--verify-buckets", "16:8"]) == 1
+def test_plan_fits_a_ragged_verify_bucket_of_window_layers(capsys):
+    """Every window builder builds a ragged verify (design §2.10), its ragged buffers planned
+    for the uniform verify's max_bs requests and max_bs·N tokens: with window layers a bucket
+    fits on the same rule (N = 4 here), and says the window builders share it."""
+    assert main([*CHAIN, "--verify-buckets", "32:8", "0:1", "33:8"]) == 1
     out = capsys.readouterr().out
-    assert "  16:8    no    window layers: no ragged verify\n" in out
-    assert "window layers: FA3WindowBuilder builds no ragged verify yet (design §2.10)" in out
-    assert main([*CHAIN[:-2], "--backend", "fa3", "--verify-buckets", "16:8"]) == 0
+    rows = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if re.match(r"  \d+:\d+ ", ln)}
+    assert rows == {"32:8": "yes", "0:1": "yes", "33:8": "no"}, out
+    assert ("  (the window builders' too: FA3WindowBuilder, FlashInferWindowBuilder, sized for "
+            "the same buckets, design §2.10)\n") in out  # fmt: skip
+    assert "no ragged verify" not in out
+    assert main([*CHAIN, "--backend", "fa3", "--verify-buckets", "16:8"]) == 0
 
 
-def test_plan_names_a_window_builder_that_serves_none_of_the_steps(capsys):
-    """With a draft window the window builder serves no draft_decode (design §2.10: the draft
-    window bounds the draft model, not a window layer): for --modes draft_decode it is not
-    planned and the line says why, as its constructor refuses that mode."""
+def test_plan_notes_a_mode_the_window_builder_does_not_build(capsys):
+    """With a draft window (which bounds the draft model, not a window layer, design §2.10) the
+    window builder builds no draft decode: the default modes plan the full layers' draft decode
+    and the window builder's other modes, each unbuilt form named, as its constructor refuses
+    it; naming draft_decode in --modes is refused (tests/test_cli_messages.py)."""
     from specmeta import FlashInferBuilder
 
     window = ["--draft-window-size", "100", "--draft-sink-size", "4", "--sliding-window-size", "64"]
-    assert main([*PLAN, *window, "--backend", "flashinfer", "--modes", "draft_decode"]) == 0
+    assert main([*PLAN, *window, "--backend", "flashinfer"]) == 0
     out = capsys.readouterr().out
-    assert ("\nflashinfer_swa: not planned, FlashInferWindowBuilder serves target_verify, "
-            "draft_extend for this config, none of the steps of --modes draft_decode "
-            "(draft_decode does not build a draft window yet (draft_window_size=100); it is "
-            "built by none of its modes)\n") in out  # fmt: skip
-    assert not _rows(out, "flashinfer_swa.") and "window-pool metadata" not in out
+    for mode in ("draft_decode", "draft_decode_shared_prefix"):
+        assert (f"\nflashinfer_swa: the full layers' {mode} has no window-layer form: "
+                f"FlashInferWindowBuilder does not build it ({mode} does not build a draft "
+                "window yet (draft_window_size=100); it is built by none of its modes)\n") in out  # fmt: skip
+    assert ("FlashInferBuilder(cfg, device, sliding_window_size=64, modes=['target_verify', "
+            "'draft_extend'], verify_mask='both')") in out  # fmt: skip
+    assert _rows(out, "flashinfer.draft_decode.") and not _rows(out, "flashinfer_swa.draft_decode")
     cfg = SpecConfig(topk=4, num_steps=3, num_draft_tokens=8, page_size=16, max_bs=8,
                      max_context_len=1024, draft_window_size=100, draft_sink_size=4,
                      sliding_window_size=64)  # fmt: skip

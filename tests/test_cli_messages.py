@@ -254,7 +254,7 @@ def test_plan_sliding_window_size_negative(capsys):
 
 def test_plan_window_layers_on_a_backend_without_a_window_builder(capsys):
     """A named backend that builds no window layers plans nothing and names the backends that
-    do (with the other options: a tree leaves FlashInfer alone)."""
+    do (with the other options: both window builders serve a tree, FA3's too)."""
     assert run(capsys, "plan", "--topk", "1", "--num-draft-tokens", "3", *PLAN, "--backend",
                "flashinfer", "trtllm_mla", "--sliding-window-size", "4") == (
         2,
@@ -263,13 +263,27 @@ def test_plan_window_layers_on_a_backend_without_a_window_builder(capsys):
         "--sliding-window-size, or pass --backend fa3 flashinfer, which build them\n",
     )  # fmt: skip
     assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
-               "fa3", "--sliding-window-size", "4") == (
+               "flashinfer_mla", "--sliding-window-size", "4") == (
         2,
-        "specmeta plan: --sliding-window-size 4: --backend fa3 (FA3MetadataBuilder) builds no "
-        "window layers for this config, design §2.10: its FA3WindowBuilder serves chains only, "
-        "topk=1: a tree's cascade reads the shared prefix in one pass whose rows each have "
-        "their own window; drop --sliding-window-size, or pass --backend flashinfer, which "
-        "builds them\n",
+        "specmeta plan: --sliding-window-size 4: --backend flashinfer_mla (FlashInferMLABuilder) "
+        "builds no window layers for this config, design §2.10: it has no window-layer builder; "
+        "drop --sliding-window-size, or pass --backend fa3 flashinfer, which build them\n",
+    )  # fmt: skip
+
+
+def test_plan_window_layers_of_a_named_mode_no_window_builder_builds(capsys):
+    """A mode named in --modes whose window form the named backend's window builder does not
+    build (draft decode beside a draft window, which bounds the draft model, not a window
+    layer) is refused, naming why and the fixes, as its constructor refuses it."""
+    assert run(capsys, "plan", "--topk", "2", "--num-draft-tokens", "3", *PLAN, "--backend",
+               "flashinfer", "--modes", "draft_decode", "target_verify", "--draft-window-size",
+               "4", "--sliding-window-size", "4") == (
+        2,
+        "specmeta plan: --sliding-window-size 4: --backend flashinfer (FlashInferBuilder) builds "
+        "no window layers for --modes draft_decode, design §2.10: its FlashInferWindowBuilder "
+        "builds no form of draft_decode (draft_decode does not build a draft window yet "
+        "(draft_window_size=4); it is built by none of its modes); drop draft_decode from "
+        "--modes or --sliding-window-size\n",
     )  # fmt: skip
 
 
