@@ -350,44 +350,96 @@ def _shapes(cfg: SpecConfig, prefix: str) -> dict[str, tuple[int, ...]]:
 
 
 def test_window_lists_are_sized_by_the_rail_by_hand():
-    """K = 2, S = 3, N = 5, B = 4, L = 100, w = 30 (design §2.10): a draft row lists
-    ``min(L + S, w)`` = 30 entries a branch, B·K·30 = 240; a verify or extend list
-    ``min(L, w − 1) + N`` = 34 a request, 136; the mask ``N × 34`` a request, 680 elements (as
-    many bytes packed). FA3's window builder serves chains only: no ``fa3_swa`` keys."""
+    """K = 2, S = 3, N = 5, B = 4, L = 100, w = 30, ps = 1 (design §2.10), every window key:
+    FlashInfer's draft row lists ``min(L + S, w)`` = 30 entries a branch, B·K·30 = 240; a
+    verify or extend list ``min(L, w − 1) + N`` = 34 a request, 136; the mask ``N × 34`` a
+    request, 680 elements (as many bytes packed); the shared-prefix cascade (w = 30 > S) a
+    prefix row a step of ``min(ΣL, B·(w − 1))`` = 116 and chain rows of B·K·S = 24; the paged
+    form a full layer's K·ΣL + B·K·S = 824 pages (ps = 1). FA3's tree tables keep the row's
+    112 pages (W_row = L + K·S = 106 rounded up to 16); its draft expand row is S + ⌊(w − G +
+    ps − 2) / ps⌋ wide, G = ⌊(w − (S − 1) − ps) / ps⌋·ps = 27, so 3 + 2 = 5; its verify expand
+    rows B·N = 20 of N + 2·ps − 2 = 5. The ragged verify's buffers bound what the full layers'
+    do (Bp ≤ B = 4 lengths, T ≤ B·N = 20 expand rows), so one bucket rule serves both."""
     cfg = SpecConfig(topk=2, num_steps=3, num_draft_tokens=5, max_bs=4, max_context_len=100,
                      sliding_window_size=30)  # fmt: skip
-    fi = _shapes(cfg, "flashinfer_swa.")
-    assert fi["draft_decode.kv_indices"] == (3, 240)
-    assert fi["draft_decode.kv_indptr"] == fi["draft_decode.kv_indptr_host"] == (3, 9)
-    for mode in ("target_verify", "draft_extend"):
-        assert fi[f"{mode}.kv_indices"] == (136,)
-        assert fi[f"{mode}.kv_indptr"] == fi[f"{mode}.qo_indptr"] == (5,)
-    assert fi["target_verify.custom_mask"] == fi["target_verify.packed_custom_mask"] == (680,)
-    assert not any(f in fi for f in ("target_verify.verify_lens", "draft_decode_shared."))
-    assert _shapes(cfg, "fa3_swa.") == {}
+    both = {}
+    for name, shape in {"qo_indptr": (5,), "kv_indptr": (5,), "kv_indices": (136,),
+                        "kv_last_page_len": (4,)}.items():  # fmt: skip
+        both[name] = shape
+        if name != "kv_indices":
+            both[f"{name}_host"] = shape
+    with_host = {
+        "draft_decode.kv_indices": (3, 240), "draft_decode.kv_indptr": (3, 9),
+        "draft_decode.kv_last_page_len": (8,),
+        "draft_decode_shared.prefix_kv_indices": (3, 116),
+        "draft_decode_shared.prefix_kv_indptr": (3, 5),
+        "draft_decode_shared.prefix_qo_indptr": (5,),
+        "draft_decode_shared.chain_kv_indices": (3, 24),
+        "draft_decode_shared.chain_kv_indptr": (3, 9),
+        "draft_decode_shared.chain_qo_indptr": (9,),
+        "draft_decode_shared.kv_last_page_len": (8,),
+        "draft_decode_paged.kv_indices": (3, 824), "draft_decode_paged.kv_indptr": (3, 9),
+        "draft_decode_paged.kv_last_page_len": (3, 8),
+        "target_verify.custom_mask": (680,), "target_verify.mask_indptr": (5,),
+        "target_verify.packed_custom_mask": (680,), "target_verify.packed_mask_indptr": (5,),
+        "target_verify.verify_lens": (4,), "target_verify.ragged_qo_indptr": (5,),
+    }  # fmt: skip
+    want = {f"{mode}.{name}": shape for mode in ("target_verify", "draft_extend")
+            for name, shape in both.items()}  # fmt: skip
+    for name, shape in with_host.items():
+        want[name] = shape
+        if not name.endswith(("kv_indices", "custom_mask")):  # the device lists: no mirror
+            want[f"{name}_host"] = shape
+    assert _shapes(cfg, "flashinfer_swa.") == want
+    table = {"page_table": (4, 112), "cache_seqlens": (4,), "cu_seqlens_k": (5,),
+             "cu_seqlens_q": (5,)}  # fmt: skip
+    assert _shapes(cfg, "fa3_swa.") == {
+        "draft_decode.page_table": (4, 112), "draft_decode.cache_seqlens": (1, 4),
+        "draft_decode.cu_seqlens_k": (1, 5), "draft_decode.cu_seqlens_q": (5,),
+        "draft_decode.expand_page_table": (3, 8, 5), "draft_decode.expand_cache_seqlens": (3, 8),
+        "draft_decode.expand_cu_seqlens_k": (3, 9), "draft_decode.expand_cu_seqlens_q": (9,),
+        **{f"target_verify.{name}": shape for name, shape in table.items()},
+        "target_verify.expand_page_table": (20, 5), "target_verify.expand_cache_seqlens": (20,),
+        "target_verify.expand_cu_seqlens_k": (21,), "target_verify.expand_cu_seqlens_q": (21,),
+        "target_verify.verify_lens": (4,), "target_verify.ragged_qo_indptr": (5,),
+        **{f"draft_extend.{name}": shape for name, shape in table.items()},
+    }  # fmt: skip
 
 
 def test_a_window_past_every_position_clips_nothing_and_a_window_of_one_keeps_the_new_tokens():
     """A chain, S = 3, N = 4, ps = 16, B = 2, L = 64. With w = 67 = L + S nothing is clipped:
-    the lists are K·ΣL + B·K·S = 134 a draft row and ΣL + B·N = 136 a verify list. With w = 1
-    a draft row holds one entry a branch (2) and a verify list its N new tokens (8). FA3's
-    window tables keep the full row: W_row = L + N = 68 rounded up to 80, 5 pages."""
+    the lists are K·ΣL + B·K·S = 134 a draft row and ΣL + B·N = 136 a verify list, the
+    shared-prefix cascade's prefix rows ΣL = 128 (B·(w − 1) = 132 is more). With w = 1 a draft
+    row holds one entry a branch (2) and a verify list its N new tokens (8), and no step keeps a
+    prefix position: no shared-prefix keys (w ≤ S). The paged form keeps a full layer's lists
+    whatever w, ⌈(L + S) / ps⌉ = 5 pages a branch, 10 a row. FA3's window tables keep the full
+    row: W_row = L + N = 68 rounded up to 80, 5 pages; a ragged verify's expand rows (B·N = 8)
+    hold N + 2·ps − 2 = 34 slots."""
     base = dict(topk=1, num_steps=3, num_draft_tokens=4, page_size=16, max_bs=2,
                 max_context_len=64)  # fmt: skip
     wide = _shapes(SpecConfig(**base, sliding_window_size=67), "flashinfer_swa.")
     assert wide["draft_decode.kv_indices"] == (3, 134)
     assert wide["target_verify.kv_indices"] == wide["draft_extend.kv_indices"] == (136,)
     assert wide["target_verify.custom_mask"] == (4 * 128 + 2 * 16,)
+    assert wide["draft_decode_shared.prefix_kv_indices"] == (3, 128)
+    assert wide["draft_decode_shared.chain_kv_indices"] == (3, 6)
+    assert wide["draft_decode_paged.kv_indices"] == (3, 10)
     one = SpecConfig(**base, sliding_window_size=1)
     narrow = _shapes(one, "flashinfer_swa.")
     assert narrow["draft_decode.kv_indices"] == (3, 2)
     assert narrow["target_verify.kv_indices"] == narrow["draft_extend.kv_indices"] == (8,)
     assert narrow["target_verify.custom_mask"] == (2 * 16,)
+    assert not [key for key in narrow if key.startswith("draft_decode_shared.")]
+    assert narrow["draft_decode_paged.kv_indices"] == (3, 10)
+    assert narrow["target_verify.verify_lens"] == (2,)
     assert _shapes(one, "fa3_swa.") == {
         "draft_decode.page_table": (2, 5), "draft_decode.cache_seqlens": (3, 2),
         "draft_decode.cu_seqlens_k": (3, 3), "draft_decode.cu_seqlens_q": (3,),
         "target_verify.page_table": (2, 5), "target_verify.cache_seqlens": (2,),
         "target_verify.cu_seqlens_k": (3,), "target_verify.cu_seqlens_q": (3,),
+        "target_verify.expand_page_table": (8, 34), "target_verify.expand_cache_seqlens": (8,),
+        "target_verify.expand_cu_seqlens_k": (9,), "target_verify.expand_cu_seqlens_q": (9,),
+        "target_verify.verify_lens": (2,), "target_verify.ragged_qo_indptr": (3,),
         "draft_extend.page_table": (2, 5), "draft_extend.cache_seqlens": (2,),
         "draft_extend.cu_seqlens_k": (3,), "draft_extend.cu_seqlens_q": (3,),
     }  # fmt: skip
@@ -408,4 +460,4 @@ def test_window_layers_add_their_own_buffers_and_change_none_of_the_full_layers(
     assert list(hybrid)[: len(full)] == list(full)
     assert all(hybrid[key] == size for key, size in full.items())
     prefixes = {key.split(".")[0] for key in list(hybrid)[len(full) :]}
-    assert prefixes == ({"flashinfer_swa", "fa3_swa"} if k == 1 else {"flashinfer_swa"})
+    assert prefixes == {"flashinfer_swa", "fa3_swa"}  # FA3's window builder serves trees too
