@@ -34,7 +34,7 @@ WINDOW_MODES = ("draft_decode", "target_verify", "draft_extend")
 FLASHINFER_WINDOW_MODES = ("draft_decode", "draft_decode_shared_prefix", "draft_decode_paged",
                            "target_verify", "draft_extend")  # fmt: skip
 #: The plan prefix of FA3's window builder (``FA3MetadataBuilder(cfg, device,
-#: sliding_window_size=w)``), which serves the same modes for chains.
+#: sliding_window_size=w)``): the chain modes' and a tree's buffers (design §2.10).
 FA3_WINDOW_PREFIX = "fa3_swa."
 
 
