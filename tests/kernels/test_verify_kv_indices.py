@@ -168,6 +168,9 @@ m = lambda n: import_module(f"specmeta.kernels.{n}")
 U = dict(verify_lens_ptr=None, HAS_VERIFY_LENS=False)  # the uniform verify: no verify_lens
 F = dict(full_to_swa_ptr=None, full_size=None, rail=None, TO_WINDOW=False, WINDOW_LAYER=False)  # a full layer
 NR = dict(rail=None, RAIL=False)  # a full layer's mask
+SF = dict(full_to_swa_ptr=None, full_size=None, rail=None, stride_prefix=None, stride_prefix_ptr=None,
+          TO_WINDOW=False, RAIL=False)  # a full layer's cascade
+BF = dict(full_to_swa_ptr=None, full_size=None, rail=None, TO_WINDOW=False, WINDOW_LAYER=False)  # a full layer's pages
 jobs = {
  "verify": lambda: compile_kernel(m("verify_kv_indices")._verify_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","v2p_ptr","status_ptr"],
@@ -190,11 +193,15 @@ jobs = {
  "shared": lambda: compile_kernel(m("shared_prefix_kv_indices")._shared_prefix_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","prefix_kv_indices_ptr","prefix_kv_indptr_ptr","chain_kv_indices_ptr","chain_kv_indptr_ptr","v2p_ptr","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_prefix","W_chain","stride_chain","stride_chain_ptr","chunk_programs","num_pages","window","sink"],
-    dict(TOPK=4,NUM_STEPS=5,LAYOUT_B=True,BLOCK=1024,BLOCK_B=1024,BLOCK_CHAIN=128,BLOCK_PTR=32,BLOCK_ROWS=8,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True)),
+    dict(TOPK=4,NUM_STEPS=5,LAYOUT_B=True,BLOCK=1024,BLOCK_B=1024,BLOCK_CHAIN=128,BLOCK_PTR=32,BLOCK_ROWS=8,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True,**SF)),
  "shared_ids": lambda: compile_kernel(m("shared_prefix_kv_indices")._shared_prefix_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","prefix_kv_indices_ptr","prefix_kv_indptr_ptr","chain_kv_indices_ptr","chain_kv_indptr_ptr","v2p_ptr:*i64","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_prefix","W_chain","stride_chain","stride_chain_ptr","chunk_programs","num_pages","window","sink"],
-    dict(TOPK=4,NUM_STEPS=5,LAYOUT_B=True,BLOCK=1024,BLOCK_B=1024,BLOCK_CHAIN=128,BLOCK_PTR=32,BLOCK_ROWS=8,ENTRY_PAGE_SIZE=16,TRANSLATE=True,HAS_STATUS=True)),
+    dict(TOPK=4,NUM_STEPS=5,LAYOUT_B=True,BLOCK=1024,BLOCK_B=1024,BLOCK_CHAIN=128,BLOCK_PTR=32,BLOCK_ROWS=8,ENTRY_PAGE_SIZE=16,TRANSLATE=True,HAS_STATUS=True,**SF)),
+ "shared_window": lambda: compile_kernel(m("shared_prefix_kv_indices")._shared_prefix_kv_indices_kernel,
+    ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","prefix_kv_indices_ptr","prefix_kv_indptr_ptr","chain_kv_indices_ptr","chain_kv_indptr_ptr","full_to_swa_ptr:*i64","status_ptr"],
+    ["B","R","W_row","stride_row","page_size","num_rows","W_prefix","W_chain","stride_chain","stride_chain_ptr","chunk_programs","full_size","rail","stride_prefix","stride_prefix_ptr"],
+    dict(TOPK=4,NUM_STEPS=5,LAYOUT_B=True,BLOCK=1024,BLOCK_B=1024,BLOCK_CHAIN=128,BLOCK_PTR=32,BLOCK_ROWS=8,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True,v2p_ptr=None,num_pages=None,window=None,sink=None,TO_WINDOW=True,RAIL=True)),
  "branch_pt": lambda: compile_kernel(m("branch_page_table")._branch_page_table_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","page_table_ptr","seq_lens_k_ptr","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W","stride_pt","stride_sl","fill_value","chunk_programs"],
@@ -206,11 +213,15 @@ jobs = {
  "branch_kv": lambda: compile_kernel(m("branch_kv_indices")._branch_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","kv_last_page_len_ptr","v2p_ptr","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_idx","stride_idx","stride_ptr","stride_lpl","chunk_programs","num_pages"],
-    dict(TOPK=4,NUM_STEPS=5,BLOCK=256,BLOCK_B=256,BLOCK_ROWS=8,BLOCK_K=4,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True)),
+    dict(TOPK=4,NUM_STEPS=5,BLOCK=256,BLOCK_B=256,BLOCK_ROWS=8,BLOCK_K=4,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True,**BF)),
  "branch_kv_ids": lambda: compile_kernel(m("branch_kv_indices")._branch_kv_indices_kernel,
     ["req_pool_indices_ptr:*i64","req_to_token_ptr:*i64","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","kv_last_page_len_ptr","v2p_ptr:*i64","status_ptr"],
     ["B","R","W_row","stride_row","page_size","num_rows","W_idx","stride_idx","stride_ptr","stride_lpl","chunk_programs","num_pages"],
-    dict(TOPK=4,NUM_STEPS=5,BLOCK=256,BLOCK_B=256,BLOCK_ROWS=8,BLOCK_K=4,ENTRY_PAGE_SIZE=16,TRANSLATE=True,HAS_STATUS=True)),
+    dict(TOPK=4,NUM_STEPS=5,BLOCK=256,BLOCK_B=256,BLOCK_ROWS=8,BLOCK_K=4,ENTRY_PAGE_SIZE=16,TRANSLATE=True,HAS_STATUS=True,**BF)),
+ "branch_kv_window": lambda: compile_kernel(m("branch_kv_indices")._branch_kv_indices_kernel,
+    ["req_pool_indices_ptr:*i64","req_to_token_ptr","seq_lens_ptr:*i64","kv_indices_ptr","kv_indptr_ptr","kv_last_page_len_ptr","full_to_swa_ptr:*i64","status_ptr"],
+    ["B","R","W_row","stride_row","page_size","num_rows","W_idx","stride_idx","stride_ptr","stride_lpl","chunk_programs","full_size","rail"],
+    dict(TOPK=4,NUM_STEPS=5,BLOCK=256,BLOCK_B=256,BLOCK_ROWS=8,BLOCK_K=4,ENTRY_PAGE_SIZE=1,TRANSLATE=False,HAS_STATUS=True,v2p_ptr=None,num_pages=None,TO_WINDOW=True,WINDOW_LAYER=True)),
 }
 fails = []
 for name, job in jobs.items():
@@ -224,7 +235,8 @@ assert not fails, fails
 
 def test_kernels_compile_for_sm90(device):
     """verify_kv_indices, tree_custom_mask (both forms; uniform and ragged verify),
-    shared_prefix_kv_indices, branch_page_table and branch_kv_indices compile for a real GPU."""
+    shared_prefix_kv_indices, branch_page_table and branch_kv_indices (a full layer's and a
+    window layer's, design §2.10) compile for a real GPU."""
     import subprocess
     import sys
 

@@ -131,12 +131,14 @@ DRAFTS = ("self", "perturbed")
 
 
 def _serve(case: Case, draft_kind: str, gen, device, *, model_cfg: TinyConfig, dtype,
-           new_tokens: int, waves, attention=None, spread: int = 8) -> Served:  # fmt: skip
+           new_tokens: int, waves, attention=None, spread: int = 8,
+           perturbation: float = PERTURBATION) -> Served:  # fmt: skip
     """The workload through the loop on the kernels, then again on specmeta's references.
     ``spread``: each request of a wave asks for that many more tokens than the one before
-    (so requests finish at different iterations)."""
+    (so requests finish at different iterations); ``perturbation``: the perturbed draft's
+    noise."""
     target = TinyModel.random(model_cfg, _draw(gen), dtype=dtype, device=device)
-    draft = target if draft_kind == "self" else target.perturbed(PERTURBATION, _draw(gen))
+    draft = target if draft_kind == "self" else target.perturbed(perturbation, _draw(gen))
     requests = make_requests(waves, vocab_size=model_cfg.vocab_size, page_size=case.page_size,
                              max_new_tokens=new_tokens, generator=gen,
                              spread=spread)  # fmt: skip
@@ -179,6 +181,10 @@ FULL_WAVES = [(0,) * 5 + (2,) * 3, (0, 0, 0)]  # B: 5 → 8 → … → 0 (idle)
 # Tokens a request on the CPU tier: a few iterations a request (the growing, draining and
 # refilling batch is the wave schedule's, not the length's), each a dozen interpreted launches.
 CPU_TOKENS, CPU_SPREAD = 8, 2
+# The CPU tier's perturbed draft is noisier than the GPU sets' (PERTURBATION): a run this short
+# must see a rejection on every draw, or it would not test one (a draw at 0.1 drafted greedy's
+# every token, seed 637266074).
+CPU_PERTURBATION = 0.3
 GPU_MACHINE_TOKENS = 64  # the same test where CUDA runs the kernels
 
 
@@ -218,7 +224,8 @@ def test_lossless_cpu(backend, draft_kind, gen, device):
     cpu = device.type == "cpu"
     tokens = CPU_TOKENS if cpu else GPU_MACHINE_TOKENS
     s = _serve(case, draft_kind, gen, device, model_cfg=CPU_MODEL, dtype=torch.float64,
-               new_tokens=tokens, waves=CPU_WAVES, spread=CPU_SPREAD if cpu else 8)  # fmt: skip
+               new_tokens=tokens, waves=CPU_WAVES, spread=CPU_SPREAD if cpu else 8,
+               perturbation=CPU_PERTURBATION if cpu else PERTURBATION)  # fmt: skip
     _check_cpu(s, draft_kind, tokens)
 
 
