@@ -2039,6 +2039,50 @@ MUTATIONS: list[Mutation] = [
        "            if form is None:\n",
        "            if False:\n",
        ["tests/test_cli.py", "-k", "mode_the_window_builder_does_not_build"]),
+    # ------------------------------- FA3's window layers in the hybrid lossless loop (issue 38)
+    _m("e-hybrid-fa3-page-offsets", "e2e",
+       "the paged window map hands a full page's slots out at other offsets of its window page "
+       "(reversed): FA3's window tables read each position at its own offset, another "
+       "position's KV",
+       "specmeta/testing/window_pool.py",
+       "        slots = torch.where(wins.view(-1, 1) >= 0, wins.view(-1, 1) * ps + off, -1)\n",
+       "        slots = torch.where(wins.view(-1, 1) >= 0, wins.view(-1, 1) * ps + off.flip(0), -1)\n",
+       [HYBRID, "-k", "cpu and fa3-k1s3n4-ps16"]),
+    _m("e-hybrid-fa3-evict-held-page", "e2e",
+       "the paged window map gives back the page that holds the read floor (rounding the "
+       "floor up to a page): the next verify reads the floor through a -1 (BAD_KV_ID)",
+       "specmeta/testing/window_pool.py",
+       "        count = min(max(below // ps - first, 0), len(have))\n",
+       "        count = min(max(-(-below // ps) - first, 0), len(have))\n",
+       [HYBRID, "-k", "cpu and fa3-k1s3n4-ps16"]),
+    _m("e-hybrid-window-floor-page-not-cleared", "e2e",
+       "the paged window map leaves the positions below the floor mapped on the page it still "
+       "holds (no token-by-token clearing)",
+       "specmeta/testing/window_pool.py",
+       "            self._clear([have[p // ps - first][0] * ps + p % ps for p in positions])\n",
+       "            pass\n",
+       [HYBRID, "-k", "pages_like_the_full_pool"]),
+    _m("e-hybrid-fa3-window-tails-not-copied", "e2e",
+       "slot layout B: the prefix-tail copies made in the full pool only, so a tree branch's "
+       "window layers read a stale tail from its region's first page",
+       "specmeta/testing/loop_stages.py",
+       "            if c.layout_b and self.window_page_map is not None:\n",
+       "            if False:\n",
+       [HYBRID, "-k", "cpu and fa3 and k2"]),
+    _m("e-hybrid-fa3-window-draft-slots-full", "e2e",
+       "FA3's window draft decode given the full-pool draft slots: a tree's expand pass reads "
+       "its branch's chain at full-pool ids in the window pool",
+       "specmeta/testing/loop_stages.py",
+       "                window = self.window_builder.bind_draft_decode(rpi, r2t, lens, wslots, **wkw)\n",
+       "                window = self.window_builder.bind_draft_decode(rpi, r2t, lens, slots, **wkw)\n",
+       [HYBRID, "-k", "cpu and fa3 and k2"]),
+    _m("e-hybrid-fa3-torch-window-ignored", "e2e",
+       "the torch model of FlashAttention reads a window layer's whole table, ignoring its "
+       "window_size (the sink page below the floor and evicted positions read)",
+       "specmeta/testing/attention.py",
+       "            keys = torch.arange(max(0, p - left), min(n_k, p + right + 1))\n",
+       "            keys = torch.arange(0, min(n_k, p + right + 1))\n",
+       [HYBRID, "-k", "cpu and fa3-k1s3n4-ps1"]),
 ]
 # fmt: on
 

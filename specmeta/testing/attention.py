@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.merge_state import merge_state
+from ..kernels.merge_state import merge_state, merge_state_ref
 from ..metadata.fa3 import FA3Cascade, FA3Metadata
 from ..metadata.flashinfer import FlashInferCascadeStep, FlashInferDecodeStep, FlashInferPrefill
 from ..metadata.flashinfer_mla_results import FlashInferMLAAttention
@@ -45,6 +45,7 @@ from .consumers import fa3 as fa3_consumer
 from .consumers import flashinfer as flashinfer_consumer
 from .consumers import flashinfer_mla as flashinfer_mla_consumer
 from .consumers import trtllm_mla as trtllm_consumer
+from .consumers.dense import dense_attention
 
 __all__ = ["TorchAttention", "CuteFlashAttention", "FlashInferAttention", "FlashInferMLAKernel",
            "backend", "latent_scale"]
@@ -72,7 +73,9 @@ class TorchAttention:
         return meta
 
     def __call__(self, meta, q, k_pool, v_pool) -> torch.Tensor:
-        if isinstance(meta, FA3Cascade):
+        if isinstance(meta, FA3Cascade | FA3Metadata) and _fa3_windowed(meta):
+            out = fa3_window_cascade(q, k_pool, v_pool, meta)  # a window layer's (design §2.10)
+        elif isinstance(meta, FA3Cascade):
             out = fa3_consumer.run_cascade(q, k_pool, v_pool, meta)
         elif isinstance(meta, FA3Metadata):
             out = fa3_consumer.attend(q, k_pool, v_pool, meta)[0]
@@ -364,6 +367,64 @@ class FlashInferMLAKernel:
             return runs[0][0]
         (o1, lse1), (o2, lse2) = runs  # the prefix pass and the ancestor pass
         return merge_state(o1, lse1, o2, lse2)[0]
+
+
+def _fa3_windowed(meta: FA3Cascade | FA3Metadata) -> bool:
+    """Whether a pass of FA3 metadata runs FlashAttention's own window."""
+    passes = (meta,) if isinstance(meta, FA3Metadata) else (meta.normal, meta.expand)
+    return any(p is not None and p.window_size is not None for p in passes)
+
+
+def fa3_windowed_attend(q, k_pool, v_pool, meta: FA3Metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FlashAttention call with its own window (``meta.window_size = (left, right)``,
+    design §2.10) over a pool ``[P, H_kv, D]`` viewed in pages of ``meta.page_size``, read as
+    its kernels read it: sequence ``b`` has the query rows ``cu_seqlens_q[b] …`` and the keys
+    ``0 … cache_seqlens[b] − 1`` (key ``k`` at offset ``k % ps`` of page ``page_table[b, k //
+    ps]``); query row ``i`` of ``n_q`` sits at key position ``p = n_k − n_q + i`` and reads the
+    keys ``[p − left, p + right]`` (``right = 0`` when causal) inside ``[0, n_k)``. Only the
+    pages those keys lie on are read, and each must be a page of the pool (the sink page 0 of
+    a column below the read floor is never read); a row past its table's width, more query rows
+    than ``max_seqlen_q`` or non-int32 metadata is refused. Without a window (``None``) it is
+    :func:`~specmeta.testing.consumers.fa3.attend`. Returns ``(out, lse [T, H])``, float64."""
+    if meta.window_size is None:
+        return fa3_consumer.attend(q, k_pool, v_pool, meta)
+    ps = meta.page_size
+    left, right = meta.window_size
+    right = 0 if meta.causal else right
+    for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
+        if getattr(meta, name).dtype != torch.int32:
+            raise AssertionError(f"FlashAttention needs int32 {name}")
+    table, lens = meta.page_table.cpu().long(), meta.cache_seqlens.cpu().long()
+    cu_q = meta.cu_seqlens_q.cpu().long()
+    num_pages = k_pool.shape[0] // ps
+    if int(cu_q[0]) != 0 or int(cu_q[-1]) != q.shape[0]:
+        raise AssertionError("cu_seqlens_q must cover q")
+    rows = []
+    for b in range(cu_q.numel() - 1):
+        n_q, n_k = int(cu_q[b + 1] - cu_q[b]), int(lens[b])
+        if n_q > meta.max_seqlen_q or -(-n_k // ps) > table.shape[1]:
+            raise AssertionError(f"sequence {b}: {n_q} query rows or {n_k} keys past the "
+                                 f"metadata's bounds")  # fmt: skip
+        for i in range(n_q):
+            p = n_k - n_q + i
+            keys = torch.arange(max(0, p - left), min(n_k, p + right + 1))
+            pages = table[b, keys // ps]
+            if not bool(((pages >= 0) & (pages < num_pages)).all()):
+                raise AssertionError(f"sequence {b}, row {i}: a page id read is out of the pool")
+            rows.append(pages * ps + keys % ps)
+    return dense_attention(q, k_pool, v_pool, rows)
+
+
+def fa3_window_cascade(q, k_pool, v_pool, meta: FA3Cascade | FA3Metadata) -> torch.Tensor:
+    """A window layer's FA3 result (:func:`fa3_windowed_attend` on each pass), a cascade's two
+    passes merged by LSE."""
+    if isinstance(meta, FA3Metadata):
+        return fa3_windowed_attend(q, k_pool, v_pool, meta)[0]
+    out, lse = fa3_windowed_attend(q, k_pool, v_pool, meta.normal)
+    if meta.expand is None:
+        return out
+    out_e, lse_e = fa3_windowed_attend(q, k_pool, v_pool, meta.expand)
+    return merge_state_ref(out, lse, out_e, lse_e)[0]
 
 
 def _batch(meta: Any) -> int:

@@ -118,12 +118,17 @@ class MetadataStages:
     full_to_swa : torch.Tensor, optional
         A hybrid model's full → window pool map (``[P_full]``, updated in place by the engine,
         :class:`~specmeta.testing.window_pool.WindowSlots`): with it every stage also builds the
-        window layers' metadata (a second builder, ``sliding_window_size``, FlashInfer only), in
-        window-pool ids: draft slots, draft decode, target verify, draft extend, and the
-        accepted KV moved in the window pool too. A stage's result is then ``(full layers',
-        window layers')``.
+        window layers' metadata (a second builder of the backend, ``sliding_window_size``:
+        FlashInfer's or FA3's), in window-pool ids: draft slots, draft decode, target verify,
+        draft extend, and the accepted KV moved in the window pool too. A stage's result is
+        then ``(full layers', window layers')``.
     sliding_window_size : int
         ``w`` of the window layers (with ``full_to_swa``).
+    window_page_map : torch.Tensor, optional
+        The same map a page at a time (``[P_full / ps]``, the window page of each full page),
+        where the window pool pages like the full pool (FA3 needs one, design §2.10): in slot
+        layout B the prefix-tail copies are then made in the window pool too, their pairs
+        through it.
     """
 
     def __init__(self, cfg: SpecConfig, backend: str, draft_form: str, device: torch.device,
@@ -131,7 +136,8 @@ class MetadataStages:
                  target_cache: KVCache | LatentCache,
                  status: torch.Tensor, reference: bool = False,
                  ragged_verify: bool = False, full_to_swa: torch.Tensor | None = None,
-                 sliding_window_size: int = 0):  # fmt: skip
+                 sliding_window_size: int = 0,
+                 window_page_map: torch.Tensor | None = None):  # fmt: skip
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if draft_form not in DRAFT_FORMS:
@@ -164,22 +170,28 @@ class MetadataStages:
             "runner.verify_lens",
         ])  # fmt: skip
         self.runners: dict[str, GraphRunner] = {}
-        self.full_to_swa = full_to_swa
+        self.full_to_swa, self.window_page_map = full_to_swa, window_page_map
         self.window_builder = None
         if full_to_swa is not None:
-            if backend != "flashinfer" or ragged_verify or sliding_window_size < 1:
-                raise ValueError(f"a hybrid model's window layers are served by FlashInfer's "
-                                 f"builder with a uniform verify and sliding_window_size >= 1, "
-                                 f"got backend={backend!r}, ragged_verify={ragged_verify}, "
+            if backend not in ("flashinfer", "fa3") or ragged_verify or sliding_window_size < 1:
+                raise ValueError(f"a hybrid model's window layers are served by FlashInfer's or "
+                                 f"FA3's builder with a uniform verify and sliding_window_size "
+                                 f">= 1, got backend={backend!r}, ragged_verify={ragged_verify}, "
                                  f"sliding_window_size={sliding_window_size}")  # fmt: skip
+            if backend == "fa3" and cfg.page_size > 1 and window_page_map is None:
+                raise ValueError("FA3's window tables read the window pool a page at a time: "
+                                 "pass window_page_map, a map that pages like the full pool "
+                                 "(WindowSlots(..., page_size=ps), design §2.10)")  # fmt: skip
             # The draft window bounds the draft's full layers; a window layer reads its own
             # window in every mode (design §2.10).
             plain = dataclasses.replace(cfg, draft_window_size=0, draft_sink_size=0)
-            self.window_builder = FlashInferBuilder(plain, device, reference=reference,
-                                                    modes=WINDOW_MODES,
-                                                    sliding_window_size=sliding_window_size)  # fmt: skip
+            window_builder = FA3MetadataBuilder if backend == "fa3" else FlashInferBuilder
+            self.window_builder = window_builder(plain, device, reference=reference,
+                                                 modes=WINDOW_MODES,
+                                                 sliding_window_size=sliding_window_size)  # fmt: skip
             self.window_bufs = allocate_buffers(cfg, device, [
                 "draft.out_cache_loc", "verify.tgt_cache_loc", "verify.src_cache_loc",
+                "draft.prefix_tail_tgt", "draft.prefix_tail_src",
             ])  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
@@ -219,12 +231,27 @@ class MetadataStages:
         window = None
         if self.window_builder is not None:
             # The window layers' draft slots: the same positions' window-pool ids.
+            wb = self.window_bufs
             launches.append(self._bind("assign_draft_cache_locs", rpi, r2t, lens,
-                                       out_cache_loc=self.window_bufs["draft.out_cache_loc"],
+                                       out_cache_loc=wb["draft.out_cache_loc"],
                                        full_to_swa=self.full_to_swa, **kw))  # fmt: skip
-            window = self.window_builder.bind_draft_decode(rpi, r2t, lens,
-                                                           num_rows=c.num_steps - 1, status=st,
-                                                           full_to_swa=self.full_to_swa)  # fmt: skip
+            if c.layout_b and self.window_page_map is not None:
+                # The window layers' branches read their region's first page whole too: the
+                # prefix tails copied in the window pool, the pairs through the page map
+                # (design §2.10). A tail position below the read floor may be out of the
+                # token map already; its page is held (it holds L), so the copy is defined.
+                wtgt, wsrc = wb["draft.prefix_tail_tgt"], wb["draft.prefix_tail_src"]
+                n = B * (c.topk - 1) * (c.page_size - 1)
+                launches.append(self._bind("prefix_tail_copy_pairs", rpi, r2t, lens, tgt=wtgt,
+                                           src=wsrc, v2p=self.window_page_map, **kw))  # fmt: skip
+                launches.append(self._bind("move_kv_cache", self.draft_cache.window_pool,
+                                           wtgt[:n], wsrc[:n], disjoint=True, status=st))  # fmt: skip
+            wkw = dict(num_rows=c.num_steps - 1, status=st, full_to_swa=self.full_to_swa)
+            if self.backend == "fa3":  # its tree's expand pass reads the window draft slots
+                wslots = wb["draft.out_cache_loc"][: B * c.topk * c.num_steps]
+                window = self.window_builder.bind_draft_decode(rpi, r2t, lens, wslots, **wkw)
+            else:
+                window = self.window_builder.bind_draft_decode(rpi, r2t, lens, **wkw)
         return _both(decode, window, launches)
 
     def verify(self, inputs: Mapping[str, torch.Tensor], num_tokens: int | None = None) -> Stage:
@@ -237,12 +264,12 @@ class MetadataStages:
         if self.backend in ("trtllm_mla", "flashinfer_mla") and self.cfg.topk == 1:
             # a chain: causal, no mask
             return self.builder.bind_target_verify(*args, **kw)
-        if self.backend == "fa3" and self.cfg.topk == 1:  # FA3 reads no mask for a chain
-            return self.builder.bind_target_verify(*args, None, **kw)
-        full = self.builder.bind_target_verify(*args, inputs["tree_mask"], **kw)
+        # FA3 reads no mask for a chain
+        mask = None if self.backend == "fa3" and self.cfg.topk == 1 else inputs["tree_mask"]
+        full = self.builder.bind_target_verify(*args, mask, **kw)
         window = None
         if self.window_builder is not None:
-            window = self.window_builder.bind_target_verify(*args, inputs["tree_mask"], **kw,
+            window = self.window_builder.bind_target_verify(*args, mask, **kw,
                                                             full_to_swa=self.full_to_swa)  # fmt: skip
         return _both(full, window)
 
@@ -348,6 +375,8 @@ class MetadataStages:
             runner.add_guard("req_to_token", lambda: self.req_to_token)
             if self.full_to_swa is not None:
                 runner.add_guard("full_to_swa", self.full_to_swa)
+            if self.window_page_map is not None:
+                runner.add_guard("window_page_map", self.window_page_map)
             for which, cache in (("draft", self.draft_cache), ("target", self.target_cache)):
                 for i, layer in enumerate((*cache.k, *cache.v)):
                     runner.add_guard(f"{which} KV buffer {i}", layer)

@@ -57,7 +57,11 @@ keeps its window layers' KV in a window pool: the loop maps every full slot it h
 window slot and takes it back once no window reads its position
 (:class:`~specmeta.testing.window_pool.WindowSlots`), and every stage also builds the window
 layers' metadata in window-pool ids (:class:`MetadataStages`); each forward writes a window
-layer's KV at its slots' window-pool ids.
+layer's KV at its slots' window-pool ids. FlashInfer's window builder reads a token-granular
+map; FA3's (``backend="fa3"``) reads page tables, so its map pages like the full pool
+(design §2.10: whole window pages, a full page's slots at the same offsets of one window
+page, the layout-B prefix-tail copies made in the window pool too) and its results run
+FlashAttention's own window.
 
 An MLA target and draft (:class:`~specmeta.testing.tiny_model.TinyConfig`'s ``ckv_dim`` and
 ``kpe_dim``) keep a latent pool (:class:`~specmeta.testing.tiny_model.LatentCache`), served
@@ -231,7 +235,9 @@ class SpeculativeLoop:
         self.slots = SlotAllocator(cfg.max_bs + 3, cfg.req_to_token_width,
                                    cfg.pool_size // cfg.page_size, cfg.page_size, self.device,
                                    torch.Generator().manual_seed(seed))  # fmt: skip
-        self.window = self._window_slots(cfg, seed, window_pool_size)
+        # FA3's window tables read the window pool a page at a time: its map pages like the
+        # full pool (design §2.10); FlashInfer's lists read it token by token.
+        self.window = self._window_slots(cfg, seed, window_pool_size, paged=backend == "fa3")
         wsize = self.window_pool_size if self.window else None
         self.target_cache = target.new_cache(cfg.pool_size, wsize)
         self.draft_cache = draft.new_cache(cfg.pool_size, wsize)
@@ -241,14 +247,17 @@ class SpeculativeLoop:
                                      self.status, reference=reference,
                                      ragged_verify=ragged_verify,
                                      full_to_swa=self.window.full_to_swa if self.window else None,
-                                     sliding_window_size=self.window.window if self.window else 0)  # fmt: skip
+                                     sliding_window_size=self.window.window if self.window else 0,
+                                     window_page_map=self._window_page_map())  # fmt: skip
         if mode != "eager":
             self.stages.build_runners(buckets, self.device)
         self.max_bucket = max(buckets, default=0)
 
-    def _window_slots(self, cfg: SpecConfig, seed: int, size: int | None) -> WindowSlots | None:
+    def _window_slots(self, cfg: SpecConfig, seed: int, size: int | None,
+                      paged: bool = False) -> WindowSlots | None:  # fmt: skip
         """A hybrid model's window pool map (both models' window layers share one window, so
-        one map serves both pools), or ``None``."""
+        one map serves both pools), or ``None``; ``paged``: one that pages like the full pool
+        (:class:`~specmeta.testing.window_pool.WindowSlots` with ``page_size``)."""
         windows = {m.cfg.sliding_window_size for m in (self.target, self.draft) if m.cfg.hybrid}
         if not windows:
             return None
@@ -259,10 +268,16 @@ class SpeculativeLoop:
         if size is None:
             ps, K, S, N = cfg.page_size, cfg.topk, cfg.num_steps, cfg.num_draft_tokens
             need = max(draft_row_need(r + 1, K, S, ps) - r for r in range(ps)) + N + 1
-            size = window_pool_size(w, cfg.max_bs, cfg.max_context_len, need, ps)
+            size = window_pool_size(w, cfg.max_bs, cfg.max_context_len, need, ps, paged)
         self.window_pool_size = size
         return WindowSlots(cfg.pool_size, size, w, self.device,
-                           torch.Generator().manual_seed(seed + 1))  # fmt: skip
+                           torch.Generator().manual_seed(seed + 1),
+                           page_size=cfg.page_size if paged else 1)  # fmt: skip
+
+    def _window_page_map(self) -> torch.Tensor | None:
+        """The window map a page at a time, where it pages like the full pool, or ``None``."""
+        paged = self.window is not None and self.window.page_size > 1
+        return self.window.page_map if paged else None
 
     def _map_window(self, req: Request) -> None:
         """Window slots for every full slot ``req``'s row was given."""
