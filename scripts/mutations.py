@@ -2082,7 +2082,7 @@ MUTATIONS: list[Mutation] = [
        "specmeta/testing/attention.py",
        "            keys = torch.arange(max(0, p - left), min(n_k, p + right + 1))\n",
        "            keys = torch.arange(0, min(n_k, p + right + 1))\n",
-       [HYBRID, "-k", "cpu and fa3-k1s3n4-ps1"]),
+       [HYBRID, "-k", "cpu and fa3-k1s4n5-ps1"]),
 ]
 # fmt: on
 

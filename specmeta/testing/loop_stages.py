@@ -173,10 +173,10 @@ class MetadataStages:
         self.full_to_swa, self.window_page_map = full_to_swa, window_page_map
         self.window_builder = None
         if full_to_swa is not None:
-            if backend not in ("flashinfer", "fa3") or ragged_verify or sliding_window_size < 1:
+            if backend not in ("flashinfer", "fa3") or sliding_window_size < 1:
                 raise ValueError(f"a hybrid model's window layers are served by FlashInfer's or "
-                                 f"FA3's builder with a uniform verify and sliding_window_size "
-                                 f">= 1, got backend={backend!r}, ragged_verify={ragged_verify}, "
+                                 f"FA3's builder with sliding_window_size >= 1, got "
+                                 f"backend={backend!r}, "
                                  f"sliding_window_size={sliding_window_size}")  # fmt: skip
             if backend == "fa3" and cfg.page_size > 1 and window_page_map is None:
                 raise ValueError("FA3's window tables read the window pool a page at a time: "

@@ -510,9 +510,11 @@ class SpeculativeLoop:
         v_cpu = v.cpu() if self.stages.backend == "flashinfer" else None
         meta = self._specmeta("verify", B, inputs, seq_lens_cpu, graph, v_cpu)
         # Each request's rows among the bucket's tokens (TRT-LLM MLA's dense layout covers
-        # at most N a request: the tokens past its last offset are filler of no request).
-        qo = {"flashinfer": lambda: meta.qo_indptr, "trtllm_mla": lambda: meta.cu_seqlens_q,
-              "fa3": lambda: meta.normal.cu_seqlens_q}[self.stages.backend]().long()  # fmt: skip
+        # at most N a request: the tokens past its last offset are filler of no request); a
+        # hybrid model's window layers read the same rows.
+        full = meta[0] if self.window is not None else meta
+        qo = {"flashinfer": lambda: full.qo_indptr, "trtllm_mla": lambda: full.cu_seqlens_q,
+              "fa3": lambda: full.normal.cu_seqlens_q}[self.stages.backend]().long()  # fmt: skip
         T = (qo.shape[0] - 1) * N  # the bucket: B·N eager, Bp·N through the runner
         r = torch.arange(T, device=dev)
         owner = torch.searchsorted(qo[1:], r, right=True)  # the request of each row

@@ -10,7 +10,8 @@ slots reused). FlashInfer's builder builds the full layers' metadata, a second o
 by ``assign_draft_cache_locs(full_to_swa=)``, the accepted KV moved in both pools (the window
 pool's pairs through ``accept_cache_locs`` with the map as a page map of page size 1). Some cases
 also bound the draft's full layers with a draft window (``draft_window_size``,
-``draft_sink_size``). The ``fa3`` cases serve both kinds of layer with FA3's builders
+``draft_sink_size``); some verify ragged (each request its first nodes, design §2.9). The
+``fa3`` cases serve both kinds of layer with FA3's builders
 (``FA3MetadataBuilder(cfg, dev, sliding_window_size=w)`` for the window layers, design §2.10):
 their page tables read the window pool a page at a time, so the map pages like the full pool
 (``WindowSlots(..., page_size=ps)``: whole window pages handed out and taken back, a full page's
@@ -25,7 +26,8 @@ made in the window pool too (checked after every draft stage). For every request
   (an id read through an evicted map entry would set ``BAD_KV_ID``);
 * with ``topk = 1`` every drafted chain is the draft's greedy chain under the dense reference
   of draft decode (the draft window in the full layers, the sliding window in the window
-  layers): the windowed draft attends to exactly what the window names;
+  layers): the windowed draft attends to exactly what the window names; with ``topk > 1``
+  (CPU tier) every draft forward's logits equal the dense reference of its branch;
 * the sequences crossed the window, and window slots were evicted and reused.
 
 Tiers: the CPU cases of :data:`CPU_CASES` (torch consumers, float64); the ``gpu`` set of
@@ -71,13 +73,14 @@ class HybridCase:
     form: str = "decode"  # FlashInfer's draft-decode form of the full layers
     mode: str = "auto"
     backend: str = "flashinfer"  # whose builders (full layers' and window layers') serve it
+    ragged: bool = False  # each request verifies its first nodes only (design §2.9)
 
     @property
     def id(self) -> str:
         dw = f"-dw{self.draft_window}+{self.draft_sink}" if self.draft_window else ""
         form = "fa3" if self.backend == "fa3" else self.form
         return (f"{form}-k{self.topk}s{self.steps}n{self.draft_tokens}-ps{self.page_size}"
-                f"-w{self.window}{dw}-{self.mode}")  # fmt: skip
+                f"-w{self.window}{dw}-{self.mode}{'-ragged' if self.ragged else ''}")  # fmt: skip
 
 
 def _model_cfg(base: TinyConfig, window: int) -> TinyConfig:
@@ -109,6 +112,7 @@ def _serve(case: HybridCase, draft_kind: str, gen, device, *, base: TinyConfig, 
                      max_context_len=longest, draft_window_size=case.draft_window,
                      draft_sink_size=case.draft_sink)  # fmt: skip
     common = dict(backend=case.backend, attention=attention, draft_form=case.form,
+                  ragged_verify=case.ragged,
                   seed=_draw(gen), raise_on_status=False)  # fmt: skip
     buckets = tuple(b for b in BUCKETS if b < cfg.max_bs)
     buckets = (*buckets, cfg.max_bs) if case.mode == "graph" else buckets
@@ -281,9 +285,10 @@ CPU_CASES = [
     # A tree with token pages, no draft window, the shared-prefix cascade in the full layers.
     (HybridCase(2, 2, 5, 1, window=5, form="shared_prefix"), "perturbed"),
     # FA3's builders, a map that pages like the full pool: a chain on token pages the target
-    # drafts for itself; a chain and a tree (slot layout B, the prefix tails copied in the
-    # window pool) over pages of 16 with a window shorter than a page (the floor inside one).
-    (HybridCase(1, 3, 4, 1, window=6, backend="fa3"), "self"),
+    # drafts for itself, its verify ragged (FA3's cascade split at a page boundary); a chain
+    # and a tree (slot layout B, the prefix tails copied in the window pool) over pages of 16
+    # with a window shorter than a page (the floor inside one).
+    (HybridCase(1, 4, 5, 1, window=4, backend="fa3", ragged=True), "self"),
     (HybridCase(1, 3, 4, 16, window=8, backend="fa3"), "perturbed"),
     (HybridCase(2, 3, 6, 16, window=8, backend="fa3"), "perturbed"),
 ]
@@ -407,6 +412,10 @@ GPU_CASES = [
     HybridCase(2, 4, 8, 16, window=32, mode="auto", backend="fa3"),
     HybridCase(2, 3, 6, 1, window=17, mode="graph", backend="fa3"),
     HybridCase(4, 3, 10, 16, window=12, mode="auto", backend="fa3"),
+    # Ragged verifies (design §2.9) of the window layers: FA3's cascade, FlashInfer's lists.
+    HybridCase(2, 4, 8, 16, window=32, mode="graph", backend="fa3", ragged=True),
+    HybridCase(1, 5, 6, 1, window=24, mode="auto", backend="fa3", ragged=True),
+    HybridCase(2, 3, 6, 16, window=24, mode="graph", ragged=True),
 ]
 
 
