@@ -99,7 +99,10 @@ PY
       for w in $(seq 0 $((n - 1))); do
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
         [ -n "$shard" ] || continue
-        CUDA_VISIBLE_DEVICES=$((w % gpus)) timeout "${LOSSLESS_TIMEOUT:-560}" \
+        # A few threads a shard: torch's default (one per core) in every shard oversubscribes
+        # the host many times over and runs all of them slower.
+        CUDA_VISIBLE_DEVICES=$((w % gpus)) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
+          timeout "${LOSSLESS_TIMEOUT:-560}" \
           python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
           > "$OUT/lossless_$w.log" 2>&1 &
       done
