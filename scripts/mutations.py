@@ -1628,8 +1628,8 @@ MUTATIONS: list[Mutation] = [
        "FlashInfer MLA's tree-verify ancestor lists planned for B·N entries, not B·N·N: "
        "stores dropped for capacity",
        "specmeta/metadata/flashinfer_mla_plan.py",
-       "        return batch * num_draft_tokens * num_draft_tokens\n",
-       "        return batch * num_draft_tokens\n",
+       "    return batch * num_draft_tokens * num_draft_tokens\n",
+       "    return batch * num_draft_tokens\n",
        ["tests/metadata/test_flashinfer_mla.py", "-k", "tree_verify"]),
     _m("k-rail-mask-chunk-threshold", "kernel",
        "the window layer's tree mask, a chunk inside one row's prefix: the row's first seen "
@@ -1816,11 +1816,11 @@ MUTATIONS: list[Mutation] = [
        "                pass\n",
        ["tests/metadata/test_trtllm_mla_tree.py", "-k", "bound_tree_verify"]),
     _m("c-trtllm-tree-ancestors-short", "config",
-       "TRT-LLM MLA's tree verify plans B·N ancestor entries, not B·N·N: the deepest nodes' "
-       "lists are dropped for capacity",
+       "TRT-LLM MLA's tree verify plans its ancestor pass for one node a request (B ancestor "
+       "lists of one entry each, not B·N of up to N): stores dropped for capacity",
        "specmeta/metadata/trtllm_mla_plan.py",
-       'add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,',
-       'add(f"{mode}.ancestor_kv_indices", (bn,), i32,',
+       "    plan_ancestor_pass(mode, bs, n, add)",
+       "    plan_ancestor_pass(mode, bs, 1, add)",
        ["tests/metadata/test_trtllm_mla_tree.py", "-k", "over_each_nodes and 2-32"]),
     # ------------------------------------ FlashInfer's compiled host part publishes (design §3)
     _m("h-fi-stale-not-sent-compiled", "host_mirror",

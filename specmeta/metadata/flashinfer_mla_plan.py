@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["plan_flashinfer_mla"]
+__all__ = ["plan_flashinfer_mla", "plan_ancestor_pass"]
 
 
 def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
@@ -26,11 +26,6 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
     window slots (``B·N·N``).
     """
     from ..config import branch_kv_indices_need, shared_prefix_chain_need, verify_kv_indices_need
-
-    def tree_ancestor_kv_indices_need(batch: int, num_draft_tokens: int) -> int:
-        """Every node's ancestor list at its worst: ``B·N·N`` (the kernel module's rule, not
-        imported: this module stays torch-free)."""
-        return batch * num_draft_tokens * num_draft_tokens
 
     k, s, n, ps, bs = cfg.topk, cfg.num_steps, cfg.num_draft_tokens, cfg.page_size, cfg.max_bs
     total = bs * cfg.max_context_len  # ΣL at full capacity
@@ -67,7 +62,6 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         # (one list a node: its ancestors' window slots, tree_ancestor_kv_indices), whose host
         # lengths come from the engine's node depths and are checked on the device entry by
         # entry (check_host_list_lengths: a slot of 8 + B·N in host memory, a device word).
-        bn = bs * n
         add(f"{mode}.prefix_kv_indices", (verify_kv_indices_need(total, bs, 0),), i32,
             "[ΣL] every prefix once, for the request's N query rows")  # fmt: skip
         add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] [0, cumsum(L)]")
@@ -75,18 +69,7 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.prefix_kv_len_arr_host", (bs,), i32, "[B] L, CPU")
-        add(f"{mode}.ancestor_kv_indices", (tree_ancestor_kv_indices_need(bs, n),), i32,
-            "[B*N*N] each node's ancestors' window slots (any mask's worst case)")  # fmt: skip
-        add(f"{mode}.ancestor_kv_indptr", (bn + 1,), i32, "[B*N+1] exclusive sums of kv_len")
-        add(f"{mode}.ancestor_kv_len", (bn,), i32, "[B*N] ancestors of each node, itself included")
-        add(f"{mode}.ancestor_qo_indptr", (bn + 1,), i32, "[B*N+1] arange: a row a node")
-        add(f"{mode}.ancestor_qo_indptr_host", (bn + 1,), i32, "[B*N+1] CPU mirror")
-        add(f"{mode}.ancestor_kv_indptr_host", (bn + 1,), i32,
-            "[B*N+1] CPU, from the engine's node depths")  # fmt: skip
-        add(f"{mode}.ancestor_kv_len_arr_host", (bn,), i32, "[B*N] depth + 1, CPU")
-        add(f"{mode}.ancestor_lengths_slot_host", (8 + bn,), "int64",
-            "the host's ancestor counts published for the device's check (header, then B*N)")  # fmt: skip
-        add(f"{mode}.ancestor_lengths_seen", (1,), "int64", "the last published counts checked")
+        plan_ancestor_pass(mode, bs, n, add)
     for mode in ("flashinfer_mla.target_verify", "flashinfer_mla.draft_extend"):
         if k > 1 and mode.endswith("target_verify"):
             continue
@@ -97,3 +80,30 @@ def plan_flashinfer_mla(cfg: SpecConfig, add) -> None:
         add(f"{mode}.qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
         add(f"{mode}.kv_len_arr_host", (bs,), i32, "[B] L + N tokens, CPU")
+
+
+def tree_ancestor_kv_indices_need(batch: int, num_draft_tokens: int) -> int:
+    """Every node's ancestor list at its worst: ``B·N·N`` (the kernel module's rule, not
+    imported: this module stays torch-free)."""
+    return batch * num_draft_tokens * num_draft_tokens
+
+
+def plan_ancestor_pass(mode: str, batch: int, num_draft_tokens: int, add) -> None:
+    """The ``<mode>.ancestor_*`` buffers of a tree verify's ancestor pass (design §3.5; TRT-LLM
+    MLA's cascade takes the same pass, §3.4): one list a node, its ancestors' window slots
+    (``tree_ancestor_kv_indices``), whose host lengths come from the engine's node depths and
+    are checked on the device entry by entry (``check_host_list_lengths``: a slot of
+    ``8 + B·N`` in host memory, a device word)."""
+    bn, i32 = batch * num_draft_tokens, "int32"
+    add(f"{mode}.ancestor_kv_indices", (tree_ancestor_kv_indices_need(batch, num_draft_tokens),),
+        i32, "[B*N*N] each node's ancestors' window slots (any mask's worst case)")  # fmt: skip
+    add(f"{mode}.ancestor_kv_indptr", (bn + 1,), i32, "[B*N+1] exclusive sums of kv_len")
+    add(f"{mode}.ancestor_kv_len", (bn,), i32, "[B*N] ancestors of each node, itself included")
+    add(f"{mode}.ancestor_qo_indptr", (bn + 1,), i32, "[B*N+1] arange: a row a node")
+    add(f"{mode}.ancestor_qo_indptr_host", (bn + 1,), i32, "[B*N+1] CPU mirror")
+    add(f"{mode}.ancestor_kv_indptr_host", (bn + 1,), i32,
+        "[B*N+1] CPU, from the engine's node depths")  # fmt: skip
+    add(f"{mode}.ancestor_kv_len_arr_host", (bn,), i32, "[B*N] depth + 1, CPU")
+    add(f"{mode}.ancestor_lengths_slot_host", (8 + bn,), "int64",
+        "the host's ancestor counts published for the device's check (header, then B*N)")  # fmt: skip
+    add(f"{mode}.ancestor_lengths_seen", (1,), "int64", "the last published counts checked")

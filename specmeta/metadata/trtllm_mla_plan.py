@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import trtllm_mla_max_blocks
+from .flashinfer_mla_plan import plan_ancestor_pass
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -49,10 +50,9 @@ def plan_trtllm_mla_tree_verify(cfg: SpecConfig, add: Callable[..., None]) -> No
     """``trtllm_mla.target_verify.*`` keys of a tree (``topk > 1``; nothing for a chain).
 
     The block tables keep the one width of every TRT-LLM mode (design §3.4); the ancestor
-    lists are planned for ``B·N·N`` entries, any ``[B, N, N]`` mask's worst case
-    (:func:`~specmeta.kernels.tree_ancestor_kv_indices.tree_ancestor_kv_indices_need`: the
-    kernel module's rule, not imported, since this module stays torch-free); the ancestor
-    counts' host slot holds a header of 8 and ``B·N`` counts (the check of design §3.5).
+    pass's buffers are FlashInfer MLA's tree verify's (:func:`.flashinfer_mla_plan.
+    plan_ancestor_pass`: ``B·N·N`` list entries, any ``[B, N, N]`` mask's worst case, and the
+    ancestor counts' host slot of a header of 8 and ``B·N`` counts, design §3.5).
     """
     if cfg.topk == 1:
         return
@@ -67,15 +67,4 @@ def plan_trtllm_mla_tree_verify(cfg: SpecConfig, add: Callable[..., None]) -> No
     add(f"{mode}.prefix_block_kv_indices", (bn, maxblk), i32,
         "[B*N, maxblk] the prefix pass: request b's prefix pages in rows b*N … b*N + N-1")  # fmt: skip
     add(f"{mode}.prefix_seq_lens_k", (bn,), i32, "[B*N] L_b, one row a tree node")
-    add(f"{mode}.ancestor_kv_indices", (bn * n,), i32,
-        "[B*N*N] each node's ancestors' window slots (any mask's worst case)")  # fmt: skip
-    add(f"{mode}.ancestor_kv_indptr", (bn + 1,), i32, "[B*N+1] exclusive sums of kv_len")
-    add(f"{mode}.ancestor_kv_len", (bn,), i32, "[B*N] ancestors of each node, itself included")
-    add(f"{mode}.ancestor_qo_indptr", (bn + 1,), i32, "[B*N+1] arange: a row a node")
-    add(f"{mode}.ancestor_qo_indptr_host", (bn + 1,), i32, "[B*N+1] CPU mirror")
-    add(f"{mode}.ancestor_kv_indptr_host", (bn + 1,), i32,
-        "[B*N+1] CPU, from the engine's node depths")  # fmt: skip
-    add(f"{mode}.ancestor_kv_len_arr_host", (bn,), i32, "[B*N] depth + 1, CPU")
-    add(f"{mode}.ancestor_lengths_slot_host", (8 + bn,), "int64",
-        "the host's ancestor counts published for the device's check (header, then B*N)")  # fmt: skip
-    add(f"{mode}.ancestor_lengths_seen", (1,), "int64", "the last published counts checked")
+    plan_ancestor_pass(mode, bs, n, add)  # FlashInfer MLA's pass, the same buffers
