@@ -1993,7 +1993,7 @@ MUTATIONS: list[Mutation] = [
        ["tests/kernels/test_window_layers.py", "-k", "paged_lists and virtual"]),
     _m("st-rail-paged-map-dropped", "stage",
        "the window builder binds its paged lists without the map: full-pool pages",
-       "specmeta/metadata/flashinfer_window.py",
+       "specmeta/metadata/flashinfer.py",
        "            **self._window_lists(\"draft_decode_paged\", full_to_swa),\n",
        "            sliding_window_size=self.sliding_window_size,\n",
        ["tests/metadata/test_window_builders.py", "-k", "paged_draft_decode_read and torch"]),

@@ -242,15 +242,11 @@ class FlashInferBuilder(MetadataBuilder):
                verify: Callable | None = None) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
         ``launches`` and the check of the host's lengths, and a host part that checks
-        ``seq_lens_cpu`` (every value named in the builder's message before anything is
-        written) and publishes it for that check (:meth:`lengths`), takes the ring's turn, runs
-        the writer of its set and returns the set's result (the compiled writer checks the
-        lengths itself: one call). ``make(B, *key, mirrors, compiled)`` makes a set's result
-        and writer (compiled where :func:`specmeta.warmup`
-        built the host ops and :attr:`host_ops` asks for them) once, a slot per set in
-        :meth:`views`. A missing ``seq_lens_cpu`` is refused before the turn. A ragged verify
-        passes ``verify(verify_lens_cpu)``, its checks, and its writer takes both host
-        tensors; any other stage refuses a ``verify_lens_cpu``."""
+        ``seq_lens_cpu`` (each value named before anything is written; a compiled writer checks
+        them itself, in its one call) and publishes it for that check, takes the ring's turn,
+        runs its set's writer and returns the set's result. ``make(B, *key, mirrors, compiled)``
+        makes a set's result and writer once, a slot per set in :meth:`views`. A ragged verify
+        passes ``verify(verify_lens_cpu)``, its checks; any other stage refuses the lengths."""
         ring = self._mirrors[self.plan_groups.get(mode, mode)]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         sets, claim, advance, where = ring.sets, ring.claim, ring.advance, self._where[mode]
@@ -418,18 +414,18 @@ class FlashInferBuilder(MetadataBuilder):
                                         req_to_token: torch.Tensor, seq_lens: torch.Tensor, *,
                                         num_rows: int | None = None,
                                         status: torch.Tensor | None = None,
-                                        v2p: torch.Tensor | None = None,
-                                        entry_page_size: int = 1) -> Stage:  # fmt: skip
+                                        v2p: torch.Tensor | None = None, entry_page_size: int = 1,
+                                        full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_decode_shared_prefix` bound once to these tensors (arguments as
         there); ``host(seq_lens_cpu)`` returns the :class:`FlashInferCascadeDecode`."""
-        cfg = self.cfg
+        cfg, mode = self.cfg, "draft_decode_shared_prefix"
         return self._bind_draft(
-            "draft_decode_shared_prefix", bind_shared_prefix_kv_indices,
+            mode, bind_shared_prefix_kv_indices,
             shared_prefix_kv_indices_ref, (req_pool_indices, req_to_token, seq_lens), num_rows,
             status, ("prefix_kv_indices", "prefix_kv_indptr", "chain_kv_indices",
                      "chain_kv_indptr"), self._shared_result, v2p=v2p,
             entry_page_size=entry_page_size, window_size=cfg.draft_window_size,
-            sink_size=cfg.draft_sink_size,
+            sink_size=cfg.draft_sink_size, **self._window_lists(mode, full_to_swa),
         )  # fmt: skip
 
     def draft_decode_shared_prefix(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
@@ -437,15 +433,16 @@ class FlashInferBuilder(MetadataBuilder):
                                    seq_lens_cpu: torch.Tensor | None = None,
                                    num_rows: int | None = None, status: torch.Tensor | None = None,
                                    launch: bool = True, v2p: torch.Tensor | None = None,
-                                   entry_page_size: int = 1) -> FlashInferCascadeDecode:  # fmt: skip
+                                   entry_page_size: int = 1, full_to_swa: torch.Tensor | None = None,
+                                   ) -> FlashInferCascadeDecode:  # fmt: skip
         """Cascade draft decode: each prefix once, each branch's chain a second level; one
         launch builds both levels of every step, the consumer merges the two levels' outputs by
         log-sum-exp. Arguments as in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the
         id space of the rows; a config's draft window bounds the prefix level, mirrors
         included, to ``min(L, W + Sk)`` tokens a request)."""
-        stage = self.bind_draft_decode_shared_prefix(req_pool_indices, req_to_token, seq_lens,
-                                                     num_rows=num_rows, status=status, v2p=v2p,
-                                                     entry_page_size=entry_page_size)  # fmt: skip
+        stage = self.bind_draft_decode_shared_prefix(
+            req_pool_indices, req_to_token, seq_lens, num_rows=num_rows, status=status, v2p=v2p,
+            entry_page_size=entry_page_size, full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _shared_result(self, B: int, rows: int, mirrors: dict, compiled: bool):
@@ -480,8 +477,8 @@ class FlashInferBuilder(MetadataBuilder):
     def bind_draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                                 seq_lens: torch.Tensor, *, num_rows: int | None = None,
                                 status: torch.Tensor | None = None,
-                                v2p: torch.Tensor | None = None,
-                                entry_page_size: int = 1) -> Stage:  # fmt: skip
+                                v2p: torch.Tensor | None = None, entry_page_size: int = 1,
+                                full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
         """:meth:`draft_decode_paged` bound once to these tensors (arguments as there);
         ``host(seq_lens_cpu)`` returns the :class:`FlashInferDraftDecode`."""
         return self._bind_draft(
@@ -489,25 +486,27 @@ class FlashInferBuilder(MetadataBuilder):
             (req_pool_indices, req_to_token, seq_lens), num_rows, status,
             ("kv_indices", "kv_indptr", "kv_last_page_len"), self._paged_result, v2p=v2p,
             entry_page_size=entry_page_size,
+            **self._window_lists("draft_decode_paged", full_to_swa),
         )  # fmt: skip
 
     def draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                            num_rows: int | None = None, status: torch.Tensor | None = None,
                            launch: bool = True, v2p: torch.Tensor | None = None,
-                           entry_page_size: int = 1) -> FlashInferDraftDecode:  # fmt: skip
+                           entry_page_size: int = 1,
+                           full_to_swa: torch.Tensor | None = None) -> FlashInferDraftDecode:  # fmt: skip
         """Per-branch page lists with the pool's page size (plan with ``cfg.page_size``).
 
         Branch ``b·K + t`` at step ``s`` reads the request's full prefix pages, then its own
         region's pages, ``L_b + s + 1`` tokens. In slot layout B the regions of branches
         ``t ≥ 1`` start with a copy of the prefix tail: run the pairs of
         ``prefix_tail_copy_pairs`` through ``move_kv_cache`` before the forward. Arguments as
-        in :meth:`draft_decode` (``v2p``, ``entry_page_size``: the id space of the rows, the
-        lists hold physical pages). A draft window is not built here (design §2.10).
+        in :meth:`draft_decode` (the lists hold physical pages). No draft window (design §2.10).
         """
         stage = self.bind_draft_decode_paged(req_pool_indices, req_to_token, seq_lens,
                                              num_rows=num_rows, status=status, v2p=v2p,
-                                             entry_page_size=entry_page_size)  # fmt: skip
+                                             entry_page_size=entry_page_size,
+                                             full_to_swa=full_to_swa)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
 
     def _paged_result(self, B: int, rows: int, mirrors: dict, compiled: bool):

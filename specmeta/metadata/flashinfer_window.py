@@ -48,7 +48,6 @@ import torch
 
 from ..config import SpecConfig, plan_sizes
 from ..kernels._window import check_window, window_layer_config
-from ..kernels.branch_kv_indices import bind_branch_kv_indices, branch_kv_indices_ref
 from ..kernels.shared_prefix_kv_indices import (
     bind_shared_prefix_kv_indices,
     shared_prefix_kv_indices_ref,
@@ -321,21 +320,6 @@ class FlashInferWindowBuilder(FlashInferBuilder):
         return FlashInferCascadeDecode(steps), write
 
     # -- draft decode: per-branch page lists, read with the kernel's window ---------------------
-    def bind_draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                seq_lens: torch.Tensor, *, num_rows: int | None = None,
-                                status: torch.Tensor | None = None,
-                                v2p: torch.Tensor | None = None, entry_page_size: int = 1,
-                                full_to_swa: torch.Tensor | None = None) -> Stage:  # fmt: skip
-        """:meth:`draft_decode_paged` bound once to these tensors (arguments as there);
-        ``host(seq_lens_cpu)`` returns the :class:`FlashInferDraftDecode`."""
-        return self._bind_draft(
-            "draft_decode_paged", bind_branch_kv_indices, branch_kv_indices_ref,
-            (req_pool_indices, req_to_token, seq_lens), num_rows, status,
-            ("kv_indices", "kv_indptr", "kv_last_page_len"), self._paged_result, v2p=v2p,
-            entry_page_size=entry_page_size,
-            **self._window_lists("draft_decode_paged", full_to_swa),
-        )  # fmt: skip
-
     def draft_decode_paged(self, req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
                            seq_lens: torch.Tensor, *, seq_lens_cpu: torch.Tensor | None = None,
                            num_rows: int | None = None, status: torch.Tensor | None = None,

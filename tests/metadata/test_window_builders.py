@@ -482,8 +482,12 @@ def test_refusals_name_the_call_and_the_fix(gen, device):
                                sliding_window_size=3)  # fmt: skip
     assert "draft_decode_shared_prefix" not in narrow.modes and "draft_decode" in narrow.modes
 
-    with pytest.raises(ValueError, match=r"FlashInferBuilder.draft_extend: full_to_swa was given"):
-        FlashInferBuilder(cfg, device).bind_draft_extend(*args, full_to_swa=f2s.to(device))
+    full = FlashInferBuilder(cfg, device)
+    for mode in ("draft_extend", "draft_decode_shared_prefix", "draft_decode_paged"):
+        with pytest.raises(ValueError, match=rf"FlashInferBuilder.{mode}: full_to_swa was given"):
+            getattr(full, f"bind_{mode}")(*args, full_to_swa=f2s.to(device))
+    with pytest.raises(ValueError, match=r"draft_decode_paged: full_to_swa was given"):
+        full.draft_decode_paged(*args, seq_lens_cpu=batch.seq_lens_cpu, full_to_swa=f2s.to(device))
     with pytest.raises(TypeError, match=r"draft_extend: full_to_swa must be"):
         win.bind_draft_extend(*args, full_to_swa=f2s.float().to(device))
     with pytest.raises(ValueError, match=r"sliding_window_size=4, but the config plans window "
