@@ -90,7 +90,7 @@ def tree_ancestor_kv_indices_need(batch: int, num_draft_tokens: int) -> int:
 
 def plan_ancestor_pass(mode: str, batch: int, num_draft_tokens: int, add) -> None:
     """The ``<mode>.ancestor_*`` buffers of a tree verify's ancestor pass (design §3.5; TRT-LLM
-    MLA's cascade takes the same pass, §3.4): one list a node, its ancestors' window slots
+    MLA's cascade takes the same pass, design §3.4): one list a node, its ancestors' window slots
     (``tree_ancestor_kv_indices``), whose host lengths come from the engine's node depths and
     are checked on the device entry by entry (``check_host_list_lengths``: a slot of
     ``8 + B·N`` in host memory, a device word)."""
