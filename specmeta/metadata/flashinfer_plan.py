@@ -19,7 +19,7 @@ from ..config import (
 if TYPE_CHECKING:
     from ..config import SpecConfig
 
-__all__ = ["plan_flashinfer"]
+__all__ = ["plan_flashinfer", "plan_cascade_rows_and_chains"]
 
 
 def plan_flashinfer(cfg: SpecConfig, add) -> None:
@@ -45,16 +45,7 @@ def plan_flashinfer(cfg: SpecConfig, add) -> None:
         "[ΣL] every prefix once, shared by the request's K branches")  # fmt: skip
     add(f"{mode}.prefix_kv_indptr", (bs + 1,), i32, "[B+1] prefix-level CSR offsets")
     add(f"{mode}.prefix_kv_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
-    add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-    add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
-        "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
-    add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level CSR offsets")
-    add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
-    add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: one query row a branch")
-    add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
-    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
-    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
+    plan_cascade_rows_and_chains(mode, bs, k, s, add)
     # Per-branch page lists for page size > 1 (prefix-tail copies in place first).
     mode = "flashinfer.draft_decode_paged"
     add(f"{mode}.kv_indices", (s, branch_kv_indices_need(total, bs, k, s, ps)), i32,
@@ -87,3 +78,21 @@ def plan_flashinfer(cfg: SpecConfig, add) -> None:
     add(f"{mode}.verify_lens_host", (bs,), i32, "[Bp] CPU mirror")
     add(f"{mode}.ragged_qo_indptr", (bs + 1,), i32, "[Bp+1] exclusive sum of verify_lens")
     add(f"{mode}.ragged_qo_indptr_host", (bs + 1,), i32, "[Bp+1] CPU mirror")
+
+
+def plan_cascade_rows_and_chains(mode: str, bs: int, k: int, s: int, add) -> None:
+    """The shared-prefix cascade's buffers past its prefix level's lists (design §3.3; a window
+    layer's cascade has the same, design §2.10): the prefix level's query rows (``K`` a
+    request), each branch's own draft slots a step (the chain level) and the ones of page
+    size 1 that both levels read."""
+    i32 = "int32"
+    add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
+    add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
+    add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
+        "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
+    add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level CSR offsets")
+    add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
+    add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: one query row a branch")
+    add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
+    add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
+    add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")

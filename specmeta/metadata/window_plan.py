@@ -107,23 +107,14 @@ def plan_flashinfer_swa(cfg: SpecConfig, add) -> None:
     if shared_prefix_served(cfg):
         # The shared-prefix cascade: a prefix row a step (step s keeps min(L, w - s - 1),
         # step 0 the most), the chains as a full layer's (w > S: every step's whole chain).
-        from ..config import shared_prefix_chain_need
+        from .flashinfer_plan import plan_cascade_rows_and_chains
 
         mode = "flashinfer_swa.draft_decode_shared"
         add(f"{mode}.prefix_kv_indices", (s, rail_prefix_total(total, bs, w)), i32,
             "[S, Σmin(L, w - 1)] each prefix's window part once a step, in window-pool ids")  # fmt: skip
         add(f"{mode}.prefix_kv_indptr", (s, bs + 1), i32, "[S, B+1] prefix-level CSR offsets")
         add(f"{mode}.prefix_kv_indptr_host", (s, bs + 1), i32, "[S, B+1] CPU mirror")
-        add(f"{mode}.prefix_qo_indptr", (bs + 1,), i32, "[B+1] K·arange: K query rows a request")
-        add(f"{mode}.prefix_qo_indptr_host", (bs + 1,), i32, "[B+1] CPU mirror")
-        add(f"{mode}.chain_kv_indices", (s, shared_prefix_chain_need(bs, k, s)), i32,
-            "[S, B*K*S] each branch's own draft slots, one row per step")  # fmt: skip
-        add(f"{mode}.chain_kv_indptr", (s, bs * k + 1), i32, "[S, B*K+1] chain-level offsets")
-        add(f"{mode}.chain_kv_indptr_host", (s, bs * k + 1), i32, "[S, B*K+1] CPU mirror")
-        add(f"{mode}.chain_qo_indptr", (bs * k + 1,), i32, "[B*K+1] arange: a row a branch")
-        add(f"{mode}.chain_qo_indptr_host", (bs * k + 1,), i32, "[B*K+1] CPU mirror")
-        add(f"{mode}.kv_last_page_len", (bs * k,), i32, "[B*K] ones (page size 1), both levels")
-        add(f"{mode}.kv_last_page_len_host", (bs * k,), i32, "[B*K] CPU mirror (ones)")
+        plan_cascade_rows_and_chains(mode, bs, k, s, add)  # the full layers' rule
     # The paged form: full-length page lists (a page cannot be cut), window-pool pages, the
     # pages below the read floor the sink; the consumer plans window_left = w - 1.
     from ..config import branch_kv_indices_need
