@@ -121,6 +121,7 @@ def test_gpu_window_draft_decode_through_flashinfer(gen, flashinfer, workspace, 
                 seq = list(range(L)) + c.chain(L, t, s + 1)
                 lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
         c.check(wrapper, lists, f"window draft decode k={k} ps={ps} w={w} step {s}")
+    assert int(c.builder.status) == 0, "every id read mapped to the window pool"
 
 
 @pytest.mark.parametrize("k,ps,w", [(2, 1, 4), (4, 16, 40), (8, 64, 130)])
@@ -146,6 +147,7 @@ def test_gpu_window_shared_prefix_through_flashinfer(gen, flashinfer, workspace,
                 seq = list(range(L)) + c.chain(L, t, s + 1)
                 lists.append(c.ids(b, seq[len(seq) - min(len(seq), w) :]))
         c.check(wrapper, lists, f"window shared prefix k={k} ps={ps} w={w} step {s}")
+    assert int(c.builder.status) == 0, "every id read mapped to the window pool"
 
 
 @pytest.mark.parametrize("k,ps,w", [(1, 16, 40), (4, 16, 7), (8, 64, 130), (2, 4, 3)])
