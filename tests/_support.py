@@ -198,3 +198,12 @@ def physical_rows(rows, v2p, *, E: int, ps: int) -> torch.Tensor:
     R, W = rows.shape
     return torch.tensor([[emitted_id(rows[r], p, v2p, E=E, ps=ps) for p in range(W * E)]
                          for r in range(R)], dtype=torch.int64)  # fmt: skip
+
+
+def sink_keeping_map(n: int, gen: torch.Generator) -> torch.Tensor:
+    """A random injection of ``[0, n)`` into ``[0, 2n)`` that keeps the sink: entry 0 is 0 and
+    no other entry is (a page map ``v2p`` or a window map with room to spare, design §2.10)."""
+    ids = torch.randperm(2 * n, generator=gen)[:n]
+    ids[ids == 0] = ids[0].clone()
+    ids[0] = 0
+    return ids

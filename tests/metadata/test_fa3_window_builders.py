@@ -28,7 +28,7 @@ from specmeta.metadata.window_plan import window_tree_gap
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.consumers.fa3 import attend, run_cascade
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id
+from tests._support import emitted_id, sink_keeping_map
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -49,13 +49,9 @@ def _setup(gen, device, *, s, n, ps, w, translate=False, batch_size=5, topk=1):
     pages = batch.pool_size // ps
     v2p = None
     if translate:
-        v2p = torch.randperm(2 * pages, generator=gen)[:pages]
-        v2p[v2p == 0] = v2p[0].clone()
-        v2p[0] = 0
+        v2p = sink_keeping_map(pages, gen)
     full_pages = pages * (2 if translate else 1)
-    window_pages = torch.randperm(2 * full_pages, generator=gen)[:full_pages]
-    window_pages[window_pages == 0] = window_pages[0].clone()
-    window_pages[0] = 0
+    window_pages = sink_keeping_map(full_pages, gen)
     f2s = (window_pages.view(-1, 1) * ps + torch.arange(ps)).flatten()
     named = torch.zeros(f2s.shape[0], dtype=torch.bool)
     rows = batch.req_to_token.cpu()

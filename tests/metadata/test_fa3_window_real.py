@@ -32,7 +32,7 @@ from specmeta.metadata.fa3 import FA3Cascade, FA3MetadataBuilder
 from specmeta.testing.attention import CuteFlashAttention
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id, no_host_sync
+from tests._support import emitted_id, no_host_sync, sink_keeping_map
 
 pytestmark = pytest.mark.gpu
 
@@ -65,14 +65,10 @@ class _Case:
         pages = b.pool_size // ps
         self.v2p = None
         if translate:
-            v2p = torch.randperm(2 * pages, generator=gen)[:pages]
-            v2p[v2p == 0] = v2p[0].clone()
-            v2p[0] = 0
+            v2p = sink_keeping_map(pages, gen)
             self.v2p = v2p
         full_pages = pages * (2 if translate else 1)
-        window_pages = torch.randperm(2 * full_pages, generator=gen)[:full_pages]
-        window_pages[window_pages == 0] = window_pages[0].clone()
-        window_pages[0] = 0
+        window_pages = sink_keeping_map(full_pages, gen)
         f2s = (window_pages.view(-1, 1) * ps + torch.arange(ps)).flatten()
         self.rows = b.req_to_token.cpu()
         self.topk = topk

@@ -24,7 +24,7 @@ from specmeta.metadata.flashinfer_window import FlashInferWindowBuilder
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id, verify_split
+from tests._support import emitted_id, sink_keeping_map, verify_split
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -46,9 +46,7 @@ def _setup(gen, device, *, k, s, n, ps, w, holes=0.0, batch_size=5, translate=Fa
     pages = batch.pool_size // ps
     v2p = None
     if translate:
-        v2p = torch.randperm(2 * pages, generator=gen)[:pages]
-        v2p[v2p == 0] = v2p[0].clone()
-        v2p[0] = 0
+        v2p = sink_keeping_map(pages, gen)
     full = batch.pool_size * (2 if translate else 1)
     f2s = torch.randperm(2 * full, generator=gen)[:full]
     f2s[torch.rand(full, generator=gen) < holes] = -1

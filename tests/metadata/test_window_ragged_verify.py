@@ -23,7 +23,7 @@ from specmeta.metadata.host_ops import LengthTable
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import emitted_id, padded_lengths, verify_split
+from tests._support import emitted_id, padded_lengths, sink_keeping_map, verify_split
 from tests.guard_bands import assert_equal
 
 H, H_KV, D = 4, 2, 8
@@ -41,9 +41,7 @@ def _setup(gen, device, *, k, n, w, batch_size=5):
                        row_width=cfg.req_to_token_width, generator=gen, device=device,
                        extra_tokens=n, max_len=MAX_L)  # fmt: skip
     pages = batch.pool_size // 4
-    v2p = torch.randperm(2 * pages, generator=gen)[:pages]
-    v2p[v2p == 0] = v2p[0].clone()
-    v2p[0] = 0
+    v2p = sink_keeping_map(pages, gen)
     full = 2 * batch.pool_size
     f2s = torch.randperm(2 * full, generator=gen)[:full]
     f2s[torch.rand(full, generator=gen) < 0.2] = -1
