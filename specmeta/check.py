@@ -4,7 +4,7 @@ Each check draws inputs from the workload vocabulary (:mod:`specmeta.workloads`)
 kernel and its pure-torch reference on the same device, and compares integers exactly. A check
 is a function ``(device, generator) -> CheckResult`` registered with :func:`register`: one per
 op of :data:`specmeta.registry.OPS` (the op's own workloads, the same table the tests use),
-then the CUDA-graph runner, the three metadata builders and the lossless loop.
+then the CUDA-graph runner, the metadata builders and the lossless loop.
 """
 
 from __future__ import annotations
@@ -369,9 +369,11 @@ def _check_fa3_builder(device: torch.device, g: torch.Generator) -> CheckResult:
 
 
 # The end-to-end check: (topk, steps, verify-window width) per backend, page size 4 (slot layout
-# B for trees). TRT-LLM MLA's tree verify reads a latent pool (its ancestor pass is FlashInfer
-# MLA's, design §3.4), which this check's model has not: its chains are checked.
-_LOOP_SHAPES = {"fa3": (2, 3, 6), "flashinfer": (2, 3, 6), "trtllm_mla": (1, 3, 4)}
+# B for trees). TRT-LLM MLA's chains are served to the plain model; FlashInfer MLA's trees to a
+# latent one (MLA: one latent KV head, `ckv` and `kpe` widths; on a GPU the kernel's 512 and 64).
+_LOOP_SHAPES = {"fa3": (2, 3, 6), "flashinfer": (2, 3, 6), "trtllm_mla": (1, 3, 4),
+                "flashinfer_mla": (2, 3, 6)}  # fmt: skip
+_LATENT = ("flashinfer_mla",)
 _LOOP_PAGE_SIZE = 4
 _LOOP_TOKENS = 12  # new tokens a request, at least: small and CPU-fast
 
@@ -380,18 +382,28 @@ def loop_attention(backend: str, gpu: bool, model_cfg, dtype: torch.dtype,
                    device: torch.device, page_size: int) -> tuple[object, str | None]:  # fmt: skip
     """The attention the lossless loop reads ``backend``'s metadata with, and why it is not the
     real kernel when it is not. On a GPU: FA3 metadata through FlashAttention's CuTe kernels
-    (``flash-attn-4``), FlashInfer's through its wrappers (``flashinfer-python``); where that
+    (``flash-attn-4``), FlashInfer's through its wrappers and FlashInfer MLA's through its MLA
+    kernel (``flashinfer-python``); where that
     package is not installed, the torch consumer, and the reason is returned to be printed
     (an engine that serves one backend need not install the other's kernels to run the
     check). On the CPU, and for TRT-LLM MLA (whose kernels need Blackwell), the torch
     consumer."""
-    from .testing.attention import CuteFlashAttention, FlashInferAttention, TorchAttention
+    from .testing.attention import (
+        CuteFlashAttention,
+        FlashInferAttention,
+        FlashInferMLAKernel,
+        TorchAttention,
+    )
 
-    package = {"fa3": "flash-attn-4", "flashinfer": "flashinfer-python"}.get(backend)
+    package = {"fa3": "flash-attn-4", "flashinfer": "flashinfer-python",
+               "flashinfer_mla": "flashinfer-python"}.get(backend)  # fmt: skip
     if gpu and package is not None:
         try:
             if backend == "fa3":
                 return CuteFlashAttention(), None
+            if backend == "flashinfer_mla":
+                return FlashInferMLAKernel(model_cfg.num_heads, model_cfg.ckv_dim,
+                                           model_cfg.kpe_dim, dtype=dtype, device=device), None  # fmt: skip
             return FlashInferAttention(model_cfg.num_heads, model_cfg.num_kv_heads,
                                        model_cfg.head_dim, dtype=dtype, device=device), None  # fmt: skip
         except ImportError as exc:
@@ -416,15 +428,22 @@ def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResul
 
     res = CheckResult("lossless_loop")
     gpu = device.type == "cuda"
-    model_cfg = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512) if gpu \
+    plain = TinyConfig(hidden_size=256, head_dim=128, intermediate_size=512) if gpu \
         else TinyConfig()  # fmt: skip
+    latent = TinyConfig(hidden_size=256, num_heads=16, num_kv_heads=1, ckv_dim=512, kpe_dim=64,
+                        intermediate_size=512) if gpu \
+        else TinyConfig(num_heads=4, num_kv_heads=1, ckv_dim=32, kpe_dim=16)  # fmt: skip
     dtype = torch.bfloat16 if gpu else torch.float64
-    target = TinyModel.random(model_cfg, int(torch.randint(0, 2**31 - 1, (1,), generator=g)),
-                              dtype=dtype, device=device)  # fmt: skip
-    draft = target.perturbed(0.1, int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-    reference = target.to(dtype=torch.float32) if gpu else target
     margin = DEFAULT_MARGIN if gpu else 0.0
+    models = {}  # per model config: the target, its perturbed draft, the reference weights
+    for model_cfg in (plain, latent):
+        target = TinyModel.random(model_cfg, int(torch.randint(0, 2**31 - 1, (1,), generator=g)),
+                                  dtype=dtype, device=device)  # fmt: skip
+        draft = target.perturbed(0.1, int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
+        models[id(model_cfg)] = (target, draft, target.to(dtype=torch.float32) if gpu else target)
     for backend, (k, s, n) in _LOOP_SHAPES.items():
+        model_cfg = latent if backend in _LATENT else plain
+        target, draft, reference = models[id(model_cfg)]
         ps = _LOOP_PAGE_SIZE
         attention, missing = loop_attention(backend, gpu, model_cfg, dtype, device, ps)
         requests = make_requests([(0, 0, 1), (0,)], vocab_size=model_cfg.vocab_size,

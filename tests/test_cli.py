@@ -179,7 +179,8 @@ def test_check_fails_on_a_mismatch(capsys, monkeypatch, device):
 
 
 @pytest.mark.parametrize("backend,package", [("fa3", "flash-attn-4"),
-                                             ("flashinfer", "flashinfer-python")])  # fmt: skip
+                                             ("flashinfer", "flashinfer-python"),
+                                             ("flashinfer_mla", "flashinfer-python")])  # fmt: skip
 def test_check_on_a_gpu_without_a_real_kernel_reads_with_torch_and_says_so(monkeypatch, backend,
                                                                            package):  # fmt: skip
     """specmeta check's end-to-end loop on a GPU where a backend's kernel package is not

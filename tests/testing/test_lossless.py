@@ -308,7 +308,8 @@ def test_check_prints_tokens_per_iteration_and_lossless_per_backend(device, seed
     assert main(argv) == 0
     out = capsys.readouterr().out
     lines = [ln.strip() for ln in out.splitlines() if "tokens per iteration" in ln]
-    assert [ln.split()[0] for ln in lines] == ["fa3", "flashinfer", "trtllm_mla"], out
+    assert [ln.split()[0] for ln in lines] == ["fa3", "flashinfer", "trtllm_mla",
+                                                "flashinfer_mla"], out
     # On the GPU, bf16 near-ties within the margin are counted after the verdict, not failed.
     verdict = r"lossless: yes( \(\d+ near-ties? within [0-9.]+\))?$"
     assert all(re.search(verdict, ln) for ln in lines), out
@@ -335,7 +336,7 @@ def test_check_reports_a_lossy_loop(device, seed, capsys, monkeypatch):
     assert main(argv) == 1
     out = capsys.readouterr().out
     lines = [ln.strip() for ln in out.splitlines() if "tokens per iteration" in ln]
-    assert len(lines) == 3 and all("lossless: no" in ln for ln in lines), out
+    assert len(lines) == 4 and all("lossless: no" in ln for ln in lines), out
     assert "FAIL" in out
 
 
