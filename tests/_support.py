@@ -207,3 +207,48 @@ def sink_keeping_map(n: int, gen: torch.Generator) -> torch.Tensor:
     ids[ids == 0] = ids[0].clone()
     ids[0] = 0
     return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# FlashInfer MLA's real kernel (GPU tier): the latent widths it serves, one wrapper's backend,
+# one pass's plan() from its host mirrors, and the float64 oracle over a latent pool
+# ------------------------------------------------------------------------------------------------
+MLA_HEADS, MLA_CKV, MLA_KPE = 16, 512, 64  # query heads (a tensor-parallel shard of DeepSeek's
+MLA_SCALE = (MLA_CKV + MLA_KPE) ** -0.5  # 128), the kernel's latent widths
+
+
+def mla_wrapper(workspace: torch.Tensor, **kwargs):
+    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` on ``workspace`` (its ``fa3`` backend
+    on sm_90, ``fa2`` elsewhere); ``kwargs`` as the wrapper takes them (a graph's reserved
+    offsets)."""
+    import flashinfer.mla
+
+    backend = "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
+    return flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend=backend, **kwargs)
+
+
+def plan_mla_pass(wrapper, p, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``plan()`` of one FlashInfer MLA pass from its host mirrors (the device ``kv_indices``
+    cut to the entries the mirror says are used: a host value, no sync), natural-log LSE."""
+    import flashinfer.mla
+
+    used = int(p.kv_indptr_host[-1])
+    metadata = flashinfer.mla.MLAPlanMetadata.csr(
+        qo_indptr=p.qo_indptr_host, kv_indptr=p.kv_indptr_host, kv_indices=p.kv_indices[:used],
+        kv_len_arr=p.kv_len_arr_host)  # fmt: skip
+    wrapper.plan(metadata=metadata, num_heads=MLA_HEADS, head_dim_ckv=MLA_CKV,
+                 head_dim_kpe=MLA_KPE, page_size=p.page_size, causal=p.causal,
+                 sm_scale=MLA_SCALE, q_data_type=dtype, kv_data_type=dtype,
+                 query_layout="split", kv_cache_layout="split", lse_mode="basee")  # fmt: skip
+
+
+def latent_oracle(qn: torch.Tensor, qp: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                  lists) -> torch.Tensor:  # fmt: skip
+    """Dense MLA attention in float64 over each row's key list (``lists``: pool slots per
+    query row), keys ``[ckv, kpe]`` and values ``ckv`` of the same values the kernel read."""
+    from specmeta.testing.consumers.dense import dense_attention
+
+    q = torch.cat([qn, qp], -1).double().cpu()
+    ckv64 = ckv.double().cpu()
+    k = torch.cat([ckv64, kpe.double().cpu()], -1).unsqueeze(1)
+    return dense_attention(q, k, ckv64.unsqueeze(1), lists, softmax_scale=MLA_SCALE)[0]

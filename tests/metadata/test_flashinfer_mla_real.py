@@ -20,30 +20,26 @@ from specmeta import SpecConfig, merge_state, warmup
 from specmeta.kernels.draft_cache_locs import assign_draft_cache_locs
 from specmeta.metadata.flashinfer_mla import FlashInferMLABuilder
 from specmeta.runners import collector_off
-from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import branch_sequences, extend_sequences, tree_sequences
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import no_host_sync
+from tests._support import (
+    MLA_CKV,
+    MLA_HEADS,
+    MLA_KPE,
+    latent_oracle,
+    mla_wrapper,
+    no_host_sync,
+    plan_mla_pass,
+)
 
 pytestmark = pytest.mark.gpu
 
-H, DC, DR = 16, 512, 64  # query heads (a tensor-parallel shard of DeepSeek's 128), latent widths
-SCALE = (DC + DR) ** -0.5
+H, DC, DR = MLA_HEADS, MLA_CKV, MLA_KPE
 S = 3
 DTYPE = torch.bfloat16
 TOL = 2e-2  # bf16 attention against a float64 oracle, as test_real_kernels
 TOPKS = [1, 2, 4, 8]
 PAGE_SIZES = [1, 16, 64]
-
-
-def _flashinfer():
-    import flashinfer.mla
-
-    return flashinfer.mla
-
-
-def _backend() -> str:
-    return "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
 
 
 class _Case:
@@ -59,7 +55,7 @@ class _Case:
                                 generator=gen, device="cuda", extra_tokens=self.n,
                                 max_len=self.cfg.max_context_len)  # fmt: skip
         lengths = self.batch.seq_lens_cpu.clone()
-        lengths[:2] = torch.tensor([0, ps - 1])[: batch_size]
+        lengths[:2] = torch.tensor([0, ps - 1])[:batch_size]
         self.batch.seq_lens_cpu = lengths
         self.batch.seq_lens = lengths.to(self.batch.seq_lens.dtype).cuda()
         P = self.batch.pool_size
@@ -78,30 +74,12 @@ class _Case:
                 torch.randn(rows, H, DR, generator=self.gen).to("cuda", DTYPE))  # fmt: skip
 
     def oracle(self, qn, qp, lists):
-        q = torch.cat([qn, qp], -1).double().cpu()
-        ckv = self.ckv.double().cpu()
-        k = torch.cat([ckv, self.kpe.double().cpu()], -1).unsqueeze(1)
-        return dense_attention(q, k, ckv.unsqueeze(1), lists, softmax_scale=SCALE)[0]
+        return latent_oracle(qn, qp, self.ckv, self.kpe, lists)
 
     def check(self, got, want, what):
         assert got.shape == want.shape, f"{what}: output shape {tuple(got.shape)}"
         torch.testing.assert_close(got.double().cpu(), want, rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{what}: {m}")  # fmt: skip
-
-
-def _plan(wrapper, p, **graph):
-    """``plan()`` of one pass from its host mirrors (the device ``kv_indices`` cut to the
-    entries the mirror says are used: a host value, no sync)."""
-    mla = _flashinfer()
-    used = int(p.kv_indptr_host[-1])
-    wrapper.plan(
-        metadata=mla.MLAPlanMetadata.csr(qo_indptr=p.qo_indptr_host, kv_indptr=p.kv_indptr_host,
-                                         kv_indices=p.kv_indices[:used],
-                                         kv_len_arr=p.kv_len_arr_host),
-        num_heads=H, head_dim_ckv=DC, head_dim_kpe=DR, page_size=p.page_size, causal=p.causal,
-        sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE, query_layout="split",
-        kv_cache_layout="split", lse_mode="basee",
-    )  # fmt: skip
 
 
 def _run(wrapper, p, c, qn, qp):
@@ -114,10 +92,10 @@ def _run(wrapper, p, c, qn, qp):
 
 def _attention(workspace, result, c, qn, qp):
     """Every pass of a result, each planned on its own wrapper, merged by LSE."""
-    mla, out, out_lse = _flashinfer(), None, None
+    out, out_lse = None, None
     for p in result.passes:
-        wrapper = mla.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
-        _plan(wrapper, p)
+        wrapper = mla_wrapper(workspace)
+        plan_mla_pass(wrapper, p)
         o, lse = _run(wrapper, p, c, qn, qp)
         out, out_lse = (o, lse) if out is None else merge_state(out, out_lse, o, lse,
                                                                 out_lse=torch.empty_like(lse))  # fmt: skip
@@ -135,8 +113,7 @@ def _graph_wrapper(workspace, p):
         kv_indices=p.kv_indices,
         kv_len_arr=torch.zeros(lists, dtype=torch.int32, device="cuda"),
     )
-    return _flashinfer().BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True,
-                                                       backend=_backend(), **reserved)  # fmt: skip
+    return mla_wrapper(workspace, use_cuda_graph=True, **reserved)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +174,7 @@ def test_gpu_flashinfer_mla_build_and_attention_in_one_graph(gen, workspace, k):
     def plan(res):
         for step, ws in zip(res.steps, wrappers, strict=True):
             for p, w in zip(step.passes, ws, strict=True):
-                _plan(w, p)
+                plan_mla_pass(w, p)
 
     outs = [torch.zeros(B * k, H, DC, dtype=DTYPE, device="cuda") for _ in range(S)]
 
@@ -242,14 +219,13 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
     step copies nothing back from the device (``plan()`` reads pinned mirrors only), the
     mirrors written by the compiled host ops as an engine that calls ``warmup()`` has them."""
     warmup()
-    mla_fi = _flashinfer()
     c = _Case(gen, 4, 16)
     builders = {mode: FlashInferMLABuilder(c.cfg, "cuda", modes=[mode])
                 for mode in ("draft_decode", "draft_extend", "target_verify")}  # fmt: skip
     chain = _Case(gen, 1, 16)
     builders["chain_verify"] = FlashInferMLABuilder(chain.cfg, "cuda", modes=["target_verify"])
     tree, depths = c.tree.cuda(), dict(node_depths_cpu=c.tree.sum(-1) - 1)
-    wrappers = [mla_fi.BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
+    wrappers = [mla_wrapper(workspace)
                 for _ in range(2)]  # fmt: skip
     qn, qp = c.queries(c.batch.batch_size * c.n)
     vn, vp = chain.queries(chain.batch.batch_size * chain.n)
@@ -258,7 +234,7 @@ def test_gpu_flashinfer_mla_build_plan_and_attention_make_no_host_sync(gen, work
     def attend(result, case, q_nope, q_pe):
         got = []
         for p, w in zip(result.passes, wrappers, strict=False):
-            _plan(w, p)
+            plan_mla_pass(w, p)
             got.append(_run(w, p, case, q_nope, q_pe))
         if len(got) == 2:
             return merge_state(got[0][0], got[0][1], got[1][0], got[1][1])[0]
@@ -302,7 +278,7 @@ def test_gpu_flashinfer_mla_tree_verify_in_one_graph(gen, workspace):
 
     def plan(res):
         for p, w in zip(res.passes, wrappers, strict=True):
-            _plan(w, p)
+            plan_mla_pass(w, p)
 
     def attend(res):
         (o1, l1), (o2, l2) = (_run(w, p, c, qn, qp)

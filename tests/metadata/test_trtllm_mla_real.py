@@ -23,28 +23,25 @@ from specmeta import SpecConfig, merge_state, warmup
 from specmeta.metadata.trtllm_mla import TrtllmMlaBuilder
 from specmeta.runners import collector_off
 from specmeta.testing.consumers import trtllm_mla as consumer
-from specmeta.testing.consumers.dense import dense_attention
 from specmeta.testing.sequences import tree_sequences
 from specmeta.workloads import make_batch, random_tree_mask
-from tests._support import no_host_sync
+from tests._support import (
+    MLA_CKV,
+    MLA_HEADS,
+    MLA_KPE,
+    MLA_SCALE,
+    latent_oracle,
+    mla_wrapper,
+    no_host_sync,
+    plan_mla_pass,
+)
 
 pytestmark = pytest.mark.gpu
 
-H, DC, DR = 16, 512, 64  # query heads (a tensor-parallel shard of DeepSeek's 128), latent widths
-SCALE = (DC + DR) ** -0.5
+H, DC, DR, SCALE = MLA_HEADS, MLA_CKV, MLA_KPE, MLA_SCALE
 S, N = 3, 8
 DTYPE = torch.bfloat16
 TOL = 2e-2  # bf16 attention against a float64 oracle, as test_flashinfer_mla_real
-
-
-def _flashinfer():
-    import flashinfer.mla
-
-    return flashinfer.mla
-
-
-def _backend() -> str:
-    return "fa3" if torch.cuda.get_device_capability()[0] == 9 else "fa2"
 
 
 class _Case:
@@ -83,11 +80,7 @@ class _Case:
                 torch.randn(rows, H, DR, generator=self.gen).to("cuda", DTYPE))  # fmt: skip
 
     def oracle(self, qn, qp):
-        q = torch.cat([qn, qp], -1).double().cpu()
-        ckv = self.ckv.double().cpu()
-        k = torch.cat([ckv, self.kpe.double().cpu()], -1).unsqueeze(1)
-        lists = tree_sequences(self.batch, self.tree)
-        return dense_attention(q, k, ckv.unsqueeze(1), lists, softmax_scale=SCALE)[0]
+        return latent_oracle(qn, qp, self.ckv, self.kpe, tree_sequences(self.batch, self.tree))
 
     def prefix_model(self, meta, qn, qp):
         """The prefix pass through TRT-LLM's kernel's torch model, on the same bf16 values:
@@ -101,21 +94,6 @@ class _Case:
         assert got.shape == want.shape, f"{what}: output shape {tuple(got.shape)}"
         torch.testing.assert_close(got.double().cpu(), want, rtol=TOL, atol=TOL,
                                    msg=lambda m: f"{what}: {m}")  # fmt: skip
-
-
-def _plan(wrapper, p):
-    """``plan()`` of the ancestor pass from its host mirrors (the device ``kv_indices`` cut to
-    the entries the mirror says are used: a host value, no sync)."""
-    mla = _flashinfer()
-    used = int(p.kv_indptr_host[-1])
-    wrapper.plan(
-        metadata=mla.MLAPlanMetadata.csr(qo_indptr=p.qo_indptr_host, kv_indptr=p.kv_indptr_host,
-                                         kv_indices=p.kv_indices[:used],
-                                         kv_len_arr=p.kv_len_arr_host),
-        num_heads=H, head_dim_ckv=DC, head_dim_kpe=DR, page_size=p.page_size, causal=p.causal,
-        sm_scale=SCALE, q_data_type=DTYPE, kv_data_type=DTYPE, query_layout="split",
-        kv_cache_layout="split", lse_mode="basee",
-    )  # fmt: skip
 
 
 def _run(wrapper, c, qn, qp, kv=None):
@@ -146,8 +124,8 @@ def test_gpu_trtllm_mla_tree_verify_ancestors_through_flashinfer_mla(gen, worksp
     meta = mla.target_verify(*c.args, c.tree.cuda(), seq_lens_cpu=c.batch.seq_lens_cpu,
                              node_depths_cpu=c.depths)  # fmt: skip
     qn, qp = c.queries()
-    wrapper = _flashinfer().BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
-    _plan(wrapper, meta.ancestors)
+    wrapper = mla_wrapper(workspace)
+    plan_mla_pass(wrapper, meta.ancestors)
     o_a, lse_a = _run(wrapper, c, qn, qp, kv=torch.cat([c.ckv, c.kpe], -1))
     o_p, lse_p = c.prefix_model(meta, qn, qp)
     out = merge_state(o_p, meta.mask_empty_prefix(lse_p), o_a, lse_a)[0]
@@ -198,8 +176,8 @@ def test_gpu_trtllm_mla_tree_verify_build_and_ancestors_in_one_graph(gen, worksp
     result = stage(c.batch.seq_lens_cpu, node_depths_cpu=c.depths)
     qn, qp = c.queries()
     lists = B * N
-    wrapper = _flashinfer().BatchMLAPagedAttentionWrapper(
-        workspace, use_cuda_graph=True, backend=_backend(),
+    wrapper = mla_wrapper(
+        workspace, use_cuda_graph=True,
         qo_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
         kv_indptr=torch.zeros(lists + 1, dtype=torch.int32, device="cuda"),
         kv_indices=result.ancestors.kv_indices,
@@ -213,7 +191,7 @@ def test_gpu_trtllm_mla_tree_verify_build_and_ancestors_in_one_graph(gen, worksp
         o_a.copy_(o)
         lse_a.copy_(lse)
 
-    _plan(wrapper, result.ancestors)
+    plan_mla_pass(wrapper, result.ancestors)
     attend()  # warm-up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -229,7 +207,7 @@ def test_gpu_trtllm_mla_tree_verify_build_and_ancestors_in_one_graph(gen, worksp
         tree.copy_(new.tree)
         new.batch.req_pool_indices, new.batch.seq_lens = rpi, seq_lens
         res = stage.host(new.batch.seq_lens_cpu, node_depths_cpu=new.depths)
-        _plan(wrapper, res.ancestors)
+        plan_mla_pass(wrapper, res.ancestors)
         graph.replay()
         want = eager.target_verify(rpi, r2t, seq_lens, tree, node_depths_cpu=new.depths)
         assert torch.equal(res.prefix.block_kv_indices, want.prefix.block_kv_indices)
@@ -247,7 +225,7 @@ def test_gpu_trtllm_mla_tree_verify_makes_no_host_sync(gen, workspace):
     warmup()
     c = _Case(gen, 4, 64)
     mla = TrtllmMlaBuilder(c.cfg, "cuda", modes=["target_verify"])
-    wrapper = _flashinfer().BatchMLAPagedAttentionWrapper(workspace, backend=_backend())
+    wrapper = mla_wrapper(workspace)
     qn, qp = c.queries()
     tree = c.tree.cuda()
     o_p = torch.randn(qn.shape[0], H, DC, device="cuda")  # the prefix pass's, any values
@@ -256,7 +234,7 @@ def test_gpu_trtllm_mla_tree_verify_makes_no_host_sync(gen, workspace):
     def iteration():
         meta = mla.target_verify(*c.args, tree, seq_lens_cpu=c.batch.seq_lens_cpu,
                                  node_depths_cpu=c.depths)  # fmt: skip
-        _plan(wrapper, meta.ancestors)
+        plan_mla_pass(wrapper, meta.ancestors)
         o_a, lse_a = _run(wrapper, c, qn, qp)
         return merge_state(o_p, meta.mask_empty_prefix(lse_p), o_a, lse_a)[0]
 
