@@ -105,8 +105,8 @@ def table(before_path: str, after_path: str) -> str:
              "| call | B, K | before | after | device | floor_run | floor_jit | floor_graph | target "
              "| met |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in after["rows"]:
-        b = before.get((r["name"].replace(".python", ""), r["bs"], r["topk"]))
-        old = f"{b['us']:.2f}" if b is not None and not r["name"].endswith(".python") else ""
+        b = before.get((r["name"], r["bs"], r["topk"]))
+        old = f"{b['us']:.2f}" if b is not None else ""
         lines.append(f"| {r['name']}{' (drained)' if r['drained'] else ''} | {r['bs']}, "
                      f"{r['topk']} | {old} | {r['us']:.2f} | {r.get('device_us', 0):.2f} | "
                      f"{r['floor_run']:.2f} | {r.get('floor_jit', float('nan')):.2f} | "
