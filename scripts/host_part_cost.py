@@ -76,10 +76,10 @@ def cases(bs: int, k: int):
     if k > 1:
         fip = _builders(FlashInferBuilder, cfg, modes=("draft_decode_paged",))
         add("flashinfer.draft_decode_paged", fip, "draft_decode_paged", t)
-        add("trtllm_mla.draft_decode", _builders(TrtllmMlaBuilder, cfg,
-                                                 modes=("draft_decode",)), "draft_decode", t)
-        add("flashinfer_mla.draft_decode", _builders(FlashInferMLABuilder, cfg,
-                                                     modes=("draft_decode",)), "draft_decode", t)
+        mla = _builders(TrtllmMlaBuilder, cfg, modes=("draft_decode",))
+        add("trtllm_mla.draft_decode", mla, "draft_decode", t)
+        fmla = _builders(FlashInferMLABuilder, cfg, modes=("draft_decode",))
+        add("flashinfer_mla.draft_decode", fmla, "draft_decode", t)
     else:  # the chain verifies of the MLA builders
         mla = _builders(TrtllmMlaBuilder, cfg, modes=("target_verify",))
         add("trtllm_mla.target_verify", mla, "target_verify", t)

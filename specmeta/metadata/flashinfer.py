@@ -277,22 +277,18 @@ class FlashInferBuilder(MetadataBuilder):
             if verify is None and verify_lens_cpu is not None:
                 raise ValueError(unbound)
             compiled = builder.host_ops and compiled_module() is not None
-            if not compiled:
-                checks(seq_lens_cpu, verify_lens_cpu)  # named, before anything is written
             slot = claim()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
             inputs = (seq_lens_cpu,) if verify is None else (seq_lens_cpu, verify_lens_cpu)
-            try:  # compiled: one call makes every check, writes, and returns what it read
+            try:  # one call, compiled or numpy, makes every check, writes, returns what it read
                 found = entry[1](*inputs)
             except (TypeError, ValueError, IndexError, OverflowError):
                 checks(seq_lens_cpu, verify_lens_cpu)  # nothing was written: name the fault
                 raise
-            if compiled and found is None:  # a torch writer where no compiled one serves
-                checks(seq_lens_cpu, verify_lens_cpu)
-            elif compiled and lengths_slot is not None:  # what the compiled writer read
+            if lengths_slot is not None:  # what the writer read
                 publish_host_lengths(lengths_slot, B, found[1], found[0])
                 if verify_slot is not None:
                     publish_host_lengths(verify_slot, verify_count, found[3], found[2])

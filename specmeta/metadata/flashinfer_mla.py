@@ -201,20 +201,17 @@ class FlashInferMLABuilder(MetadataBuilder):
                 raise ValueError(f"{where}: node_depths_cpu was given, but this stage builds "
                                  "no tree verify; drop node_depths_cpu")  # fmt: skip
             compiled = self.host_ops and host_ops.compiled() is not None
-            if not compiled:
-                self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
             slot = ring.claim()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, ring.sets[slot], compiled)
-            try:  # compiled: one call checks every length, writes, returns what it read
+            try:  # one call, compiled or numpy, checks every length, writes, returns what it read
                 found = entry[1](seq_lens_cpu, node_depths_cpu) if tree else entry[1](seq_lens_cpu)
             except (TypeError, ValueError, IndexError, OverflowError):
                 self.lengths(mode, B, seq_lens_cpu)  # nothing was written: name the fault
                 raise
-            if compiled:
-                self.lengths(mode, B, seq_lens_cpu, found)  # published for the device's check
+            self.lengths(mode, B, seq_lens_cpu, found)  # published for the device's check
             ring.advance()
             return entry[0]
 
