@@ -129,8 +129,9 @@ def _build():
 
 
 class LengthTable:
-    """The torch writers' check of ``seq_lens_cpu``, as one gather that also gives the lengths
-    their mirrors sum.
+    """The lengths of ``seq_lens_cpu`` as a window layer's torch writers sum them (they check
+    the tensor with :func:`.host_ops_numpy.stats` first), gathered in one op that checks them
+    too; the writers of this module read its ``max_len``, ``shift`` and ``cap``.
 
     ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
     ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so

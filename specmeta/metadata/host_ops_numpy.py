@@ -28,8 +28,10 @@ import torch
 __all__ = ["lengths", "stats", "DraftDecode", "Prefix", "Paged", "Ragged", "draft_decode",
            "prefix", "paged", "ragged"]  # fmt: skip
 
-_UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): np.uint64}
+_UNSIGNED = {np.dtype(np.int32): np.dtype(np.uint32), np.dtype(np.int64): np.dtype(np.uint64)}
 _INT32_SUMS = 2**31  # offsets below this cannot have wrapped
+# The ufuncs' reductions called directly: ``ndarray.max``/``sum`` add a Python wrapper a call.
+_MAX, _SUM = np.maximum.reduce, np.add.reduce
 
 
 def lengths(seq_lens_cpu: object, batch: int) -> np.ndarray:
@@ -58,7 +60,7 @@ def top(a: np.ndarray, max_len: int) -> int:
     ``IndexError`` naming the first length outside the range."""
     if not a.shape[0]:
         return 0
-    high = int(a.view(_UNSIGNED[a.dtype]).max())  # a negative length reads as over 2**31
+    high = int(_MAX(a.view(_UNSIGNED[a.dtype])))  # a negative length reads as over 2**31
     if high > max_len:
         bad = int(np.flatnonzero((a < 0) | (a > max_len))[0])
         raise IndexError(f"seq_lens_cpu[{bad}] = {int(a[bad])} is outside [0, {max_len}]")
@@ -76,7 +78,7 @@ def stats(max_len: int, batch: int, seq_lens_cpu: object) -> tuple[int, int]:
     check of every builder whose host scalars read ``max L`` (FA3, TRT-LLM MLA)."""
     a = lengths(seq_lens_cpu, batch)
     _at_least("max_len", max_len, 0)
-    return top(a, max_len), int(a.sum())
+    return top(a, max_len), int(_SUM(a))
 
 
 def _capped(max_len: int, cap: int) -> np.int64 | None:
@@ -115,7 +117,7 @@ class DraftDecode:
             np.minimum(column, self._cap, out=self._lists, casting="unsafe")
         np.add.accumulate(base, out=base)
         np.add(base, self._ramp, out=self._out)
-        total = int(base[-1]) // self._topk if self._sum_read else int(a.sum())
+        total = int(base[-1]) // self._topk if self._sum_read else int(_SUM(a))
         return high, total
 
 
@@ -148,7 +150,7 @@ class Prefix:
         out[0] = 0
         if self._scaled is not None:
             np.multiply(out, self._scale, out=self._scaled, casting="unsafe")
-        total = int(out[-1]) - self._shift if self._sum_read else int(a.sum())
+        total = int(out[-1]) - self._shift if self._sum_read else int(_SUM(a))
         return high, total
 
 
@@ -168,8 +170,8 @@ class Paged:
         rows = out.shape[0]
         self._steps = np.arange(rows, dtype=np.int64).reshape(-1, 1) + page_size
         self._tokens = np.empty((rows, batch), dtype=np.int64)
-        self._pages = np.empty((rows, batch), dtype=np.int64)
-        self._in_page = np.empty((rows, batch), dtype=np.int64)
+        self._pages = np.empty((rows, batch), dtype=np.int32)
+        self._in_page = np.empty((rows, batch), dtype=np.int32)
         self._first, self._offsets = out[:, :1], out[:, 1:]
         # the mirrors as [rows, batch, topk]: views, rows apart as in the buffers
         self._page_view = self._offsets.reshape(rows, batch, topk)
@@ -177,18 +179,22 @@ class Paged:
         for view, of in ((self._page_view, out), (self._last_view, last)):
             if view.size and not np.shares_memory(view, of):
                 raise ValueError("Paged: the mirrors' rows must be unit-stride views")
+        if topk == 1:  # one branch a request: the pages and last pages go straight in
+            self._pages, self._in_page = self._offsets, last
 
     def __call__(self, seq_lens_cpu: object) -> tuple[int, int]:
         a = lengths(seq_lens_cpu, self._batch)
         high, tokens = top(a, self._max_len), self._tokens
         np.add(a, self._steps, out=tokens)  # L + s + ps
-        np.divmod(tokens, self._ps, out=(self._pages, self._in_page))
-        np.copyto(self._page_view, self._pages.reshape(*tokens.shape, 1), casting="unsafe")
-        np.add(self._in_page.reshape(*tokens.shape, 1), 1, out=self._last_view,
-               casting="unsafe")  # fmt: skip
+        pages, in_page = self._pages, self._in_page
+        np.divmod(tokens, self._ps, out=(pages, in_page), casting="unsafe")  # int32 wraps
+        np.add(in_page, 1, out=in_page)
+        if pages is not self._offsets:  # each request's counts to its topk branches
+            np.copyto(self._page_view, pages.reshape(*tokens.shape, 1))
+            np.copyto(self._last_view, in_page.reshape(*tokens.shape, 1))
         np.add.accumulate(self._offsets, axis=1, out=self._offsets)
         self._first[...] = 0
-        return high, int(a.sum())
+        return high, int(_SUM(a))
 
 
 class Ragged:
@@ -207,7 +213,7 @@ class Ragged:
             raise ValueError(f"ragged: need 0 <= count <= batch, N >= 1, T >= 0, cap >= 0; got "
                              f"count {count}, batch {batch}, N {n}, T {T}, cap {cap}")  # fmt: skip
         self._max_len, self._n, self._T = _at_least("max_len", max_len, 0), n, T
-        self._batch, self._count, self._cap = batch, count, np.int64(min(cap, max_len))
+        self._batch, self._count, self._cap = batch, count, _capped(max_len, cap)
         self._verify, self._outs = verify_out, (qo_out, kv_out, mask_out)
         self._cols = np.empty(batch, dtype=np.int64)
         self._rows = np.empty(batch, dtype=np.int64)
@@ -216,7 +222,7 @@ class Ragged:
         a = lengths(seq_lens_cpu, self._batch)
         high = top(a, self._max_len)
         v = lengths(verify_lens_cpu, self._count)
-        v_high, total = top(v, self._n), int(v.sum())
+        v_high, total = top(v, self._n), int(_SUM(v))
         if total > self._T:
             raise ValueError(f"verify_lens_cpu sums to {total}, over T = {self._T}")
         count, padded, left = self._count, self._verify, self._T - total
@@ -231,14 +237,17 @@ class Ragged:
         qo, kv, mask = self._outs
         cols, rows = self._cols, self._rows
         np.minimum(padded, self._n, out=rows)
-        np.minimum(a, self._cap, out=cols)
-        np.add(cols, rows, out=cols)  # min(L, cap) + min(v, N)
+        if self._cap is None:
+            np.add(a, rows, out=cols)  # L + min(v, N)
+        else:
+            np.minimum(a, self._cap, out=cols)
+            np.add(cols, rows, out=cols)  # min(L, cap) + min(v, N)
         np.add.accumulate(padded, out=qo[1:])
         np.add.accumulate(cols, out=kv[1:], dtype=np.int32)
         np.multiply(cols, padded, out=cols)
         np.add.accumulate(cols, out=mask[1:], dtype=np.int32)
         qo[0] = kv[0] = mask[0] = 0
-        return high, int(a.sum()), v_high, total
+        return high, int(_SUM(a)), v_high, total
 
 
 def draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu):

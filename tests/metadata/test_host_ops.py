@@ -21,6 +21,7 @@ import torch
 
 from specmeta.kernels.branch_kv_indices import branch_kv_indptr
 from specmeta.kernels.draft_decode_kv_indices import DraftDecodeIndptr, draft_decode_kv_indptr
+from specmeta.kernels.verify_lens import fill_bucket
 from specmeta.metadata import host_ops, host_ops_numpy
 from specmeta.metadata.host_ops import LengthTable
 
@@ -166,6 +167,20 @@ def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_hos
                         f"{kind} compiled={use_compiled}: written before the refusal of "
                         f"lens[{at}] = {bad}"
                     )
+
+
+def test_a_length_table_gathers_and_refuses_a_length_out_of_range():
+    """A :class:`LengthTable` (a window layer's torch writers gather through it) gives
+    ``min(L, cap) + shift`` as int32 for L = 0 and L = max_len, and refuses −1 and
+    max_len + 1 with ``IndexError``."""
+    for cap in (None, CAP):
+        table = LengthTable(MAX_LEN, MAX_BS, SHIFT, cap=cap)
+        top = min(MAX_LEN, cap or MAX_LEN)
+        got = table.gather(torch.tensor([0, MAX_LEN, 3]))
+        assert got.dtype == torch.int32 and got.tolist() == [SHIFT, top + SHIFT, 3 + SHIFT]
+        for bad in (-1, MAX_LEN + 1):
+            with pytest.raises(IndexError):
+                table.gather(torch.tensor([1, bad]))
 
 
 @pytest.mark.parametrize("which", OPS)
@@ -538,6 +553,9 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
         low = int(real.sum())
         T = low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
         want = _ragged_expected(lens, real.tolist(), T, n)
+        # the torch rule of the padding (the reference's) reads the same lengths
+        ref = torch.cat([real, torch.zeros(B - count, dtype=torch.int32)])
+        assert fill_bucket(ref, count, T - low).tolist() == want[0], (real, T, B)
         for use_compiled in (True, False):
             bufs = [_poisoned(MAX_BS + (i > 0)) for i in range(4)]
             for buf in bufs[1:]:
