@@ -2102,6 +2102,13 @@ MUTATIONS: list[Mutation] = [
        "self._sum_read = self._cap is None and topk * max_len * batch < _INT32_SUMS",
        "self._sum_read = topk * max_len * batch < _INT32_SUMS",
        ["tests/metadata/test_host_ops.py", "-k", "write_what_the_rules_write and draft_window"]),
+    _m("h-numpy-stats-negative", "host_check",
+       "numpy's stats on a small batch (read as Python ints) checks only the upper bound: a "
+       "negative length passes FA3's and TRT-LLM MLA's host check",
+       "specmeta/metadata/host_ops_numpy.py",
+       "if high > max_len or min(values, default=0) < 0:",
+       "if high > max_len:",
+       ["tests/metadata/test_host_ops.py", "-k", "stats_gives_max_and_sum"]),
 ]
 # fmt: on
 

@@ -180,8 +180,9 @@ class FlashInferMLABuilder(MetadataBuilder):
         written) and publishes it for that check, takes the ring's turn, writes the set's
         mirrors and returns the set's result. ``make(B, *key, mirrors, compiled)`` makes a set's
         result and writer once; the writer is the compiled one where :func:`specmeta.warmup`
-        built the host ops and :attr:`host_ops` asks for them: it checks the lengths itself and
-        returns what it read (one call), and a refusal is then named by the checks. A tree
+        built the host ops and :attr:`host_ops` asks for them, else numpy's: it checks the
+        lengths itself and returns what it read (one call), and a refusal is then named by the
+        checks. A tree
         verify (``tree``) also takes ``node_depths_cpu``, which its writer checks before it
         writes anything."""
         ring = self._mirrors[mode]

@@ -32,6 +32,9 @@ _UNSIGNED = {np.dtype(np.int32): np.dtype(np.uint32), np.dtype(np.int64): np.dty
 _INT32_SUMS = 2**31  # offsets below this cannot have wrapped
 # The ufuncs' reductions called directly: ``ndarray.max``/``sum`` add a Python wrapper a call.
 _MAX, _SUM = np.maximum.reduce, np.add.reduce
+#: Up to this many lengths :func:`stats` reads them as Python ints (one ``tolist``): cheaper
+#: than the numpy view and two reductions on a few values, dearer past about 32.
+_AS_INTS = 32
 
 
 def lengths(seq_lens_cpu: object, batch: int) -> np.ndarray:
@@ -45,6 +48,12 @@ def lengths(seq_lens_cpu: object, batch: int) -> np.ndarray:
     if (a is not None and a.shape == (batch,) and a.dtype in _UNSIGNED
             and (batch < 2 or a.strides[0] == a.itemsize)):  # fmt: skip
         return a
+    _check(seq_lens_cpu, batch)
+    return seq_lens_cpu.numpy()  # type: ignore[attr-defined]  # what refused it, if anything
+
+
+def _check(seq_lens_cpu: object, batch: int) -> None:
+    """The compiled module's checks of a lengths tensor, in its order, with its exceptions."""
     dtype = getattr(seq_lens_cpu, "dtype", None)
     if dtype is not torch.int32 and dtype is not torch.int64:
         raise TypeError("seq_lens_cpu must be an int32 or int64 tensor")
@@ -52,7 +61,6 @@ def lengths(seq_lens_cpu: object, batch: int) -> np.ndarray:
         raise ValueError(f"seq_lens_cpu must have shape [{batch}] (one length a request)")
     if not seq_lens_cpu.is_cpu or not seq_lens_cpu.is_contiguous():  # type: ignore[attr-defined]
         raise ValueError("seq_lens_cpu must be a contiguous CPU tensor")
-    return seq_lens_cpu.numpy()  # type: ignore[attr-defined]  # what refused it, if anything
 
 
 def top(a: np.ndarray, max_len: int) -> int:
@@ -76,9 +84,17 @@ def _at_least(name: str, value: int, low: int) -> int:
 def stats(max_len: int, batch: int, seq_lens_cpu: object) -> tuple[int, int]:
     """``(max L, ΣL)`` after checking the tensor and every length in ``[0, max_len]``: the
     check of every builder whose host scalars read ``max L`` (FA3, TRT-LLM MLA)."""
-    a = lengths(seq_lens_cpu, batch)
+    if batch > _AS_INTS:
+        a = lengths(seq_lens_cpu, batch)
+        _at_least("max_len", max_len, 0)
+        return top(a, max_len), int(_SUM(a))
+    _check(seq_lens_cpu, batch)
     _at_least("max_len", max_len, 0)
-    return top(a, max_len), int(_SUM(a))
+    values = seq_lens_cpu.tolist()  # type: ignore[attr-defined]
+    high = max(values, default=0)
+    if high > max_len or min(values, default=0) < 0:
+        top(np.array(values), max_len)  # names the first length outside the range
+    return high, sum(values)
 
 
 def _capped(max_len: int, cap: int) -> np.int64 | None:
@@ -89,8 +105,9 @@ def _capped(max_len: int, cap: int) -> np.int64 | None:
 
 
 class DraftDecode:
-    """:class:`~specmeta.kernels.draft_decode_kv_indices.DraftDecodeIndptr`'s rule (design
-    §2.2) into ``out`` (``[rows, batch·topk + 1]`` int32): ``out[s, z] = base[z] + z·(s + 1)``,
+    """Draft decode's ``kv_indptr`` mirror (design §2.2), the rule of
+    :class:`~specmeta.kernels.draft_decode_kv_indices.DraftDecodeIndptr`, into ``out``
+    (``[rows, batch·topk + 1]`` int32): ``out[s, z] = base[z] + z·(s + 1)``,
     ``base`` the cumulative sum of every branch's prefix length ``min(L, cap)``. Per call:
     the lengths repeated per branch (and capped) into a buffer made here, its cumulative sum,
     and one add of the ramp ``z·(s + 1)`` made here."""
