@@ -234,6 +234,7 @@ class Ragged:
         self._verify, self._outs = verify_out, (qo_out, kv_out, mask_out)
         self._cols = np.empty(batch, dtype=np.int64)
         self._rows = np.empty(batch, dtype=np.int64)
+        self._sum_read = (max_len + T) * max(batch, 1) < _INT32_SUMS
 
     def __call__(self, seq_lens_cpu: object, verify_lens_cpu: object) -> tuple[int, int, int, int]:
         a = lengths(seq_lens_cpu, self._batch)
@@ -243,17 +244,21 @@ class Ragged:
         if total > self._T:
             raise ValueError(f"verify_lens_cpu sums to {total}, over T = {self._T}")
         count, padded, left = self._count, self._verify, self._T - total
-        pads = self._batch - count
+        pads, widest = self._batch - count, v_high  # widest: the largest padded length
         padded[:count] = v
         if pads:
             share, spare = divmod(left, pads)
             padded[count:] = share
-            padded[count : count + spare] += 1
+            if spare:
+                padded[count : count + spare] += 1
+            widest = max(widest, share + (spare > 0))
         elif count:
             padded[count - 1] += left
+            widest = max(widest, int(padded[count - 1]))
         qo, kv, mask = self._outs
-        cols, rows = self._cols, self._rows
-        np.minimum(padded, self._n, out=rows)
+        cols, rows = self._cols, padded
+        if widest > self._n:  # a pad or the last request past N reads N tree columns
+            rows = np.minimum(padded, self._n, out=self._rows)
         if self._cap is None:
             np.add(a, rows, out=cols)  # L + min(v, N)
         else:
@@ -264,7 +269,9 @@ class Ragged:
         np.multiply(cols, padded, out=cols)
         np.add.accumulate(cols, out=mask[1:], dtype=np.int32)
         qo[0] = kv[0] = mask[0] = 0
-        return high, int(_SUM(a)), v_high, total
+        # kv[batch] = ΣL + T exactly where nothing is capped, clipped or wrapped
+        read = rows is padded and self._cap is None and self._sum_read and self._batch
+        return high, int(kv[-1]) - self._T if read else int(_SUM(a)), v_high, total
 
 
 def draft_decode(max_len, topk, batch, cap, out, seq_lens_cpu):

@@ -546,12 +546,20 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
     (compiled: the builder names the value first)."""
     n = SHIFT
     table = LengthTable(MAX_LEN, MAX_BS, n)
-    for B in range(1, MAX_BS + 1):
+    # (B, count, T) drawn, then fixed: the last request or one pad past N (their columns
+    # clipped to N), T = Σv (no leftover), an empty bucket
+    cases = [(B, None, None) for B in range(1, MAX_BS + 1)]
+    cases += [(4, 4, 4 * n), (4, 3, 4 * n), (3, 2, None), (0, 0, 0)]
+    for B, count, T in cases:
         lens = _lengths(gen, B, torch.int64)
-        count = int(torch.randint(0, B + 1, (1,), generator=gen))
+        if count is None:
+            count = int(torch.randint(0, B + 1, (1,), generator=gen))
         real = torch.randint(0, n + 1, (count,), generator=gen, dtype=torch.int32)
+        if B == 4:
+            real.zero_()  # every token of T is leftover
         low = int(real.sum())
-        T = low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
+        if T is None:
+            T = low if B == 3 else low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
         want = _ragged_expected(lens, real.tolist(), T, n)
         # the torch rule of the padding (the reference's) reads the same lengths
         ref = torch.cat([real, torch.zeros(B - count, dtype=torch.int32)])
@@ -565,7 +573,7 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
                                                   use_compiled=use_compiled)  # fmt: skip
             found = write(lens, real)
             # what it checked: (max L, ΣL, max v, Σv)
-            assert found == (int(lens.max()), int(lens.sum()),
+            assert found == (int(lens.max()) if B else 0, int(lens.sum()),
                              int(real.max()) if count else 0, low), (lens, real)  # fmt: skip
             for name, buf, exp in zip(("verify", "qo", "kv", "mask"), bufs, want, strict=True):
                 size = len(exp)
