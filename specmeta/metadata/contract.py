@@ -183,10 +183,9 @@ class MetadataBuilder:
 
     @property
     def _stats(self):
-        """The compiled ``stats`` (``max L`` and ``ΣL`` in one call), where
-        :func:`specmeta.warmup` built the host ops and this builder uses them."""
-        op = host_ops_module.compiled() if self.host_ops else None
-        return op.stats if op is not None else None
+        """``stats`` (``max L`` and ``ΣL`` in one call): the compiled one where
+        :func:`specmeta.warmup` built the host ops and this builder uses them, else numpy's."""
+        return host_ops_module.stats_for(self.host_ops)
 
     # -- what the builder allocates -----------------------------------------------------------
     @classmethod

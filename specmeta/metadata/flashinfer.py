@@ -207,7 +207,7 @@ class FlashInferBuilder(MetadataBuilder):
             self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
         # Every mode's seq_lens_cpu is checked by its mirror writer (host_ops), which reads the
         # range and the shift from its table: L for the draft modes, L + N for the prefill
-        # modes, whose lists hold L + N. The torch writers gather the lengths from the table.
+        # modes, whose lists hold L + N.
         # (the larger table first, so the smaller is a view of the same arange)
         tables = {n: LengthTable(cfg.max_context_len, bs, n)}
         tables[0] = LengthTable(cfg.max_context_len, bs)
@@ -242,8 +242,9 @@ class FlashInferBuilder(MetadataBuilder):
                verify: Callable | None = None) -> Stage:  # fmt: skip
         """The stage of ``mode`` for ``B`` requests and the host integers of ``key``:
         ``launches`` and the check of the host's lengths, and a host part that checks
-        ``seq_lens_cpu`` (each value named before anything is written; a compiled writer checks
-        them itself, in its one call) and publishes it for that check, takes the ring's turn,
+        ``seq_lens_cpu`` (its writer, compiled or numpy, checks every value in its one call
+        before it writes; a refusal is then named) and publishes what it read for that check,
+        takes the ring's turn,
         runs its set's writer and returns the set's result. ``make(B, *key, mirrors, compiled)``
         makes a set's result and writer once, a slot per set in :meth:`views`. A ragged verify
         passes ``verify(verify_lens_cpu)``, its checks; any other stage refuses the lengths."""
@@ -251,8 +252,8 @@ class FlashInferBuilder(MetadataBuilder):
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         sets, claim, advance, where = ring.sets, ring.claim, ring.advance, self._where[mode]
         compiled_module, builder, lengths = host_ops.compiled, self, self.lengths
-        # What a compiled writer read, published for the device's checks without the checks
-        # it made already: the lengths' slot, and a ragged verify's (its count bound in verify).
+        # What the writer read, published for the device's checks without the checks it made
+        # already: the lengths' slot, and a ragged verify's (its count bound in verify).
         lengths_slot = self._host_published[mode] if self.check_host_lengths else None
         verify_slot = (self._verify_published if verify is not None and lengths_slot is not None
                        else None)  # fmt: skip
@@ -277,22 +278,18 @@ class FlashInferBuilder(MetadataBuilder):
             if verify is None and verify_lens_cpu is not None:
                 raise ValueError(unbound)
             compiled = builder.host_ops and compiled_module() is not None
-            if not compiled:
-                checks(seq_lens_cpu, verify_lens_cpu)  # named, before anything is written
             slot = claim()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, sets[slot], compiled)
             inputs = (seq_lens_cpu,) if verify is None else (seq_lens_cpu, verify_lens_cpu)
-            try:  # compiled: one call makes every check, writes, and returns what it read
+            try:  # one call, compiled or numpy, makes every check, writes, returns what it read
                 found = entry[1](*inputs)
             except (TypeError, ValueError, IndexError, OverflowError):
                 checks(seq_lens_cpu, verify_lens_cpu)  # nothing was written: name the fault
                 raise
-            if compiled and found is None:  # a torch writer where no compiled one serves
-                checks(seq_lens_cpu, verify_lens_cpu)
-            elif compiled and lengths_slot is not None:  # what the compiled writer read
+            if lengths_slot is not None:  # what the writer read
                 publish_host_lengths(lengths_slot, B, found[1], found[0])
                 if verify_slot is not None:
                     publish_host_lengths(verify_slot, verify_count, found[3], found[2])

@@ -180,8 +180,9 @@ class FlashInferMLABuilder(MetadataBuilder):
         written) and publishes it for that check, takes the ring's turn, writes the set's
         mirrors and returns the set's result. ``make(B, *key, mirrors, compiled)`` makes a set's
         result and writer once; the writer is the compiled one where :func:`specmeta.warmup`
-        built the host ops and :attr:`host_ops` asks for them: it checks the lengths itself and
-        returns what it read (one call), and a refusal is then named by the checks. A tree
+        built the host ops and :attr:`host_ops` asks for them, else numpy's: it checks the
+        lengths itself and returns what it read (one call), and a refusal is then named by the
+        checks. A tree
         verify (``tree``) also takes ``node_depths_cpu``, which its writer checks before it
         writes anything."""
         ring = self._mirrors[mode]
@@ -201,20 +202,17 @@ class FlashInferMLABuilder(MetadataBuilder):
                 raise ValueError(f"{where}: node_depths_cpu was given, but this stage builds "
                                  "no tree verify; drop node_depths_cpu")  # fmt: skip
             compiled = self.host_ops and host_ops.compiled() is not None
-            if not compiled:
-                self.lengths(mode, B, seq_lens_cpu)  # every check, before anything is written
             slot = ring.claim()
             results = made[compiled]
             entry = results[slot]
             if entry is None:
                 entry = results[slot] = make(B, *key, ring.sets[slot], compiled)
-            try:  # compiled: one call checks every length, writes, returns what it read
+            try:  # one call, compiled or numpy, checks every length, writes, returns what it read
                 found = entry[1](seq_lens_cpu, node_depths_cpu) if tree else entry[1](seq_lens_cpu)
             except (TypeError, ValueError, IndexError, OverflowError):
                 self.lengths(mode, B, seq_lens_cpu)  # nothing was written: name the fault
                 raise
-            if compiled:
-                self.lengths(mode, B, seq_lens_cpu, found)  # published for the device's check
+            self.lengths(mode, B, seq_lens_cpu, found)  # published for the device's check
             ring.advance()
             return entry[0]
 

@@ -53,7 +53,7 @@ from ..kernels.shared_prefix_kv_indices import (
     shared_prefix_kv_indices_ref,
 )
 from ..stage import Stage
-from . import host_ops
+from . import host_ops, host_ops_numpy
 from .capabilities import FLASHINFER_WINDOW_CAPABILITIES, verify_mask_keys
 from .flashinfer import FlashInferBuilder
 from .flashinfer_results import (
@@ -81,9 +81,9 @@ class RailDraftIndptr:
     requests of ``topk`` branches, ``out[:, 0]`` left at the 0 the ring's buffers hold.
 
     ``writer(seq_lens_cpu)`` checks the lengths (shape ``[batch]``, every value in the
-    table's ``[0, max_len]``: ``IndexError`` otherwise) before it writes anything, then makes
-    four torch ops into buffers made here; returns ``None`` (its caller publishes the
-    lengths)."""
+    table's ``[0, max_len]``: ``IndexError`` otherwise; the host ops' checks, by
+    :func:`.host_ops_numpy.stats`) before it writes anything, then makes four torch ops into
+    buffers made here; returns ``(max L, ΣL)`` (its caller publishes them)."""
 
     def __init__(self, table: LengthTable, topk: int, batch: int, rows: int, rail: int,
                  out: torch.Tensor):  # fmt: skip
@@ -97,16 +97,15 @@ class RailDraftIndptr:
         self._steps = torch.arange(1, rows + 1, dtype=torch.int32).view(-1, 1)  # s + 1
         self._lengths = torch.empty(rows, lists, dtype=torch.int32)
 
-    def __call__(self, seq_lens_cpu: torch.Tensor) -> None:
-        if not isinstance(seq_lens_cpu, torch.Tensor) or tuple(seq_lens_cpu.shape) != (
-            self._batch,
-        ):
-            raise ValueError(f"seq_lens_cpu must be a tensor of shape [{self._batch}]")
-        lengths = self._table.gather(seq_lens_cpu)  # every value checked, nothing written yet
+    def __call__(self, seq_lens_cpu: torch.Tensor) -> tuple[int, int]:
+        # the tensor and every value checked as the host ops check them, nothing written yet
+        found = host_ops_numpy.stats(self._table.max_len, self._batch, seq_lens_cpu)
+        lengths = self._table.gather(seq_lens_cpu)
         torch.index_select(lengths, 0, self._branch_request, out=self._branch_lengths)
         torch.add(self._branch_lengths, self._steps, out=self._lengths)  # L + s + 1
         self._lengths.clamp_(max=self._rail)
         torch.cumsum(self._lengths, 1, out=self._tail)
+        return found
 
 
 class RailPrefixIndptr:
@@ -117,8 +116,9 @@ class RailPrefixIndptr:
     the host ops' ``prefix`` a step, each with its step's cap, each checking every length
     before it writes (the first call refuses a bad length, nothing written); returns what the
     last returned, ``(max L, ΣL)``. Torch: the table's gather (every length checked), a
-    broadcast minimum against the caps and one ``cumsum``; ``out[:, 0]`` left at the 0 the
-    ring's buffers hold; returns ``None`` (its caller checked first)."""
+    broadcast minimum against the caps and one ``cumsum``, after the host ops' checks
+    (:func:`.host_ops_numpy.stats`); ``out[:, 0]`` left at the 0 the ring's buffers hold;
+    returns ``(max L, ΣL)``."""
 
     def __init__(self, table: LengthTable, batch: int, rows: int, rail: int, out: torch.Tensor,
                  use_compiled: bool = True):  # fmt: skip
@@ -142,14 +142,12 @@ class RailPrefixIndptr:
             for call in self._calls:
                 found = call(seq_lens_cpu)
             return found
-        if not isinstance(seq_lens_cpu, torch.Tensor) or tuple(seq_lens_cpu.shape) != (
-            self._batch,
-        ):
-            raise ValueError(f"seq_lens_cpu must be a tensor of shape [{self._batch}]")
-        lengths = self._table.gather(seq_lens_cpu)  # every value checked, nothing written yet
+        # the tensor and every value checked as the host ops check them, nothing written yet
+        found = host_ops_numpy.stats(self._table.max_len, self._batch, seq_lens_cpu)
+        lengths = self._table.gather(seq_lens_cpu)
         torch.minimum(lengths.view(1, -1), self._caps, out=self._lengths)
         torch.cumsum(self._lengths, 1, out=self._tail)
-        return None
+        return found
 
 
 class FlashInferWindowBuilder(FlashInferBuilder):

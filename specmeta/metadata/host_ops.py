@@ -13,11 +13,16 @@ and returns what ``stats`` would have (so a compiled host part is one call).
   :func:`specmeta.warmup`) with Triton's own C build helper, never inside a build's call. It
   holds no address: a writer passes its mirror views (numpy views of the mirror tensors, each
   keeping its tensor alive) on every call, read through the buffer protocol.
-* **torch**: the torch rules (:class:`~specmeta.kernels.draft_decode_kv_indices.
-  DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
-  ``cumsum``) after the :class:`LengthTable` gather that checks the lengths: before
-  :func:`warmup`, without a C compiler, under ``SPECMETA_HOST_OPS=0`` or for a builder made
-  with ``host_ops=False``. The tests compare the two exactly.
+* **numpy**: :mod:`.host_ops_numpy`, the same calls with the same arguments, results and
+  errors, a few numpy ops each on the numpy views of the mirrors: before :func:`warmup`,
+  without a C compiler, under ``SPECMETA_HOST_OPS=0`` or for a builder made with
+  ``host_ops=False``. Its cost is within about twice the compiled call's.
+
+The rules are the torch ones (:class:`~specmeta.kernels.draft_decode_kv_indices.
+DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
+``cumsum``, :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket_ref`); the tests
+compare both writers with them exactly. :class:`LengthTable` is the torch check of the lengths
+that a window layer's torch writers gather through.
 """
 
 from __future__ import annotations
@@ -32,16 +37,15 @@ from pathlib import Path
 import torch
 
 from .. import validate
-from ..kernels.branch_kv_indices import branch_kv_indptr
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
-from ..kernels.verify_lens import fill_bucket
+from . import host_ops_numpy
 
-__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "draft_decode_writer",
-           "prefix_writer", "paged_writer", "ragged_verify_writer"]  # fmt: skip
+__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "stats_for",
+           "draft_decode_writer", "prefix_writer", "paged_writer", "ragged_verify_writer"]  # fmt: skip
 
-#: ``writer(seq_lens_cpu) -> (max L, ΣL)``, what ``stats`` returns, so one compiled call is
-#: a host part's check and its write (``None`` from a torch writer: its caller checked first).
-Writer = Callable[[torch.Tensor], "tuple[int, int] | None"]
+#: ``writer(seq_lens_cpu) -> (max L, ΣL)``, what ``stats`` returns, so one call, compiled or
+#: numpy, is a host part's check and its write.
+Writer = Callable[[torch.Tensor], "tuple[int, int]"]
 
 _SOURCE = Path(__file__).with_name("host_ops.c")
 _SWITCH = "SPECMETA_HOST_OPS"
@@ -75,7 +79,7 @@ def warmup(device: torch.device | str | None = None) -> dict[str, str]:
     """Build the compiled host ops, once per process, and say what was done.
 
     Call it once at start-up, before the first build (the builders never build the module
-    themselves: until it is built, the torch implementation serves). Thread-safe: a caller
+    themselves: until it is built, the numpy implementation serves). Thread-safe: a caller
     that arrives while another builds waits for that build and gets the same module. A build
     that fails is not tried again; :func:`unavailable` keeps the reason. ``SPECMETA_HOST_OPS=0``
     (read on every call) leaves the module unbuilt.
@@ -90,7 +94,7 @@ def warmup(device: torch.device | str | None = None) -> dict[str, str]:
     -------
     dict of str to str
         ``{"host_ops": what happened}``: ``"built in 1.3 s"``, ``"built earlier in this
-        process"``, or why the module is not available (the torch writers then serve).
+        process"``, or why the module is not available (the numpy writers then serve).
     """
     del device  # the same module serves every device
     global _module, _failure
@@ -98,15 +102,15 @@ def warmup(device: torch.device | str | None = None) -> dict[str, str]:
         if _module is not None:
             return {"host_ops": "built earlier in this process"}
         if os.environ.get(_SWITCH, "1") == "0":
-            return {"host_ops": f"not built: {_SWITCH}=0 (the torch implementation serves)"}
+            return {"host_ops": f"not built: {_SWITCH}=0 (the numpy implementation serves)"}
         if _failure is not None:
-            return {"host_ops": f"not available: {_failure} (the torch implementation serves)"}
+            return {"host_ops": f"not available: {_failure} (the numpy implementation serves)"}
         start = time.perf_counter()
         try:
             module = _build()
         except Exception as exc:  # no compiler or headers, failed known answers
             _failure = f"{type(exc).__name__}: {str(exc)[-400:]}"
-            return {"host_ops": f"not available: {_failure} (the torch implementation serves)"}
+            return {"host_ops": f"not available: {_failure} (the numpy implementation serves)"}
         _module = module
         return {"host_ops": f"built in {time.perf_counter() - start:.1f} s"}
 
@@ -125,8 +129,9 @@ def _build():
 
 
 class LengthTable:
-    """The torch writers' check of ``seq_lens_cpu``, as one gather that also gives the lengths
-    their mirrors sum.
+    """The lengths of ``seq_lens_cpu`` as a window layer's torch writers sum them (they check
+    the tensor with :func:`.host_ops_numpy.stats` first), gathered in one op that checks them
+    too; the writers of this module read its ``max_len``, ``shift`` and ``cap``.
 
     ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
     ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so
@@ -200,20 +205,6 @@ def _rows(out: object) -> int:
     return out.shape[0]
 
 
-def _check_lengths(seq_lens_cpu: object, batch: int) -> None:
-    """What the compiled writers check of the lengths before reading them, with the same
-    exceptions: an int32 or int64 contiguous CPU tensor of shape ``[batch]``."""
-    if not isinstance(seq_lens_cpu, torch.Tensor) or seq_lens_cpu.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        raise TypeError("seq_lens_cpu must be an int32 or int64 tensor")
-    if tuple(seq_lens_cpu.shape) != (batch,):
-        raise ValueError(f"seq_lens_cpu must have shape [{batch}] (one length a request)")
-    if not seq_lens_cpu.is_cpu or not seq_lens_cpu.is_contiguous():
-        raise ValueError("seq_lens_cpu must be a contiguous CPU tensor")
-
-
 def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A mirror view a writer fills, after checking what both writers rely on: int32 on the
     CPU, the given shape, unit last stride."""
@@ -232,8 +223,15 @@ def _int32_view(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Ten
     return t
 
 
+def stats_for(use_compiled: bool) -> Callable[[int, int, object], tuple[int, int]]:
+    """``stats(max_len, batch, seq_lens_cpu) -> (max L, ΣL)``: the compiled one where
+    ``use_compiled`` and :func:`warmup` built it, else numpy's (same checks, same errors)."""
+    op = _module_for(use_compiled)
+    return host_ops_numpy.stats if op is None else op.stats
+
+
 def _module_for(use_compiled: bool):
-    """The compiled module a writer binds to, or ``None`` for the torch writer."""
+    """The compiled module a writer binds to, or ``None`` for the numpy writer."""
     return compiled() if use_compiled else None
 
 
@@ -242,23 +240,18 @@ def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, 
     """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
     rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
     requests; ``table`` of shift 0, its ``cap`` a draft window's (design §2.10). Compiled
-    where ``use_compiled`` and :func:`warmup` built the module, else torch."""
+    where ``use_compiled`` and :func:`warmup` built the module, else numpy."""
     validate.positive("topk", topk)
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     if table.shift:
         raise ValueError(f"draft_decode_writer: the table's shift is {table.shift}; pass one "
                          "made with shift=0")  # fmt: skip
+    rule.bind(batch, out)  # checks out against the rule's maxima
     op = _module_for(use_compiled)
     if op is None:
-        views = rule.bind(batch, out)  # also checks out against the rule's maxima
-        return functools.partial(_torch_draft_decode, table, batch, views, out)
+        return host_ops_numpy.DraftDecode(table.max_len, topk, batch, table.cap, out.numpy())
     return functools.partial(op.draft_decode, table.max_len, topk, batch, table.cap, out.numpy())
-
-
-def _torch_draft_decode(table, batch, views, out, seq_lens_cpu):
-    _check_lengths(seq_lens_cpu, batch)
-    DraftDecodeIndptr.write(views, table.gather(seq_lens_cpu), out)
 
 
 def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
@@ -267,28 +260,18 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     """``out`` (``[batch + 1]``) ← ``[0, cumsum(min(L, table.cap) + table.shift)]``, and
     ``scaled`` ← ``scale · out`` when given: the cascade's prefix offsets (shift 0; the cap a
     draft window's, design §2.10), the prefill modes' ``kv_indptr`` (shift ``N``) and target
-    verify's mask offsets (scale ``N``). ``out[0]`` and
-    ``scaled[0]`` must hold 0 already (the ring allocates its buffers zeroed); the torch
-    writer leaves them, the compiled one writes the 0 again."""
+    verify's mask offsets (scale ``N``). Both writers write ``out[0]`` and ``scaled[0]``."""
     validate.positive("scale", scale, 0)
     need = (batch + 1,)
     _int32_view("out", out, need)
     if scaled is not None:
         _int32_view("scaled", scaled, need)
+    args = (table.max_len, table.shift, scale, table.cap, batch, out.numpy(),
+            scaled.numpy() if scaled is not None else None)  # fmt: skip
     op = _module_for(use_compiled)
     if op is None:
-        tail = scaled[1:] if scaled is not None else None
-        return functools.partial(_torch_prefix, table, batch, out[1:], tail, scale)
-    return functools.partial(op.prefix, table.max_len, table.shift, scale, table.cap, batch,
-                             out.numpy(), scaled.numpy() if scaled is not None else None)  # fmt: skip
-
-
-def _torch_prefix(table, batch, out_tail, scaled_tail, scale, seq_lens_cpu):
-    _check_lengths(seq_lens_cpu, batch)
-    # Entry 0 of out and scaled stays the zero the ring's buffers were allocated with.
-    torch.cumsum(table.gather(seq_lens_cpu), 0, out=out_tail)
-    if scaled_tail is not None:
-        torch.mul(out_tail, scale, out=scaled_tail)
+        return host_ops_numpy.Prefix(*args)
+    return functools.partial(op.prefix, *args)
 
 
 def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
@@ -301,23 +284,17 @@ def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     _int32_view("last", last, (rows, batch * topk))
+    args = (table.max_len, topk, page_size, batch, out.numpy(), last.numpy())
     op = _module_for(use_compiled)
     if op is None:
-        return functools.partial(_torch_paged, table, batch, topk, page_size, out, last)
-    return functools.partial(op.paged, table.max_len, topk, page_size, batch, out.numpy(),
-                             last.numpy())  # fmt: skip
-
-
-def _torch_paged(table, batch, topk, page_size, out, last, seq_lens_cpu):
-    _check_lengths(seq_lens_cpu, batch)
-    lens = table.gather(seq_lens_cpu)
-    branch_kv_indptr(lens, topk, out.shape[0], page_size, out, last)
+        return host_ops_numpy.Paged(*args)
+    return functools.partial(op.paged, *args)
 
 
 def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens: int,
                          num_draft_tokens: int, verify_out: torch.Tensor, qo_out: torch.Tensor,
                          kv_out: torch.Tensor, mask_out: torch.Tensor, *,
-                         use_compiled: bool = True) -> Callable[[torch.Tensor, torch.Tensor], int]:  # fmt: skip
+                         use_compiled: bool = True) -> Callable[[torch.Tensor, torch.Tensor], tuple]:  # fmt: skip
     """The host mirrors of a ragged target verify (design §2.9) over ``batch`` requests (the
     bucket's ``Bp``), ``count`` of them real, and ``num_tokens`` (its ``T``): ``verify_out`` ←
     the padded lengths ``v_b`` (the rule of
@@ -325,9 +302,9 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     :func:`~specmeta.kernels.verify_lens.fill_bucket`), ``qo_out`` ← their offsets, ``kv_out``
     ← ``[0, cumsum(L' + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L' + min(v, N)))]``,
     ``L' = min(L, table.cap)`` (a window layer's ``w − 1``, design §2.10; ``L`` itself with the
-    plan's ``max_context_len``). ``table`` has shift ``N``. ``write(seq_lens_cpu, verify_lens_cpu)``: every length checked
-    before anything is written (the builder names what it refuses); compiled, it returns
-    ``(max L, ΣL, max v, Σv)``."""
+    plan's ``max_context_len``). ``table`` has shift ``N``. ``write(seq_lens_cpu,
+    verify_lens_cpu)``: every length checked before anything is written (the builder names
+    what it refuses); returns ``(max L, ΣL, max v, Σv)``."""
     n = num_draft_tokens
     if table.shift != n:
         raise ValueError(f"ragged_verify_writer: the table's shift is {table.shift}; pass one "
@@ -335,24 +312,9 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     _int32_view("verify_out", verify_out, (batch,))
     for name, out in (("qo_out", qo_out), ("kv_out", kv_out), ("mask_out", mask_out)):
         _int32_view(name, out, (batch + 1,))
+    args = (table.max_len, n, num_tokens, batch, count, table.cap, verify_out.numpy(),
+            qo_out.numpy(), kv_out.numpy(), mask_out.numpy())  # fmt: skip
     op = _module_for(use_compiled)
-    if op is not None:
-        return functools.partial(op.ragged, table.max_len, n, num_tokens, batch, count,
-                                 table.cap, verify_out.numpy(), qo_out.numpy(), kv_out.numpy(),
-                                 mask_out.numpy())  # fmt: skip
-    cols = torch.empty(batch, dtype=torch.int32)
-    return functools.partial(_torch_ragged, table, batch, count, num_tokens, n, verify_out,
-                             qo_out[1:], kv_out[1:], mask_out[1:], cols)  # fmt: skip
-
-
-def _torch_ragged(table, batch, count, T, N, verify_out, qo_tail, kv_tail, mask_tail, cols,
-                  seq_lens_cpu, verify_lens_cpu):  # fmt: skip
-    _check_lengths(seq_lens_cpu, batch)
-    lens = table.gather(seq_lens_cpu)  # min(L, cap) + N, every length checked
-    verify_out[:count] = verify_lens_cpu
-    fill_bucket(verify_out, count, T - int(verify_lens_cpu.sum()))
-    # Entry 0 of every offset mirror stays the zero the ring's buffers were allocated with.
-    torch.cumsum(verify_out, 0, out=qo_tail)
-    torch.sub(lens, (N - verify_out).clamp_min_(0), out=cols)  # min(L, cap) + min(v, N)
-    torch.cumsum(cols, 0, out=kv_tail)
-    torch.cumsum(cols.mul_(verify_out), 0, out=mask_tail)
+    if op is None:
+        return host_ops_numpy.Ragged(*args)
+    return functools.partial(op.ragged, *args)

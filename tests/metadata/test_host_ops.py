@@ -21,7 +21,8 @@ import torch
 
 from specmeta.kernels.branch_kv_indices import branch_kv_indptr
 from specmeta.kernels.draft_decode_kv_indices import DraftDecodeIndptr, draft_decode_kv_indptr
-from specmeta.metadata import host_ops
+from specmeta.kernels.verify_lens import fill_bucket
+from specmeta.metadata import host_ops, host_ops_numpy
 from specmeta.metadata.host_ops import LengthTable
 
 POISON = -7
@@ -89,6 +90,12 @@ def _writers(kind, batch, use_compiled):
 
 
 KINDS = ["draft_decode", "draft_window", "paged", "prefill", "cascade", "cascade_window"]
+OPS = ["compiled", "numpy"]
+
+
+def _op(which, compiled_host_ops):
+    """The module of the host ops' entry points: compiled, or numpy's twin (same calls)."""
+    return compiled_host_ops if which == "compiled" else host_ops_numpy
 
 
 def _expected(kind, lens):
@@ -118,10 +125,11 @@ def _expected(kind, lens):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compiled_host_ops):
-    """Both writers, at every batch size from 0 to max_bs, int32 and int64 lengths drawn fresh,
-    return (max L, ΣL) (the torch writer leaves them to the caller) and write exactly the rule's values
-    inside their views and nothing outside them."""
+def test_compiled_and_numpy_writers_write_what_the_rules_write(kind, gen, compiled_host_ops):
+    """Both writers (compiled, and numpy's where the module is not used), at every batch size
+    from 0 to max_bs (the lengths 0 and max_len among them), int32 and int64 lengths drawn
+    fresh, return (max L, ΣL) and write exactly the torch rule's values inside their views and
+    nothing outside them."""
     for B in range(MAX_BS + 1):
         for dtype in (torch.int32, torch.int64):
             lens = _lengths(gen, B, dtype)
@@ -130,7 +138,7 @@ def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compil
                 write, bufs = _writers(kind, B, use_compiled)
                 total = write(lens)
                 want_stats = (int(lens.max()) if B else 0, int(lens.sum()))
-                assert total == (want_stats if use_compiled else None)
+                assert total == want_stats, (kind, use_compiled, B, dtype)
                 for got, exp in zip(bufs, want, strict=True):
                     mismatch = (got != exp).nonzero()
                     assert mismatch.numel() == 0, (
@@ -142,7 +150,7 @@ def test_compiled_and_torch_writers_write_what_the_rules_write(kind, gen, compil
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_host_ops):
     """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64):
-    IndexError from either writer, every buffer as it was."""
+    IndexError from either writer (compiled, numpy), every buffer as it was."""
     B = MAX_BS
     for bad in (-1, MAX_LEN + 1):
         for dtype in (torch.int32, torch.int64):
@@ -161,17 +169,32 @@ def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_hos
                     )
 
 
-def test_stats_gives_max_and_sum_as_the_torch_check_does(gen, compiled_host_ops):
-    """``stats`` (FA3's and TRT-LLM MLA's check) against :func:`check_length_values` and
-    ``sum``: every batch size to max_bs, int32 and int64, fresh lengths; and IndexError for
-    one length planted out of range."""
+def test_a_length_table_gathers_and_refuses_a_length_out_of_range():
+    """A :class:`LengthTable` (a window layer's torch writers gather through it) gives
+    ``min(L, cap) + shift`` as int32 for L = 0 and L = max_len, and refuses −1 and
+    max_len + 1 with ``IndexError``."""
+    for cap in (None, CAP):
+        table = LengthTable(MAX_LEN, MAX_BS, SHIFT, cap=cap)
+        top = min(MAX_LEN, cap or MAX_LEN)
+        got = table.gather(torch.tensor([0, MAX_LEN, 3]))
+        assert got.dtype == torch.int32 and got.tolist() == [SHIFT, top + SHIFT, 3 + SHIFT]
+        for bad in (-1, MAX_LEN + 1):
+            with pytest.raises(IndexError):
+                table.gather(torch.tensor([1, bad]))
+
+
+@pytest.mark.parametrize("which", OPS)
+def test_stats_gives_max_and_sum_as_the_torch_check_does(which, gen, compiled_host_ops):
+    """``stats`` (FA3's and TRT-LLM MLA's check), compiled and numpy, against
+    :func:`check_length_values` and ``sum``: every batch size to max_bs, int32 and int64,
+    fresh lengths; and IndexError for one length planted out of range."""
     from specmeta import SpecConfig
     from specmeta.metadata.inputs import check_length_values
 
     cfg = SpecConfig(topk=1, num_steps=2, num_draft_tokens=2, page_size=1, max_bs=MAX_BS,
                      max_context_len=MAX_LEN)  # fmt: skip
-    stats = compiled_host_ops.stats
-    for B in range(MAX_BS + 1):
+    stats = _op(which, compiled_host_ops).stats
+    for B in [*range(MAX_BS + 1), 37]:  # numpy's reads up to 32 lengths as Python ints
         for dtype in (torch.int32, torch.int64):
             lens = _lengths(gen, B, dtype)
             high, _ = check_length_values("x", cfg, lens)
@@ -191,11 +214,13 @@ def _wrapped(values):
     return [(v + 2**31) % 2**32 - 2**31 for v in values]
 
 
-def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
+@pytest.mark.parametrize("which", OPS)
+def test_int32_offsets_wrap_as_the_kernels_stores_do(which, gen, compiled_host_ops):
     """Lengths near 2**30: the sums pass 2**32, and every offset is the exact sum modulo
     2**32, as the torch rules' int32 sums and the kernels' int32 stores are. The compiled
-    module is called directly (a length table of 2**31 positions would take 8 GB)."""
-    op = compiled_host_ops
+    module and numpy's are called directly (a length table of 2**31 positions would take
+    8 GB)."""
+    op = _op(which, compiled_host_ops)
     big = 2**31 - 1
     lens = torch.randint(2**30, 2**31 - 1, (5,), generator=gen, dtype=torch.int64)
     B, K, rows, n = 5, 4, 3, 7
@@ -221,11 +246,13 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(gen, compiled_host_ops):
 WIDTHS = [(1, 1), (2, 16), (3, 4), (4, 3), (5, 2), (8, 1), (8, 6)]
 
 
-def test_every_width_and_page_size(gen, compiled_host_ops):
-    """The draft-decode and paged writers at every width and page size of ``WIDTHS``, batch
-    sizes 0 to ``MAX_BS`` and 37 (vector loops and their remainders), int32 and int64 lengths
-    drawn fresh: exactly the torch rules' values, nothing written outside the views."""
-    op = compiled_host_ops
+@pytest.mark.parametrize("which", OPS)
+def test_every_width_and_page_size(which, gen, compiled_host_ops):
+    """The draft-decode and paged writers (compiled, numpy) at every width and page size of
+    ``WIDTHS``, batch sizes 0 to ``MAX_BS`` and 37 (vector loops and their remainders), int32
+    and int64 lengths drawn fresh: exactly the torch rules' values, nothing written outside
+    the views."""
+    op = _op(which, compiled_host_ops)
     for K, ps in WIDTHS:
         for B in [*range(MAX_BS + 1), 37]:
             for dtype in (torch.int32, torch.int64):
@@ -261,8 +288,9 @@ def test_a_writer_refuses_a_view_it_cannot_fill():
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_writer_reads_only_a_tensor_of_its_batch(kind, compiled_host_ops):
     """Called on its own, a writer refuses lengths it cannot read safely before reading them,
-    compiled and torch alike: another dtype, another length, a second dimension, a
-    non-contiguous view (an expanded one would read past its storage), another device."""
+    compiled and numpy alike, with the same exception and message: another dtype, another
+    length, a second dimension, a non-contiguous view (an expanded one would read past its
+    storage), another device."""
     B = 4
     good = torch.arange(B, dtype=torch.int64)
     bad = [
@@ -273,15 +301,23 @@ def test_a_writer_reads_only_a_tensor_of_its_batch(kind, compiled_host_ops):
         (ValueError, "contiguous CPU", torch.zeros(1, dtype=torch.int64).expand(B)),
         (ValueError, "contiguous CPU", torch.empty(B, dtype=torch.int64, device="meta")),
     ]
+    said: dict = {}  # each refusal's messages, compiled and numpy
     for use_compiled in (True, False):
         write, bufs = _writers(kind, B, use_compiled)
         before = [b.clone() for b in bufs]
         for kind_of_error, message, lens in bad:
-            with pytest.raises(kind_of_error, match=message):
+            with pytest.raises(kind_of_error, match=message) as raised:
                 write(lens)
+            said.setdefault(id(lens), set()).add(str(raised.value))
         for got, was in zip(bufs, before, strict=True):
             assert torch.equal(got, was), f"{kind} compiled={use_compiled}: written"
-    op = compiled_host_ops
+    assert all(len(messages) == 1 for messages in said.values()), said
+    for op in (compiled_host_ops, host_ops_numpy):
+        _refusals_of_stats(op, good, bad)
+
+
+def _refusals_of_stats(op, good, bad):
+    B = good.shape[0]
     assert op.stats(MAX_LEN, B, good) == (B - 1, sum(range(B)))
     assert op.stats(MAX_LEN, B, good.to(torch.int32)) == (B - 1, sum(range(B)))
     with pytest.raises(TypeError, match="int32 or int64"):
@@ -309,7 +345,7 @@ def test_a_writer_refuses_bad_bind_arguments():
         host_ops.draft_decode_writer(table, rule, TOPK, 2, torch.zeros(7, dtype=torch.int32))
 
 
-def test_without_the_compiled_module_the_torch_writers_serve():
+def test_without_the_compiled_module_the_numpy_writers_serve():
     """``SPECMETA_HOST_OPS=0`` (as on a machine without a C compiler): ``warmup()`` builds
     nothing and says why, and a FlashInfer build's host mirrors are still written (by hand:
     lengths 3 and 16 with N = 4 give [0, 7, 27]). ``launch=False``: the subprocess may run on
@@ -319,7 +355,7 @@ def test_without_the_compiled_module_the_torch_writers_serve():
         "from specmeta import SpecConfig, FlashInferBuilder, warmup\n"
         "from specmeta.metadata import host_ops\n"
         "done = warmup()\n"
-        "assert done == {'host_ops': 'not built: SPECMETA_HOST_OPS=0 (the torch implementation "
+        "assert done == {'host_ops': 'not built: SPECMETA_HOST_OPS=0 (the numpy implementation "
         "serves)'}, done\n"
         "assert host_ops.compiled() is None\n"
         "assert host_ops.unavailable() == 'SPECMETA_HOST_OPS=0', host_ops.unavailable()\n"
@@ -475,7 +511,7 @@ def test_warmup_honours_the_switch_and_keeps_a_failure(unbuilt, monkeypatch):
     """``SPECMETA_HOST_OPS=0`` builds nothing (read on every call); a build that fails is
     tried once, its reason kept by ``unavailable()`` and returned by every later call."""
     monkeypatch.setenv("SPECMETA_HOST_OPS", "0")
-    assert host_ops.warmup() == {"host_ops": "not built: SPECMETA_HOST_OPS=0 (the torch "
+    assert host_ops.warmup() == {"host_ops": "not built: SPECMETA_HOST_OPS=0 (the numpy "
                                  "implementation serves)"}  # fmt: skip
     assert host_ops.unavailable() == "SPECMETA_HOST_OPS=0" and unbuilt == []
 
@@ -485,7 +521,7 @@ def test_warmup_honours_the_switch_and_keeps_a_failure(unbuilt, monkeypatch):
 
     monkeypatch.setattr(host_ops, "_build", broken)
     monkeypatch.delenv("SPECMETA_HOST_OPS")
-    want = {"host_ops": "not available: RuntimeError: no compiler here (the torch "
+    want = {"host_ops": "not available: RuntimeError: no compiler here (the numpy "
             "implementation serves)"}  # fmt: skip
     assert host_ops.warmup() == want and host_ops.warmup() == want
     assert unbuilt == ["broken"] and host_ops.compiled() is None
@@ -504,19 +540,30 @@ def _ragged_expected(lens, real, T, n):
 
 
 def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
-    """A ragged verify's mirrors (design §2.9), compiled and torch, at every bucket size and
+    """A ragged verify's mirrors (design §2.9), compiled and numpy, at every bucket size and
     real count, with T from Σv (no leftover) to B·N: exactly the rule's values, nothing
     outside the views; a real length over N or a sum over T raises and writes nothing
     (compiled: the builder names the value first)."""
     n = SHIFT
     table = LengthTable(MAX_LEN, MAX_BS, n)
-    for B in range(1, MAX_BS + 1):
+    # (B, count, T) drawn, then fixed: the last request or one pad past N (their columns
+    # clipped to N), T = Σv (no leftover), an empty bucket
+    cases = [(B, None, None) for B in range(1, MAX_BS + 1)]
+    cases += [(4, 4, 4 * n), (4, 3, 4 * n), (3, 2, None), (0, 0, 0)]
+    for B, count, T in cases:
         lens = _lengths(gen, B, torch.int64)
-        count = int(torch.randint(0, B + 1, (1,), generator=gen))
+        if count is None:
+            count = int(torch.randint(0, B + 1, (1,), generator=gen))
         real = torch.randint(0, n + 1, (count,), generator=gen, dtype=torch.int32)
+        if B == 4:
+            real.zero_()  # every token of T is leftover
         low = int(real.sum())
-        T = low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
+        if T is None:
+            T = low if B == 3 else low + int(torch.randint(0, B * n - low + 1, (1,), generator=gen))
         want = _ragged_expected(lens, real.tolist(), T, n)
+        # the torch rule of the padding (the reference's) reads the same lengths
+        ref = torch.cat([real, torch.zeros(B - count, dtype=torch.int32)])
+        assert fill_bucket(ref, count, T - low).tolist() == want[0], (real, T, B)
         for use_compiled in (True, False):
             bufs = [_poisoned(MAX_BS + (i > 0)) for i in range(4)]
             for buf in bufs[1:]:
@@ -525,17 +572,23 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
             write = host_ops.ragged_verify_writer(table, B, count, T, n, *views,
                                                   use_compiled=use_compiled)  # fmt: skip
             found = write(lens, real)
-            if use_compiled:  # what it checked: (max L, ΣL, max v, Σv)
-                assert found == (int(lens.max()), int(lens.sum()),
-                                 int(real.max()) if count else 0, low), (lens, real)  # fmt: skip
+            # what it checked: (max L, ΣL, max v, Σv)
+            assert found == (int(lens.max()) if B else 0, int(lens.sum()),
+                             int(real.max()) if count else 0, low), (lens, real)  # fmt: skip
             for name, buf, exp in zip(("verify", "qo", "kv", "mask"), bufs, want, strict=True):
                 size = len(exp)
                 assert buf[:size].tolist() == exp, (name, use_compiled, lens, real, T)
                 assert buf[size:].eq(POISON).all(), (name, use_compiled, "written past")
-    for bad in ("over_n", "over_t"):
+    for bad in ("over_n", "over_t", "length"):
         real = torch.tensor([n + 1 if bad == "over_n" else n, n], dtype=torch.int32)
-        bufs = [_poisoned(3), _poisoned(4), _poisoned(4), _poisoned(4)]
-        write = host_ops.ragged_verify_writer(table, 3, 2, 2 * n - 1, n, *bufs)
-        with pytest.raises((IndexError, ValueError)):
-            write(torch.tensor([1, 2, 3]), real)
-        assert all(b.eq(POISON).all() for b in bufs), bad
+        lens = torch.tensor([1, MAX_LEN + 1 if bad == "length" else 2, 3])
+        said = set()
+        for use_compiled in (True, False):
+            bufs = [_poisoned(3), _poisoned(4), _poisoned(4), _poisoned(4)]
+            write = host_ops.ragged_verify_writer(table, 3, 2, 2 * n - 1, n, *bufs,
+                                                  use_compiled=use_compiled)  # fmt: skip
+            with pytest.raises((IndexError, ValueError)) as raised:
+                write(lens, real)
+            said.add(f"{type(raised.value).__name__}: {raised.value}")
+            assert all(b.eq(POISON).all() for b in bufs), (bad, use_compiled)
+        assert len(said) == 1, said  # the same refusal, compiled and numpy

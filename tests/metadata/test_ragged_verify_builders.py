@@ -199,7 +199,7 @@ def test_fa3_ragged_verify_cascade_reads_as_the_rule(device, gen, how, k, ps):
     assert int(fa3.status) == 0
 
 
-def test_fa3_ragged_verify_checks_a_host_copy_when_given(device, gen):
+def test_fa3_ragged_verify_checks_a_host_copy_and_reports_it_stale(device, gen):
     from specmeta.metadata.fa3 import FA3MetadataBuilder
 
     cfg, batch, tree = _setup(gen, device)
