@@ -62,6 +62,7 @@ from .flashinfer_mla_results import (
 )
 from .host_mirrors import HostMirrorRing
 from .host_ops import LengthTable
+from .inputs import check_node_depths_cpu
 from .layout import UniformQueryLayout
 
 __all__ = ["FlashInferMLABuilder", "FlashInferMLAPass", "FlashInferMLAAttention",
@@ -197,7 +198,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             if seq_lens_cpu is None:
                 raise ValueError(missing)
             if tree:
-                _check_node_depths_cpu(where, node_depths_cpu, B, self.cfg.num_draft_tokens)
+                check_node_depths_cpu(where, node_depths_cpu, B, self.cfg.num_draft_tokens)
             elif node_depths_cpu is not None:
                 raise ValueError(f"{where}: node_depths_cpu was given, but this stage builds "
                                  "no tree verify; drop node_depths_cpu")  # fmt: skip
@@ -536,20 +537,6 @@ class FlashInferMLABuilder(MetadataBuilder):
         stage = self.bind_draft_extend(req_pool_indices, req_to_token, seq_lens, status=status,
                                        v2p=v2p, entry_page_size=entry_page_size)  # fmt: skip
         return stage(seq_lens_cpu) if launch else stage.host(seq_lens_cpu)
-
-
-def _check_node_depths_cpu(where: str, depths: Any, batch: int, n: int) -> None:
-    """The engine's host copy of its tree's node depths, before anything is written: a
-    ``[B, N]`` integer CPU tensor (the values are checked by the mirror writer)."""
-    fix = (f"pass node_depths_cpu=, the [B, N] = [{batch}, {n}] integer CPU copy of the draft "
-           "tree's node depths, the root 0 (plan() reads every node's ancestor count, depth + 1, "
-           "on the host)")  # fmt: skip
-    if not isinstance(depths, torch.Tensor):
-        raise TypeError(f"{where}: node_depths_cpu is {type(depths).__name__}; {fix}")
-    if (depths.dtype not in (torch.int32, torch.int64) or depths.device.type != "cpu"
-            or tuple(depths.shape) != (batch, n)):  # fmt: skip
-        raise ValueError(f"{where}: node_depths_cpu is {depths.dtype} {list(depths.shape)} on "
-                         f"{depths.device}; {fix}")  # fmt: skip
 
 
 def _lengths_from_offsets(offsets: Callable, ptr: torch.Tensor, lengths: torch.Tensor) -> Callable:

@@ -23,8 +23,8 @@ import torch
 from .. import validate
 from ..config import SpecConfig
 
-__all__ = ["check_build_tensors", "check_length_values", "check_num_rows", "check_verify_lens_cpu",
-           "host_lengths"]  # fmt: skip
+__all__ = ["check_build_tensors", "check_length_values", "check_node_depths_cpu", "check_num_rows",
+           "check_verify_lens_cpu", "host_lengths"]  # fmt: skip
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -293,3 +293,17 @@ def check_verify_lens_cpu(where: str, verify_lens_cpu: object, count: int, num_t
             f"a bucket of at least {total} tokens"
         )
     return (max(values) if values else 0), total
+
+
+def check_node_depths_cpu(where: str, depths: object, batch: int, n: int) -> None:
+    """The engine's host copy of its tree's node depths, before anything is written: a
+    ``[B, N]`` integer CPU tensor (the values are checked by the mirror writer)."""
+    fix = (f"pass node_depths_cpu=, the [B, N] = [{batch}, {n}] integer CPU copy of the draft "
+           "tree's node depths, the root 0 (plan() reads every node's ancestor count, depth + 1, "
+           "on the host)")  # fmt: skip
+    if not isinstance(depths, torch.Tensor):
+        raise TypeError(f"{where}: node_depths_cpu is {type(depths).__name__}; {fix}")
+    if (depths.dtype not in (torch.int32, torch.int64) or depths.device.type != "cpu"
+            or tuple(depths.shape) != (batch, n)):  # fmt: skip
+        raise ValueError(f"{where}: node_depths_cpu is {depths.dtype} {list(depths.shape)} on "
+                         f"{depths.device}; {fix}")  # fmt: skip

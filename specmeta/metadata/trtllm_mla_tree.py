@@ -40,9 +40,9 @@ from ..kernels.tree_ancestor_kv_indices import (
     tree_ancestor_kv_indices_ref,
 )
 from ..stage import Stage
-from .flashinfer_mla import _check_node_depths_cpu
 from .flashinfer_mla_results import FlashInferMLAPass
 from .host_mirrors import HostMirrorRing
+from .inputs import check_node_depths_cpu
 from .layout import UniformQueryLayout
 
 __all__ = ["TrtllmMlaPrefixPass", "TrtllmMlaTreeVerify", "TreeVerify"]
@@ -188,7 +188,7 @@ class TreeVerify:
             if verify_lens_cpu is not None:
                 raise ValueError(f"{where}: verify_lens_cpu was given, but a tree's verify has "
                                  "no ragged form; drop verify_lens_cpu")  # fmt: skip
-            _check_node_depths_cpu(where, node_depths_cpu, B, n)
+            check_node_depths_cpu(where, node_depths_cpu, B, n)
             if seq_lens_cpu is not None:
                 b.lengths(_MODE, B, seq_lens_cpu)
             turn = ring.claim()
