@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_visit.sh [kernels] [tests[=p1,p2]] [real[=<pytest -k expr>]] [targets[=<regex>]]
 #                             [startup] [mla-cascade]
 #                             [sanitize[=p1,p2]] [sanitize-real=<tool>:<pytest -k expr>]
-#                             [lossless[=<pytest -k expr>]] [mutations-gpu]
+#                             [lossless[=<pytest -k expr>]] [check] [mutations-gpu]
 #                             [bench=<pytest -k expr>] [bench-before=<pytest -k expr>] ...
 # `kernels` installs the real attention kernels staged by scripts/gpu_kernels.sh (or finds them
 # installed) and puts them on PYTHONPATH for the stages after it; once it has, a skipped
@@ -142,6 +142,16 @@ PY
       # One log comes back, not one per shard (a visit brings back a limited number of files).
       cat "$OUT"/lossless_[0-9]*.log > "$OUT/lossless.log"
       rm -f "$OUT"/lossless_[0-9]*.log "$OUT"/lossless_[0-9]*.xml
+      ;;
+    check)
+      # `specmeta check` on the GPU: every op, the runner and the builders against their
+      # references, and the lossless loop through the real kernels (its MLA line through
+      # FlashInfer MLA's kernel); 3 to 4 minutes on an H200.
+      timeout "${CHECK_TIMEOUT:-400}" python3 -c "import sys; from specmeta.cli import main; sys.exit(main(['check', '--device', 'cuda']))" \
+        > "$OUT/check.log" 2>&1
+      rc=$?
+      grep -A12 '^lossless_loop:' "$OUT/check.log"
+      summary+=("specmeta check: rc=$rc; $(tail -n 1 "$OUT/check.log")")
       ;;
     mutations-gpu)
       # The gpu=True mutations of scripts/mutations.py, races the interpreter cannot show (the
