@@ -258,13 +258,6 @@ class FlashInferBuilder(MetadataBuilder):
         verify_slot = (self._verify_published if verify is not None and lengths_slot is not None
                        else None)  # fmt: skip
         verify_count = verify.args[1] if verify_slot is not None else 0
-        missing = (f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
-                   f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass seq_lens_cpu=, "
-                   "the CPU copy of seq_lens the engine already holds (a copy of seq_lens made "
-                   "here would sync with the device)")  # fmt: skip
-        unbound = (f"{where}: verify_lens_cpu was given, but this stage was bound without "
-                   "verify_lens (a uniform layout); bind it with verify_lens= and num_tokens= "
-                   "for a ragged verify, or drop verify_lens_cpu")  # fmt: skip
 
         def checks(seq_lens_cpu: torch.Tensor, verify_lens_cpu: Any) -> None:
             """Every check of the host inputs, each fault named, and their publication."""
@@ -274,9 +267,16 @@ class FlashInferBuilder(MetadataBuilder):
 
         def host(seq_lens_cpu: torch.Tensor | None, verify_lens_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
-                raise ValueError(missing)
+                raise ValueError(
+                    f"{where}: seq_lens_cpu is None, but FlashInfer's plan() reads the host "
+                    f"mirrors ({_HOST_FIELDS[mode]}) that are written from it; pass "
+                    "seq_lens_cpu=, the CPU copy of seq_lens the engine already holds (a copy "
+                    "of seq_lens made here would sync with the device)")  # fmt: skip
             if verify is None and verify_lens_cpu is not None:
-                raise ValueError(unbound)
+                raise ValueError(
+                    f"{where}: verify_lens_cpu was given, but this stage was bound without "
+                    "verify_lens (a uniform layout); bind it with verify_lens= and num_tokens= "
+                    "for a ragged verify, or drop verify_lens_cpu")  # fmt: skip
             compiled = builder.host_ops and compiled_module() is not None
             slot = claim()
             results = made[compiled]
