@@ -143,6 +143,7 @@ def _builds(op, gen, *, form, ps, K=2, S=3, N=4, device):
     positions = MAX_L + K * (S + ps) + ps + N + 8  # every position any op reads fits
     rpi, rows, L, v2p = _draw(gen, B=B, E=E, ps=ps, translate=f["translate"],
                               positions=positions)  # fmt: skip
+    L[0] = MAX_L  # every draw spans several pages: a page read at a wrong position shows
     phys = physical_rows(rows, v2p, E=E, ps=ps)
     spaces = _spaces(E, v2p, device)
     if op == "prefix":
