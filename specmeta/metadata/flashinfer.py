@@ -52,7 +52,7 @@ from .flashinfer_results import (
     ragged_prefill,
 )
 from .host_mirrors import HostMirrorRing
-from .host_ops import LengthTable
+from .host_ops import LengthRule
 from .layout import UniformQueryLayout
 
 __all__ = ["FlashInferBuilder", "FlashInferDecodeStep", "FlashInferDraftDecode",
@@ -206,20 +206,18 @@ class FlashInferBuilder(MetadataBuilder):
         if "draft_decode" in groups:  # the torch rule of its host mirror, constants made once
             self._draft_indptr = DraftDecodeIndptr(k, s, bs, torch.int32)
         # Every mode's seq_lens_cpu is checked by its mirror writer (host_ops), which reads the
-        # range and the shift from its table: L for the draft modes, L + N for the prefill
-        # modes, whose lists hold L + N.
-        # (the larger table first, so the smaller is a view of the same arange)
-        tables = {n: LengthTable(cfg.max_context_len, bs, n)}
-        tables[0] = LengthTable(cfg.max_context_len, bs)
-        self._length_tables = {
-            mode: tables[n if mode in ("target_verify", "draft_extend") else 0]
+        # range and the shift from its length rule: L for the draft modes, L + N for the
+        # prefill modes, whose lists hold L + N.
+        rules = {n: LengthRule(cfg.max_context_len, n), 0: LengthRule(cfg.max_context_len)}
+        self._length_rules = {
+            mode: rules[n if mode in ("target_verify", "draft_extend") else 0]
             for mode in self.modes
         }
         for mode in ("draft_decode", "draft_decode_shared_prefix"):
             if mode in self.modes and cfg.draft_window_size:
                 # A window's prefix lists hold min(L, window + sink) tokens (design §2.10).
-                self._length_tables[mode] = LengthTable(cfg.max_context_len, bs,
-                                                        cap=cfg.draft_prefix_cap)  # fmt: skip
+                self._length_rules[mode] = LengthRule(cfg.max_context_len,
+                                                      cap=cfg.draft_prefix_cap)  # fmt: skip
         if "draft_decode_shared" in groups:
             # The chain level's offsets do not depend on the batch: z·(s + 1).
             z = torch.arange(bs * k + 1, dtype=torch.int32)
@@ -401,7 +399,7 @@ class FlashInferBuilder(MetadataBuilder):
         ones = [buf["draft_decode.kv_last_page_len"][: B * K]] * rows
         ones_host = [buf["draft_decode.kv_last_page_len_host"][: B * K]] * rows
         write = host_ops.draft_decode_writer(
-            self._length_tables["draft_decode"], self._draft_indptr, K, B,
+            self._length_rules["draft_decode"], self._draft_indptr, K, B,
             host[:rows, : B * K + 1], use_compiled=compiled,
         )  # fmt: skip
         return self._decode_steps("draft_decode", B, rows, host, ones, ones_host, 1), write
@@ -466,7 +464,7 @@ class FlashInferBuilder(MetadataBuilder):
             )
             for s in range(rows)
         )  # fmt: skip
-        write = host_ops.prefix_writer(self._length_tables["draft_decode_shared_prefix"], B,
+        write = host_ops.prefix_writer(self._length_rules["draft_decode_shared_prefix"], B,
                                        prefix_host, use_compiled=compiled)  # fmt: skip
         return FlashInferCascadeDecode(steps), write
 
@@ -512,7 +510,7 @@ class FlashInferBuilder(MetadataBuilder):
         ptr_host, last_host = mirrors["kv_indptr_host"], mirrors["kv_last_page_len_host"]
         last = buf[f"{mode}.kv_last_page_len"]
         write = host_ops.paged_writer(
-            self._length_tables[mode], K, ps, B, ptr_host[:rows, : B * K + 1],
+            self._length_rules[mode], K, ps, B, ptr_host[:rows, : B * K + 1],
             last_host[:rows, : B * K], use_compiled=compiled,
         )  # fmt: skip
         steps = self._decode_steps(mode, B, rows, ptr_host, last[:, : B * K],
@@ -686,7 +684,7 @@ class FlashInferBuilder(MetadataBuilder):
             mask_indptr_host=mask_host,
             max_q_len=n,
         )
-        write = host_ops.prefix_writer(self._length_tables[mode], B, kv_host, mask_host,
+        write = host_ops.prefix_writer(self._length_rules[mode], B, kv_host, mask_host,
                                        n if masked else 0, use_compiled=compiled)  # fmt: skip
         return result, write
 

@@ -61,7 +61,7 @@ from .flashinfer_mla_results import (
     FlashInferMLAPass,
 )
 from .host_mirrors import HostMirrorRing
-from .host_ops import LengthTable
+from .host_ops import LengthRule
 from .inputs import check_node_depths_cpu
 from .layout import UniformQueryLayout
 
@@ -158,13 +158,12 @@ class FlashInferMLABuilder(MetadataBuilder):
             for row in range(s):
                 buf["draft_decode.ancestor_kv_indptr_host"][row] = z * (row + 1)
                 buf["draft_decode.ancestor_kv_len_arr_host"][row] = row + 1
-        # The mirror writers (host_ops) check every length against the table's range and write
-        # the offsets: of L for draft decode, of L + N for verify and extend (the larger table
-        # first, so the smaller is a view of the same arange).
-        tables = {n: LengthTable(cfg.max_context_len, bs, n)}
-        tables[0] = LengthTable(cfg.max_context_len, bs)
-        self._tables = {mode: tables[0 if mode == "draft_decode" else n] for mode in self.modes}
-        self._tables["prefix"] = tables[0]  # a cascade's prefix pass: L keys a request
+        # The mirror writers (host_ops) check every length against the plan's range and write
+        # the offsets: of L for draft decode, of L + N for verify and extend.
+        rules = {n: LengthRule(cfg.max_context_len, n), 0: LengthRule(cfg.max_context_len)}
+        self._length_rules = {mode: rules[0 if mode == "draft_decode" else n]
+                              for mode in self.modes}  # fmt: skip
+        self._length_rules["prefix"] = rules[0]  # a cascade's prefix pass: L keys a request
 
     # -- the stages -----------------------------------------------------------------------------
     def _spaces(self, mode: str, v2p: Any, entry_page_size: Any) -> dict:
@@ -328,7 +327,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             lens_out = len_host[:rows, :B].numpy()  # numpy: a microsecond where torch takes 5
             # Request b of step s reads ceil((L_b + s + 1) / ps) pages: the page offsets of
             # the kernel's own rule (branch_kv_indptr, K = 1), checked and written in one call.
-            pages = host_ops.paged_writer(self._tables["draft_decode"], 1, ps, B,
+            pages = host_ops.paged_writer(self._length_rules["draft_decode"], 1, ps, B,
                                           ptr_host[:rows, : B + 1], last_host[:rows, :B],
                                           use_compiled=compiled)  # fmt: skip
 
@@ -357,7 +356,7 @@ class FlashInferMLABuilder(MetadataBuilder):
         )
 
         # The prefix pass: L_b keys a request at [0, cumsum(L)], checked and written in one call.
-        offsets = host_ops.prefix_writer(self._tables["prefix"], B, prefix_host[: B + 1],
+        offsets = host_ops.prefix_writer(self._length_rules["prefix"], B, prefix_host[: B + 1],
                                          use_compiled=compiled)  # fmt: skip
 
         write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
@@ -393,7 +392,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             ))  # fmt: skip
 
             # L_b + N keys a request at [0, cumsum(L + N)], checked and written in one call.
-            offsets = host_ops.prefix_writer(self._tables[mode], B, ptr_host[: B + 1],
+            offsets = host_ops.prefix_writer(self._length_rules[mode], B, ptr_host[: B + 1],
                                              use_compiled=compiled)  # fmt: skip
 
             return result, _lengths_from_offsets(offsets, ptr_host[: B + 1], len_host[:B])
@@ -474,7 +473,7 @@ class FlashInferMLABuilder(MetadataBuilder):
             buf[f"{mode}.ancestor_kv_indptr"][: BN + 1], buf[f"{mode}.ancestor_kv_indices"],
             ptr_host, len_host, 1, False,
         )  # fmt: skip
-        offsets = host_ops.prefix_writer(self._tables["prefix"], B, prefix_host[: B + 1],
+        offsets = host_ops.prefix_writer(self._length_rules["prefix"], B, prefix_host[: B + 1],
                                          use_compiled=compiled)  # fmt: skip
         prefix_write = _lengths_from_offsets(offsets, prefix_host[: B + 1], prefix_len[:B])
         slot, check = buf[f"{mode}.ancestor_lengths_slot_host"], self.check_host_lengths

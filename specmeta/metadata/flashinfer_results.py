@@ -149,7 +149,7 @@ def ragged_prefill(builder, form: str, B: int, T: int, count: int, mirrors: dict
         verify_lens=buf[f"{mode}.verify_lens"][:B],
         verify_lens_host=verify_host,
     )
-    write = host_ops.ragged_verify_writer(builder._length_tables[mode], B, count, T,
+    write = host_ops.ragged_verify_writer(builder._length_rules[mode], B, count, T,
                                           builder.cfg.num_draft_tokens, verify_host, qo_host,
                                           kv_host, mask_host, use_compiled=compiled)  # fmt: skip
     return result, write

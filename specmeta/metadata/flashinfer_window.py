@@ -61,7 +61,7 @@ from .flashinfer_results import (
     FlashInferCascadeStep,
     FlashInferDraftDecode,
 )
-from .host_ops import LengthTable
+from .host_ops import LengthRule
 from .window_plan import FLASHINFER_WINDOW_MODES, WINDOW_PREFIX, shared_prefix_served
 
 __all__ = ["FlashInferWindowBuilder", "RailDraftIndptr", "RailPrefixIndptr",
@@ -76,33 +76,37 @@ WINDOW_CAPABILITIES = FLASHINFER_WINDOW_CAPABILITIES
 
 
 class RailDraftIndptr:
-    """The torch writer of a window layer's draft-decode ``kv_indptr`` mirror (design §2.10):
+    """The writer of a window layer's draft-decode ``kv_indptr`` mirror (design §2.10):
     ``out[s, z] = Σ_{z' < z} min(L_{b(z')} + s + 1, w)`` for ``rows`` steps of ``batch``
     requests of ``topk`` branches, ``out[:, 0]`` left at the 0 the ring's buffers hold.
 
-    ``writer(seq_lens_cpu)`` checks the lengths (shape ``[batch]``, every value in the
-    table's ``[0, max_len]``: ``IndexError`` otherwise; the host ops' checks, by
-    :func:`.host_ops_numpy.stats`) before it writes anything, then makes four torch ops into
-    buffers made here; returns ``(max L, ΣL)`` (its caller publishes them)."""
+    ``writer(seq_lens_cpu)`` checks the tensor and every length in ``[0, max_len]`` as the host
+    ops do (:func:`.host_ops_numpy.stats`: ``IndexError`` for a length outside) before it
+    writes anything, then makes four torch ops into buffers made here (torch's ``cumsum`` over
+    the branches is several times numpy's at large batches); returns ``(max L, ΣL)`` (its
+    caller publishes them)."""
 
-    def __init__(self, table: LengthTable, topk: int, batch: int, rows: int, rail: int,
+    def __init__(self, lengths: LengthRule, topk: int, batch: int, rows: int, rail: int,
                  out: torch.Tensor):  # fmt: skip
         lists = batch * topk
         if out.dtype != torch.int32 or tuple(out.shape) != (rows, lists + 1):
             raise ValueError(f"RailDraftIndptr: out must be an int32 [{rows}, {lists + 1}] "
                              f"view, got {out.dtype} {list(out.shape)}")  # fmt: skip
-        self._table, self._batch, self._rail, self._tail = table, batch, rail, out[:, 1:]
+        self._max_len, self._batch, self._rail = lengths.max_len, batch, rail
+        self._tail = out[:, 1:]
         self._branch_request = torch.arange(lists) // topk  # z → b
-        self._branch_lengths = torch.empty(lists, dtype=torch.int32)
+        # L of each branch, in the dtype of the lengths (index_select writes its own dtype)
+        self._branch_lengths = {dtype: torch.empty(lists, dtype=dtype)
+                                for dtype in (torch.int32, torch.int64)}  # fmt: skip
         self._steps = torch.arange(1, rows + 1, dtype=torch.int32).view(-1, 1)  # s + 1
         self._lengths = torch.empty(rows, lists, dtype=torch.int32)
 
     def __call__(self, seq_lens_cpu: torch.Tensor) -> tuple[int, int]:
         # the tensor and every value checked as the host ops check them, nothing written yet
-        found = host_ops_numpy.stats(self._table.max_len, self._batch, seq_lens_cpu)
-        lengths = self._table.gather(seq_lens_cpu)
-        torch.index_select(lengths, 0, self._branch_request, out=self._branch_lengths)
-        torch.add(self._branch_lengths, self._steps, out=self._lengths)  # L + s + 1
+        found = host_ops_numpy.stats(self._max_len, self._batch, seq_lens_cpu)
+        branch = torch.index_select(seq_lens_cpu, 0, self._branch_request,
+                                    out=self._branch_lengths[seq_lens_cpu.dtype])  # fmt: skip
+        torch.add(branch, self._steps, out=self._lengths)  # L + s + 1
         self._lengths.clamp_(max=self._rail)
         torch.cumsum(self._lengths, 1, out=self._tail)
         return found
@@ -115,12 +119,12 @@ class RailPrefixIndptr:
     Compiled (``use_compiled`` where :func:`specmeta.warmup` built the host ops): one call of
     the host ops' ``prefix`` a step, each with its step's cap, each checking every length
     before it writes (the first call refuses a bad length, nothing written); returns what the
-    last returned, ``(max L, ΣL)``. Torch: the table's gather (every length checked), a
-    broadcast minimum against the caps and one ``cumsum``, after the host ops' checks
-    (:func:`.host_ops_numpy.stats`); ``out[:, 0]`` left at the 0 the ring's buffers hold;
-    returns ``(max L, ΣL)``."""
+    last returned, ``(max L, ΣL)``. Otherwise the host ops' checks
+    (:func:`.host_ops_numpy.stats`), then a broadcast minimum against the caps and one torch
+    ``cumsum``; ``out[:, 0]`` left at the 0 the ring's buffers hold; returns ``(max L,
+    ΣL)``."""
 
-    def __init__(self, table: LengthTable, batch: int, rows: int, rail: int, out: torch.Tensor,
+    def __init__(self, lengths: LengthRule, batch: int, rows: int, rail: int, out: torch.Tensor,
                  use_compiled: bool = True):  # fmt: skip
         if out.dtype != torch.int32 or tuple(out.shape) != (rows, batch + 1):
             raise ValueError(f"RailPrefixIndptr: out must be an int32 [{rows}, {batch + 1}] "
@@ -129,10 +133,10 @@ class RailPrefixIndptr:
         op = host_ops.compiled() if use_compiled else None
         self._calls = None
         if op is not None:
-            self._calls = [functools.partial(op.prefix, table.max_len, 0, 0, cap, batch,
+            self._calls = [functools.partial(op.prefix, lengths.max_len, 0, 0, cap, batch,
                                              out[s].numpy(), None)
                            for s, cap in enumerate(caps)]  # fmt: skip
-        self._table, self._batch, self._tail = table, batch, out[:, 1:]
+        self._max_len, self._batch, self._tail = lengths.max_len, batch, out[:, 1:]
         self._caps = torch.tensor(caps, dtype=torch.int32).view(-1, 1)
         self._lengths = torch.empty(rows, batch, dtype=torch.int32)
 
@@ -143,9 +147,8 @@ class RailPrefixIndptr:
                 found = call(seq_lens_cpu)
             return found
         # the tensor and every value checked as the host ops check them, nothing written yet
-        found = host_ops_numpy.stats(self._table.max_len, self._batch, seq_lens_cpu)
-        lengths = self._table.gather(seq_lens_cpu)
-        torch.minimum(lengths.view(1, -1), self._caps, out=self._lengths)
+        found = host_ops_numpy.stats(self._max_len, self._batch, seq_lens_cpu)
+        torch.minimum(seq_lens_cpu.view(1, -1), self._caps, out=self._lengths)
         torch.cumsum(self._lengths, 1, out=self._tail)
         return found
 
@@ -219,11 +222,11 @@ class FlashInferWindowBuilder(FlashInferBuilder):
         # them when it names w).
         super().__init__(window_cfg, device, **kwargs)
         # The prefill lists hold min(L, w − 1) + N entries: their mirrors read each length
-        # capped at w − 1 (the same table checks every length against the plan).
+        # capped at w − 1 (the same rule checks every length against the plan).
         for mode in ("target_verify", "draft_extend"):
             if mode in self.modes:
-                self._length_tables[mode] = LengthTable(cfg.max_context_len, cfg.max_bs,
-                                                        cfg.num_draft_tokens, cap=w - 1)  # fmt: skip
+                self._length_rules[mode] = LengthRule(cfg.max_context_len, cfg.num_draft_tokens,
+                                                      cap=w - 1)  # fmt: skip
 
     def require(self, mode: str) -> str:
         if mode not in FLASHINFER_WINDOW_MODES:
@@ -247,7 +250,7 @@ class FlashInferWindowBuilder(FlashInferBuilder):
         host = mirrors["kv_indptr_host"]
         ones = [buf["draft_decode.kv_last_page_len"][: B * K]] * rows
         ones_host = [buf["draft_decode.kv_last_page_len_host"][: B * K]] * rows
-        write = RailDraftIndptr(self._length_tables["draft_decode"], K, B, rows,
+        write = RailDraftIndptr(self._length_rules["draft_decode"], K, B, rows,
                                 self.sliding_window_size, host[:rows, : B * K + 1])  # fmt: skip
         return self._decode_steps("draft_decode", B, rows, host, ones, ones_host, 1), write
 
@@ -313,7 +316,7 @@ class FlashInferWindowBuilder(FlashInferBuilder):
             )
             for s in range(rows)
         )  # fmt: skip
-        write = RailPrefixIndptr(self._length_tables[_SHARED], B, rows, self.sliding_window_size,
+        write = RailPrefixIndptr(self._length_rules[_SHARED], B, rows, self.sliding_window_size,
                                  prefix_host[:rows, : B + 1], use_compiled=compiled)  # fmt: skip
         return FlashInferCascadeDecode(steps), write
 

@@ -21,8 +21,8 @@ and returns what ``stats`` would have (so a compiled host part is one call).
 The rules are the torch ones (:class:`~specmeta.kernels.draft_decode_kv_indices.
 DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
 ``cumsum``, :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket_ref`); the tests
-compare both writers with them exactly. :class:`LengthTable` is the torch check of the lengths
-that a window layer's torch writers gather through.
+compare both writers with them exactly. A :class:`LengthRule` says how a mode reads each length
+(its range, shift and cap).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .. import validate
 from ..kernels.draft_decode_kv_indices import DraftDecodeIndptr
 from . import host_ops_numpy
 
-__all__ = ["Writer", "LengthTable", "compiled", "unavailable", "warmup", "stats_for",
+__all__ = ["Writer", "LengthRule", "compiled", "unavailable", "warmup", "stats_for",
            "draft_decode_writer", "prefix_writer", "paged_writer", "ragged_verify_writer"]  # fmt: skip
 
 #: ``writer(seq_lens_cpu) -> (max L, ΣL)``, what ``stats`` returns, so one call, compiled or
@@ -49,7 +49,6 @@ Writer = Callable[[torch.Tensor], "tuple[int, int]"]
 
 _SOURCE = Path(__file__).with_name("host_ops.c")
 _SWITCH = "SPECMETA_HOST_OPS"
-_CPU = torch.device("cpu")
 
 # The module once warmup() built it; why the build failed (it is tried once a process).
 _module = None
@@ -128,73 +127,18 @@ def _build():
     return module
 
 
-class LengthTable:
-    """The lengths of ``seq_lens_cpu`` as a window layer's torch writers sum them (they check
-    the tensor with :func:`.host_ops_numpy.stats` first), gathered in one op that checks them
-    too; the writers of this module read its ``max_len``, ``shift`` and ``cap``.
+class LengthRule:
+    """How a mode's mirror writer reads each length of ``seq_lens_cpu``: checked in ``[0,
+    max_len]`` (the plan's ``max_context_len``), then read as ``min(L, cap) + shift``. ``shift``
+    is ``N`` for the prefill modes, whose lists hold ``L + N``; ``cap`` a draft window's
+    ``window + sink`` or a window layer's ``w − 1`` (design §2.10), ``max_len`` without one."""
 
-    ``values[v] = v + shift`` (int32) for every valid length ``v`` in ``[0, max_len]``.
-    ``torch.index_select`` of ``seq_lens_cpu`` from it refuses any index outside the table, so
-    the one call both checks every length against both bounds and returns the lengths, plus
-    ``shift``, as int32: the form the mirrors sum. That is one CPU op where a check by
-    reduction and a conversion for the sums are two or three, each a microsecond or more.
-    The table is a view of one ``arange`` shared by the process, 4 bytes a position of the
-    largest ``max_len + shift`` asked for (16 MB for a 4M-token plan).
+    __slots__ = ("max_len", "shift", "cap")
 
-    Parameters
-    ----------
-    max_len : int
-        The plan's ``max_context_len``.
-    max_batch : int
-        The plan's ``max_bs``: the gathered lengths go into a buffer of that size.
-    shift : int
-        Added to every length (``N`` for the prefill modes, whose lists hold ``L + N``).
-    cap : int, optional
-        Every length read as ``min(L, cap)``, ``cap`` a draft window's ``window + sink``
-        (design §2.10); the table is then its own, not a view of the shared ``arange``.
-    """
-
-    def __init__(self, max_len: int, max_batch: int, shift: int = 0, cap: int | None = None):
-        validate.positive("max_len", max_len, 0)
-        validate.positive("max_batch", max_batch, 0)
-        validate.positive("shift", shift, 0)
-        self.max_len, self.shift, self.max_batch = max_len, shift, max_batch
+    def __init__(self, max_len: int, shift: int = 0, cap: int | None = None):
+        self.max_len = validate.positive("max_len", max_len, 0)
+        self.shift = validate.positive("shift", shift, 0)
         self.cap = max_len if cap is None else validate.positive("cap", cap, 0)
-        self.values = _positions(max_len + shift + 1)[shift:]
-        if self.cap < max_len:
-            self.values = self.values.clamp_max(self.cap + shift)
-        self._out = torch.empty(max_batch, dtype=torch.int32)
-        self._views: dict[int, torch.Tensor] = {}
-
-    def gather(self, seq_lens_cpu: torch.Tensor) -> torch.Tensor:
-        """``seq_lens_cpu + shift`` as int32 ``[B]`` (a view of this table's own buffer,
-        rewritten by the next call); ``IndexError`` when a value is outside ``[0, max_len]``.
-        ``seq_lens_cpu`` is a 1-D int32 or int64 CPU tensor of at most ``max_batch`` values,
-        checked the first time its length is seen (``index_select`` refuses another dtype)."""
-        batch = seq_lens_cpu.shape[0]
-        out = self._views.get(batch)
-        if out is None:
-            validate.tensor("seq_lens_cpu", seq_lens_cpu, ndim=1, device=_CPU,
-                            contiguous_last=False)  # fmt: skip
-            if batch > self.max_batch:
-                raise ValueError(
-                    f"seq_lens_cpu has {batch} lengths, over this table's max_batch="
-                    f"{self.max_batch}; make the LengthTable with max_batch >= {batch}"
-                )
-            out = self._views[batch] = self._out[:batch]
-        return torch.index_select(self.values, 0, seq_lens_cpu, out=out)
-
-
-_POSITIONS = torch.zeros(0, dtype=torch.int32)
-
-
-def _positions(n: int) -> torch.Tensor:
-    """``arange(n)`` as int32 on the CPU: a view of the largest one made so far in this
-    process (a table made for a smaller plan keeps the one it was made from)."""
-    global _POSITIONS
-    if _POSITIONS.shape[0] < n:
-        _POSITIONS = torch.arange(n, dtype=torch.int32)
-    return _POSITIONS[:n]
 
 
 def _rows(out: object) -> int:
@@ -235,29 +179,30 @@ def _module_for(use_compiled: bool):
     return compiled() if use_compiled else None
 
 
-def draft_decode_writer(table: LengthTable, rule: DraftDecodeIndptr, topk: int, batch: int,
+def draft_decode_writer(lengths: LengthRule, rule: DraftDecodeIndptr, topk: int, batch: int,
                         out: torch.Tensor, *, use_compiled: bool = True) -> Writer:  # fmt: skip
     """``out`` (``[rows, batch·topk + 1]``) ← draft decode's ``kv_indptr`` (design §2.2), the
-    rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for ``table.max_batch``
-    requests; ``table`` of shift 0, its ``cap`` a draft window's (design §2.10). Compiled
+    rule of ``rule``, a :class:`DraftDecodeIndptr` of ``topk`` made for at least ``batch``
+    requests; ``lengths`` of shift 0, its ``cap`` a draft window's (design §2.10). Compiled
     where ``use_compiled`` and :func:`warmup` built the module, else numpy."""
     validate.positive("topk", topk)
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
-    if table.shift:
-        raise ValueError(f"draft_decode_writer: the table's shift is {table.shift}; pass one "
-                         "made with shift=0")  # fmt: skip
+    if lengths.shift:
+        raise ValueError(f"draft_decode_writer: the length rule's shift is {lengths.shift}; "
+                         "pass one made with shift=0")  # fmt: skip
     rule.bind(batch, out)  # checks out against the rule's maxima
+    args = (lengths.max_len, topk, batch, lengths.cap, out.numpy())
     op = _module_for(use_compiled)
     if op is None:
-        return host_ops_numpy.DraftDecode(table.max_len, topk, batch, table.cap, out.numpy())
-    return functools.partial(op.draft_decode, table.max_len, topk, batch, table.cap, out.numpy())
+        return host_ops_numpy.DraftDecode(*args)
+    return functools.partial(op.draft_decode, *args)
 
 
-def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
+def prefix_writer(lengths: LengthRule, batch: int, out: torch.Tensor,
                   scaled: torch.Tensor | None = None, scale: int = 0, *,
                   use_compiled: bool = True) -> Writer:  # fmt: skip
-    """``out`` (``[batch + 1]``) ← ``[0, cumsum(min(L, table.cap) + table.shift)]``, and
+    """``out`` (``[batch + 1]``) ← ``[0, cumsum(min(L, lengths.cap) + lengths.shift)]``, and
     ``scaled`` ← ``scale · out`` when given: the cascade's prefix offsets (shift 0; the cap a
     draft window's, design §2.10), the prefill modes' ``kv_indptr`` (shift ``N``) and target
     verify's mask offsets (scale ``N``). Both writers write ``out[0]`` and ``scaled[0]``."""
@@ -266,7 +211,7 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     _int32_view("out", out, need)
     if scaled is not None:
         _int32_view("scaled", scaled, need)
-    args = (table.max_len, table.shift, scale, table.cap, batch, out.numpy(),
+    args = (lengths.max_len, lengths.shift, scale, lengths.cap, batch, out.numpy(),
             scaled.numpy() if scaled is not None else None)  # fmt: skip
     op = _module_for(use_compiled)
     if op is None:
@@ -274,7 +219,7 @@ def prefix_writer(table: LengthTable, batch: int, out: torch.Tensor,
     return functools.partial(op.prefix, *args)
 
 
-def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
+def paged_writer(lengths: LengthRule, topk: int, page_size: int, batch: int,
                  out: torch.Tensor, last: torch.Tensor, *,
                  use_compiled: bool = True) -> Writer:  # fmt: skip
     """``out`` (``[rows, batch·K + 1]``) and ``last`` (``[rows, batch·K]``) ← the page offsets
@@ -284,14 +229,14 @@ def paged_writer(table: LengthTable, topk: int, page_size: int, batch: int,
     rows = _rows(out)
     _int32_view("out", out, (rows, batch * topk + 1))
     _int32_view("last", last, (rows, batch * topk))
-    args = (table.max_len, topk, page_size, batch, out.numpy(), last.numpy())
+    args = (lengths.max_len, topk, page_size, batch, out.numpy(), last.numpy())
     op = _module_for(use_compiled)
     if op is None:
         return host_ops_numpy.Paged(*args)
     return functools.partial(op.paged, *args)
 
 
-def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens: int,
+def ragged_verify_writer(lengths: LengthRule, batch: int, count: int, num_tokens: int,
                          num_draft_tokens: int, verify_out: torch.Tensor, qo_out: torch.Tensor,
                          kv_out: torch.Tensor, mask_out: torch.Tensor, *,
                          use_compiled: bool = True) -> Callable[[torch.Tensor, torch.Tensor], tuple]:  # fmt: skip
@@ -301,18 +246,18 @@ def ragged_verify_writer(table: LengthTable, batch: int, count: int, num_tokens:
     :func:`~specmeta.kernels.verify_lens.pad_verify_lens_to_bucket_ref` on checked lengths,
     :func:`~specmeta.kernels.verify_lens.fill_bucket`), ``qo_out`` ← their offsets, ``kv_out``
     ← ``[0, cumsum(L' + min(v, N))]`` and ``mask_out`` ← ``[0, cumsum(v·(L' + min(v, N)))]``,
-    ``L' = min(L, table.cap)`` (a window layer's ``w − 1``, design §2.10; ``L`` itself with the
-    plan's ``max_context_len``). ``table`` has shift ``N``. ``write(seq_lens_cpu,
+    ``L' = min(L, lengths.cap)`` (a window layer's ``w − 1``, design §2.10; ``L`` itself with the
+    plan's ``max_context_len``). ``lengths`` has shift ``N``. ``write(seq_lens_cpu,
     verify_lens_cpu)``: every length checked before anything is written (the builder names
     what it refuses); returns ``(max L, ΣL, max v, Σv)``."""
     n = num_draft_tokens
-    if table.shift != n:
-        raise ValueError(f"ragged_verify_writer: the table's shift is {table.shift}; pass one "
-                         f"made with shift=N={n}")  # fmt: skip
+    if lengths.shift != n:
+        raise ValueError(f"ragged_verify_writer: the length rule's shift is {lengths.shift}; "
+                         f"pass one made with shift=N={n}")  # fmt: skip
     _int32_view("verify_out", verify_out, (batch,))
     for name, out in (("qo_out", qo_out), ("kv_out", kv_out), ("mask_out", mask_out)):
         _int32_view(name, out, (batch + 1,))
-    args = (table.max_len, n, num_tokens, batch, count, table.cap, verify_out.numpy(),
+    args = (lengths.max_len, n, num_tokens, batch, count, lengths.cap, verify_out.numpy(),
             qo_out.numpy(), kv_out.numpy(), mask_out.numpy())  # fmt: skip
     op = _module_for(use_compiled)
     if op is None:

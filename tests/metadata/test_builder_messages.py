@@ -350,34 +350,19 @@ def test_a_free_launcher_rejects_a_status_word_of_the_wrong_shape(device):
         assign_draft_cache_locs(rpi, table, lens, status=torch.zeros(1, device=device), **kw)
 
 
-def test_a_length_table_refuses_what_it_cannot_gather_before_writing():
-    """LengthTable, on its own: bad construction arguments and a seq_lens_cpu of the wrong
-    kind, rank, device or length are refused with the argument named, before the table's
-    buffer is written; a length outside [0, max_len] is an IndexError; within it, the gather
-    is the lengths plus the shift, as int32."""
-    from specmeta.metadata.host_ops import LengthTable
+def test_a_length_rule_refuses_bad_construction_arguments():
+    """LengthRule, on its own: a negative range, shift or cap, or a non-int, is refused with
+    the argument named (the lengths themselves are checked by the writers that read it)."""
+    from specmeta.metadata.host_ops import LengthRule
 
     with pytest.raises(ValueError, match="max_len must be >= 0, got -1"):
-        LengthTable(-1, 4)
+        LengthRule(-1)
     with pytest.raises(TypeError, match="shift must be an int, got float"):
-        LengthTable(8, 4, 1.5)
-    table = LengthTable(8, 4, shift=3)
-    table._out.fill_(-7)
-    bad = [
-        (TypeError, "seq_lens_cpu must be int32 or int64", torch.tensor([1.0, 2.0])),
-        (ValueError, "seq_lens_cpu must have rank 1", torch.tensor([[1, 2]])),
-        (ValueError, r"seq_lens_cpu has 5 lengths, over this table's max_batch=4",
-         torch.tensor([1, 2, 3, 4, 5])),
-    ]  # fmt: skip
-    for error, message, lens in bad:
-        with pytest.raises(error, match=message):
-            table.gather(lens)
-        assert table._out.eq(-7).all(), f"{message}: the table's buffer was written"
-    for lens in (torch.tensor([1, 9]), torch.tensor([-1, 2])):  # 9 > max_len, -1 < 0
-        with pytest.raises(IndexError, match="index out of range"):
-            table.gather(lens)
-    got = table.gather(torch.tensor([0, 8, 5], dtype=torch.int32))
-    assert got.dtype == torch.int32 and got.tolist() == [3, 11, 8]
+        LengthRule(8, 1.5)
+    with pytest.raises(ValueError, match="cap must be >= 0, got -2"):
+        LengthRule(8, cap=-2)
+    rule = LengthRule(8, 3)
+    assert (rule.max_len, rule.shift, rule.cap) == (8, 3, 8)  # no cap: the plan's range
 
 
 def test_a_bound_stage_refuses_what_the_call_refuses(device):

@@ -23,7 +23,7 @@ from specmeta.kernels.branch_kv_indices import branch_kv_indptr
 from specmeta.kernels.draft_decode_kv_indices import DraftDecodeIndptr, draft_decode_kv_indptr
 from specmeta.kernels.verify_lens import fill_bucket
 from specmeta.metadata import host_ops, host_ops_numpy
-from specmeta.metadata.host_ops import LengthTable
+from specmeta.metadata.host_ops import LengthRule
 
 POISON = -7
 MAX_LEN, MAX_BS, TOPK, ROWS, PS, SHIFT = 50, 9, 3, 4, 4, 5
@@ -59,16 +59,16 @@ def _writers(kind, batch, use_compiled):
     if kind in ("draft_decode", "draft_window"):
         out = _poisoned(ROWS, MAX_BS * TOPK + 1)
         rule = DraftDecodeIndptr(TOPK, ROWS, MAX_BS, torch.int32)
-        table = LengthTable(MAX_LEN, MAX_BS, cap=CAP if kind == "draft_window" else None)
-        write = host_ops.draft_decode_writer(table, rule, TOPK, batch,
+        lengths = LengthRule(MAX_LEN, cap=CAP if kind == "draft_window" else None)
+        write = host_ops.draft_decode_writer(lengths, rule, TOPK, batch,
                                              out[:, : batch * TOPK + 1],
                                              use_compiled=use_compiled)  # fmt: skip
         return write, (out,)
     if kind == "paged":
         out, last = _poisoned(ROWS, MAX_BS * TOPK + 1), _poisoned(ROWS, MAX_BS * TOPK)
-        table = LengthTable(MAX_LEN, MAX_BS)
+        lengths = LengthRule(MAX_LEN)
         write = host_ops.paged_writer(
-            table,
+            lengths,
             TOPK,
             PS,
             batch,
@@ -80,12 +80,12 @@ def _writers(kind, batch, use_compiled):
     out, scaled = _poisoned(MAX_BS + 1), _poisoned(MAX_BS + 1)
     out[0] = scaled[0] = 0  # the ring's buffers are allocated zeroed
     shift = SHIFT if kind == "prefill" else 0
-    table = LengthTable(MAX_LEN, MAX_BS, shift, cap=CAP if kind == "cascade_window" else None)
+    lengths = LengthRule(MAX_LEN, shift, cap=CAP if kind == "cascade_window" else None)
     if kind == "prefill":
-        write = host_ops.prefix_writer(table, batch, out[: batch + 1], scaled[: batch + 1],
+        write = host_ops.prefix_writer(lengths, batch, out[: batch + 1], scaled[: batch + 1],
                                        3, use_compiled=use_compiled)  # fmt: skip
         return write, (out, scaled)
-    write = host_ops.prefix_writer(table, batch, out[: batch + 1], use_compiled=use_compiled)
+    write = host_ops.prefix_writer(lengths, batch, out[: batch + 1], use_compiled=use_compiled)
     return write, (out,)
 
 
@@ -169,20 +169,6 @@ def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_hos
                     )
 
 
-def test_a_length_table_gathers_and_refuses_a_length_out_of_range():
-    """A :class:`LengthTable` (a window layer's torch writers gather through it) gives
-    ``min(L, cap) + shift`` as int32 for L = 0 and L = max_len, and refuses −1 and
-    max_len + 1 with ``IndexError``."""
-    for cap in (None, CAP):
-        table = LengthTable(MAX_LEN, MAX_BS, SHIFT, cap=cap)
-        top = min(MAX_LEN, cap or MAX_LEN)
-        got = table.gather(torch.tensor([0, MAX_LEN, 3]))
-        assert got.dtype == torch.int32 and got.tolist() == [SHIFT, top + SHIFT, 3 + SHIFT]
-        for bad in (-1, MAX_LEN + 1):
-            with pytest.raises(IndexError):
-                table.gather(torch.tensor([1, bad]))
-
-
 @pytest.mark.parametrize("which", OPS)
 def test_stats_gives_max_and_sum_as_the_torch_check_does(which, gen, compiled_host_ops):
     """``stats`` (FA3's and TRT-LLM MLA's check), compiled and numpy, against
@@ -218,8 +204,7 @@ def _wrapped(values):
 def test_int32_offsets_wrap_as_the_kernels_stores_do(which, gen, compiled_host_ops):
     """Lengths near 2**30: the sums pass 2**32, and every offset is the exact sum modulo
     2**32, as the torch rules' int32 sums and the kernels' int32 stores are. The compiled
-    module and numpy's are called directly (a length table of 2**31 positions would take
-    8 GB)."""
+    module and numpy's are called directly."""
     op = _op(which, compiled_host_ops)
     big = 2**31 - 1
     lens = torch.randint(2**30, 2**31 - 1, (5,), generator=gen, dtype=torch.int64)
@@ -277,11 +262,11 @@ def test_every_width_and_page_size(which, gen, compiled_host_ops):
 def test_a_writer_refuses_a_view_it_cannot_fill():
     """The views are checked when a writer is bound, never on a call: a wrong dtype or shape
     raises there, naming the view."""
-    table = LengthTable(MAX_LEN, MAX_BS)
+    lengths = LengthRule(MAX_LEN)
     with pytest.raises(ValueError, match=r"out must be an int32 CPU view of shape \[4\]"):
-        host_ops.prefix_writer(table, 3, torch.zeros(4, dtype=torch.int64))
+        host_ops.prefix_writer(lengths, 3, torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"last must be an int32 CPU view of shape \[2, 6\]"):
-        host_ops.paged_writer(table, 3, PS, 2, torch.zeros(2, 7, dtype=torch.int32),
+        host_ops.paged_writer(lengths, 3, PS, 2, torch.zeros(2, 7, dtype=torch.int32),
                               torch.zeros(2, 5, dtype=torch.int32))  # fmt: skip
 
 
@@ -330,19 +315,19 @@ def _refusals_of_stats(op, good, bad):
 def test_a_writer_refuses_bad_bind_arguments():
     """topk and page_size of at least 1, scale of at least 0, tensors for views: checked when
     a writer is bound, each named."""
-    table = LengthTable(MAX_LEN, MAX_BS)
+    lengths = LengthRule(MAX_LEN)
     out, last = torch.zeros(2, 7, dtype=torch.int32), torch.zeros(2, 6, dtype=torch.int32)
     with pytest.raises(ValueError, match="page_size"):
-        host_ops.paged_writer(table, 3, 0, 2, out, last)
+        host_ops.paged_writer(lengths, 3, 0, 2, out, last)
     with pytest.raises(ValueError, match="topk"):
-        host_ops.paged_writer(table, 0, PS, 2, out, last)
+        host_ops.paged_writer(lengths, 0, PS, 2, out, last)
     with pytest.raises(ValueError, match="scale"):
-        host_ops.prefix_writer(table, 3, torch.zeros(4, dtype=torch.int32), scale=-1)
+        host_ops.prefix_writer(lengths, 3, torch.zeros(4, dtype=torch.int32), scale=-1)
     with pytest.raises(TypeError, match="out must be an int32 CPU tensor view, got list"):
-        host_ops.prefix_writer(table, 3, [0, 0, 0, 0])
+        host_ops.prefix_writer(lengths, 3, [0, 0, 0, 0])
     rule = DraftDecodeIndptr(TOPK, ROWS, MAX_BS, torch.int32)
     with pytest.raises(ValueError, match="out must be a 2-D int32 CPU view"):
-        host_ops.draft_decode_writer(table, rule, TOPK, 2, torch.zeros(7, dtype=torch.int32))
+        host_ops.draft_decode_writer(lengths, rule, TOPK, 2, torch.zeros(7, dtype=torch.int32))
 
 
 def test_without_the_compiled_module_the_numpy_writers_serve():
@@ -452,8 +437,8 @@ def test_a_compiled_writer_keeps_its_mirror_alive():
     read back through its view are the rule's."""
     host_ops.warmup()
     assert host_ops.compiled() is not None, host_ops.unavailable()
-    table = LengthTable(MAX_LEN, MAX_BS, SHIFT)
-    write = host_ops.prefix_writer(table, 3, torch.zeros(MAX_BS + 1, dtype=torch.int32)[:4])
+    lengths = LengthRule(MAX_LEN, SHIFT)
+    write = host_ops.prefix_writer(lengths, 3, torch.zeros(MAX_BS + 1, dtype=torch.int32)[:4])
     gc.collect()
     for _ in range(3):
         gc.collect()
@@ -545,7 +530,7 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
     outside the views; a real length over N or a sum over T raises and writes nothing
     (compiled: the builder names the value first)."""
     n = SHIFT
-    table = LengthTable(MAX_LEN, MAX_BS, n)
+    lengths = LengthRule(MAX_LEN, n)
     # (B, count, T) drawn, then fixed: the last request or one pad past N (their columns
     # clipped to N), T = Σv (no leftover), an empty bucket
     cases = [(B, None, None) for B in range(1, MAX_BS + 1)]
@@ -569,7 +554,7 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
             for buf in bufs[1:]:
                 buf[0] = 0  # the ring's buffers are allocated zeroed
             views = [bufs[0][:B], *(b[: B + 1] for b in bufs[1:])]
-            write = host_ops.ragged_verify_writer(table, B, count, T, n, *views,
+            write = host_ops.ragged_verify_writer(lengths, B, count, T, n, *views,
                                                   use_compiled=use_compiled)  # fmt: skip
             found = write(lens, real)
             # what it checked: (max L, ΣL, max v, Σv)
@@ -585,7 +570,7 @@ def test_ragged_writers_write_what_the_rule_writes(gen, compiled_host_ops):
         said = set()
         for use_compiled in (True, False):
             bufs = [_poisoned(3), _poisoned(4), _poisoned(4), _poisoned(4)]
-            write = host_ops.ragged_verify_writer(table, 3, 2, 2 * n - 1, n, *bufs,
+            write = host_ops.ragged_verify_writer(lengths, 3, 2, 2 * n - 1, n, *bufs,
                                                   use_compiled=use_compiled)  # fmt: skip
             with pytest.raises((IndexError, ValueError)) as raised:
                 write(lens, real)

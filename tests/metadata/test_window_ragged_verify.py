@@ -19,7 +19,7 @@ import torch
 from specmeta import SpecConfig
 from specmeta.metadata import host_ops
 from specmeta.metadata.flashinfer import FlashInferBuilder
-from specmeta.metadata.host_ops import LengthTable
+from specmeta.metadata.host_ops import LengthRule
 from specmeta.testing.consumers import flashinfer as consumer
 from specmeta.testing.consumers.dense import dense_attention
 from specmeta.workloads import make_batch, random_tree_mask
@@ -116,13 +116,13 @@ def test_a_window_layers_ragged_verify_attends_to_the_rail(how, k, w, packed, ho
 
 
 def test_ragged_writers_cap_the_prefixes_alike(gen, compiled_host_ops):
-    """The compiled and torch ragged writers over a table capped at ``w − 1`` write the rule's
+    """The compiled and numpy ragged writers over lengths capped at ``w − 1`` write the rule's
     offsets of ``min(L, w − 1) + min(v, N)`` and nothing past their views; a cap at the plan's
     ``max_context_len`` is the full layer's rule."""
     del compiled_host_ops
     n, max_bs = 5, 9
     for cap in (0, 3, 17, MAX_L):
-        table = LengthTable(MAX_L, max_bs, n, cap=cap)
+        lengths = LengthRule(MAX_L, n, cap=cap)
         for B in (1, 4, max_bs):
             L = torch.randint(0, MAX_L + 1, (B,), generator=gen)
             L[0] = MAX_L
@@ -140,7 +140,7 @@ def test_ragged_writers_cap_the_prefixes_alike(gen, compiled_host_ops):
                 for buf in bufs[1:]:
                     buf[0] = 0  # the ring's buffers are allocated zeroed
                 views = [bufs[0][:B], *(b[: B + 1] for b in bufs[1:])]
-                write = host_ops.ragged_verify_writer(table, B, count, T, n, *views,
+                write = host_ops.ragged_verify_writer(lengths, B, count, T, n, *views,
                                                       use_compiled=use_compiled)  # fmt: skip
                 write(L, real)
                 for name, buf, exp in zip(("verify", "qo", "kv", "mask"), bufs, want, strict=True):
