@@ -188,14 +188,14 @@ class FlashInferMLABuilder(MetadataBuilder):
         ring = self._mirrors[mode]
         made = tuple(self.views((mode, B, *key, c), _slots, len(ring.sets)) for c in (0, 1))
         where = self._where[mode]
-        missing = (f"{where}: seq_lens_cpu is None, but FlashInfer MLA's plan() reads the host "
-                   "mirrors (qo_indptr_host, kv_indptr_host, kv_len_arr_host) that are written "
-                   "from it; pass seq_lens_cpu=, the CPU copy of seq_lens the engine already "
-                   "holds (a copy of seq_lens made here would sync with the device)")  # fmt: skip
 
         def host(seq_lens_cpu: torch.Tensor | None, node_depths_cpu: Any = None) -> Any:
             if seq_lens_cpu is None:
-                raise ValueError(missing)
+                raise ValueError(
+                    f"{where}: seq_lens_cpu is None, but FlashInfer MLA's plan() reads the host "
+                    "mirrors (qo_indptr_host, kv_indptr_host, kv_len_arr_host) that are written "
+                    "from it; pass seq_lens_cpu=, the CPU copy of seq_lens the engine already "
+                    "holds (a copy of seq_lens made here would sync with the device)")  # fmt: skip
             if tree:
                 check_node_depths_cpu(where, node_depths_cpu, B, self.cfg.num_draft_tokens)
             elif node_depths_cpu is not None:
