@@ -147,8 +147,7 @@ PY
       # `specmeta check` on the GPU: every op, the runner and the builders against their
       # references, and the lossless loop through the real kernels (its MLA line through
       # FlashInfer MLA's kernel); 3 to 4 minutes on an H200.
-      timeout "${CHECK_TIMEOUT:-400}" python3 -c "import sys; from specmeta.cli import main; sys.exit(main(['check', '--device', 'cuda']))" \
-        > "$OUT/check.log" 2>&1
+      timeout "${CHECK_TIMEOUT:-400}" python3 -m specmeta check --device cuda > "$OUT/check.log" 2>&1
       rc=$?
       grep -A12 '^lossless_loop:' "$OUT/check.log"
       summary+=("specmeta check: rc=$rc; $(tail -n 1 "$OUT/check.log")")

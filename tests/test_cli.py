@@ -389,6 +389,20 @@ def _fresh(code: str, env: dict | None = None) -> tuple[int, str, str]:
     return run.returncode, run.stdout, run.stderr
 
 
+def test_python_dash_m_runs_the_command():
+    """``python -m specmeta`` is the ``specmeta`` command (no script on ``PATH`` needed): its
+    help names the subcommands, and a bad subcommand exits 2 as the script's does."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "specmeta", "--help"], capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    assert ok.returncode == 0 and all(c in ok.stdout for c in ("check", "plan", "bench")), ok
+    bad = subprocess.run([sys.executable, "-m", "specmeta", "frobnicate"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "frobnicate" in bad.stderr, bad
+
+
 def test_help_imports_no_torch():
     code = ("import sys\nfrom specmeta.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
