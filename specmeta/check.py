@@ -435,15 +435,15 @@ def _check_lossless_loop(device: torch.device, g: torch.Generator) -> CheckResul
         else TinyConfig(num_heads=4, num_kv_heads=1, ckv_dim=32, kpe_dim=16)  # fmt: skip
     dtype = torch.bfloat16 if gpu else torch.float64
     margin = DEFAULT_MARGIN if gpu else 0.0
-    models = {}  # per model config: the target, its perturbed draft, the reference weights
-    for model_cfg in (plain, latent):
+    models = {}  # per kind of model: its config, target, perturbed draft, reference weights
+    for kind, model_cfg in (("plain", plain), ("latent", latent)):
         target = TinyModel.random(model_cfg, int(torch.randint(0, 2**31 - 1, (1,), generator=g)),
                                   dtype=dtype, device=device)  # fmt: skip
         draft = target.perturbed(0.1, int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-        models[id(model_cfg)] = (target, draft, target.to(dtype=torch.float32) if gpu else target)
+        reference = target.to(dtype=torch.float32) if gpu else target
+        models[kind] = (model_cfg, target, draft, reference)
     for backend, (k, s, n) in _LOOP_SHAPES.items():
-        model_cfg = latent if backend in _LATENT else plain
-        target, draft, reference = models[id(model_cfg)]
+        model_cfg, target, draft, reference = models["latent" if backend in _LATENT else "plain"]
         ps = _LOOP_PAGE_SIZE
         attention, missing = loop_attention(backend, gpu, model_cfg, dtype, device, ps)
         requests = make_requests([(0, 0, 1), (0,)], vocab_size=model_cfg.vocab_size,
