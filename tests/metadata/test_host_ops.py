@@ -259,6 +259,32 @@ def test_every_width_and_page_size(which, gen, compiled_host_ops):
                 assert torch.equal(last, want_last), f"paged last pages ps={ps} {where}"
 
 
+@pytest.mark.parametrize("spread", [False, True])
+def test_the_numpy_paged_writer_sums_over_branches_or_requests_alike(spread, gen, monkeypatch):
+    """numpy's paged writer sums the pages over every branch, or, from ``_SPREAD`` branches
+    × steps, over the requests, and spreads each request's sums to its branches: either way
+    exactly the torch rule's offsets and last pages (offsets near 2**31 wrap as int32), at
+    several widths and page sizes, int32 and int64 lengths, nothing written outside the
+    views."""
+    monkeypatch.setattr(host_ops_numpy, "_SPREAD", 1 if spread else 2**62)
+    big = 2**31 - 1
+    for K, ps in ((2, 16), (3, 4), (8, 6), (5, 1)):
+        for B in (1, 5, 37):
+            for dtype, high in ((torch.int32, MAX_LEN), (torch.int64, MAX_LEN), (torch.int64, big)):
+                lens = _lengths(gen, B, dtype, high)
+                out, last = _poisoned(ROWS, B * K + 3), _poisoned(ROWS, B * K + 2)
+                write = host_ops_numpy.Paged(high, K, ps, B, out[:, : B * K + 1].numpy(),
+                                             last[:, : B * K].numpy())  # fmt: skip
+                assert write._spread is spread  # the path this case is for
+                assert write(lens) == (int(lens.max()), int(lens.sum()))
+                want_last = torch.full((ROWS, B * K + 2), POISON, dtype=torch.int64)
+                want = branch_kv_indptr(lens, K, ROWS, ps, None, want_last).tolist()  # int64
+                where = f"K={K} ps={ps} B={B} {dtype} lens={lens.tolist()}"
+                assert out[:, : B * K + 1].tolist() == [_wrapped(r) for r in want], where
+                assert torch.equal(last, want_last.to(torch.int32)), where
+                assert out[:, B * K + 1 :].eq(POISON).all(), f"written past the view: {where}"
+
+
 def test_a_writer_refuses_a_view_it_cannot_fill():
     """The views are checked when a writer is bound, never on a call: a wrong dtype or shape
     raises there, naming the view."""
