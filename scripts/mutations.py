@@ -880,8 +880,8 @@ MUTATIONS: list[Mutation] = [
        "the numpy host ops (what checks seq_lens_cpu without the compiled module) accept a "
        "length one past max_context_len",
        "specmeta/metadata/host_ops_numpy.py",
-       "    if high > max_len:\n        bad =",
-       "    if high > max_len + 1:\n        bad =",
+       "    if high > max_len or high < 0:\n        bad =",
+       "    if high > max_len + 1 or high < 0:\n        bad =",
        ["tests/metadata/test_host_ops.py", "-k", "out_of_range"]),
     _m("h-compiled-length-check", "host_check",
        "the compiled host-mirror writers accept a length one past max_context_len",
@@ -2087,7 +2087,7 @@ MUTATIONS: list[Mutation] = [
        "the numpy host ops check lengths by a signed max: a negative length passes and is "
        "written into the mirrors",
        "specmeta/metadata/host_ops_numpy.py",
-       "high = int(_MAX(a.view(_UNSIGNED[a.dtype])))",
+       "high = int(_MAX(a.view(unsigned)))",
        "high = int(_MAX(a))",
        ["tests/metadata/test_host_ops.py", "-k", "out_of_range_raises"]),
     _m("h-numpy-lengths-strided", "host_mirror",
@@ -2125,6 +2125,20 @@ MUTATIONS: list[Mutation] = [
        "            np.add(starts, self._before_b, starts)  # + K·Σ_{b'<b} P_{b'}\n",
        "",
        ["tests/metadata/test_host_ops.py", "-k", "sums_over_branches_or_requests"]),
+    _m("h-numpy-top-few-negative", "host_check",
+       "numpy's writers read a few lengths (up to _AS_LIST) as Python ints and check only the "
+       "upper bound: a negative length of a small batch passes FlashInfer's host part",
+       "specmeta/metadata/host_ops_numpy.py",
+       "high = max(values, default=0) if min(values, default=0) >= 0 else -1",
+       "high = max(values, default=0)",
+       ["tests/metadata/test_host_ops.py", "-k", "out_of_range_raises"]),
+    _m("h-numpy-negative-wide-max", "host_check",
+       "numpy's writers, past 8 lengths, take a negative int32 length for one over 2**31 "
+       "(its unsigned view) and pass it where max_len is past 2**31; the compiled check refuses",
+       "specmeta/metadata/host_ops_numpy.py",
+       "        high = high if high <= largest else -1  # (refused as the compiled check does)\n",
+       "",
+       ["tests/metadata/test_host_ops.py", "-k", "negative_int32_length_is_refused"]),
 ]
 # fmt: on
 

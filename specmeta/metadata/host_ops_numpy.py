@@ -28,13 +28,18 @@ import torch
 __all__ = ["lengths", "stats", "DraftDecode", "Prefix", "Paged", "Ragged", "draft_decode",
            "prefix", "paged", "ragged"]  # fmt: skip
 
-_UNSIGNED = {np.dtype(np.int32): np.dtype(np.uint32), np.dtype(np.int64): np.dtype(np.uint64)}
+#: each lengths dtype's unsigned twin and largest value: a negative length reads as over it
+_UNSIGNED = {np.dtype(np.int32): (np.dtype(np.uint32), 2**31 - 1),
+             np.dtype(np.int64): (np.dtype(np.uint64), 2**63 - 1)}  # fmt: skip
 _INT32_SUMS = 2**31  # offsets below this cannot have wrapped
 # The ufuncs' reductions called directly: ``ndarray.max``/``sum`` add a Python wrapper a call.
 _MAX, _SUM = np.maximum.reduce, np.add.reduce
 #: Up to this many lengths :func:`stats` reads them as Python ints (one ``tolist``): cheaper
 #: than the numpy view and two reductions on a few values, dearer past about 32.
 _AS_INTS = 32
+#: Up to this many lengths :func:`top` reads them as Python ints (the writers hold the numpy
+#: view already, so the crossing is lower).
+_AS_LIST = 8
 #: From this many branches × steps :class:`Paged` sums the pages over the requests, not over
 #: every branch (the serial sum costs about 3 ns an element; the other, four vector ops).
 _SPREAD = 1536
@@ -69,10 +74,14 @@ def _check(seq_lens_cpu: object, batch: int) -> None:
 def top(a: np.ndarray, max_len: int) -> int:
     """``max L`` of lengths all in ``[0, max_len]`` (0 for none), or the compiled module's
     ``IndexError`` naming the first length outside the range."""
-    if not a.shape[0]:
-        return 0
-    high = int(_MAX(a.view(_UNSIGNED[a.dtype])))  # a negative length reads as over 2**31
-    if high > max_len:
+    if a.shape[0] > _AS_LIST:
+        unsigned, largest = _UNSIGNED[a.dtype]
+        high = int(_MAX(a.view(unsigned)))  # a negative length reads as over `largest`
+        high = high if high <= largest else -1  # (refused as the compiled check does)
+    else:  # a few lengths as Python ints: one tolist, under half a view and a reduction
+        values = a.tolist()
+        high = max(values, default=0) if min(values, default=0) >= 0 else -1
+    if high > max_len or high < 0:
         bad = int(np.flatnonzero((a < 0) | (a > max_len))[0])
         raise IndexError(f"seq_lens_cpu[{bad}] = {int(a[bad])} is outside [0, {max_len}]")
     return high

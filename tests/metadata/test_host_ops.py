@@ -9,6 +9,7 @@ Every writer fills a view of a buffer poisoned outside it, so a write past its e
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -149,10 +150,10 @@ def test_compiled_and_numpy_writers_write_what_the_rules_write(kind, gen, compil
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_host_ops):
-    """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64):
-    IndexError from either writer (compiled, numpy), every buffer as it was."""
-    B = MAX_BS
-    for bad in (-1, MAX_LEN + 1):
+    """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64),
+    in a batch of 2 and of max_bs (numpy reads up to 8 lengths as Python ints): IndexError
+    from either writer (compiled, numpy), every buffer as it was."""
+    for B, bad in itertools.product((2, MAX_BS), (-1, MAX_LEN + 1)):
         for dtype in (torch.int32, torch.int64):
             lens = _lengths(gen, B, dtype)
             at = int(torch.randint(0, B, (1,), generator=gen))
@@ -224,6 +225,21 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(which, gen, compiled_host_o
     sums = [0] + torch.cumsum(lens + n, 0).tolist()
     assert out.tolist() == _wrapped(sums)
     assert scaled.tolist() == _wrapped([6 * v for v in sums])
+
+
+@pytest.mark.parametrize("which", OPS)
+def test_a_negative_int32_length_is_refused_under_any_max_len(which, compiled_host_ops):
+    """max_len past 2**31, so past every int32 length: a negative int32 length is still
+    refused (IndexError naming it) and nothing is written, from a few lengths (numpy reads
+    them as ints) and from many (numpy reads them through their unsigned view)."""
+    op, big = _op(which, compiled_host_ops), 2**31 + 5
+    for B in (2, 12):
+        lens = torch.full((B,), 7, dtype=torch.int32)
+        lens[B // 2] = -(2**31)
+        out = _poisoned(ROWS, B * TOPK + 1)
+        with pytest.raises(IndexError, match=rf"seq_lens_cpu\[{B // 2}\] = -2147483648"):
+            op.draft_decode(big, TOPK, B, big, out.numpy(), lens)
+        assert out.eq(POISON).all(), f"B={B}: written before the refusal"
 
 
 # (topk, page_size): the widths the draft-decode writer unrolls (1, 2, 4, 8) and others, page
