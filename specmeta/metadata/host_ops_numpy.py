@@ -12,10 +12,12 @@ writer and call it once, so a test calls either module alike.
 
 A call reads ``seq_lens_cpu.numpy()`` (the tensor's own memory, nothing copied), checks every
 length with one unsigned ``max`` (a negative length reads as a huge one, so the one reduction
-checks both bounds and is ``max L``), then makes a few numpy ops over the whole batch, each
-under a microsecond or two on small arrays where a torch CPU op costs several. ``ΣL`` is read
-back from the offsets written where they hold the uncapped lengths and cannot have wrapped;
-else it is one more reduction. Offsets are int32 that wrap modulo 2**32, as the kernels' int32
+checks both bounds and is ``max L``; up to ``_AS_LIST`` lengths, one ``tolist``), then makes a
+few numpy ops over the whole batch, each under a microsecond or two on small arrays where a
+torch CPU op costs several: a ufunc call costs about half a microsecond when its operands share
+the output's dtype and are given positionally, twice that with a scalar to convert or a cast,
+so constants are 0-d int32 arrays made at bind. ``ΣL`` is read back from the offsets written
+where they hold the uncapped lengths and cannot have wrapped; else it is one more reduction. Offsets are int32 that wrap modulo 2**32, as the kernels' int32
 stores and the compiled writers do. The rules are the torch ones that
 :mod:`.host_ops` names beside each writer; the tests compare the three exactly.
 """
@@ -165,8 +167,8 @@ class Prefix:
     """The prefix rule into ``out`` (``[batch + 1]`` int32): ``[0, cumsum(min(L, cap) +
     shift)]``, and ``scaled ← scale·out`` when ``scaled`` is not None (the cascade's prefix
     offsets, the prefill modes' ``kv_indptr``, target verify's mask offsets). Per call: the
-    cumulative sum of the (capped) lengths, an add of the ramp ``(i + 1)·shift`` and a
-    multiply, every operand int32 (constants made here) so no op casts."""
+    cumulative sum of the (capped) lengths into int32 (the one cast of int64 lengths), an add
+    of the ramp ``(i + 1)·shift`` and a multiply by an int32 ``scale``, both made here."""
 
     def __init__(self, max_len: int, shift: int, scale: int, cap: int, batch: int,
                  out: np.ndarray, scaled: np.ndarray | None):  # fmt: skip
