@@ -259,8 +259,8 @@ MUTATIONS: list[Mutation] = [
     _m("h-torch-decode-indptr", "host_mirror",
        "the Python (numpy) writer of draft_decode kv_indptr_host counts L + 1 tokens a branch",
        "specmeta/metadata/host_ops_numpy.py",
-       'np.copyto(self._lists, column, casting="unsafe")',
-       'np.copyto(self._lists, column + 1, casting="unsafe")',
+       'np.copyto(self._by_branch, kept, "unsafe")',
+       'np.copyto(self._by_branch, kept + 1, "unsafe")',
        ["tests/metadata/test_host_ops.py", "-k", "write_what_the_rules_write"]),
     _m("h-window-cap-compiled", "host_mirror",
        "the compiled draft_decode mirror ignores a draft window: kv_indptr_host from full L",
@@ -271,8 +271,8 @@ MUTATIONS: list[Mutation] = [
     _m("h-window-cap-torch", "host_mirror",
        "the Python (numpy) draft-decode writer of a draft window does not cap the lengths",
        "specmeta/metadata/host_ops_numpy.py",
-       'np.minimum(column, self._cap, out=self._lists, casting="unsafe")',
-       'np.copyto(self._lists, column, casting="unsafe")',
+       'kept = np.minimum(a, self._cap, out=self._kept)  # min(L, cap)',
+       'kept = a  # min(L, cap)',
        ["tests/metadata/test_id_spaces.py", "-k", "attends_to_the_window and torch"]),
     _m("h-paged-last-page-len", "host_mirror",
        "draft_decode_paged kv_last_page_len_host off by one (0 on a full page)",
@@ -351,7 +351,7 @@ MUTATIONS: list[Mutation] = [
     _m("h-ragged-mask-torch", "host_mirror",
        "the Python (numpy) ragged verify mirrors write mask_indptr_host as kv_indptr_host",
        "specmeta/metadata/host_ops_numpy.py",
-       "        np.multiply(cols, padded, out=cols)\n",
+       "        np.multiply(cols, padded, cols)\n",
        "",
        ["tests/metadata/test_host_ops.py", "-k", "ragged"]),
     _m("h-ragged-lens-unread", "host_mirror",
@@ -880,8 +880,8 @@ MUTATIONS: list[Mutation] = [
        "the numpy host ops (what checks seq_lens_cpu without the compiled module) accept a "
        "length one past max_context_len",
        "specmeta/metadata/host_ops_numpy.py",
-       "    if high > max_len:\n        bad =",
-       "    if high > max_len + 1:\n        bad =",
+       "    if high > max_len or high < 0:\n        bad =",
+       "    if high > max_len + 1 or high < 0:\n        bad =",
        ["tests/metadata/test_host_ops.py", "-k", "out_of_range"]),
     _m("h-compiled-length-check", "host_check",
        "the compiled host-mirror writers accept a length one past max_context_len",
@@ -2087,7 +2087,7 @@ MUTATIONS: list[Mutation] = [
        "the numpy host ops check lengths by a signed max: a negative length passes and is "
        "written into the mirrors",
        "specmeta/metadata/host_ops_numpy.py",
-       "high = int(_MAX(a.view(_UNSIGNED[a.dtype])))",
+       "high = int(_MAX(a.view(unsigned)))",
        "high = int(_MAX(a))",
        ["tests/metadata/test_host_ops.py", "-k", "out_of_range_raises"]),
     _m("h-numpy-lengths-strided", "host_mirror",
@@ -2114,9 +2114,31 @@ MUTATIONS: list[Mutation] = [
        "the numpy ragged verify writer never clips a pad or the last request at N tree "
        "columns: kv_indptr_host and mask_indptr_host count v, not min(v, N)",
        "specmeta/metadata/host_ops_numpy.py",
-       "        if widest > self._n:  # a pad or the last request past N reads N tree columns\n",
+       "        if over:  # a pad or the last request past N reads N tree columns\n",
        "        if False:\n",
        ["tests/metadata/test_host_ops.py", "-k", "ragged"]),
+    _m("h-numpy-paged-spread", "host_mirror",
+       "the numpy paged writer's sum over the requests (from _SPREAD branches × steps) starts "
+       "every request's branches at 0: kv_indptr_host of a large draft_decode_paged batch "
+       "counts only each request's own pages",
+       "specmeta/metadata/host_ops_numpy.py",
+       "            np.add(starts, self._before_b, starts)  # + K·Σ_{b'<b} P_{b'}\n",
+       "",
+       ["tests/metadata/test_host_ops.py", "-k", "sums_over_branches_or_requests"]),
+    _m("h-numpy-top-few-negative", "host_check",
+       "numpy's writers read a few lengths (up to _AS_LIST) as Python ints and check only the "
+       "upper bound: a negative length of a small batch passes FlashInfer's host part",
+       "specmeta/metadata/host_ops_numpy.py",
+       "high = max(values, default=0) if min(values, default=0) >= 0 else -1",
+       "high = max(values, default=0)",
+       ["tests/metadata/test_host_ops.py", "-k", "out_of_range_raises"]),
+    _m("h-numpy-negative-wide-max", "host_check",
+       "numpy's writers, past 8 lengths, take a negative int32 length for one over 2**31 "
+       "(its unsigned view) and pass it where max_len is past 2**31; the compiled check refuses",
+       "specmeta/metadata/host_ops_numpy.py",
+       "        high = high if high <= largest else -1  # (refused as the compiled check does)\n",
+       "",
+       ["tests/metadata/test_host_ops.py", "-k", "negative_int32_length_is_refused"]),
 ]
 # fmt: on
 

@@ -9,6 +9,7 @@ Every writer fills a view of a buffer poisoned outside it, so a write past its e
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -149,10 +150,10 @@ def test_compiled_and_numpy_writers_write_what_the_rules_write(kind, gen, compil
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_length_out_of_range_raises_and_writes_nothing(kind, gen, compiled_host_ops):
-    """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64):
-    IndexError from either writer (compiled, numpy), every buffer as it was."""
-    B = MAX_BS
-    for bad in (-1, MAX_LEN + 1):
+    """One length planted out of range (−1 or max_len + 1, at a random index, int32 or int64),
+    in a batch of 2 and of max_bs (numpy reads up to 8 lengths as Python ints): IndexError
+    from either writer (compiled, numpy), every buffer as it was."""
+    for B, bad in itertools.product((2, MAX_BS), (-1, MAX_LEN + 1)):
         for dtype in (torch.int32, torch.int64):
             lens = _lengths(gen, B, dtype)
             at = int(torch.randint(0, B, (1,), generator=gen))
@@ -226,6 +227,21 @@ def test_int32_offsets_wrap_as_the_kernels_stores_do(which, gen, compiled_host_o
     assert scaled.tolist() == _wrapped([6 * v for v in sums])
 
 
+@pytest.mark.parametrize("which", OPS)
+def test_a_negative_int32_length_is_refused_under_any_max_len(which, compiled_host_ops):
+    """max_len past 2**31, so past every int32 length: a negative int32 length is still
+    refused (IndexError naming it) and nothing is written, from a few lengths (numpy reads
+    them as ints) and from many (numpy reads them through their unsigned view)."""
+    op, big = _op(which, compiled_host_ops), 2**31 + 5
+    for B in (2, 12):
+        lens = torch.full((B,), 7, dtype=torch.int32)
+        lens[B // 2] = -(2**31)
+        out = _poisoned(ROWS, B * TOPK + 1)
+        with pytest.raises(IndexError, match=rf"seq_lens_cpu\[{B // 2}\] = -2147483648"):
+            op.draft_decode(big, TOPK, B, big, out.numpy(), lens)
+        assert out.eq(POISON).all(), f"B={B}: written before the refusal"
+
+
 # (topk, page_size): the widths the draft-decode writer unrolls (1, 2, 4, 8) and others, page
 # sizes that are powers of two (a shift and a mask) and others (a division).
 WIDTHS = [(1, 1), (2, 16), (3, 4), (4, 3), (5, 2), (8, 1), (8, 6)]
@@ -257,6 +273,32 @@ def test_every_width_and_page_size(which, gen, compiled_host_ops):
                 branch_kv_indptr(lens, K, ROWS, ps, want[:, : B * K + 1], want_last)
                 assert torch.equal(out, want), f"paged offsets ps={ps} {where}"
                 assert torch.equal(last, want_last), f"paged last pages ps={ps} {where}"
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_the_numpy_paged_writer_sums_over_branches_or_requests_alike(spread, gen, monkeypatch):
+    """numpy's paged writer sums the pages over every branch, or, from ``_SPREAD`` branches
+    × steps, over the requests, and spreads each request's sums to its branches: either way
+    exactly the torch rule's offsets and last pages (offsets near 2**31 wrap as int32), at
+    several widths and page sizes, int32 and int64 lengths, nothing written outside the
+    views."""
+    monkeypatch.setattr(host_ops_numpy, "_SPREAD", 1 if spread else 2**62)
+    big = 2**31 - 1
+    for K, ps in ((2, 16), (3, 4), (8, 6), (5, 1)):
+        for B in (1, 5, 37):
+            for dtype, high in ((torch.int32, MAX_LEN), (torch.int64, MAX_LEN), (torch.int64, big)):
+                lens = _lengths(gen, B, dtype, high)
+                out, last = _poisoned(ROWS, B * K + 3), _poisoned(ROWS, B * K + 2)
+                write = host_ops_numpy.Paged(high, K, ps, B, out[:, : B * K + 1].numpy(),
+                                             last[:, : B * K].numpy())  # fmt: skip
+                assert write._spread is spread  # the path this case is for
+                assert write(lens) == (int(lens.max()), int(lens.sum()))
+                want_last = torch.full((ROWS, B * K + 2), POISON, dtype=torch.int64)
+                want = branch_kv_indptr(lens, K, ROWS, ps, None, want_last).tolist()  # int64
+                where = f"K={K} ps={ps} B={B} {dtype} lens={lens.tolist()}"
+                assert out[:, : B * K + 1].tolist() == [_wrapped(r) for r in want], where
+                assert torch.equal(last, want_last.to(torch.int32)), where
+                assert out[:, B * K + 1 :].eq(POISON).all(), f"written past the view: {where}"
 
 
 def test_a_writer_refuses_a_view_it_cannot_fill():
