@@ -17,9 +17,10 @@ few numpy ops over the whole batch, each under a microsecond or two on small arr
 torch CPU op costs several: a ufunc call costs about half a microsecond when its operands share
 the output's dtype and are given positionally, twice that with a scalar to convert or a cast,
 so constants are 0-d int32 arrays made at bind. ``ΣL`` is read back from the offsets written
-where they hold the uncapped lengths and cannot have wrapped; else it is one more reduction. Offsets are int32 that wrap modulo 2**32, as the kernels' int32
-stores and the compiled writers do. The rules are the torch ones that
-:mod:`.host_ops` names beside each writer; the tests compare the three exactly.
+where they hold the uncapped lengths and cannot have wrapped; else it is one more reduction.
+Offsets are int32 that wrap modulo 2**32, as the kernels' int32 stores and the compiled writers
+do. The rules are the torch ones that :mod:`.host_ops` names beside each writer; the tests
+compare the three exactly.
 """
 
 from __future__ import annotations
