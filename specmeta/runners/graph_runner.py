@@ -312,6 +312,15 @@ class GraphRunner:
             held.append((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device))
         return tuple(held)
 
+    def _moved(self) -> bool:
+        """Whether what :meth:`_held` reads differs from :attr:`_layout`: the static buffers
+        compared one at a time, stopping at the first change (the check every :meth:`replay`
+        makes), then the guarded tensors (the layout's entries after the buffers')."""
+        for t, (ptr, shape, stride) in zip(self._buffers, self._layout, strict=False):
+            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                return True
+        return bool(self._guards) and self._held() != self._layout
+
     def _check_held(self) -> None:
         """Raise when a static buffer or a guarded tensor changed since :meth:`capture`."""
         now = self._held()
@@ -445,20 +454,19 @@ class GraphRunner:
             self._check_held()  # before B's stage is bound: a changed tensor is named as such
             entry = self._host(batch_size)
         stage, bp = entry
-        if self._held() != self._layout:
+        if self._moved():
             self._check_held()  # raises, naming what changed
-        values, extra = None, {}
-        if host_inputs is None and self._host_name is None and not self._host_extra:
-            pass  # no host inputs, none registered
-        elif (self._host_name is not None and not self._host_extra
-              and type(host_inputs) is dict and len(host_inputs) == 1
-              and self._host_name in host_inputs):  # the usual call: seq_lens_cpu alone
-            values = host_inputs[self._host_name]
-        else:
-            values, extra = self._host_values(host_inputs)  # raises, naming what is wrong
         if probes.enabled():
             self._probe(self._views_of(batch_size))
-        results = stage.host(values, **extra)
+        name = self._host_name
+        if host_inputs is None and name is None and not self._host_extra:
+            results = stage.host()  # no host inputs, none registered
+        elif (name is not None and type(host_inputs) is dict and len(host_inputs) == 1
+              and name in host_inputs and not self._host_extra):  # the usual: seq_lens_cpu
+            results = stage.host(host_inputs[name])
+        else:
+            values, extra = self._host_values(host_inputs)  # raises, naming what is wrong
+            results = stage.host(values, **extra)
         if self._dirty > batch_size:
             # Rows [B, dirty) were a larger batch's: back to their pads, in one launch.
             self._pad(batch_size, self._dirty, None)
