@@ -77,7 +77,7 @@ PY
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
         [ -n "$shard" ] || continue
         CUDA_VISIBLE_DEVICES=$((w % gpus)) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
-          SPECMETA_REAL_KERNEL_LOG="$OUT/real_errors_$w.json" timeout "${REAL_TIMEOUT:-540}" \
+          SPECMETA_REAL_KERNEL_LOG="$OUT/real_errors_$w.json" timeout -s INT -k 20 "${REAL_TIMEOUT:-540}" \
           python3 -m pytest -q -rs $shard --junitxml="$OUT/real_$w.xml" > "$OUT/real_$w.log" 2>&1 &
       done
       wait
@@ -119,9 +119,11 @@ PY
       # The loops' GPU tests, sharded over LOSSLESS_WORKERS processes (default 4 a GPU: the
       # tiny models leave a GPU mostly idle and each run is host-bound), shard w on GPU
       # w mod (GPUs), each stopped after LOSSLESS_TIMEOUT seconds; each shard writes its own
-      # log and junit file.
+      # log and junit file. A shard out of time gets SIGINT, so pytest still writes its junit
+      # file and summary (the tests finished until then count); the files in C order, so the
+      # plain model's tests come first.
       sel=${stage#lossless}; sel=${sel#=}
-      ids=$(python3 -m pytest -q --collect-only tests/testing/test_lossless*.py \
+      ids=$(LC_ALL=C python3 -m pytest -q --collect-only $(LC_ALL=C; echo tests/testing/test_lossless*.py) \
         -k "($LOSSLESS_GPU)${sel:+ and ($sel)}" 2>/dev/null | grep '::')
       gpus=$(nvidia-smi -L | grep -c '^GPU')
       n=${LOSSLESS_WORKERS:-$((4 * gpus))}
@@ -131,7 +133,7 @@ PY
         # A few threads a shard: torch's default (one per core) in every shard oversubscribes
         # the host many times over and runs all of them slower.
         CUDA_VISIBLE_DEVICES=$((w % gpus)) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
-          timeout "${LOSSLESS_TIMEOUT:-560}" \
+          timeout -s INT -k 20 "${LOSSLESS_TIMEOUT:-560}" \
           python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
           > "$OUT/lossless_$w.log" 2>&1 &
       done
