@@ -15,6 +15,10 @@ OUT=${OUT:-$PWD/.device-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 summary=()
+# The sharded stages' per-shard logs and junit files: outside $OUT, which brings back a limited
+# number of files (a call cut short would otherwise crowd out the other stages' results); each
+# such stage merges its shards into one log under $OUT.
+SHARDS=${TMPDIR:-/tmp}/specmeta-shards
 
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton
@@ -73,21 +77,23 @@ PY
       ids=$(python3 -m pytest -q --collect-only $real_files ${sel:+-k "$sel"} 2>/dev/null | grep '::')
       gpus=$(nvidia-smi -L | grep -c '^GPU')
       n=${REAL_WORKERS:-1}
+      rm -rf "$SHARDS"; mkdir -p "$SHARDS"  # this stage's shards only
       for w in $(seq 0 $((n - 1))); do
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
         [ -n "$shard" ] || continue
         CUDA_VISIBLE_DEVICES=$((w % gpus)) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
-          SPECMETA_REAL_KERNEL_LOG="$OUT/real_errors_$w.json" timeout -s INT -k 20 "${REAL_TIMEOUT:-540}" \
-          python3 -m pytest -q -rs $shard --junitxml="$OUT/real_$w.xml" > "$OUT/real_$w.log" 2>&1 &
+          SPECMETA_REAL_KERNEL_LOG="$SHARDS/real_errors_$w.json" timeout -s INT -k 20 "${REAL_TIMEOUT:-540}" \
+          python3 -m pytest -q -rs $shard --junitxml="$SHARDS/real_$w.xml" > "$SHARDS/real_$w.log" 2>&1 &
       done
       wait
-      tail -q -n 1 "$OUT"/real_[0-9]*.log
-      read -r n_tests n_fail n_skip < <(junit "$OUT"/real_[0-9]*.xml)
+      tail -q -n 1 "$SHARDS"/real_[0-9]*.log
+      read -r n_tests n_fail n_skip < <(junit "$SHARDS"/real_[0-9]*.xml)
       verdict=""
       [ "$kernels" = 1 ] && [ "$n_skip" != 0 ] && verdict=" FAILED: $n_skip real-kernel tests skipped"
       summary+=("real kernels: $(echo "$ids" | grep -c '::') collected, $n_tests finished in time, $n_fail failed, $n_skip skipped$verdict")
-      cat "$OUT"/real_[0-9]*.log > "$OUT/real.log"
-      rm -f "$OUT"/real_[0-9]*.log "$OUT"/real_[0-9]*.xml
+      cat "$SHARDS"/real_[0-9]*.log > "$OUT/real.log"
+      python3 -c "import glob, json, sys; d = {}; [d.update(json.load(open(p))) for p in glob.glob(sys.argv[1])]; d and json.dump(d, open(sys.argv[2], 'w'), indent=1)" \
+        "$SHARDS/real_errors_*.json" "$OUT/real_errors.json"  # the shards' kernel errors, one file
       ;;
     sanitize-real=*)
       spec=${stage#sanitize-real=}; tool=${spec%%:*}; sel=${spec#*:}
@@ -127,6 +133,7 @@ PY
         -k "($LOSSLESS_GPU)${sel:+ and ($sel)}" 2>/dev/null | grep '::')
       gpus=$(nvidia-smi -L | grep -c '^GPU')
       n=${LOSSLESS_WORKERS:-$((4 * gpus))}
+      rm -rf "$SHARDS"; mkdir -p "$SHARDS"  # this stage's shards only
       for w in $(seq 0 $((n - 1))); do
         shard=$(echo "$ids" | awk -v n="$n" -v w="$w" 'NR % n == w')
         [ -n "$shard" ] || continue
@@ -134,16 +141,15 @@ PY
         # the host many times over and runs all of them slower.
         CUDA_VISIBLE_DEVICES=$((w % gpus)) OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
           timeout -s INT -k 20 "${LOSSLESS_TIMEOUT:-560}" \
-          python3 -m pytest -q -rs -s $shard --junitxml="$OUT/lossless_$w.xml" \
-          > "$OUT/lossless_$w.log" 2>&1 &
+          python3 -m pytest -q -rs -s $shard --junitxml="$SHARDS/lossless_$w.xml" \
+          > "$SHARDS/lossless_$w.log" 2>&1 &
       done
       wait
-      tail -q -n 1 "$OUT"/lossless_[0-9]*.log
-      read -r n_tests n_fail n_skip < <(junit "$OUT"/lossless_[0-9]*.xml)
+      tail -q -n 1 "$SHARDS"/lossless_[0-9]*.log
+      read -r n_tests n_fail n_skip < <(junit "$SHARDS"/lossless_[0-9]*.xml)
       summary+=("lossless gpu: $(echo "$ids" | grep -c '::') collected, $n_tests finished in time, $n_fail failed, $n_skip skipped")
       # One log comes back, not one per shard (a visit brings back a limited number of files).
-      cat "$OUT"/lossless_[0-9]*.log > "$OUT/lossless.log"
-      rm -f "$OUT"/lossless_[0-9]*.log "$OUT"/lossless_[0-9]*.xml
+      cat "$SHARDS"/lossless_[0-9]*.log > "$OUT/lossless.log"
       ;;
     check)
       # `specmeta check` on the GPU: every op, the runner and the builders against their
