@@ -16,7 +16,7 @@ and returns what ``stats`` would have (so a compiled host part is one call).
 * **numpy**: :mod:`.host_ops_numpy`, the same calls with the same arguments, results and
   errors, a few numpy ops each on the numpy views of the mirrors: before :func:`warmup`,
   without a C compiler, under ``SPECMETA_HOST_OPS=0`` or for a builder made with
-  ``host_ops=False``. A call costs 3 to 6 times the compiled one (bench/RESULTS.md).
+  ``host_ops=False``. A call costs 2 to 5 times the compiled one (bench/RESULTS.md).
 
 The rules are the torch ones (:class:`~specmeta.kernels.draft_decode_kv_indices.
 DraftDecodeIndptr`, :func:`~specmeta.kernels.branch_kv_indices.branch_kv_indptr`, a
